@@ -1,0 +1,5 @@
+import sys
+
+from attn2ssm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,216 @@
+"""``attn2ssm convert | distill | eval | generate | recipes``.
+
+Every user-facing failure is an ``Attn2SSMError``: printed as one line, no traceback
+(``--debug`` shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from attn2ssm.errors import Attn2SSMError, CheckpointError
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# --------------------------------------------------------------------------------------------- convert
+def cmd_convert(args) -> int:
+    from attn2ssm.student.convert import convert
+    from attn2ssm.student.plans import make_plan
+    from attn2ssm.teachers import load_teacher
+    from attn2ssm.config import parse_value
+
+    teacher, tokenizer, source = load_teacher(args.teacher)
+    keep = [int(i) for i in args.keep.split(",") if i.strip()] if args.keep is not None else None
+    plan = make_plan(teacher.config.num_hidden_layers, args.mixer, attention_ratio=args.attention_ratio, keep_attention=keep)
+    options = {}
+    for item in args.option or []:
+        key, _, value = item.partition("=")
+        options[key] = parse_value(value)
+    student = convert(teacher, plan, {args.mixer: options}, teacher_info={"source": source.describe()})
+    out = Path(args.out)
+    student.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    kept = [i for i, k in enumerate(plan) if k == "attention"]
+    print(f"wrote {out}: {len(plan) - len(kept)}/{len(plan)} layers → {args.mixer}, attention kept at {kept or 'none'}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- distill
+def cmd_distill(args) -> int:
+    from attn2ssm.distill.recipe import load_recipe
+    from attn2ssm.distill.trainer import distill
+
+    recipe = load_recipe(args.recipe, args.set)
+    if args.teacher:
+        recipe.teacher = args.teacher
+    out = Path(args.out or f"runs/{recipe.name}")
+    results = distill(recipe, out, resume=args.resume, progress=not args.no_progress)
+    if results:
+        print()
+        print(f"{'model':<10} {'held-out ppl':>14}")
+        print(f"{'teacher':<10} {results['teacher_ppl']:>14.2f}")
+        print(f"{'student':<10} {results['student_ppl']:>14.2f}")
+        print(f"\nstudent:    {out / 'student'}")
+        print(f"report:     {out / 'report.md'} (loss curve {out / 'loss.png'})")
+        print(f"metrics:    {out / 'metrics.jsonl'}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- eval
+def load_model_and_tokenizer(path: str):
+    """A student/teacher directory or any teacher spec → (model, tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import attn2ssm.student  # noqa: F401  (registers the Auto classes)
+    from attn2ssm.teachers import load_teacher
+
+    p = Path(path)
+    if p.is_dir() and (p / "config.json").exists():
+        cfg = json.loads((p / "config.json").read_text())
+        if cfg.get("model_type") == "attn2ssm":
+            model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(p)
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            return model.eval(), tokenizer
+    model, tokenizer, _ = load_teacher(path)
+    return model, tokenizer
+
+
+def cmd_eval(args) -> int:
+    from attn2ssm.data import prepare_corpus
+    from attn2ssm.eval.perplexity import perplexity
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    corpus = prepare_corpus(args.corpus, tokenizer, max_heldout_tokens=args.max_tokens, max_train_tokens=0)
+    rows = [("model", args.model, perplexity(model, corpus.heldout_ids, window=args.window, stride=args.stride, max_tokens=args.max_tokens, progress=True))]
+    if args.against:
+        teacher, _ = load_model_and_tokenizer(args.against)
+        rows.append(("teacher", args.against, perplexity(teacher, corpus.heldout_ids, window=args.window, stride=args.stride, max_tokens=args.max_tokens, progress=True)))
+    print(f"held-out perplexity on {args.corpus} ({rows[0][2]['tokens']} tokens, window {args.window})")
+    for role, name, r in rows:
+        print(f"  {role:<8} {r['ppl']:>10.2f}   {name}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({role: {"path": name, **r} for role, name, r in rows}, indent=1))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- generate
+def cmd_generate(args) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    if args.chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True)
+    else:
+        text = args.prompt
+    inputs = tokenizer(text, return_tensors="pt")
+    sample = args.temperature > 0
+    torch.manual_seed(args.seed)
+    streamer = TextStreamer(tokenizer, skip_prompt=not args.echo, skip_special_tokens=True)
+    model.generate(
+        **inputs,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=sample,
+        temperature=args.temperature if sample else None,
+        top_p=args.top_p if sample else None,
+        top_k=args.top_k if sample else None,
+        streamer=streamer,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- recipes
+def cmd_recipes(args) -> int:
+    from attn2ssm.distill.recipe import builtin_recipes, load_recipe
+
+    recipes = builtin_recipes()
+    if args.name:
+        if args.name not in recipes:
+            raise CheckpointError(f"no built-in recipe '{args.name}'", f"choose one of: {', '.join(recipes)}")
+        print(load_recipe(args.name).to_yaml())
+        return 0
+    for name in recipes:
+        r = load_recipe(name)
+        tokens = sum(s.tokens for s in r.stages)
+        stages = " → ".join(f"{s.name}({s.kind})" for s in r.stages)
+        print(f"{name:<14} {stages}; {tokens:,} tokens. {r.description}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="attn2ssm", description="Distil a Hugging Face Transformer into a linear-attention / SSM / hybrid student.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("convert", help="build an untrained student from a teacher (weights reused)")
+    c.add_argument("--teacher", default=None, help="built-in name, HF directory, .gguf file or hub id (default smollm2-135m)")
+    c.add_argument("--mixer", default="linear_attention")
+    c.add_argument("--attention-ratio", type=float, default=0.0, help="fraction of layers keeping softmax attention (interleaved)")
+    c.add_argument("--keep", default=None, help="comma-separated layer indices that keep attention (overrides the ratio)")
+    c.add_argument("--option", action="append", help="mixer option key=value (repeatable), e.g. feature_map=elu")
+    c.add_argument("--out", required=True)
+    c.set_defaults(func=cmd_convert)
+
+    d = sub.add_parser("distill", help="run a distillation recipe (default: quickstart)")
+    d.add_argument("recipe", nargs="?", default=None, help="built-in recipe name or YAML path")
+    d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field, e.g. stages.0.tokens=20000")
+    d.add_argument("--out", default=None, help="run directory (default runs/<recipe>)")
+    d.add_argument("--teacher", default=None, help="override the recipe's teacher")
+    d.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    d.add_argument("--no-progress", action="store_true")
+    d.set_defaults(func=cmd_distill)
+
+    e = sub.add_parser("eval", help="held-out perplexity of a student or teacher")
+    e.add_argument("model", help="student directory or teacher spec")
+    e.add_argument("--against", default=None, help="teacher to evaluate beside it")
+    e.add_argument("--corpus", default="sotu")
+    e.add_argument("--window", type=int, default=256)
+    e.add_argument("--stride", type=int, default=None)
+    e.add_argument("--max-tokens", type=int, default=20000)
+    e.add_argument("--json", default=None, help="also write results to this JSON file")
+    e.set_defaults(func=cmd_eval)
+
+    g = sub.add_parser("generate", help="generate text with a student or teacher")
+    g.add_argument("model")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--echo", action="store_true", help="print the prompt too")
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=cmd_generate)
+
+    r = sub.add_parser("recipes", help="list built-in recipes, or print one")
+    r.add_argument("name", nargs="?")
+    r.set_defaults(func=cmd_recipes)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except Attn2SSMError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Distillation: losses, recipes (stages as data) and the training loop."""

@@ -1,0 +1,76 @@
+"""Losses as pure functions, normalised per real token (never per batch).
+
+``mask`` marks real tokens (1) and padding (0); a loss is the sum over real tokens divided by
+their count. The forward KL to a teacher over a large vocabulary is computed in row chunks with
+its gradient formed analytically, so peak extra memory is one (tokens × vocab) tensor instead of
+the several that log-softmax autograd keeps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def shift_for_next_token(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None = None):
+    """Align logits at t with the token at t+1. Returns (logits (n, V), targets (n,), mask (n,))."""
+    logits = logits[:, :-1].reshape(-1, logits.shape[-1])
+    targets = input_ids[:, 1:].reshape(-1)
+    if mask is None:
+        m = torch.ones_like(targets, dtype=torch.bool)
+    else:  # a target counts when both the position and its next token are real
+        m = (mask[:, :-1].bool() & mask[:, 1:].bool()).reshape(-1)
+    return logits, targets, m
+
+
+def cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token cross-entropy per real token. logits (b, l, V), input_ids (b, l), mask (b, l)."""
+    flat, targets, m = shift_for_next_token(logits, input_ids, mask)
+    n = m.sum().clamp_min(1)
+    losses = F.cross_entropy(flat.float(), targets, reduction="none")
+    return (losses * m).sum() / n
+
+
+class _ChunkedForwardKL(torch.autograd.Function):
+    """Σ_tokens T²·KL(softmax(t/T) ‖ softmax(s/T)) / n with grad T·(softmax(s/T) − softmax(t/T)) / n."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, weights, temperature, chunk):
+        total = student.new_zeros((), dtype=torch.float32)
+        grad = torch.empty_like(student) if student.requires_grad else None
+        for start in range(0, student.shape[0], chunk):
+            s = student[start : start + chunk].float() / temperature
+            t = teacher[start : start + chunk].float() / temperature
+            w = weights[start : start + chunk]
+            log_ps, log_pt = F.log_softmax(s, -1), F.log_softmax(t, -1)
+            pt = log_pt.exp()
+            total = total + ((pt * (log_pt - log_ps)).sum(-1) * w).sum()
+            if grad is not None:
+                grad[start : start + chunk] = ((log_ps.exp() - pt) * (w[:, None] * temperature)).to(grad.dtype)
+        ctx.save_for_backward(grad)
+        return total * temperature**2
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output, None, None, None, None
+
+
+def forward_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """KL(teacher ‖ student) per real token, scaled by T² (Hinton et al.), in row chunks.
+
+    student_logits, teacher_logits: (b, l, V) or (n, V) at the same positions; mask: (b, l) or (n,).
+    """
+    V = student_logits.shape[-1]
+    s = student_logits.reshape(-1, V)
+    t = teacher_logits.reshape(-1, V).detach()
+    m = torch.ones(s.shape[0], device=s.device) if mask is None else mask.reshape(-1).float()
+    weights = m / m.sum().clamp_min(1)
+    return _ChunkedForwardKL.apply(s, t, weights, float(temperature), int(chunk_size))

@@ -1,0 +1,34 @@
+"""One exception family for every user-facing failure.
+
+Each error carries a one-line message naming the problem and a fix; the CLI prints
+``error: <message>`` without a traceback (``--debug`` shows it).
+"""
+
+
+class Attn2SSMError(Exception):
+    """Base class: a problem the user can fix, described in one line."""
+
+    def __init__(self, problem: str, fix: str | None = None):
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{problem} — {fix}" if fix else problem)
+
+
+class ConfigError(Attn2SSMError):
+    """A recipe, override or config value is wrong."""
+
+
+class UnsupportedModelError(Attn2SSMError):
+    """The teacher's architecture has no adapter."""
+
+
+class DataError(Attn2SSMError):
+    """A corpus is missing, empty, or does not fit the teacher."""
+
+
+class TrainingError(Attn2SSMError):
+    """Training cannot go on (non-finite loss, nothing to train, …)."""
+
+
+class CheckpointError(Attn2SSMError):
+    """A checkpoint or run directory is missing or damaged."""

@@ -1,0 +1,1 @@
+"""Evaluation: perplexity, reports (lm-eval bridge, recall and fidelity metrics grow here)."""

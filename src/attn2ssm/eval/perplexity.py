@@ -1,0 +1,55 @@
+"""Held-out perplexity with strided windows (every token scored once, with ≥ window−stride context)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+
+def strided_windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first_scored) triples; token t is predicted from tokens < t inside its window."""
+    if window < 2 or not 0 < stride <= window:
+        raise ValueError(f"need window >= 2 and 0 < stride <= window, got window={window} stride={stride}")
+    spans, prev_end, begin = [], 1, 0  # token 0 has no context and is never scored
+    while prev_end < n_tokens:
+        end = min(begin + window, n_tokens)
+        spans.append((begin, end, prev_end))
+        prev_end = end
+        begin = max(end - window + stride, begin + stride) if end < n_tokens else end
+    return spans
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor, *, window: int, stride: int | None = None, batch_size: int = 4, max_tokens: int | None = None, progress: bool = False, desc: str = "perplexity") -> dict:
+    """Returns {"ppl", "nll", "tokens"} for a 1-D token stream ``ids``."""
+    stride = stride or max(1, window // 2)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    device = next(model.parameters()).device
+    spans = strided_windows(len(ids), window, stride)
+    total_nll, total_tokens = 0.0, 0
+    was_training = model.training
+    model.eval()
+    bar = tqdm(total=len(spans), desc=desc, disable=not progress, leave=False)
+    # Windows of equal length batch together (all but possibly the last one).
+    for i in range(0, len(spans), batch_size):
+        group = spans[i : i + batch_size]
+        by_len: dict[int, list] = {}
+        for span in group:
+            by_len.setdefault(span[1] - span[0], []).append(span)
+        for length, same in by_len.items():
+            batch = torch.stack([ids[b:e] for b, e, _ in same]).to(device)
+            logits = model(input_ids=batch, use_cache=False).logits.float()
+            logp = F.log_softmax(logits[:, :-1], -1).gather(-1, batch[:, 1:, None]).squeeze(-1)  # (n, l-1)
+            for row, (b, e, first) in enumerate(same):
+                scored = logp[row, first - b - 1 :]
+                total_nll -= scored.sum().item()
+                total_tokens += scored.numel()
+        bar.update(len(group))
+    bar.close()
+    model.train(was_training)
+    nll = total_nll / max(total_tokens, 1)
+    return {"ppl": math.exp(nll), "nll": nll, "tokens": total_tokens}

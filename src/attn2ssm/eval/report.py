@@ -1,0 +1,124 @@
+"""A run's report: teacher vs student held-out perplexity (table + JSON) and the loss curve (PNG)."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from attn2ssm.eval.perplexity import perplexity
+from attn2ssm.paths import atomic_write_text
+
+
+def environment() -> dict:
+    import transformers
+
+    import attn2ssm
+
+    return {
+        "attn2ssm": attn2ssm.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": __import__("os").cpu_count(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def plot_losses(metrics: list[dict], path: Path, title: str = "") -> Path | None:
+    if not metrics:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    stages = []
+    for rec in metrics:
+        if rec["stage"] not in stages:
+            stages.append(rec["stage"])
+    for name in stages:
+        recs = [r for r in metrics if r["stage"] == name]
+        ax.plot([r["total_tokens"] for r in recs], [r["loss"] for r in recs], label=f"{name} (train)")
+        ev = [r for r in recs if "eval_loss" in r]
+        if ev:
+            ax.plot([r["total_tokens"] for r in ev], [r["eval_loss"] for r in ev], "o--", label=f"{name} (held-out CE)")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(run_dir: Path, recipe, teacher, student, corpus) -> dict:
+    run_dir = Path(run_dir)
+    e = recipe.eval
+    window = e.window or recipe.data.block_len
+    stride = e.stride or window // 2
+    kwargs = dict(window=window, stride=stride, batch_size=e.batch_size, max_tokens=e.max_tokens, progress=True)
+    t = perplexity(teacher, corpus.heldout_ids, desc="teacher perplexity", **kwargs)
+    s = perplexity(student, corpus.heldout_ids, desc="student perplexity", **kwargs)
+    metrics = read_metrics(run_dir)
+    plot = plot_losses(metrics, run_dir / "loss.png", f"{recipe.name}: {recipe.student.mixer}")
+    plan = student.config.layer_plan
+    results = {
+        "recipe": recipe.name,
+        "teacher": recipe.teacher,
+        "corpus": recipe.data.corpus,
+        "heldout": {"window": window, "stride": stride, "tokens": s["tokens"]},
+        "teacher_ppl": t["ppl"],
+        "student_ppl": s["ppl"],
+        "ppl_ratio": s["ppl"] / t["ppl"],
+        "layer_plan": plan,
+        "attention_layers": [i for i, k in enumerate(plan) if k == "attention"],
+        "train_tokens": metrics[-1]["total_tokens"] if metrics else 0,
+        "stages": [{"name": st.name, "kind": st.kind, "tokens": st.tokens} for st in recipe.stages],
+        "environment": environment(),
+    }
+    atomic_write_text(run_dir / "results.json", json.dumps(results, indent=1))
+    lines = [
+        f"# {recipe.name}",
+        "",
+        f"{recipe.description}".strip(),
+        "",
+        f"Teacher `{recipe.teacher}` → student with {len(plan) - len(results['attention_layers'])}/{len(plan)} layers "
+        f"as `{recipe.student.mixer}` (attention kept at {results['attention_layers'] or 'none'}).",
+        f"Corpus `{recipe.data.corpus}`; held-out perplexity over {s['tokens']} tokens, window {window}, stride {stride}.",
+        "",
+        "| model | held-out perplexity |",
+        "|---|---|",
+        f"| teacher | {t['ppl']:.2f} |",
+        f"| student | {s['ppl']:.2f} |",
+        "",
+        "| stage | kind | tokens |",
+        "|---|---|---|",
+        *[f"| {st.name} | {st.kind} | {st.tokens} |" for st in recipe.stages],
+        "",
+    ]
+    if plot:
+        lines += ["![loss curve](loss.png)", ""]
+    atomic_write_text(run_dir / "report.md", "\n".join(lines))
+    return results

@@ -1,0 +1,1 @@
+"""Sequence mixers: drop-in replacements for a Hugging Face attention module."""

@@ -1,0 +1,117 @@
+"""What every mixer shares: the teacher's q/k/v/o projections, the HF attention call signature
+and access to its own recurrent state in the student cache.
+
+A mixer is called exactly like the attention module it replaces,
+``mixer(hidden_states, position_embeddings=..., attention_mask=..., past_key_values=..., ...)``,
+and returns ``(output, None)``. The 4-D mask HF builds for softmax attention is of no use to a
+recurrent mixer, so the student model publishes the 2-D padding mask of the current tokens in a
+``MixerContext`` shared by all its mixers before each forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attn2ssm.ops.rope import apply_rotary
+
+
+@dataclass
+class MixerContext:
+    """Per-forward facts the student model hands to its mixers."""
+
+    padding_mask: torch.Tensor | None = None  # (b, l) 1 = real token, for the tokens of this forward
+
+
+class HeadRMSNorm(nn.Module):
+    """Per-head RMSNorm over head_dim; ``offset=1`` stores the weight as w with scale (1 + w) (Gemma)."""
+
+    def __init__(self, head_dim: int, eps: float = 1e-6, offset: float = 0.0):
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(head_dim) if offset else torch.ones(head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (self.offset + self.weight.float())).to(x.dtype)
+
+
+class AttentionLikeMixer(nn.Module):
+    """Base class: holds q/k/v/o in the teacher's geometry and parses the HF call."""
+
+    def __init__(self, geometry: dict, layer_idx: int):
+        super().__init__()
+        g = geometry
+        self.layer_idx = layer_idx
+        self.hidden_size = g["hidden_size"]
+        self.num_heads, self.num_kv_heads, self.head_dim = g["num_heads"], g["num_kv_heads"], g["head_dim"]
+        self.rotary_dim = g.get("rotary_dim", 0)
+        qkv_bias, o_bias = g.get("qkv_bias", False), g.get("o_bias", False)
+        self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(self.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(self.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, self.hidden_size, bias=o_bias)
+        if g.get("has_qk_norm", False):
+            eps, offset = g.get("qk_norm_eps", 1e-6), g.get("qk_norm_offset", 0.0)
+            self.q_norm = HeadRMSNorm(self.head_dim, eps, offset)
+            self.k_norm = HeadRMSNorm(self.head_dim, eps, offset)
+        else:
+            self.q_norm = self.k_norm = None
+        # Not a submodule: set by the student model (shared by all its mixers).
+        self.context = MixerContext()
+
+    # -- teacher weights -------------------------------------------------------------------
+    @torch.no_grad()
+    def load_attention_weights(self, w) -> None:
+        """Copy an ``AttentionWeights`` (canonical layout) into q/k/v/o (and q/k norms)."""
+        for proj, weight, bias in (
+            (self.q_proj, w.q, w.q_bias),
+            (self.k_proj, w.k, w.k_bias),
+            (self.v_proj, w.v, w.v_bias),
+            (self.o_proj, w.o, w.o_bias),
+        ):
+            proj.weight.copy_(weight)
+            if proj.bias is not None and bias is not None:
+                proj.bias.copy_(bias)
+        for mine, theirs in ((self.q_norm, w.q_norm), (self.k_norm, w.k_norm)):
+            if mine is not None and theirs is not None:
+                mine.weight.copy_(theirs.weight)
+
+    # -- shared projections ------------------------------------------------------------------
+    def project_qkv(self, x: torch.Tensor, position_embeddings=None):
+        """x (b, l, hidden) → q (b, h, l, d), k and v (b, h, l, d) with kv heads repeated (GQA)."""
+        b, l, _ = x.shape
+        q = self.q_proj(x).view(b, l, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, l, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, l, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if position_embeddings is not None and self.rotary_dim:
+            cos, sin = position_embeddings
+            q, k = apply_rotary(q, cos, sin, self.rotary_dim), apply_rotary(k, cos, sin, self.rotary_dim)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return q, k, v
+
+    def merge_heads(self, y: torch.Tensor) -> torch.Tensor:
+        """(b, h, l, d) → o_proj((b, l, h·d))."""
+        b, h, l, d = y.shape
+        return self.o_proj(y.transpose(1, 2).reshape(b, l, h * d))
+
+    # -- HF call plumbing ----------------------------------------------------------------------
+    def cache_layer(self, kwargs: dict):
+        """This layer's ``MixerStateLayer`` in the student cache, or None when running without one."""
+        cache = kwargs.get("past_key_values")
+        if cache is None:
+            cache = kwargs.get("layer_past")
+        if cache is None or not hasattr(cache, "mixer_layer"):
+            return None
+        return cache.mixer_layer(self.layer_idx)
+
+    def padding_mask(self, length: int) -> torch.Tensor | None:
+        m = self.context.padding_mask
+        return None if m is None else m[:, -length:]

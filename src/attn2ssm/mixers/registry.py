@@ -1,0 +1,19 @@
+"""Mixer kinds by name, as a layer plan names them."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from attn2ssm.errors import ConfigError
+from attn2ssm.mixers.linear_attention import LinearAttentionMixer
+
+MIXERS: dict[str, type[nn.Module]] = {"linear_attention": LinearAttentionMixer}
+
+ATTENTION = "attention"  # a layer-plan entry that keeps the teacher's attention
+
+
+def build_mixer(kind: str, geometry: dict, layer_idx: int, options: dict | None = None) -> nn.Module:
+    if kind not in MIXERS:
+        valid = ", ".join(sorted([*MIXERS, ATTENTION]))
+        raise ConfigError(f"unknown mixer '{kind}' in the layer plan", f"use one of: {valid}")
+    return MIXERS[kind](geometry, layer_idx, **(options or {}))

@@ -1,0 +1,1 @@
+"""Pure functions (no nn.Module); each op in quadratic, chunked and step forms that tests hold equal."""

@@ -1,0 +1,115 @@
+"""Normalised linear attention, y_i = Σ_j A_ij v_j with A_ij = φq_i·φk_j / Σ_m φq_i·φk_m.
+
+Inputs are already feature-mapped: ``q, k`` are (b, h, l, f) and non-negative, ``v`` is
+(b, h, l, d). Three forms that tests hold equal (fp32, 1e-5):
+
+* ``*_quadratic`` materialises the (l × l) weights — for distillation losses and plots;
+* ``*_chunked`` runs quadratic inside chunks and carries the state (S, z) across them —
+  training and prefill, O(l·C·f + l·f·d);
+* ``*_step`` consumes one token against the state — decode, O(f·d) per token.
+
+``mask`` is an optional (b, l) padding mask (1 = real token). A padded token is neither a
+key nor a query: it adds nothing to the state and its output is zero. All math runs in
+float32; outputs return in the input dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LinearAttentionState:
+    """Running sums of one causal linear-attention layer.
+
+    kv: (b, h, f, d) = Σ φ(k_s) v_sᵀ    k_sum: (b, h, f) = Σ φ(k_s)
+    """
+
+    kv: torch.Tensor
+    k_sum: torch.Tensor
+
+    @classmethod
+    def zeros(cls, b: int, h: int, f: int, d: int, device=None) -> "LinearAttentionState":
+        return cls(
+            torch.zeros(b, h, f, d, device=device, dtype=torch.float32),
+            torch.zeros(b, h, f, device=device, dtype=torch.float32),
+        )
+
+
+def _apply_mask(q, k, v, mask):
+    if mask is None:
+        return q, k, v
+    m = mask[:, None, :, None].to(q.dtype)  # (b, 1, l, 1)
+    return q * m, k * m, v * m
+
+
+def linear_attention_quadratic(q, k, v, mask=None, *, causal: bool = True, eps: float = 1e-6):
+    """Returns (out (b, h, l, d), weights (b, h, l, l)); weights rows sum to ~1 (0 at padding)."""
+    dtype = v.dtype
+    q, k, v = _apply_mask(q.float(), k.float(), v.float(), mask)
+    scores = q @ k.transpose(-1, -2)  # (b, h, l, l)
+    if causal:
+        scores = scores.tril()
+    weights = scores / (scores.sum(-1, keepdim=True) + eps)
+    return (weights @ v).to(dtype), weights
+
+
+def linear_attention_chunked(
+    q, k, v, mask=None, state: LinearAttentionState | None = None, *, chunk_size: int = 64, eps: float = 1e-6
+):
+    """Causal form for training and prefill. Returns (out (b, h, l, d), final state)."""
+    dtype = v.dtype
+    b, h, l, f = q.shape
+    d = v.shape[-1]
+    q, k, v = _apply_mask(q.float(), k.float(), v.float(), mask)
+    if state is None:
+        state = LinearAttentionState.zeros(b, h, f, d, device=q.device)
+    kv, k_sum = state.kv, state.k_sum
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    outs = []
+    for start in range(0, l, chunk_size):
+        qc, kc, vc = (t[:, :, start : start + chunk_size] for t in (q, k, v))
+        c = qc.shape[2]
+        intra = (qc @ kc.transpose(-1, -2)).masked_fill(~causal[:c, :c], 0.0)  # (b, h, c, c)
+        num = intra @ vc + qc @ kv  # (b, h, c, d)
+        den = intra.sum(-1) + (qc * k_sum[:, :, None, :]).sum(-1)  # (b, h, c)
+        outs.append(num / (den[..., None] + eps))
+        kv = kv + kc.transpose(-1, -2) @ vc
+        k_sum = k_sum + kc.sum(2)
+    out = torch.cat(outs, dim=2) if outs else v.new_zeros(b, h, 0, d)
+    return out.to(dtype), LinearAttentionState(kv, k_sum)
+
+
+def linear_attention_step(q, k, v, state: LinearAttentionState, *, eps: float = 1e-6):
+    """One decode step: q, k (b, h, f), v (b, h, d). Returns (out (b, h, d), new state)."""
+    dtype = v.dtype
+    q, k, v = q.float(), k.float(), v.float()
+    kv = state.kv + k[..., :, None] * v[..., None, :]
+    k_sum = state.k_sum + k
+    num = (q[..., None, :] @ kv).squeeze(-2)  # (b, h, d)
+    den = (q * k_sum).sum(-1, keepdim=True)
+    return (num / (den + eps)).to(dtype), LinearAttentionState(kv, k_sum)
+
+
+def linear_attention_recurrent(q, k, v, mask=None, state: LinearAttentionState | None = None, *, eps: float = 1e-6):
+    """Token-by-token loop over ``linear_attention_step`` — the reference the others are tested against."""
+    b, h, l, f = q.shape
+    q, k, v = _apply_mask(q.float(), k.float(), v.float(), mask)
+    if state is None:
+        state = LinearAttentionState.zeros(b, h, f, v.shape[-1], device=q.device)
+    outs = []
+    for t in range(l):
+        o, state = linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, eps=eps)
+        outs.append(o)
+    return torch.stack(outs, dim=2), state
+
+
+def linear_attention_noncausal(q, k, v, mask=None, *, eps: float = 1e-6):
+    """Bidirectional form: every query sees every (real) key; O(l·f·d)."""
+    dtype = v.dtype
+    q, k, v = _apply_mask(q.float(), k.float(), v.float(), mask)
+    kv = k.transpose(-1, -2) @ v  # (b, h, f, d)
+    den = q @ k.sum(2)[..., None]  # (b, h, l, 1)
+    return ((q @ kv) / (den + eps)).to(dtype)

@@ -1,0 +1,31 @@
+"""Where attn2ssm keeps downloaded teachers, corpora and tokenized blocks."""
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """``$ATTN2SSM_CACHE``, else ``$XDG_CACHE_HOME/attn2ssm``, else ``~/.cache/attn2ssm``."""
+    env = os.environ.get("ATTN2SSM_CACHE")
+    if env:
+        path = Path(env).expanduser()
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        path = Path(base) / "attn2ssm"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))

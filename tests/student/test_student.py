@@ -1,0 +1,176 @@
+"""Student model: conversion for every family, HF save/load round trips, remote code, cache forms."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import TINY_CONFIGS, tiny_model
+from transformers import AutoModelForCausalLM
+
+import attn2ssm.student  # noqa: F401  (registers Auto classes)
+from attn2ssm.student.convert import convert
+from attn2ssm.student.modeling import Attn2SSMForCausalLM
+from attn2ssm.student.plans import interleaved_keep, make_plan
+
+FAMILIES = sorted(TINY_CONFIGS)
+LA = "linear_attention"
+
+
+def _ids(b=2, l=12, vocab=256, seed=0):
+    return torch.randint(0, vocab, (b, l), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def teachers():
+    return {f: tiny_model(f) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_converts_runs_saves_and_reloads(family, teachers, tmp_path):
+    teacher = teachers[family]
+    n = teacher.config.num_hidden_layers
+    for plan in ([LA] * n, make_plan(n, LA, attention_ratio=0.5)):
+        student = convert(teacher, plan)
+        ids = _ids()
+        logits = student(input_ids=ids, use_cache=False).logits
+        assert logits.shape == (2, 12, teacher.config.vocab_size) and torch.isfinite(logits).all()
+        student.save_pretrained(tmp_path / "s")
+        assert (tmp_path / "s" / "model.safetensors").exists()
+        cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+        assert cfg["model_type"] == "attn2ssm" and cfg["layer_plan"] == plan and "auto_map" in cfg
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "s")
+        assert isinstance(loaded, Attn2SSMForCausalLM)
+        torch.testing.assert_close(loaded(input_ids=ids, use_cache=False).logits, logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_all_attention_plan_is_the_teacher(family, teachers):
+    teacher = teachers[family]
+    student = convert(teacher, ["attention"] * teacher.config.num_hidden_layers)
+    ids = _ids()
+    torch.testing.assert_close(student(input_ids=ids, use_cache=False).logits, teacher(input_ids=ids, use_cache=False).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mixer_starts_from_teacher_projections(family, teachers):
+    """Swapping in a linear mixer changes only attention: the first layer's q/k/v/o equal the teacher's."""
+    from attn2ssm.adapters import get_adapter
+
+    teacher = teachers[family]
+    student = convert(teacher, [LA] * teacher.config.num_hidden_layers)
+    adapter = get_adapter(teacher)
+    w = adapter.read_weights(teacher.get_submodule(adapter.attention_module_paths(teacher)[0]))
+    mixer = student.mixers()[0]
+    for mine, theirs in ((mixer.q_proj.weight, w.q), (mixer.k_proj.weight, w.k), (mixer.v_proj.weight, w.v), (mixer.o_proj.weight, w.o)):
+        assert torch.equal(mine, theirs)
+    # everything that is not attention is shared with the teacher bit for bit
+    t_state = teacher.state_dict()
+    for name, value in student.base.state_dict().items():
+        if not any(name.startswith(p + ".") for p in student.config.attention_paths):
+            assert torch.equal(value, t_state[name]), name
+
+
+def test_plans():
+    assert interleaved_keep(30, 0.5) == list(range(0, 30, 2))
+    assert len(interleaved_keep(30, 0.25)) == 8 and interleaved_keep(30, 0.0) == []
+    assert make_plan(4, LA, keep_attention=[1]) == [LA, "attention", LA, LA]
+    from attn2ssm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="outside"):
+        make_plan(4, LA, keep_attention=[7])
+    with pytest.raises(ConfigError, match="unknown mixer"):
+        make_plan(4, "nope")
+
+
+# --------------------------------------------------------------------------------------------
+# cache: full forward == chunked prefill == prefill + token-by-token decode (fp32, with padding)
+
+
+def _positions(mask):
+    return (mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def _forms(model, ids, mask, pieces):
+    pos = _positions(mask)
+    full = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+    cache, outs, start = model.new_cache(), [], 0
+    for size in pieces:
+        end = start + size
+        out = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=pos[:, start:end], past_key_values=cache, use_cache=True)
+        outs.append(out.logits)
+        start = end
+    return full, torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2", "gpt_neox", "phi"])
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_prefill_chunked_and_decode_agree(family, ratio, teachers):
+    teacher = teachers[family]
+    n = teacher.config.num_hidden_layers
+    student = convert(teacher, make_plan(n, LA, attention_ratio=ratio))
+    ids = _ids(l=14)
+    mask = torch.ones(2, 14, dtype=torch.long)
+    mask[1, :4] = 0  # left padding
+    real = mask.bool()
+    full, stepped = _forms(student, ids, mask, [6] + [1] * 8)
+    torch.testing.assert_close(stepped[real], full[real], atol=1e-4, rtol=1e-4)
+    full, chunked = _forms(student, ids, mask, [5, 3, 6])
+    torch.testing.assert_close(chunked[real], full[real], atol=1e-4, rtol=1e-4)
+
+
+def test_cache_state_is_constant_in_length(teachers):
+    teacher = teachers["llama"]
+    student = convert(teacher, [LA] * teacher.config.num_hidden_layers)
+    sizes = []
+    for length in (8, 64):
+        cache = student.new_cache()
+        student(input_ids=_ids(l=length), past_key_values=cache, use_cache=True)
+        sizes.append(sum(layer.state_bytes() for layer in cache.layers))
+        assert cache.get_seq_length() == length
+    assert sizes[0] == sizes[1] > 0
+
+
+def test_greedy_generate_equals_repeated_full_forward(teachers):
+    teacher = teachers["llama"]
+    student = convert(teacher, make_plan(teacher.config.num_hidden_layers, LA, attention_ratio=0.5))
+    ids = _ids(b=1, l=5)
+    out = student.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    seq = ids
+    for _ in range(6):
+        nxt = student(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], 1)
+    assert torch.equal(out, seq)
+
+
+# --------------------------------------------------------------------------------------------
+# remote code: a process that cannot import attn2ssm loads and runs a saved student
+
+REMOTE = r"""
+import sys, json, torch
+sys.modules["attn2ssm"] = None  # any attempt to import attn2ssm now fails
+from transformers import AutoModelForCausalLM
+d = sys.argv[1]
+m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)
+ids = torch.load(d + "/ids.pt")
+logits = m(input_ids=ids, use_cache=False).logits
+gen = m.generate(ids[:1, :4], max_new_tokens=4, do_sample=False, pad_token_id=0)
+print(json.dumps({"max_diff": (logits - torch.load(d + "/logits.pt")).abs().max().item(), "gen": gen.tolist(), "cls": type(m).__module__}))
+"""
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
+def test_loads_with_trust_remote_code_without_attn2ssm(family, teachers, tmp_path):
+    teacher = teachers[family]
+    student = convert(teacher, make_plan(teacher.config.num_hidden_layers, LA, attention_ratio=0.5))
+    ids = _ids()
+    student.save_pretrained(tmp_path)
+    torch.save(ids, tmp_path / "ids.pt")
+    torch.save(student(input_ids=ids, use_cache=False).logits, tmp_path / "logits.pt")
+    proc = subprocess.run([sys.executable, "-c", REMOTE, str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["max_diff"] == 0.0
+    assert result["cls"].startswith("transformers_modules")
+    assert len(result["gen"][0]) == 8

@@ -1,0 +1,183 @@
+"""Tiny random teachers for every supported family, built in code (never downloaded).
+
+``TINY_CONFIGS[family]()`` returns a fresh transformers config small enough for CPU tests
+(hidden 64, 2 layers, vocab 256) that still exercises what makes the family special: GQA,
+sliding-window layers with a window (4) shorter than test sequences, soft-capping, q/k
+norms, partial RoPE. ``VARIANT_CONFIGS`` holds extra shapes of the same families (keys are
+not family names; ``get_adapter`` maps them to the family in the comment).
+
+Weights are drawn with ``initializer_range=0.2`` rather than the usual 0.02: at 0.02 a tiny
+model's attention is almost uniform, and a wrong scale or mask would hide inside tolerances.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    PhiConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+VOCAB = 256
+HIDDEN = 64
+LAYERS = 2
+INIT_STD = 0.2
+SLIDING_WINDOW = 4
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    num_hidden_layers=LAYERS,
+    max_position_embeddings=128,
+    initializer_range=INIT_STD,
+    attn_implementation="eager",
+)
+_LLAMA_LIKE = dict(_COMMON, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+_GEMMA = dict(_LLAMA_LIKE, head_dim=16, pad_token_id=0, bos_token_id=2, eos_token_id=1)
+_LOCAL_GLOBAL = ["sliding_attention", "full_attention"]
+
+
+def llama() -> LlamaConfig:
+    return LlamaConfig(**_LLAMA_LIKE)
+
+
+def mistral() -> MistralConfig:
+    return MistralConfig(**_LLAMA_LIKE, sliding_window=SLIDING_WINDOW)  # every layer windowed
+
+
+def qwen2() -> Qwen2Config:
+    # use_sliding_window + max_window_layers=1: layer 0 global, layer 1 sliding.
+    return Qwen2Config(**_LLAMA_LIKE, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1)
+
+
+def gemma() -> GemmaConfig:
+    return GemmaConfig(**dict(_GEMMA, num_key_value_heads=1))  # multi-query, like gemma-2b
+
+
+def gemma2() -> Gemma2Config:
+    return Gemma2Config(
+        **_GEMMA,
+        query_pre_attn_scalar=24,  # != head_dim, so the scaling rule is tested
+        attn_logit_softcapping=2.0,  # small enough to bend these logits
+        final_logit_softcapping=30.0,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=_LOCAL_GLOBAL,
+    )
+
+
+def gemma3() -> Gemma3TextConfig:
+    return Gemma3TextConfig(
+        **_GEMMA,
+        query_pre_attn_scalar=24,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=_LOCAL_GLOBAL,  # local layer: RoPE base 10k, global layer: 1M
+    )
+
+
+def phi() -> PhiConfig:
+    return PhiConfig(**_LLAMA_LIKE, partial_rotary_factor=0.5)  # rotary_dim 8 of head_dim 16
+
+
+def gpt_neox() -> GPTNeoXConfig:
+    return GPTNeoXConfig(**_COMMON, intermediate_size=128, num_attention_heads=4, rotary_pct=0.25)
+
+
+def gpt2() -> GPT2Config:
+    return GPT2Config(
+        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=128,
+        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,  # defaults (50256) lie outside the tiny vocab
+        initializer_range=INIT_STD, attn_implementation="eager",
+    )  # fmt: skip
+
+
+TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama": llama,
+    "mistral": mistral,
+    "qwen2": qwen2,
+    "gemma": gemma,
+    "gemma2": gemma2,
+    "gemma3": gemma3,
+    "phi": phi,
+    "gpt_neox": gpt_neox,
+    "gpt2": gpt2,
+}
+
+
+def smollm2() -> LlamaConfig:
+    """SmolLM2 shape (model_type "llama"): 3 query heads per kv head, tied embeddings."""
+    return LlamaConfig(**dict(_LLAMA_LIKE, hidden_size=48, num_attention_heads=3, num_key_value_heads=1),
+                       tie_word_embeddings=True)  # fmt: skip
+
+
+def phi_qk_layernorm() -> PhiConfig:
+    cfg = phi()
+    cfg.qk_layernorm = True
+    return cfg
+
+
+def gpt2_layer_scaled() -> GPT2Config:
+    cfg = gpt2()
+    cfg.scale_attn_by_inverse_layer_idx = True
+    cfg.reorder_and_upcast_attn = True
+    return cfg
+
+
+VARIANT_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    "smollm2": smollm2,  # family llama
+    "phi_qk_layernorm": phi_qk_layernorm,  # family phi
+    "gpt2_layer_scaled": gpt2_layer_scaled,  # family gpt2
+}
+
+
+def tiny_config(name: str) -> PretrainedConfig:
+    """A fresh config for a family in TINY_CONFIGS or a variant in VARIANT_CONFIGS."""
+    try:
+        return {**TINY_CONFIGS, **VARIANT_CONFIGS}[name]()
+    except KeyError:
+        raise KeyError(f"no tiny config {name!r}; have {sorted(TINY_CONFIGS) + sorted(VARIANT_CONFIGS)}") from None
+
+
+def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised CausalLM for ``family`` (or a variant): fp32, eval mode, eager attention."""
+    config = tiny_config(family)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.float().eval()
+
+
+SENTENCES = [
+    "Call me Ishmael. Some years ago, never mind how long precisely.",
+    "Fellow citizens of the Senate and House of Representatives.",
+    "The quick brown fox jumps over the lazy dog.",
+    "It was the best of times, it was the worst of times.",
+] * 4
+
+
+def make_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (GPT-2 style) trained on a few sentences; any text encodes, no network."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(SENTENCES, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", model_max_length=64
+    )
