@@ -12,25 +12,34 @@ import os
 import sys
 from pathlib import Path
 
-from attn2ssm.errors import Attn2SSMError, CheckpointError
+from attn2ssm.errors import Attn2SSMError, CheckpointError, ConfigError, DataError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 # --------------------------------------------------------------------------------------------- convert
 def cmd_convert(args) -> int:
-    from attn2ssm.student.convert import convert
-    from attn2ssm.student.plans import make_plan
-    from attn2ssm.teachers import load_teacher
     from attn2ssm.config import parse_value
+    from attn2ssm.teachers import load_teacher, resolve_teacher
 
-    teacher, tokenizer, source = load_teacher(args.teacher)
-    keep = [int(i) for i in args.keep.split(",") if i.strip()] if args.keep is not None else None
-    plan = make_plan(teacher.config.num_hidden_layers, args.mixer, attention_ratio=args.attention_ratio, keep_attention=keep)
+    # Cheap checks first, so a typo fails in a fraction of a second, not after loading the teacher.
+    try:
+        keep = [int(i) for i in args.keep.split(",") if i.strip()] if args.keep is not None else None
+    except ValueError:
+        raise ConfigError(f"--keep {args.keep!r} is not a comma-separated list of layer indices", "write e.g. --keep 0,6,12") from None
     options = {}
     for item in args.option or []:
-        key, _, value = item.partition("=")
-        options[key] = parse_value(value)
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--option {item!r} is not key=value", "write e.g. --option feature_map=elu")
+        options[key.strip()] = parse_value(value)
+    resolve_teacher(args.teacher)  # a missing path fails here, before torch/transformers load
+
+    from attn2ssm.student.convert import convert
+    from attn2ssm.student.plans import make_plan
+
+    teacher, tokenizer, source = load_teacher(args.teacher, check_supported=True)
+    plan = make_plan(teacher.config.num_hidden_layers, args.mixer, attention_ratio=args.attention_ratio, keep_attention=keep)
     student = convert(teacher, plan, {args.mixer: options}, teacher_info={"source": source.describe()})
     out = Path(args.out)
     student.save_pretrained(out)
@@ -43,11 +52,16 @@ def cmd_convert(args) -> int:
 # --------------------------------------------------------------------------------------------- distill
 def cmd_distill(args) -> int:
     from attn2ssm.distill.recipe import load_recipe
-    from attn2ssm.distill.trainer import distill
+    from attn2ssm.teachers import resolve_teacher
 
-    recipe = load_recipe(args.recipe, args.set)
+    recipe = load_recipe(args.recipe, args.set)  # recipe errors fail before the trainer's heavy imports
     if args.teacher:
         recipe.teacher = args.teacher
+    if not args.resume:  # (a resumed run reads its teacher from the run directory)
+        resolve_teacher(recipe.teacher)
+
+    from attn2ssm.distill.trainer import distill
+
     out = Path(args.out or f"runs/{recipe.name}")
     results = distill(recipe, out, resume=args.resume, progress=not args.no_progress)
     if results:
@@ -68,14 +82,24 @@ def load_model_and_tokenizer(path: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import attn2ssm.student  # noqa: F401  (registers the Auto classes)
-    from attn2ssm.teachers import load_teacher
+    from attn2ssm.teachers import first_line, load_teacher, quiet_loading
 
     p = Path(path)
     if p.is_dir() and (p / "config.json").exists():
-        cfg = json.loads((p / "config.json").read_text())
+        try:
+            cfg = json.loads((p / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{p / 'config.json'} is not readable JSON ({first_line(exc)})", "restore the file or point at another model directory") from exc
         if cfg.get("model_type") == "attn2ssm":
-            model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(p)
+            try:
+                with quiet_loading():
+                    model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
+                    tokenizer = AutoTokenizer.from_pretrained(p)
+            except (OSError, ValueError, KeyError) as exc:
+                raise CheckpointError(
+                    f"could not load the student in {p} ({first_line(exc)})",
+                    "point at a directory written by 'attn2ssm convert' or by 'attn2ssm distill' (its student/ folder)",
+                ) from exc
             if tokenizer.pad_token is None:
                 tokenizer.pad_token = tokenizer.eos_token
             return model.eval(), tokenizer
@@ -87,8 +111,19 @@ def cmd_eval(args) -> int:
     from attn2ssm.data import prepare_corpus
     from attn2ssm.eval.perplexity import perplexity
 
+    if args.window < 2:
+        raise ConfigError(f"--window {args.window} is too short", "use a window of at least 2 tokens, e.g. --window 256")
+    if args.stride is not None and not 0 < args.stride <= args.window:
+        raise ConfigError(f"--stride {args.stride} is outside 1..{args.window} (the window)", "use a stride between 1 and --window")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ConfigError(f"--max-tokens {args.max_tokens} leaves nothing to score", "use at least 2, e.g. --max-tokens 20000")
     model, tokenizer = load_model_and_tokenizer(args.model)
     corpus = prepare_corpus(args.corpus, tokenizer, max_heldout_tokens=args.max_tokens, max_train_tokens=0)
+    if corpus.heldout_ids.numel() < 2:
+        raise DataError(
+            f"corpus {args.corpus!r} has no held-out text to score ({corpus.heldout_ids.numel()} tokens)",
+            "use a corpus with several documents or paragraphs (the last ~5% of a single document is held out)",
+        )
     rows = [("model", args.model, perplexity(model, corpus.heldout_ids, window=args.window, stride=args.stride, max_tokens=args.max_tokens, progress=True))]
     if args.against:
         teacher, _ = load_model_and_tokenizer(args.against)
@@ -205,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     except Attn2SSMError as exc:
         if args.debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # always one line
+        print(f"error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -14,13 +14,16 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from attn2ssm.errors import Attn2SSMError, CheckpointError
 from attn2ssm.paths import cache_dir
+
+if TYPE_CHECKING:  # torch is imported lazily: resolving a spec (and its errors) stays instant
+    import torch
 
 
 @dataclass(frozen=True)
@@ -91,11 +94,35 @@ class TeacherSource:
         return {"kind": self.kind, "location": self.location, "gguf_file": self.gguf_file, "name": self.name}
 
 
+@contextmanager
+def quiet_loading():
+    """Silence transformers' per-load progress bars ("Loading weights"), restoring the setting after.
+
+    They are noise for small teachers and would put extra lines before a one-line error.
+    """
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception's message squeezed onto one line (or its type name), cut to ``limit`` characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _builtin_hf_dir(name: str) -> Path:
     """A built-in teacher converted once from GGUF to a plain HF directory (loads in ~1 s, not ~40 s)."""
     target = cache_dir() / "teachers" / name / "hf"
     if (target / "config.json").exists():
         return target
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = builtin_gguf_path(name)
@@ -139,24 +166,50 @@ def resolve_teacher(spec: str | None) -> TeacherSource:
     return TeacherSource("hub", spec)
 
 
-def load_teacher(spec: str | None = None, *, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None, attn_implementation: str = "sdpa"):
-    """Returns (model, tokenizer, source). The model is in eval mode with gradients off."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_teacher(
+    spec: str | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    attn_implementation: str = "sdpa",
+    check_supported: bool = False,
+):
+    """Returns (model, tokenizer, source). The model is in eval mode with gradients off.
+
+    ``dtype`` defaults to float32. ``check_supported=True`` reads the config first and raises
+    UnsupportedModelError for an architecture without an adapter before any weights load.
+    Every load failure is a one-line CheckpointError (the original is chained for ``--debug``).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_teacher(spec)
-    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
-    if source.gguf_file:
-        kwargs["gguf_file"] = source.gguf_file
+    gguf = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    kwargs = {"dtype": dtype or torch.float32, "attn_implementation": attn_implementation, **gguf}
+    if source.kind == "hub":
+        where = f"hub id '{source.location}'"
+        fix = "check the id and your network, or pass a local directory / .gguf file"
+    elif source.gguf_file:
+        where = f"GGUF file {Path(source.location) / source.gguf_file}"
+        fix = "check that the file is a complete GGUF model, or use a built-in teacher: " + ", ".join(BUILTIN_TEACHERS)
+    else:
+        where = f"directory {source.location}"
+        fix = "point --teacher at a directory written by save_pretrained (config.json, weights and tokenizer files)"
+    step = "config"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.location, **({"gguf_file": source.gguf_file} if source.gguf_file else {}))
-        model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
-    except OSError as exc:
-        if source.kind == "hub":
-            raise CheckpointError(
-                f"could not load '{source.location}' from the Hugging Face hub ({str(exc).splitlines()[0][:120]})",
-                "check the id and your network, or pass a local directory / .gguf file",
-            ) from exc
+        with quiet_loading():
+            if check_supported:
+                from attn2ssm.adapters import get_adapter
+
+                get_adapter(AutoConfig.from_pretrained(source.location, **gguf))
+            step = "tokenizer"
+            tokenizer = AutoTokenizer.from_pretrained(source.location, **gguf)
+            step = "model"
+            model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
+    except Attn2SSMError:
         raise
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        raise CheckpointError(f"could not load the teacher's {step} from {where} ({first_line(exc)})", fix) from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval().requires_grad_(False)

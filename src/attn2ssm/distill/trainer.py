@@ -271,7 +271,7 @@ class Distiller:
             now = time.perf_counter()
             tps = tokens_last / max(now - t_last, 1e-9)
             record = {"stage": cfg.name, "stage_index": stage_idx, "step": state.step, "tokens": state.tokens, "total_tokens": state.total_tokens,
-                      "loss": loss_value, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tps, **{f"train_{k}": v for k, v in step_metrics.items()}}
+                      "loss": loss_value, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tps, "processes": world, **{f"train_{k}": v for k, v in step_metrics.items()}}
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)
             last = state.step == steps

@@ -1,0 +1,61 @@
+"""Recipes: strict keys, overrides, built-in recipes, schedules."""
+
+import pytest
+
+from attn2ssm.config import apply_overrides, parse_value
+from attn2ssm.distill.recipe import Recipe, builtin_recipes, load_recipe
+from attn2ssm.distill.schedules import lr_multiplier
+from attn2ssm.errors import ConfigError
+
+
+def test_builtin_recipes_load():
+    names = builtin_recipes()
+    assert "quickstart" in names
+    for name in names:
+        r = load_recipe(name)
+        assert isinstance(r, Recipe) and r.stages
+
+
+def test_overrides_reach_nested_fields_and_list_items():
+    r = load_recipe("quickstart", ["data.block_len=128", "stages.0.tokens=1e4", "stages.0.optim.lr=3e-4", "student.keep_attention=[0, 3]"])
+    assert r.data.block_len == 128 and r.stages[0].tokens == 10000 and isinstance(r.stages[0].tokens, int)
+    assert r.stages[0].optim.lr == 3e-4 and r.student.keep_attention == [0, 3]
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ConfigError) as err:
+        load_recipe("quickstart", ["data.blokc_len=5"])
+    msg = str(err.value)
+    assert "'blokc_len'" in msg and "block_len" in msg and "corpus" in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match="valid keys"):
+        load_recipe("quickstart", ["stages.0.nonsense=1"])
+
+
+def test_bad_override_syntax_and_index():
+    with pytest.raises(ConfigError, match="no '='"):
+        apply_overrides({}, ["data.block_len"])
+    with pytest.raises(ConfigError, match="index"):
+        apply_overrides({"stages": [{}]}, ["stages.3.tokens=1"])
+
+
+def test_type_errors_are_reported():
+    with pytest.raises(ConfigError, match="must be int"):
+        load_recipe("quickstart", ["data.block_len=abc"])
+    with pytest.raises(ConfigError, match="unknown kind"):
+        load_recipe("quickstart", ["stages.0.kind=magic"])
+
+
+def test_parse_value():
+    assert parse_value("1e5") == 100000.0 and parse_value("12") == 12 and parse_value("true") is True
+    assert parse_value("[1, 2]") == [1, 2] and parse_value("null") is None and parse_value("elu") == "elu"
+
+
+def test_schedules():
+    f = lr_multiplier("warmup_cosine", 100, 0.1, min_ratio=0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0) and f(100) == pytest.approx(0.1)
+    assert f(55) == pytest.approx(0.1 + 0.9 * 0.5, rel=1e-6)  # halfway through the cosine
+    w = lr_multiplier("wsd", 100, 0.1, decay=0.2, min_ratio=0.0)
+    assert w(50) == 1.0 and w(79) == 1.0 and w(89) == pytest.approx(0.5) and w(99) == pytest.approx(0.0)
+    c = lr_multiplier("constant", 10, 0)
+    assert all(c(i) == 1.0 for i in range(10))

