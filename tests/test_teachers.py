@@ -164,11 +164,15 @@ def test_first_line_squeezes_messages():
     assert len(first_line(OSError("x" * 500))) == 200
 
 
-def test_loading_restores_the_progress_bar_setting(llama_dir):
+def test_loading_prints_no_progress_bar_and_restores_the_hook(llama_dir, capfd):
     from transformers.utils import logging as hf_logging
 
-    assert hf_logging.is_progress_bar_enabled()
+    capfd.readouterr()
+    before = hf_logging.set_tqdm_hook(None)
+    hf_logging.set_tqdm_hook(before)
     load_teacher(str(llama_dir))
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.set_tqdm_hook(before) is before  # the previous hook is back in place
     assert hf_logging.is_progress_bar_enabled()
 
 

@@ -96,19 +96,27 @@ class TeacherSource:
 
 @contextmanager
 def quiet_loading():
-    """Silence transformers' per-load progress bars ("Loading weights"), restoring the setting after.
+    """Silence transformers' own per-load progress bars ("Loading weights") inside the block.
 
-    They are noise for small teachers and would put extra lines before a one-line error.
+    They are noise for small teachers and would put extra lines before a one-line error. Hub
+    download bars (huggingface_hub's) are left alone, and so is the global progress-bar setting.
     """
     from transformers.utils import logging as hf_logging
 
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    set_hook = getattr(hf_logging, "set_tqdm_hook", None)
+    if set_hook is None:  # a transformers without the hook: leave the bars on
+        yield
+        return
+
+    def hook(factory, args, kwargs):
+        kwargs = {**kwargs, "disable": True}
+        return previous(factory, args, kwargs) if previous is not None else factory(*args, **kwargs)
+
+    previous = set_hook(hook)
     try:
         yield
     finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
+        set_hook(previous)
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:

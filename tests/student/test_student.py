@@ -174,3 +174,13 @@ def test_loads_with_trust_remote_code_without_attn2ssm(family, teachers, tmp_pat
     assert result["max_diff"] == 0.0
     assert result["cls"].startswith("transformers_modules")
     assert len(result["gen"][0]) == 8
+
+
+def test_unknown_mixer_option_is_a_config_error(teachers):
+    from attn2ssm.errors import ConfigError
+
+    teacher = teachers["llama"]
+    with pytest.raises(ConfigError, match="valid options: .*feature_map"):
+        convert(teacher, [LA] * teacher.config.num_hidden_layers, {LA: {"feature_mpa": "elu"}})
+    with pytest.raises(ConfigError, match="rope"):
+        convert(teacher, [LA] * teacher.config.num_hidden_layers, {LA: {"rope": "after"}})

@@ -137,7 +137,7 @@ class Distiller:
         from attn2ssm.teachers import load_teacher
 
         if self.teacher is None:
-            self.teacher, self.tokenizer, source = load_teacher(self.recipe.teacher)
+            self.teacher, self.tokenizer, source = load_teacher(self.recipe.teacher, check_supported=True)
             self.teacher_info = {"source": source.describe()}
         else:
             self.teacher_info = {"source": {"kind": "object", "location": type(self.teacher).__name__}}

@@ -8,6 +8,7 @@ decode the step form; both carry the same ``LinearAttentionState`` in the studen
 
 from __future__ import annotations
 
+from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.feature_maps import build_feature_map
 from attn2ssm.ops.linear_attention import (
@@ -36,7 +37,7 @@ class LinearAttentionMixer(AttentionLikeMixer):
         self.feature_map_k = build_feature_map(feature_map, self.num_heads, self.head_dim, **opts)
         self.chunk_size, self.eps = chunk_size, eps
         if rope not in ("before_map", "none"):
-            raise ValueError(f"rope must be 'before_map' or 'none', got {rope!r}")
+            raise ConfigError(f"linear_attention option rope={rope!r} is not valid", "use rope: before_map (default) or none")
         self.use_rope = rope == "before_map"
 
     def features(self, hidden_states, position_embeddings=None):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
 from attn2ssm.errors import ConfigError
@@ -16,4 +18,9 @@ def build_mixer(kind: str, geometry: dict, layer_idx: int, options: dict | None 
     if kind not in MIXERS:
         valid = ", ".join(sorted([*MIXERS, ATTENTION]))
         raise ConfigError(f"unknown mixer '{kind}' in the layer plan", f"use one of: {valid}")
-    return MIXERS[kind](geometry, layer_idx, **(options or {}))
+    cls = MIXERS[kind]
+    valid = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "geometry", "layer_idx")]
+    unknown = sorted(set(options or {}) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for mixer '{kind}'", f"valid options: {', '.join(valid)}")
+    return cls(geometry, layer_idx, **(options or {}))

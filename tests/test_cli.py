@@ -1,0 +1,305 @@
+"""The ``attn2ssm`` command line, run as a user runs it: ``python -m attn2ssm …`` in a subprocess.
+
+The product rule under test: bad input ends with exit code 2 and exactly one stderr line
+``error: <problem> — <fix>``, never a traceback (unless ``--debug``).
+
+Every run is offline (HF_HUB_OFFLINE=1) and uses this session's private ATTN2SSM_CACHE. A run
+that imports torch + transformers costs several seconds, so the slow runs are started all at
+once in a thread pool when the module's first test asks for them; the quick ones (errors raised
+before any heavy import) run inline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+TIMEOUT = 300
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    assert env.get("ATTN2SSM_CACHE"), "conftest gives every session a private ATTN2SSM_CACHE"
+    return subprocess.run([sys.executable, "-m", "attn2ssm", *map(str, args)], capture_output=True, text=True, env=env, timeout=TIMEOUT)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
+    """Exit 2, stderr is exactly one line ``error: …`` containing every needle, no traceback."""
+    where = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 2, where
+    assert "Traceback" not in result.stderr, where
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, where
+    line = lines[0]
+    assert line.startswith("error: "), where
+    assert " — " in line, f"no fix given: {line}"  # Attn2SSMError's "<problem> — <fix>"
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+    return line
+
+
+# ---------------------------------------------------------------------------------- fixtures
+
+
+PARAGRAPHS = [
+    "Call me Ishmael. Some years ago, never mind how long precisely, having little money in my purse.",
+    "Fellow citizens of the Senate and House of Representatives, the state of the Union is strong.",
+    "The quick brown fox jumps over the lazy dog, and the dog does not seem to mind at all.",
+    "It was the best of times, it was the worst of times, it was the age of wisdom.",
+]
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    """Tiny teachers and corpora, made once per module."""
+    import torch
+    from transformers import AutoModelForCausalLM, BertConfig, BertLMHeadModel
+
+    from tiny_models import make_tokenizer, tiny_config
+
+    root = tmp_path_factory.mktemp("cli")
+    tok = make_tokenizer()
+
+    llama = root / "tiny-llama"  # a supported family whose context (64) is shorter than block_len 128
+    cfg = tiny_config("llama")
+    cfg.vocab_size = len(tok)
+    cfg.max_position_embeddings = 64
+    cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = tok.eos_token_id
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(llama)
+    tok.save_pretrained(llama)
+
+    bert = root / "tiny-bert"  # a causal LM transformers knows but attn2ssm has no adapter for
+    bert_cfg = BertConfig(is_decoder=True, vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    BertLMHeadModel(bert_cfg).save_pretrained(bert)
+    tok.save_pretrained(bert)
+
+    corpus = root / "corpus.txt"  # one document of many paragraphs: its last ~5% is held out
+    corpus.write_text("\n\n".join(PARAGRAPHS[i % 4] for i in range(60)) + "\n")
+    empty = root / "empty.txt"
+    empty.write_text("  \n\n\t \n")
+    one_paragraph = root / "one-paragraph.txt"  # one short paragraph: the held-out cut leaves only "\n"
+    one_paragraph.write_text(" ".join(PARAGRAPHS) + "\n\n")
+    return SimpleNamespace(root=root, llama=llama, bert=bert, corpus=corpus, empty=empty, one_paragraph=one_paragraph)
+
+
+@pytest.fixture(scope="module")
+def slow(ws):
+    """name -> Future[CompletedProcess] for every run that loads torch/transformers, all started now."""
+    out = ws.root / "out"
+    student = out / "student"
+    cases = {
+        "unsupported": ["convert", "--teacher", ws.bert, "--out", out / "bert-student"],
+        "block_len": ["distill", "--teacher", ws.llama, "--out", out / "run-block", "--no-progress",
+                      "--set", f"data.corpus={ws.corpus}", "--set", "data.block_len=128"],
+        "empty_corpus": ["distill", "--teacher", ws.llama, "--out", out / "run-empty", "--no-progress",
+                         "--set", f"data.corpus={ws.empty}", "--set", "data.block_len=16"],
+        "recipes": ["recipes"],
+        "recipe_quickstart": ["recipes", "quickstart"],
+    }  # fmt: skip
+    after_convert = {
+        "eval": ["eval", student, "--corpus", ws.corpus, "--window", "16", "--max-tokens", "200"],
+        "generate": ["generate", student, "--prompt", "hello", "--max-new-tokens", "5"],
+    }
+    pool = ThreadPoolExecutor(max_workers=4)
+    futures: dict[str, Future] = {name: Future() for name in after_convert}
+
+    def settle(future: Future, args) -> None:
+        try:
+            future.set_result(run_cli(*args))
+        except BaseException as exc:  # noqa: BLE001 (handed to the waiting test)
+            future.set_exception(exc)
+
+    def convert_then_use():
+        result = run_cli("convert", "--teacher", ws.llama, "--attention-ratio", "0.5", "--out", student)
+        for name, args in after_convert.items():
+            pool.submit(settle, futures[name], args)
+        return result
+
+    futures["convert"] = pool.submit(convert_then_use)  # the longest chain starts first
+    futures.update({name: pool.submit(run_cli, *args) for name, args in cases.items()})
+    futures["student_dir"] = student
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def result_of(slow, name: str) -> subprocess.CompletedProcess:
+    return slow[name].result(timeout=TIMEOUT * 2)
+
+
+# ------------------------------------------------------------------- 1. teacher paths (quick)
+
+
+def test_missing_teacher_dir(tmp_path):
+    r = run_cli("convert", "--teacher", "/nope/dir", "--out", tmp_path / "x")
+    assert_one_line_error(r, "teacher path not found", "/nope/dir", "check the path")
+    assert not (tmp_path / "x").exists()
+
+
+def test_missing_gguf_file(tmp_path):
+    r = run_cli("convert", "--teacher", tmp_path / "model.gguf", "--out", tmp_path / "x")
+    assert_one_line_error(r, "GGUF file not found", str(tmp_path / "model.gguf"), "smollm2-135m")
+
+
+def test_distill_with_missing_teacher_fails_fast(tmp_path):
+    r = run_cli("distill", "--teacher", "/nope/dir", "--out", tmp_path / "run")
+    assert_one_line_error(r, "teacher path not found", "/nope/dir")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "needle"),
+    [("--keep", "a,b", "--keep 'a,b'"), ("--option", "feature_map", "--option 'feature_map' is not key=value")],
+)
+def test_convert_flag_syntax(tmp_path, flag, value, needle):
+    r = run_cli("convert", "--teacher", "/nope/dir", flag, value, "--out", tmp_path / "x")
+    assert_one_line_error(r, needle)  # checked before the teacher is even looked at
+
+
+# ------------------------------------------------------------------------ 3. recipes (quick)
+
+
+def test_unknown_stage_key_lists_valid_keys():
+    r = run_cli("distill", "--set", "stages.0.nonsense=1")
+    line = assert_one_line_error(r, "unknown key 'nonsense'", "recipe.stages[0]", "valid keys:")
+    for key in ("tokens", "batch_size", "optim", "schedule"):
+        assert key in line
+
+
+def test_misspelt_data_key_lists_valid_keys():
+    r = run_cli("distill", "--set", "data.blokc_len=5")
+    assert_one_line_error(r, "unknown key 'blokc_len'", "recipe.data", "valid keys:", "block_len", "corpus")
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("data.block_len", "has no '='"), ("stages.3.tokens=1", "not an index of a list of 1")],
+)
+def test_malformed_overrides(override, needle):
+    assert_one_line_error(run_cli("distill", "--set", override), needle)
+
+
+def test_unknown_recipe_name():
+    r = run_cli("distill", "quikstart")
+    assert_one_line_error(r, "no recipe 'quikstart'", "quickstart")
+
+
+def test_missing_recipe_yaml(tmp_path):
+    path = tmp_path / "nope.yaml"
+    r = run_cli("distill", path)
+    assert_one_line_error(r, "config file not found", str(path), "attn2ssm recipes")
+
+
+def test_unknown_recipe_for_recipes_command():
+    assert_one_line_error(run_cli("recipes", "nonexistent"), "no built-in recipe 'nonexistent'", "quickstart")
+
+
+# ----------------------------------------------------------------------------- 8. --debug
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = run_cli("--debug", "convert", "--teacher", "/nope/dir", "--out", tmp_path / "x")
+    assert r.returncode not in (0, 2)
+    assert "Traceback" in r.stderr
+    assert "CheckpointError: teacher path not found: /nope/dir" in r.stderr
+
+
+# ------------------------------------------------------------ 2, 4, 5. errors after loading
+
+
+def test_unsupported_architecture_lists_supported_families(slow):
+    line = assert_one_line_error(result_of(slow, "unsupported"), "model_type 'bert'", "supported families")
+    for family in ("llama", "mistral", "qwen2", "gpt2"):
+        assert family in line
+
+
+def test_block_len_above_the_models_maximum(slow):
+    assert_one_line_error(result_of(slow, "block_len"), "block length 128", "maximum of 64", "data.block_len")
+
+
+def test_empty_corpus(slow, ws):
+    assert_one_line_error(result_of(slow, "empty_corpus"), "empty corpus", str(ws.empty))
+
+
+# ----------------------------------------------------------------------------- 9. recipes
+
+
+def test_recipes_lists_quickstart(slow):
+    r = result_of(slow, "recipes")
+    assert r.returncode == 0, r.stderr
+    assert any(line.startswith("quickstart") for line in r.stdout.splitlines()), r.stdout
+
+
+def test_recipe_prints_parseable_yaml(slow):
+    r = result_of(slow, "recipe_quickstart")
+    assert r.returncode == 0, r.stderr
+    data = yaml.safe_load(r.stdout)
+    assert data["name"] == "quickstart"
+    assert {"teacher", "data", "student", "stages", "eval"} <= set(data)
+    assert data["stages"] and data["stages"][0]["kind"] == "kd"
+
+
+# ------------------------------------------------------------- 10. convert → eval → generate
+
+
+def test_convert_writes_a_loadable_hybrid(slow):
+    from transformers import AutoModelForCausalLM
+
+    r = result_of(slow, "convert")
+    assert r.returncode == 0, r.stderr
+    assert "attention kept at [0]" in r.stdout
+    out = Path(slow["student_dir"])
+    plan = json.loads((out / "config.json").read_text())["layer_plan"]
+    assert len(plan) == 2 and plan.count("attention") == 1 and plan.count("linear_attention") == 1
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert model.config.layer_plan == plan
+
+
+def test_eval_prints_perplexity(slow):
+    r = result_of(slow, "eval")
+    assert r.returncode == 0, r.stderr
+    assert "held-out perplexity" in r.stdout
+    model_line = next(line for line in r.stdout.splitlines() if line.strip().startswith("model"))
+    ppl = float(model_line.split()[1])
+    assert ppl > 1.0 and math.isfinite(ppl)  # a random model scored on real held-out tokens
+
+
+def test_eval_refuses_a_corpus_without_held_out_text(slow, ws, capsys):
+    """In-process (the model is already built): no held-out tokens is an error, not 'perplexity 1.00'."""
+    from attn2ssm.cli import main
+    from attn2ssm.data import load_documents, split_documents
+
+    train, heldout = split_documents(load_documents(str(ws.one_paragraph)), str(ws.one_paragraph))
+    assert train and not heldout, "precondition: this corpus must have no held-out text"
+    assert result_of(slow, "convert").returncode == 0
+    assert main(["eval", str(slow["student_dir"]), "--corpus", str(ws.one_paragraph), "--window", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "no held-out text" in err[0], err
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [(["--window", "1"], "--window 1 is too short"), (["--window", "16", "--stride", "40"], "--stride 40 is outside 1..16")],
+)
+def test_eval_window_checks(flags, needle, capsys):
+    """In-process: checked before the model is even looked for."""
+    from attn2ssm.cli import main
+
+    assert main(["eval", "/nope/model", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_generate_runs(slow):
+    r = result_of(slow, "generate")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert not any(line.startswith("error:") for line in r.stderr.splitlines()), r.stderr
