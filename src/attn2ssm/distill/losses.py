@@ -62,7 +62,7 @@ def forward_kl(
     mask: torch.Tensor | None = None,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = 64,
 ) -> torch.Tensor:
     """KL(teacher ‖ student) per real token, scaled by T² (Hinton et al.), in row chunks.
 

@@ -63,7 +63,7 @@ class StageConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     clip: float = 1.0
     temperature: float = 1.0  # kd
-    kl_chunk: int = 1024  # kd: tokens per chunk of the vocabulary-wide KL
+    kl_chunk: int = 64  # kd: tokens per chunk of the vocabulary-wide KL (small chunks stay in cache)
     eval_every: int = 0  # steps between held-out evaluations (0: stage end only)
     eval_batches: int = 4
     save_every: int = 50  # steps between checkpoints (the stage end always saves)
