@@ -117,6 +117,12 @@ def cmd_eval(args) -> int:
         raise ConfigError(f"--stride {args.stride} is outside 1..{args.window} (the window)", "use a stride between 1 and --window")
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ConfigError(f"--max-tokens {args.max_tokens} leaves nothing to score", "use at least 2, e.g. --max-tokens 20000")
+    if args.attention:  # fidelity of a student's mixing weights to its teacher's softmax, not perplexity
+        from attn2ssm.eval.attention import run_attention_eval
+
+        run_attention_eval(args.model, against=args.against, corpus=args.corpus, window=args.window, max_tokens=args.max_tokens,
+                           blocks=args.blocks, text=args.text, out_dir=args.out_dir, json_path=args.json)  # fmt: skip
+        return 0
     model, tokenizer = load_model_and_tokenizer(args.model)
     corpus = prepare_corpus(args.corpus, tokenizer, max_heldout_tokens=args.max_tokens, max_train_tokens=0)
     if corpus.heldout_ids.numel() < 2:
@@ -213,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--stride", type=int, default=None)
     e.add_argument("--max-tokens", type=int, default=20000)
     e.add_argument("--json", default=None, help="also write results to this JSON file")
+    e.add_argument("--attention", action="store_true", help="instead of perplexity: per-layer attention fidelity of a student to its teacher (KL, entropy, monotonicity) and heat-maps")
+    e.add_argument("--text", default=None, help="with --attention: also score this text, and draw the heat-maps from it")
+    e.add_argument("--blocks", type=int, default=4, help="with --attention: held-out blocks of --window tokens to score (0 = only --text)")
+    e.add_argument("--out-dir", default=None, help="with --attention: where attention_fidelity.json and the PNGs go (default MODEL/eval)")
     e.set_defaults(func=cmd_eval)
 
     g = sub.add_parser("generate", help="generate text with a student or teacher")

@@ -46,7 +46,8 @@ def tiny_overrides(teacher_dir, corpus_dir, **extra):
         "eval.max_tokens": 512,
         "stages": "[{name: kd, kind: kd, tokens: 1536, batch_size: 4, save_every: 3, eval_every: 4, optim: {lr: 0.01}},"
         " {name: ce, kind: ce, tokens: 768, batch_size: 4, grad_accum: 2, trainable: [all], save_every: 3, optim: {lr: 0.001},"
-        " schedule: {kind: wsd}}]",
+        " schedule: {kind: wsd}},"
+        " {name: lora, kind: ce, tokens: 384, batch_size: 4, trainable: [lora], lora: {r: 4, alpha: 8}, save_every: 1, optim: {lr: 0.01}}]",
     }
     sets.update(extra)
     return [f"{k}={v}" for k, v in sets.items()]

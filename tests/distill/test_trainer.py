@@ -34,11 +34,12 @@ def test_end_to_end_artifacts(run_overrides, tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     kd = [r for r in records if r["stage"] == "kd"]
     ce = [r for r in records if r["stage"] == "ce"]
-    assert len(kd) == 12 and len(ce) == 6  # ceil(tokens / (batch × block_len)) steps per stage
+    lora = [r for r in records if r["stage"] == "lora"]
+    assert len(kd) == 12 and len(ce) == 6 and len(lora) == 3  # ceil(tokens / (batch × block_len)) steps per stage
     assert kd[-1]["loss"] < kd[0]["loss"]  # the KL to the teacher falls
     assert "eval_loss" in kd[3] and "eval_loss" in kd[-1]
     assert ce[-1]["total_tokens"] == 1536 + 768
-    assert latest_checkpoint(out).name == "stage1-step000006"
+    assert latest_checkpoint(out).name == "stage2-step000003"
     # keep_checkpoints=2 → older ones pruned
     assert len([p for p in (out / "checkpoints").iterdir() if p.is_dir()]) == 2
     report = (out / "report.md").read_text()
@@ -67,8 +68,8 @@ original_torch_save = torch.save
 def save_then_die(self, *args, **kwargs):
     original_save(self, *args, **kwargs)
     saves["done"] += 1
-    if mode == "after" and saves["done"] == 2:
-        os.kill(os.getpid(), signal.SIGKILL)  # mid-stage, right after a complete checkpoint
+    if (mode == "after" and saves["done"] == 2) or (mode == "lora" and saves["done"] == 8):
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-stage (stage 0, or the LoRA stage), after a complete checkpoint
 
 def die_while_writing(obj, path, *args, **kwargs):
     if mode == "during" and str(path).endswith("optimizer.pt"):
@@ -83,7 +84,7 @@ T.distill(load_recipe("quickstart", sets), out, progress=False)
 """
 
 
-@pytest.mark.parametrize("mode", ["after", "during"])
+@pytest.mark.parametrize("mode", ["after", "during", "lora"])
 def test_sigkill_then_resume_matches_uninterrupted(mode, run_overrides, tmp_path):
     sets = run_overrides()
     reference = tmp_path / "reference"
@@ -94,7 +95,8 @@ def test_sigkill_then_resume_matches_uninterrupted(mode, run_overrides, tmp_path
     assert proc.returncode == -9, proc.stderr[-2000:]  # really killed
     assert not (killed / "student").exists()
     ckpt = latest_checkpoint(killed)
-    assert ckpt is not None and ckpt.name == "stage0-step000006"  # 'during' died writing step 9
+    expected = "stage2-step000002" if mode == "lora" else "stage0-step000006"  # 'during' died writing step 9
+    assert ckpt is not None and ckpt.name == expected
     if mode == "during":  # the half-written checkpoint never became 'latest'
         assert any(p.name.startswith(".tmp-") for p in (killed / "checkpoints").iterdir())
 
@@ -106,7 +108,7 @@ def test_sigkill_then_resume_matches_uninterrupted(mode, run_overrides, tmp_path
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
     # the metrics log holds each step once, as if never interrupted
     steps = [(r["stage_index"], r["step"]) for r in map(json.loads, (killed / "metrics.jsonl").read_text().splitlines())]
-    assert steps == sorted(set(steps)) and len(steps) == 18
+    assert steps == sorted(set(steps)) and len(steps) == 21
     ref_losses = [json.loads(line)["loss"] for line in (reference / "metrics.jsonl").read_text().splitlines()]
     losses = [json.loads(line)["loss"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert losses == pytest.approx(ref_losses, rel=1e-5)
@@ -152,5 +154,5 @@ def test_two_processes_give_the_same_loss_curve(run_overrides, tmp_path):
     m2 = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
     assert {r["processes"] for r in m1} == {1} and {r["processes"] for r in m2} == {2}
     l1, l2 = [r["loss"] for r in m1], [r["loss"] for r in m2]
-    assert len(l1) == len(l2) == 18
+    assert len(l1) == len(l2) == 21
     assert l2 == pytest.approx(l1, rel=1e-4, abs=1e-5)

@@ -184,3 +184,16 @@ def test_unknown_mixer_option_is_a_config_error(teachers):
         convert(teacher, [LA] * teacher.config.num_hidden_layers, {LA: {"feature_mpa": "elu"}})
     with pytest.raises(ConfigError, match="rope"):
         convert(teacher, [LA] * teacher.config.num_hidden_layers, {LA: {"rope": "after"}})
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "hedgehog", "t2r", "taylor", "performer", "cosformer", "exp_t"])
+def test_every_feature_map_prefill_chunked_and_decode_agree(feature_map, teachers):
+    """Recurrent state is exact for every map, position-aware ones (cosFormer) included."""
+    teacher = teachers["llama"]
+    student = convert(teacher, [LA] * teacher.config.num_hidden_layers, {LA: {"feature_map": feature_map}})
+    ids = _ids(l=12)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    full, stepped = _forms(student, ids, mask, [5] + [1] * 7)
+    torch.testing.assert_close(stepped, full, atol=1e-4, rtol=1e-4)
+    full, chunked = _forms(student, ids, mask, [4, 3, 5])
+    torch.testing.assert_close(chunked, full, atol=1e-4, rtol=1e-4)

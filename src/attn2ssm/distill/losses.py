@@ -74,3 +74,43 @@ def forward_kl(
     m = torch.ones(s.shape[0], device=s.device) if mask is None else mask.reshape(-1).float()
     weights = m / m.sum().clamp_min(1)
     return _ChunkedForwardKL.apply(s, t, weights, float(temperature), int(chunk_size))
+
+
+def _row_weights(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """(b, 1, l) weights of real query rows, broadcastable over heads."""
+    b, _, l, _ = like.shape
+    if mask is None:
+        return like.new_ones(b, 1, l)
+    return mask.to(like.dtype)[:, None, :]
+
+
+def attention_cross_entropy(target: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor | None = None, *, form: str = "soft_ce", eps: float = 1e-12) -> torch.Tensor:
+    """Hedgehog's attention distillation loss (paper 002, Eq. 4 as in its listing).
+
+    target: teacher softmax weights, weights: student weights, both (b, h, l, l) with rows that
+    sum to 1 over the visible keys. ``soft_ce`` = −Σ_j t_ij log w_ij; ``kl`` subtracts the
+    teacher's entropy (same gradient, 0 at a perfect match). Mean over real query rows and heads.
+    """
+    log_w = torch.log(weights.float().clamp_min(eps))
+    t = target.float()
+    per_row = -(t * log_w).sum(-1)  # (b, h, l)
+    if form == "kl":
+        per_row = per_row + (t * torch.log(t.clamp_min(eps))).sum(-1)
+    elif form != "soft_ce":
+        raise ValueError(f"unknown attention loss form {form!r} (soft_ce | kl)")
+    rows = _row_weights(mask, weights)
+    return (per_row * rows).sum() / (rows.sum() * weights.shape[1]).clamp_min(1)
+
+
+def output_mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error between (b, l, hidden) outputs, averaged over hidden and real tokens."""
+    per_token = (student.float() - teacher.float()).pow(2).mean(-1)
+    m = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
+    return (per_token * m).sum() / m.sum().clamp_min(1)
+
+
+def output_cosine(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """1 − cosine similarity of (b, l, hidden) outputs per token, averaged over real tokens (paper 000)."""
+    per_token = 1.0 - F.cosine_similarity(student.float(), teacher.float(), dim=-1, eps=1e-8)
+    m = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
+    return (per_token * m).sum() / m.sum().clamp_min(1)

@@ -52,11 +52,19 @@ class ScheduleConfig:
 
 
 @dataclass
+class LoRAConfig:
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
 class StageConfig:
     name: str = "stage"
     kind: str = "kd"
     tokens: int = 100_000  # token budget: steps = ceil(tokens / (batch_size * block_len))
-    trainable: list[str] = field(default_factory=lambda: ["mixers"])  # 'mixers', 'all' or globs on parameter names
+    trainable: list[str] = field(default_factory=lambda: ["mixers"])  # 'mixers', 'feature_maps', 'all' or globs
     batch_size: int = 8  # sequences per optimizer step, over all processes
     grad_accum: int = 1
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -64,6 +72,8 @@ class StageConfig:
     clip: float = 1.0
     temperature: float = 1.0  # kd
     kl_chunk: int = 64  # kd: tokens per chunk of the vocabulary-wide KL (small chunks stay in cache)
+    lora: LoRAConfig | None = None  # adapters on `targets`, trained via the 'lora' pattern, merged at the stage end
+    losses: dict = field(default_factory=dict)  # kind-specific loss weights/options (see the stage kind)
     eval_every: int = 0  # steps between held-out evaluations (0: stage end only)
     eval_batches: int = 4
     save_every: int = 50  # steps between checkpoints (the stage end always saves)
@@ -130,6 +140,7 @@ def validate(recipe: Recipe) -> None:
         where = f"stages[{i}] ({stage.name})"
         if stage.kind not in STAGE_KINDS:
             raise ConfigError(f"{where}: unknown kind '{stage.kind}'", f"use one of: {', '.join(STAGE_KINDS)}")
+        STAGE_KINDS[stage.kind].options(stage)  # unknown `losses` keys fail here, before any loading
         if stage.schedule.kind not in ("warmup_cosine", "wsd", "constant"):
             raise ConfigError(f"{where}: unknown schedule '{stage.schedule.kind}'", "use warmup_cosine, wsd or constant")
         if stage.tokens <= 0 or stage.batch_size <= 0 or stage.grad_accum <= 0:

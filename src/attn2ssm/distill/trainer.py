@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from attn2ssm.config import from_dict
 from attn2ssm.data import block_indices, check_block_len, pack_blocks, prepare_corpus
+from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
 from attn2ssm.distill.recipe import Recipe, validate
 from attn2ssm.distill.schedules import lr_multiplier
 from attn2ssm.distill.stages import STAGE_KINDS, select_trainable
@@ -173,8 +174,12 @@ class Distiller:
             name = f"stage{state.stage}-step{state.step:06d}"
             tmp = root / f".tmp-{name}"
             shutil.rmtree(tmp, ignore_errors=True)
-            self.acc.unwrap_model(self.student).save_pretrained(tmp)
-            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()}, tmp / "optimizer.pt")
+            student = self.acc.unwrap_model(self.student)
+            student.save_pretrained(tmp, state_dict=state_dict_without_lora(student))
+            payload = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()}
+            if hasattr(student, "lora"):  # a LoRA stage in progress: adapters travel beside the plain student
+                payload["lora"] = student.lora.state_dict()
+            torch.save(payload, tmp / "optimizer.pt")
             atomic_write_text(tmp / "state.json", json.dumps(asdict(state), indent=1))
             final = root / name
             shutil.rmtree(final, ignore_errors=True)
@@ -221,6 +226,10 @@ class Distiller:
         block_len = self.recipe.data.block_len
         steps = math.ceil(cfg.tokens / (cfg.batch_size * block_len))
         unwrapped = self.acc.unwrap_model(self.student)
+        if cfg.lora is not None:
+            attach_lora(unwrapped, cfg.lora.targets, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout)
+            if resume_payload is not None and "lora" in resume_payload:
+                unwrapped.lora.load_state_dict(resume_payload["lora"])
         names = select_trainable(unwrapped, cfg.trainable)
         params = [p for p in unwrapped.parameters() if p.requires_grad]
         n_train = sum(p.numel() for p in params)
@@ -231,7 +240,9 @@ class Distiller:
             optimizer.load_state_dict(resume_payload["optimizer"])
             scheduler.load_state_dict(resume_payload["scheduler"])
             _set_rng_state(resume_payload["rng"])
-        model = self.acc.prepare_model(unwrapped)  # DDP wrap under accelerate launch; identity otherwise
+        # DDP wrap under accelerate launch (identity otherwise); layer-local kinds never call the
+        # model's forward, so they are not wrapped and their gradients are averaged below.
+        model = self.acc.prepare_model(unwrapped) if kind.through_model_forward else unwrapped
         self.student = model
         model.train()
         if self.is_main:
@@ -245,7 +256,8 @@ class Distiller:
             for a in range(cfg.grad_accum):
                 idx = self._batch_indices(stage_idx, state.step, a, cfg)
                 batch = {"input_ids": self.blocks[idx].to(self.acc.device)}
-                sync = contextlib.nullcontext() if a == cfg.grad_accum - 1 else self.acc.no_sync(model)
+                wrapped = model is not unwrapped
+                sync = self.acc.no_sync(model) if wrapped and a < cfg.grad_accum - 1 else contextlib.nullcontext()
                 with sync, self.acc.autocast():
                     loss, metrics = kind.loss(model, self.teacher, batch, cfg)
                     if not torch.isfinite(loss):
@@ -258,6 +270,10 @@ class Distiller:
                 step_loss += loss.detach() / cfg.grad_accum
                 for k, v in metrics.items():
                     step_metrics[k] = step_metrics.get(k, 0.0) + v / cfg.grad_accum
+            if world > 1 and not kind.through_model_forward:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad = self.acc.reduce(p.grad, "mean")
             grad_norm = self.acc.clip_grad_norm_(params, cfg.clip) if cfg.clip else None
             optimizer.step()
             scheduler.step()
@@ -285,10 +301,13 @@ class Distiller:
             t_last, tokens_last = now, 0
             if last:
                 state.finished.append(stage_idx)
+            if last:
+                merge_lora(self.acc.unwrap_model(model))  # the stage-end checkpoint holds the merged weights
             if last or (cfg.save_every and state.step % cfg.save_every == 0):
                 self._save_checkpoint(state, optimizer, scheduler, cfg)
         bar.close()
         self.student = self.acc.unwrap_model(model)
+        merge_lora(self.student)
 
     def run(self) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,8 @@ decode the step form; both carry the same ``LinearAttentionState`` in the studen
 
 from __future__ import annotations
 
+import torch
+
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.feature_maps import build_feature_map
@@ -40,21 +42,29 @@ class LinearAttentionMixer(AttentionLikeMixer):
             raise ConfigError(f"linear_attention option rope={rope!r} is not valid", "use rope: before_map (default) or none")
         self.use_rope = rope == "before_map"
 
-    def features(self, hidden_states, position_embeddings=None):
-        """(φq, φk, v), each (b, h, l, ·) — exposed for distillation losses."""
+    def features(self, hidden_states, position_embeddings=None, offset: int = 0):
+        """(φq, φk, v), each (b, h, l, ·) — exposed for distillation losses. ``offset`` is the
+        absolute position of the first token (tokens already in the state), for position-aware maps."""
         q, k, v = self.project_qkv(hidden_states, position_embeddings if self.use_rope else None)
-        return self.feature_map_q(q), self.feature_map_k(k), v
+        positions = torch.arange(offset, offset + hidden_states.shape[1], device=hidden_states.device)
+        return self.feature_map_q(q, positions), self.feature_map_k(k, positions), v
 
     def attention_weights(self, hidden_states, position_embeddings=None, mask=None):
         """The materialised (b, h, l, l) mixing matrix for this input (quadratic form)."""
+        return self.forward_quadratic(hidden_states, position_embeddings, mask)[1]
+
+    def forward_quadratic(self, hidden_states, position_embeddings=None, mask=None):
+        """(output (b, l, hidden), weights (b, h, l, l)) through the materialised form — for
+        attention transfer, which needs both and runs on short blocks."""
         fq, fk, v = self.features(hidden_states, position_embeddings)
-        return linear_attention_quadratic(fq, fk, v, mask, eps=self.eps)[1]
+        y, weights = linear_attention_quadratic(fq, fk, v, mask, eps=self.eps)
+        return self.merge_heads(y), weights
 
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
-        fq, fk, v = self.features(hidden_states, position_embeddings)
-        mask = self.padding_mask(l)
         layer = self.cache_layer(kwargs)
+        fq, fk, v = self.features(hidden_states, position_embeddings, offset=0 if layer is None else layer.seen)
+        mask = self.padding_mask(l)
         state = None if layer is None else layer.states.get("linear")
         if state is not None and l == 1:  # decode: O(f·d) step against the carried state
             if mask is not None:
