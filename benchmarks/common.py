@@ -69,12 +69,16 @@ def bar_chart(path: Path, labels: Sequence[str], panels: Sequence[dict], title: 
         for bar, v in zip(bars, panel["values"]):
             text = "n/a" if v is None or not math.isfinite(v) else fmt.format(v)
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+        top = max([*values, 0.0])
         if panel.get("hline") is not None:
             y, label = panel["hline"]
+            top = max(top, y)
             ax.axhline(y, color="gray", linestyle="--", linewidth=1, label=label)
-            ax.legend(fontsize=8, loc="lower right")
+            ax.legend(fontsize=8, loc="upper right", framealpha=0.9)
         if panel.get("ylim") is not None:
             ax.set_ylim(*panel["ylim"])
+        elif top > 0:
+            ax.set_ylim(0, 1.25 * top)  # headroom for bar labels and the legend
         ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
         ax.set_ylabel(panel.get("ylabel", ""))
         ax.set_title(panel.get("title", ""))

@@ -15,7 +15,7 @@ over positions, heads, layers and samples; linear maps through the mixer's quadr
 training time. Paper 002 (Hedgehog) expects softmax ≈ Taylor ≈ Hedgehog ≫ 1+ELU / Performer /
 cosFormer, with the failing maps showing high (near-uniform) entropy.
 
-    python benchmarks/mqar.py                       # full table (CPU, ~15 min on 2 idle cores)
+    python benchmarks/mqar.py                       # full table (1 CPU thread, ~10-15 min; Taylor is half)
     python benchmarks/mqar.py --quick               # smoke config, seconds
     python benchmarks/mqar.py --steps 500 --maps hedgehog,elu --out /tmp/mqar
 
@@ -48,10 +48,10 @@ SOFTMAX = "softmax"
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class MQARConfig:
-    vocab_size: int = 64
-    num_kv_pairs: int = 16
-    seq_len: int = 64
-    num_queries: int = 16
+    vocab_size: int = 32
+    num_kv_pairs: int = 4
+    seq_len: int = 32
+    num_queries: int = 4
 
     def validate(self) -> None:
         n_keys, n_values = self.vocab_size // 2 - 1, self.vocab_size - self.vocab_size // 2
@@ -110,10 +110,10 @@ def make_mqar(num_samples: int, cfg: MQARConfig, seed: int) -> tuple[torch.Tenso
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class ModelConfig:
-    hidden_size: int = 128
+    hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 2
-    intermediate_size: int = 256
+    intermediate_size: int = 128
 
 
 def build_base(data: MQARConfig, mcfg: ModelConfig, seed: int):
@@ -129,7 +129,7 @@ def build_base(data: MQARConfig, mcfg: ModelConfig, seed: int):
         num_key_value_heads=mcfg.num_heads,
         max_position_embeddings=max(128, data.seq_len),
         tie_word_embeddings=False,
-        pad_token_id=0,
+        pad_token_id=None,  # token 0 is MQAR filler: keep its embedding trainable (no padding_idx)
         bos_token_id=None,
         eos_token_id=None,
     )
@@ -180,10 +180,19 @@ def accuracy(model, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: i
     return correct / max(total, 1), loss_sum / max(total, 1)
 
 
-def row_entropy(weights: torch.Tensor) -> torch.Tensor:
-    """(…, l, l) row-stochastic weights → (…, l) entropies in nats (0·log 0 = 0; negatives clipped)."""
-    w = weights.float().clamp_min(0)
-    return -(w * torch.log(w.clamp_min(1e-30))).sum(-1)
+def row_entropy(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(…, l, l) attention weights → ((…, l) entropies in nats, (…, l) bool "row is a distribution").
+
+    Rows are renormalised to sum to 1 (the linear-attention op's eps leaves them at S/(S + eps)).
+    A row whose weights sum to < 0.5 is *dead*: every kernel value was ~0 (ReLU-type maps such
+    as cosFormer/T2R can zero a whole row), the mixer outputs ~0 there and its entropy is
+    undefined, so it is flagged instead of counted as a perfectly spiky row (entropy 0).
+    """
+    w = weights.double().clamp_min(0)
+    total = w.sum(-1, keepdim=True)
+    alive = total.squeeze(-1) >= 0.5
+    p = w / total.clamp_min(1e-300)
+    return -(p * torch.log(p.clamp_min(1e-300))).sum(-1), alive
 
 
 def attention_weights(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
@@ -219,20 +228,27 @@ def attention_weights(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def entropy_stats(model, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 64) -> dict:
-    """Mean row entropy over all positions, and over query positions only (nats)."""
+    """Mean row entropy (nats) over all positions and over query positions only, averaged over
+    rows, heads, layers and samples; dead rows (see ``row_entropy``) are left out and counted."""
     model.eval()
     sum_all = sum_q = 0.0
-    n_all = n_q = 0
+    n_all = n_q = n_rows = 0
     for s in range(0, len(input_ids), batch_size):
         x, y = input_ids[s : s + batch_size], labels[s : s + batch_size]
         for w in attention_weights(model, x):
-            h = row_entropy(w)  # (b, heads, l)
-            sum_all += float(h.sum())
-            n_all += h.numel()
-            q = (y != IGNORE)[:, None, :].expand_as(h)
+            h, alive = row_entropy(w)  # (b, heads, l)
+            n_rows += alive.numel()
+            sum_all += float(h[alive].sum())
+            n_all += int(alive.sum())
+            q = (y != IGNORE)[:, None, :].expand_as(h) & alive
             sum_q += float(h[q].sum())
             n_q += int(q.sum())
-    return {"entropy": sum_all / max(n_all, 1), "entropy_query": sum_q / max(n_q, 1)}
+    nan = float("nan")
+    return {
+        "entropy": sum_all / n_all if n_all else nan,
+        "entropy_query": sum_q / n_q if n_q else nan,
+        "dead_row_fraction": 1.0 - n_all / max(n_rows, 1),
+    }
 
 
 def uniform_entropy(labels: torch.Tensor) -> dict:
@@ -248,13 +264,13 @@ def uniform_entropy(labels: torch.Tensor) -> dict:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class TrainConfig:
-    steps: int = 3000
+    steps: int = 2000
     batch_size: int = 32
-    lr: float = 2e-3
+    lr: float = 3e-3
     weight_decay: float = 0.0
     warmup_frac: float = 0.05
     grad_clip: float = 1.0
-    eval_every: int = 500
+    eval_every: int = 250
     num_test: int = 1000
     num_val: int = 256
     num_entropy: int = 128
@@ -276,7 +292,7 @@ def train_one(model, data: MQARConfig, tc: TrainConfig, lr: float, val, desc: st
     warmup = max(1, int(tc.warmup_frac * tc.steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, tc.steps, warmup))
     curve, status, loss_ema, done = [], "ok", None, 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     bar = tqdm(range(tc.steps), desc=desc, disable=not progress, dynamic_ncols=True, leave=True)
     for step in bar:
         model.train()
@@ -302,8 +318,8 @@ def train_one(model, data: MQARConfig, tc: TrainConfig, lr: float, val, desc: st
         elif step % 25 == 0:
             bar.set_postfix(loss=f"{loss_ema:.3f}")
     bar.close()
-    train_time = time.perf_counter() - t0
-    return {"status": status, "train_time_s": train_time, "steps_done": done,
+    train_time, cpu_time = time.perf_counter() - t0, time.process_time() - c0
+    return {"status": status, "train_time_s": train_time, "train_cpu_s": cpu_time, "steps_done": done,
             "final_train_loss_ema": loss_ema, "curve": curve}
 
 
@@ -320,7 +336,7 @@ QUICK = dict(
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny smoke configuration (seconds)")
-    p.add_argument("--steps", type=int, help="optimizer steps per model (default 3000; quick 30)")
+    p.add_argument("--steps", type=int, help="optimizer steps per model (default 2000; quick 30)")
     p.add_argument("--maps", help=f"comma-separated feature maps (default {','.join(DEFAULT_MAPS)})")
     p.add_argument("--no-softmax", action="store_true", help="skip the softmax-attention baseline")
     p.add_argument("--out", default="benchmarks/results", help="output folder for mqar.json / mqar.png")
@@ -338,7 +354,9 @@ def parse_args(argv):
     p.add_argument("--eval-every", type=int, help="validation every N steps for the learning curve (0 = only at the end)")
     p.add_argument("--map-option", action="append", default=[], metavar="MAP:KEY=VALUE",
                    help="feature_map_options for one map, e.g. hedgehog:activation=softmax (repeatable)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: these models are too small to gain from more, and extra "
+                   "threads on a busy machine slow them down badly)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     return p.parse_args(argv)
 
@@ -400,15 +418,15 @@ def run(argv: list[str] | None = None) -> dict:
             entry["feature_map"] = name
             entry["feature_map_options"] = map_options.get(name, {})
         try:
-            build_model(name, base_state, data, mcfg, tc.seed, map_options.get(name)).train()
+            first = build_model(name, base_state, data, mcfg, tc.seed, map_options.get(name))
         except Exception as exc:  # unknown map, bad option: report it, keep the table going
             entry.update(status=f"unavailable: {type(exc).__name__}: {exc}")
             results[name] = entry
             print(f"[mqar] {name}: {entry['status']}", file=sys.stderr)
             continue
         runs = []
-        for lr in lrs:
-            model = build_model(name, base_state, data, mcfg, tc.seed, map_options.get(name))
+        for i, lr in enumerate(lrs):
+            model = first if i == 0 else build_model(name, base_state, data, mcfg, tc.seed, map_options.get(name))
             r = train_one(model, data, tc, lr, val, desc=f"{name:>9} lr={lr:g}", progress=not args.no_progress)
             r["lr"] = lr
             r["val_accuracy"], _ = accuracy(model, *val) if r["status"] == "ok" else (float("nan"), None)
@@ -446,6 +464,7 @@ def run(argv: list[str] | None = None) -> dict:
                       "schedule": "linear warmup + cosine to 0", "data": "fresh batch per step, same stream for every model",
                       "loss": "cross-entropy at query positions only"},
             "quick": args.quick,
+            "torch_threads": torch.get_num_threads(),
             "maps": maps,
             "map_options": map_options,
             "uniform_attention_entropy": uniform_entropy(ent_set[1]),
@@ -455,15 +474,33 @@ def run(argv: list[str] | None = None) -> dict:
         **run_info("benchmarks/mqar.py", argv),
     }
     write_json(out / "mqar.json", report)
+    print(summary_table(report))
     plot(report, out / "mqar.png")
     print(f"[mqar] wrote {out / 'mqar.json'} and {out / 'mqar.png'}", file=sys.stderr)
     return report
+
+
+def summary_table(report: dict) -> str:
+    rows = ["| model | test acc % | entropy | entropy @queries | dead rows % | train s | status |", "|---|---|---|---|---|---|---|"]
+
+    def f(v, scale=1.0, nd=3):
+        return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{scale * v:.{nd}f}"
+
+    for name, e in report["models"].items():
+        rows.append(
+            f"| {name} | {f(e.get('accuracy'), 100, 1)} | {f(e.get('entropy'))} | {f(e.get('entropy_query'))} "
+            f"| {f(e.get('dead_row_fraction'), 100, 1)} | {f(e.get('train_time_s'), 1, 0)} | {e.get('status')} |"
+        )
+    u = report["settings"]["uniform_attention_entropy"]
+    rows.append(f"\nuniform causal attention: entropy {u['entropy']:.3f}, @queries {u['entropy_query']:.3f} (nats)")
+    return "\n".join(rows)
 
 
 def plot(report: dict, path: Path) -> Path:
     names = list(report["models"])
     acc = [report["models"][n].get("accuracy") for n in names]
     ent = [report["models"][n].get("entropy") for n in names]
+    ent_q = [report["models"][n].get("entropy_query") for n in names]
     s = report["settings"]
     d, t = s["data"], s["train"]
     title = (f"MQAR from scratch: vocab {d['vocab_size']}, {d['num_kv_pairs']} kv pairs, {d['num_queries']} queries, "
@@ -471,8 +508,10 @@ def plot(report: dict, path: Path) -> Path:
     return bar_chart(path, names, [
         {"values": [None if a is None else 100 * a for a in acc], "ylabel": "test accuracy (%)",
          "title": "accuracy at query positions", "fmt": "{:.1f}", "ylim": (0, 105)},
-        {"values": ent, "ylabel": "mean row entropy (nats)", "title": "attention entropy",
+        {"values": ent, "ylabel": "mean row entropy (nats)", "title": "attention entropy (all positions)",
          "hline": (s["uniform_attention_entropy"]["entropy"], "uniform causal")},
+        {"values": ent_q, "ylabel": "mean row entropy (nats)", "title": "attention entropy (query positions)",
+         "hline": (s["uniform_attention_entropy"]["entropy_query"], "uniform causal")},
     ], title=title)
 
 

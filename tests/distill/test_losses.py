@@ -84,3 +84,32 @@ def test_cross_entropy_mask_counts_real_targets_only():
     mask = torch.tensor([[0, 1, 1]])  # first token is padding: only 1→2 counts
     expected = -math.log(_softmax([0.0, 1.0, 0.0])[2])
     assert cross_entropy(logits, ids, mask).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_attention_cross_entropy_hand_computed():
+    from attn2ssm.distill.losses import attention_cross_entropy
+
+    # one head, two query rows (causal): row 0 sees key 0; row 1 sees keys 0 and 1
+    t = torch.tensor([[[[1.0, 0.0], [0.3, 0.7]]]])
+    w = torch.tensor([[[[1.0, 0.0], [0.6, 0.4]]]])
+    ce_row1 = -(0.3 * math.log(0.6) + 0.7 * math.log(0.4))
+    expected_ce = (0.0 + ce_row1) / 2  # mean over the 2 query rows
+    assert attention_cross_entropy(t, w).item() == pytest.approx(expected_ce, rel=1e-6)
+    kl_row1 = 0.3 * math.log(0.3 / 0.6) + 0.7 * math.log(0.7 / 0.4)
+    assert attention_cross_entropy(t, w, form="kl").item() == pytest.approx(kl_row1 / 2, rel=1e-6)
+    # a padded first query row does not count
+    mask = torch.tensor([[0, 1]])
+    assert attention_cross_entropy(t, w, mask).item() == pytest.approx(ce_row1, rel=1e-6)
+    assert attention_cross_entropy(t, t, form="kl").item() == pytest.approx(0.0, abs=1e-7)
+
+
+def test_output_mse_and_cosine_hand_computed():
+    from attn2ssm.distill.losses import output_cosine, output_mse
+
+    s = torch.tensor([[[1.0, 0.0], [0.0, 2.0]]])
+    t = torch.tensor([[[1.0, 1.0], [0.0, 1.0]]])
+    # token 0: ((0)^2 + (−1)^2)/2 = 0.5; token 1: (0 + 1)/2 = 0.5
+    assert output_mse(s, t).item() == pytest.approx(0.5)
+    # token 0: 1 − cos45° ; token 1: 1 − 1 = 0
+    assert output_cosine(s, t).item() == pytest.approx((1 - math.sqrt(0.5)) / 2, rel=1e-6)
+    assert output_cosine(s, t, torch.tensor([[0, 1]])).item() == pytest.approx(0.0, abs=1e-7)
