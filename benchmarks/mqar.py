@@ -1,25 +1,43 @@
 """Multi-query associative recall (MQAR): softmax attention vs linear attention feature maps.
 
 Zoology-style MQAR (Arora et al. 2023): each sequence opens with ``num_kv_pairs`` key-value
-pairs ``k1 v1 k2 v2 ...`` (keys from the lower half of the vocabulary, values from the upper
-half, token 0 = filler), followed by a query section in which ``num_queries`` of those keys
-reappear at random positions among filler tokens. The target at a query position is the value
-that key was paired with earlier; loss and accuracy are computed at query positions only.
+pairs ``k1 v1 k2 v2 ...`` (distinct keys from the lower half of the vocabulary, tokens
+1..V/2-1; distinct values from the upper half; token 0 = filler), followed by a query section in
+which ``num_queries`` of those keys reappear at uniformly random positions among filler tokens.
+The target at a query position is the value that key was paired with earlier; loss and accuracy
+are computed at query positions only. Training batches are generated fresh every step (the same
+stream for every model); validation and test sets are separate fresh samples.
 
 Every model is the same tiny Llama (RoPE) trained FROM SCRATCH with AdamW on that loss: the
 softmax baseline, and one copy per feature map with every attention layer swapped for
 ``linear_attention`` by ``attn2ssm.student.convert.convert`` (so all models start from the same
-random q/k/v/o and the same everything else). Reported per model: test accuracy on fresh
-samples, mean attention entropy (entropy of each query row of the attention weights, averaged
-over positions, heads, layers and samples; linear maps through the mixer's quadratic weights),
-training time. Paper 002 (Hedgehog) expects softmax ≈ Taylor ≈ Hedgehog ≫ 1+ELU / Performer /
-cosFormer, with the failing maps showing high (near-uniform) entropy.
+random q/k/v/o and the same everything else). Reported per model: test accuracy, mean attention
+entropy (entropy of each query row of the attention weights, averaged over positions, heads,
+layers and samples; also over MQAR query positions only; linear maps through the mixer's
+quadratic weights), training time. Paper 002 (Hedgehog) expects softmax ≈ Taylor ≈ Hedgehog ≫
+1+ELU / Performer / cosFormer, the failing maps with high entropy.
 
-    python benchmarks/mqar.py                       # full table (1 CPU thread, ~10-15 min; Taylor is half)
-    python benchmarks/mqar.py --quick               # smoke config, seconds
+Defaults (chosen in CPU smoke runs; seed 0): vocab 32, 4 kv pairs, 4 queries, length 32; Llama
+2 layers, hidden 64, 2 heads (head dim 32), MLP 128; 2000 steps of batch 32, AdamW lr 3e-3,
+5 % warmup then cosine, 1 CPU thread. Seen in smoke runs of this config (softmax, 1+ELU,
+Performer, cosFormer at 1000 steps; Taylor at 400; Hedgehog, T2R at 2000): softmax 100 %,
+Taylor 100 %, Hedgehog 99 %, 1+ELU / Performer / cosFormer / T2R 23-25 % (= guessing among the
+4 values in context). Harder settings (8+ kv pairs at vocab 64) left Hedgehog at chance
+within 1500 steps while softmax still solved them: pass e.g. ``--vocab-size 64 --num-kv-pairs 8
+--seq-len 64 --num-queries 8 --steps 20000`` for a longer run.
+
+``--filler pad`` (default) makes token 0 the model's pad token: its embedding is zero and never
+trained, but it is NOT masked (every model attends to filler positions). With ``--filler
+token`` (an ordinary learned token) Hedgehog stayed at chance at seed 0 while softmax and Taylor
+did not care.
+
+Cost: Taylor (f = 1 + d + d² = 1057 features) is ~5x the others and about half the total.
+On a busy 2-core machine a full default run was estimated at ~13 min; expect ~10 on an idle one.
+
+    python benchmarks/mqar.py                        # full table -> benchmarks/results/mqar.{json,png}
+    python benchmarks/mqar.py --quick                # smoke config, seconds
     python benchmarks/mqar.py --steps 500 --maps hedgehog,elu --out /tmp/mqar
-
-Writes ``<out>/mqar.json`` and ``<out>/mqar.png``.
+    python benchmarks/mqar.py --lr 1e-3,3e-3 --map-option hedgehog:activation=exp
 """
 
 from __future__ import annotations
@@ -114,6 +132,7 @@ class ModelConfig:
     num_layers: int = 2
     num_heads: int = 2
     intermediate_size: int = 128
+    filler: str = "pad"  # "pad": token 0 = pad token (zero, frozen embedding); "token": an ordinary learned token
 
 
 def build_base(data: MQARConfig, mcfg: ModelConfig, seed: int):
@@ -129,7 +148,9 @@ def build_base(data: MQARConfig, mcfg: ModelConfig, seed: int):
         num_key_value_heads=mcfg.num_heads,
         max_position_embeddings=max(128, data.seq_len),
         tie_word_embeddings=False,
-        pad_token_id=None,  # token 0 is MQAR filler: keep its embedding trainable (no padding_idx)
+        # Filler token 0 as the model's pad token: nn.Embedding(padding_idx=0) keeps its embedding
+        # at zero (untrained). It is NOT masked: every model still attends to filler positions.
+        pad_token_id=0 if mcfg.filler == "pad" else None,
         bos_token_id=None,
         eos_token_id=None,
     )
@@ -339,7 +360,8 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, help="optimizer steps per model (default 2000; quick 30)")
     p.add_argument("--maps", help=f"comma-separated feature maps (default {','.join(DEFAULT_MAPS)})")
     p.add_argument("--no-softmax", action="store_true", help="skip the softmax-attention baseline")
-    p.add_argument("--out", default="benchmarks/results", help="output folder for mqar.json / mqar.png")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                   help="output folder for mqar.json / mqar.png (default benchmarks/results)")
     p.add_argument("--lr", help="learning rate, or a comma-separated sweep (best per model by validation accuracy)")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--seed", type=int)
@@ -350,6 +372,9 @@ def parse_args(argv):
     p.add_argument("--hidden-size", type=int)
     p.add_argument("--num-layers", type=int)
     p.add_argument("--num-heads", type=int)
+    p.add_argument("--filler", choices=("pad", "token"),
+                   help="filler token 0: 'pad' = the model's pad token, zero frozen embedding (default); "
+                   "'token' = an ordinary learned token (harder for linear attention, see the docstring)")
     p.add_argument("--num-test", type=int, help="fresh test sequences (default 1000)")
     p.add_argument("--eval-every", type=int, help="validation every N steps for the learning curve (0 = only at the end)")
     p.add_argument("--map-option", action="append", default=[], metavar="MAP:KEY=VALUE",
@@ -377,7 +402,7 @@ def resolve(args):
         ("vocab_size", data, "vocab_size"), ("num_kv_pairs", data, "num_kv_pairs"), ("num_queries", data, "num_queries"),
         ("seq_len", data, "seq_len"), ("hidden_size", mcfg, "hidden_size"), ("num_layers", mcfg, "num_layers"),
         ("num_heads", mcfg, "num_heads"), ("steps", tc, "steps"), ("batch_size", tc, "batch_size"), ("seed", tc, "seed"),
-        ("num_test", tc, "num_test"), ("eval_every", tc, "eval_every"),
+        ("num_test", tc, "num_test"), ("eval_every", tc, "eval_every"), ("filler", mcfg, "filler"),
     ):
         if getattr(args, field) is not None:
             setattr(obj, attr, getattr(args, field))
@@ -400,8 +425,16 @@ def run(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     data, mcfg, tc, lrs, maps, map_options = resolve(args)
+    threads_before = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv, data, mcfg, tc, lrs, maps, map_options)
+    finally:
+        torch.set_num_threads(threads_before)  # in-process callers (tests) keep their setting
+
+
+def _run(args, argv, data, mcfg, tc, lrs, maps, map_options) -> dict:
     out = Path(args.out)
     names = ([] if args.no_softmax else [SOFTMAX]) + maps
     started = time.perf_counter()
@@ -505,7 +538,11 @@ def plot(report: dict, path: Path) -> Path:
     d, t = s["data"], s["train"]
     title = (f"MQAR from scratch: vocab {d['vocab_size']}, {d['num_kv_pairs']} kv pairs, {d['num_queries']} queries, "
              f"len {d['seq_len']}; {t['steps']} steps x {t['batch_size']}, lr {','.join(f'{x:g}' for x in t['lrs'])}")
-    return bar_chart(path, names, [
+    labels = []
+    for n in names:
+        dead = report["models"][n].get("dead_row_fraction") or 0.0
+        labels.append(f"{n}\n({dead:.0%} rows dead)" if dead >= 0.01 else n)
+    return bar_chart(path, labels, [
         {"values": [None if a is None else 100 * a for a in acc], "ylabel": "test accuracy (%)",
          "title": "accuracy at query positions", "fmt": "{:.1f}", "ylim": (0, 105)},
         {"values": ent, "ylabel": "mean row entropy (nats)", "title": "attention entropy (all positions)",

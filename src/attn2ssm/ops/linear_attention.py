@@ -74,7 +74,7 @@ def linear_attention_chunked(
         c = qc.shape[2]
         intra = (qc @ kc.transpose(-1, -2)).masked_fill(~causal[:c, :c], 0.0)  # (b, h, c, c)
         num = intra @ vc + qc @ kv  # (b, h, c, d)
-        den = intra.sum(-1) + (qc * k_sum[:, :, None, :]).sum(-1)  # (b, h, c)
+        den = intra.sum(-1) + (qc @ k_sum[..., None]).squeeze(-1)  # (b, h, c); a matmul, not a (c × f) temporary
         outs.append(num / (den[..., None] + eps))
         kv = kv + kc.transpose(-1, -2) @ vc
         k_sum = k_sum + kc.sum(2)
