@@ -102,3 +102,62 @@ def test_half_precision_inputs_computed_in_fp32():
 def test_state_zeros_shape():
     s = LinearAttentionState.zeros(2, 3, 4, 5)
     assert s.kv.shape == (2, 3, 4, 5) and s.k_sum.shape == (2, 3, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# sliding window of softmax + linear attention beyond it
+
+from attn2ssm.ops.linear_attention import window_linear_attention  # noqa: E402
+
+
+def _window_reference(q, k, v, fq, fk, scaling, window, gamma, mask):
+    """Per-query loop straight from the definition."""
+    b, h, l, d = q.shape
+    out = torch.zeros(b, h, l, d)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(l):
+                if mask[bi, i] == 0:
+                    continue
+                keys = [j for j in range(i + 1) if mask[bi, j] > 0]
+                win = [j for j in keys if i - j < window]
+                m = max(float(q[bi, hi, i] @ k[bi, hi, j]) * scaling for j in win)
+                w = {j: (gamma[hi] * torch.exp(q[bi, hi, i] @ k[bi, hi, j] * scaling - m) if j in win else fq[bi, hi, i] @ fk[bi, hi, j]) for j in keys}
+                total = sum(w.values())
+                out[bi, hi, i] = sum(w[j] * v[bi, hi, j] for j in keys) / total
+    return out
+
+
+def test_window_attention_matches_definition_in_every_form():
+    g = torch.Generator().manual_seed(3)
+    b, h, l, d, f, window = 2, 2, 13, 4, 6, 4
+    q, k, v = (torch.randn(b, h, l, d, generator=g) for _ in range(3))
+    fq, fk = (F.elu(torch.randn(b, h, l, f, generator=g)) + 1 for _ in range(2))
+    gamma = torch.tensor([0.3, 0.8])
+    mask = torch.ones(b, l)
+    mask[1, :3] = 0
+    ref = _window_reference(q, k, v, fq, fk, 0.5, window, gamma, mask)
+    kw = dict(scaling=0.5, window=window, gamma=gamma, eps=0.0)
+    one, _, weights = window_linear_attention(q, k, v, fq, fk, mask=mask, return_weights=True, **kw)
+    torch.testing.assert_close(one, ref, atol=1e-5, rtol=1e-5)
+    rows = weights.sum(-1)
+    torch.testing.assert_close(rows[0], torch.ones_like(rows[0]), atol=1e-5, rtol=0)
+    for sizes in ([5, 3, 5], [1] * 13, [4, 1, 1, 7]):  # chunked prefill and token-by-token decode
+        state, outs, start = None, [], 0
+        for n in sizes:
+            part = slice(start, start + n)
+            o, state = window_linear_attention(q[:, :, part], k[:, :, part], v[:, :, part], fq[:, :, part], fk[:, :, part], mask=mask[:, part], state=state, **kw)
+            outs.append(o)
+            start += n
+        torch.testing.assert_close(torch.cat(outs, 2), ref, atol=1e-5, rtol=1e-5)
+        assert state.keys.shape[2] == window - 1  # the window cache never grows past w − 1
+
+
+def test_window_covering_everything_is_softmax():
+    """With a window longer than the sequence and γ→1, the op is exact causal softmax attention."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=g) for _ in range(3))
+    fq = fk = torch.ones(1, 2, 9, 3)
+    out, _ = window_linear_attention(q, k, v, fq, fk, scaling=0.5, window=100, gamma=torch.ones(2), eps=0.0)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

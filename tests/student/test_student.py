@@ -197,3 +197,35 @@ def test_every_feature_map_prefill_chunked_and_decode_agree(feature_map, teacher
     torch.testing.assert_close(stepped, full, atol=1e-4, rtol=1e-4)
     full, chunked = _forms(student, ids, mask, [4, 3, 5])
     torch.testing.assert_close(chunked, full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_sliding_window_mixer_prefill_chunked_and_decode_agree(ratio, teachers):
+    teacher = teachers["llama"]
+    plan = make_plan(teacher.config.num_hidden_layers, LA, attention_ratio=ratio)
+    student = convert(teacher, plan, {LA: {"feature_map": "hedgehog", "window": 4, "chunk_size": 3}})
+    ids = _ids(l=14)
+    mask = torch.ones(2, 14, dtype=torch.long)
+    mask[1, :4] = 0
+    real = mask.bool()
+    full, stepped = _forms(student, ids, mask, [6] + [1] * 8)
+    torch.testing.assert_close(stepped[real], full[real], atol=1e-4, rtol=1e-4)
+    full, chunked = _forms(student, ids, mask, [5, 3, 6])
+    torch.testing.assert_close(chunked[real], full[real], atol=1e-4, rtol=1e-4)
+    # the quadratic path used by attention transfer gives the same layer output
+    mixer = next(iter(student.mixers().values()))
+    x = torch.randn(2, 14, teacher.config.hidden_size)
+    pe = teacher.model.rotary_emb(x, torch.arange(14)[None].expand(2, -1))
+    out_q, weights = mixer.forward_quadratic(x, pe)
+    out_f, _ = mixer(x, position_embeddings=pe)
+    torch.testing.assert_close(out_q, out_f, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 14), atol=1e-5, rtol=0)
+
+
+def test_window_factor_trains_with_feature_maps(teachers):
+    from attn2ssm.distill.stages import select_trainable
+
+    teacher = teachers["llama"]
+    student = convert(teacher, [LA, LA], {LA: {"feature_map": "hedgehog", "window": 4}})
+    names = select_trainable(student, ["feature_maps"])
+    assert any(n.endswith("window_factor") for n in names) and any(".feature_map_q." in n for n in names)

@@ -117,7 +117,7 @@ def select_trainable(student: nn.Module, patterns: list[str]) -> list[str]:
     """Freeze everything, then unfreeze parameters matching any pattern; returns their names.
 
     Patterns: ``mixers`` (every parameter of a swapped layer's mixer), ``feature_maps`` (the
-    mixers' feature-map parameters only), ``lora`` (the stage's adapters), ``all``, or shell-style globs on parameter names such
+    mixers' feature-map parameters and sliding-window mixing factors only), ``lora`` (the stage's adapters), ``all``, or shell-style globs on parameter names such
     as ``*.mlp.*`` or ``base.model.layers.1?.*``.
     """
     mixer_prefixes = tuple(f"base.{student.config.attention_paths[i]}." for i in student.config.mixer_layers)
@@ -131,7 +131,7 @@ def select_trainable(student: nn.Module, patterns: list[str]) -> list[str]:
         elif pattern == "lora":
             hits = [n for n in names if n.startswith("lora.")]
         elif pattern == "feature_maps":
-            hits = [n for n in names if n.startswith(mixer_prefixes) and ".feature_map_" in n]
+            hits = [n for n in names if n.startswith(mixer_prefixes) and (".feature_map_" in n or n.endswith(".window_factor"))]
         else:
             hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:

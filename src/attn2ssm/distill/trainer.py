@@ -353,7 +353,7 @@ class Distiller:
                 self.tokenizer.save_pretrained(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            results = write_report(self.out, self.recipe, self.teacher, student, self.corpus)
+            results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress)
         self.acc.wait_for_everyone()
         return results
 

@@ -73,12 +73,12 @@ def plot_losses(metrics: list[dict], path: Path, title: str = "") -> Path | None
     return path
 
 
-def write_report(run_dir: Path, recipe, teacher, student, corpus) -> dict:
+def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: bool = True) -> dict:
     run_dir = Path(run_dir)
     e = recipe.eval
     window = e.window or recipe.data.block_len
     stride = e.stride or window // 2
-    kwargs = dict(window=window, stride=stride, batch_size=e.batch_size, max_tokens=e.max_tokens, progress=True)
+    kwargs = dict(window=window, stride=stride, batch_size=e.batch_size, max_tokens=e.max_tokens, progress=progress)
     t = perplexity(teacher, corpus.heldout_ids, desc="teacher perplexity", **kwargs)
     s = perplexity(student, corpus.heldout_ids, desc="student perplexity", **kwargs)
     metrics = read_metrics(run_dir)

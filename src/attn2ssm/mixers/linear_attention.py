@@ -17,6 +17,7 @@ from attn2ssm.ops.linear_attention import (
     linear_attention_chunked,
     linear_attention_quadratic,
     linear_attention_step,
+    window_linear_attention,
 )
 
 
@@ -32,6 +33,8 @@ class LinearAttentionMixer(AttentionLikeMixer):
         chunk_size: int = 64,
         eps: float = 1e-6,
         rope: str = "before_map",
+        window: int = 0,
+        window_gamma: float = 0.5,
     ):
         super().__init__(geometry, layer_idx)
         opts = feature_map_options or {}
@@ -41,13 +44,28 @@ class LinearAttentionMixer(AttentionLikeMixer):
         if rope not in ("before_map", "none"):
             raise ConfigError(f"linear_attention option rope={rope!r} is not valid", "use rope: before_map (default) or none")
         self.use_rope = rope == "before_map"
+        # LoLCATs-style: the last `window` keys get exact softmax weights γ_h·exp(q·k·scale − max),
+        # older keys linear weights; γ_h = sigmoid(window_factor_h) is learned per head.
+        if window < 0 or not 0.0 < window_gamma < 1.0:
+            raise ConfigError(f"window={window}, window_gamma={window_gamma} are out of range", "use window >= 0 and 0 < window_gamma < 1")
+        self.window, self.scaling = window, geometry.get("scaling", self.head_dim**-0.5)
+        if window:
+            logit = torch.logit(torch.tensor(window_gamma)).item()
+            self.window_factor = torch.nn.Parameter(torch.full((self.num_heads,), logit))
+
+    def _qkv_features(self, hidden_states, position_embeddings=None, offset: int = 0):
+        q, k, v = self.project_qkv(hidden_states, position_embeddings if self.use_rope else None)
+        positions = torch.arange(offset, offset + hidden_states.shape[1], device=hidden_states.device)
+        return q, k, v, self.feature_map_q(q, positions), self.feature_map_k(k, positions)
 
     def features(self, hidden_states, position_embeddings=None, offset: int = 0):
         """(φq, φk, v), each (b, h, l, ·) — exposed for distillation losses. ``offset`` is the
         absolute position of the first token (tokens already in the state), for position-aware maps."""
-        q, k, v = self.project_qkv(hidden_states, position_embeddings if self.use_rope else None)
-        positions = torch.arange(offset, offset + hidden_states.shape[1], device=hidden_states.device)
-        return self.feature_map_q(q, positions), self.feature_map_k(k, positions), v
+        _, _, v, fq, fk = self._qkv_features(hidden_states, position_embeddings, offset)
+        return fq, fk, v
+
+    def _window_kwargs(self) -> dict:
+        return {"scaling": self.scaling, "window": self.window, "gamma": torch.sigmoid(self.window_factor), "eps": self.eps}
 
     def attention_weights(self, hidden_states, position_embeddings=None, mask=None):
         """The materialised (b, h, l, l) mixing matrix for this input (quadratic form)."""
@@ -56,6 +74,10 @@ class LinearAttentionMixer(AttentionLikeMixer):
     def forward_quadratic(self, hidden_states, position_embeddings=None, mask=None):
         """(output (b, l, hidden), weights (b, h, l, l)) through the materialised form — for
         attention transfer, which needs both and runs on short blocks."""
+        if self.window:
+            q, k, v, fq, fk = self._qkv_features(hidden_states, position_embeddings)
+            y, _, weights = window_linear_attention(q, k, v, fq, fk, mask=mask, return_weights=True, **self._window_kwargs())
+            return self.merge_heads(y), weights
         fq, fk, v = self.features(hidden_states, position_embeddings)
         y, weights = linear_attention_quadratic(fq, fk, v, mask, eps=self.eps)
         return self.merge_heads(y), weights
@@ -63,8 +85,20 @@ class LinearAttentionMixer(AttentionLikeMixer):
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
         layer = self.cache_layer(kwargs)
-        fq, fk, v = self.features(hidden_states, position_embeddings, offset=0 if layer is None else layer.seen)
+        q, k, v, fq, fk = self._qkv_features(hidden_states, position_embeddings, offset=0 if layer is None else layer.seen)
         mask = self.padding_mask(l)
+        if self.window:  # blocks of chunk_size queries against [window cache; block]: linear in l
+            state = None if layer is None else layer.states.get("window")
+            outs, opts = [], self._window_kwargs()
+            for start in range(0, l, self.chunk_size):
+                part = slice(start, start + self.chunk_size)
+                o, state = window_linear_attention(q[:, :, part], k[:, :, part], v[:, :, part], fq[:, :, part], fk[:, :, part],
+                                                   mask=None if mask is None else mask[:, part], state=state, **opts)
+                outs.append(o)
+            if layer is not None:
+                layer.states["window"] = state
+                layer.advance(l)
+            return self.merge_heads(torch.cat(outs, 2)), None
         state = None if layer is None else layer.states.get("linear")
         if state is not None and l == 1:  # decode: O(f·d) step against the carried state
             if mask is not None:

@@ -113,3 +113,75 @@ def linear_attention_noncausal(q, k, v, mask=None, *, eps: float = 1e-6):
     kv = k.transpose(-1, -2) @ v  # (b, h, f, d)
     den = q @ k.sum(2)[..., None]  # (b, h, l, 1)
     return ((q @ kv) / (den + eps)).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear attention + a sliding window of exact softmax attention (LoLCATs-style)
+
+
+@dataclass
+class WindowState:
+    """Decode state of window + linear attention.
+
+    kv, k_sum: linear sums over tokens that have left the window; keys/values/fkeys: the last
+    ``window − 1`` tokens (raw post-RoPE keys for the softmax part, their features for when they
+    leave); valid: (b, w') 1 where a cached token is real (left padding stays excluded).
+    """
+
+    kv: torch.Tensor
+    k_sum: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    fkeys: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def empty(cls, b, h, d, f, device=None) -> "WindowState":
+        z = lambda *s: torch.zeros(*s, device=device, dtype=torch.float32)  # noqa: E731
+        return cls(z(b, h, f, d), z(b, h, f), z(b, h, 0, d), z(b, h, 0, d), z(b, h, 0, f), z(b, 0))
+
+
+def window_linear_attention(q, k, v, fq, fk, *, scaling: float, window: int, gamma: torch.Tensor, mask=None, state: WindowState | None = None, eps: float = 1e-6, return_weights: bool = False):
+    """One block of queries against [cached window; block] keys plus the linear state.
+
+    Weight of key j for query i (unnormalised): γ_h·exp(s_ij − m_i) if i − j < window (s = q·k·scaling,
+    m_i the row's max over its window), else φq_i·φk_j; rows are normalised by their sum. q, k, v:
+    (b, h, l, d) post-RoPE; fq, fk: (b, h, l, f); gamma: (h,) in (0, 1). Feeding a sequence in
+    blocks with the returned state equals one block over the whole sequence (tested); a block of
+    one token is the decode step. Returns (out (b, h, l, d), state[, weights (b, h, l, w'+l)]).
+    """
+    dtype = v.dtype
+    b, h, l, d = q.shape
+    q, k, v, fq, fk = (t.float() for t in (q, k, v, fq, fk))
+    m = torch.ones(b, l, device=q.device) if mask is None else mask.float()
+    if state is None:
+        state = WindowState.empty(b, h, d, fq.shape[-1], device=q.device)
+    keys = torch.cat([state.keys, k], 2)
+    values = torch.cat([state.values, v * m[:, None, :, None]], 2)
+    fkeys = torch.cat([state.fkeys, fk * m[:, None, :, None]], 2)
+    valid = torch.cat([state.valid, m], 1)  # (b, L)
+    cached, total = state.keys.shape[2], keys.shape[2]
+    dist = (torch.arange(l, device=q.device) + cached)[:, None] - torch.arange(total, device=q.device)[None, :]
+    key_ok = valid[:, None, None, :] > 0  # (b, 1, 1, L)
+    in_window = (dist >= 0) & (dist < window) & key_ok
+    outside = (dist >= window) & key_ok
+    scores = (q @ keys.transpose(-1, -2)) * scaling  # (b, h, l, L)
+    scores = scores.masked_fill(~in_window, float("-inf"))
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    soft = torch.exp(scores - row_max) * gamma.float()[None, :, None, None]
+    lin = (fq @ fkeys.transpose(-1, -2)) * outside
+    weights = soft + lin
+    num = weights @ values + fq @ state.kv
+    den = weights.sum(-1) + (fq @ state.k_sum[..., None]).squeeze(-1)
+    den = torch.where(den > 0, den, torch.ones_like(den))  # rows with no visible key (padding): 0, not 0/0
+    out = (num / (den[..., None] + eps)) * m[:, None, :, None]
+    # tokens that no query from now on sees through the window join the linear state
+    keep = max(window - 1, 0)
+    leave = max(total - keep, 0)
+    kv = state.kv + fkeys[:, :, :leave].transpose(-1, -2) @ values[:, :, :leave]
+    k_sum = state.k_sum + fkeys[:, :, :leave].sum(2)
+    new_state = WindowState(kv, k_sum, keys[:, :, leave:], values[:, :, leave:], fkeys[:, :, leave:], valid[:, leave:])
+    if return_weights:
+        return out.to(dtype), new_state, weights / (den[..., None] + eps)
+    return out.to(dtype), new_state
