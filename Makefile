@@ -31,7 +31,7 @@ demo: install
 	@echo "== the student, loaded by plain transformers (trust_remote_code), generating =="
 	$(PY) -c "import sys; sys.modules['attn2ssm'] = None; \
 	from transformers import AutoModelForCausalLM, AutoTokenizer; \
-	d = '$(DEMO_OUT)/student'; tok = AutoTokenizer.from_pretrained(d); \
+	d = '$(DEMO_OUT)/student'; tok = AutoTokenizer.from_pretrained(d, trust_remote_code=True); \
 	m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True); \
 	ids = tok('The state of the Union is', return_tensors='pt'); \
 	out = m.generate(**ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id); \

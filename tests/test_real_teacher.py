@@ -27,7 +27,7 @@ def test_quickstart_on_the_builtin_teacher(tmp_path):
         "import sys; sys.modules['attn2ssm'] = None\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
         f"d = {str(out / 'student')!r}\n"
-        "tok = AutoTokenizer.from_pretrained(d); m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)\n"
+        "tok = AutoTokenizer.from_pretrained(d, trust_remote_code=True); m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)\n"
         "ids = tok('The state of the Union is', return_tensors='pt')\n"
         "print(tok.decode(m.generate(**ids, max_new_tokens=8, do_sample=False)[0]))\n"
     )
