@@ -90,10 +90,10 @@ class LinearAttentionMixer(AttentionLikeMixer):
         if self.window:  # blocks of chunk_size queries against [window cache; block]: linear in l
             state = None if layer is None else layer.states.get("window")
             outs, opts = [], self._window_kwargs()
-            for start in range(0, l, self.chunk_size):
-                part = slice(start, start + self.chunk_size)
-                o, state = window_linear_attention(q[:, :, part], k[:, :, part], v[:, :, part], fq[:, :, part], fk[:, :, part],
-                                                   mask=None if mask is None else mask[:, part], state=state, **opts)
+            pieces = [t.split(self.chunk_size, dim=2) for t in (q, k, v, fq, fk)]  # split: linear-time backward
+            masks = [None] * len(pieces[0]) if mask is None else mask.split(self.chunk_size, dim=1)
+            for qc, kc, vc, fqc, fkc, mc in zip(*pieces, masks):
+                o, state = window_linear_attention(qc, kc, vc, fqc, fkc, mask=mc, state=state, **opts)
                 outs.append(o)
             if layer is not None:
                 layer.states["window"] = state

@@ -69,8 +69,9 @@ def linear_attention_chunked(
     kv, k_sum = state.kv, state.k_sum
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     outs = []
-    for start in range(0, l, chunk_size):
-        qc, kc, vc = (t[:, :, start : start + chunk_size] for t in (q, k, v))
+    # torch.split, not slicing in the loop: the backward of each slice would materialise a
+    # full-length zero gradient (O(l²/C) work); split's backward is one concatenation.
+    for qc, kc, vc in zip(*(t.split(chunk_size, dim=2) for t in (q, k, v))):
         c = qc.shape[2]
         intra = (qc @ kc.transpose(-1, -2)).masked_fill(~causal[:c, :c], 0.0)  # (b, h, c, c)
         num = intra @ vc + qc @ kv  # (b, h, c, d)
