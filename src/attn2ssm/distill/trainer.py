@@ -99,7 +99,7 @@ def _truncate_metrics(path: Path, state: TrainerState) -> None:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut by the kill
-        if (rec.get("stage_index", -1), rec.get("step", 0)) <= (state.stage, state.step) or rec.get("stage_index", -1) < state.stage:
+        if (rec.get("stage_index", -1), rec.get("step", 0)) <= (state.stage, state.step):
             kept.append(line)
     atomic_write_text(path, "".join(k + "\n" for k in kept))
 
