@@ -64,6 +64,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import common  # noqa: E402  (benchmarks/common.py: run metadata and JSON output shared by the scripts)
 DEFAULT_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_LENGTHS = [128, 256]
 METHODS = ("sdpa", "hedgehog", "taylor", "elu")
@@ -334,42 +336,11 @@ def summarize(records: list[dict]) -> dict:
 
 # ------------------------------------------------------------------------------------ output
 def _run_info(argv: list[str]) -> dict:
-    try:
-        sys.path.insert(0, str(HERE))
-        from common import run_info  # noqa: PLC0415  (benchmarks/common.py, shared by the scripts)
-
-        return run_info("benchmarks/linear_attention_speed.py", argv)
-    except ImportError:
-        import shlex
-
-        from attn2ssm.eval.report import environment
-
-        return {
-            "command": shlex.join(["python", "benchmarks/linear_attention_speed.py", *argv]),
-            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "environment": environment(),
-        }
+    return common.run_info("benchmarks/linear_attention_speed.py", argv)
 
 
 def _write_json(path: Path, data: dict) -> None:
-    try:
-        sys.path.insert(0, str(HERE))
-        from common import write_json  # noqa: PLC0415
-
-        write_json(path, data)
-    except ImportError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-        def clean(o):
-            if isinstance(o, float):
-                return o if math.isfinite(o) else None
-            if isinstance(o, dict):
-                return {str(k): clean(v) for k, v in o.items()}
-            if isinstance(o, (list, tuple)):
-                return [clean(v) for v in o]
-            return o
-
-        path.write_text(json.dumps(clean(data), indent=2) + "\n")
+    common.write_json(path, data)
 
 
 def plot(records: list[dict], path: Path, title: str) -> Path:
@@ -473,8 +444,9 @@ def main(argv: list[str] | None = None) -> dict | int:
                     scale = length / prev["length"]
                     t_pred = prev["time_s"] * scale ** TIME_EXPONENT[method] * (repeats + 1)
                     m_pred = prev.get("peak_memory_bytes", 0) * scale ** memory_exponent(method, measured)
-                if not m_pred:  # nothing measured yet (or a 0-byte reading): the analytic estimate
-                    m_pred = estimate_memory_bytes(method, length, args.heads, args.head_dim, args.chunk_size)
+                # An RSS reading can under-report (memory the allocator reuses, notably without
+                # subprocess isolation), so never predict less than the analytic estimate.
+                m_pred = max(m_pred, estimate_memory_bytes(method, length, args.heads, args.head_dim, args.chunk_size))
                 reason = None
                 if t_pred > args.point_budget:
                     reason = f"predicted {t_pred:.0f} s > --point-budget {args.point_budget:.0f} s"
