@@ -1,0 +1,81 @@
+"""Causal depthwise conv1d with a rolling state, as in Mamba's short convolution.
+
+    y_t[c] = act(bias[c] + Σ_{i<k} weight[c, i] · x_{t-k+1+i}[c])
+
+x (b, l, c); weight (c, k) (tap k-1 multiplies the current token, as ``nn.Conv1d`` with left
+padding k-1); bias (c,) or None; activation None or "silu". The state (b, c, k-1) holds the previous
+k-1 inputs (oldest first), so a sequence fed in pieces — or token by token through
+``causal_conv1d_step`` — gives the one-pass result. ``mask`` (b, l): padded inputs are zeroed
+before the conv (they enter the state as zeros); outputs at padded positions are not zeroed (they
+are act(bias + earlier inputs)) — the mixer masks them downstream. Math in float32; outputs in the
+input dtype, states float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_ACTIVATIONS = (None, "silu")
+
+
+def _check_activation(activation):
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+
+
+def causal_conv1d(x, weight, bias=None, state=None, mask=None, activation=None, backend: str = "auto"):
+    """x (b, l, c) → (y (b, l, c), new state (b, c, k-1) = the last k-1 inputs after masking).
+
+    ``state`` None means zeros (start of sequence). ``backend``: "auto" uses the ``causal_conv1d``
+    package's kernel for CUDA tensors when it imports and k ∈ {2, 3, 4}; "torch" never.
+    """
+    _check_activation(activation)
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"backend must be 'auto' or 'torch', got {backend!r}")
+    dtype = x.dtype
+    b, l, c = x.shape
+    k = weight.shape[-1]
+    x = x.float()
+    if mask is not None:
+        x = x * mask.to(device=x.device, dtype=torch.float32)[..., None]
+    prev = x.new_zeros(b, c, k - 1) if state is None else state.float()
+    # Prepending the state makes the conv exact with no padding; its first k-1 outputs are never formed.
+    full = torch.cat([prev, x.transpose(1, 2)], dim=-1)  # (b, c, k-1+l)
+    new_state = full[..., full.shape[-1] - (k - 1) :].clone()  # also right when l < k-1 (old state shifts)
+    w = weight.float()
+    fn = _causal_conv1d_fn() if backend == "auto" and x.is_cuda and 2 <= k <= 4 else None
+    if fn is not None:
+        y = fn(full.contiguous(), w.contiguous(), None if bias is None else bias.float(), activation=activation)
+        y = y[..., k - 1 :]
+    else:
+        y = F.conv1d(full, w[:, None, :], None if bias is None else bias.float(), groups=c)  # (b, c, l)
+        if activation == "silu":
+            y = F.silu(y)
+    return y.transpose(1, 2).to(dtype), new_state
+
+
+def causal_conv1d_step(x, weight, bias, state, activation=None):
+    """One token: x (b, c), state (b, c, k-1) or None (zeros). Returns (y (b, c), new state)."""
+    _check_activation(activation)
+    dtype = x.dtype
+    k = weight.shape[-1]
+    x = x.float()
+    if state is None:
+        state = x.new_zeros(*x.shape, k - 1)
+    window = torch.cat([state.float(), x[..., None]], dim=-1)  # (b, c, k): oldest … current
+    y = (window * weight.float()).sum(-1)
+    if bias is not None:
+        y = y + bias.float()
+    if activation == "silu":
+        y = F.silu(y)
+    return y.to(dtype), window[..., 1:]
+
+
+def _causal_conv1d_fn():
+    """The ``causal_conv1d`` package's ``causal_conv1d_fn`` if it imports, else None (lazily)."""
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except Exception:  # not installed, or built without its CUDA extension
+        return None
+    return causal_conv1d_fn

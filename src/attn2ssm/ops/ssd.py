@@ -1,0 +1,193 @@
+"""Mamba-2 / SSD: a linear recurrence with one scalar decay per head and token.
+
+    h_t = exp(a_t) · h_{t-1} + x_t ⊗ B_t        h: (p, n) per head, a_t ≤ 0 (log-decay)
+    y_t = h_t · C_t + D · x_t
+
+Unrolled, y = M x + D x with M[t, s] = exp(a_{s+1} + … + a_t) · (C_t · B_s) for s ≤ t: causal
+linear attention whose mask decays (``exp(segsum(a))``). Shapes: x (b, l, h, p), a (b, l, h),
+B, C (b, l, h, n), D None or (h,) (or (h, p)), state (b, h, p, n). Four forms that tests hold
+equal (fp32, 1e-5):
+
+* ``ssd_quadratic`` materialises M (b, h, l, l) — for distillation losses against attention maps;
+* ``ssd_chunked`` the SSD algorithm (quadratic inside chunks, states carried across them) —
+  training and prefill, O(l·C·(n + p) + l·n·p); dispatches to ``mamba_ssm`` on CUDA;
+* ``ssd_step`` one token against the state — decode;
+* ``ssd_sequential`` the per-token loop over ``ssd_step`` — the plain reference.
+
+``mask`` (b, l): 1 = real token, 0 = padding. A padded token leaves the state unchanged (decay 1,
+no input) and its output is 0. Math runs in float32; outputs return in the input dtype, states
+stay float32. Every exponent the code takes is a sum of log-decays over a forward interval
+(≤ 0), so strongly negative decays underflow to 0 instead of overflowing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# The Mamba-2 kernel scales its input by dt, so a zero log-decay (no decay) cannot be expressed
+# exactly; it becomes dt = _MIN_DT, i.e. a decay of exp(-1e-6) per token (see _ssd_chunked_cuda).
+_MIN_DT = 1e-6
+
+
+def segsum(x: torch.Tensor) -> torch.Tensor:
+    """(..., T) → (..., T, T): out[i, j] = x_{j+1} + … + x_i for i ≥ j (0 on the diagonal), -inf above.
+
+    Built by masking then one cumsum, so each entry is a sum of the terms it names — never a
+    difference of two long prefix sums, which would cancel catastrophically.
+    """
+    T = x.size(-1)
+    lower = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    strict = lower.tril(-1)
+    terms = x[..., :, None].expand(*x.shape, T).masked_fill(~strict, 0.0)  # terms[i, j] = x_i if i > j
+    out = terms.cumsum(-2)  # out[i, j] = Σ_{j < k ≤ i} x_k
+    return out.masked_fill(~lower, float("-inf"))
+
+
+def _prepare(x, a, B, C, mask):
+    """fp32 copies with padded tokens neutralised: decay 1 (a = 0), no input (x = 0, B = 0)."""
+    x, a, B, C = x.float(), a.float(), B.float(), C.float()
+    if mask is None:
+        return x, a, B, C, None
+    m = mask.to(device=x.device, dtype=torch.float32)
+    return x * m[..., None, None], a * m[..., None], B * m[..., None, None], C * m[..., None, None], m
+
+
+def _skip(D, x):
+    """D·x for D of shape (h,) (one skip per head) or (h, p) (per channel)."""
+    D = D.float()
+    return (D[:, None] if D.dim() == 1 else D) * x
+
+
+def _finish(y, x, D, m, dtype):
+    if D is not None:
+        y = y + _skip(D, x)
+    if m is not None:
+        y = y * m[..., None, None]
+    return y.to(dtype)
+
+
+def ssd_quadratic(x, a, B, C, mask=None, D=None, return_matrix: bool = False):
+    """y = M x (+ D x) with M[t, s] = exp(segsum(a))[t, s] · (C_t · B_s). Returns y (b, l, h, p)
+    and, if ``return_matrix``, M (b, h, l, l) (D not included; padded rows and columns are 0)."""
+    dtype = x.dtype
+    x, a, B, C, m = _prepare(x, a, B, C, mask)
+    decay = torch.exp(segsum(a.transpose(1, 2)))  # (b, h, l, l), 0 above the diagonal
+    M = (C.transpose(1, 2) @ B.permute(0, 2, 3, 1)) * decay  # (b, h, l, n) @ (b, h, n, l)
+    y = (M @ x.transpose(1, 2)).transpose(1, 2)  # (b, l, h, p)
+    y = _finish(y, x, D, m, dtype)
+    return (y, M) if return_matrix else y
+
+
+def ssd_chunked(x, a, B, C, mask=None, D=None, state=None, chunk_size: int = 64, backend: str = "auto"):
+    """The chunked SSD algorithm; any length l. Returns (y (b, l, h, p), final state (b, h, p, n)).
+
+    ``state``: initial state (b, h, p, n) or None (zeros). ``backend``: "auto" uses
+    ``mamba_ssm.mamba_chunk_scan_combined`` for CUDA tensors when it imports (there a log-decay of
+    exactly 0 becomes -1e-6, see ``_ssd_chunked_cuda``), "torch" never.
+    """
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"backend must be 'auto' or 'torch', got {backend!r}")
+    if backend == "auto" and x.is_cuda and _mamba_chunk_scan() is not None:
+        return _ssd_chunked_cuda(x, a, B, C, mask, D, state, chunk_size)
+    dtype = x.dtype
+    x, a, B, C, m = _prepare(x, a, B, C, mask)
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    if l == 0:
+        s = x.new_zeros(b, h, p, n) if state is None else state.float()
+        return x.to(dtype), s
+    cs = max(1, min(int(chunk_size), l))
+    pad = (-l) % cs
+    if pad:  # zero tail: decay 1 and no input, so the final state is the one after token l
+        x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
+        a = F.pad(a, (0, 0, 0, pad))
+    nc = (l + pad) // cs
+
+    def chunks(t):  # (b, l, h, d) → (b, h, nc, cs, d)
+        return t.reshape(b, nc, cs, h, t.shape[-1]).permute(0, 3, 1, 2, 4)
+
+    xc, Bc, Cc = chunks(x), chunks(B), chunks(C)
+    ac = a.reshape(b, nc, cs, h).permute(0, 3, 1, 2)  # (b, h, nc, cs)
+    a_cum = ac.cumsum(-1)  # within-chunk prefix sums only: |a_cum| grows over cs tokens, not l
+
+    # 1. inside each chunk: the quadratic form
+    scores = (Cc @ Bc.transpose(-1, -2)) * torch.exp(segsum(ac))  # (b, h, nc, cs, cs)
+    y = scores @ xc  # (b, h, nc, cs, p)
+
+    # 2. the state each chunk adds by its end: Σ_s exp(a_{s+1} + … + a_end) x_s ⊗ B_s
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # t_end ≥ s: exponent ≤ 0
+    chunk_states = xc.transpose(-1, -2) @ (Bc * to_end[..., None])  # (b, h, nc, p, n)
+
+    # 3. carry states across chunks (a short loop: nc steps on (b, h, p, n) tensors)
+    s = torch.zeros(b, h, p, n, device=x.device) if state is None else state.float()
+    entering = []
+    for decay, add in zip(torch.exp(a_cum[..., -1]).unbind(2), chunk_states.unbind(2)):
+        entering.append(s)
+        s = decay[..., None, None] * s + add
+    entering = torch.stack(entering, 2)  # (b, h, nc, p, n): state before each chunk
+
+    # 4. what the entering state contributes inside each chunk
+    y = y + (Cc * torch.exp(a_cum)[..., None]) @ entering.transpose(-1, -2)
+    y = y.permute(0, 2, 3, 1, 4).reshape(b, nc * cs, h, p)[:, :l]
+    return _finish(y, x[:, :l], D, m, dtype), s
+
+
+def ssd_step(x, a, B, C, state=None, D=None):
+    """One token: x (b, h, p), a (b, h), B, C (b, h, n), state (b, h, p, n) or None.
+    Returns (y (b, h, p), new state (b, h, p, n))."""
+    dtype = x.dtype
+    x, a, B, C = x.float(), a.float(), B.float(), C.float()
+    if state is None:
+        state = x.new_zeros(*x.shape, B.shape[-1])
+    state = torch.exp(a)[..., None, None] * state.float() + x[..., :, None] * B[..., None, :]
+    y = (state @ C[..., None]).squeeze(-1)
+    if D is not None:
+        y = y + _skip(D, x)
+    return y.to(dtype), state
+
+
+def ssd_sequential(x, a, B, C, mask=None, D=None, state=None):
+    """Token-by-token loop over ``ssd_step`` (the reference). Returns (y, final state)."""
+    dtype = x.dtype
+    x, a, B, C, m = _prepare(x, a, B, C, mask)
+    ys = []
+    # unbind, not x[:, t]: each indexing op's backward would write a full-length zero gradient (O(l²))
+    for xt, at, Bt, Ct in zip(x.unbind(1), a.unbind(1), B.unbind(1), C.unbind(1)):
+        y, state = ssd_step(xt, at, Bt, Ct, state)
+        ys.append(y)
+    if state is None:
+        state = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[-1])
+    y = torch.stack(ys, 1) if ys else x.new_zeros(x.shape)
+    return _finish(y, x, D, m, dtype), state
+
+
+ssd_recurrent = ssd_sequential
+
+
+# ------------------------------------------------------------------------------------ CUDA path
+def _mamba_chunk_scan():
+    """``mamba_chunk_scan_combined`` if mamba_ssm imports, else None (imported lazily)."""
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception:  # not installed, or installed without working kernels
+        return None
+    return mamba_chunk_scan_combined
+
+
+def _ssd_chunked_cuda(x, a, B, C, mask, D, state, chunk_size):
+    """Map onto the Mamba-2 kernel h_t = exp(dt_t·A) h_{t-1} + dt_t·x_t ⊗ B_t with A = -1 per
+    head, dt = -a and input x / dt, so decay = exp(a) and input = x. dt = 0 (no decay, padding)
+    is clamped to _MIN_DT; padded tokens have x = 0, so they still add nothing."""
+    dtype = x.dtype
+    x, a, B, C, m = _prepare(x, a, B, C, mask)
+    h = x.shape[2]
+    dt = (-a).clamp_min(_MIN_DT)
+    A = -torch.ones(h, device=x.device, dtype=torch.float32)
+    chunk = max(16, 1 << (max(int(chunk_size), 1) - 1).bit_length())  # the kernel wants a power of 2
+    init = None if state is None else state.float().contiguous()
+    y, final = _mamba_chunk_scan()(
+        (x / dt[..., None]).contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), chunk,
+        initial_states=init, return_final_states=True,
+    )  # fmt: skip
+    return _finish(y.float(), x, D, m, dtype), final.float()

@@ -1,0 +1,108 @@
+"""Causal depthwise conv: one pass == pieces with carried state == token-by-token step (fp32, 1e-6)."""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
+
+
+def _inputs(b=2, l=13, c=5, k=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, l, c, generator=g), torch.randn(c, k, generator=g), torch.randn(c, generator=g)
+
+
+def _left_padding(b, l, pads):
+    mask = torch.ones(b, l)
+    for i, p in enumerate(pads):
+        mask[i, :p] = 0
+    return mask
+
+
+def test_matches_nn_conv1d_definition():
+    """Tap k-1 is the current token: the same as nn.Conv1d(groups=c, padding=k-1) cut to l."""
+    x, w, bias = _inputs()
+    y, state = causal_conv1d(x, w, bias)
+    ref = F.conv1d(x.transpose(1, 2), w[:, None, :], bias, padding=3, groups=5)[..., :13].transpose(1, 2)
+    torch.testing.assert_close(y, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(state, x[:, -3:].transpose(1, 2))
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_pieces_and_steps_equal_one_pass_with_padding(activation, k):
+    x, w, bias = _inputs(k=k)
+    mask = _left_padding(2, 13, [0, 4])
+    full, full_state = causal_conv1d(x, w, bias, mask=mask, activation=activation)
+    # pieces, including ones shorter than k-1 (the old state must shift, not be replaced)
+    state, outs, start = None, [], 0
+    for n in [1, 2, 5, 1, 4]:
+        part = slice(start, start + n)
+        y, state = causal_conv1d(x[:, part], w, bias, state=state, mask=mask[:, part], activation=activation)
+        outs.append(y)
+        start += n
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(state, full_state, atol=0, rtol=0)
+    # token by token; the step has no mask, so padded inputs are zeroed by the caller
+    xm = x * mask[..., None]
+    state, outs = None, []
+    for t in range(13):
+        y, state = causal_conv1d_step(xm[:, t], w, bias, state, activation=activation)
+        outs.append(y)
+    torch.testing.assert_close(torch.stack(outs, 1), full, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(state, full_state, atol=0, rtol=0)
+    assert full_state.shape == (2, 5, k - 1)
+
+
+def test_padded_inputs_are_zeroed():
+    """Left padding: the real tokens' outputs equal those of the unpadded sequence."""
+    x, w, bias = _inputs()
+    mask = _left_padding(2, 13, [0, 4])
+    x_junk = x.clone()
+    x_junk[1, :4] = 1e3  # whatever sits under the padding must not leak
+    y, state = causal_conv1d(x_junk, w, bias, mask=mask)
+    y_real, state_real = causal_conv1d(x[1:, 4:], w, bias)
+    torch.testing.assert_close(y[1, 4:], y_real[0], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(state[1], state_real[0])
+
+
+def test_state_holds_last_inputs_when_l_shorter_than_window():
+    x, w, _ = _inputs(l=2, k=4)
+    s0 = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
+    _, s1 = causal_conv1d(x, w, state=s0)
+    torch.testing.assert_close(s1, torch.cat([s0[..., 2:], x.transpose(1, 2)], -1), atol=0, rtol=0)
+
+
+def test_bf16_in_bf16_out_and_grads():
+    x, w, bias = _inputs()
+    y, state = causal_conv1d(x.bfloat16(), w, bias, activation="silu")
+    assert y.dtype == torch.bfloat16 and state.dtype == torch.float32
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    causal_conv1d(x, w, bias)[0].sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+
+
+def test_bad_arguments():
+    x, w, bias = _inputs()
+    with pytest.raises(ValueError, match="activation"):
+        causal_conv1d(x, w, bias, activation="gelu")
+    with pytest.raises(ValueError, match="backend"):
+        causal_conv1d(x, w, bias, backend="triton")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("causal_conv1d") is None,
+    reason="needs CUDA and the causal_conv1d package",
+)
+def test_cuda_kernel_matches_torch():
+    x, w, bias = (t.cuda() for t in _inputs(l=37, c=16))
+    mask = _left_padding(2, 37, [0, 6]).cuda()
+    s0 = torch.randn(2, 16, 3, device="cuda")
+    for activation in (None, "silu"):
+        ref = causal_conv1d(x, w, bias, state=s0, mask=mask, activation=activation, backend="torch")
+        out = causal_conv1d(x, w, bias, state=s0, mask=mask, activation=activation, backend="auto")
+        torch.testing.assert_close(out[0], ref[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[1], ref[1])
