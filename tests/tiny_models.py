@@ -122,6 +122,11 @@ def smollm2() -> LlamaConfig:
                        tie_word_embeddings=True)  # fmt: skip
 
 
+def gqa_9x3() -> LlamaConfig:
+    """SmolLM2-135M's head layout (9 query heads over 3 kv heads) at head_dim 8."""
+    return LlamaConfig(**dict(_LLAMA_LIKE, hidden_size=72, num_attention_heads=9, num_key_value_heads=3))
+
+
 def phi_qk_layernorm() -> PhiConfig:
     cfg = phi()
     cfg.qk_layernorm = True
@@ -137,6 +142,7 @@ def gpt2_layer_scaled() -> GPT2Config:
 
 VARIANT_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "smollm2": smollm2,  # family llama
+    "gqa_9x3": gqa_9x3,  # family llama
     "phi_qk_layernorm": phi_qk_layernorm,  # family phi
     "gpt2_layer_scaled": gpt2_layer_scaled,  # family gpt2
 }

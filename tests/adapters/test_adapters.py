@@ -28,7 +28,7 @@ from attn2ssm.adapters import registry  # noqa: E402
 from attn2ssm.errors import UnsupportedModelError  # noqa: E402
 
 ALL = list(TINY_CONFIGS) + list(VARIANT_CONFIGS)
-FAMILY_OF = {**{name: name for name in TINY_CONFIGS}, "smollm2": "llama", "phi_qk_layernorm": "phi",
+FAMILY_OF = {**{name: name for name in TINY_CONFIGS}, "smollm2": "llama", "gqa_9x3": "llama", "phi_qk_layernorm": "phi",
              "gpt2_layer_scaled": "gpt2"}  # fmt: skip
 BATCH, LENGTH, TOL = 2, 12, 1e-5
 PAD = 3  # left padding of row 0 in the padding tests

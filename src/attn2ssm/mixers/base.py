@@ -81,21 +81,31 @@ class AttentionLikeMixer(nn.Module):
                 mine.weight.copy_(theirs.weight)
 
     # -- shared projections ------------------------------------------------------------------
-    def project_qkv(self, x: torch.Tensor, position_embeddings=None):
-        """x (b, l, hidden) → q (b, h, l, d), k and v (b, h, l, d) with kv heads repeated (GQA)."""
+    def project_heads(self, x: torch.Tensor, position_embeddings=None):
+        """x (b, l, hidden) → q (b, l, h, d), k and v (b, l, kv, d): q/k norms and RoPE applied
+        (RoPE only when ``position_embeddings`` is given), kv heads NOT repeated."""
         b, l, _ = x.shape
-        q = self.q_proj(x).view(b, l, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, l, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, l, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, l, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, l, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, l, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if position_embeddings is not None and self.rotary_dim:
-            cos, sin = position_embeddings
-            q, k = apply_rotary(q, cos, sin, self.rotary_dim), apply_rotary(k, cos, sin, self.rotary_dim)
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            cos, sin = position_embeddings  # (b, l, rotary) — rotate with heads as dim 2
+            q = apply_rotary(q.transpose(1, 2), cos, sin, self.rotary_dim).transpose(1, 2)
+            k = apply_rotary(k.transpose(1, 2), cos, sin, self.rotary_dim).transpose(1, 2)
         return q, k, v
+
+    def repeat_kv(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Repeat kv heads over their query group along ``dim`` (GQA: query head j reads kv head j // groups)."""
+        groups = self.num_heads // self.num_kv_heads
+        return t.repeat_interleave(groups, dim=dim) if groups > 1 else t
+
+    def project_qkv(self, x: torch.Tensor, position_embeddings=None):
+        """x (b, l, hidden) → q (b, h, l, d), k and v (b, h, l, d) with kv heads repeated (GQA)."""
+        q, k, v = self.project_heads(x, position_embeddings)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q, self.repeat_kv(k, 1), self.repeat_kv(v, 1)
 
     def merge_heads(self, y: torch.Tensor) -> torch.Tensor:
         """(b, h, l, d) → o_proj((b, l, h·d))."""

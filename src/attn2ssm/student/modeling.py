@@ -58,6 +58,11 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
             parent, name = _get_submodule_parent(self.base, config.attention_paths[i])
             setattr(parent, name, mixer)
         self.post_init()
+        # post_init ran the family's weight init over every module; give the mixers' own
+        # parameters (gates, Δ, A, conv …) back their designed initialisation.
+        for mixer in self.mixers().values():
+            if hasattr(mixer, "init_new_parameters"):
+                mixer.init_new_parameters()
 
     # -- plumbing HF expects ------------------------------------------------------------------
     def get_input_embeddings(self):

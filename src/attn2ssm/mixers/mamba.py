@@ -1,0 +1,166 @@
+"""Mamba (selective scan, per-channel decay) as a drop-in for a teacher attention module,
+initialised from it (paper 004, Algorithm 1 and its Mamba-1 release).
+
+Weights: C ← W_Q (scaled by the teacher's 1/√d), B ← W_K, x ← W_V, out ← W_O, kept under the
+teacher's names (q_proj = C, k_proj = B, v_proj = x, o_proj = out). GQA: x and B keep the kv
+width and are repeated over each query group; C keeps the query width. The value channels
+(h·head_dim of them) are split into groups of ``d_state``; group g reads the g-th d_state-wide
+slice of its head's key and query as B and C (``d_state`` is capped at head_dim; None means
+head_dim). ``d_state = head_dim`` gives one group per head —
+full linearised attention at init; ``d_state = 16`` (the default) is paper 004's released
+layout (state = channels × 16). ``expand`` (N' in the paper) runs N' copies of each group with
+their own Δ and A and sums them: the state grows N'-fold.
+
+Per token, with u the layer input:
+    x = SiLU(conv(repeat(W_V u)))        (depthwise causal conv, passes the token at init)
+    Δ = softplus(W_up W_down u + b_Δ)    (one per channel and copy; low-rank, from the layer input)
+    h_t = exp(Δ_t A) ⊙ h_{t−1} + Δ_t B_t x_t,   y_t = C_t h_t + D ⊙ x_t,   out = W_O (y ⊙ SiLU(W_z u + b_z))
+
+``sanity=True`` (needs expand 1): Δ = 1, A = 0, no conv / gate / D: y_t = Σ_{s≤t} (C_t·B_s) x_s,
+which with ``d_state = head_dim`` is linearised attention exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attn2ssm.errors import ConfigError
+from attn2ssm.mixers.base import AttentionLikeMixer
+from attn2ssm.mixers.ssm_common import CausalConv, check_activation, dt_bias_init, init_identity_gate
+from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
+from attn2ssm.ops.selective_scan import selective_scan_chunked, selective_scan_step
+
+
+class MambaMixer(AttentionLikeMixer):
+    mixer_type = "mamba"
+
+    def __init__(
+        self,
+        geometry: dict,
+        layer_idx: int,
+        d_state: int | None = 16,
+        expand: int = 1,
+        dt_rank: int | None = None,
+        d_conv: int = 4,
+        conv_activation: str | None = "silu",
+        gate: bool = True,
+        D: bool = True,
+        dt_min: float = 1e-3,
+        dt_max: float = 0.1,
+        rope: str = "none",
+        chunk_size: int = 32,
+        sanity: bool = False,
+        D_init: float = 0.0,
+    ):
+        super().__init__(geometry, layer_idx)
+        self.D_init = D_init
+        d = self.head_dim
+        d_state = min(d_state or d, d)  # capped at head_dim: a group never spans two heads
+        if d % d_state:
+            raise ConfigError(f"mamba d_state={d_state} does not divide head_dim={d}", f"use a divisor of {d} (e.g. 16) or d_state: null for head_dim")
+        if expand < 1 or (sanity and expand != 1):
+            raise ConfigError(f"mamba expand={expand} is not valid{' in sanity mode' if sanity else ''}", "use expand >= 1 (expand: 1 with sanity: true)")
+        if rope not in ("none", "before"):
+            raise ConfigError(f"mamba option rope={rope!r} is not valid", "use rope: none (default, as paper 004) or before")
+        self.d_state, self.expand, self.sanity = d_state, expand, sanity
+        self.use_rope, self.chunk_size = rope == "before", chunk_size
+        self.scaling = geometry.get("scaling", d**-0.5)
+        self.d_inner = self.num_heads * d
+        self.groups = self.d_inner // d_state  # value channels per group = d_state
+        self.conv_activation = check_activation(conv_activation)
+        self.dt_range = (dt_min, dt_max)
+        if sanity:
+            d_conv, gate, D = 0, False, False
+        self.conv = CausalConv(self.d_inner, d_conv) if d_conv else None  # after the GQA repeat, as released
+        self.gate = nn.Linear(self.hidden_size, self.d_inner, bias=True) if gate else None
+        self.D = nn.Parameter(torch.ones(self.d_inner)) if D else None
+        if not sanity:
+            self.dt_rank = dt_rank or math.ceil(self.hidden_size / 16)
+            self.dt_down = nn.Linear(self.hidden_size, self.dt_rank, bias=False)
+            self.dt_up = nn.Linear(self.dt_rank, expand * self.d_inner, bias=True)
+            self.A_log = nn.Parameter(torch.empty(expand * self.groups, d_state, d_state))  # (copies·groups, p, n)
+        self.init_new_parameters()
+
+    @torch.no_grad()
+    def init_new_parameters(self) -> None:
+        """(Re)initialise everything attention does not provide; q/k/v/o are left alone."""
+        if self.conv is not None:
+            self.conv.reset_parameters()
+        if self.gate is not None:
+            init_identity_gate(self.gate)
+        if self.D is not None:
+            self.D.fill_(self.D_init)
+        if not self.sanity:
+            nn.init.kaiming_uniform_(self.dt_down.weight, a=math.sqrt(5))
+            bound = self.dt_rank**-0.5
+            self.dt_up.weight.uniform_(-bound, bound)
+            self.dt_up.bias.copy_(dt_bias_init(self.expand * self.d_inner, *self.dt_range))
+            # S4D-real: A = −(1, 2, …, N) along the state for every channel.
+            self.A_log.copy_(torch.log(torch.arange(1, self.d_state + 1, dtype=torch.float32)).expand_as(self.A_log))
+
+    def _groups(self, t: torch.Tensor) -> torch.Tensor:
+        """(b, l, h·d) → (b, l, copies·groups, d_state), the copies stacked along the group dim."""
+        b, l, _ = t.shape
+        t = t.reshape(b, l, self.groups, self.d_state)
+        return t.repeat(1, 1, self.expand, 1) if self.expand > 1 else t
+
+    def _scan_inputs(self, u, x):
+        """x (b, l, d_inner) after the conv → (x, Δ, A) in the scan's (b, l, G, p) layout."""
+        b, l, _ = u.shape
+        xg = self._groups(x)
+        if self.sanity:
+            return xg, torch.ones_like(xg), xg.new_zeros(self.groups, self.d_state, self.d_state)
+        dt = F.softplus(self.dt_up(self.dt_down(u)).float()).to(x.dtype)
+        dt = dt.reshape(b, l, self.expand * self.groups, self.d_state)
+        return xg, dt, -torch.exp(self.A_log.float()).to(x.dtype)
+
+    def _bc(self, u, position_embeddings):
+        q, k, v = self.project_heads(u, position_embeddings if self.use_rope else None)
+        x = self.repeat_kv(v, 2).flatten(2)  # (b, l, d_inner)
+        B = self._groups(self.repeat_kv(k, 2).flatten(2))
+        C = self._groups((q * self.scaling).flatten(2))
+        return x, B, C
+
+    def _output(self, y, x, u):
+        b, l = y.shape[:2]
+        y = y.reshape(b, l, self.expand, self.d_inner).sum(2)
+        if self.D is not None:
+            y = y + self.D.to(y.dtype) * x
+        if self.gate is not None:
+            y = y * F.silu(self.gate(u))
+        return self.o_proj(y)
+
+    def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
+        b, l, _ = hidden_states.shape
+        layer = self.cache_layer(kwargs)
+        states = {} if layer is None else layer.states
+        mask = self.padding_mask(l)
+        x, B, C = self._bc(hidden_states, position_embeddings)
+        decode = l == 1 and "ssm" in states
+        if decode and mask is not None:
+            x = x * mask[:, :, None].to(x.dtype)
+        if self.conv is not None:
+            w, bias = self.conv.weight, self.conv.bias
+            if decode:
+                x0, conv_state = causal_conv1d_step(x[:, 0], w, bias, states["conv"], activation=self.conv_activation)
+                x = x0[:, None]
+            else:
+                x, conv_state = causal_conv1d(x, w, bias, state=states.get("conv"), mask=mask, activation=self.conv_activation)
+        xg, dt, A = self._scan_inputs(hidden_states, x)
+        if decode:
+            if mask is not None:  # a padded step leaves the state alone
+                dt = dt * mask[:, :, None, None].to(dt.dtype)
+            y, ssm = selective_scan_step(xg[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], states["ssm"])
+            y = y[:, None]
+        else:
+            y, ssm = selective_scan_chunked(xg, dt, A, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
+        if layer is not None:
+            layer.states["ssm"] = ssm
+            if self.conv is not None:
+                layer.states["conv"] = conv_state
+            layer.advance(l)
+        return self._output(y, x, hidden_states), None

@@ -1,0 +1,217 @@
+"""Mamba-2 (SSD) as a drop-in for a teacher attention module, initialised from it (paper 004).
+
+Attention → SSM weight mapping (paper 004, Fig. 1): C ← W_Q, B ← W_K, x ← W_V, out ← W_O, kept
+under the teacher's names (``q_proj`` = C, ``k_proj`` = B, ``v_proj`` = x, ``o_proj`` = out) so
+LoRA targets and weight surgery read the same as for attention. C is also scaled by the
+teacher's 1/√d, so C·B is the teacher's attention logit. GQA: x and B keep the kv width and are
+repeated over each query group after the conv; C keeps the query width. One SSD head per query
+head with state (head_dim × head_dim) — the size of a linear-attention KV state. No RoPE by
+default (paper 004's mixers drop it; ``rope: before`` keeps it on B and C).
+
+Per token, with u the layer input (after the block's norm):
+    x, B, C = conv([W_V u, W_K u, W_Q u / √d])          (depthwise causal, passes the token at init)
+    Δ = softplus(W_Δ u + b_Δ)  (one per head),  a = Δ·A,  A = −exp(A_log)
+    h_t = exp(a_t)·h_{t−1} + (Δ_t x_t) ⊗ B_t,   y_t = h_t C_t + D ⊙ x_t
+    out = W_O · norm(y ⊙ SiLU(W_z u + b_z))            (gated RMSNorm per head, optional)
+
+``DiscreteMamba2Mixer`` is paper 001's Phi-Mamba mixer: no Δ, the decay is an input projection
+a_t = −softplus(W_a u_t + b_a) per head, no activation after the conv, no norm, D skip.
+
+``sanity=True`` turns every addition off (Δ = 1, A = 0, no conv / gate / D / norm) and the
+mixer computes linearised attention exactly: y_t = Σ_{s≤t} (q_t·k_s/√d) v_s (paper 004 §1.3).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attn2ssm.errors import ConfigError
+from attn2ssm.mixers.base import AttentionLikeMixer
+from attn2ssm.mixers.ssm_common import CausalConv, GatedRMSNorm, check_activation, dt_bias_init, init_identity_gate
+from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
+from attn2ssm.ops.ssd import ssd_chunked, ssd_quadratic, ssd_step
+
+
+class Mamba2Mixer(AttentionLikeMixer):
+    mixer_type = "mamba2"
+    discrete = False
+
+    def __init__(
+        self,
+        geometry: dict,
+        layer_idx: int,
+        d_conv: int = 4,
+        conv_activation: str | None = "silu",
+        gate: bool = True,
+        norm: bool = False,
+        D: bool = True,
+        A_init_range: tuple[float, float] = (1.0, 16.0),
+        dt_min: float = 1e-3,
+        dt_max: float = 0.1,
+        a_init_range: tuple[float, float] = (-8.0, -7.0),
+        rope: str = "none",
+        chunk_size: int = 64,
+        sanity: bool = False,
+        D_init: float = 0.0,
+    ):
+        super().__init__(geometry, layer_idx)
+        self.D_init = D_init
+        if rope not in ("none", "before"):
+            raise ConfigError(f"{self.mixer_type} option rope={rope!r} is not valid", "use rope: none (default, as paper 004) or before")
+        self.use_rope, self.chunk_size, self.sanity = rope == "before", chunk_size, sanity
+        self.scaling = geometry.get("scaling", self.head_dim**-0.5)
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        self.conv_activation = check_activation(conv_activation)
+        self.dt_range, self.A_init_range, self.a_init_range = (dt_min, dt_max), tuple(A_init_range), tuple(a_init_range)
+        if sanity:
+            d_conv, gate, norm, D = 0, False, False, False
+        # conv over [x (kv·d), B (kv·d), C (h·d)] before the GQA repeat, as paper 004's Mamba-2.
+        self.conv = CausalConv((2 * kv + h) * d, d_conv) if d_conv else None
+        self.gate = nn.Linear(self.hidden_size, h * d, bias=True) if gate else None
+        self.norm = GatedRMSNorm(h, d) if norm else None
+        self.D = nn.Parameter(torch.ones(h)) if D else None
+        if self.discrete:  # paper 001: the decay is an input projection, no Δ / A
+            self.a_proj = None if sanity else nn.Linear(self.hidden_size, h, bias=True)
+        else:
+            self.dt_proj = None if sanity else nn.Linear(self.hidden_size, h, bias=True)
+            self.A_log = None if sanity else nn.Parameter(torch.empty(h))
+        self.init_new_parameters()
+
+    @torch.no_grad()
+    def init_new_parameters(self) -> None:
+        """(Re)initialise everything attention does not provide; q/k/v/o are left alone."""
+        if self.conv is not None:
+            self.conv.reset_parameters()
+        if self.gate is not None:
+            init_identity_gate(self.gate)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.D is not None:
+            self.D.fill_(self.D_init)
+        h = self.num_heads
+        if self.discrete and self.a_proj is not None:
+            # Little decay at init (α = exp(−softplus(b)) ≈ 0.9995): close to linear attention.
+            self.a_proj.weight.zero_()
+            lo, hi = self.a_init_range
+            self.a_proj.bias.copy_(torch.rand(h) * (hi - lo) + lo)
+        elif not self.discrete and self.dt_proj is not None:
+            bound = self.hidden_size**-0.5
+            self.dt_proj.weight.uniform_(-bound, bound)
+            self.dt_proj.bias.copy_(dt_bias_init(h, *self.dt_range))
+            lo, hi = self.A_init_range
+            self.A_log.copy_(torch.log(torch.rand(h) * (hi - lo) + lo))
+
+    # -- the pieces ------------------------------------------------------------------------
+    def _xbc(self, u, position_embeddings):
+        """Projected (b, l, c) channels [x, B, C] before the conv."""
+        q, k, v = self.project_heads(u, position_embeddings if self.use_rope else None)
+        return torch.cat([v.flatten(2), k.flatten(2), (q * self.scaling).flatten(2)], dim=-1)
+
+    def _split(self, xbc):
+        """(b, l, c) → x (b, l, h, p), B (b, l, h, n), C (b, l, h, n) with kv heads repeated."""
+        b, l, _ = xbc.shape
+        kvw, d = self.num_kv_heads * self.head_dim, self.head_dim
+        x, B, C = xbc.split([kvw, kvw, self.num_heads * d], dim=-1)
+        x = self.repeat_kv(x.reshape(b, l, self.num_kv_heads, d), 2)
+        B = self.repeat_kv(B.reshape(b, l, self.num_kv_heads, d), 2)
+        return x, B, C.reshape(b, l, self.num_heads, d)
+
+    def _decay(self, u):
+        """(log-decay a (b, l, h) ≤ 0, input scale Δ (b, l, h) or None)."""
+        if self.sanity:
+            return u.new_zeros(u.shape[0], u.shape[1], self.num_heads), None
+        if self.discrete:
+            return -F.softplus(self.a_proj(u).float()), None
+        dt = F.softplus(self.dt_proj(u).float())
+        return dt * -torch.exp(self.A_log.float()), dt
+
+    def _output(self, y, x, u):
+        """y, x (b, l, h, p) → o_proj(gate/norm(y + D·x))."""
+        if self.D is not None:
+            y = y + self.D[:, None].to(y.dtype) * x
+        y = y.flatten(2)
+        z = self.gate(u) if self.gate is not None else None
+        if self.norm is not None:
+            y = self.norm(y, z)
+        elif z is not None:
+            y = y * F.silu(z)
+        return self.o_proj(y)
+
+    # -- forward forms ---------------------------------------------------------------------
+    def forward_quadratic(self, hidden_states, position_embeddings=None, mask=None):
+        """(output (b, l, hidden), mixing matrix M (b, h, l, l)) through the materialised form;
+        y = M x (+ D x). Used by layer-local stages and plots; no cache."""
+        xbc = self._xbc(hidden_states, position_embeddings)
+        if self.conv is not None:
+            xbc, _ = causal_conv1d(xbc, self.conv.weight, self.conv.bias, mask=mask, activation=self.conv_activation)
+        x, B, C = self._split(xbc)
+        a, dt = self._decay(hidden_states)
+        x_in = x if dt is None else x * dt[..., None].to(x.dtype)
+        y, M = ssd_quadratic(x_in, a.to(x.dtype), B, C, mask=mask, return_matrix=True)
+        if dt is not None:  # fold Δ_s into the matrix so that y = M x
+            M = M * dt.transpose(1, 2)[:, :, None, :].to(M.dtype)
+        return self._output(y, x, hidden_states), M
+
+    def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
+        b, l, _ = hidden_states.shape
+        layer = self.cache_layer(kwargs)
+        states = {} if layer is None else layer.states
+        mask = self.padding_mask(l)
+        xbc = self._xbc(hidden_states, position_embeddings)
+        decode = l == 1 and "ssm" in states
+        if decode and mask is not None:
+            xbc = xbc * mask[:, :, None].to(xbc.dtype)
+        if self.conv is not None:
+            w, bias = self.conv.weight, self.conv.bias
+            if decode:
+                y0, conv_state = causal_conv1d_step(xbc[:, 0], w, bias, states["conv"], activation=self.conv_activation)
+                xbc = y0[:, None]
+            else:
+                xbc, conv_state = causal_conv1d(xbc, w, bias, state=states.get("conv"), mask=mask, activation=self.conv_activation)
+        x, B, C = self._split(xbc)
+        a, dt = self._decay(hidden_states)
+        x_in = x if dt is None else x * dt[..., None].to(x.dtype)
+        a = a.to(x.dtype)
+        if decode:
+            if mask is not None:  # a padded step leaves the state alone
+                a = a * mask[:, :, None].to(a.dtype)
+                x_in = x_in * mask[:, :, None, None].to(x_in.dtype)
+            y, ssm = ssd_step(x_in[:, 0], a[:, 0], B[:, 0], C[:, 0], states["ssm"])
+            y = y[:, None]
+        else:
+            y, ssm = ssd_chunked(x_in, a, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
+        if layer is not None:
+            layer.states["ssm"] = ssm
+            if self.conv is not None:
+                layer.states["conv"] = conv_state
+            layer.advance(l)
+        return self._output(y, x, hidden_states), None
+
+
+class DiscreteMamba2Mixer(Mamba2Mixer):
+    """Paper 001's Phi-Mamba mixer: input-projected decay (no Δ, no A), identity conv without
+    activation, no norm, identity-initialised gate, D skip."""
+
+    mixer_type = "discrete_mamba2"
+    discrete = True
+
+    def __init__(
+        self,
+        geometry: dict,
+        layer_idx: int,
+        d_conv: int = 4,
+        conv_activation: str | None = "none",
+        gate: bool = True,
+        norm: bool = False,
+        D: bool = True,
+        a_init_range: tuple[float, float] = (-8.0, -7.0),
+        rope: str = "none",
+        chunk_size: int = 64,
+        sanity: bool = False,
+        D_init: float = 0.0,
+    ):
+        super().__init__(geometry, layer_idx, d_conv=d_conv, conv_activation=conv_activation, gate=gate, norm=norm, D=D,
+                         a_init_range=a_init_range, rope=rope, chunk_size=chunk_size, sanity=sanity, D_init=D_init)
+

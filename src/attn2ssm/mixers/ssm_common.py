@@ -1,0 +1,85 @@
+"""Pieces the state-space mixers share: the parameters paper 004 adds to a converted attention
+layer (Δ, A, conv, gate, D, gated norm) and how each is initialised.
+
+Initialisations keep the converted layer close to its teacher: the conv passes the current
+token through, the gate starts at 1 (zero weight, bias b with SiLU(b) = 1, as paper 001 does),
+Δ starts in [dt_min, dt_max] (Mamba's inverse-softplus bias), A is log-parameterised so it
+stays negative.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attn2ssm.errors import ConfigError
+
+# SiLU(b) = b·σ(b) = 1 at b ≈ 1.27846: a zero-weight gate with this bias multiplies by exactly 1.
+GATE_IDENTITY_BIAS = 1.2784645427610738
+
+
+def dt_bias_init(n: int, dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4) -> torch.Tensor:
+    """Biases b with softplus(b) log-uniform in [dt_min, dt_max] (floored), as Mamba initialises Δ."""
+    if not 0.0 < dt_min <= dt_max:
+        raise ConfigError(f"dt_min={dt_min}, dt_max={dt_max} are not a valid range", "use 0 < dt_min <= dt_max, e.g. 0.001 and 0.1")
+    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp_min(floor)
+    return dt + torch.log(-torch.expm1(-dt))  # inverse of softplus
+
+
+@torch.no_grad()
+def init_identity_gate(gate: nn.Linear) -> None:
+    """Make z = gate(u) the constant SiLU(z) = 1: zero weight, bias GATE_IDENTITY_BIAS."""
+    gate.weight.zero_()
+    gate.bias.fill_(GATE_IDENTITY_BIAS)
+
+
+class CausalConv(nn.Module):
+    """Depthwise causal conv weights (channels, kernel), initialised to pass the current token."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        if kernel < 1:
+            raise ConfigError(f"d_conv={kernel} is not a valid kernel size", "use d_conv >= 1 (4 in Mamba), or conv: false")
+        self.kernel = kernel
+        self.weight = nn.Parameter(torch.empty(channels, kernel))
+        self.bias = nn.Parameter(torch.empty(channels))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.zero_()
+        self.weight[:, -1] = 1.0  # the last tap is the current token
+        self.bias.zero_()
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba-2's gated norm, per head: RMSNorm(y · SiLU(z)) · w over each head's p channels."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.num_heads, self.eps = num_heads, eps
+        self.weight = nn.Parameter(torch.ones(num_heads * head_dim))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.fill_(1.0)
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+        """y, z: (b, l, h·p) → (b, l, h·p)."""
+        if z is not None:
+            y = y * F.silu(z.float()).to(y.dtype)
+        b, l, width = y.shape
+        yf = y.float().view(b, l, self.num_heads, -1)
+        yf = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (yf.view(b, l, width) * self.weight.float()).to(y.dtype)
+
+
+def check_activation(name: str | None) -> str | None:
+    if name in (None, "none", "identity"):
+        return None
+    if name != "silu":
+        raise ConfigError(f"conv_activation={name!r} is not supported", "use silu or none")
+    return name
