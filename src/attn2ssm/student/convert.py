@@ -2,16 +2,25 @@
 
 Every non-attention weight is the teacher's; each mixer starts from its layer's q/k/v/o
 (read through the family adapter, so fused/transposed layouts and GQA are handled there).
+
+``grow_student`` continues a stepwise schedule (paper 004 §2.1): a trained student gets more
+layers converted, keeping everything it has learnt. ``converted_layer`` swaps one attention
+layer for a fresh mixer for the length of a ``with`` block (cheap layer probing).
 """
 
 from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from attn2ssm.adapters import get_adapter
+from attn2ssm.errors import ConfigError
+from attn2ssm.mixers.registry import ATTENTION, MIXERS, build_mixer
 from attn2ssm.student.configuration import Attn2SSMConfig
-from attn2ssm.student.modeling import Attn2SSMForCausalLM
+from attn2ssm.student.modeling import Attn2SSMForCausalLM, _get_submodule_parent
 
 
 def _qk_norm_settings(weights) -> dict:
@@ -30,8 +39,16 @@ def convert(
     mixer_options: dict | None = None,
     *,
     teacher_info: dict | None = None,
+    init: str = "attention",
 ) -> Attn2SSMForCausalLM:
-    """Return a student (same dtype/device as the teacher) initialised from the teacher's weights."""
+    """Return a student (same dtype/device as the teacher) initialised from the teacher's weights.
+
+    ``init="attention"`` (default) starts each mixer from its layer's q/k/v/o (paper 004's
+    attention initialisation); ``init="random"`` leaves the mixers' projections at the family's
+    default random init (the ablation baseline) — everything else is the teacher's either way.
+    """
+    if init not in ("attention", "random"):
+        raise ConfigError(f"unknown init {init!r}", "use init: attention (default) or random")
     adapter = get_adapter(teacher)
     config = teacher.config
     paths = adapter.attention_module_paths(teacher)
@@ -63,6 +80,126 @@ def convert(
     if stray:
         raise RuntimeError(f"student weights missing from the teacher: {stray[:5]}")
     for i, mixer in student.mixers().items():
-        mixer.load_attention_weights(adapter.read_weights(attn_modules[i]))
+        if init == "attention":
+            mixer.load_attention_weights(adapter.read_weights(attn_modules[i]))
+        else:  # load_state_dict above filled same-named q/k/v/o from the teacher: draw them afresh
+            for module in mixer.modules():
+                if isinstance(module, nn.Linear):
+                    student.base._init_weights(module)
+            if hasattr(mixer, "init_new_parameters"):
+                mixer.init_new_parameters()
     student.eval()
     return student
+
+
+def _first_param(module: nn.Module) -> torch.Tensor:
+    return next(module.parameters())
+
+
+@contextmanager
+def converted_layer(student: Attn2SSMForCausalLM, layer: int, kind: str, options: dict | None = None):
+    """Within the block, ``student``'s attention layer ``layer`` is a fresh ``kind`` mixer.
+
+    The mixer is initialised from the attention module it replaces, exactly as ``convert`` does
+    from the teacher, and takes that module's dtype and device; ``options`` are the mixer's own
+    options (not keyed by kind). On exit the attention module, plan and options are restored.
+    Yields the mixer.
+    """
+    config = student.config
+    if config.layer_plan[layer] != ATTENTION:
+        raise ConfigError(f"layer {layer} is already a '{config.layer_plan[layer]}' mixer", "convert only layers that keep attention")
+    path = config.attention_paths[layer]
+    attention = student.base.get_submodule(path)
+    mixer = build_mixer(kind, config.layer_geometry[layer], layer, options)
+    if hasattr(mixer, "init_new_parameters"):  # the designed init, as Attn2SSMForCausalLM gives its mixers
+        mixer.init_new_parameters()
+    ref = _first_param(attention)
+    mixer.to(dtype=ref.dtype, device=ref.device)
+    mixer.load_attention_weights(get_adapter(student.base).read_weights(attention))
+    mixer.context = student.mixer_context
+    mixer.train(student.training)
+    parent, name = _get_submodule_parent(student.base, path)
+    had_options, old_options = kind in config.mixer_options, config.mixer_options.get(kind)
+    setattr(parent, name, mixer)
+    config.layer_plan[layer] = kind
+    config.mixer_options[kind] = dict(options or {})
+    try:
+        yield mixer
+    finally:
+        setattr(parent, name, attention)
+        config.layer_plan[layer] = ATTENTION
+        if had_options:
+            config.mixer_options[kind] = old_options
+        else:
+            config.mixer_options.pop(kind, None)
+
+
+def _check_growth(old_plan: list[str], new_plan: list[str]) -> list[int]:
+    """Layers that ``new_plan`` newly converts; a ConfigError unless it only adds mixers."""
+    if len(new_plan) != len(old_plan):
+        raise ConfigError(f"new layer plan has {len(new_plan)} entries but the student has {len(old_plan)} layers", "give one entry per layer")
+    for i, kind in enumerate(new_plan):
+        if kind != ATTENTION and kind not in MIXERS:
+            raise ConfigError(f"unknown mixer '{kind}' at layer {i} of the new plan", f"use one of: {', '.join(sorted([*MIXERS, ATTENTION]))}")
+    for i, (old, new) in enumerate(zip(old_plan, new_plan)):
+        if old != ATTENTION and new == ATTENTION:
+            raise ConfigError(f"new plan turns trained '{old}' layer {i} back into attention", "a grown plan keeps every mixer layer of the student and only converts attention layers")
+        if old != ATTENTION and new != old:
+            raise ConfigError(f"new plan changes layer {i} from '{old}' to '{new}'", "keep each trained layer's mixer kind; convert a fresh student for a different mixer")
+    return [i for i, (old, new) in enumerate(zip(old_plan, new_plan)) if old == ATTENTION and new != ATTENTION]
+
+
+def grow_student(
+    student: Attn2SSMForCausalLM,
+    teacher: nn.Module,
+    new_plan: list[str],
+    mixer_options: dict | None = None,
+) -> Attn2SSMForCausalLM:
+    """The next stage of a stepwise schedule: ``student`` with more attention layers converted.
+
+    ``new_plan`` must keep every mixer layer of the student (same kind) and may turn attention
+    layers into mixers (e.g. 50 % → 25 % attention). The result has plan ``new_plan``; its
+    carried-over tensors — trained mixers, kept attention, MLPs, norms, embeddings — are the
+    student's, bit for bit and in their own dtype and device; each newly converted layer is
+    initialised from the *teacher's* attention at that layer, as ``convert`` does, in the
+    dtype/device of the attention module it replaces. ``mixer_options`` (by kind) default to the
+    student's; options for a kind the student already uses must equal its own. The student is
+    not modified. requires_grad flags are not carried (a new stage chooses its trainable set).
+    """
+    old_config = student.config
+    new_plan = list(new_plan)
+    added = _check_growth(list(old_config.layer_plan), new_plan)
+    adapter = get_adapter(teacher)
+    paths = adapter.attention_module_paths(teacher)
+    if paths != list(old_config.attention_paths):
+        raise ConfigError(f"teacher ({len(paths)} attention layers at {paths[0] if paths else '-'}…) does not match the student", "pass the teacher the student was converted from")
+    options = copy.deepcopy(dict(old_config.mixer_options))
+    used = {kind for kind in old_config.layer_plan if kind != ATTENTION}
+    for kind, opts in (mixer_options or {}).items():
+        if kind in used and dict(opts or {}) != dict(options.get(kind) or {}):
+            raise ConfigError(f"mixer_options for '{kind}' differ from the trained student's {options.get(kind) or {}}", f"leave '{kind}' out of mixer_options: grown layers reuse the student's options")
+        options[kind] = dict(opts or {})
+
+    config = copy.deepcopy(old_config)
+    config.layer_plan = new_plan
+    config.mixer_options = options
+    grown = Attn2SSMForCausalLM(config)
+    # Every tensor takes the dtype/device of its counterpart in the student (a new mixer: of the
+    # attention it replaces), so the copy below is exact even in a mixed-precision student.
+    for i in added:
+        mixer, ref = grown.base.get_submodule(paths[i]), _first_param(student.base.get_submodule(paths[i]))
+        mixer.to(dtype=ref.dtype, device=ref.device)
+    old_tensors = {**dict(student.named_parameters()), **dict(student.named_buffers())}
+    for name, tensor in [*grown.named_parameters(), *grown.named_buffers()]:
+        src = old_tensors.get(name)
+        if src is not None and (tensor.dtype != src.dtype or tensor.device != src.device):
+            tensor.data = tensor.data.to(dtype=src.dtype, device=src.device)
+    result = grown.load_state_dict(student.state_dict(), strict=False)
+    new_prefixes = tuple(f"base.{paths[i]}." for i in added)
+    stray = [k for k in (*result.missing_keys, *result.unexpected_keys) if not k.startswith(new_prefixes)]
+    if stray:
+        raise RuntimeError(f"grown student and student disagree on weights: {stray[:5]}")
+    for i in added:
+        grown.base.get_submodule(paths[i]).load_attention_weights(adapter.read_weights(teacher.get_submodule(paths[i])))
+    grown.train(student.training)
+    return grown

@@ -1,25 +1,220 @@
-"""Layer plans: which layers keep attention and which get a mixer."""
+"""Layer plans: which layers keep attention and which get a mixer.
+
+A plan is a list with one entry per layer: a mixer kind, or ``"attention"`` to keep the
+teacher's softmax attention. The kept layers are chosen by
+
+- ``interleaved_keep``: spread evenly over the depth (paper 004's hybrids; ``align`` picks the
+  first or the last layer of each group),
+- ``clustered_keep``: one contiguous block (paper 004's "−Interleave" ablation),
+- ``nested_keep``: evenly spread *and* nested across a stepwise schedule (50 % → 25 % → …), so
+  every later stage only converts more layers (what ``convert.grow_student`` needs),
+- ``select_attention_layers`` / ``auto_plan``: measured on the teacher — keep the layers whose
+  conversion alone hurts the teacher's next-token distribution most.
+"""
 
 from __future__ import annotations
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.registry import ATTENTION, MIXERS
 
+PLACEMENTS = ("interleaved", "clustered")
+ALIGNS = ("first", "last")
+WHERES = ("first", "middle", "last")
 
-def interleaved_keep(num_layers: int, ratio: float) -> list[int]:
-    """Indices of ``round(ratio·L)`` attention layers spread evenly over the depth (0 % → none)."""
+
+def _check_choice(what: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ConfigError(f"unknown {what} {value!r}", f"use one of: {', '.join(valid)}")
+
+
+def _n_keep(num_layers: int, ratio: float) -> int:
     if not 0.0 <= ratio <= 1.0:
         raise ConfigError(f"attention ratio {ratio} is outside [0, 1]", "use e.g. student.attention_ratio=0.25")
-    n_keep = round(ratio * num_layers)
-    return sorted({(i * num_layers) // n_keep for i in range(n_keep)}) if n_keep else []
+    return round(ratio * num_layers)
 
 
-def make_plan(num_layers: int, mixer: str, *, attention_ratio: float = 0.0, keep_attention: list[int] | None = None) -> list[str]:
-    """One entry per layer: ``mixer`` or ``"attention"``. Explicit ``keep_attention`` wins over the ratio."""
+def _spread(length: int, n: int, align: str) -> list[int]:
+    """``n`` of ``range(length)`` evenly spaced: the first (or last) index of each of n groups."""
+    if align == "first":
+        return [(i * length) // n for i in range(n)]
+    return [((i + 1) * length) // n - 1 for i in range(n)]
+
+
+def interleaved_keep(num_layers: int, ratio: float, align: str = "first") -> list[int]:
+    """Indices of ``round(ratio·L)`` attention layers spread evenly over the depth (0 % → none).
+
+    The depth is cut into n = round(ratio·L) near-equal groups and one layer of each is kept:
+    ``align="first"`` keeps index (i·L)//n (0, 2, 4, … at 50 %), ``align="last"`` keeps
+    ((i+1)·L)//n − 1 (1, 3, …, L−1 at 50 %; always the top layer). Paper 004's released configs
+    use "last": for 32 layers {1,3,…,31}, {3,7,…,31}, {7,15,23,31}.
+    """
+    _check_choice("align", align, ALIGNS)
+    n_keep = _n_keep(num_layers, ratio)
+    return _spread(num_layers, n_keep, align) if n_keep else []
+
+
+def clustered_keep(num_layers: int, ratio: float, where: str = "last") -> list[int]:
+    """``round(ratio·L)`` contiguous attention layers at the ``"first"``, ``"middle"`` or ``"last"`` end.
+
+    Paper 004's "−Interleave" ablation (not defined further there): the same number of kept layers
+    as the interleaved layout, but in one block. "middle" centres the block (rounding down).
+    """
+    _check_choice("where", where, WHERES)
+    n = _n_keep(num_layers, ratio)
+    start = {"first": 0, "middle": (num_layers - n) // 2, "last": num_layers - n}[where]
+    return list(range(start, start + n))
+
+
+def nested_keep(num_layers: int, ratios: list[float], align: str = "first") -> list[list[int]]:
+    """Kept attention layers for each stage of a stepwise schedule, each a subset of the one before.
+
+    Stage 0 is ``interleaved_keep(L, ratios[0], align)``; each later stage keeps round(r·L) of
+    the previous stage's layers, spread evenly by rank with the same ``align``. When L is a
+    multiple of the group sizes this equals ``interleaved_keep`` per stage (32 layers, "last":
+    {1,3,…,31} → {3,7,…,31} → {7,15,23,31}, paper 004); otherwise plain ``interleaved_keep`` is
+    not nested (30 layers, "first": 50 % keeps 0,2,…,28 but 25 % keeps 3) and this is the
+    schedule to use with ``grow_student``.
+    """
+    if not ratios:
+        return []
+    stages = [interleaved_keep(num_layers, ratios[0], align)]
+    for ratio in ratios[1:]:
+        prev, n = stages[-1], _n_keep(num_layers, ratio)
+        if n > len(prev):
+            raise ConfigError(f"stepwise ratios {list(ratios)} grow the attention layers ({len(prev)} → {n})", "list attention ratios from largest to smallest, e.g. [0.5, 0.25, 0.125]")
+        stages.append([prev[r] for r in _spread(len(prev), n, align)] if n else [])
+    return stages
+
+
+def make_plan(
+    num_layers: int,
+    mixer: str,
+    *,
+    attention_ratio: float = 0.0,
+    keep_attention: list[int] | None = None,
+    placement: str = "interleaved",
+    align: str = "first",
+    where: str = "last",
+) -> list[str]:
+    """One entry per layer: ``mixer`` or ``"attention"``. Explicit ``keep_attention`` wins over the ratio.
+
+    With a ratio, ``placement="interleaved"`` spreads the kept layers (``interleaved_keep`` with
+    ``align``) and ``placement="clustered"`` keeps one block (``clustered_keep`` with ``where``).
+    To choose the layers from the teacher itself, use ``auto_plan``.
+    """
     if mixer not in MIXERS:
         raise ConfigError(f"unknown mixer '{mixer}'", f"use one of: {', '.join(sorted(MIXERS))}")
-    keep = interleaved_keep(num_layers, attention_ratio) if keep_attention is None else list(keep_attention)
+    _check_choice("placement", placement, PLACEMENTS)
+    if isinstance(keep_attention, str):
+        raise ConfigError(f"keep_attention={keep_attention!r} is not a list of layer indices", "list the indices, or call attn2ssm.student.plans.auto_plan(teacher, calibration_ids, …) to choose them")
+    if keep_attention is not None:
+        keep = list(keep_attention)
+    elif placement == "interleaved":
+        keep = interleaved_keep(num_layers, attention_ratio, align)
+    else:
+        keep = clustered_keep(num_layers, attention_ratio, where)
     bad = [i for i in keep if not 0 <= i < num_layers]
     if bad:
         raise ConfigError(f"keep_attention has layer indices {bad} outside 0..{num_layers - 1}", "list valid layer indices")
     return [ATTENTION if i in keep else mixer for i in range(num_layers)]
+
+
+# --------------------------------------------------------------------------------------------
+# choosing the kept layers from the teacher
+
+
+def select_attention_layers(
+    teacher,
+    input_ids,
+    mixer: str,
+    mixer_options: dict | None = None,
+    *,
+    keep: int,
+    attention_mask=None,
+    batch_size: int | None = None,
+    progress: bool = True,
+    student=None,
+    candidates: list[int] | None = None,
+) -> tuple[list[int], list[float | None]]:
+    """Keep attention where converting it alone hurts most. Returns (kept indices, per-layer scores).
+
+    With ``student`` (a partly converted student, e.g. mid-way through a stepwise schedule) the
+    probe is that student instead of the teacher and only its attention layers (or
+    ``candidates``) are scored — the others get score None; the reference is still the teacher.
+
+    score[i] = mean per-token KL(teacher ‖ student_i) of the next-token distributions on the
+    calibration batch, where student_i is the teacher with only layer i swapped for an untrained
+    ``mixer`` initialised from that layer's attention. The ``keep`` layers with the largest
+    scores are kept (ties → lower index), returned sorted.
+
+    Cost: one copy of the teacher (``convert`` with an all-attention plan), the teacher's logits
+    on the calibration set kept once (tokens × vocab, in the logits' dtype), then per layer one
+    mixer swapped into the copy and one forward — no per-layer rebuild. ``batch_size`` splits the
+    calibration rows into forwards of that many rows (scores are still per token overall).
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    # distill.losses is a pure-function module; imported here so student/ does not depend on distill/ at import time.
+    from attn2ssm.distill.losses import forward_kl
+    from attn2ssm.student.convert import convert, converted_layer
+
+    if mixer not in MIXERS:
+        raise ConfigError(f"unknown mixer '{mixer}'", f"use one of: {', '.join(sorted(MIXERS))}")
+    num_layers = teacher.config.num_hidden_layers
+    if candidates is None:
+        candidates = list(range(num_layers)) if student is None else [i for i, k in enumerate(student.config.layer_plan) if k == ATTENTION]
+    if not 0 <= keep <= len(candidates):
+        raise ConfigError(f"keep={keep} attention layers is outside 0..{len(candidates)}", f"keep between 0 and the {len(candidates)} candidate layers")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ConfigError(f"calibration input_ids have shape {tuple(input_ids.shape)}", "pass a (batch, length) tensor of token ids")
+    device = next(teacher.parameters()).device
+    ids = input_ids.to(device)
+    mask = None if attention_mask is None else attention_mask.to(device)
+    rows = batch_size or ids.shape[0]
+    batches = [(ids[s : s + rows], None if mask is None else mask[s : s + rows]) for s in range(0, ids.shape[0], rows)]
+    counts = [float(b.numel() if m is None else m.sum()) for b, m in batches]
+    total_tokens = max(sum(counts), 1.0)
+
+    was_training = teacher.training
+    teacher.eval()
+    try:
+        with torch.no_grad():
+            reference = [teacher(input_ids=b, attention_mask=m, use_cache=False).logits for b, m in batches]
+            # the teacher as a student we can swap layers in (or the given student)
+            probe = convert(teacher, [ATTENTION] * num_layers) if student is None else student
+            probe_was_training = probe.training
+            probe.eval()
+            scores: list[float | None] = [None] * num_layers
+            for layer in tqdm(candidates, desc="scoring layers", disable=not progress):
+                kl = 0.0
+                with converted_layer(probe, layer, mixer, mixer_options):
+                    for (b, m), t_logits, n in zip(batches, reference, counts):
+                        s_logits = probe(input_ids=b, attention_mask=m, use_cache=False).logits
+                        kl += forward_kl(s_logits, t_logits, m).item() * n
+                scores[layer] = max(0.0, kl / total_tokens)  # KL ≥ 0; clamp round-off below zero
+            probe.train(probe_was_training)
+    finally:
+        teacher.train(was_training)
+    ranked = sorted(candidates, key=lambda i: (-scores[i], i))
+    return sorted(ranked[:keep]), scores
+
+
+def auto_plan(
+    teacher,
+    calibration_ids,
+    mixer: str,
+    mixer_options: dict | None,
+    attention_ratio: float,
+    *,
+    attention_mask=None,
+    batch_size: int | None = None,
+    progress: bool = True,
+) -> tuple[list[str], list[float]]:
+    """A plan keeping round(ratio·L) attention layers chosen by ``select_attention_layers``; returns (plan, scores)."""
+    num_layers = teacher.config.num_hidden_layers
+    keep, scores = select_attention_layers(
+        teacher, calibration_ids, mixer, mixer_options,
+        keep=_n_keep(num_layers, attention_ratio), attention_mask=attention_mask, batch_size=batch_size, progress=progress,
+    )  # fmt: skip
+    return make_plan(num_layers, mixer, keep_attention=keep), scores
