@@ -24,7 +24,7 @@ def cmd_convert(args) -> int:
 
     # Cheap checks first, so a typo fails in a fraction of a second, not after loading the teacher.
     try:
-        keep = [int(i) for i in args.keep.split(",") if i.strip()] if args.keep is not None else None
+        keep = [int(i) for i in args.keep.split(",") if i.strip()] if args.keep not in (None, "auto") else None
     except ValueError:
         raise ConfigError(f"--keep {args.keep!r} is not a comma-separated list of layer indices", "write e.g. --keep 0,6,12") from None
     options = {}
@@ -39,8 +39,16 @@ def cmd_convert(args) -> int:
     from attn2ssm.student.plans import make_plan
 
     teacher, tokenizer, source = load_teacher(args.teacher, check_supported=True)
-    plan = make_plan(teacher.config.num_hidden_layers, args.mixer, attention_ratio=args.attention_ratio, keep_attention=keep)
-    student = convert(teacher, plan, {args.mixer: options}, teacher_info={"source": source.describe()})
+    if args.keep == "auto":
+        from attn2ssm.data import block_indices, pack_blocks, prepare_corpus
+        from attn2ssm.student.plans import auto_plan
+
+        blocks = pack_blocks(prepare_corpus("sotu" if args.calibration is None else args.calibration, tokenizer, max_train_tokens=8 * 256 + 1, max_heldout_tokens=256).train_ids, 256)
+        plan, scores = auto_plan(teacher, blocks[block_indices(len(blocks), 0, 0, min(8, len(blocks)))], args.mixer, options, args.attention_ratio, batch_size=2)
+        print("layer damage (mean KL when converted alone): " + ", ".join(f"{i}:{s:.3f}" for i, s in enumerate(scores)))
+    else:
+        plan = make_plan(teacher.config.num_hidden_layers, args.mixer, attention_ratio=args.attention_ratio, keep_attention=keep, align="last")
+    student = convert(teacher, plan, {args.mixer: options}, teacher_info={"source": source.describe()}, init=args.init)
     out = Path(args.out)
     student.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -196,8 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="build an untrained student from a teacher (weights reused)")
     c.add_argument("--teacher", default=None, help="built-in name, HF directory, .gguf file or hub id (default smollm2-135m)")
     c.add_argument("--mixer", default="linear_attention")
-    c.add_argument("--attention-ratio", type=float, default=0.0, help="fraction of layers keeping softmax attention (interleaved)")
-    c.add_argument("--keep", default=None, help="comma-separated layer indices that keep attention (overrides the ratio)")
+    c.add_argument("--attention-ratio", type=float, default=0.0, help="fraction of layers keeping softmax attention (interleaved, last of each group)")
+    c.add_argument("--keep", default=None, help="comma-separated layer indices that keep attention (overrides the ratio), or 'auto': "
+                   "keep the ratio's worth of layers whose conversion alone hurts the teacher most")
+    c.add_argument("--calibration", default=None, help="corpus for --keep auto (default: sotu)")
+    c.add_argument("--init", choices=("attention", "random"), default="attention", help="mixers from the teacher's q/k/v/o, or random (ablation)")
     c.add_argument("--option", action="append", help="mixer option key=value (repeatable), e.g. feature_map=elu")
     c.add_argument("--out", required=True)
     c.set_defaults(func=cmd_convert)

@@ -113,3 +113,49 @@ def test_output_mse_and_cosine_hand_computed():
     # token 0: 1 − cos45° ; token 1: 1 − 1 = 0
     assert output_cosine(s, t).item() == pytest.approx((1 - math.sqrt(0.5)) / 2, rel=1e-6)
     assert output_cosine(s, t, torch.tensor([[0, 1]])).item() == pytest.approx(0.0, abs=1e-7)
+
+
+def _log_sigmoid(x):
+    return -math.log1p(math.exp(-x))
+
+
+def test_dpo_loss_hand_computed():
+    from attn2ssm.distill.losses import dpo_loss
+
+    beta = 0.1
+    pc, pr = torch.tensor([-10.0, -5.0]), torch.tensor([-12.0, -4.0])
+    rc, rr = torch.tensor([-11.0, -5.0]), torch.tensor([-11.0, -5.0])
+    # pair 0: (−10 − −11) − (−12 − −11) = 2 ; pair 1: (−5 − −5) − (−4 − −5) = −1
+    expected = -(_log_sigmoid(beta * 2.0) + _log_sigmoid(beta * -1.0)) / 2
+    assert dpo_loss(pc, pr, rc, rr, beta).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_dpo_loss_is_log2_when_policy_equals_reference():
+    from attn2ssm.distill.losses import dpo_loss
+
+    c, r = torch.randn(5) * 30, torch.randn(5) * 30
+    assert dpo_loss(c, r, c.clone(), r.clone(), 0.01).item() == pytest.approx(math.log(2), rel=1e-7)
+
+
+def test_sequence_logps_and_response_cross_entropy_hand_computed():
+    from attn2ssm.distill.losses import response_cross_entropy, sequence_logps
+
+    logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 3.0], [0.0, 0.0, 0.0]]])
+    ids = torch.tensor([[0, 1, 2, 0]])
+    loss_mask = torch.tensor([[False, False, True, True]])  # the reply is tokens 2 and 3
+    # token 2 is predicted at position 1, token 3 (id 0) at position 2
+    lp = math.log(_softmax([0.0, 1.0, 0.0])[2]) + math.log(_softmax([1.0, 1.0, 3.0])[0])
+    assert sequence_logps(logits, ids, loss_mask).item() == pytest.approx(lp, rel=1e-6)
+    total, count = response_cross_entropy(logits, ids, loss_mask)
+    assert count.item() == 2 and total.item() == pytest.approx(-lp, rel=1e-6)
+
+
+def test_token_cross_entropy_has_no_shift():
+    from attn2ssm.distill.losses import token_cross_entropy
+
+    logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]]])
+    targets = torch.tensor([[0, 2]])
+    expected = (-math.log(_softmax([2.0, 0.0, 0.0])[0]) - math.log(_softmax([0.0, 1.0, 0.0])[2])) / 2
+    assert token_cross_entropy(logits, targets).item() == pytest.approx(expected, rel=1e-6)
+    mask = torch.tensor([[0, 1]])
+    assert token_cross_entropy(logits, targets, mask).item() == pytest.approx(-math.log(_softmax([0.0, 1.0, 0.0])[2]), rel=1e-6)

@@ -251,14 +251,18 @@ def parse_hf_spec(rest: str) -> tuple[str, str | None, str]:
     return name, config, split
 
 
-def _load_hf(rest: str, text_field: str) -> list[Document]:
+def open_hf_dataset(
+    rest: str,
+    offline_fix: str = "use a local .txt/.jsonl/.parquet file or directory, or a built-in corpus (sotu, moby-dick)",
+):
+    """``datasets.load_dataset`` for ``hf:<rest>``, every failure turned into a one-line DataError."""
     name, config, split = parse_hf_spec(rest)
     import datasets
     from datasets.exceptions import DatasetNotFoundError
 
     label = f"hf:{rest}"
     try:
-        ds = datasets.load_dataset(name, config, split=split)
+        return datasets.load_dataset(name, config, split=split)
     except DatasetNotFoundError as e:
         raise DataError(
             f"dataset {name!r} was not found on the Hugging Face Hub",
@@ -272,9 +276,13 @@ def _load_hf(rest: str, text_field: str) -> list[Document]:
         if not _is_network_error(e):
             raise
         raise DataError(
-            f"the Hugging Face Hub is unreachable, so {label!r} cannot be loaded ({e})",
-            "use a local .txt/.jsonl/.parquet file or directory, or a built-in corpus (sotu, moby-dick)",
+            f"the Hugging Face Hub is unreachable, so {label!r} cannot be loaded ({e})", offline_fix
         ) from e
+
+
+def _load_hf(rest: str, text_field: str) -> list[Document]:
+    label = f"hf:{rest}"
+    ds = open_hf_dataset(rest)
     if text_field not in ds.column_names:
         raise DataError(
             f"{label!r} has no column {text_field!r} (columns: {', '.join(ds.column_names)})",

@@ -31,6 +31,82 @@ def cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Ten
     return (losses * m).sum() / n
 
 
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of ``logits`` at each position against ``targets`` at the *same* position
+    (no shift: e.g. the teacher's argmax next token), per real token. logits (b, l, V)."""
+    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="none")
+    m = torch.ones_like(losses) if mask is None else mask.reshape(-1).to(losses.dtype)
+    return (losses * m).sum() / m.sum().clamp_min(1)
+
+
+def kd_ce_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    ce_weight: float = 1.0,
+    kl_weight: float = 0.1,
+    labels: str = "data",
+    temperature: float = 1.0,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Paper 004's stage-1 loss, Eq. 2: ``ce_weight·CE + kl_weight·KL(teacher ‖ student)``.
+
+    ``labels="data"``: CE on the next token of the data (every real position with a real next
+    token). ``labels="teacher"``: CE on the teacher's argmax next token at every real position —
+    the cheap per-position stand-in for the paper's sequence-level pseudo-labels (which are the
+    teacher's own sampled continuations: generate an SFT dataset with the teacher and train on it
+    with the ``sft`` kind and a ``kl_weight``). The KL is over every real position, per real token.
+    Returns ``(loss, ce, kl)``.
+    """
+    kl = forward_kl(student_logits, teacher_logits, mask, temperature=temperature, chunk_size=chunk_size)
+    if labels == "data":
+        ce = cross_entropy(student_logits, input_ids, mask)
+    elif labels == "teacher":
+        ce = token_cross_entropy(student_logits, teacher_logits.detach().argmax(-1), mask)
+    else:
+        raise ValueError(f"unknown labels {labels!r} (data | teacher)")
+    return ce_weight * ce + kl_weight * kl, ce, kl
+
+
+def response_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token CE summed over the tokens that ``loss_mask`` marks (e.g. assistant tokens).
+
+    ``loss_mask`` (b, l) marks *target* tokens: position t is scored when token t+1 is marked.
+    Returns ``(sum, count)`` so the caller can normalise over a larger batch than this one.
+    """
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    targets = input_ids[:, 1:].reshape(-1)
+    m = loss_mask[:, 1:].reshape(-1).float()
+    losses = F.cross_entropy(flat, targets, reduction="none")
+    return (losses * m).sum(), m.sum()
+
+
+def sequence_logps(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """log p(response | prompt) per sequence: Σ over marked target tokens of log p(token). (b,)"""
+    b, l, V = logits.shape
+    token_logp = -F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), input_ids[:, 1:].reshape(-1), reduction="none")
+    return (token_logp.view(b, l - 1) * loss_mask[:, 1:].float()).sum(-1)
+
+
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.01,
+) -> torch.Tensor:
+    """DPO (Rafailov et al.), mean over pairs; with the teacher as reference it is paper 004's Eq. 4:
+    −log σ(β·[(log π_θ(y_w|x) − log π_T(y_w|x)) − (log π_θ(y_l|x) − log π_T(y_l|x))]).
+
+    Sequence-level, so normalised per pair rather than per token. All inputs (pairs,) summed
+    log-probs; equal policy and reference give log 2 exactly.
+    """
+    margin = (policy_chosen_logps - ref_chosen_logps) - (policy_rejected_logps - ref_rejected_logps)
+    return -F.logsigmoid(beta * margin.float()).mean()
+
+
 class _ChunkedForwardKL(torch.autograd.Function):
     """Σ_tokens T²·KL(softmax(t/T) ‖ softmax(s/T)) / n with grad T·(softmax(s/T) − softmax(t/T)) / n."""
 

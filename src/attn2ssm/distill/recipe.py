@@ -30,8 +30,15 @@ class DataConfig:
 class StudentConfig:
     mixer: str = "linear_attention"
     mixer_options: dict = field(default_factory=dict)
-    attention_ratio: float = 0.0  # fraction of layers that keep softmax attention, evenly interleaved
-    keep_attention: list[int] | None = None  # explicit layer indices; overrides attention_ratio
+    attention_ratio: float = 0.0  # fraction of layers that keep softmax attention
+    # Which layers keep attention: explicit indices, or "auto" (the layers whose conversion alone
+    # hurts the teacher most on `auto_calibration_blocks` training blocks); overrides placement.
+    keep_attention: list[int] | str | None = None
+    placement: str = "interleaved"  # interleaved (evenly spread) | clustered (one block: paper 004's "-Interleave")
+    align: str = "last"  # interleaved: keep the last layer of each group (1, 3, …, L-1 at 50 %, paper 004) or "first"
+    where: str = "last"  # clustered: first | middle | last
+    init: str = "attention"  # attention (mixers start from q/k/v/o, paper 004) | random (ablation baseline)
+    auto_calibration_blocks: int = 8
 
 
 @dataclass
@@ -60,11 +67,38 @@ class LoRAConfig:
 
 
 @dataclass
+class StageDataConfig:
+    """A stage's own dataset (``sft``/``dpo`` stages; LM stages train on the recipe's corpus blocks)."""
+
+    source: str = ""  # local .jsonl / .json / .parquet file, or hf:<name>[:<config>][:<split>]
+    format: str = "auto"  # auto | messages | prompt_completion (sft) · auto | preference (dpo)
+    max_len: int = 512  # tokens per rendered conversation (per side for dpo); longer ones are cut from the right
+    max_examples: int | None = None  # use only the first N records
+
+
+DATA_FORMATS = ("auto", "messages", "prompt_completion", "preference")
+
+
+@dataclass
 class StageConfig:
     name: str = "stage"
     kind: str = "kd"
-    tokens: int = 100_000  # token budget: steps = ceil(tokens / (batch_size * block_len))
-    trainable: list[str] = field(default_factory=lambda: ["mixers"])  # 'mixers', 'feature_maps', 'all' or globs
+    # Budget. LM stages: steps = ceil(tokens / (batch_size * data.block_len)). Stages with `data`:
+    # steps = ceil(tokens / (batch_size * data.max_len)), i.e. `tokens` counts padded positions.
+    # `epochs`, when set, wins: steps = ceil(epochs * items / batch_size), items = corpus blocks or
+    # dataset examples (e.g. `epochs: 1` for one pass over an SFT or preference set).
+    tokens: int = 100_000
+    epochs: float | None = None
+    # Parameter selection: `trainable` patterns are unfrozen, then `frozen` patterns frozen again
+    # (`trainable: [all], frozen: [mlps, embeddings]`). Patterns: groups 'mixers', 'feature_maps',
+    # 'lora', 'all', 'mlps', 'embeddings', 'norms', 'attention' (kept softmax layers), or globs.
+    trainable: list[str] = field(default_factory=lambda: ["mixers"])
+    frozen: list[str] = field(default_factory=list)
+    data: StageDataConfig | None = None  # the stage's dataset: required by sft and dpo, refused by LM kinds
+    # Stepwise hybrids (paper 004): before this stage, convert more attention layers so that this
+    # fraction keeps attention (e.g. 0.5 → 0.25). Trained mixers carry over, the newly converted
+    # layers start from the teacher's attention; which layers follow student.align / keep_attention.
+    attention_ratio: float | None = None
     batch_size: int = 8  # sequences per optimizer step, over all processes
     grad_accum: int = 1
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -147,5 +181,45 @@ def validate(recipe: Recipe) -> None:
             raise ConfigError(f"{where}: tokens, batch_size and grad_accum must be positive", "fix the stage's budget")
         if stage.batch_size % stage.grad_accum:
             raise ConfigError(f"{where}: batch_size {stage.batch_size} is not divisible by grad_accum {stage.grad_accum}", "make batch_size a multiple of grad_accum")
+        if stage.epochs is not None and stage.epochs <= 0:
+            raise ConfigError(f"{where}: epochs must be positive, got {stage.epochs}", "set epochs to e.g. 1, or leave it unset to use tokens")
+        _validate_stage_data(stage, STAGE_KINDS[stage.kind], i, where)
+    s = recipe.student
+    for name, value, valid in (("placement", s.placement, ("interleaved", "clustered")), ("align", s.align, ("first", "last")),
+                               ("where", s.where, ("first", "middle", "last")), ("init", s.init, ("attention", "random"))):
+        if value not in valid:
+            raise ConfigError(f"student.{name}={value!r} is not valid", f"use one of: {', '.join(valid)}")
+    if isinstance(s.keep_attention, str) and s.keep_attention != "auto":
+        raise ConfigError(f"student.keep_attention={s.keep_attention!r} is not valid", "use a list of layer indices or 'auto'")
+    ratio = s.attention_ratio
+    for i, stage in enumerate(recipe.stages):
+        if stage.attention_ratio is None:
+            continue
+        if not 0.0 <= stage.attention_ratio <= ratio:
+            raise ConfigError(
+                f"stages[{i}] ({stage.name}): attention_ratio {stage.attention_ratio} would keep more attention than before ({ratio})",
+                "a stepwise schedule only converts more layers: list decreasing ratios, e.g. student.attention_ratio=0.5 then 0.25",
+            )
+        ratio = stage.attention_ratio
     if recipe.data.block_len < 2:
         raise ConfigError("data.block_len must be at least 2", "set data.block_len=256 for example")
+
+
+def _validate_stage_data(stage: StageConfig, kind, i: int, where: str) -> None:
+    d = stage.data
+    if kind.data_formats is None:
+        if d is not None:
+            raise ConfigError(f"{where}: kind '{stage.kind}' trains on the recipe's corpus blocks and takes no 'data'", f"remove stages.{i}.data, or use kind sft / dpo for a chat or preference dataset")
+        return
+    if d is None or not d.source:
+        raise ConfigError(
+            f"{where}: kind '{stage.kind}' needs a dataset but the stage has no data.source",
+            f"set stages.{i}.data.source to a .jsonl/.json/.parquet file or hf:<dataset>[:<config>][:<split>]",
+        )
+    if d.format not in kind.data_formats:
+        hint = f"unknown data format '{d.format}'" if d.format not in DATA_FORMATS else f"data format '{d.format}' does not fit kind '{stage.kind}'"
+        raise ConfigError(f"{where}: {hint}", f"set stages.{i}.data.format to one of: {', '.join(kind.data_formats)}")
+    if d.max_len < 2:
+        raise ConfigError(f"{where}: data.max_len must be at least 2, got {d.max_len}", f"set stages.{i}.data.max_len to e.g. 512")
+    if d.max_examples is not None and d.max_examples < 1:
+        raise ConfigError(f"{where}: data.max_examples must be positive, got {d.max_examples}", f"set stages.{i}.data.max_examples=null to use every record")

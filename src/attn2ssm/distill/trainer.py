@@ -6,6 +6,12 @@ its slice of each micro-batch, DDP averages the gradients, so the loss curve doe
 on W. Block order is a deterministic function of (seed, stage, sample index), which with the
 saved optimizer, scheduler and RNG state makes ``--resume`` continue a killed run exactly.
 
+Stages with their own ``data`` (``sft``, ``dpo``) draw examples the same way from a dataset that
+is tokenized once when the stage starts, and get right-padded batches (``attention_mask``, and
+``loss_mask`` for the scored reply tokens). Their per-token losses are normalised over the whole
+optimizer step: the trainer passes ``mean_loss_tokens`` (loss tokens of the global batch ÷
+micro-batches ÷ processes), computed from the indices alone, so it is the same on every process.
+
 Run directory::
 
     recipe.yaml            resolved recipe (what --resume reruns)
@@ -32,12 +38,14 @@ import torch
 from tqdm.auto import tqdm
 
 from attn2ssm.config import from_dict
-from attn2ssm.data import block_indices, check_block_len, pack_blocks, prepare_corpus
+from attn2ssm.data.teacher_samples import build_teacher_sft_data, is_teacher_source
+from attn2ssm.data import block_indices, check_block_len, load_preference_dataset, load_sft_dataset, pack_blocks, prepare_corpus
 from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
 from attn2ssm.distill.recipe import Recipe, validate
 from attn2ssm.distill.schedules import lr_multiplier
 from attn2ssm.distill.stages import STAGE_KINDS, select_trainable
 from attn2ssm.errors import CheckpointError, ConfigError, TrainingError
+from attn2ssm.mixers.registry import ATTENTION
 from attn2ssm.paths import atomic_write_text
 from attn2ssm.student.plans import make_plan
 
@@ -161,9 +169,54 @@ class Distiller:
             student = Attn2SSMForCausalLM.from_pretrained(self.resume_from, dtype=torch.float32)
         else:
             s = self.recipe.student
-            plan = make_plan(self.teacher.config.num_hidden_layers, s.mixer, attention_ratio=s.attention_ratio, keep_attention=s.keep_attention)
-            student = convert(self.teacher, plan, {s.mixer: dict(s.mixer_options)}, teacher_info=self.teacher_info)
+            n_layers = self.teacher.config.num_hidden_layers
+            if s.keep_attention == "auto":
+                from attn2ssm.student.plans import auto_plan
+
+                plan, scores = auto_plan(self.teacher, self._calibration_ids(), s.mixer, dict(s.mixer_options), s.attention_ratio, batch_size=2, progress=self.progress)
+                self._log_layer_scores(scores, plan)
+            else:
+                plan = make_plan(n_layers, s.mixer, attention_ratio=s.attention_ratio, keep_attention=s.keep_attention,
+                                 placement=s.placement, align=s.align, where=s.where)  # fmt: skip
+            student = convert(self.teacher, plan, {s.mixer: dict(s.mixer_options)}, teacher_info=self.teacher_info, init=s.init)
         self.student = student.to(self.acc.device)
+
+    def _calibration_ids(self) -> torch.Tensor:
+        """The first training blocks in the run's block order: what automatic layer selection scores on."""
+        n = min(self.recipe.student.auto_calibration_blocks, len(self.blocks))
+        return self.blocks[block_indices(len(self.blocks), self.recipe.seed, 0, n)].to(self.acc.device)
+
+    def _log_layer_scores(self, scores: list, plan: list[str], stage_idx: int = -1) -> None:
+        if self.is_main:
+            kept = [i for i, k in enumerate(plan) if k == ATTENTION]
+            print(f"automatic layer selection: keeping attention in layers {kept}")
+            _append_jsonl(self.metrics_path, {"event": "layer_selection", "stage_index": stage_idx, "step": 0, "scores": scores, "keep_attention": kept})
+
+    def _grow_for_stage(self, stage_idx: int, cfg) -> None:
+        """Stepwise hybrids: convert more attention layers before a stage with its own attention_ratio."""
+        if cfg.attention_ratio is None:
+            return
+        from attn2ssm.student.convert import grow_student
+        from attn2ssm.student.plans import interleaved_keep, select_attention_layers
+
+        s = self.recipe.student
+        student = self.acc.unwrap_model(self.student)
+        plan = list(student.config.layer_plan)
+        kept = [i for i, k in enumerate(plan) if k == ATTENTION]
+        n_keep = round(cfg.attention_ratio * len(plan))
+        if n_keep >= len(kept):
+            return
+        if s.keep_attention == "auto":
+            new_kept, scores = select_attention_layers(self.teacher, self._calibration_ids(), s.mixer, dict(s.mixer_options), keep=n_keep,
+                                                       batch_size=2, progress=self.progress, student=student)  # fmt: skip
+            self._log_layer_scores(scores, [ATTENTION if i in new_kept else s.mixer for i in range(len(plan))], stage_idx)
+        else:  # spread the survivors evenly over the layers that still keep attention (nested schedules)
+            new_kept = [kept[r] for r in interleaved_keep(len(kept), n_keep / len(kept), s.align)] if n_keep else []
+        new_plan = [k if k != ATTENTION or i in new_kept else s.mixer for i, k in enumerate(plan)]
+        if self.is_main:
+            print(f"[stage {stage_idx + 1}] {cfg.name}: converting layers {[i for i in kept if i not in new_kept]} "
+                  f"(attention kept in {new_kept}, {n_keep}/{len(plan)})")
+        self.student = grow_student(student, self.teacher, new_plan).to(self.acc.device)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _save_checkpoint(self, state: TrainerState, optimizer, scheduler, stage_cfg) -> None:
@@ -206,13 +259,51 @@ class Distiller:
         model.train()
         return sum(losses) / max(1, len(losses))
 
+    # -- stage data -----------------------------------------------------------------------------------
+    def _stage_dataset(self, stage_idx: int, cfg, kind):
+        """The stage's own dataset, tokenized once (per process: deterministic, and small next to training)."""
+        d = cfg.data
+        check_block_len(d.max_len, getattr(self.teacher.config, "max_position_embeddings", None))
+        load = load_preference_dataset if "preference" in kind.data_formats else load_sft_dataset
+        source = d.source
+        if is_teacher_source(source):  # the teacher's own replies to corpus-derived prompts, sampled once
+            if load is load_preference_dataset:
+                raise ConfigError(f"stage '{cfg.name}': a teacher: source gives chat data, not preference pairs", "use it in an sft stage, and a preference dataset for dpo")
+            with self.acc.main_process_first():
+                source = str(build_teacher_sft_data(source, self.teacher, self.tokenizer, seed=self.recipe.seed, progress=self.progress and self.is_main))
+        dataset = load(source, self.tokenizer, format=d.format, max_len=d.max_len, max_examples=d.max_examples, stage=cfg.name)
+        if self.is_main:
+            m = dataset.meta
+            print(f"[stage {stage_idx + 1}] {cfg.name}: {m['examples']} {m['format']} examples from {m['source']}"
+                  + (f" ({m['dropped']} dropped: no reply token within max_len={d.max_len})" if m["dropped"] else ""))
+        return dataset
+
+    def _prepare_stage_data(self, first_stage: int) -> None:
+        """Load the datasets of the stages still to run now, so a missing file, a bad record or a
+        tokenizer without a chat template stops the run before hours of earlier stages."""
+        self.stage_data = {}
+        for i, cfg in enumerate(self.recipe.stages):
+            kind = STAGE_KINDS[cfg.kind]
+            if i >= first_stage and kind.data_formats is not None:
+                self.stage_data[i] = self._stage_dataset(i, cfg, kind)
+
+    def _stage_steps(self, cfg, n_items: int, seq_len: int) -> int:
+        if cfg.epochs is not None:
+            return max(1, math.ceil(cfg.epochs * n_items / cfg.batch_size))
+        return math.ceil(cfg.tokens / (cfg.batch_size * seq_len))
+
     # -- the loop ------------------------------------------------------------------------------------
-    def _batch_indices(self, stage_idx: int, step: int, accum_i: int, stage_cfg) -> torch.Tensor:
-        """This process's blocks for micro-batch ``accum_i`` of optimizer step ``step``."""
+    def _batch_indices(self, stage_idx: int, step: int, accum_i: int, stage_cfg, n_items: int | None = None) -> torch.Tensor:
+        """This process's items (blocks, or dataset examples) for micro-batch ``accum_i`` of step ``step``."""
         world, rank = self.acc.num_processes, self.acc.process_index
         per = stage_cfg.batch_size // (stage_cfg.grad_accum * world)
         start = step * stage_cfg.batch_size + accum_i * world * per + rank * per
-        return block_indices(len(self.blocks), self.recipe.seed + 1000 * stage_idx, start, per)
+        n = len(self.blocks) if n_items is None else n_items
+        return block_indices(n, self.recipe.seed + 1000 * stage_idx, start, per)
+
+    def _step_indices(self, stage_idx: int, step: int, stage_cfg, n_items: int) -> torch.Tensor:
+        """Every process's items of optimizer step ``step`` (the global batch)."""
+        return block_indices(n_items, self.recipe.seed + 1000 * stage_idx, step * stage_cfg.batch_size, stage_cfg.batch_size)
 
     def _run_stage(self, stage_idx: int, state: TrainerState, resume_payload: dict | None) -> None:
         cfg = self.recipe.stages[stage_idx]
@@ -223,14 +314,19 @@ class Distiller:
                 f"stage '{cfg.name}': batch_size {cfg.batch_size} is not divisible by grad_accum × processes = {cfg.grad_accum * world}",
                 "make batch_size a multiple of grad_accum × number of processes",
             )
-        block_len = self.recipe.data.block_len
-        steps = math.ceil(cfg.tokens / (cfg.batch_size * block_len))
+        dataset = None
+        if kind.data_formats is not None:
+            stage_data = getattr(self, "stage_data", {})
+            dataset = stage_data.pop(stage_idx) if stage_idx in stage_data else self._stage_dataset(stage_idx, cfg, kind)
+        seq_len = cfg.data.max_len if dataset is not None else self.recipe.data.block_len
+        n_items = len(dataset) if dataset is not None else len(self.blocks)
+        steps = self._stage_steps(cfg, n_items, seq_len)
         unwrapped = self.acc.unwrap_model(self.student)
         if cfg.lora is not None:
             attach_lora(unwrapped, cfg.lora.targets, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout)
             if resume_payload is not None and "lora" in resume_payload:
                 unwrapped.lora.load_state_dict(resume_payload["lora"])
-        names = select_trainable(unwrapped, cfg.trainable)
+        names = select_trainable(unwrapped, cfg.trainable, cfg.frozen)
         params = [p for p in unwrapped.parameters() if p.requires_grad]
         n_train = sum(p.numel() for p in params)
         optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
@@ -246,16 +342,28 @@ class Distiller:
         self.student = model
         model.train()
         if self.is_main:
-            print(f"[stage {stage_idx + 1}/{len(self.recipe.stages)}] {cfg.name} ({cfg.kind}): {steps} steps × {cfg.batch_size} × {block_len} tokens, "
+            shape = f"{cfg.batch_size} examples (≤ {seq_len} tokens)" if dataset is not None else f"{cfg.batch_size} × {seq_len} tokens"
+            print(f"[stage {stage_idx + 1}/{len(self.recipe.stages)}] {cfg.name} ({cfg.kind}): {steps} steps × {shape}, "
                   f"{n_train / 1e6:.2f}M trainable params in {len(names)} tensors")
         bar = tqdm(total=steps, initial=state.step, desc=f"{cfg.name}", disable=not (self.progress and self.is_main), dynamic_ncols=True)
         t_last, tokens_last = time.perf_counter(), 0
         while state.step < steps:
             step_metrics: dict[str, float] = {}
             step_loss = torch.zeros((), device=self.acc.device)
+            if dataset is not None:
+                global_idx = self._step_indices(stage_idx, state.step, cfg, n_items).tolist()
+                tokens = dataset.tokens(global_idx)
+                mean_loss_tokens = dataset.loss_tokens(global_idx) / (cfg.grad_accum * world)
+            else:
+                tokens = cfg.batch_size * seq_len
             for a in range(cfg.grad_accum):
-                idx = self._batch_indices(stage_idx, state.step, a, cfg)
-                batch = {"input_ids": self.blocks[idx].to(self.acc.device)}
+                if dataset is not None:
+                    idx = self._batch_indices(stage_idx, state.step, a, cfg, n_items).tolist()
+                    batch = {k: v.to(self.acc.device) for k, v in dataset.collate(idx).items()}
+                    batch["mean_loss_tokens"] = mean_loss_tokens
+                else:
+                    idx = self._batch_indices(stage_idx, state.step, a, cfg)
+                    batch = {"input_ids": self.blocks[idx].to(self.acc.device)}
                 wrapped = model is not unwrapped
                 sync = self.acc.no_sync(model) if wrapped and a < cfg.grad_accum - 1 else contextlib.nullcontext()
                 with sync, self.acc.autocast():
@@ -278,7 +386,6 @@ class Distiller:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            tokens = cfg.batch_size * block_len
             state.step += 1
             state.tokens += tokens
             state.total_tokens += tokens
@@ -324,6 +431,7 @@ class Distiller:
             if self.is_main:
                 print(f"resuming from {self.resume_from.name}: stage {state.stage + 1}, step {state.step}")
                 _truncate_metrics(self.metrics_path, state)
+        self._prepare_stage_data(state.stage)
         self._build_student()
         for stage_idx in range(len(self.recipe.stages)):
             if stage_idx < state.stage:
@@ -333,6 +441,8 @@ class Distiller:
                     continue
                 state = TrainerState(stage=stage_idx, total_tokens=state.total_tokens, finished=state.finished)
                 payload = None
+            if state.step == 0 and payload is None:  # a fresh stage (a resumed one already has its plan)
+                self._grow_for_stage(stage_idx, self.recipe.stages[stage_idx])
             self._run_stage(stage_idx, state, payload)
             payload = None
         return self._finish()

@@ -30,15 +30,18 @@ def environment() -> dict:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The per-step training records of a run (event lines such as layer selection are skipped)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
     out = []
     for line in path.read_text().splitlines():
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError:
-            pass
+            continue
+        if "event" not in rec:
+            out.append(rec)
     return out
 
 
