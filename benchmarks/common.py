@@ -49,7 +49,7 @@ def bar_chart(path: Path, labels: Sequence[str], panels: Sequence[dict], title: 
     """One PNG with side-by-side bar panels over the same ``labels``.
 
     Each panel is a dict: ``values`` (None = missing, drawn as an empty slot), ``ylabel``, and
-    optionally ``title``, ``fmt`` (bar label format, default "{:.2f}"), ``ylim`` and
+    optionally ``title``, ``fmt`` (bar label format, default "{:.2f}"), ``ylim``, ``log`` (log y axis) and
     ``hline`` = (y, label) for a reference line.
     """
     import matplotlib
@@ -75,7 +75,10 @@ def bar_chart(path: Path, labels: Sequence[str], panels: Sequence[dict], title: 
             top = max(top, y)
             ax.axhline(y, color="gray", linestyle="--", linewidth=1, label=label)
             ax.legend(fontsize=8, loc="upper right", framealpha=0.9)
-        if panel.get("ylim") is not None:
+        if panel.get("log"):
+            ax.set_yscale("log")
+            ax.set_ylim(min([v for v in values if v > 0] or [1.0]) / 2, 3 * top if top > 0 else 10)
+        elif panel.get("ylim") is not None:
             ax.set_ylim(*panel["ylim"])
         elif top > 0:
             ax.set_ylim(0, 1.25 * top)  # headroom for bar labels and the legend

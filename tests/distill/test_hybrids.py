@@ -141,3 +141,22 @@ def test_teacher_source_parsing():
     assert parse_teacher_source("teacher:/data/my corpus:8") == ("/data/my corpus", 8)
     with pytest.raises(ConfigError, match="names no corpus"):
         parse_teacher_source("teacher:")
+
+
+def test_mamba_in_llama_recipe_runs_end_to_end(chat_overrides, tmp_path):
+    """The built-in recipe, budgets shrunk, on the tiny chat teacher: stepwise kd_ce stages, then SFT
+    on replies the teacher samples for prompts cut from the corpus."""
+    base = chat_overrides("[]")
+    corpus = next(o for o in base if o.startswith("data.corpus=")).split("=", 1)[1]
+    overrides = [o for o in base if not o.startswith("stages=")]
+    overrides += [f"stages.{i}.tokens=128" for i in range(3)] + [f"stages.{i}.batch_size=2" for i in range(4)]
+    overrides += [f"stages.3.data.source=teacher:{corpus}:4", "stages.3.data.max_len=96", "eval.max_tokens=256"]
+    recipe = load_recipe("mamba_in_llama", overrides)
+    assert [s.kind for s in recipe.stages] == ["kd_ce", "kd_ce", "kd_ce", "sft"]
+    out = tmp_path / "run"
+    distill(recipe, out, progress=False)
+    final = Attn2SSMForCausalLM.from_pretrained(out / "student")
+    assert final.config.layer_plan == ["mamba2", "mamba2"]  # 50 % of 2 layers, then 25 % → 0 kept
+    stages = [r["stage"] for r in _records(out)]
+    assert stages.index("hybrid_50") < stages.index("hybrid_25") < stages.index("sft")
+    assert json.loads((out / "results.json").read_text())["student_ppl"] > 1
