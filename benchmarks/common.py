@@ -77,7 +77,8 @@ def bar_chart(path: Path, labels: Sequence[str], panels: Sequence[dict], title: 
             ax.legend(fontsize=8, loc="upper right", framealpha=0.9)
         if panel.get("log"):
             ax.set_yscale("log")
-            ax.set_ylim(min([v for v in values if v > 0] or [1.0]) / 2, 3 * top if top > 0 else 10)
+            low = min([v for v in values if v > 0] + ([panel["hline"][0]] if panel.get("hline") else []) or [1.0])
+            ax.set_ylim(low / 2, 3 * top if top > 0 else 10)
         elif panel.get("ylim") is not None:
             ax.set_ylim(*panel["ylim"])
         elif top > 0:

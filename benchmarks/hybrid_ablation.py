@@ -53,6 +53,19 @@ def variants(tokens: int) -> dict[str, dict]:
     }
 
 
+def plot(data: dict, path: Path) -> Path:
+    """Bars of held-out perplexity per variant (log scale), the teacher as a dashed line."""
+    untrained, results, teacher_ppl = data["untrained_50pct"], data["variants"], data["teacher_ppl"]
+    labels = ["untrained attn-init", "untrained random", *results]
+    values = [untrained["attention init"], untrained["random init"], *[r["student_ppl"] for r in results.values()]]
+    settings = data["settings"]
+    return bar_chart(path, [lbl.replace(" (", "\n(") for lbl in labels],
+                     [{"values": values, "ylabel": "held-out perplexity (log)", "log": True, "fmt": "{:.1f}",
+                       "title": f"Mamba-2 hybrids of {settings['teacher']}, {settings['tokens_per_variant']} kd_ce tokens each",
+                       "hline": (teacher_ppl, f"teacher {teacher_ppl:.1f}")}],
+                     title="paper 004 ablations at CPU scale")  # fmt: skip
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=12288, help="training tokens per variant (kd_ce)")
@@ -150,12 +163,7 @@ def main(argv=None) -> int:
     }
     out_dir = Path(args.out)
     write_json(out_dir / "hybrid_ablation.json", data)
-    labels = ["untrained attn-init", "untrained random", *results]
-    values = [untrained["attention init"], untrained["random init"], *[r["student_ppl"] for r in results.values()]]
-    bar_chart(out_dir / "hybrid_ablation.png", [lbl.replace(" (", "\n(") for lbl in labels],
-              [{"values": values, "ylabel": "held-out perplexity (log)", "title": f"Mamba-2 hybrids of {args.teacher}, {args.tokens} kd_ce tokens each",
-                "hline": (teacher_ppl, f"teacher {teacher_ppl:.1f}"), "log": True}],
-              title="paper 004 ablations at CPU scale")  # fmt: skip
+    plot(data, out_dir / "hybrid_ablation.png")
     print("\norderings:")
     for k, v in holds.items():
         print(f"  {'holds' if v else ('n/a' if v is None else 'DOES NOT hold')}: {k}")
