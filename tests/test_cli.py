@@ -305,3 +305,17 @@ def test_generate_runs(slow):
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     assert not any(line.startswith("error:") for line in r.stderr.splitlines()), r.stderr
+
+
+def test_convert_keep_auto_scores_layers_and_writes_the_plan(ws, tmp_path, capsys):
+    """`convert --keep auto` (in-process): converts each layer alone on corpus blocks, keeps the most damaging."""
+    from attn2ssm.cli import main
+
+    out = tmp_path / "auto"
+    assert main(["convert", "--teacher", str(ws.llama), "--mixer", "mamba2", "--attention-ratio", "0.5", "--keep", "auto",
+                 "--calibration", str(ws.corpus), "--out", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    scores = [float(item.split(":")[1]) for item in printed.split("converted alone): ")[1].splitlines()[0].split(", ")]
+    plan = json.loads((out / "config.json").read_text())["layer_plan"]
+    assert len(scores) == 2 and plan.count("attention") == 1
+    assert plan.index("attention") == max(range(2), key=lambda i: (scores[i], -i))

@@ -45,7 +45,7 @@ def cmd_convert(args) -> int:
 
         blocks = pack_blocks(prepare_corpus("sotu" if args.calibration is None else args.calibration, tokenizer, max_train_tokens=8 * 256 + 1, max_heldout_tokens=256).train_ids, 256)
         plan, scores = auto_plan(teacher, blocks[block_indices(len(blocks), 0, 0, min(8, len(blocks)))], args.mixer, options, args.attention_ratio, batch_size=2)
-        print("layer damage (mean KL when converted alone): " + ", ".join(f"{i}:{s:.3f}" for i, s in enumerate(scores)))
+        print("layer damage (mean KL when converted alone): " + ", ".join(f"{i}:{s:.6g}" for i, s in enumerate(scores)))
     else:
         plan = make_plan(teacher.config.num_hidden_layers, args.mixer, attention_ratio=args.attention_ratio, keep_attention=keep, align="last")
     student = convert(teacher, plan, {args.mixer: options}, teacher_info={"source": source.describe()}, init=args.init)
