@@ -160,3 +160,38 @@ def test_mamba_in_llama_recipe_runs_end_to_end(chat_overrides, tmp_path):
     stages = [r["stage"] for r in _records(out)]
     assert stages.index("hybrid_50") < stages.index("hybrid_25") < stages.index("sft")
     assert json.loads((out / "results.json").read_text())["student_ppl"] > 1
+
+
+@pytest.mark.parametrize("crash_after_saves", [2, 3])  # 2: at the end of stage 1 (before growing); 3: inside stage 2
+def test_stepwise_resume_matches_uninterrupted(run_overrides, tmp_path, monkeypatch, crash_after_saves):
+    """A run killed at the stage boundary or inside the grown stage resumes to the same student."""
+    from attn2ssm.distill.trainer import Distiller
+
+    stages = "[" + KD_CE % ("half", "") + ", " + KD_CE % ("none", ", attention_ratio: 0.0") + "]"
+    sets = run_overrides(**{"stages": stages, "student.mixer": "mamba2", "student.mixer_options": "{}", "student.attention_ratio": 0.5})
+    reference = tmp_path / "reference"
+    distill(load_recipe("quickstart", sets), reference, progress=False)
+
+    original, saves = Distiller._save_checkpoint, {"n": 0}
+
+    class Crash(Exception):
+        pass
+
+    def save_then_crash(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        saves["n"] += 1
+        if saves["n"] == crash_after_saves:
+            raise Crash
+
+    monkeypatch.setattr(Distiller, "_save_checkpoint", save_then_crash)
+    crashed = tmp_path / "crashed"
+    with pytest.raises(Crash):
+        distill(load_recipe("quickstart", sets), crashed, progress=False)
+    monkeypatch.setattr(Distiller, "_save_checkpoint", original)
+    distill(load_recipe("quickstart", sets), crashed, resume=True, progress=False)
+    a, b = load_file(reference / "student" / "model.safetensors"), load_file(crashed / "student" / "model.safetensors")
+    assert set(a) == set(b)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
+    assert Attn2SSMForCausalLM.from_pretrained(crashed / "student").config.layer_plan == ["mamba2", "mamba2"]
+    assert [r["loss"] for r in _records(crashed) if "loss" in r] == pytest.approx([r["loss"] for r in _records(reference) if "loss" in r], rel=1e-6)

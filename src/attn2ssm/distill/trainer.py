@@ -442,6 +442,10 @@ class Distiller:
                 state = TrainerState(stage=stage_idx, total_tokens=state.total_tokens, finished=state.finished)
                 payload = None
             if state.step == 0 and payload is None:  # a fresh stage (a resumed one already has its plan)
+                # Whatever a stage draws at its start (new mixers' Δ/A, LoRA adapters) must not depend
+                # on whether the run was resumed at this boundary: seed it from (seed, stage).
+                torch.manual_seed(self.recipe.seed + 7919 * (stage_idx + 1))
+                random.seed(self.recipe.seed + 7919 * (stage_idx + 1))
                 self._grow_for_stage(stage_idx, self.recipe.stages[stage_idx])
             self._run_stage(stage_idx, state, payload)
             payload = None
