@@ -4,6 +4,7 @@ layout), sanity mode = linearised attention, and prefill / chunked prefill / dec
 import pytest
 import torch
 import torch.nn.functional as F
+from cache_forms import full_and_pieces
 from tiny_models import tiny_model
 
 from attn2ssm.errors import ConfigError
@@ -86,22 +87,6 @@ def test_new_parameters_start_where_designed(kind, gqa_teacher):
         assert (alpha > 0.999).all() and not mixer.a_proj.weight.any()
 
 
-def _positions(mask):
-    return (mask.long().cumsum(-1) - 1).clamp_min(0)
-
-
-def _forms(model, ids, mask, pieces):
-    pos = _positions(mask)
-    full = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-    cache, outs, start = model.new_cache(), [], 0
-    for size in pieces:
-        end = start + size
-        out = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=pos[:, start:end], past_key_values=cache, use_cache=True)
-        outs.append(out.logits)
-        start = end
-    return full, torch.cat(outs, 1)
-
-
 @pytest.mark.parametrize("family", ["llama", "gpt2", "phi"])
 @pytest.mark.parametrize("kind", SSM_MIXERS)
 @pytest.mark.parametrize("ratio", [0.0, 0.5])
@@ -116,9 +101,9 @@ def test_prefill_chunked_and_decode_agree(kind, family, ratio):
     mask = torch.ones(2, 14, dtype=torch.long)
     mask[1, :4] = 0  # left padding
     real = mask.bool()
-    full, stepped = _forms(student, ids, mask, [6] + [1] * 8)
+    full, stepped = full_and_pieces(student, ids, mask, [6] + [1] * 8)
     torch.testing.assert_close(stepped[real], full[real], atol=1e-4, rtol=1e-4)
-    full, chunked = _forms(student, ids, mask, [5, 3, 6])
+    full, chunked = full_and_pieces(student, ids, mask, [5, 3, 6])
     torch.testing.assert_close(chunked[real], full[real], atol=1e-4, rtol=1e-4)
 
 

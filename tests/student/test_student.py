@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from cache_forms import full_and_pieces
 from tiny_models import TINY_CONFIGS, tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -88,22 +89,6 @@ def test_plans():
 # cache: full forward == chunked prefill == prefill + token-by-token decode (fp32, with padding)
 
 
-def _positions(mask):
-    return (mask.long().cumsum(-1) - 1).clamp_min(0)
-
-
-def _forms(model, ids, mask, pieces):
-    pos = _positions(mask)
-    full = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-    cache, outs, start = model.new_cache(), [], 0
-    for size in pieces:
-        end = start + size
-        out = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=pos[:, start:end], past_key_values=cache, use_cache=True)
-        outs.append(out.logits)
-        start = end
-    return full, torch.cat(outs, 1)
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2", "gpt_neox", "phi"])
 @pytest.mark.parametrize("ratio", [0.0, 0.5])
 def test_prefill_chunked_and_decode_agree(family, ratio, teachers):
@@ -114,9 +99,9 @@ def test_prefill_chunked_and_decode_agree(family, ratio, teachers):
     mask = torch.ones(2, 14, dtype=torch.long)
     mask[1, :4] = 0  # left padding
     real = mask.bool()
-    full, stepped = _forms(student, ids, mask, [6] + [1] * 8)
+    full, stepped = full_and_pieces(student, ids, mask, [6] + [1] * 8)
     torch.testing.assert_close(stepped[real], full[real], atol=1e-4, rtol=1e-4)
-    full, chunked = _forms(student, ids, mask, [5, 3, 6])
+    full, chunked = full_and_pieces(student, ids, mask, [5, 3, 6])
     torch.testing.assert_close(chunked[real], full[real], atol=1e-4, rtol=1e-4)
 
 
@@ -193,9 +178,9 @@ def test_every_feature_map_prefill_chunked_and_decode_agree(feature_map, teacher
     student = convert(teacher, [LA] * teacher.config.num_hidden_layers, {LA: {"feature_map": feature_map}})
     ids = _ids(l=12)
     mask = torch.ones(2, 12, dtype=torch.long)
-    full, stepped = _forms(student, ids, mask, [5] + [1] * 7)
+    full, stepped = full_and_pieces(student, ids, mask, [5] + [1] * 7)
     torch.testing.assert_close(stepped, full, atol=1e-4, rtol=1e-4)
-    full, chunked = _forms(student, ids, mask, [4, 3, 5])
+    full, chunked = full_and_pieces(student, ids, mask, [4, 3, 5])
     torch.testing.assert_close(chunked, full, atol=1e-4, rtol=1e-4)
 
 
@@ -208,9 +193,9 @@ def test_sliding_window_mixer_prefill_chunked_and_decode_agree(ratio, teachers):
     mask = torch.ones(2, 14, dtype=torch.long)
     mask[1, :4] = 0
     real = mask.bool()
-    full, stepped = _forms(student, ids, mask, [6] + [1] * 8)
+    full, stepped = full_and_pieces(student, ids, mask, [6] + [1] * 8)
     torch.testing.assert_close(stepped[real], full[real], atol=1e-4, rtol=1e-4)
-    full, chunked = _forms(student, ids, mask, [5, 3, 6])
+    full, chunked = full_and_pieces(student, ids, mask, [5, 3, 6])
     torch.testing.assert_close(chunked[real], full[real], atol=1e-4, rtol=1e-4)
     # the quadratic path used by attention transfer gives the same layer output
     mixer = next(iter(student.mixers().values()))

@@ -30,8 +30,7 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.mixers.ssm_common import CausalConv, check_activation, dt_bias_init, init_identity_gate
-from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
+from attn2ssm.mixers.ssm_common import CausalConv, apply_conv, check_activation, dt_bias_init, init_shared_parameters, store_states
 from attn2ssm.ops.selective_scan import selective_scan_chunked, selective_scan_step
 
 
@@ -88,12 +87,7 @@ class MambaMixer(AttentionLikeMixer):
     @torch.no_grad()
     def init_new_parameters(self) -> None:
         """(Re)initialise everything attention does not provide; q/k/v/o are left alone."""
-        if self.conv is not None:
-            self.conv.reset_parameters()
-        if self.gate is not None:
-            init_identity_gate(self.gate)
-        if self.D is not None:
-            self.D.fill_(self.D_init)
+        init_shared_parameters(self)
         if not self.sanity:
             nn.init.kaiming_uniform_(self.dt_down.weight, a=math.sqrt(5))
             bound = self.dt_rank**-0.5
@@ -143,13 +137,7 @@ class MambaMixer(AttentionLikeMixer):
         decode = l == 1 and "ssm" in states
         if decode and mask is not None:
             x = x * mask[:, :, None].to(x.dtype)
-        if self.conv is not None:
-            w, bias = self.conv.weight, self.conv.bias
-            if decode:
-                x0, conv_state = causal_conv1d_step(x[:, 0], w, bias, states["conv"], activation=self.conv_activation)
-                x = x0[:, None]
-            else:
-                x, conv_state = causal_conv1d(x, w, bias, state=states.get("conv"), mask=mask, activation=self.conv_activation)
+        x, conv_state = apply_conv(self.conv, x, states, mask, decode, self.conv_activation)
         xg, dt, A = self._scan_inputs(hidden_states, x)
         if decode:
             if mask is not None:  # a padded step leaves the state alone
@@ -158,9 +146,5 @@ class MambaMixer(AttentionLikeMixer):
             y = y[:, None]
         else:
             y, ssm = selective_scan_chunked(xg, dt, A, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
-        if layer is not None:
-            layer.states["ssm"] = ssm
-            if self.conv is not None:
-                layer.states["conv"] = conv_state
-            layer.advance(l)
+        store_states(layer, ssm, conv_state, l)
         return self._output(y, x, hidden_states), None

@@ -29,8 +29,8 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.mixers.ssm_common import CausalConv, GatedRMSNorm, check_activation, dt_bias_init, init_identity_gate
-from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
+from attn2ssm.mixers.ssm_common import CausalConv, GatedRMSNorm, apply_conv, check_activation, dt_bias_init, init_shared_parameters, store_states
+from attn2ssm.ops.conv import causal_conv1d
 from attn2ssm.ops.ssd import ssd_chunked, ssd_quadratic, ssd_step
 
 
@@ -82,14 +82,7 @@ class Mamba2Mixer(AttentionLikeMixer):
     @torch.no_grad()
     def init_new_parameters(self) -> None:
         """(Re)initialise everything attention does not provide; q/k/v/o are left alone."""
-        if self.conv is not None:
-            self.conv.reset_parameters()
-        if self.gate is not None:
-            init_identity_gate(self.gate)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.D is not None:
-            self.D.fill_(self.D_init)
+        init_shared_parameters(self)
         h = self.num_heads
         if self.discrete and self.a_proj is not None:
             # Little decay at init (α = exp(−softplus(b)) ≈ 0.9995): close to linear attention.
@@ -163,13 +156,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         decode = l == 1 and "ssm" in states
         if decode and mask is not None:
             xbc = xbc * mask[:, :, None].to(xbc.dtype)
-        if self.conv is not None:
-            w, bias = self.conv.weight, self.conv.bias
-            if decode:
-                y0, conv_state = causal_conv1d_step(xbc[:, 0], w, bias, states["conv"], activation=self.conv_activation)
-                xbc = y0[:, None]
-            else:
-                xbc, conv_state = causal_conv1d(xbc, w, bias, state=states.get("conv"), mask=mask, activation=self.conv_activation)
+        xbc, conv_state = apply_conv(self.conv, xbc, states, mask, decode, self.conv_activation)
         x, B, C = self._split(xbc)
         a, dt = self._decay(hidden_states)
         x_in = x if dt is None else x * dt[..., None].to(x.dtype)
@@ -182,11 +169,7 @@ class Mamba2Mixer(AttentionLikeMixer):
             y = y[:, None]
         else:
             y, ssm = ssd_chunked(x_in, a, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
-        if layer is not None:
-            layer.states["ssm"] = ssm
-            if self.conv is not None:
-                layer.states["conv"] = conv_state
-            layer.advance(l)
+        store_states(layer, ssm, conv_state, l)
         return self._output(y, x, hidden_states), None
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn2ssm.errors import ConfigError
+from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
 
 # SiLU(b) = b·σ(b) = 1 at b ≈ 1.27846: a zero-weight gate with this bias multiplies by exactly 1.
 GATE_IDENTITY_BIAS = 1.2784645427610738
@@ -83,3 +84,37 @@ def check_activation(name: str | None) -> str | None:
     if name != "silu":
         raise ConfigError(f"conv_activation={name!r} is not supported", "use silu or none")
     return name
+
+
+@torch.no_grad()
+def init_shared_parameters(mixer) -> None:
+    """The designed start of the parts every SSM mixer may have: conv, gate, gated norm, D."""
+    if getattr(mixer, "conv", None) is not None:
+        mixer.conv.reset_parameters()
+    if getattr(mixer, "gate", None) is not None:
+        init_identity_gate(mixer.gate)
+    if getattr(mixer, "norm", None) is not None:
+        mixer.norm.reset_parameters()
+    if getattr(mixer, "D", None) is not None:
+        mixer.D.fill_(mixer.D_init)
+
+
+def apply_conv(conv: CausalConv | None, x, states: dict, mask, decode: bool, activation):
+    """x (b, l, c) through the mixer's causal conv: one step against ``states["conv"]`` when
+    decoding, else the whole block from it. Returns (x, new conv state or None without a conv)."""
+    if conv is None:
+        return x, None
+    if decode:
+        y, conv_state = causal_conv1d_step(x[:, 0], conv.weight, conv.bias, states["conv"], activation=activation)
+        return y[:, None], conv_state
+    return causal_conv1d(x, conv.weight, conv.bias, state=states.get("conv"), mask=mask, activation=activation)
+
+
+def store_states(layer, ssm, conv_state, length: int) -> None:
+    """Save a mixer's recurrent states in its cache layer (if it runs with one) and count the tokens."""
+    if layer is None:
+        return
+    layer.states["ssm"] = ssm
+    if conv_state is not None:
+        layer.states["conv"] = conv_state
+    layer.advance(length)
