@@ -39,6 +39,14 @@ class HeadRMSNorm(nn.Module):
         return (xf * (self.offset + self.weight.float())).to(x.dtype)
 
 
+def _record_inputs(mixer, args, kwargs):
+    """Hand this call's inputs to the cache layer (it keeps them only while recording past states)."""
+    layer = mixer.cache_layer(kwargs)
+    if layer is not None and getattr(layer, "record_past", False):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        layer.record(mixer, hidden, kwargs.get("position_embeddings"), mixer.padding_mask(hidden.shape[1]))
+
+
 class AttentionLikeMixer(nn.Module):
     """Base class: holds q/k/v/o in the teacher's geometry and parses the HF call."""
 
@@ -62,6 +70,8 @@ class AttentionLikeMixer(nn.Module):
             self.q_norm = self.k_norm = None
         # Not a submodule: set by the student model (shared by all its mixers).
         self.context = MixerContext()
+        # A cache that may be rolled back (speculative decoding) keeps what this mixer reads.
+        self.register_forward_pre_hook(_record_inputs, with_kwargs=True)
 
     # -- teacher weights -------------------------------------------------------------------
     @torch.no_grad()

@@ -4,6 +4,14 @@ It is a transformers ``Cache`` whose layers are ``DynamicLayer`` / ``DynamicSlid
 where attention is kept and ``MixerStateLayer`` where a mixer sits. A mixer layer stores
 whatever tensors its mixer needs (``states`` dict) and counts the tokens it has consumed, so
 ``get_seq_length`` and mask sizes stay right even for a student with no attention at all.
+
+Rollback (speculative decoding). transformers' protocol is ``cache.activate_past_recording()``
+then ``cache.crop(-n)`` to forget the last n tokens (``crop(0)`` commits). A KV layer just drops
+rows; a recurrent state cannot be un-mixed. So a recording mixer layer keeps one snapshot of its
+state, taken before the first forward after the last crop, plus the *inputs* its mixer saw since
+(hidden states, position embeddings, padding mask: a few tokens' worth). ``crop(-n)`` restores the
+snapshot and replays the mixer alone over the inputs it keeps: paper 004's "cache the inputs,
+recompute from one snapshot", exact for every mixer kind, with no per-token states stored.
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ class MixerStateLayer(CacheLayerMixin):
         self.states: dict = {}
         self.seen = 0
         self.is_initialized = True
+        self.record_past = False
+        self._snapshot: tuple[int, dict] | None = None  # (seen, states) before the recorded forwards
+        self._inputs: list[tuple] = []  # (mixer, hidden (b, l, d), position_embeddings, padding mask)
+        self._replaying = False
 
     def advance(self, n: int) -> None:
         self.seen += n
@@ -58,6 +70,7 @@ class MixerStateLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.states, self.seen = {}, 0
+        self._commit()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.states = {k: _map_state(v, lambda t: t.index_select(0, beam_idx.to(t.device))) for k, v in self.states.items()}
@@ -68,9 +81,63 @@ class MixerStateLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.states = {k: _map_state(v, lambda t: t[indices]) for k, v in self.states.items()}
 
+    # -- rollback (see the module docstring) ------------------------------------------------------
+    @property
+    def is_croppable(self) -> bool:
+        return self.record_past
+
+    def activate_past_recording(self) -> None:
+        self.record_past = True
+
+    def record(self, mixer, hidden_states, position_embeddings, padding_mask) -> None:
+        """Called by a mixer before it updates this layer's state (a no-op unless recording)."""
+        if not self.record_past or self._replaying:
+            return
+        if self._snapshot is None:
+            self._snapshot = (self.seen, {k: _map_state(v, torch.clone) for k, v in self.states.items()})
+        self._inputs.append((mixer, hidden_states.detach(), position_embeddings, padding_mask))
+
+    def _commit(self) -> None:
+        self._snapshot, self._inputs = None, []
+
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            raise RuntimeError("a recurrent state cannot be cropped; snapshot it before a speculative step instead")
+        """Forget the last ``-tokens_to_remove`` tokens (transformers' sign convention); 0 commits."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as transformers does")
+        remove = -tokens_to_remove
+        if remove == 0:
+            self._commit()
+            return
+        snapshot = self._snapshot
+        if snapshot is None or self.seen - remove < snapshot[0]:
+            reason = "recording is off" if not self.record_past else f"only the last {self.seen - (snapshot[0] if snapshot else self.seen)} tokens were recorded"
+            raise RuntimeError(
+                f"cannot remove {remove} tokens from a recurrent state ({reason}); call cache.activate_past_recording() "
+                "before the forwards you may want to undo"
+            )
+        keep = self.seen - remove - snapshot[0]
+        self.seen, self.states = snapshot[0], dict(snapshot[1])
+        if keep:
+            self._replay(keep)
+        self._commit()
+
+    def _replay(self, keep: int) -> None:
+        """Run the recorded mixer over the first ``keep`` recorded tokens, from the snapshot."""
+        mixer = self._inputs[0][0]
+        hidden = torch.cat([h for _, h, _, _ in self._inputs], 1)[:, :keep]
+        pe = None
+        if self._inputs[0][2] is not None:
+            pe = tuple(torch.cat(parts, 1)[:, :keep] for parts in zip(*(p for _, _, p, _ in self._inputs)))
+        masks = [m if m is not None else torch.ones(h.shape[:2], dtype=torch.long, device=h.device) for _, h, _, m in self._inputs]
+        mask = torch.cat(masks, 1)[:, :keep]
+        context, saved = mixer.context, mixer.context.padding_mask
+        context.padding_mask = None if bool(mask.all()) else mask
+        self._replaying = True
+        try:
+            with torch.no_grad():
+                mixer(hidden, position_embeddings=pe, past_key_values=_OneLayer(self))
+        finally:
+            context.padding_mask, self._replaying = saved, False
 
     def state_bytes(self) -> int:
         """Bytes held by this layer's state (constant in the sequence length)."""
@@ -78,6 +145,16 @@ class MixerStateLayer(CacheLayerMixin):
         for v in self.states.values():
             _map_state(v, lambda t: tensors.append(t) or t)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _OneLayer:
+    """Stands in for the cache when a mixer replays its recorded inputs (see ``crop``)."""
+
+    def __init__(self, layer: MixerStateLayer):
+        self.layer = layer
+
+    def mixer_layer(self, layer_idx: int) -> MixerStateLayer:
+        return self.layer
 
 
 class Attn2SSMCache(Cache):

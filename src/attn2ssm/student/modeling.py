@@ -98,6 +98,8 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
         wants_default = generation_config.use_cache is not False and generation_config.cache_implementation in (None, "dynamic")
         if model_kwargs.get("past_key_values") is None and wants_default:
             model_kwargs["past_key_values"] = self.new_cache()
+            if generation_config.is_assistant:  # a draft model gets rolled back after each verification
+                model_kwargs["past_key_values"].activate_past_recording()
             return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
@@ -122,7 +124,7 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
             if not bool(current.all()):
                 pad = current
         self.mixer_context.padding_mask = pad
-        use_cache = self.config.use_cache if use_cache is None else use_cache
+        use_cache = getattr(self.base.config, "use_cache", True) if use_cache is None else use_cache
         if use_cache and (past_key_values is None or not isinstance(past_key_values, Attn2SSMCache)):
             if past_key_values is not None and past_key_values.get_seq_length() > 0:
                 raise ValueError("pass an Attn2SSMCache (model.new_cache()) to a student, not a plain KV cache")

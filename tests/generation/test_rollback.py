@@ -1,0 +1,92 @@
+"""Cache rollback: ``activate_past_recording`` then ``crop(-n)`` puts every layer kind — KV, sliding
+window KV, and each mixer's recurrent + conv state — back to where it was n tokens ago, so the
+next tokens give the same logits as a run that never saw the undone ones."""
+
+import pytest
+import torch
+from cache_forms import positions
+from tiny_models import tiny_model
+
+from attn2ssm.mixers.registry import MIXERS
+from attn2ssm.student.convert import convert
+from attn2ssm.student.plans import make_plan
+
+KINDS = sorted(MIXERS)
+
+
+def _student(family, kind, ratio, options=None):
+    torch.manual_seed(0)
+    teacher = tiny_model(family)
+    student = convert(teacher, make_plan(teacher.config.num_hidden_layers, kind, attention_ratio=ratio), {kind: options or {}})
+    # perturb the new parameters (decay, conv, gate …) away from their identity init, so a state
+    # restored wrongly cannot hide behind an identity map
+    with torch.no_grad():
+        for mixer in student.mixers().values():
+            for name, p in mixer.named_parameters():
+                if not name.startswith(("q_proj", "k_proj", "v_proj", "o_proj")):
+                    p.add_(0.1 * torch.randn_like(p))
+    return student.eval()
+
+
+def _feed(model, cache, ids, mask, start, end):
+    pos = positions(mask)
+    return model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=pos[:, start:end], past_key_values=cache, use_cache=True).logits
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family,ratio", [("llama", 0.0), ("mistral", 0.5), ("gemma2", 0.5)])
+@pytest.mark.parametrize("remove", [1, 3, 6])
+def test_crop_then_continue_equals_never_seen(kind, family, ratio, remove):
+    """Prefill 6 real tokens, speculate 6 more in pieces (the first 6 - remove real, the rest
+    wrong), undo ``remove``, then feed the true continuation: logits equal one full forward."""
+    student = _student(family, kind, ratio)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    real = mask.bool()
+    kept = 12 - remove
+    spec = ids.clone()
+    spec[:, kept:12] = (ids[:, kept:12] + 1) % 256  # wrong guesses, to be undone
+    with torch.no_grad():
+        full = student(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
+        cache = student.new_cache()
+        _feed(student, cache, ids, mask, 0, 6)  # prefill, longer than the sliding window (4)
+        cache.activate_past_recording()
+        spec_logits = torch.cat([_feed(student, cache, spec, mask, a, b) for a, b in ((6, 9), (9, 10), (10, 12))], 1)
+        cache.crop(-remove)
+        assert cache.get_seq_length() == kept
+        rest = torch.cat([_feed(student, cache, ids, mask, kept, 14), _feed(student, cache, ids, mask, 14, 16)], 1)
+    got = torch.cat([spec_logits[:, : kept - 6], rest], 1)
+    torch.testing.assert_close(got[real[:, 6:]], full[:, 6:][real[:, 6:]], atol=1e-4, rtol=1e-4)
+
+
+def test_crop_past_the_recording_is_a_clear_error():
+    student = _student("llama", "mamba2", 0.0)
+    ids = torch.randint(0, 256, (1, 8))
+    cache = student.new_cache()
+    with torch.no_grad():
+        student(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)
+        with pytest.raises(RuntimeError, match="activate_past_recording"):
+            cache.crop(-1)
+        cache.activate_past_recording()
+        student(input_ids=ids[:, 4:6], past_key_values=cache, use_cache=True)
+        with pytest.raises(RuntimeError, match="only the last 2 tokens"):
+            cache.crop(-3)
+        with pytest.raises(ValueError, match="negative"):
+            cache.crop(2)
+        cache.crop(0)  # commits: nothing left to undo
+        with pytest.raises(RuntimeError, match="only the last 0 tokens"):
+            cache.crop(-1)
+
+
+def test_recorded_inputs_are_bounded_by_commits():
+    """Each crop commits, so a long speculative run keeps one snapshot and a few tokens' inputs."""
+    student = _student("llama", "linear_attention", 0.0)
+    cache = student.new_cache()
+    cache.activate_past_recording()
+    with torch.no_grad():
+        for _ in range(5):
+            student(input_ids=torch.randint(0, 256, (1, 3)), past_key_values=cache, use_cache=True)
+            cache.crop(-1)
+    layer = cache.layers[0]
+    assert layer._inputs == [] and layer._snapshot is None and cache.get_seq_length() == 10
