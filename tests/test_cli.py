@@ -109,6 +109,7 @@ def slow(ws):
     after_convert = {
         "eval": ["eval", student, "--corpus", ws.corpus, "--window", "16", "--max-tokens", "200"],
         "generate": ["generate", student, "--prompt", "hello", "--max-new-tokens", "5"],
+        "generate_draft": ["generate", student, "--draft", ws.llama, "--prompt", "hello", "--max-new-tokens", "6", "--num-draft-tokens", "3"],
     }
     pool = ThreadPoolExecutor(max_workers=4)
     futures: dict[str, Future] = {name: Future() for name in after_convert}
@@ -305,6 +306,22 @@ def test_generate_runs(slow):
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     assert not any(line.startswith("error:") for line in r.stderr.splitlines()), r.stderr
+
+
+def test_generate_with_a_draft_reports_acceptance(slow):
+    """`generate --draft` (the teacher drafting for its student) decodes speculatively and says how it went."""
+    r = result_of(slow, "generate_draft")
+    assert r.returncode == 0, r.stderr
+    stats = [line for line in r.stderr.splitlines() if line.startswith("[speculative]")]
+    assert len(stats) == 1 and "acceptance" in stats[0] and "tokens in" in stats[0], r.stderr
+
+
+def test_generate_bad_draft_count_is_one_line(capsys):
+    from attn2ssm.cli import main
+
+    assert main(["generate", "/nope/model", "--draft", "/nope/draft", "--prompt", "x", "--num-draft-tokens", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--num-draft-tokens 0" in err[0], err
 
 
 def test_convert_keep_auto_scores_layers_and_writes_the_plan(ws, tmp_path, capsys):

@@ -155,6 +155,8 @@ def cmd_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
+    if args.draft is not None and args.num_draft_tokens < 1:
+        raise ConfigError(f"--num-draft-tokens {args.num_draft_tokens}", "draft at least 1 token per round, e.g. --num-draft-tokens 4")
     model, tokenizer = load_model_and_tokenizer(args.model)
     if args.chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True)
@@ -164,15 +166,41 @@ def cmd_generate(args) -> int:
     sample = args.temperature > 0
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=not args.echo, skip_special_tokens=True)
-    model.generate(
-        **inputs,
+    if args.draft is None:
+        model.generate(
+            **inputs,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=sample,
+            temperature=args.temperature if sample else None,
+            top_p=args.top_p if sample else None,
+            top_k=args.top_k if sample else None,
+            streamer=streamer,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        return 0
+    from attn2ssm.generation.speculative import speculative_generate
+
+    draft, _ = load_model_and_tokenizer(args.draft)
+    out = speculative_generate(
+        model,
+        draft,
+        inputs["input_ids"],
         max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens,
         do_sample=sample,
-        temperature=args.temperature if sample else None,
-        top_p=args.top_p if sample else None,
-        top_k=args.top_k if sample else None,
+        temperature=args.temperature if sample else 1.0,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_token_id=tokenizer.eos_token_id,
+        generator=torch.Generator().manual_seed(args.seed),
         streamer=streamer,
-        pad_token_id=tokenizer.pad_token_id,
+    )
+    s = out.stats
+    print(
+        f"[speculative] {s.generated} tokens in {s.rounds} verifier forwards ({s.tokens_per_round:.2f} per forward); "
+        f"draft acceptance {s.acceptance_rate:.1%} ({s.accepted}/{s.drafted}); "
+        f"draft {s.draft_seconds:.1f}s, verify {s.verify_seconds:.1f}s",
+        file=sys.stderr,
     )
     return 0
 
@@ -246,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--echo", action="store_true", help="print the prompt too")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--draft", default=None, help="speculative decoding: a draft model (student dir or teacher spec, same tokenizer) proposes tokens that MODEL verifies")
+    g.add_argument("--num-draft-tokens", type=int, default=4, help="with --draft: tokens proposed per verifier forward")
     g.set_defaults(func=cmd_generate)
 
     r = sub.add_parser("recipes", help="list built-in recipes, or print one")

@@ -187,9 +187,11 @@ def test_sampling_follows_the_verifier_distribution():
 
 def test_bad_inputs_are_clear_errors():
     teacher, verifier, draft = _models("mamba2")
-    with pytest.raises(ValueError, match="one prompt"):
+    from attn2ssm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="one prompt"):
         speculative_generate(verifier, draft, torch.zeros(2, 4, dtype=torch.long))
     other = tiny_model("llama")
     other.resize_token_embeddings(300)
-    with pytest.raises(ValueError, match="vocabulary"):
+    with pytest.raises(ConfigError, match="vocabulary"):
         speculative_generate(verifier, other, torch.zeros(1, 4, dtype=torch.long))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from attn2ssm.errors import ConfigError
 from attn2ssm.generation.sampling import accept_greedy, accept_sampled, warp
 
 
@@ -93,7 +94,7 @@ class _Runner:
 def _check_pair(verifier, draft) -> None:
     vv, dv = verifier.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size
     if vv != dv:
-        raise ValueError(f"draft vocabulary ({dv}) differs from the verifier's ({vv}); speculative decoding needs the same tokenizer")
+        raise ConfigError(f"the draft's vocabulary ({dv} tokens) differs from the verifier's ({vv})", "use a draft that shares the verifier's tokenizer (a student of the same teacher)")
 
 
 @torch.no_grad()
@@ -115,9 +116,9 @@ def speculative_generate(
     ``num_draft_tokens`` tokens per verifier forward. Greedy output equals the verifier's own
     greedy output; sampled output follows the verifier's (warped) distribution."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"speculative decoding takes one prompt (input_ids of shape (1, l)), got {tuple(input_ids.shape)}")
+        raise ConfigError(f"speculative decoding takes one prompt (input_ids of shape (1, l)), got {tuple(input_ids.shape)}", "run prompts one at a time")
     if num_draft_tokens < 1:
-        raise ValueError("num_draft_tokens must be ≥ 1")
+        raise ConfigError(f"num_draft_tokens={num_draft_tokens}", "draft at least 1 token per round (2-6 is typical)")
     _check_pair(verifier, draft)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     stats = SpeculativeStats()

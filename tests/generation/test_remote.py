@@ -1,0 +1,52 @@
+"""Generation from a checkpoint loaded with ``trust_remote_code=True`` in a process where attn2ssm
+cannot be imported: batched left-padded greedy, sampling, and transformers' assisted decoding
+(which needs our cache's rollback) all run on the flattened remote code."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from attn2ssm.student.convert import convert
+from attn2ssm.student.plans import make_plan
+
+REMOTE = r"""
+import sys, json, torch
+sys.modules["attn2ssm"] = None  # any attempt to import attn2ssm now fails
+from transformers import AutoModelForCausalLM
+d = sys.argv[1]
+m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()
+draft = AutoModelForCausalLM.from_pretrained(d + "/draft", trust_remote_code=True).eval()
+batch, mask = torch.load(d + "/batch.pt")
+greedy = m.generate(input_ids=batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+assisted = m.generate(input_ids=batch[:1], max_new_tokens=8, do_sample=False, pad_token_id=0, assistant_model=draft)
+torch.manual_seed(0)
+sampled = m.generate(input_ids=batch, attention_mask=mask, max_new_tokens=8, do_sample=True, top_p=0.9, temperature=0.7, pad_token_id=0)
+print(json.dumps({"greedy": greedy.tolist(), "assisted": assisted.tolist(), "sampled": sampled.shape[1], "cls": type(m).__module__}))
+"""
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "linear_attention"])
+def test_remote_code_generation(kind, tmp_path):
+    torch.manual_seed(0)
+    teacher = tiny_model("llama")
+    n = teacher.config.num_hidden_layers
+    student = convert(teacher, make_plan(n, kind, attention_ratio=0.5)).eval()
+    draft = convert(teacher, make_plan(n, kind, attention_ratio=0.0)).eval()
+    student.save_pretrained(tmp_path)
+    draft.save_pretrained(tmp_path / "draft")
+    batch = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    batch[1, :3], mask[1, :3] = 0, 0
+    torch.save((batch, mask), tmp_path / "batch.pt")
+    expected = student.generate(input_ids=batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    proc = subprocess.run([sys.executable, "-c", REMOTE, str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["cls"].startswith("transformers_modules")
+    assert result["greedy"] == expected.tolist()
+    assert result["assisted"] == expected[:1].tolist()
+    assert result["sampled"] == 15
