@@ -7,12 +7,13 @@ import inspect
 from torch import nn
 
 from attn2ssm.errors import ConfigError
+from attn2ssm.mixers.hedgemamba import HedgeMambaMixer
 from attn2ssm.mixers.linear_attention import LinearAttentionMixer
 from attn2ssm.mixers.mamba import MambaMixer
 from attn2ssm.mixers.mamba2 import DiscreteMamba2Mixer, Mamba2Mixer
 
 MIXERS: dict[str, type[nn.Module]] = {
-    cls.mixer_type: cls for cls in (LinearAttentionMixer, MambaMixer, Mamba2Mixer, DiscreteMamba2Mixer)
+    cls.mixer_type: cls for cls in (LinearAttentionMixer, MambaMixer, Mamba2Mixer, DiscreteMamba2Mixer, HedgeMambaMixer)
 }
 
 ATTENTION = "attention"  # a layer-plan entry that keeps the teacher's attention
