@@ -1,4 +1,4 @@
-"""``attn2ssm convert | distill | eval | generate | recipes``.
+"""``attn2ssm convert | distill | eval | generate | bench | recipes``.
 
 Every user-facing failure is an ``Attn2SSMError``: printed as one line, no traceback
 (``--debug`` shows it).
@@ -205,6 +205,76 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------- bench
+def _int_list(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise ConfigError(f"{flag} {text!r} is not a comma-separated list of positive integers", f"write e.g. {flag} 1024,4096")
+    return values
+
+
+def cmd_bench_generate(args) -> int:
+    from attn2ssm.generation.bench import STUDENTS, BenchSettings
+
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    unknown = [m for m in models if m != "teacher" and m not in STUDENTS]
+    if unknown or not models:
+        raise ConfigError(f"--models {args.models!r} names unknown models {unknown}", f"choose from teacher, {', '.join(STUDENTS)}")
+    limits = {}
+    for item in args.max_context or []:
+        name, sep, value = item.partition("=")
+        if not sep or name not in models or not value.isdigit():
+            raise ConfigError(f"--max-context {item!r} is not MODEL=TOKENS for a benchmarked model", "write e.g. --max-context teacher=16384")
+        limits[name] = int(value)
+    if args.new_tokens < 3 or args.spec_new_tokens < 1:
+        raise ConfigError("--new-tokens must be at least 3 (one prefill token, two to time decode)", "use e.g. --new-tokens 16")
+    settings = BenchSettings(
+        teacher=args.teacher, contexts=_int_list("--contexts", args.contexts), models=models, new_tokens=args.new_tokens,
+        max_context=limits, draft=args.draft, spec_contexts=_int_list("--spec-contexts", args.spec_contexts),
+        spec_ks=_int_list("--spec-k", args.spec_k), spec_new_tokens=args.spec_new_tokens, corpus=args.corpus,
+        device=args.device, threads=args.threads,
+    )  # fmt: skip
+    if args.draft:
+        resolve = Path(args.draft)
+        if not (resolve / "config.json").exists():
+            raise CheckpointError(f"--draft {args.draft} has no config.json", "point it at a student directory (e.g. runs/demo/student from 'make demo')")
+    import shlex
+
+    from attn2ssm.generation.bench import plot_generate_bench, run_generate_bench
+    from attn2ssm.paths import atomic_write_text
+
+    result = run_generate_bench(settings, progress=not args.no_progress)
+    result["command"] = shlex.join(["attn2ssm", *sys.argv[1:]]) if sys.argv[0].endswith(("attn2ssm", "__main__.py")) else "attn2ssm bench generate"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
+    png = plot_generate_bench(result, out.with_suffix(".png"))
+    print(format_generate_bench(result))
+    print(f"wrote {out} and {png}")
+    return 0
+
+
+def format_generate_bench(result: dict) -> str:
+    lines = [f"decode on {result['device']} ({result['threads']} threads): tokens/s | prefill s | cache MB, by context"]
+    for name, rows in result["decode"].items():
+        cells = []
+        for r in rows:
+            if "skipped" in r:
+                cells.append(f"{r['context']}: skipped")
+            else:
+                cells.append(f"{r['context']}: {r['decode_tokens_per_second']:.2f} | {r['prefill_seconds']:.1f} | {r['cache_mb']:.1f}")
+        lines.append(f"  {name:<9} " + "; ".join(cells))
+    for row in result.get("speculative", {}).get("by_context", []):
+        lines.append(f"speculative @ {row['context']} (plain {row['plain_tokens_per_second']:.2f} tok/s):")
+        for r in row["by_k"]:
+            lines.append(f"  K={r['k']}: {r['tokens_per_second']:.2f} tok/s ({r['speedup']:.2f}x), acceptance {r['acceptance_rate']:.1%}, "
+                         f"{r['tokens_per_round']:.2f} tokens/forward, identical {r['identical_to_plain_greedy']}")  # fmt: skip
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------------------------- recipes
 def cmd_recipes(args) -> int:
     from attn2ssm.distill.recipe import builtin_recipes, load_recipe
@@ -277,6 +347,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default=None, help="speculative decoding: a draft model (student dir or teacher spec, same tokenizer) proposes tokens that MODEL verifies")
     g.add_argument("--num-draft-tokens", type=int, default=4, help="with --draft: tokens proposed per verifier forward")
     g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks (generate: decode speed / memory vs context, speculative decoding)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bg = bsub.add_parser("generate", help="decode tokens/s, prefill time and memory vs context for the teacher and students; speculative decoding with --draft")
+    bg.add_argument("--teacher", default=None, help="teacher spec (default: the built-in smollm2-135m)")
+    bg.add_argument("--models", default="teacher,linear,mamba,mamba2,hybrid25", help="teacher and/or untrained students: linear, mamba, mamba2, hybrid25")
+    bg.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768", help="context lengths (prompt tokens)")
+    bg.add_argument("--max-context", action="append", metavar="MODEL=TOKENS", help="skip longer contexts for a model (repeatable), e.g. teacher=16384")
+    bg.add_argument("--new-tokens", type=int, default=16, help="greedy tokens decoded per point")
+    bg.add_argument("--draft", default=None, help="a trained student directory to draft for the teacher (speculative part; skipped without it)")
+    bg.add_argument("--spec-contexts", default="1024,8192")
+    bg.add_argument("--spec-k", default="2,3,4,5,6")
+    bg.add_argument("--spec-new-tokens", type=int, default=64)
+    bg.add_argument("--corpus", default="sotu", help="text the prompts are cut from")
+    bg.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    bg.add_argument("--threads", type=int, default=None)
+    bg.add_argument("--out", default="benchmarks/results/generate_speed.json")
+    bg.add_argument("--no-progress", action="store_true")
+    bg.set_defaults(func=cmd_bench_generate)
 
     r = sub.add_parser("recipes", help="list built-in recipes, or print one")
     r.add_argument("name", nargs="?")

@@ -111,10 +111,14 @@ def speculative_generate(
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
     streamer=None,
+    past_key_values: tuple | None = None,
 ) -> SpeculativeOutput:
     """Generate up to ``max_new_tokens`` after ``input_ids`` (1, l) with ``draft`` proposing
     ``num_draft_tokens`` tokens per verifier forward. Greedy output equals the verifier's own
-    greedy output; sampled output follows the verifier's (warped) distribution."""
+    greedy output; sampled output follows the verifier's (warped) distribution.
+
+    ``past_key_values=(verifier_cache, draft_cache)``: caches that already hold every prompt
+    token but the last (e.g. copies of one long prefill, to compare settings from one state)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ConfigError(f"speculative decoding takes one prompt (input_ids of shape (1, l)), got {tuple(input_ids.shape)}", "run prompts one at a time")
     if num_draft_tokens < 1:
@@ -123,6 +127,11 @@ def speculative_generate(
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     stats = SpeculativeStats()
     runners = _Runner(verifier), _Runner(draft)
+    if past_key_values is not None:
+        for runner, cache in zip(runners, past_key_values):
+            if cache.get_seq_length() != input_ids.shape[1] - 1:
+                raise ConfigError(f"a prefilled cache holds {cache.get_seq_length()} tokens, not the prompt's {input_ids.shape[1] - 1} (all but the last)", "prefill both models on input_ids[:, :-1]")
+            runner.cache, runner.consumed = cache, input_ids.shape[1] - 1
     text = input_ids[0].tolist()
     device = input_ids.device
     if streamer is not None:
@@ -133,7 +142,7 @@ def speculative_generate(
 
     # prefill: both models consume all but the last prompt token, which opens the first round
     t0 = time.perf_counter()
-    if len(text) > 1:
+    if len(text) > 1 and past_key_values is None:
         for runner in runners:
             runner.feed(input_ids[:, :-1], keep=1)
     stats.prefill_seconds = time.perf_counter() - t0

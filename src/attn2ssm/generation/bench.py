@@ -1,0 +1,337 @@
+"""``attn2ssm bench generate``: decode speed, prefill time and memory against context length, and
+speculative decoding (acceptance, tokens per verifier forward, wall-clock speedup) for K drafts.
+
+What is measured, per model and context length L:
+- prefill: time from calling ``generate`` to the first new token (one forward over L tokens);
+- decode: tokens/s over the following ``new_tokens - 1`` tokens, stamped by a streamer inside
+  ``model.generate`` (HF's own loop, KV cache for the teacher, our cache for students, greedy);
+- memory: the bytes held by the cache after decoding (KV grows with L, a recurrent state does
+  not), and peak memory growth during decode (CUDA: max_memory_allocated; CPU: the process's
+  peak RSS, reset after prefill through /proc/self/clear_refs).
+Students are converted from the teacher without training: speed and memory do not depend on the
+weights. Speculative decoding needs a trained draft (``--draft``): both models prefill the prompt
+once, then plain greedy decoding of the verifier and speculative decoding for each K start from
+copies of those caches, so every variant decodes the same text from the same state.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+from attn2ssm.generation.speculative import _Runner, speculative_generate
+
+# name → (mixer kind, attention ratio, mixer options): the students the benchmark builds
+STUDENTS = {
+    "linear": ("linear_attention", 0.0, {"feature_map": "hedgehog"}),
+    "mamba": ("mamba", 0.0, {}),
+    "mamba2": ("mamba2", 0.0, {}),
+    "hybrid25": ("mamba2", 0.25, {}),
+}
+
+
+# ------------------------------------------------------------------------------------- memory
+def _status_mb(field: str) -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+class _Memory:
+    """Peak memory growth over a window of code: CUDA allocator stats, else Linux peak RSS."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated() / 2**20
+            return
+        try:  # hand freed memory back to the OS so the baseline is honest, then reset the peak
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        self.base = _status_mb("VmRSS")
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.resettable = True
+        except OSError:
+            self.resettable = False
+
+    def peak_growth_mb(self) -> float | None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() / 2**20 - self.base
+        peak = _status_mb("VmHWM")
+        return None if peak is None or self.base is None or not self.resettable else peak - self.base
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of every tensor a cache holds (KV rows for attention layers, states for mixers)."""
+    total = 0
+    for layer in cache.layers:
+        if hasattr(layer, "state_bytes"):
+            total += layer.state_bytes()
+            continue
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _new_cache(model):
+    return model.new_cache() if hasattr(model, "new_cache") else DynamicCache(config=model.config)
+
+
+# ------------------------------------------------------------------------------------- decode
+class _Clock(BaseStreamer):
+    """Time stamps of ``generate``'s streamer calls: the prompt, then each new token."""
+
+    def __init__(self, after_first=None):
+        self.times: list[float] = []
+        self.after_first = after_first
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+        if len(self.times) == 2 and self.after_first is not None:
+            self.after_first()
+
+    def end(self) -> None:
+        pass
+
+
+@torch.no_grad()
+def measure_decode(model, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """Prefill ``prompt`` (1, L) and greedily decode ``new_tokens`` with ``model.generate``."""
+    if new_tokens < 3:
+        raise ValueError("measure at least 3 new tokens (1 for prefill, 2+ for a decode rate)")
+    memory = _Memory(prompt.device)
+    memory.start()
+    prefill_peak: list = []
+
+    def after_prefill():
+        prefill_peak.append(memory.peak_growth_mb())
+        memory.start()
+
+    clock, cache = _Clock(after_prefill), _new_cache(model)
+    start = time.perf_counter()
+    model.generate(
+        input_ids=prompt,
+        attention_mask=torch.ones_like(prompt),
+        past_key_values=cache,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        streamer=clock,
+    )
+    t = clock.times  # t[0]: prompt handed over (before prefill), t[1]: first token, t[i]: i-th token
+    decode_seconds = t[-1] - t[1]
+    return {
+        "context": prompt.shape[1],
+        "prefill_seconds": t[1] - start,
+        "decode_tokens_per_second": (len(t) - 2) / decode_seconds,
+        "decode_ms_per_token": 1000 * decode_seconds / (len(t) - 2),
+        "new_tokens": len(t) - 1,
+        "cache_mb": cache_bytes(cache) / 2**20,
+        "prefill_peak_growth_mb": prefill_peak[0] if prefill_peak else None,
+        "decode_peak_growth_mb": memory.peak_growth_mb(),
+    }
+
+
+# ------------------------------------------------------------------------------------- speculative
+@torch.no_grad()
+def measure_speculative(verifier, draft, prompt: torch.Tensor, ks: list[int], new_tokens: int) -> dict:
+    """Plain greedy decoding of ``verifier`` vs speculative decoding for each K, all from the same
+    prefilled caches; reports speed, acceptance and whether the tokens are identical."""
+    runners = _Runner(verifier), _Runner(draft)
+    t0 = time.perf_counter()
+    for runner in runners:
+        runner.feed(prompt[:, :-1], keep=1)
+    prefill = time.perf_counter() - t0
+    caches = [r.cache for r in runners]
+
+    # plain greedy decoding of the verifier, one token per forward
+    plain = _Runner(verifier)
+    plain.cache, plain.consumed = copy.deepcopy(caches[0]), prompt.shape[1] - 1
+    text = prompt[0].tolist()
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        logits = plain.feed(torch.tensor([text[plain.consumed :]], device=prompt.device), keep=1)
+        text.append(int(logits[-1].argmax()))
+    plain_seconds = time.perf_counter() - start
+    reference = text[prompt.shape[1] :]
+    rows = []
+    for k in ks:
+        start = time.perf_counter()
+        out = speculative_generate(
+            verifier, draft, prompt, max_new_tokens=new_tokens, num_draft_tokens=k,
+            past_key_values=(copy.deepcopy(caches[0]), copy.deepcopy(caches[1])),
+        )  # fmt: skip
+        seconds = time.perf_counter() - start
+        tokens = out.sequences[0, prompt.shape[1] :].tolist()
+        rows.append({
+            "k": k,
+            "tokens_per_second": len(tokens) / seconds,
+            "speedup": plain_seconds / seconds * len(tokens) / new_tokens,
+            "identical_to_plain_greedy": tokens == reference[: len(tokens)],
+            **out.stats.as_dict(),
+        })  # fmt: skip
+    return {
+        "context": prompt.shape[1],
+        "prefill_seconds_both": prefill,
+        "plain_tokens_per_second": new_tokens / plain_seconds,
+        "by_k": rows,
+    }
+
+
+# ------------------------------------------------------------------------------------- driver
+@dataclass
+class BenchSettings:
+    teacher: str | None = None
+    contexts: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768)
+    models: tuple[str, ...] = ("teacher", "linear", "mamba", "mamba2", "hybrid25")
+    new_tokens: int = 16
+    max_context: dict | None = None  # model → longest context to run (longer ones are recorded as skipped)
+    draft: str | None = None
+    spec_contexts: tuple[int, ...] = (1024, 8192)
+    spec_ks: tuple[int, ...] = (2, 3, 4, 5, 6)
+    spec_new_tokens: int = 64
+    corpus: str = "sotu"
+    device: str | None = None
+    threads: int | None = None
+
+
+def _prompt_ids(tokenizer, corpus: str, length: int, device) -> torch.Tensor:
+    """``length`` tokens of real text: the corpus' documents in order, tokenized and concatenated."""
+    from attn2ssm.data.builtin import is_builtin, load_builtin
+
+    if is_builtin(corpus):
+        texts = [d.text for d in load_builtin(corpus)]
+    else:
+        texts = [Path(corpus).read_text(encoding="utf-8")]
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(ids) >= length:
+            break
+    while len(ids) < length:  # a short corpus is repeated
+        ids.extend(ids[: length - len(ids)])
+    return torch.tensor([ids[:length]], device=device)
+
+
+def build_models(teacher, names, device):
+    """name → model: the teacher itself and untrained students converted from it."""
+    from attn2ssm.student.convert import convert
+    from attn2ssm.student.plans import make_plan
+
+    n = teacher.config.num_hidden_layers
+    models = {}
+    for name in names:
+        if name == "teacher":
+            models[name] = teacher
+            continue
+        if name not in STUDENTS:
+            raise ValueError(f"unknown benchmark model {name!r}; choose from teacher, {', '.join(STUDENTS)}")
+        kind, ratio, options = STUDENTS[name]
+        models[name] = convert(teacher, make_plan(n, kind, attention_ratio=ratio), {kind: options}).to(device).eval()
+    return models
+
+
+def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    from attn2ssm.eval.report import environment
+    from attn2ssm.teachers import load_teacher
+
+    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    teacher, tokenizer, _ = load_teacher(settings.teacher, device=device)
+    models = build_models(teacher, settings.models, device)
+    limits = settings.max_context or {}
+    longest = max([*settings.contexts, *(settings.spec_contexts if settings.draft else ())])
+    prompt = _prompt_ids(tokenizer, settings.corpus, longest, device)
+    points = [(m, L) for m in settings.models for L in settings.contexts]
+    decode: dict[str, list] = {m: [] for m in settings.models}
+    bar = tqdm(points, desc="decode", disable=not progress, file=sys.stderr)
+    for name, length in bar:
+        bar.set_postfix_str(f"{name} @ {length}")
+        if length > limits.get(name, math.inf):
+            decode[name].append({"context": length, "skipped": f"longer than --max-context {limits[name]} for {name}"})
+            continue
+        decode[name].append(measure_decode(models[name], prompt[:, :length], settings.new_tokens))
+    result = {
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "environment": environment(),
+        "decode": decode,
+    }
+    if settings.draft:
+        from attn2ssm.cli import load_model_and_tokenizer
+
+        draft, _ = load_model_and_tokenizer(settings.draft)
+        draft = draft.to(device)
+        spec = []
+        for length in tqdm(settings.spec_contexts, desc="speculative", disable=not progress, file=sys.stderr):
+            spec.append(measure_speculative(teacher, draft, prompt[:, :length], list(settings.spec_ks), settings.spec_new_tokens))
+        result["speculative"] = {"verifier": settings.teacher or "smollm2-135m (built-in teacher)", "draft": settings.draft, "by_context": spec}
+    return result
+
+
+def plot_generate_bench(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("decode_tokens_per_second", "decode tokens/s", True), ("prefill_seconds", "prefill seconds", True), ("cache_mb", "cache MB after decode", True)]
+    spec = result.get("speculative")
+    fig, axes = plt.subplots(1, len(panels) + (1 if spec else 0), figsize=(5.0 * (len(panels) + (1 if spec else 0)), 4.2))
+    for ax, (key, label, log) in zip(axes, panels):
+        for i, (name, rows) in enumerate(result["decode"].items()):
+            pts = [(r["context"], r[key]) for r in rows if "skipped" not in r and r.get(key) is not None and r[key] > 0]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=name)
+        ax.set_xscale("log", base=2)
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    if spec:
+        ax = axes[-1]
+        for i, row in enumerate(spec["by_context"]):
+            ks = [r["k"] for r in row["by_k"]]
+            ax.plot(ks, [r["speedup"] for r in row["by_k"]], marker="o", color=f"C{i}", label=f"speedup @ {row['context']}")
+            ax.plot(ks, [r["acceptance_rate"] for r in row["by_k"]], marker="x", linestyle="--", color=f"C{i}", label=f"acceptance @ {row['context']}")
+        ax.axhline(1.0, color="gray", linewidth=1)
+        ax.set_xlabel("draft tokens per verifier forward (K)")
+        ax.set_title("speculative: teacher verifies a student draft", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"generation on {result['device']} ({result['environment'].get('cuda') or result['environment'].get('processor')}, {result['threads']} threads), fp32", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,79 @@
+"""``attn2ssm bench generate`` on a tiny teacher: the measurements are sane (KV cache grows with
+context, recurrent state does not; speculative output identical to plain greedy), the JSON and
+PNG are written, and bad flags are one-line errors."""
+
+import json
+
+import pytest
+import torch
+from tiny_models import SENTENCES, make_tokenizer, tiny_config, tiny_model
+from transformers import AutoModelForCausalLM
+
+from attn2ssm.generation.bench import build_models, measure_decode, measure_speculative
+
+
+def test_measure_decode_memory_shape():
+    teacher = tiny_model("llama")
+    models = build_models(teacher, ["teacher", "mamba2", "linear", "hybrid25"], torch.device("cpu"))
+    ids = torch.randint(0, 256, (1, 64))
+    rows = {name: [measure_decode(m, ids[:, :length], 4) for length in (16, 64)] for name, m in models.items()}
+    for name, (short, long) in rows.items():
+        assert short["new_tokens"] == 4 and short["decode_tokens_per_second"] > 0 and short["prefill_seconds"] > 0
+    # teacher KV: 2 layers x (k, v) x 2 kv heads x 16 dims x 4 bytes per token
+    per_token = 2 * 2 * 2 * 16 * 4 / 2**20
+    assert rows["teacher"][1]["cache_mb"] - rows["teacher"][0]["cache_mb"] == pytest.approx(48 * per_token)
+    for name in ("mamba2", "linear"):  # O(1) in the context
+        assert rows[name][0]["cache_mb"] == rows[name][1]["cache_mb"] > 0
+
+
+def test_measure_speculative_is_identical_to_plain():
+    teacher = tiny_model("llama")
+    draft = build_models(teacher, ["mamba2"], torch.device("cpu"))["mamba2"]
+    out = measure_speculative(teacher, draft, torch.randint(0, 256, (1, 12)), [1, 3], new_tokens=10)
+    assert [r["k"] for r in out["by_k"]] == [1, 3]
+    assert all(r["identical_to_plain_greedy"] and r["generated"] == 10 for r in out["by_k"])
+    assert out["plain_tokens_per_second"] > 0
+
+
+def test_cli_bench_generate_writes_json_and_png(tmp_path):
+    from attn2ssm.cli import main
+
+    tok = make_tokenizer()
+    cfg = tiny_config("llama")
+    cfg.vocab_size = len(tok)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "teacher")
+    tok.save_pretrained(tmp_path / "teacher")
+    draft = tmp_path / "draft"
+    assert main(["convert", "--teacher", str(tmp_path / "teacher"), "--mixer", "mamba2", "--out", str(draft)]) == 0
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(SENTENCES))
+    out = tmp_path / "res" / "gen.json"
+    argv = ["bench", "generate", "--teacher", str(tmp_path / "teacher"), "--models", "teacher,mamba2", "--contexts", "16,32",
+            "--max-context", "teacher=16", "--new-tokens", "3", "--draft", str(draft), "--spec-contexts", "16", "--spec-k", "2",
+            "--spec-new-tokens", "5", "--corpus", str(corpus), "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert result["decode"]["teacher"][1] == {"context": 32, "skipped": "longer than --max-context 16 for teacher"}
+    assert [r["context"] for r in result["decode"]["mamba2"]] == [16, 32]
+    assert result["speculative"]["by_context"][0]["by_k"][0]["identical_to_plain_greedy"]
+    assert result["environment"]["torch"] == torch.__version__ and "command" in result
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--models", "teacher,gpt5"], "unknown models"),
+        (["--contexts", "1k"], "--contexts"),
+        (["--max-context", "teacher"], "MODEL=TOKENS"),
+        (["--new-tokens", "1"], "--new-tokens"),
+        (["--draft", "/nope"], "--draft /nope"),
+    ],
+)
+def test_bench_bad_flags_are_one_line(flags, needle, capsys):
+    from attn2ssm.cli import main
+
+    assert main(["bench", "generate", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
