@@ -1,0 +1,198 @@
+"""Teacher-vs-student report: one table with both models' numbers and the fraction recovered.
+
+``attn2ssm eval STUDENT --against TEACHER --report`` scores both models on the same inputs:
+held-out perplexity per corpus, lm-eval tasks from the offline pack (``--tasks``), passkey
+retrieval (``--needle``), generation agreement with the teacher, and attention fidelity where
+the student's mixers expose weights. Recovered = student / teacher for higher-is-better metrics
+and teacher / student for lower-is-better ones (perplexity), so 100 % means "as good as the
+teacher" either way. Writes report.md, report.json and report.png (recovered fraction per row),
+plus needle.png when passkey retrieval ran.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attn2ssm.paths import atomic_write_text
+
+
+@dataclass
+class ReportSettings:
+    corpora: tuple[str, ...] = ("sotu", "moby-dick")
+    window: int = 256
+    max_tokens: int = 20000
+    tasks: tuple[str, ...] = ()
+    limit: int | None = None
+    needle_lengths: tuple[int, ...] = ()
+    needle_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    needle_trials: int = 3
+    agreement_prompts: int = 16
+    agreement_prompt_len: int = 64
+    agreement_new_tokens: int = 32
+    fidelity_blocks: int = 2
+    extra: dict = field(default_factory=dict)
+
+
+def _row(group: str, metric: str, teacher: float | None, student: float | None, higher_is_better: bool = True) -> dict:
+    recovered = None
+    if teacher is not None and student is not None and math.isfinite(teacher) and math.isfinite(student):
+        if higher_is_better and teacher > 0:
+            recovered = student / teacher
+        elif not higher_is_better and student > 0:
+            recovered = teacher / student
+    return {"group": group, "metric": metric, "teacher": teacher, "student": student, "recovered": recovered, "higher_is_better": higher_is_better}
+
+
+def _task_rows(teacher_record: dict, student_record: dict) -> list[dict]:
+    """acc / acc_norm (higher better) and perplexity (lower better) of every scored task."""
+    rows = []
+    for task, metrics in sorted(student_record.get("results", {}).items()):
+        other = teacher_record.get("results", {}).get(task, {})
+        for key, value in metrics.items():
+            name, _, _ = key.partition(",")
+            if name not in ("acc", "acc_norm", "perplexity", "word_perplexity") or not isinstance(value, (int, float)):
+                continue
+            rows.append(_row(f"lm-eval {task}", name, other.get(key), float(value), higher_is_better="perplexity" not in name))
+    return rows
+
+
+def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, settings: ReportSettings, progress: bool = True) -> dict:
+    from attn2ssm.cli import load_model_and_tokenizer
+    from attn2ssm.data import prepare_corpus
+    from attn2ssm.eval.agreement import generation_agreement, heldout_prompts
+    from attn2ssm.eval.perplexity import perplexity
+    from attn2ssm.eval.report import environment
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    teacher_spec = teacher_spec or "smollm2-135m"
+    student, tokenizer = load_model_and_tokenizer(student_path)
+    teacher, _ = load_model_and_tokenizer(teacher_spec)
+    rows: list[dict] = []
+    details: dict = {}
+    t0 = time.time()
+
+    # 1. held-out perplexity on each corpus (same windows for both)
+    for corpus_spec in settings.corpora:
+        corpus = prepare_corpus(corpus_spec, tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0)
+        kw = dict(window=settings.window, max_tokens=settings.max_tokens, progress=progress)
+        t = perplexity(teacher, corpus.heldout_ids, desc=f"teacher {corpus_spec}", **kw)
+        s = perplexity(student, corpus.heldout_ids, desc=f"student {corpus_spec}", **kw)
+        rows.append(_row(f"perplexity {corpus_spec}", f"ppl ({s['tokens']} tokens, window {settings.window})", t["ppl"], s["ppl"], higher_is_better=False))
+
+    # 2. generation agreement on held-out prompts of the first corpus
+    if settings.agreement_prompts:
+        corpus = prepare_corpus(settings.corpora[0], tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0)
+        prompts = heldout_prompts(corpus.heldout_ids, settings.agreement_prompts, settings.agreement_prompt_len, settings.agreement_new_tokens)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        agree = generation_agreement(student, teacher, prompts, settings.agreement_new_tokens, pad_id=pad, progress=progress)
+        details["generation_agreement"] = agree
+        for key in ("token_agreement", "rouge_l", "forced_agreement"):
+            rows.append(_row("generation vs teacher", key, 1.0, agree[key]))
+        rows.append(_row("generation vs teacher", "prefix_match (tokens)", float(settings.agreement_new_tokens), agree["prefix_match"]))
+
+    # 3. passkey retrieval: same keys and prompts for both
+    if settings.needle_lengths:
+        from attn2ssm.eval.needle import passkey_grid, plot_passkey
+
+        grids = {}
+        for name, model in (("teacher", teacher), ("student", student)):
+            grids[name] = passkey_grid(model, tokenizer, settings.needle_lengths, settings.needle_depths, settings.needle_trials, progress=progress, desc=f"passkey {name}")
+        details["passkey"] = grids
+        plot_passkey(grids, out_dir / "needle.png", "passkey retrieval (greedy, exact digits)")
+        rows.append(_row("passkey", f"accuracy (lengths {list(settings.needle_lengths)})", grids["teacher"]["mean_accuracy"], grids["student"]["mean_accuracy"]))
+
+    # 4. attention fidelity (student mixers that expose weights; the teacher is the reference)
+    if settings.fidelity_blocks and hasattr(student, "mixers"):
+        from attn2ssm.eval.attention import attention_fidelity
+
+        corpus = prepare_corpus(settings.corpora[0], tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0)
+        n = settings.fidelity_blocks * settings.window
+        if corpus.heldout_ids.numel() >= n and any(callable(getattr(m, "attention_weights", None)) for m in student.mixers().values()):
+            ids = corpus.heldout_ids[:n].view(settings.fidelity_blocks, settings.window)
+            fid = attention_fidelity(student, teacher, ids)
+            details["attention_fidelity"] = fid["mean"]
+            rows.append(_row("attention fidelity", "KL(teacher‖student) per query row", 0.0, fid["mean"]["kl"], higher_is_better=False))
+
+    # 5. lm-eval tasks from the offline pack
+    if settings.tasks:
+        from attn2ssm.eval.harness import run_lm_eval
+
+        records = {}
+        for name, path in (("teacher", teacher_spec), ("student", student_path)):
+            records[name] = run_lm_eval(path, list(settings.tasks), limit=settings.limit, output_path=out_dir / f"lm_eval_{name}.json")
+        rows += _task_rows(records["teacher"], records["student"])
+        details["lm_eval_limit"] = settings.limit
+
+    report = {
+        "student": str(student_path),
+        "teacher": teacher_spec,
+        "rows": rows,
+        "details": details,
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
+        "seconds": time.time() - t0,
+        "environment": environment(),
+    }
+    atomic_write_text(out_dir / "report.json", json.dumps(report, indent=1, default=str))
+    atomic_write_text(out_dir / "report.md", format_markdown(report))
+    plot_recovered(rows, out_dir / "report.png", f"{Path(str(student_path)).name} vs {report['teacher']}")
+    return report
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float) and abs(v) >= 100:
+        return f"{v:,.1f}"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def format_markdown(report: dict) -> str:
+    lines = [
+        f"# {report['student']} vs teacher {report['teacher']}",
+        "",
+        "Recovered = student / teacher (higher is better) or teacher / student (perplexity, KL): 100 % = the teacher's level.",
+        "",
+        "| group | metric | teacher | student | recovered |",
+        "|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        rec = "–" if r["recovered"] is None else f"{100 * r['recovered']:.1f} %"
+        lines.append(f"| {r['group']} | {r['metric']} | {_fmt(r['teacher'])} | {_fmt(r['student'])} | {rec} |")
+    ex = report["details"].get("generation_agreement", {}).get("examples", [])
+    if ex:
+        lines += ["", f"Generation agreement: {report['details']['generation_agreement']['prompts']} held-out prompts, "
+                  f"{report['details']['generation_agreement']['new_tokens']} greedy tokens each; the teacher's continuation is the reference."]  # fmt: skip
+    if "passkey" in report["details"]:
+        lines += ["", "![passkey retrieval](needle.png)"]
+    lines += ["", "![recovered fraction](report.png)", ""]
+    return "\n".join(lines)
+
+
+def plot_recovered(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r["recovered"] is not None]
+    if not shown:
+        return
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(shown) + 1.4))
+    labels = [f"{r['group']}: {r['metric']}"[:60] for r in shown]
+    values = [100 * r["recovered"] for r in shown]
+    ax.barh(range(len(shown)), values, color=[f"C{i % 10}" for i in range(len(shown))])
+    for i, v in enumerate(values):
+        ax.annotate(f"{v:.1f} %", (v, i), va="center", fontsize=7, xytext=(2, 0), textcoords="offset points")
+    ax.axvline(100, color="gray", linestyle="--", linewidth=1)
+    ax.set_yticks(range(len(shown)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("recovered (% of teacher)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
