@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -141,6 +142,7 @@ def measure_decode(model, prompt: torch.Tensor, new_tokens: int) -> dict:
         pad_token_id=0,
         streamer=clock,
     )
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     t = clock.times  # t[0]: prompt handed over (before prefill), t[1]: first token, t[i]: i-th token
     decode_seconds = t[-1] - t[1]
     return {
@@ -152,6 +154,7 @@ def measure_decode(model, prompt: torch.Tensor, new_tokens: int) -> dict:
         "cache_mb": cache_bytes(cache) / 2**20,
         "prefill_peak_growth_mb": prefill_peak[0] if prefill_peak else None,
         "decode_peak_growth_mb": memory.peak_growth_mb(),
+        "load_average_1min": load,  # other work on the machine skews CPU timings: recorded, not hidden
     }
 
 
