@@ -190,3 +190,65 @@ def output_cosine(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tens
     per_token = 1.0 - F.cosine_similarity(student.float(), teacher.float(), dim=-1, eps=1e-8)
     m = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
     return (per_token * m).sum() / m.sum().clamp_min(1)
+
+
+def _real_token_mean(per_token: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean of (b, l) per-token values over the real tokens."""
+    m = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
+    return (per_token * m).sum() / m.sum().clamp_min(1)
+
+
+MATRIX_NORMS = ("fro", "fro_squared", "row_squared")
+
+
+def matrix_distance(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None, *, norm: str = "fro") -> torch.Tensor:
+    """MOHAWK's matrix-orientation loss (paper 001, Eq. 3) between (b, h, l, l) mixing matrices,
+    e.g. a student mixer's materialised matrix and the teacher's attention probabilities.
+
+    Entries in a padded query row or key column are ignored (the teacher's padded rows hold
+    arbitrary probabilities). ``norm``:
+
+    * ``fro``: ‖S − T‖_F per sequence and head, unsquared, averaged over sequences and heads — the
+      paper's Eq. 3 as its release computes it (``matrix_norm(·, 'fro')``, mean over batch and
+      heads). Not normalised by length: it grows like √l for the same per-row error.
+    * ``fro_squared``: ‖S − T‖_F², averaged the same way.
+    * ``row_squared``: squared L2 distance of each real query row, averaged over real rows and
+      heads (``fro_squared`` per real token, the repo's usual normalisation).
+    """
+    diff = student.float() - teacher.float()
+    b, h, l, _ = diff.shape
+    m = diff.new_ones(b, l) if mask is None else mask.to(diff.dtype)
+    diff = diff * (m[:, None, :, None] * m[:, None, None, :])
+    if norm == "row_squared":
+        return diff.pow(2).sum() / (m.sum() * h).clamp_min(1)
+    if norm == "fro":
+        per_head = torch.linalg.matrix_norm(diff)  # (b, h); its gradient at 0 is 0, not NaN
+    elif norm == "fro_squared":
+        per_head = diff.pow(2).sum((-2, -1))
+    else:
+        raise ValueError(f"unknown matrix norm {norm!r} ({' | '.join(MATRIX_NORMS)})")
+    real = (m.sum(-1) > 0).to(diff.dtype)  # sequences with at least one real token
+    return (per_head * real[:, None]).sum() / (real.sum() * h).clamp_min(1)
+
+
+HIDDEN_DISTANCES = ("l2", "l2_squared", "mse")
+
+
+def hidden_distance(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None, *, form: str = "l2") -> torch.Tensor:
+    """MOHAWK's hidden-state alignment loss (paper 001, Eq. 4): a per-token distance between
+    (b, l, hidden) outputs, averaged over real tokens.
+
+    ``l2``: ‖s − t‖₂, unsquared — the paper's Eq. 4 as its release computes it
+    (``torch.norm(diff, p=2, dim=-1).mean()``; not MSE). ``l2_squared``: ‖s − t‖₂².
+    ``mse``: ‖s − t‖₂² / hidden (the same as :func:`output_mse`).
+    """
+    diff = student.float() - teacher.float()
+    if form == "l2":
+        per_token = torch.linalg.vector_norm(diff, dim=-1)  # gradient 0 (not NaN) at a perfect match
+    elif form == "l2_squared":
+        per_token = diff.pow(2).sum(-1)
+    elif form == "mse":
+        per_token = diff.pow(2).mean(-1)
+    else:
+        raise ValueError(f"unknown hidden distance {form!r} ({' | '.join(HIDDEN_DISTANCES)})")
+    return _real_token_mean(per_token, mask)

@@ -5,7 +5,8 @@ End-to-end kinds call the student like a language model on the corpus blocks: ``
 (next-token cross-entropy on the data), ``kd`` (forward KL to the frozen teacher's logits) and
 ``kd_ce`` (both, paper 004's stage 1). Layer-local kinds train each mixer on the teacher's own
 input to that layer (teacher forcing, no gradient across layers): ``attention_transfer``
-(paper 002 / LoLCATs / paper 000's stage 1). Dataset kinds read the stage's own ``data``:
+(paper 002 / LoLCATs / paper 000's stage 1), ``matrix_orientation`` and ``hidden_alignment``
+(paper 001's MOHAWK stages 1 and 2). Dataset kinds read the stage's own ``data``:
 ``sft`` (cross-entropy on assistant tokens of chat data) and ``dpo`` (preference pairs, the
 teacher as the reference policy, paper 004's stage 3). Kind-specific loss settings live in the
 stage's ``losses`` mapping; unknown keys are errors.
@@ -18,12 +19,17 @@ import fnmatch
 import torch
 from torch import nn
 
+from attn2ssm.distill.cab import BridgeAlignmentStage
 from attn2ssm.distill.losses import (
+    HIDDEN_DISTANCES,
+    MATRIX_NORMS,
     attention_cross_entropy,
     cross_entropy,
     dpo_loss,
     forward_kl,
+    hidden_distance,
     kd_ce_loss,
+    matrix_distance,
     output_cosine,
     output_mse,
     response_cross_entropy,
@@ -191,16 +197,46 @@ def _stack_pairs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return tuple(out)
 
 
-class AttentionTransferStage(StageKind):
-    """Teacher-forced per layer: the mixer sees the teacher's layer input and learns to reproduce
-    its attention weights (soft cross-entropy or KL per head, paper 002), its attention output
-    (MSE, LoLCATs) and/or the output's direction (cosine, paper 000). Losses are averaged over
-    layers. Typically only the feature maps train (``trainable: [feature_maps]``)."""
+def _teacher_forced_output(mixer, io, mask):
+    """The mixer's ordinary (chunked) forward on the teacher's input to its layer, with this
+    batch's padding handed over the way the student model hands it to its mixers."""
+    mixer.context.padding_mask = mask
+    try:
+        return mixer(io.hidden_states, position_embeddings=io.position_embeddings)[0]
+    finally:
+        mixer.context.padding_mask = None
 
-    name = "attention_transfer"
+
+def mixing_matrix(mixer, hidden_states, position_embeddings=None, mask=None, *, skip: bool = True):
+    """(output (b, l, hidden), materialised mixing matrix (b, h, l, l)) of a mixer with a quadratic form.
+
+    With ``skip``, the mixer's D skip (one per head) is added on the diagonal, so the matrix is the
+    whole map from the mixer's (post-conv) values to its pre-gate output, y = (M + D·I) x — what
+    paper 001's release orients (its ``materialize_mixer`` puts D into T). Padded rows and columns are 0.
+    """
+    out, M = mixer.forward_quadratic(hidden_states, position_embeddings, mask)
+    D = getattr(mixer, "D", None)
+    if skip and D is not None:
+        eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+        M = M + D.to(M.dtype)[:, None, None] * eye  # D (h,) → (h, l, l), broadcast over the batch
+        if mask is not None:  # a padded token's diagonal entry goes too
+            M = M * mask[:, None, :, None].to(M.dtype)
+    return out, M
+
+
+class TeacherForcedStage(StageKind):
+    """Base of the layer-local kinds. One hooked teacher forward gives every swapped layer's input
+    (teacher forcing: errors never compound, no gradient crosses layers); each mixer is scored on
+    its own layer's input by ``layer_loss`` and the losses are averaged over layers."""
+
     uses_teacher = True
     through_model_forward = False
-    loss_defaults = {"attention": 1.0, "attention_form": "soft_ce", "output_mse": 0.0, "output_cosine": 0.0}
+
+    def check_mixer(self, i: int, mixer, opts: dict, cfg) -> None:
+        """Raise a ConfigError, before any compute, if layer ``i``'s mixer cannot take this loss."""
+
+    def layer_loss(self, mixer, io, adapter, mask, opts: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
 
     def loss(self, student, teacher, batch, cfg):
         from attn2ssm.adapters import get_adapter
@@ -211,46 +247,111 @@ class AttentionTransferStage(StageKind):
         mixers = student.mixers()
         if not mixers:
             raise ConfigError(f"stage '{cfg.name}': the student has no mixer layers to transfer to", "convert at least one layer")
+        for i, mixer in mixers.items():
+            self.check_mixer(i, mixer, opts, cfg)
         mask = batch.get("attention_mask")
         io = capture_attention_io(teacher, batch["input_ids"], sorted(mixers), mask)
         adapter = get_adapter(teacher)
-        total, sums = 0.0, {"attn": 0.0, "mse": 0.0, "cos": 0.0}
+        total, sums = 0.0, {}
         for i, mixer in mixers.items():
-            x = io[i]
-            if opts["attention"] and getattr(mixer, "mixer_type", "") != "linear_attention":
-                raise ConfigError(
-                    f"stage '{cfg.name}': the attention-weight loss needs normalised weights, but layer {i} is a '{mixer.mixer_type}' mixer",
-                    "set losses.attention: 0 and align outputs with output_mse / output_cosine",
-                )
-            if hasattr(mixer, "forward_quadratic"):
-                out, weights = mixer.forward_quadratic(x.hidden_states, x.position_embeddings, mask)
-            else:  # output losses only: the mixer's ordinary (chunked) forward, with this batch's padding
-                mixer.context.padding_mask = mask
-                out, weights = mixer(x.hidden_states, position_embeddings=x.position_embeddings)[0], None
-                mixer.context.padding_mask = None
-            layer = out.new_zeros((), dtype=torch.float32)
-            if opts["attention"]:
-                with torch.no_grad():
-                    target = adapter.attention_probs(x.module, x.hidden_states, x.position_embeddings, mask)
-                attn = attention_cross_entropy(target, weights, mask, form=opts["attention_form"])
-                layer = layer + opts["attention"] * attn
-                sums["attn"] += attn.item()
-            if opts["output_mse"]:
-                mse = output_mse(out, x.output, mask)
-                layer = layer + opts["output_mse"] * mse
-                sums["mse"] += mse.item()
-            if opts["output_cosine"]:
-                cos = output_cosine(out, x.output, mask)
-                layer = layer + opts["output_cosine"] * cos
-                sums["cos"] += cos.item()
+            layer, metrics = self.layer_loss(mixer, io[i], adapter, mask, opts)
             total = total + layer
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
         n = len(mixers)
-        metrics = {k: v / n for k, v in sums.items() if v}
-        return total / n, metrics
+        return total / n, {k: v / n for k, v in sums.items()}
+
+
+class AttentionTransferStage(TeacherForcedStage):
+    """Teacher-forced per layer: the mixer sees the teacher's layer input and learns to reproduce
+    its attention weights (soft cross-entropy or KL per head, paper 002), its attention output
+    (MSE, LoLCATs) and/or the output's direction (cosine, paper 000). Losses are averaged over
+    layers. Typically only the feature maps train (``trainable: [feature_maps]``). The weight loss
+    needs a mixer whose materialised weights are normalised attention (``normalized_weights``)."""
+
+    name = "attention_transfer"
+    loss_defaults = {"attention": 1.0, "attention_form": "soft_ce", "output_mse": 0.0, "output_cosine": 0.0}
+
+    def check_mixer(self, i, mixer, opts, cfg):
+        if opts["attention"] and not getattr(mixer, "normalized_weights", False):
+            raise ConfigError(
+                f"stage '{cfg.name}': the attention-weight loss needs normalised weights, but layer {i} is a '{mixer.mixer_type}' mixer",
+                "set losses.attention: 0 and align outputs with output_mse / output_cosine",
+            )
+
+    def layer_loss(self, mixer, io, adapter, mask, opts):
+        if opts["attention"]:
+            out, weights = mixer.forward_quadratic(io.hidden_states, io.position_embeddings, mask)
+        else:  # output losses only: the ordinary (chunked) forward, no l × l matrix
+            out = _teacher_forced_output(mixer, io, mask)
+        layer, metrics = out.new_zeros((), dtype=torch.float32), {}
+        if opts["attention"]:
+            with torch.no_grad():
+                target = adapter.attention_probs(io.module, io.hidden_states, io.position_embeddings, mask)
+            attn = attention_cross_entropy(target, weights, mask, form=opts["attention_form"])
+            layer = layer + opts["attention"] * attn
+            metrics["attn"] = attn.item()
+        if opts["output_mse"]:
+            mse = output_mse(out, io.output, mask)
+            layer = layer + opts["output_mse"] * mse
+            metrics["mse"] = mse.item()
+        if opts["output_cosine"]:
+            cos = output_cosine(out, io.output, mask)
+            layer = layer + opts["output_cosine"] * cos
+            metrics["cos"] = cos.item()
+        return layer, metrics
+
+
+class MatrixOrientationStage(TeacherForcedStage):
+    """MOHAWK stage 1, matrix orientation (paper 001, Eq. 3): per layer, on the teacher's input to
+    it, the distance between the student mixer's materialised l × l mixing matrix per head
+    (``forward_quadratic``; with its D skip on the diagonal unless ``skip: exclude``) and the
+    teacher's attention probabilities, padded rows and columns ignored; mean over sequences and
+    heads, then over layers. ``matrix_norm``: ``fro`` (default; the paper's unsquared Frobenius
+    norm per head, not normalised by length), ``fro_squared``, or ``row_squared`` (squared error
+    per real query row) — see ``losses.matrix_distance``. Only the parameters that shape the
+    matrix get gradients (for discrete Mamba-2: B/C (k/q) projections, decay, conv, D)."""
+
+    name = "matrix_orientation"
+    loss_defaults = {"matrix_norm": "fro", "skip": "include"}
+    loss_choices = {"matrix_norm": MATRIX_NORMS, "skip": ("include", "exclude")}
+
+    def check_mixer(self, i, mixer, opts, cfg):
+        if not hasattr(mixer, "forward_quadratic"):
+            raise ConfigError(
+                f"stage '{cfg.name}' (matrix_orientation): layer {i} is a '{mixer.mixer_type}' mixer, which has no materialised mixing matrix",
+                "use a mixer with one (discrete_mamba2, mamba2, linear_attention, hedgemamba), or drop this stage and start with hidden_alignment",
+            )
+
+    def layer_loss(self, mixer, io, adapter, mask, opts):
+        _, M = mixing_matrix(mixer, io.hidden_states, io.position_embeddings, mask, skip=opts["skip"] == "include")
+        with torch.no_grad():
+            target = adapter.attention_probs(io.module, io.hidden_states, io.position_embeddings, mask)
+        dist = matrix_distance(M, target, mask, norm=opts["matrix_norm"])
+        return dist, {"matrix": dist.item()}
+
+
+class HiddenAlignmentStage(TeacherForcedStage):
+    """MOHAWK stage 2, hidden-state alignment (paper 001, Eq. 4): per layer, on the teacher's input
+    to it, the distance between the whole student mixer's output and the teacher attention
+    module's output (after its output projection), per real token; mean over layers. Only mixer
+    parameters get gradients (recipes set ``trainable: [mixers]``). ``distance``: ``l2`` (default;
+    the paper's unsquared per-token L2 norm), ``l2_squared`` or ``mse`` — see
+    ``losses.hidden_distance``. The target is the attention sublayer's output, what the paper's
+    release aligns when the MLPs stay frozen (not the whole block's output)."""
+
+    name = "hidden_alignment"
+    loss_defaults = {"distance": "l2"}
+    loss_choices = {"distance": HIDDEN_DISTANCES}
+
+    def layer_loss(self, mixer, io, adapter, mask, opts):
+        dist = hidden_distance(_teacher_forced_output(mixer, io, mask), io.output, mask, form=opts["distance"])
+        return dist, {"hidden": dist.item()}
 
 
 STAGE_KINDS: dict[str, StageKind] = {
-    k.name: k() for k in (CrossEntropyStage, KnowledgeDistillationStage, KDCrossEntropyStage, AttentionTransferStage, SFTStage, DPOStage)
+    k.name: k() for k in (CrossEntropyStage, KnowledgeDistillationStage, KDCrossEntropyStage, AttentionTransferStage, SFTStage, DPOStage,
+                           MatrixOrientationStage, HiddenAlignmentStage, BridgeAlignmentStage)
 }
 
 PARAMETER_GROUPS = ("all", "mixers", "feature_maps", "lora", "mlps", "embeddings", "norms", "attention")

@@ -23,6 +23,9 @@ from attn2ssm.ops.linear_attention import (
 
 class LinearAttentionMixer(AttentionLikeMixer):
     mixer_type = "linear_attention"
+    # forward_quadratic's matrix is normalised attention (rows sum to 1): attention transfer can
+    # match it to the teacher's softmax weights
+    normalized_weights = True
 
     def __init__(
         self,
