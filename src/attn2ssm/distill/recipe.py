@@ -39,6 +39,11 @@ class StudentConfig:
     where: str = "last"  # clustered: first | middle | last
     init: str = "attention"  # attention (mixers start from q/k/v/o, paper 004) | random (ablation baseline)
     auto_calibration_blocks: int = 8
+    # Student layers (null: the teacher's). Layer i is built from teacher layer layer_map(depth, T)[i]:
+    # a proportional subset when shallower, layers repeated when deeper (plans.layer_map: endpoints
+    # keeps first and last; paper is CAB's Eq. 7 with its off-by-one fixed).
+    depth: int | None = None
+    layer_map: str = "endpoints"
 
 
 @dataclass
@@ -167,6 +172,7 @@ def load_recipe(name_or_path: str | None = None, overrides: list[str] | None = N
 
 def validate(recipe: Recipe) -> None:
     from attn2ssm.distill.stages import STAGE_KINDS
+    from attn2ssm.student.plans import LAYER_MAPS
 
     if not recipe.stages:
         raise ConfigError("the recipe has no stages", "add at least one entry under 'stages'")
@@ -186,11 +192,16 @@ def validate(recipe: Recipe) -> None:
         _validate_stage_data(stage, STAGE_KINDS[stage.kind], i, where)
     s = recipe.student
     for name, value, valid in (("placement", s.placement, ("interleaved", "clustered")), ("align", s.align, ("first", "last")),
-                               ("where", s.where, ("first", "middle", "last")), ("init", s.init, ("attention", "random"))):
+                               ("where", s.where, ("first", "middle", "last")), ("init", s.init, ("attention", "random")),
+                               ("layer_map", s.layer_map, LAYER_MAPS)):
         if value not in valid:
             raise ConfigError(f"student.{name}={value!r} is not valid", f"use one of: {', '.join(valid)}")
     if isinstance(s.keep_attention, str) and s.keep_attention != "auto":
         raise ConfigError(f"student.keep_attention={s.keep_attention!r} is not valid", "use a list of layer indices or 'auto'")
+    if s.depth is not None and s.depth < 1:
+        raise ConfigError(f"student.depth={s.depth} is not a number of layers", "set student.depth to at least 1, or null for the teacher's depth")
+    if s.depth is not None and s.keep_attention == "auto":
+        raise ConfigError("student.keep_attention=auto scores the teacher's own layers and cannot choose for student.depth", "list the attention layers of the student, or leave student.depth unset")
     ratio = s.attention_ratio
     for i, stage in enumerate(recipe.stages):
         if stage.attention_ratio is None:

@@ -6,6 +6,10 @@ its slice of each micro-batch, DDP averages the gradients, so the loss curve doe
 on W. Block order is a deterministic function of (seed, stage, sample index), which with the
 saved optimizer, scheduler and RNG state makes ``--resume`` continue a killed run exactly.
 
+A stage kind may own training-only modules (CAB's bridges: ``kind.stage_modules``): they hang
+on the student as ``student.stage_modules`` for the stage, train with it, travel in checkpoints
+beside the student (``optimizer.pt``, like LoRA adapters) and are dropped when the stage ends.
+
 Stages with their own ``data`` (``sft``, ``dpo``) draw examples the same way from a dataset that
 is tokenized once when the stage starts, and get right-padded batches (``attention_mask``, and
 ``loss_mask`` for the scored reply tokens). Their per-token losses are normalised over the whole
@@ -91,6 +95,12 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _drop_stage_modules(model) -> None:
+    """Remove a finished stage's training-only modules (CAB's bridges) from the student."""
+    if hasattr(model, "stage_modules"):
+        del model.stage_modules
+
+
 def _append_jsonl(path: Path, record: dict) -> None:
     with open(path, "a") as fh:
         fh.write(json.dumps(record) + "\n")
@@ -169,7 +179,7 @@ class Distiller:
             student = Attn2SSMForCausalLM.from_pretrained(self.resume_from, dtype=torch.float32)
         else:
             s = self.recipe.student
-            n_layers = self.teacher.config.num_hidden_layers
+            n_layers = s.depth or self.teacher.config.num_hidden_layers
             if s.keep_attention == "auto":
                 from attn2ssm.student.plans import auto_plan
 
@@ -178,7 +188,8 @@ class Distiller:
             else:
                 plan = make_plan(n_layers, s.mixer, attention_ratio=s.attention_ratio, keep_attention=s.keep_attention,
                                  placement=s.placement, align=s.align, where=s.where)  # fmt: skip
-            student = convert(self.teacher, plan, {s.mixer: dict(s.mixer_options)}, teacher_info=self.teacher_info, init=s.init)
+            student = convert(self.teacher, plan, {s.mixer: dict(s.mixer_options)}, teacher_info=self.teacher_info, init=s.init,
+                              depth=s.depth, depth_map=s.layer_map)  # fmt: skip
         self.student = student.to(self.acc.device)
 
     def _calibration_ids(self) -> torch.Tensor:
@@ -228,10 +239,13 @@ class Distiller:
             tmp = root / f".tmp-{name}"
             shutil.rmtree(tmp, ignore_errors=True)
             student = self.acc.unwrap_model(self.student)
-            student.save_pretrained(tmp, state_dict=state_dict_without_lora(student))
+            plain = {k: v for k, v in state_dict_without_lora(student).items() if not k.startswith("stage_modules.")}
+            student.save_pretrained(tmp, state_dict=plain)
             payload = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()}
             if hasattr(student, "lora"):  # a LoRA stage in progress: adapters travel beside the plain student
                 payload["lora"] = student.lora.state_dict()
+            if hasattr(student, "stage_modules"):  # and so do a stage's training-only modules
+                payload["stage_modules"] = student.stage_modules.state_dict()
             torch.save(payload, tmp / "optimizer.pt")
             atomic_write_text(tmp / "state.json", json.dumps(asdict(state), indent=1))
             final = root / name
@@ -326,7 +340,13 @@ class Distiller:
             attach_lora(unwrapped, cfg.lora.targets, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout)
             if resume_payload is not None and "lora" in resume_payload:
                 unwrapped.lora.load_state_dict(resume_payload["lora"])
+        if hasattr(kind, "stage_modules"):  # attached before the optimizer so a resume finds the same parameter order
+            unwrapped.stage_modules = kind.stage_modules(unwrapped, self.teacher, cfg)
+            if resume_payload is not None and "stage_modules" in resume_payload:
+                unwrapped.stage_modules.load_state_dict(resume_payload["stage_modules"])
         names = select_trainable(unwrapped, cfg.trainable, cfg.frozen)
+        if hasattr(unwrapped, "stage_modules"):  # they exist only to be trained, whatever the patterns say
+            unwrapped.stage_modules.requires_grad_(True)
         params = [p for p in unwrapped.parameters() if p.requires_grad]
         n_train = sum(p.numel() for p in params)
         optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
@@ -410,11 +430,13 @@ class Distiller:
                 state.finished.append(stage_idx)
             if last:
                 merge_lora(self.acc.unwrap_model(model))  # the stage-end checkpoint holds the merged weights
+                _drop_stage_modules(self.acc.unwrap_model(model))
             if last or (cfg.save_every and state.step % cfg.save_every == 0):
                 self._save_checkpoint(state, optimizer, scheduler, cfg)
         bar.close()
         self.student = self.acc.unwrap_model(model)
         merge_lora(self.student)
+        _drop_stage_modules(self.student)
 
     def run(self) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,8 @@ Per token, with u the layer input:
     Δ = softplus(W_up W_down u + b_Δ)    (one per channel and copy; low-rank, from the layer input)
     h_t = exp(Δ_t A) ⊙ h_{t−1} + Δ_t B_t x_t,   y_t = C_t h_t + D ⊙ x_t,   out = W_O (y ⊙ SiLU(W_z u + b_z))
 
+``A_init`` (paper 003): every A starts at that small negative value instead, so exp(Δ·A) ≈ 1.
+
 ``sanity=True`` (needs expand 1): Δ = 1, A = 0, no conv / gate / D: y_t = Σ_{s≤t} (C_t·B_s) x_s,
 which with ``d_state = head_dim`` is linearised attention exactly.
 """
@@ -30,7 +32,7 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.mixers.ssm_common import CausalConv, apply_conv, check_activation, dt_bias_init, init_shared_parameters, store_states
+from attn2ssm.mixers.ssm_common import A_log_identity, CausalConv, apply_conv, check_activation, dt_bias_init, emit_bc, init_shared_parameters, store_states
 from attn2ssm.ops.selective_scan import selective_scan_chunked, selective_scan_step
 
 
@@ -54,9 +56,12 @@ class MambaMixer(AttentionLikeMixer):
         chunk_size: int = 32,
         sanity: bool = False,
         D_init: float = 0.0,
+        A_init: float | None = None,
     ):
         super().__init__(geometry, layer_idx)
         self.D_init = D_init
+        self.A_log_init = A_log_identity("mamba", A_init)  # None: S4D-real
+        self.bc_sink = None  # set by CAB's bridge stage to read B and C (see ssm_common.emit_bc)
         d = self.head_dim
         d_state = min(d_state or d, d)  # capped at head_dim: a group never spans two heads
         if d % d_state:
@@ -93,8 +98,10 @@ class MambaMixer(AttentionLikeMixer):
             bound = self.dt_rank**-0.5
             self.dt_up.weight.uniform_(-bound, bound)
             self.dt_up.bias.copy_(dt_bias_init(self.expand * self.d_inner, *self.dt_range))
-            # S4D-real: A = −(1, 2, …, N) along the state for every channel.
-            self.A_log.copy_(torch.log(torch.arange(1, self.d_state + 1, dtype=torch.float32)).expand_as(self.A_log))
+            if self.A_log_init is not None:  # A ≈ 0: no decay at the start (paper 003)
+                self.A_log.fill_(self.A_log_init)
+            else:  # S4D-real: A = −(1, 2, …, N) along the state for every channel.
+                self.A_log.copy_(torch.log(torch.arange(1, self.d_state + 1, dtype=torch.float32)).expand_as(self.A_log))
 
     def _groups(self, t: torch.Tensor) -> torch.Tensor:
         """(b, l, h·d) → (b, l, copies·groups, d_state), the copies stacked along the group dim."""
@@ -114,6 +121,8 @@ class MambaMixer(AttentionLikeMixer):
 
     def _bc(self, u, position_embeddings):
         q, k, v = self.project_heads(u, position_embeddings if self.use_rope else None)
+        if self.bc_sink is not None:  # per-token B (b, l, kv, d) and C (b, l, h, d) for CAB's bridges
+            emit_bc(self, k, q * self.scaling)
         x = self.repeat_kv(v, 2).flatten(2)  # (b, l, d_inner)
         B = self._groups(self.repeat_kv(k, 2).flatten(2))
         C = self._groups((q * self.scaling).flatten(2))

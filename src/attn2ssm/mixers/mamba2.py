@@ -10,7 +10,7 @@ default (paper 004's mixers drop it; ``rope: before`` keeps it on B and C).
 
 Per token, with u the layer input (after the block's norm):
     x, B, C = conv([W_V u, W_K u, W_Q u / √d])          (depthwise causal, passes the token at init)
-    Δ = softplus(W_Δ u + b_Δ)  (one per head),  a = Δ·A,  A = −exp(A_log)
+    Δ = softplus(W_Δ u + b_Δ)  (one per head),  a = Δ·A,  A = −exp(A_log)   (A_init: A ≈ 0, paper 003)
     h_t = exp(a_t)·h_{t−1} + (Δ_t x_t) ⊗ B_t,   y_t = h_t C_t + D ⊙ x_t
     out = W_O · norm(y ⊙ SiLU(W_z u + b_z))            (gated RMSNorm per head, optional)
 
@@ -29,7 +29,17 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.mixers.ssm_common import CausalConv, GatedRMSNorm, apply_conv, check_activation, dt_bias_init, init_shared_parameters, store_states
+from attn2ssm.mixers.ssm_common import (
+    A_log_identity,
+    CausalConv,
+    GatedRMSNorm,
+    apply_conv,
+    check_activation,
+    dt_bias_init,
+    emit_bc,
+    init_shared_parameters,
+    store_states,
+)
 from attn2ssm.ops.conv import causal_conv1d
 from attn2ssm.ops.ssd import ssd_chunked, ssd_quadratic, ssd_step
 
@@ -55,9 +65,12 @@ class Mamba2Mixer(AttentionLikeMixer):
         chunk_size: int = 64,
         sanity: bool = False,
         D_init: float = 0.0,
+        A_init: float | None = None,
     ):
         super().__init__(geometry, layer_idx)
         self.D_init = D_init
+        self.A_log_init = A_log_identity(self.mixer_type, A_init)  # None: A drawn from A_init_range
+        self.bc_sink = None  # set by CAB's bridge stage to read B and C (see ssm_common.emit_bc)
         if rope not in ("none", "before"):
             raise ConfigError(f"{self.mixer_type} option rope={rope!r} is not valid", "use rope: none (default, as paper 004) or before")
         self.use_rope, self.chunk_size, self.sanity = rope == "before", chunk_size, sanity
@@ -93,8 +106,11 @@ class Mamba2Mixer(AttentionLikeMixer):
             bound = self.hidden_size**-0.5
             self.dt_proj.weight.uniform_(-bound, bound)
             self.dt_proj.bias.copy_(dt_bias_init(h, *self.dt_range))
-            lo, hi = self.A_init_range
-            self.A_log.copy_(torch.log(torch.rand(h) * (hi - lo) + lo))
+            if self.A_log_init is not None:  # A ≈ 0: every head starts without decay (paper 003)
+                self.A_log.fill_(self.A_log_init)
+            else:
+                lo, hi = self.A_init_range
+                self.A_log.copy_(torch.log(torch.rand(h) * (hi - lo) + lo))
 
     # -- the pieces ------------------------------------------------------------------------
     def _xbc(self, u, position_embeddings):
@@ -110,6 +126,14 @@ class Mamba2Mixer(AttentionLikeMixer):
         x = self.repeat_kv(x.reshape(b, l, self.num_kv_heads, d), 2)
         B = self.repeat_kv(B.reshape(b, l, self.num_kv_heads, d), 2)
         return x, B, C.reshape(b, l, self.num_heads, d)
+
+    def _emit_bc(self, xbc):
+        """Per-token B before the GQA repeat (b, l, kv, n) and C (b, l, h, n), as the scan reads them
+        (after the conv), to a bridge stage that asked for them."""
+        if self.bc_sink is not None:
+            b, l, _ = xbc.shape
+            kvw = self.num_kv_heads * self.head_dim
+            emit_bc(self, xbc[..., kvw : 2 * kvw].reshape(b, l, self.num_kv_heads, -1), xbc[..., 2 * kvw :].reshape(b, l, self.num_heads, -1))
 
     def _decay(self, u):
         """(log-decay a (b, l, h) ≤ 0, input scale Δ (b, l, h) or None)."""
@@ -157,6 +181,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         if decode and mask is not None:
             xbc = xbc * mask[:, :, None].to(xbc.dtype)
         xbc, conv_state = apply_conv(self.conv, xbc, states, mask, decode, self.conv_activation)
+        self._emit_bc(xbc)
         x, B, C = self._split(xbc)
         a, dt = self._decay(hidden_states)
         x_in = x if dt is None else x * dt[..., None].to(x.dtype)

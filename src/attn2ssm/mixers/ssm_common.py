@@ -4,7 +4,7 @@ layer (Δ, A, conv, gate, D, gated norm) and how each is initialised.
 Initialisations keep the converted layer close to its teacher: the conv passes the current
 token through, the gate starts at 1 (zero weight, bias b with SiLU(b) = 1, as paper 001 does),
 Δ starts in [dt_min, dt_max] (Mamba's inverse-softplus bias), A is log-parameterised so it
-stays negative.
+stays negative; ``A_init`` (paper 003's A ≈ 0) starts every decay exp(Δ·A) at ≈ 1.
 """
 
 from __future__ import annotations
@@ -28,6 +28,24 @@ def dt_bias_init(n: int, dt_min: float = 1e-3, dt_max: float = 0.1, floor: float
         raise ConfigError(f"dt_min={dt_min}, dt_max={dt_max} are not a valid range", "use 0 < dt_min <= dt_max, e.g. 0.001 and 0.1")
     dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp_min(floor)
     return dt + torch.log(-torch.expm1(-dt))  # inverse of softplus
+
+
+def A_log_identity(kind: str, A_init: float | None) -> float | None:
+    """log(−A_init): the A_log that starts A at ``A_init`` (paper 003's A ≈ 0, so Ā = exp(Δ·A) ≈ 1
+    and the scan is linear attention, Eq. 5); None keeps the mixer's default init."""
+    if A_init is None:
+        return None
+    if isinstance(A_init, bool) or not isinstance(A_init, (int, float)) or not A_init < 0:
+        raise ConfigError(f"{kind} option A_init={A_init!r} is not a negative number", "use a small negative A such as -1e-4 (A = −exp(A_log) cannot be 0), or null for the default")
+    return math.log(-A_init)
+
+
+def emit_bc(mixer, B: torch.Tensor, C: torch.Tensor) -> None:
+    """Hand this forward's per-token B (b, l, kv, n) and C (b, l, h, n) to whoever asked for them
+    (CAB's bridge stage sets ``mixer.bc_sink``); a no-op otherwise."""
+    sink = getattr(mixer, "bc_sink", None)
+    if sink is not None:
+        sink(B, C)
 
 
 @torch.no_grad()

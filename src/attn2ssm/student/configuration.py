@@ -4,6 +4,9 @@ The base model's config is kept whole (``base_config``) so the student is rebuil
 teacher family's own Hugging Face code. Per layer, ``layer_plan[i]`` names the mixer that
 replaces attention (or ``"attention"`` to keep it), ``attention_paths[i]`` says where that
 module lives, and ``layer_geometry[i]`` records its shapes (heads, head_dim, RoPE, …).
+A student may be shallower or deeper than its teacher (``convert(..., depth=N)``):
+``base_config`` then describes N layers and ``teacher_layers[i]`` names the teacher layer that
+student layer i was built from (None: layer i from layer i).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Attn2SSMConfig(PretrainedConfig):
         mixer_options: dict | None = None,
         teacher: dict | None = None,
         base_attn_implementation: str | None = None,
+        teacher_layers: list[int] | None = None,
         **kwargs,
     ):
         self.base_attn_implementation = base_attn_implementation
@@ -44,6 +48,7 @@ class Attn2SSMConfig(PretrainedConfig):
         self.layer_geometry = list(layer_geometry or [])
         self.mixer_options = dict(mixer_options or {})  # mixer kind → constructor options
         self.teacher = dict(teacher or {})  # provenance: source, family, model_type
+        self.teacher_layers = None if teacher_layers is None else [int(j) for j in teacher_layers]
         if self.base_config:  # read through the family's config so aliases (GPT-2's n_layer, …) resolve
             base = self.build_base_config()
             for name in _MIRRORED:

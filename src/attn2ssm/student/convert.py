@@ -2,6 +2,9 @@
 
 Every non-attention weight is the teacher's; each mixer starts from its layer's q/k/v/o
 (read through the family adapter, so fused/transposed layouts and GQA are handled there).
+``depth=N`` builds a student with N layers instead: student layer i is a copy of teacher layer
+``layer_map(N, T)[i]`` (norms, MLP, attention or the mixer's init) — a proportional subset of the
+teacher's layers when shallower, some layers repeated when deeper.
 
 ``grow_student`` continues a stepwise schedule (paper 004 §2.1): a trained student gets more
 layers converted, keeping everything it has learnt. ``converted_layer`` swaps one attention
@@ -21,6 +24,12 @@ from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.registry import ATTENTION, MIXERS, build_mixer
 from attn2ssm.student.configuration import Attn2SSMConfig
 from attn2ssm.student.modeling import Attn2SSMForCausalLM, _get_submodule_parent
+from attn2ssm.student.plans import layer_map
+
+# Per-layer fields of transformers configs, remapped when a student changes depth.
+_PER_LAYER_VALUES = ("layer_types", "no_rope_layers")  # one entry per layer
+_LAYER_INDEX_LISTS = ("mlp_only_layers",)  # lists of layer indices
+_LAYER_COUNTS = ("max_window_layers",)  # layers below this index are of one kind, the rest another
 
 
 def _qk_norm_settings(weights) -> dict:
@@ -33,6 +42,61 @@ def _qk_norm_settings(weights) -> dict:
     return {"qk_norm_eps": float(eps), "qk_norm_offset": offset}
 
 
+def _config_for_depth(config, source: list[int]) -> dict:
+    """The teacher's config as a dict for a student whose layer i is teacher layer ``source[i]``."""
+    d = config.to_dict()
+    d.pop("quantization_config", None)
+    n_teacher, n = config.num_hidden_layers, len(source)
+    if source == list(range(n_teacher)):
+        return d
+    # GPT-2 keeps the count as n_layer (num_hidden_layers is an alias): write the stored name.
+    d[config.attribute_map.get("num_hidden_layers", "num_hidden_layers")] = n
+    for name in _PER_LAYER_VALUES:
+        if isinstance(d.get(name), (list, tuple)):
+            d[name] = [d[name][j] for j in source]
+    for name in _LAYER_INDEX_LISTS:
+        if isinstance(d.get(name), (list, tuple)):
+            listed = set(d[name])
+            d[name] = [i for i, j in enumerate(source) if j in listed]
+    for name in _LAYER_COUNTS:  # the map is non-decreasing, so "first m layers" stays a prefix
+        if isinstance(d.get(name), int):
+            d[name] = sum(j < d[name] for j in source)
+    if d.get("scale_attn_by_inverse_layer_idx"):  # GPT-2 scales attention by 1/(layer index + 1): tied to the index
+        raise ConfigError("the teacher scales attention by its layer index (scale_attn_by_inverse_layer_idx)", "convert at the teacher's depth (depth: null)")
+    handled = {*_PER_LAYER_VALUES, *_LAYER_INDEX_LISTS}
+    unknown = [k for k, v in d.items() if "layer" in k and k not in handled and isinstance(v, (list, tuple)) and len(v) == n_teacher]
+    if unknown:
+        raise ConfigError(f"teacher config field(s) {unknown} look per-layer and cannot be remapped to {n} layers", "convert at the teacher's depth (depth: null)")
+    return d
+
+
+def _layer_prefix(attention_path: str) -> str:
+    """Key prefix of the decoder layer holding an attention module: model.layers.3.self_attn → model.layers.3."""
+    return attention_path.rpartition(".")[0] + "."
+
+
+def _state_for_depth(state: dict, teacher_paths: list[str], student_paths: list[str], source: list[int]) -> dict:
+    """The teacher's state dict with student layer i's tensors taken from teacher layer source[i]."""
+    if teacher_paths == student_paths and source == list(range(len(teacher_paths))):
+        return state
+    t_prefixes = [_layer_prefix(p) for p in teacher_paths]
+    out = {k: v for k, v in state.items() if not k.startswith(tuple(t_prefixes))}  # embeddings, final norm, head
+    for i, j in enumerate(source):
+        t, s = t_prefixes[j], _layer_prefix(student_paths[i])
+        out.update({s + k[len(t):]: v for k, v in state.items() if k.startswith(t)})
+    return out
+
+
+def _student_paths(adapter, base_config: dict) -> list[str]:
+    """Attention module paths of a model built from ``base_config`` (built on the meta device: no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(base_config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    return adapter.attention_module_paths(skeleton)
+
+
 def convert(
     teacher: nn.Module,
     layer_plan: list[str],
@@ -40,48 +104,58 @@ def convert(
     *,
     teacher_info: dict | None = None,
     init: str = "attention",
+    depth: int | None = None,
+    depth_map: str = "endpoints",
 ) -> Attn2SSMForCausalLM:
     """Return a student (same dtype/device as the teacher) initialised from the teacher's weights.
 
     ``init="attention"`` (default) starts each mixer from its layer's q/k/v/o (paper 004's
     attention initialisation); ``init="random"`` leaves the mixers' projections at the family's
     default random init (the ablation baseline) — everything else is the teacher's either way.
+    ``depth`` (default: the teacher's) sets the student's number of layers; layer i is built from
+    teacher layer ``layer_map(depth, T, depth_map)[i]``, recorded in ``config.teacher_layers``.
+    ``layer_plan`` has one entry per *student* layer.
     """
     if init not in ("attention", "random"):
         raise ConfigError(f"unknown init {init!r}", "use init: attention (default) or random")
     adapter = get_adapter(teacher)
     config = teacher.config
     paths = adapter.attention_module_paths(teacher)
-    if len(layer_plan) != len(paths):
-        raise ValueError(f"layer plan has {len(layer_plan)} entries but the teacher has {len(paths)} layers")
+    if depth is not None and depth < 1:
+        raise ConfigError(f"student depth {depth} is not a number of layers", "use depth >= 1, or null for the teacher's depth")
+    source = layer_map(depth, len(paths), depth_map) if depth is not None else list(range(len(paths)))
+    if len(layer_plan) != len(source):
+        raise ValueError(f"layer plan has {len(layer_plan)} entries but the student has {len(source)} layers")
     attn_modules = [teacher.get_submodule(p) for p in paths]
     geometry = []
-    for i, attn in enumerate(attn_modules):
-        g = adapter.geometry(config, i).to_dict()
+    for j in source:
+        g = adapter.geometry(config, j).to_dict()
         if g.get("has_qk_norm"):
-            g.update(_qk_norm_settings(adapter.read_weights(attn)))
+            g.update(_qk_norm_settings(adapter.read_weights(attn_modules[j])))
         geometry.append(g)
-    base_config = config.to_dict()
-    base_config.pop("quantization_config", None)
+    base_config = _config_for_depth(config, source)
+    student_paths = paths if len(source) == len(paths) else _student_paths(adapter, base_config)
     student_config = Attn2SSMConfig(
         base_config=base_config,
         layer_plan=layer_plan,
-        attention_paths=paths,
+        attention_paths=student_paths,
         layer_geometry=geometry,
         mixer_options=mixer_options or {},
         teacher={"family": adapter.family, "model_type": config.model_type, **(teacher_info or {})},
         base_attn_implementation=getattr(config, "_attn_implementation", None),
+        teacher_layers=None if source == list(range(len(paths))) else source,
     )
     param = next(teacher.parameters())
     student = Attn2SSMForCausalLM(student_config).to(dtype=param.dtype, device=param.device)
-    result = student.base.load_state_dict(teacher.state_dict(), strict=False)
-    mixer_prefixes = tuple(paths[i] + "." for i in student_config.mixer_layers)
-    stray = [k for k in result.missing_keys if not k.startswith(mixer_prefixes)]
+    state = _state_for_depth(teacher.state_dict(), paths, student_paths, source)
+    result = student.base.load_state_dict(state, strict=False)
+    mixer_prefixes = tuple(student_paths[i] + "." for i in student_config.mixer_layers)
+    stray = [k for k in (*result.missing_keys, *result.unexpected_keys) if not k.startswith(mixer_prefixes)]
     if stray:
-        raise RuntimeError(f"student weights missing from the teacher: {stray[:5]}")
+        raise RuntimeError(f"student and teacher weights disagree: {stray[:5]}")
     for i, mixer in student.mixers().items():
         if init == "attention":
-            mixer.load_attention_weights(adapter.read_weights(attn_modules[i]))
+            mixer.load_attention_weights(adapter.read_weights(attn_modules[source[i]]))
         else:  # load_state_dict above filled same-named q/k/v/o from the teacher: draw them afresh
             for module in mixer.modules():
                 if isinstance(module, nn.Linear):
@@ -161,7 +235,8 @@ def grow_student(
     layers into mixers (e.g. 50 % → 25 % attention). The result has plan ``new_plan``; its
     carried-over tensors — trained mixers, kept attention, MLPs, norms, embeddings — are the
     student's, bit for bit and in their own dtype and device; each newly converted layer is
-    initialised from the *teacher's* attention at that layer, as ``convert`` does, in the
+    initialised from the *teacher's* attention at that layer (at ``config.teacher_layers[i]`` for a
+    student of another depth), as ``convert`` does, in the
     dtype/device of the attention module it replaces. ``mixer_options`` (by kind) default to the
     student's; options for a kind the student already uses must equal its own. The student is
     not modified. requires_grad flags are not carried (a new stage chooses its trainable set).
@@ -170,9 +245,12 @@ def grow_student(
     new_plan = list(new_plan)
     added = _check_growth(list(old_config.layer_plan), new_plan)
     adapter = get_adapter(teacher)
-    paths = adapter.attention_module_paths(teacher)
-    if paths != list(old_config.attention_paths):
-        raise ConfigError(f"teacher ({len(paths)} attention layers at {paths[0] if paths else '-'}…) does not match the student", "pass the teacher the student was converted from")
+    teacher_paths = adapter.attention_module_paths(teacher)
+    paths = list(old_config.attention_paths)
+    source = old_config.teacher_layers or list(range(len(paths)))  # teacher layer of each student layer
+    same_layout = paths == teacher_paths if old_config.teacher_layers is None else max(source) < len(teacher_paths)
+    if not same_layout or teacher.config.model_type != old_config.teacher.get("model_type", teacher.config.model_type):
+        raise ConfigError(f"teacher ({len(teacher_paths)} attention layers at {teacher_paths[0] if teacher_paths else '-'}…) does not match the student", "pass the teacher the student was converted from")
     options = copy.deepcopy(dict(old_config.mixer_options))
     used = {kind for kind in old_config.layer_plan if kind != ATTENTION}
     for kind, opts in (mixer_options or {}).items():
@@ -200,6 +278,6 @@ def grow_student(
     if stray:
         raise RuntimeError(f"grown student and student disagree on weights: {stray[:5]}")
     for i in added:
-        grown.base.get_submodule(paths[i]).load_attention_weights(adapter.read_weights(teacher.get_submodule(paths[i])))
+        grown.base.get_submodule(paths[i]).load_attention_weights(adapter.read_weights(teacher.get_submodule(teacher_paths[source[i]])))
     grown.train(student.training)
     return grown

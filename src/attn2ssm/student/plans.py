@@ -10,6 +10,9 @@ teacher's softmax attention. The kept layers are chosen by
   every later stage only converts more layers (what ``convert.grow_student`` needs),
 - ``select_attention_layers`` / ``auto_plan``: measured on the teacher — keep the layers whose
   conversion alone hurts the teacher's next-token distribution most.
+
+``layer_map`` pairs each layer of a student of another depth with a teacher layer (which layer it
+is built from, and which one CAB aligns it to).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.registry import ATTENTION, MIXERS
 
 PLACEMENTS = ("interleaved", "clustered")
+LAYER_MAPS = ("endpoints", "paper")
 ALIGNS = ("first", "last")
 WHERES = ("first", "middle", "last")
 
@@ -117,6 +121,34 @@ def make_plan(
     if bad:
         raise ConfigError(f"keep_attention has layer indices {bad} outside 0..{num_layers - 1}", "list valid layer indices")
     return [ATTENTION if i in keep else mixer for i in range(num_layers)]
+
+
+def layer_map(n_student: int, n_teacher: int, mode: str = "endpoints") -> list[int]:
+    """The teacher layer (0-based) paired with each student layer, proportional in depth.
+
+    Paper 003 (CAB, Eq. 7) writes g(l) = ⌊(l / L)·T⌋ for student layers l = 1..L and T teacher
+    layers, and never says whether teacher layers count from 0 or 1. Read 1-based, g(1) = 0 is no
+    layer when the student is deeper (L = 24, T = 12); read 0-based, g(L) = T is one past the last
+    layer; and the 0-based student form ⌊i·T/L⌋ (i = 0..L−1) never reaches the last teacher layer
+    of a shallower student (L = 6, T = 12 gives 0, 2, …, 10). Two fixed forms, both the identity
+    when L = T and valid for deeper and shallower students:
+
+    * ``"endpoints"`` (default): g(i) = round(i·(T−1)/(L−1)), halves up — first → first and
+      last → last, evenly in between (L = 1: the last layer, as the paper's g(1) = T). 24 ← 12:
+      0,0,1,1,…,11,11; 6 ← 12: 0,2,4,7,9,11; 3 ← 6: 0,3,5.
+    * ``"paper"``: the paper's formula with the off-by-one fixed, g(l) = ⌈l·T/L⌉ (1-based), i.e.
+      g(i) = ⌈(i+1)·T/L⌉ − 1: last → last and groups of equal size, but a shallower student skips
+      the first teacher layers (6 ← 12: 1,3,5,7,9,11); 24 ← 12: 0,0,1,1,…,11,11 as above.
+    """
+    _check_choice("layer map", mode, LAYER_MAPS)
+    if n_student < 1 or n_teacher < 1:
+        raise ConfigError(f"cannot map {n_student} student layers onto {n_teacher} teacher layers", "both depths must be at least 1")
+    if mode == "paper":
+        return [-(-(i + 1) * n_teacher // n_student) - 1 for i in range(n_student)]  # ⌈(i+1)·T/L⌉ − 1
+    if n_student == 1:
+        return [n_teacher - 1]
+    span_s, span_t = n_student - 1, n_teacher - 1
+    return [(2 * i * span_t + span_s) // (2 * span_s) for i in range(n_student)]  # round half up, in integers
 
 
 # --------------------------------------------------------------------------------------------
