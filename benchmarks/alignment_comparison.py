@@ -1,7 +1,7 @@
 """Layer-alignment recipes compared at equal token budgets on the built-in teacher (issue 5).
 
-Each variant is a built-in recipe run through the real trainer (``attn2ssm.distill``), with every
-stage's budget multiplied by ``--scale`` (the same factor for all, so budgets stay equal within
+Each variant is a built-in recipe run from the command line (``attn2ssm distill RECIPE --set ...``,
+one process per variant, exactly as a user runs it), with every stage's budget multiplied by ``--scale`` (the same factor for all, so budgets stay equal within
 each comparison). Scored on the same held-out tokens; the validation perplexity logged during
 training (``eval_every``) gives the perplexity-vs-tokens curves. Comparisons (papers' orderings):
 
@@ -21,7 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shlex
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -122,7 +125,6 @@ def run_variants(args) -> dict:
 
     from attn2ssm.data import prepare_corpus
     from attn2ssm.distill.recipe import load_recipe
-    from attn2ssm.distill.trainer import distill
     from attn2ssm.eval.attention import attention_fidelity
     from attn2ssm.eval.perplexity import perplexity
     from attn2ssm.student.modeling import Attn2SSMForCausalLM
@@ -143,20 +145,25 @@ def run_variants(args) -> dict:
         family, recipe_name, extra = VARIANTS[name]
         common = [f"teacher={args.teacher}", f"data.corpus={args.corpus}", f"data.max_heldout_tokens={args.eval_tokens}",
                   f"eval.max_tokens={args.eval_tokens}", *extra]  # fmt: skip
-        base = load_recipe(recipe_name, common)
-        overrides = common + scaled_overrides(base, args.scale, args.eval_points)
+        overrides = common + scaled_overrides(load_recipe(recipe_name, common), args.scale, args.eval_points)
         recipe = load_recipe(recipe_name, overrides)
         run = Path(args.runs) / name.replace(" ", "_").replace("+", "")
         shutil.rmtree(run, ignore_errors=True)
+        command = [sys.executable, "-m", "attn2ssm", "distill", recipe_name, "--out", str(run), "--no-progress"]
+        for o in overrides:
+            command += ["--set", o]
         start = time.time()
-        out = distill(recipe, run, progress=False, teacher=teacher, tokenizer=tokenizer)
-        student = Attn2SSMForCausalLM.from_pretrained(run / "student", dtype=torch.float32).eval()
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
+        proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+        student = Attn2SSMForCausalLM.from_pretrained(run / "student", dtype=torch.float32).eval()  # loadable, as saved
         ppl = perplexity(student, heldout, window=256)["ppl"]
         fid = None
-        if any(callable(getattr(m, "attention_weights", None)) for m in student.mixers().values()):
+        if any(callable(getattr(m, "attention_weights", None)) for m in student.mixers().values()) and len(student.config.layer_plan) == teacher.config.num_hidden_layers:
             fid = attention_fidelity(student, teacher, heldout[: 2 * 256].view(2, 256))["mean"]
         results[name] = {
-            "family": family, "recipe": recipe_name, "overrides": overrides, "student_ppl": ppl, "trainer_ppl": out["student_ppl"],
+            "family": family, "recipe": recipe_name, "command": shlex.join(["attn2ssm", *command[3:]]), "student_ppl": ppl,
             "ratio_to_teacher": ppl / teacher_ppl, "train_tokens": sum(s.tokens for s in recipe.stages),
             "stages": [{"name": s.name, "kind": s.kind, "tokens": s.tokens} for s in recipe.stages], "curve": curve(run),
             "attention_fidelity": fid, "layers": len(student.config.layer_plan), "seconds": time.time() - start,
