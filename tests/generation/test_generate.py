@@ -4,6 +4,7 @@ equals each prompt alone, sampling options, EOS stopping and streaming."""
 
 import pytest
 import torch
+from cache_forms import greedy_by_full_forwards
 from tiny_models import tiny_model
 from transformers.generation.streamers import BaseStreamer
 
@@ -27,15 +28,6 @@ def _student(kind, family="llama", ratio=0.0):
     return student.eval()
 
 
-def _argmax_by_full_forwards(model, ids, n):
-    seq = ids
-    with torch.no_grad():
-        for _ in range(n):
-            nxt = model(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-            seq = torch.cat([seq, nxt], 1)
-    return seq
-
-
 def _prompts():
     g = torch.Generator().manual_seed(1)
     return [torch.randint(3, 256, (1, n), generator=g) for n in (7, 4)]
@@ -52,7 +44,7 @@ def test_greedy_batched_left_padded_equals_each_prompt_alone(kind, family, ratio
     batch[1, 3:], mask[1, 3:] = b[0], 1
     out = model.generate(input_ids=batch, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     for row, prompt in enumerate((a, b)):
-        alone = _argmax_by_full_forwards(model, prompt, NEW)  # no cache at all: the reference
+        alone = greedy_by_full_forwards(model, prompt, NEW)  # no cache at all: the reference
         assert out[row, 7:].tolist() == alone[0, prompt.shape[1] :].tolist()
 
 

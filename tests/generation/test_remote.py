@@ -2,22 +2,15 @@
 cannot be imported: batched left-padded greedy, sampling, and transformers' assisted decoding
 (which needs our cache's rollback) all run on the flattened remote code."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
+from cache_forms import run_remote
 from tiny_models import tiny_model
 
 from attn2ssm.student.convert import convert
 from attn2ssm.student.plans import make_plan
 
 REMOTE = r"""
-import sys, json, torch
-sys.modules["attn2ssm"] = None  # any attempt to import attn2ssm now fails
-from transformers import AutoModelForCausalLM
-d = sys.argv[1]
 m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()
 draft = AutoModelForCausalLM.from_pretrained(d + "/draft", trust_remote_code=True).eval()
 batch, mask = torch.load(d + "/batch.pt")
@@ -43,9 +36,7 @@ def test_remote_code_generation(kind, tmp_path):
     batch[1, :3], mask[1, :3] = 0, 0
     torch.save((batch, mask), tmp_path / "batch.pt")
     expected = student.generate(input_ids=batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    proc = subprocess.run([sys.executable, "-c", REMOTE, str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_remote(REMOTE, tmp_path)
     assert result["cls"].startswith("transformers_modules")
     assert result["greedy"] == expected.tolist()
     assert result["assisted"] == expected[:1].tolist()

@@ -1,12 +1,10 @@
 """Students of another depth than their teacher: the layer map, conversion, HF round trips, cache forms."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from cache_forms import full_and_pieces
+from cache_forms import full_and_pieces, greedy_by_full_forwards, run_remote
 from tiny_models import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -172,17 +170,10 @@ def test_save_load_generate(family, depth, tmp_path):
     # greedy generate (recurrent cache) == repeated full forwards
     prompt = ids[:1, :5]
     out = loaded.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    seq = prompt
-    for _ in range(5):
-        seq = torch.cat([seq, loaded(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert torch.equal(out, seq)
+    assert torch.equal(out, greedy_by_full_forwards(loaded, prompt, 5))
 
 
 REMOTE = r"""
-import sys, json, torch
-sys.modules["attn2ssm"] = None  # any attempt to import attn2ssm now fails
-from transformers import AutoModelForCausalLM
-d = sys.argv[1]
 m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)
 ids = torch.load(d + "/ids.pt")
 logits = m(input_ids=ids, use_cache=False).logits
@@ -198,9 +189,7 @@ def test_deeper_student_loads_with_trust_remote_code_without_attn2ssm(tmp_path):
     student.save_pretrained(tmp_path)
     torch.save(ids, tmp_path / "ids.pt")
     torch.save(student(input_ids=ids, use_cache=False).logits, tmp_path / "logits.pt")
-    proc = subprocess.run([sys.executable, "-c", REMOTE, str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_remote(REMOTE, tmp_path)
     assert result["max_diff"] == 0.0 and result["layers"] == 5 and len(result["gen"][0]) == 8
 
 

@@ -1,12 +1,10 @@
 """Student model: conversion for every family, HF save/load round trips, remote code, cache forms."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from cache_forms import full_and_pieces
+from cache_forms import full_and_pieces, greedy_by_full_forwards, run_remote
 from tiny_models import TINY_CONFIGS, tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -122,21 +120,13 @@ def test_greedy_generate_equals_repeated_full_forward(teachers):
     student = convert(teacher, make_plan(teacher.config.num_hidden_layers, LA, attention_ratio=0.5))
     ids = _ids(b=1, l=5)
     out = student.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    seq = ids
-    for _ in range(6):
-        nxt = student(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-        seq = torch.cat([seq, nxt], 1)
-    assert torch.equal(out, seq)
+    assert torch.equal(out, greedy_by_full_forwards(student, ids, 6))
 
 
 # --------------------------------------------------------------------------------------------
 # remote code: a process that cannot import attn2ssm loads and runs a saved student
 
 REMOTE = r"""
-import sys, json, torch
-sys.modules["attn2ssm"] = None  # any attempt to import attn2ssm now fails
-from transformers import AutoModelForCausalLM
-d = sys.argv[1]
 m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True)
 ids = torch.load(d + "/ids.pt")
 logits = m(input_ids=ids, use_cache=False).logits
@@ -153,9 +143,7 @@ def test_loads_with_trust_remote_code_without_attn2ssm(family, teachers, tmp_pat
     student.save_pretrained(tmp_path)
     torch.save(ids, tmp_path / "ids.pt")
     torch.save(student(input_ids=ids, use_cache=False).logits, tmp_path / "logits.pt")
-    proc = subprocess.run([sys.executable, "-c", REMOTE, str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_remote(REMOTE, tmp_path)
     assert result["max_diff"] == 0.0
     assert result["cls"].startswith("transformers_modules")
     assert len(result["gen"][0]) == 8
