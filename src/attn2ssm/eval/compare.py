@@ -76,6 +76,17 @@ def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, s
     details: dict = {}
     t0 = time.time()
 
+    def save() -> dict:
+        """Write what is measured so far (after every part: a killed run keeps its finished parts)."""
+        report = {
+            "student": str(student_path), "teacher": teacher_spec, "rows": rows, "details": details,
+            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
+            "seconds": time.time() - t0, "environment": environment(),
+        }  # fmt: skip
+        atomic_write_text(out_dir / "report.json", json.dumps(report, indent=1, default=str))
+        atomic_write_text(out_dir / "report.md", format_markdown(report))
+        return report
+
     # 1. held-out perplexity on each corpus (same windows for both)
     for corpus_spec in settings.corpora:
         corpus = prepare_corpus(corpus_spec, tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0)
@@ -83,6 +94,8 @@ def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, s
         t = perplexity(teacher, corpus.heldout_ids, desc=f"teacher {corpus_spec}", **kw)
         s = perplexity(student, corpus.heldout_ids, desc=f"student {corpus_spec}", **kw)
         rows.append(_row(f"perplexity {corpus_spec}", f"ppl ({s['tokens']} tokens, window {settings.window})", t["ppl"], s["ppl"], higher_is_better=False))
+
+    save()
 
     # 2. generation agreement on held-out prompts of the first corpus
     if settings.agreement_prompts:
@@ -95,6 +108,8 @@ def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, s
             rows.append(_row("generation vs teacher", key, 1.0, agree[key]))
         rows.append(_row("generation vs teacher", "prefix_match (tokens)", float(settings.agreement_new_tokens), agree["prefix_match"]))
 
+    save()
+
     # 3. passkey retrieval: same keys and prompts for both
     if settings.needle_lengths:
         from attn2ssm.eval.needle import passkey_grid, plot_passkey
@@ -105,6 +120,8 @@ def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, s
         details["passkey"] = grids
         plot_passkey(grids, out_dir / "needle.png", "passkey retrieval (greedy, exact digits)")
         rows.append(_row("passkey", f"accuracy (lengths {list(settings.needle_lengths)})", grids["teacher"]["mean_accuracy"], grids["student"]["mean_accuracy"]))
+
+    save()
 
     # 4. attention fidelity (student mixers that expose weights; the teacher is the reference)
     if settings.fidelity_blocks and hasattr(student, "mixers"):
@@ -118,6 +135,8 @@ def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, s
             details["attention_fidelity"] = fid["mean"]
             rows.append(_row("attention fidelity", "KL(teacher‖student) per query row", 0.0, fid["mean"]["kl"], higher_is_better=False))
 
+    save()
+
     # 5. lm-eval tasks from the offline pack
     if settings.tasks:
         from attn2ssm.eval.harness import run_lm_eval
@@ -128,17 +147,7 @@ def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, s
         rows += _task_rows(records["teacher"], records["student"])
         details["lm_eval_limit"] = settings.limit
 
-    report = {
-        "student": str(student_path),
-        "teacher": teacher_spec,
-        "rows": rows,
-        "details": details,
-        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
-        "seconds": time.time() - t0,
-        "environment": environment(),
-    }
-    atomic_write_text(out_dir / "report.json", json.dumps(report, indent=1, default=str))
-    atomic_write_text(out_dir / "report.md", format_markdown(report))
+    report = save()
     plot_recovered(rows, out_dir / "report.png", f"{Path(str(student_path)).name} vs {report['teacher']}")
     return report
 
