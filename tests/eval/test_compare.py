@@ -15,6 +15,7 @@ def test_recovered_fraction_direction():
     assert _row("g", "acc", 0.5, 0.4)["recovered"] == pytest.approx(0.8)
     assert _row("g", "ppl", 20.0, 40.0, higher_is_better=False)["recovered"] == pytest.approx(0.5)
     assert _row("g", "acc", None, 0.4)["recovered"] is None
+    assert _row("g", "kl", 0.0, 0.7, higher_is_better=False)["recovered"] is None  # the teacher is the reference
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ def _row(group: str, metric: str, teacher: float | None, student: float | None, 
     if teacher is not None and student is not None and math.isfinite(teacher) and math.isfinite(student):
         if higher_is_better and teacher > 0:
             recovered = student / teacher
-        elif not higher_is_better and student > 0:
+        elif not higher_is_better and student > 0 and teacher > 0:  # a reference of 0 (KL) has no ratio
             recovered = teacher / student
     return {"group": group, "metric": metric, "teacher": teacher, "student": student, "recovered": recovered, "higher_is_better": higher_is_better}
 
