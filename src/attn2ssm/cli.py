@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from attn2ssm.errors import Attn2SSMError, CheckpointError, ConfigError, DataError
+from attn2ssm.teachers import load_model_and_tokenizer  # noqa: F401  (light: torch loads lazily)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -84,37 +85,6 @@ def cmd_distill(args) -> int:
 
 
 # --------------------------------------------------------------------------------------------- eval
-def load_model_and_tokenizer(path: str):
-    """A student/teacher directory or any teacher spec → (model, tokenizer)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import attn2ssm.student  # noqa: F401  (registers the Auto classes)
-    from attn2ssm.teachers import first_line, load_teacher, quiet_loading
-
-    p = Path(path)
-    if p.is_dir() and (p / "config.json").exists():
-        try:
-            cfg = json.loads((p / "config.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{p / 'config.json'} is not readable JSON ({first_line(exc)})", "restore the file or point at another model directory") from exc
-        if cfg.get("model_type") == "attn2ssm":
-            try:
-                with quiet_loading():
-                    model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
-                    tokenizer = AutoTokenizer.from_pretrained(p)
-            except (OSError, ValueError, KeyError) as exc:
-                raise CheckpointError(
-                    f"could not load the student in {p} ({first_line(exc)})",
-                    "point at a directory written by 'attn2ssm convert' or by 'attn2ssm distill' (its student/ folder)",
-                ) from exc
-            if tokenizer.pad_token is None:
-                tokenizer.pad_token = tokenizer.eos_token
-            return model.eval(), tokenizer
-    model, tokenizer, _ = load_teacher(path)
-    return model, tokenizer
-
-
 def cmd_eval(args) -> int:
     from attn2ssm.data import prepare_corpus
     from attn2ssm.eval.perplexity import perplexity

@@ -224,3 +224,36 @@ def load_teacher(
     if device is not None:
         model.to(device)
     return model, tokenizer, source
+
+
+def load_model_and_tokenizer(path: str):
+    """A student directory (loaded with the installed attn2ssm code) or any teacher spec →
+    (model in eval mode, tokenizer). Used by the CLI, evaluation and benchmarks."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import attn2ssm.student  # noqa: F401  (registers the Auto classes)
+
+    p = Path(path)
+    if p.is_dir() and (p / "config.json").exists():
+        try:
+            cfg = json.loads((p / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{p / 'config.json'} is not readable JSON ({first_line(exc)})", "restore the file or point at another model directory") from exc
+        if cfg.get("model_type") == "attn2ssm":
+            try:
+                with quiet_loading():
+                    model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
+                    tokenizer = AutoTokenizer.from_pretrained(p)
+            except (OSError, ValueError, KeyError) as exc:
+                raise CheckpointError(
+                    f"could not load the student in {p} ({first_line(exc)})",
+                    "point at a directory written by 'attn2ssm convert' or by 'attn2ssm distill' (its student/ folder)",
+                ) from exc
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            return model.eval(), tokenizer
+    model, tokenizer, _ = load_teacher(path)
+    return model, tokenizer

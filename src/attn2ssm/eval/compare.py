@@ -61,7 +61,7 @@ def _task_rows(teacher_record: dict, student_record: dict) -> list[dict]:
 
 
 def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, settings: ReportSettings, progress: bool = True) -> dict:
-    from attn2ssm.cli import load_model_and_tokenizer
+    from attn2ssm.teachers import load_model_and_tokenizer
     from attn2ssm.data import prepare_corpus
     from attn2ssm.eval.agreement import generation_agreement, heldout_prompts
     from attn2ssm.eval.perplexity import perplexity
@@ -88,8 +88,9 @@ def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, s
         return report
 
     # 1. held-out perplexity on each corpus (same windows for both)
+    corpora = {}
     for corpus_spec in settings.corpora:
-        corpus = prepare_corpus(corpus_spec, tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0)
+        corpus = corpora[corpus_spec] = prepare_corpus(corpus_spec, tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0)
         kw = dict(window=settings.window, max_tokens=settings.max_tokens, progress=progress)
         t = perplexity(teacher, corpus.heldout_ids, desc=f"teacher {corpus_spec}", **kw)
         s = perplexity(student, corpus.heldout_ids, desc=f"student {corpus_spec}", **kw)
@@ -99,7 +100,7 @@ def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, s
 
     # 2. generation agreement on held-out prompts of the first corpus
     if settings.agreement_prompts:
-        corpus = prepare_corpus(settings.corpora[0], tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0)
+        corpus = corpora[settings.corpora[0]]
         prompts = heldout_prompts(corpus.heldout_ids, settings.agreement_prompts, settings.agreement_prompt_len, settings.agreement_new_tokens)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         agree = generation_agreement(student, teacher, prompts, settings.agreement_new_tokens, pad_id=pad, progress=progress)
@@ -127,7 +128,7 @@ def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, s
     if settings.fidelity_blocks and hasattr(student, "mixers"):
         from attn2ssm.eval.attention import attention_fidelity
 
-        corpus = prepare_corpus(settings.corpora[0], tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0)
+        corpus = corpora[settings.corpora[0]]
         n = settings.fidelity_blocks * settings.window
         if corpus.heldout_ids.numel() >= n and any(callable(getattr(m, "attention_weights", None)) for m in student.mixers().values()):
             ids = corpus.heldout_ids[:n].view(settings.fidelity_blocks, settings.window)

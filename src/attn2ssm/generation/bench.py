@@ -288,7 +288,7 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
         "decode": decode,
     }
     if settings.draft:
-        from attn2ssm.cli import load_model_and_tokenizer
+        from attn2ssm.teachers import load_model_and_tokenizer
 
         draft, _ = load_model_and_tokenizer(settings.draft)
         draft = draft.to(device)
