@@ -242,6 +242,17 @@ def test_gemma3_local_and_global_layers_use_different_rope():
     assert (cos_local - cos_global).abs().max() > 1e-2
 
 
+def test_three_op_full_rotary_equals_apply_rotary():
+    from attn2ssm.ops.rope import apply_rotary_full
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, 1, 64, generator=g)
+    angle = torch.randn(2, 1, 64, generator=g)
+    ref = apply_rotary(x, angle.cos(), angle.sin(), 64)
+    out = apply_rotary_full(x[:, :, 0], angle.cos(), angle.sin())  # (b, h, d) against (b, 1, d)
+    torch.testing.assert_close(out, ref[:, :, 0], atol=1e-6, rtol=1e-6)
+
+
 def test_apply_rotary_leaves_pass_through_dims_alone():
     x = torch.randn(2, 3, 5, 8)
     cos, sin = torch.randn(2, 5, 4), torch.randn(2, 5, 4)

@@ -9,7 +9,7 @@ import torch
 from tiny_models import SENTENCES, make_tokenizer, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
 
-from attn2ssm.generation.bench import build_models, measure_decode, measure_speculative
+from attn2ssm.generation.bench import build_models, decode_round, measure_decode, measure_decode_interleaved, measure_speculative, prefill
 
 
 def test_measure_decode_memory_shape():
@@ -18,12 +18,30 @@ def test_measure_decode_memory_shape():
     ids = torch.randint(0, 256, (1, 64))
     rows = {name: [measure_decode(m, ids[:, :length], 4) for length in (16, 64)] for name, m in models.items()}
     for name, (short, long) in rows.items():
-        assert short["new_tokens"] == 4 and short["decode_tokens_per_second"] > 0 and short["prefill_seconds"] > 0
+        assert short["timed_tokens"] == 3 and short["decode_tokens_per_second"] > 0 and short["prefill_seconds"] > 0
     # teacher KV: 2 layers x (k, v) x 2 kv heads x 16 dims x 4 bytes per token
     per_token = 2 * 2 * 2 * 16 * 4 / 2**20
     assert rows["teacher"][1]["cache_mb"] - rows["teacher"][0]["cache_mb"] == pytest.approx(48 * per_token)
     for name in ("mamba2", "linear"):  # O(1) in the context
         assert rows[name][0]["cache_mb"] == rows[name][1]["cache_mb"] > 0
+
+
+def test_interleaved_rounds_decode_the_same_tokens_as_plain_generate():
+    """Every round continues the same prefilled cache: its tokens are the model's own greedy
+    continuation of the prompt, and the rate is the median of the recorded token times."""
+    teacher = tiny_model("llama")
+    models = build_models(teacher, ["teacher", "linear", "mamba2"], torch.device("cpu"))
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    rows = measure_decode_interleaved(models, ids, new_tokens=5, rounds=3)
+    for name, row in rows.items():
+        assert row["rounds"] == 3 and row["timed_tokens"] == 3 * 4 and row["same_tokens_every_round"]
+        times = sorted(row["ms_per_token_all"])
+        assert row["decode_ms_per_token"] == pytest.approx((times[5] + times[6]) / 2, abs=1e-3)
+        assert row["decode_ms_per_token_p25"] <= row["decode_ms_per_token"] <= row["decode_ms_per_token_p75"]
+        with torch.no_grad():
+            plain = models[name].generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        pre = prefill(models[name], ids)
+        assert decode_round(models[name], pre, 5)["tokens"] == plain[0, 21:].tolist()
 
 
 def test_measure_speculative_is_identical_to_plain():
@@ -57,6 +75,8 @@ def test_cli_bench_generate_writes_json_and_png(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
     assert result["decode"]["teacher"][1] == {"context": 32, "skipped": "longer than --max-context 16 for teacher"}
     assert [r["context"] for r in result["decode"]["mamba2"]] == [16, 32]
+    assert result["decode"]["mamba2"][0]["speedup_vs_teacher"] > 0 and "speedup_vs_teacher" not in result["decode"]["mamba2"][1]
+    assert result["settings"]["cpu_layout"] is True and result["settings"]["rounds"] == 3
     assert result["speculative"]["by_context"][0]["by_k"][0]["identical_to_plain_greedy"]
     assert result["environment"]["torch"] == torch.__version__ and "command" in result
 
@@ -68,6 +88,7 @@ def test_cli_bench_generate_writes_json_and_png(tmp_path):
         (["--contexts", "1k"], "--contexts"),
         (["--max-context", "teacher"], "MODEL=TOKENS"),
         (["--new-tokens", "1"], "--new-tokens"),
+        (["--rounds", "0"], "--rounds"),
         (["--draft", "/nope"], "--draft /nope"),
     ],
 )

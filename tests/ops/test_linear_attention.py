@@ -7,9 +7,11 @@ import torch.nn.functional as F
 from attn2ssm.ops.linear_attention import (
     LinearAttentionState,
     linear_attention_chunked,
+    linear_attention_decode,
     linear_attention_noncausal,
     linear_attention_quadratic,
     linear_attention_recurrent,
+    linear_attention_step,
 )
 
 
@@ -61,6 +63,22 @@ def test_state_carry_equals_one_pass():
         o, state = linear_attention_chunked(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], state=state, chunk_size=8)
         outs.append(o)
     torch.testing.assert_close(torch.cat(outs, 2), full, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_form_equals_step_form_and_keeps_the_old_state():
+    """The few-op decode step (batched rank-1 update, bmm numerator/denominator) is the step form."""
+    q, k, v = _inputs(l=12)
+    state = LinearAttentionState.zeros(2, 3, 8, 5)
+    fast = LinearAttentionState.zeros(2, 3, 8, 5)
+    for t in range(12):
+        old = fast.kv.clone()
+        ref, state = linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state)
+        out, new = linear_attention_decode(q[:, :, t], k[:, :, t], v[:, :, t], fast)
+        assert torch.equal(fast.kv, old)  # a rollback snapshot may still hold it
+        fast = new
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fast.kv, state.kv, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(fast.k_sum, state.k_sum, atol=1e-5, rtol=1e-6)
 
 
 def test_matches_explicit_definition():

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from attn2ssm.ops.ssd import segsum, ssd_chunked, ssd_quadratic, ssd_sequential, ssd_step
+from attn2ssm.ops.ssd import segsum, ssd_chunked, ssd_decode, ssd_quadratic, ssd_sequential, ssd_step
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -204,3 +204,19 @@ def test_per_channel_d():
     torch.testing.assert_close(ssd_chunked(x, a, B, C, D=Dp, chunk_size=4)[0], ssd_chunked(x, a, B, C, D=D, chunk_size=4)[0])
     y_step, _ = ssd_step(x[:, 0], a[:, 0], B[:, 0], C[:, 0], None, D=Dp)
     torch.testing.assert_close(y_step, ssd_quadratic(x, a, B, C, D=D)[:, 0], **TOL)
+
+
+def test_decode_form_equals_step_form_and_keeps_the_old_state():
+    g = torch.Generator().manual_seed(4)
+    b, h, p, n = 2, 3, 5, 4
+    state = fast = torch.randn(b, h, p, n, generator=g)
+    for _ in range(6):
+        x, B, C = (torch.randn(b, h, k, generator=g) for k in (p, n, n))
+        a = -torch.rand(b, h, generator=g)
+        old = fast.clone()
+        ref, state = ssd_step(x, a, B, C, state)
+        y, new = ssd_decode(x, a, B, C, fast)
+        assert torch.equal(fast, old)
+        fast = new
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fast, state, atol=1e-5, rtol=1e-5)

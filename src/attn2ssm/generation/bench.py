@@ -3,13 +3,17 @@ speculative decoding (acceptance, tokens per verifier forward, wall-clock speedu
 
 What is measured, per model and context length L:
 - prefill: time from calling ``generate`` to the first new token (one forward over L tokens);
-- decode: tokens/s over the following ``new_tokens - 1`` tokens, stamped by a streamer inside
-  ``model.generate`` (HF's own loop, KV cache for the teacher, our cache for students, greedy);
+- decode: per-token times of ``new_tokens`` greedy tokens after it, stamped by a streamer inside
+  ``model.generate`` (HF's own loop, KV cache for the teacher, our cache for students). Every
+  model prefills once; then ``rounds`` rounds decode from copies of the prefilled caches, the
+  models taking turns within a round, so a slow spell of a shared machine hits all of them. The
+  rate is 1 / the median per-token time (quartiles and every time are kept in the JSON);
 - memory: the bytes held by the cache after decoding (KV grows with L, a recurrent state does
   not), and peak memory growth during decode (CUDA: max_memory_allocated; CPU: the process's
-  peak RSS, reset after prefill through /proc/self/clear_refs).
+  peak RSS, reset before decoding through /proc/self/clear_refs).
 Students are converted from the teacher without training: speed and memory do not depend on the
-weights. Speculative decoding needs a trained draft (``--draft``): both models prefill the prompt
+weights. On CPU every model, teacher included, gets ``cpu_decode_layout`` (wide weights
+column-major; students' mixer input projections fused) unless ``cpu_layout`` is off. Speculative decoding needs a trained draft (``--draft``): both models prefill the prompt
 once, then plain greedy decoding of the verifier and speculative decoding for each K start from
 copies of those caches, so every variant decodes the same text from the same state.
 """
@@ -117,24 +121,10 @@ class _Clock(BaseStreamer):
         pass
 
 
-@torch.no_grad()
-def measure_decode(model, prompt: torch.Tensor, new_tokens: int) -> dict:
-    """Prefill ``prompt`` (1, L) and greedily decode ``new_tokens`` with ``model.generate``."""
-    if new_tokens < 3:
-        raise ValueError("measure at least 3 new tokens (1 for prefill, 2+ for a decode rate)")
-    memory = _Memory(prompt.device)
-    memory.start()
-    prefill_peak: list = []
-
-    def after_prefill():
-        prefill_peak.append(memory.peak_growth_mb())
-        memory.start()
-
-    clock, cache = _Clock(after_prefill), _new_cache(model)
-    start = time.perf_counter()
-    model.generate(
-        input_ids=prompt,
-        attention_mask=torch.ones_like(prompt),
+def _greedy(model, ids: torch.Tensor, cache, new_tokens: int, clock: _Clock) -> torch.Tensor:
+    return model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
         past_key_values=cache,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
@@ -142,20 +132,86 @@ def measure_decode(model, prompt: torch.Tensor, new_tokens: int) -> dict:
         pad_token_id=0,
         streamer=clock,
     )
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    t = clock.times  # t[0]: prompt handed over (before prefill), t[1]: first token, t[i]: i-th token
-    decode_seconds = t[-1] - t[1]
+
+
+@torch.no_grad()
+def prefill(model, prompt: torch.Tensor) -> dict:
+    """Prefill ``prompt`` (1, L) through ``generate`` (one new token); returns the timing, the
+    peak memory growth, the cache holding L tokens and the prompt extended by its first token."""
+    memory = _Memory(prompt.device)
+    memory.start()
+    clock, cache = _Clock(), _new_cache(model)
+    start = time.perf_counter()
+    out = _greedy(model, prompt, cache, 1, clock)
+    return {"seconds": clock.times[1] - start, "peak_growth_mb": memory.peak_growth_mb(), "cache": cache, "ids": out}
+
+
+@torch.no_grad()
+def decode_round(model, prefilled: dict, new_tokens: int) -> dict:
+    """Greedy ``new_tokens`` from a copy of a prefilled cache: per-token seconds (the first
+    token's time, which includes generate's set-up, is left out), peak memory growth, cache bytes."""
+    cache = copy.deepcopy(prefilled["cache"])
+    memory = _Memory(prefilled["ids"].device)
+    memory.start()
+    clock = _Clock()
+    out = _greedy(model, prefilled["ids"], cache, new_tokens, clock)
+    t = clock.times  # t[0]: prompt handed over, t[i]: i-th new token
     return {
-        "context": prompt.shape[1],
-        "prefill_seconds": t[1] - start,
-        "decode_tokens_per_second": (len(t) - 2) / decode_seconds,
-        "decode_ms_per_token": 1000 * decode_seconds / (len(t) - 2),
-        "new_tokens": len(t) - 1,
+        "seconds": [b - a for a, b in zip(t[1:], t[2:])],
+        "peak_growth_mb": memory.peak_growth_mb(),
         "cache_mb": cache_bytes(cache) / 2**20,
-        "prefill_peak_growth_mb": prefill_peak[0] if prefill_peak else None,
-        "decode_peak_growth_mb": memory.peak_growth_mb(),
-        "load_average_1min": load,  # other work on the machine skews CPU timings: recorded, not hidden
+        "tokens": out[0, prefilled["ids"].shape[1] :].tolist(),
     }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
+
+
+def decode_row(length: int, pre: dict, rounds: list[dict]) -> dict:
+    """One model at one context: rates from the median per-token time over every round."""
+    times = [s for r in rounds for s in r["seconds"]]
+    median = _quantile(times, 0.5)
+    return {
+        "context": length,
+        "prefill_seconds": pre["seconds"],
+        "decode_tokens_per_second": 1.0 / median,
+        "decode_ms_per_token": 1000 * median,
+        "decode_ms_per_token_p25": 1000 * _quantile(times, 0.25),
+        "decode_ms_per_token_p75": 1000 * _quantile(times, 0.75),
+        "decode_ms_per_token_mean": 1000 * sum(times) / len(times),
+        "timed_tokens": len(times),
+        "rounds": len(rounds),
+        "same_tokens_every_round": all(r["tokens"] == rounds[0]["tokens"] for r in rounds),
+        "cache_mb": rounds[0]["cache_mb"],
+        "prefill_peak_growth_mb": pre["peak_growth_mb"],
+        "decode_peak_growth_mb": max((r["peak_growth_mb"] for r in rounds if r["peak_growth_mb"] is not None), default=None),
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,  # recorded, not hidden
+        "ms_per_token_all": [round(1000 * s, 3) for s in times],
+    }
+
+
+def measure_decode(model, prompt: torch.Tensor, new_tokens: int, rounds: int = 1) -> dict:
+    """One model alone: prefill ``prompt`` (1, L), then ``rounds`` × ``new_tokens`` greedy tokens."""
+    if new_tokens < 3:
+        raise ValueError("measure at least 3 new tokens (the first is not timed, 2+ give decode times)")
+    pre = prefill(model, prompt)
+    return decode_row(prompt.shape[1], pre, [decode_round(model, pre, new_tokens) for _ in range(rounds)])
+
+
+def measure_decode_interleaved(models: dict, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
+    """Several models at one context: each prefills once, then in every round each decodes in turn."""
+    pres = {name: prefill(m, prompt) for name, m in models.items()}
+    done: dict[str, list] = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, m in models.items():
+            done[name].append(decode_round(m, pres[name], new_tokens))
+    rows = {name: decode_row(prompt.shape[1], pres[name], done[name]) for name in models}
+    pres.clear()  # the caches (a long KV cache is GBs) go before the next context
+    return rows
 
 
 # ------------------------------------------------------------------------------------- speculative
@@ -219,6 +275,8 @@ class BenchSettings:
     corpus: str = "sotu"
     device: str | None = None
     threads: int | None = None
+    rounds: int = 3
+    cpu_layout: bool = True
 
 
 def _prompt_ids(tokenizer, corpus: str, length: int, device) -> torch.Tensor:
@@ -268,18 +326,28 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
         torch.set_num_threads(settings.threads)
     teacher, tokenizer, _ = load_teacher(settings.teacher, device=device)
     models = build_models(teacher, settings.models, device)
+    layout = settings.cpu_layout and device.type == "cpu"
+    if layout:
+        from attn2ssm.generation.layout import cpu_decode_layout
+
+        for model in [teacher, *models.values()]:
+            cpu_decode_layout(model)
     limits = settings.max_context or {}
     longest = max([*settings.contexts, *(settings.spec_contexts if settings.draft else ())])
     prompt = _prompt_ids(tokenizer, settings.corpus, longest, device)
-    points = [(m, L) for m in settings.models for L in settings.contexts]
     decode: dict[str, list] = {m: [] for m in settings.models}
-    bar = tqdm(points, desc="decode", disable=not progress, file=sys.stderr)
-    for name, length in bar:
-        bar.set_postfix_str(f"{name} @ {length}")
-        if length > limits.get(name, math.inf):
-            decode[name].append({"context": length, "skipped": f"longer than --max-context {limits[name]} for {name}"})
-            continue
-        decode[name].append(measure_decode(models[name], prompt[:, :length], settings.new_tokens))
+    bar = tqdm(settings.contexts, desc="decode", disable=not progress, file=sys.stderr)
+    for length in bar:
+        bar.set_postfix_str(f"context {length}")
+        running = {m: models[m] for m in settings.models if length <= limits.get(m, math.inf)}
+        rows = measure_decode_interleaved(running, prompt[:, :length], settings.new_tokens, settings.rounds) if running else {}
+        for name in settings.models:
+            decode[name].append(rows.get(name) or {"context": length, "skipped": f"longer than --max-context {limits[name]} for {name}"})
+    if "teacher" in decode:  # how many times faster than the teacher, from the medians, where both ran
+        for name, rows in decode.items():
+            for row, ref in zip(rows, decode["teacher"]):
+                if name != "teacher" and "skipped" not in row and "skipped" not in ref:
+                    row["speedup_vs_teacher"] = ref["decode_ms_per_token"] / row["decode_ms_per_token"]
     result = {
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
         "device": str(device),
@@ -292,6 +360,8 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
 
         draft, _ = load_model_and_tokenizer(settings.draft)
         draft = draft.to(device)
+        if layout:
+            cpu_decode_layout(draft)
         spec = []
         for length in tqdm(settings.spec_contexts, desc="speculative", disable=not progress, file=sys.stderr):
             spec.append(measure_speculative(teacher, draft, prompt[:, :length], list(settings.spec_ks), settings.spec_new_tokens))
@@ -305,7 +375,12 @@ def plot_generate_bench(result: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("decode_tokens_per_second", "decode tokens/s", True), ("prefill_seconds", "prefill seconds", True), ("cache_mb", "cache MB after decode", True)]
+    panels = [
+        ("decode_tokens_per_second", "decode tokens/s (1 / median token time)", True),
+        ("speedup_vs_teacher", "decode speed / teacher's", False),
+        ("prefill_seconds", "prefill seconds", True),
+        ("cache_mb", "cache MB after decode", True),
+    ]
     spec = result.get("speculative")
     fig, axes = plt.subplots(1, len(panels) + (1 if spec else 0), figsize=(5.0 * (len(panels) + (1 if spec else 0)), 4.2))
     for ax, (key, label, log) in zip(axes, panels):
@@ -313,6 +388,12 @@ def plot_generate_bench(result: dict, path: Path) -> Path:
             pts = [(r["context"], r[key]) for r in rows if "skipped" not in r and r.get(key) is not None and r[key] > 0]
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=name)
+            if key == "decode_tokens_per_second":  # interquartile range of the token times
+                band = [(r["context"], 1000 / r["decode_ms_per_token_p75"], 1000 / r["decode_ms_per_token_p25"]) for r in rows if "decode_ms_per_token_p25" in r]
+                if band:
+                    ax.fill_between(*zip(*band), color=f"C{i}", alpha=0.15, linewidth=0)
+        if key == "speedup_vs_teacher":
+            ax.axhline(1.0, color="gray", linewidth=1)
         ax.set_xscale("log", base=2)
         if log:
             ax.set_yscale("log")

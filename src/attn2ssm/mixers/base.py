@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attn2ssm.ops.rope import apply_rotary
@@ -47,8 +48,47 @@ def _record_inputs(mixer, args, kwargs):
         layer.record(mixer, hidden, kwargs.get("position_embeddings"), mixer.padding_mask(hidden.shape[1]))
 
 
+class FusedLinears:
+    """Linear layers that read the same input, their weights and biases made views of one
+    column-major (Σout, in) buffer, so that a step reads them with ONE matmul (the fast one-row
+    matmul on CPU; see generation/layout.py). The layers keep their own parameters (names, state
+    dict, LoRA targets): the fused path is used only while every parameter still lives where it
+    was put (a ``.to()``, a re-assigned ``.data``, a hook or a subclass turns it off)."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.linears = linears
+        self.sizes = [lin.out_features for lin in linears]
+        with torch.no_grad():
+            self.weight = torch.cat([lin.weight.t() for lin in linears], dim=1).contiguous().t()  # (Σout, in), column-major
+            self.bias = None
+            if any(lin.bias is not None for lin in linears):
+                parts = [lin.bias if lin.bias is not None else self.weight.new_zeros(n) for lin, n in zip(linears, self.sizes)]
+                self.bias = torch.cat(parts)
+            start = 0
+            for lin, n in zip(linears, self.sizes):
+                lin.weight.data = self.weight[start : start + n]
+                if lin.bias is not None:
+                    lin.bias.data = self.bias[start : start + n]
+                start += n
+        self.pointers = [(lin.weight.data_ptr(), None if lin.bias is None else lin.bias.data_ptr()) for lin in linears]
+
+    def valid(self) -> bool:
+        for lin, (w, b) in zip(self.linears, self.pointers):
+            if type(lin) is not nn.Linear or lin._forward_hooks or lin._forward_pre_hooks:
+                return False
+            if lin.weight.data_ptr() != w or (None if lin.bias is None else lin.bias.data_ptr()) != b:
+                return False
+        return True
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
 class AttentionLikeMixer(nn.Module):
     """Base class: holds q/k/v/o in the teacher's geometry and parses the HF call."""
+
+    # Linear layers that read the mixer's input; ``fuse_input_linears`` makes them one matmul.
+    input_linears: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, geometry: dict, layer_idx: int):
         super().__init__()
@@ -91,13 +131,36 @@ class AttentionLikeMixer(nn.Module):
                 mine.weight.copy_(theirs.weight)
 
     # -- shared projections ------------------------------------------------------------------
-    def project_heads(self, x: torch.Tensor, position_embeddings=None):
+    def fuse_input_linears(self) -> bool:
+        """Make ``input_linears`` views of one column-major buffer (values unchanged, no extra
+        memory); inference steps then read them with one matmul. Called by ``cpu_decode_layout``."""
+        linears = [getattr(self, n) for n in self.input_linears if getattr(self, n, None) is not None]
+        if len(linears) < 2 or any(type(lin) is not nn.Linear for lin in linears):
+            return False
+        self.__dict__["_fused_inputs"] = FusedLinears(linears)  # not a submodule: no state-dict entry
+        return True
+
+    def project_inputs(self, x: torch.Tensor) -> dict:
+        """name → output of every ``input_linears`` layer on x (None for an absent one); one
+        fused matmul at inference when ``fuse_input_linears`` ran and still holds."""
+        fused = self.__dict__.get("_fused_inputs")
+        if fused is not None and not torch.is_grad_enabled() and fused.valid():
+            outs = iter(fused(x))
+            return {n: (next(outs) if getattr(self, n, None) is not None else None) for n in self.input_linears}
+        return {n: (None if (m := getattr(self, n, None)) is None else m(x)) for n in self.input_linears}
+
+    def project_heads(self, x: torch.Tensor, position_embeddings=None, inputs: dict | None = None):
         """x (b, l, hidden) → q (b, l, h, d), k and v (b, l, kv, d): q/k norms and RoPE applied
-        (RoPE only when ``position_embeddings`` is given), kv heads NOT repeated."""
+        (RoPE only when ``position_embeddings`` is given), kv heads NOT repeated. ``inputs``:
+        this x's ``project_inputs``, when the caller already has them."""
         b, l, _ = x.shape
-        q = self.q_proj(x).view(b, l, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, l, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, l, self.num_kv_heads, self.head_dim)
+        if inputs is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = inputs["q_proj"], inputs["k_proj"], inputs["v_proj"]
+        q = q.view(b, l, self.num_heads, self.head_dim)
+        k = k.view(b, l, self.num_kv_heads, self.head_dim)
+        v = v.view(b, l, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if position_embeddings is not None and self.rotary_dim:
@@ -111,9 +174,9 @@ class AttentionLikeMixer(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         return t.repeat_interleave(groups, dim=dim) if groups > 1 else t
 
-    def project_qkv(self, x: torch.Tensor, position_embeddings=None):
+    def project_qkv(self, x: torch.Tensor, position_embeddings=None, inputs: dict | None = None):
         """x (b, l, hidden) → q (b, h, l, d), k and v (b, h, l, d) with kv heads repeated (GQA)."""
-        q, k, v = self.project_heads(x, position_embeddings)
+        q, k, v = self.project_heads(x, position_embeddings, inputs)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return q, self.repeat_kv(k, 1), self.repeat_kv(v, 1)
 

@@ -173,6 +173,14 @@ class HedgehogMap(nn.Module):
         z = z.clamp(-_EXP_CLAMP, _EXP_CLAMP)
         return torch.cat([torch.exp(z), torch.exp(-z)], dim=-1)
 
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` for one token in fewer ops (decode): x (b, h, d) → (b, h, f) float32."""
+        if self.activation != "softmax":
+            return self.forward(x[:, :, None])[:, :, 0]
+        z = torch.baddbmm(self.bias[:, None, :], x.to(self.weight.dtype).transpose(0, 1), self.weight)  # (h, b, f/2)
+        z = z.transpose(0, 1).float()
+        return torch.softmax(torch.cat([z, -z], dim=-1), dim=-1)
+
 
 class T2RMap(nn.Module):
     """T2R (Kasai et al. 2021): per-head trainable φ(x) = ReLU(W x + b); f = feature_dim.

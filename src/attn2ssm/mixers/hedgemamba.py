@@ -69,6 +69,8 @@ ROPE_PLACEMENTS = ("before_map", "after_map", "none")
 
 class HedgeMambaMixer(AttentionLikeMixer):
     mixer_type = "hedgemamba"
+    # q/k/v and Δ read the conv output; the gate reads the layer input (not fused)
+    input_linears = ("q_proj", "k_proj", "v_proj", "dt_proj")
     # forward_quadratic's matrix is normalised attention (rows sum to 1), like linear attention's
     normalized_weights = True
 
@@ -125,9 +127,9 @@ class HedgeMambaMixer(AttentionLikeMixer):
             raise ValueError(f"linear-attention weights do not fit this hedgemamba mixer: unexpected {result.unexpected_keys[:5]}, missing {missing[:5]}")
 
     # -- the pieces ------------------------------------------------------------------------
-    def _features(self, x, position_embeddings, offset: int):
+    def _features(self, x, position_embeddings, offset: int, inputs=None):
         """Conv output x (b, l, hidden) → C = φq, B = φk (b, l, h, f) and v (b, l, h, d), GQA repeated."""
-        q, k, v = self.project_qkv(x, position_embeddings if self.rope == "before_map" else None)
+        q, k, v = self.project_qkv(x, position_embeddings if self.rope == "before_map" else None, inputs)
         positions = torch.arange(offset, offset + x.shape[1], device=x.device)
         fq, fk = self.feature_map_q(q, positions), self.feature_map_k(k, positions)  # (b, h, l, f)
         if self.rope == "after_map" and position_embeddings is not None and self.rotary_dim:
@@ -135,14 +137,14 @@ class HedgeMambaMixer(AttentionLikeMixer):
             fq, fk = apply_rotary(fq, cos, sin, self.rotary_dim), apply_rotary(fk, cos, sin, self.rotary_dim)
         return fq.transpose(1, 2), fk.transpose(1, 2), v.transpose(1, 2)
 
-    def _scan_inputs(self, x, v):
+    def _scan_inputs(self, x, v, inputs=None):
         """(log-decay a (b, l, h) ≤ 0, scan input Δ·[v; 1] (b, l, h, d + 1) in float32, Δ or None)."""
         b, l, h, _ = v.shape
         ones = v.new_ones(b, l, h, 1, dtype=torch.float32)
         xv = torch.cat([v.float(), ones], dim=-1)  # Eq. 10: the ones channel carries the denominator
         if self.dt_proj is None:
             return xv.new_zeros(b, l, h), xv, None
-        dt = F.softplus(self.dt_proj(x).float())  # (b, l, h)
+        dt = F.softplus((self.dt_proj(x) if inputs is None else inputs["dt_proj"]).float())  # (b, l, h)
         A = self.A.float()
         A = A - A.detach().clamp_min(0.0)  # forward min(A, 0), straight-through gradient
         return dt * A, xv * dt[..., None], dt
@@ -193,8 +195,9 @@ class HedgeMambaMixer(AttentionLikeMixer):
         u = hidden_states
         x = u * mask[:, :, None].to(u.dtype) if decode and mask is not None else u  # a padded step enters the conv as 0
         x, conv_state = apply_conv(self.conv, x, states, mask, decode, None)
-        C, B, v = self._features(x, position_embeddings, 0 if layer is None else layer.seen)
-        a, xv, _ = self._scan_inputs(x, v)
+        inputs = self.project_inputs(x)
+        C, B, v = self._features(x, position_embeddings, 0 if layer is None else layer.seen, inputs)
+        a, xv, _ = self._scan_inputs(x, v, inputs)
         if decode:
             if mask is not None:  # a padded step leaves the state alone and outputs 0
                 m = mask[:, 0].to(a.dtype)

@@ -15,10 +15,12 @@ from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.feature_maps import build_feature_map
 from attn2ssm.ops.linear_attention import (
     linear_attention_chunked,
+    linear_attention_decode,
     linear_attention_quadratic,
     linear_attention_step,
     window_linear_attention,
 )
+from attn2ssm.ops.rope import apply_rotary_full
 
 
 class LinearAttentionMixer(AttentionLikeMixer):
@@ -57,7 +59,8 @@ class LinearAttentionMixer(AttentionLikeMixer):
             self.window_factor = torch.nn.Parameter(torch.full((self.num_heads,), logit))
 
     def _qkv_features(self, hidden_states, position_embeddings=None, offset: int = 0):
-        q, k, v = self.project_qkv(hidden_states, position_embeddings if self.use_rope else None)
+        inputs = self.project_inputs(hidden_states)
+        q, k, v = self.project_qkv(hidden_states, position_embeddings if self.use_rope else None, inputs)
         positions = torch.arange(offset, offset + hidden_states.shape[1], device=hidden_states.device)
         return q, k, v, self.feature_map_q(q, positions), self.feature_map_k(k, positions)
 
@@ -85,9 +88,37 @@ class LinearAttentionMixer(AttentionLikeMixer):
         y, weights = linear_attention_quadratic(fq, fk, v, mask, eps=self.eps)
         return self.merge_heads(y), weights
 
+    def _step_features(self, fmap, x, positions):
+        step = getattr(fmap, "step", None)
+        return step(x) if step is not None else fmap(x[:, :, None], positions)[:, :, 0].float()
+
+    def _decode(self, hidden_states, position_embeddings, layer):
+        """One unpadded token against the carried state, in as few ops as the math allows (the
+        step form's decode-speed twin; tests hold them equal)."""
+        b = hidden_states.shape[0]
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        inputs = self.project_inputs(hidden_states)
+        q, k, v = inputs["q_proj"].view(b, h, d), inputs["k_proj"].view(b, kv, d), inputs["v_proj"].view(b, kv, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope and position_embeddings is not None and self.rotary_dim:
+            cos, sin = position_embeddings  # (b, 1, d): broadcast over heads
+            q, k = apply_rotary_full(q, cos, sin), apply_rotary_full(k, cos, sin)
+        if kv != h:  # GQA: query head j reads kv head j // groups
+            index = torch.arange(h, device=k.device) // (h // kv)
+            k, v = k.index_select(1, index), v.index_select(1, index)
+        positions = torch.arange(layer.seen, layer.seen + 1, device=q.device)
+        fq, fk = self._step_features(self.feature_map_q, q, positions), self._step_features(self.feature_map_k, k, positions)
+        y, layer.states["linear"] = linear_attention_decode(fq, fk, v.float(), layer.states["linear"], eps=self.eps)
+        layer.advance(1)
+        return self.o_proj(y.to(hidden_states.dtype).view(b, 1, h * d))
+
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
         layer = self.cache_layer(kwargs)
+        fast = l == 1 and not self.window and layer is not None and "linear" in layer.states
+        if fast and self.padding_mask(1) is None and (not self.use_rope or self.rotary_dim in (0, self.head_dim)):
+            return self._decode(hidden_states, position_embeddings, layer), None
         q, k, v, fq, fk = self._qkv_features(hidden_states, position_embeddings, offset=0 if layer is None else layer.seen)
         mask = self.padding_mask(l)
         if self.window:  # blocks of chunk_size queries against [window cache; block]: linear in l

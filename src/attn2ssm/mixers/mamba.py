@@ -38,6 +38,7 @@ from attn2ssm.ops.selective_scan import selective_scan_chunked, selective_scan_s
 
 class MambaMixer(AttentionLikeMixer):
     mixer_type = "mamba"
+    input_linears = ("q_proj", "k_proj", "v_proj", "gate", "dt_down")
 
     def __init__(
         self,
@@ -109,18 +110,19 @@ class MambaMixer(AttentionLikeMixer):
         t = t.reshape(b, l, self.groups, self.d_state)
         return t.repeat(1, 1, self.expand, 1) if self.expand > 1 else t
 
-    def _scan_inputs(self, u, x):
+    def _scan_inputs(self, u, x, inputs=None):
         """x (b, l, d_inner) after the conv → (x, Δ, A) in the scan's (b, l, G, p) layout."""
         b, l, _ = u.shape
         xg = self._groups(x)
         if self.sanity:
             return xg, torch.ones_like(xg), xg.new_zeros(self.groups, self.d_state, self.d_state)
-        dt = F.softplus(self.dt_up(self.dt_down(u)).float()).to(x.dtype)
+        low = self.dt_down(u) if inputs is None else inputs["dt_down"]
+        dt = F.softplus(self.dt_up(low).float()).to(x.dtype)
         dt = dt.reshape(b, l, self.expand * self.groups, self.d_state)
         return xg, dt, -torch.exp(self.A_log.float()).to(x.dtype)
 
-    def _bc(self, u, position_embeddings):
-        q, k, v = self.project_heads(u, position_embeddings if self.use_rope else None)
+    def _bc(self, u, position_embeddings, inputs=None):
+        q, k, v = self.project_heads(u, position_embeddings if self.use_rope else None, inputs)
         if self.bc_sink is not None:  # per-token B (b, l, kv, d) and C (b, l, h, d) for CAB's bridges
             emit_bc(self, k, q * self.scaling)
         x = self.repeat_kv(v, 2).flatten(2)  # (b, l, d_inner)
@@ -128,13 +130,13 @@ class MambaMixer(AttentionLikeMixer):
         C = self._groups((q * self.scaling).flatten(2))
         return x, B, C
 
-    def _output(self, y, x, u):
+    def _output(self, y, x, u, inputs=None):
         b, l = y.shape[:2]
         y = y.reshape(b, l, self.expand, self.d_inner).sum(2)
         if self.D is not None:
             y = y + self.D.to(y.dtype) * x
         if self.gate is not None:
-            y = y * F.silu(self.gate(u))
+            y = y * F.silu(self.gate(u) if inputs is None else inputs["gate"])
         return self.o_proj(y)
 
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
@@ -142,12 +144,13 @@ class MambaMixer(AttentionLikeMixer):
         layer = self.cache_layer(kwargs)
         states = {} if layer is None else layer.states
         mask = self.padding_mask(l)
-        x, B, C = self._bc(hidden_states, position_embeddings)
+        inputs = self.project_inputs(hidden_states)
+        x, B, C = self._bc(hidden_states, position_embeddings, inputs)
         decode = l == 1 and "ssm" in states
         if decode and mask is not None:
             x = x * mask[:, :, None].to(x.dtype)
         x, conv_state = apply_conv(self.conv, x, states, mask, decode, self.conv_activation)
-        xg, dt, A = self._scan_inputs(hidden_states, x)
+        xg, dt, A = self._scan_inputs(hidden_states, x, inputs)
         if decode:
             if mask is not None:  # a padded step leaves the state alone
                 dt = dt * mask[:, :, None, None].to(dt.dtype)
@@ -156,4 +159,4 @@ class MambaMixer(AttentionLikeMixer):
         else:
             y, ssm = selective_scan_chunked(xg, dt, A, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
         store_states(layer, ssm, conv_state, l)
-        return self._output(y, x, hidden_states), None
+        return self._output(y, x, hidden_states, inputs), None

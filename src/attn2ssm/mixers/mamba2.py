@@ -40,13 +40,14 @@ from attn2ssm.mixers.ssm_common import (
     init_shared_parameters,
     store_states,
 )
-from attn2ssm.ops.conv import causal_conv1d
-from attn2ssm.ops.ssd import ssd_chunked, ssd_quadratic, ssd_step
+from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
+from attn2ssm.ops.ssd import ssd_chunked, ssd_decode, ssd_quadratic, ssd_step
 
 
 class Mamba2Mixer(AttentionLikeMixer):
     mixer_type = "mamba2"
     discrete = False
+    input_linears = ("q_proj", "k_proj", "v_proj", "gate", "dt_proj", "a_proj")
 
     def __init__(
         self,
@@ -113,9 +114,9 @@ class Mamba2Mixer(AttentionLikeMixer):
                 self.A_log.copy_(torch.log(torch.rand(h) * (hi - lo) + lo))
 
     # -- the pieces ------------------------------------------------------------------------
-    def _xbc(self, u, position_embeddings):
+    def _xbc(self, u, position_embeddings, inputs=None):
         """Projected (b, l, c) channels [x, B, C] before the conv."""
-        q, k, v = self.project_heads(u, position_embeddings if self.use_rope else None)
+        q, k, v = self.project_heads(u, position_embeddings if self.use_rope else None, inputs)
         return torch.cat([v.flatten(2), k.flatten(2), (q * self.scaling).flatten(2)], dim=-1)
 
     def _split(self, xbc):
@@ -135,21 +136,24 @@ class Mamba2Mixer(AttentionLikeMixer):
             kvw = self.num_kv_heads * self.head_dim
             emit_bc(self, xbc[..., kvw : 2 * kvw].reshape(b, l, self.num_kv_heads, -1), xbc[..., 2 * kvw :].reshape(b, l, self.num_heads, -1))
 
-    def _decay(self, u):
+    def _decay(self, u, inputs=None):
         """(log-decay a (b, l, h) ≤ 0, input scale Δ (b, l, h) or None)."""
         if self.sanity:
             return u.new_zeros(u.shape[0], u.shape[1], self.num_heads), None
         if self.discrete:
-            return -F.softplus(self.a_proj(u).float()), None
-        dt = F.softplus(self.dt_proj(u).float())
+            return -F.softplus((self.a_proj(u) if inputs is None else inputs["a_proj"]).float()), None
+        dt = F.softplus((self.dt_proj(u) if inputs is None else inputs["dt_proj"]).float())
         return dt * -torch.exp(self.A_log.float()), dt
 
-    def _output(self, y, x, u):
+    def _output(self, y, x, u, inputs=None):
         """y, x (b, l, h, p) → o_proj(gate/norm(y + D·x))."""
         if self.D is not None:
             y = y + self.D[:, None].to(y.dtype) * x
         y = y.flatten(2)
-        z = self.gate(u) if self.gate is not None else None
+        if inputs is not None:
+            z = inputs["gate"]
+        else:
+            z = self.gate(u) if self.gate is not None else None
         if self.norm is not None:
             y = self.norm(y, z)
         elif z is not None:
@@ -171,19 +175,44 @@ class Mamba2Mixer(AttentionLikeMixer):
             M = M * dt.transpose(1, 2)[:, :, None, :].to(M.dtype)
         return self._output(y, x, hidden_states), M
 
+    def _decode(self, u, position_embeddings, layer):
+        """One unpadded token against the carried states, in as few ops as the math allows (the
+        step form's decode-speed twin; tests hold them equal)."""
+        b = u.shape[0]
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        states = layer.states
+        inputs = self.project_inputs(u)
+        xbc = self._xbc(u, position_embeddings, inputs)[:, 0]  # (b, c)
+        if self.conv is not None:
+            xbc, states["conv"] = causal_conv1d_step(xbc, self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation)
+        self._emit_bc(xbc[:, None])
+        x, B, C = xbc.split([kv * d, kv * d, h * d], dim=-1)
+        x, B, C = x.reshape(b, kv, d), B.reshape(b, kv, d), C.reshape(b, h, d)
+        if kv != h:  # GQA: head j reads kv head j // groups
+            index = torch.arange(h, device=x.device) // (h // kv)
+            x, B = x.index_select(1, index), B.index_select(1, index)
+        a, dt = self._decay(u, inputs)
+        x_in = x if dt is None else x * dt[:, 0, :, None].to(x.dtype)
+        y, states["ssm"] = ssd_decode(x_in.float(), a[:, 0].float(), B.float(), C.float(), states["ssm"])
+        layer.advance(1)
+        return self._output(y.to(x.dtype)[:, None], x[:, None], u, inputs)
+
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
         layer = self.cache_layer(kwargs)
+        if l == 1 and layer is not None and "ssm" in layer.states and self.padding_mask(1) is None:
+            return self._decode(hidden_states, position_embeddings, layer), None
         states = {} if layer is None else layer.states
         mask = self.padding_mask(l)
-        xbc = self._xbc(hidden_states, position_embeddings)
+        inputs = self.project_inputs(hidden_states)
+        xbc = self._xbc(hidden_states, position_embeddings, inputs)
         decode = l == 1 and "ssm" in states
         if decode and mask is not None:
             xbc = xbc * mask[:, :, None].to(xbc.dtype)
         xbc, conv_state = apply_conv(self.conv, xbc, states, mask, decode, self.conv_activation)
         self._emit_bc(xbc)
         x, B, C = self._split(xbc)
-        a, dt = self._decay(hidden_states)
+        a, dt = self._decay(hidden_states, inputs)
         x_in = x if dt is None else x * dt[..., None].to(x.dtype)
         a = a.to(x.dtype)
         if decode:
@@ -195,7 +224,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         else:
             y, ssm = ssd_chunked(x_in, a, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
         store_states(layer, ssm, conv_state, l)
-        return self._output(y, x, hidden_states), None
+        return self._output(y, x, hidden_states, inputs), None
 
 
 class DiscreteMamba2Mixer(Mamba2Mixer):

@@ -31,3 +31,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_d
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     x_rot = x_rot * cos + rotate_half(x_rot) * sin
     return torch.cat((x_rot, x_pass), dim=-1)
+
+
+_ROTATE_HALF: dict = {}
+
+
+def _rotate_half_matrix(d: int, dtype, device) -> torch.Tensor:
+    """R (d, d) with x @ R == rotate_half(x): one matmul instead of slice/slice/neg/cat."""
+    key = (d, dtype, str(device))
+    if key not in _ROTATE_HALF:
+        half = d // 2
+        r = torch.zeros(d, d, dtype=dtype, device=device)
+        idx = torch.arange(half, device=device)
+        r[idx + half, idx] = -1.0  # out[:half] = −x[half:]
+        r[idx, idx + half] = 1.0  # out[half:] = x[:half]
+        _ROTATE_HALF[key] = r
+    return _ROTATE_HALF[key]
+
+
+def apply_rotary_full(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary`` when every dim rotates, in three ops (the decode step's form):
+    x (..., d) with cos, sin broadcasting against it. Equal to apply_rotary (exact: R is a signed
+    permutation)."""
+    return torch.addcmul(x * cos, x @ _rotate_half_matrix(x.shape[-1], x.dtype, x.device), sin)

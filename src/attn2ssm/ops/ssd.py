@@ -147,6 +147,17 @@ def ssd_step(x, a, B, C, state=None, D=None):
     return y.to(dtype), state
 
 
+def ssd_decode(x, a, B, C, state):
+    """``ssd_step`` in the fewest ops (decode speed), all float32 and a state given: x (b, h, p),
+    a (b, h), B, C (b, h, n), state (b, h, p, n). Returns (y (b, h, p), new state); the old
+    state is kept (a rollback snapshot may hold it)."""
+    b, h, p = x.shape
+    n = B.shape[-1]
+    state = torch.addcmul(torch.exp(a)[..., None, None] * state, x[..., :, None], B[..., None, :])
+    y = torch.bmm(state.view(b * h, p, n), C.reshape(b * h, n, 1))
+    return y.view(b, h, p), state
+
+
 def ssd_sequential(x, a, B, C, mask=None, D=None, state=None):
     """Token-by-token loop over ``ssd_step`` (the reference). Returns (y, final state)."""
     dtype = x.dtype

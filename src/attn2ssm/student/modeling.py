@@ -83,10 +83,12 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """HF save (safetensors) plus the flattened modeling code and ``auto_map``."""
+        from attn2ssm.generation.layout import standard_layout
         from attn2ssm.student.export import auto_map, write_remote_code
 
         self.config.auto_map = auto_map()
-        super().save_pretrained(save_directory, *args, **kwargs)
+        with standard_layout(self):  # checkpoints hold row-major tensors (see cpu_decode_layout)
+            super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             write_remote_code(save_directory)
 

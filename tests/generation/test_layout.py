@@ -1,0 +1,150 @@
+"""CPU decode layout: wide Linear weights re-strided column-major and each mixer's input
+projections fused into one buffer; values, ties, outputs, generation, saving and training unchanged."""
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from torch import nn
+
+from attn2ssm.generation.layout import contiguous_weights, cpu_decode_layout
+from attn2ssm.mixers.base import FusedLinears
+from attn2ssm.mixers.registry import MIXERS
+from attn2ssm.student.convert import convert
+from attn2ssm.student.plans import make_plan
+
+
+def _student(kind="mamba2"):
+    torch.manual_seed(0)
+    teacher = tiny_model("llama")
+    teacher.config.tie_word_embeddings = True
+    teacher.tie_weights()
+    return teacher, convert(teacher, make_plan(teacher.config.num_hidden_layers, kind)).eval()
+
+
+def test_only_wide_weights_are_restrided_mixer_inputs_fused_and_values_are_kept():
+    _, model = _student()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    changed = cpu_decode_layout(model)
+    assert changed > 0
+    fused = set()
+    for mixer in model.mixers().values():
+        linears = [getattr(mixer, n) for n in mixer.input_linears if getattr(mixer, n, None) is not None]
+        assert len(linears) >= 4  # q, k, v, gate, Δ
+        storages = {lin.weight.untyped_storage().data_ptr() for lin in linears}
+        assert len(storages) == 1  # one buffer, no copy
+        fused.update({id(lin) for lin in linears})
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and id(module) not in fused:
+            w = module.weight
+            wide = module.out_features > module.in_features
+            assert w.is_contiguous() != wide, name  # wide → column-major, others untouched
+            if wide:
+                assert w.stride() == (1, w.shape[0])
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    assert cpu_decode_layout(model) == 0  # idempotent
+
+
+def _count_fused_calls(monkeypatch):
+    calls = []
+    original = FusedLinears.__call__
+
+    def counting(self, x):
+        calls.append(x.shape)
+        return original(self, x)
+
+    monkeypatch.setattr(FusedLinears, "__call__", counting)
+    return calls
+
+
+@pytest.mark.parametrize("kind", sorted(MIXERS))
+def test_every_mixer_kind_gives_the_same_logits_and_generation_with_fused_inputs(kind, monkeypatch):
+    torch.manual_seed(0)
+    teacher = tiny_model("gqa_9x3")
+    model = convert(teacher, make_plan(teacher.config.num_hidden_layers, kind)).eval()
+    with torch.no_grad():  # biases and gates off zero so every fused slice matters
+        for mixer in model.mixers().values():
+            for name, p in mixer.named_parameters():
+                if not name.startswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj")):
+                    p.add_(0.1 * torch.randn_like(p))
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        greedy = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    cpu_decode_layout(model)
+    calls = _count_fused_calls(monkeypatch)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0), greedy)
+    assert len(calls) >= 2 * len(model.mixers())  # the fused path ran (prefill and decode)
+
+
+def test_fused_path_steps_aside_when_weights_move_or_get_hooks(monkeypatch):
+    _, model = _student()
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(3))
+    cpu_decode_layout(model)
+    calls = _count_fused_calls(monkeypatch)
+    mixer = next(iter(model.mixers().values()))
+    with torch.no_grad():
+        ref = model(ids).logits
+    assert calls
+    # a hook on one projection (how LoRA adapts it) must run: the fused matmul would skip it
+    handle = mixer.q_proj.register_forward_hook(lambda mod, args, out: out * 0)
+    calls.clear()
+    with torch.no_grad():
+        hooked = model(ids).logits
+    handle.remove()
+    assert len(calls) == len(model.mixers()) - 1 and not torch.allclose(hooked, ref)
+    # re-assigned data (a load with assign=True, a dtype round trip) is read from the layer itself
+    with torch.no_grad():
+        mixer.k_proj.weight.data = mixer.k_proj.weight.data.clone() * 2
+        calls.clear()
+        moved = model(ids).logits
+    assert len(calls) == len(model.mixers()) - 1 and not torch.allclose(moved, ref)
+    # with gradients on, every layer runs by itself so its parameters get gradients
+    calls.clear()
+    model(ids).logits.sum().backward()
+    assert not calls and mixer.q_proj.weight.grad is not None
+
+
+def test_tied_embedding_stays_tied_and_outputs_and_generation_are_unchanged():
+    _, model = _student()
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert emb is head  # the tiny teacher ties them
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+        greedy = model.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    cpu_decode_layout(model)
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert not model.get_output_embeddings().weight.is_contiguous()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(model.generate(ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0), greedy)
+
+
+def test_restrided_models_save_load_and_train(tmp_path):
+    teacher, model = _student()
+    cpu_decode_layout(model)
+    cpu_decode_layout(teacher)
+    ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(2))
+    model.save_pretrained(tmp_path / "student")  # saves row-major, keeps its own layout
+    assert not model.get_output_embeddings().weight.is_contiguous()
+    assert contiguous_weights(teacher) > 0  # a plain HF model needs row-major weights to save
+    teacher.save_pretrained(tmp_path / "teacher")
+    from transformers import AutoModelForCausalLM
+
+    import attn2ssm.student  # noqa: F401
+
+    for original, path in ((model.eval(), "student"), (teacher.eval(), "teacher")):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / path).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
+    # gradients flow to re-strided weights as to any others
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert contiguous_weights(model) > 0
+    assert all(p.is_contiguous() for p in model.parameters())
