@@ -169,6 +169,15 @@ class AttentionLikeMixer(nn.Module):
             k = apply_rotary(k.transpose(1, 2), cos, sin, self.rotary_dim).transpose(1, 2)
         return q, k, v
 
+    def kv_index(self, device) -> torch.Tensor:
+        """(num_heads,) kv head of each query head (j // groups), cached per device: a decode step
+        repeats kv heads with one index_select."""
+        cached = self.__dict__.get("_kv_index")
+        if cached is None or cached.device != torch.device(device):
+            cached = torch.arange(self.num_heads, device=device) // (self.num_heads // self.num_kv_heads)
+            self.__dict__["_kv_index"] = cached
+        return cached
+
     def repeat_kv(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Repeat kv heads over their query group along ``dim`` (GQA: query head j reads kv head j // groups)."""
         groups = self.num_heads // self.num_kv_heads

@@ -88,9 +88,12 @@ class LinearAttentionMixer(AttentionLikeMixer):
         y, weights = linear_attention_quadratic(fq, fk, v, mask, eps=self.eps)
         return self.merge_heads(y), weights
 
-    def _step_features(self, fmap, x, positions):
+    def _step_features(self, fmap, x, seen: int):
         step = getattr(fmap, "step", None)
-        return step(x) if step is not None else fmap(x[:, :, None], positions)[:, :, 0].float()
+        if step is not None:
+            return step(x)
+        positions = torch.arange(seen, seen + 1, device=x.device)  # for position-aware maps
+        return fmap(x[:, :, None], positions)[:, :, 0].float()
 
     def _decode(self, hidden_states, position_embeddings, layer):
         """One unpadded token against the carried state, in as few ops as the math allows (the
@@ -105,10 +108,9 @@ class LinearAttentionMixer(AttentionLikeMixer):
             cos, sin = position_embeddings  # (b, 1, d): broadcast over heads
             q, k = apply_rotary_full(q, cos, sin), apply_rotary_full(k, cos, sin)
         if kv != h:  # GQA: query head j reads kv head j // groups
-            index = torch.arange(h, device=k.device) // (h // kv)
+            index = self.kv_index(k.device)
             k, v = k.index_select(1, index), v.index_select(1, index)
-        positions = torch.arange(layer.seen, layer.seen + 1, device=q.device)
-        fq, fk = self._step_features(self.feature_map_q, q, positions), self._step_features(self.feature_map_k, k, positions)
+        fq, fk = self._step_features(self.feature_map_q, q, layer.seen), self._step_features(self.feature_map_k, k, layer.seen)
         y, layer.states["linear"] = linear_attention_decode(fq, fk, v.float(), layer.states["linear"], eps=self.eps)
         layer.advance(1)
         return self.o_proj(y.to(hidden_states.dtype).view(b, 1, h * d))

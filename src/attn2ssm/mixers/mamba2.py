@@ -189,7 +189,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         x, B, C = xbc.split([kv * d, kv * d, h * d], dim=-1)
         x, B, C = x.reshape(b, kv, d), B.reshape(b, kv, d), C.reshape(b, h, d)
         if kv != h:  # GQA: head j reads kv head j // groups
-            index = torch.arange(h, device=x.device) // (h // kv)
+            index = self.kv_index(x.device)
             x, B = x.index_select(1, index), B.index_select(1, index)
         a, dt = self._decay(u, inputs)
         x_in = x if dt is None else x * dt[:, 0, :, None].to(x.dtype)
