@@ -51,7 +51,7 @@ def _record_inputs(mixer, args, kwargs):
 class FusedLinears:
     """Linear layers that read the same input, their weights and biases made views of one
     column-major (Σout, in) buffer, so that a step reads them with ONE matmul (the fast one-row
-    matmul on CPU; see generation/layout.py). The layers keep their own parameters (names, state
+    matmul on CPU; see ops/layout.py). The layers keep their own parameters (names, state
     dict, LoRA targets): the fused path is used only while every parameter still lives where it
     was put (a ``.to()``, a re-assigned ``.data``, a hook or a subclass turns it off)."""
 

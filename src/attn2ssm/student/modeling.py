@@ -83,7 +83,7 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """HF save (safetensors) plus the flattened modeling code and ``auto_map``."""
-        from attn2ssm.generation.layout import standard_layout
+        from attn2ssm.ops.layout import standard_layout
         from attn2ssm.student.export import auto_map, write_remote_code
 
         self.config.auto_map = auto_map()

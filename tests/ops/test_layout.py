@@ -6,7 +6,7 @@ import torch
 from tiny_models import tiny_model
 from torch import nn
 
-from attn2ssm.generation.layout import contiguous_weights, cpu_decode_layout
+from attn2ssm.ops.layout import contiguous_weights, cpu_decode_layout
 from attn2ssm.mixers.base import FusedLinears
 from attn2ssm.mixers.registry import MIXERS
 from attn2ssm.student.convert import convert
