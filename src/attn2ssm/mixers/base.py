@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from attn2ssm.ops.layout import DecodeLinear
+from attn2ssm.ops.layout import linear as decode_linear
 from attn2ssm.ops.rope import apply_rotary
 
 
@@ -49,17 +50,17 @@ def _record_inputs(mixer, args, kwargs):
 
 
 class FusedLinears:
-    """Linear layers that read the same input, their weights and biases made views of one
-    column-major (Σout, in) buffer, so that a step reads them with ONE matmul (the fast one-row
-    matmul on CPU; see ops/layout.py). The layers keep their own parameters (names, state
-    dict, LoRA targets): the fused path is used only while every parameter still lives where it
-    was put (a ``.to()``, a re-assigned ``.data``, a hook or a subclass turns it off)."""
+    """Linear layers that read the same input, their weights and biases made row blocks of one
+    (Σout, in) buffer, so that a step reads them with ONE matmul (see ops/layout.py). The layers
+    keep their own parameters (names, state dict, LoRA targets): the fused path is used only
+    while every parameter still lives where it was put (a ``.to()``, a re-assigned ``.data``, a
+    hook or another subclass turns it off)."""
 
     def __init__(self, linears: list[nn.Linear]):
         self.linears = linears
         self.sizes = [lin.out_features for lin in linears]
         with torch.no_grad():
-            self.weight = torch.cat([lin.weight.t() for lin in linears], dim=1).contiguous().t()  # (Σout, in), column-major
+            self.weight = torch.cat([lin.weight for lin in linears], dim=0)  # (Σout, in)
             self.bias = None
             if any(lin.bias is not None for lin in linears):
                 parts = [lin.bias if lin.bias is not None else self.weight.new_zeros(n) for lin, n in zip(linears, self.sizes)]
@@ -74,14 +75,14 @@ class FusedLinears:
 
     def valid(self) -> bool:
         for lin, (w, b) in zip(self.linears, self.pointers):
-            if type(lin) is not nn.Linear or lin._forward_hooks or lin._forward_pre_hooks:
+            if type(lin) not in (nn.Linear, DecodeLinear) or lin._forward_hooks or lin._forward_pre_hooks:
                 return False
             if lin.weight.data_ptr() != w or (None if lin.bias is None else lin.bias.data_ptr()) != b:
                 return False
         return True
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return decode_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 class AttentionLikeMixer(nn.Module):
@@ -132,10 +133,10 @@ class AttentionLikeMixer(nn.Module):
 
     # -- shared projections ------------------------------------------------------------------
     def fuse_input_linears(self) -> bool:
-        """Make ``input_linears`` views of one column-major buffer (values unchanged, no extra
-        memory); inference steps then read them with one matmul. Called by ``cpu_decode_layout``."""
+        """Make ``input_linears`` row blocks of one buffer (values unchanged, no extra memory);
+        inference steps then read them with one matmul. Called by ``cpu_decode_layout``."""
         linears = [getattr(self, n) for n in self.input_linears if getattr(self, n, None) is not None]
-        if len(linears) < 2 or any(type(lin) is not nn.Linear for lin in linears):
+        if len(linears) < 2 or any(type(lin) not in (nn.Linear, DecodeLinear) for lin in linears):
             return False
         self.__dict__["_fused_inputs"] = FusedLinears(linears)  # not a submodule: no state-dict entry
         return True

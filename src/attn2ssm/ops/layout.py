@@ -1,20 +1,21 @@
-"""CPU decode layout: store wide Linear weights column-major so one-token matmuls run faster.
+"""CPU decode mode: one-token matmuls that use every core, and fused mixer input projections.
 
-Decoding one token multiplies a (1, in) row by every weight matrix: it is bound by how fast the
-weights stream from memory. On x86 CPUs with PyTorch's MKL backend the (1, in) @ W^T product of
-a row-major ``nn.Linear`` weight W (out, in) with out > in (MLP gate/up, Mamba in-projections,
-the LM head) streams at ~10 GB/s on one core, while the same product with W stored column-major
-(W^T contiguous) streams at ~17-20 GB/s (benchmarks/results/generate_speed.json records the
-effect per model). Square and narrowing (out < in) weights are as fast or faster row-major, so
-they are left alone.
+Decoding one token multiplies a (1, in) row by every weight matrix, so it is bound by how fast the
+weights stream from memory. PyTorch's CPU backend (MKL) runs such a one-row product on ONE core:
+~10-13 GB/s on the 2-core machine this project is measured on, where a plain reduction streams
+~27 GB/s. Computing it as a batched matmul over ``p`` row blocks of the weight (p = the number of
+threads) spreads the blocks over the cores: 1.3-2x faster for every weight shape of the built-in
+teacher (benchmarks/results/generate_speed.json is measured with it, for teacher and students
+alike). The weight is only viewed as (p, out/p, in): same storage, same values, same layout.
 
-``cpu_decode_layout(model)`` re-strides those weights in place: same values, same shapes, same
-``Parameter`` objects (tied embeddings stay tied), no extra memory once the old storage is freed.
-Every PyTorch op accepts the strided weight. Saving needs row-major tensors: a student's
-``save_pretrained`` saves inside ``standard_layout`` (row-major while writing, column-major again
-after); call ``contiguous_weights(model)`` before saving a re-strided teacher with HF's own
-``save_pretrained``. Applies to any ``nn.Module`` — a teacher or a student — so speed
-comparisons can give both the same layout.
+``cpu_decode_layout(model)`` (in place, any ``nn.Module``: teacher or student):
+- every ``nn.Linear`` becomes a ``DecodeLinear`` (a subclass with the same parameters and state
+  dict) whose forward takes that route for up to 4 rows on CPU when autograd is off, and is
+  ``F.linear`` otherwise (training, GPU, long prompts);
+- a student mixer's input projections (q/k/v and the SSM's gate/Δ projections) become row blocks
+  of one buffer (``fuse_input_linears``), read with one matmul at inference.
+``undo_cpu_decode_layout(model)`` reverses both; a student's ``save_pretrained`` writes inside
+``standard_layout`` (independent tensors while writing, fused again after).
 
 This module is copied flat into exported checkpoints (``student/export.py``): import only torch
 and the standard library.
@@ -25,59 +26,101 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-
-def _wide_linears(model: nn.Module):
-    seen = set()
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.out_features > module.in_features:
-            w = module.weight
-            if id(w) not in seen:  # a tied weight is re-strided once
-                seen.add(id(w))
-                yield w
+MAX_ROWS = 4  # beyond a few rows the product is a real GEMM and MKL parallelises it itself
 
 
-@torch.no_grad()
-def cpu_decode_layout(model: nn.Module) -> int:
-    """Store every Linear weight with out_features > in_features column-major (in place, values
-    unchanged) and fuse each student mixer's input projections (``fuse_input_linears``: q/k/v and
-    the SSM's gate/Δ projections become views of one column-major buffer). Returns how many
-    weights/groups changed. A no-op off CPU."""
-    if any(p.device.type != "cpu" for p in model.parameters()):
-        return 0
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; for at most MAX_ROWS rows on CPU without autograd, computed
+    as a batched matmul over row blocks of ``weight`` so that every thread streams a block."""
+    parts = torch.get_num_threads()
+    out, width = weight.shape
+    rows = x.numel() // width if width else 0
+    if (
+        parts < 2
+        or rows == 0
+        or rows > MAX_ROWS
+        or out % parts
+        or x.device.type != "cpu"
+        or not weight.is_contiguous()
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        return F.linear(x, weight, bias)
+    flat = x.reshape(1, rows, width).expand(parts, rows, width)
+    y = torch.bmm(flat, weight.view(parts, out // parts, width).transpose(1, 2))  # (parts, rows, out/parts)
+    y = y.transpose(0, 1).reshape(*x.shape[:-1], out)
+    return y if bias is None else y + bias
+
+
+class DecodeLinear(nn.Linear):
+    """``nn.Linear`` whose few-row products on CPU use every core (see ``linear``); same
+    parameters, state dict and results (to float rounding)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    return all(p.device.type == "cpu" for p in model.parameters())
+
+
+def _fuse(model: nn.Module) -> int:
     count = 0
-    for module in model.modules():  # mixers: the linears reading one input become one matmul
+    for module in model.modules():  # student mixers: the linears reading one input become one matmul
         fuse = getattr(module, "fuse_input_linears", None)
-        if callable(fuse) and not getattr(module, "_fused_inputs", None) and fuse():
-            count += 1
-    for w in _wide_linears(model):
-        if w.dim() == 2 and w.is_contiguous():  # fused views are already column-major
-            w.data = w.data.t().contiguous().t()
+        if callable(fuse) and module.__dict__.get("_fused_inputs") is None and fuse():
             count += 1
     return count
 
 
-@torch.no_grad()
-def contiguous_weights(model: nn.Module) -> int:
-    """Undo ``cpu_decode_layout``: every non-contiguous parameter back to row-major. Returns the count."""
+def _unfuse(model: nn.Module) -> int:
     count = 0
-    for p in model.parameters():
-        if not p.is_contiguous():
-            p.data = p.data.contiguous()
+    with torch.no_grad():
+        for module in model.modules():
+            fused = module.__dict__.pop("_fused_inputs", None)
+            if fused is None:
+                continue
             count += 1
-    for module in model.modules():  # their fused buffers no longer hold the weights
-        module.__dict__.pop("_fused_inputs", None)
+            for lin in fused.linears:  # each parameter gets its own storage back
+                lin.weight.data = lin.weight.data.clone()
+                if lin.bias is not None:
+                    lin.bias.data = lin.bias.data.clone()
+    return count
+
+
+@torch.no_grad()
+def cpu_decode_layout(model: nn.Module) -> int:
+    """Put ``model`` in CPU decode mode (see the module docstring). Returns how many modules
+    changed; a no-op (0) off CPU or when already done."""
+    if not _on_cpu(model):
+        return 0
+    count = _fuse(model)
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = DecodeLinear
+            count += 1
+    return count
+
+
+def undo_cpu_decode_layout(model: nn.Module) -> int:
+    """Back to plain ``nn.Linear`` modules with independent weights. Returns how many modules changed."""
+    count = _unfuse(model)
+    for module in model.modules():
+        if type(module) is DecodeLinear:
+            module.__class__ = nn.Linear
+            count += 1
     return count
 
 
 @contextmanager
 def standard_layout(model: nn.Module):
-    """Row-major parameters inside the block (for writing checkpoints); a model that had the CPU
-    decode layout gets it back on exit, even if the block raises."""
-    had_layout = contiguous_weights(model) > 0
+    """Independent parameter tensors inside the block (checkpoint writers refuse tensors that
+    share memory); fused input projections are fused again on exit, even if the block raises."""
+    had_fused = _unfuse(model) > 0
     try:
         yield
     finally:
-        if had_layout:
-            cpu_decode_layout(model)
+        if had_fused:
+            _fuse(model)
