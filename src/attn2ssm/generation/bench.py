@@ -196,14 +196,13 @@ def decode_row(length: int, pre: dict, rounds: list[dict]) -> dict:
 
 def measure_decode(model, prompt: torch.Tensor, new_tokens: int, rounds: int = 1) -> dict:
     """One model alone: prefill ``prompt`` (1, L), then ``rounds`` × ``new_tokens`` greedy tokens."""
-    if new_tokens < 3:
-        raise ValueError("measure at least 3 new tokens (the first is not timed, 2+ give decode times)")
-    pre = prefill(model, prompt)
-    return decode_row(prompt.shape[1], pre, [decode_round(model, pre, new_tokens) for _ in range(rounds)])
+    return measure_decode_interleaved({"model": model}, prompt, new_tokens, rounds)["model"]
 
 
 def measure_decode_interleaved(models: dict, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
     """Several models at one context: each prefills once, then in every round each decodes in turn."""
+    if new_tokens < 3:
+        raise ValueError("measure at least 3 new tokens (the first is not timed, 2+ give decode times)")
     pres = {name: prefill(m, prompt) for name, m in models.items()}
     done: dict[str, list] = {name: [] for name in models}
     for _ in range(rounds):

@@ -56,8 +56,8 @@ class FusedLinears:
     while every parameter still lives where it was put (a ``.to()``, a re-assigned ``.data``, a
     hook or another subclass turns it off)."""
 
-    def __init__(self, linears: list[nn.Linear]):
-        self.linears = linears
+    def __init__(self, names: list[str], linears: list[nn.Linear]):
+        self.names, self.linears = names, linears
         self.sizes = [lin.out_features for lin in linears]
         with torch.no_grad():
             self.weight = torch.cat([lin.weight for lin in linears], dim=0)  # (Σout, in)
@@ -135,10 +135,11 @@ class AttentionLikeMixer(nn.Module):
     def fuse_input_linears(self) -> bool:
         """Make ``input_linears`` row blocks of one buffer (values unchanged, no extra memory);
         inference steps then read them with one matmul. Called by ``cpu_decode_layout``."""
-        linears = [getattr(self, n) for n in self.input_linears if getattr(self, n, None) is not None]
+        names = [n for n in self.input_linears if getattr(self, n, None) is not None]
+        linears = [getattr(self, n) for n in names]
         if len(linears) < 2 or any(type(lin) not in (nn.Linear, DecodeLinear) for lin in linears):
             return False
-        self.__dict__["_fused_inputs"] = FusedLinears(linears)  # not a submodule: no state-dict entry
+        self.__dict__["_fused_inputs"] = FusedLinears(names, linears)  # not a submodule: no state-dict entry
         return True
 
     def project_inputs(self, x: torch.Tensor) -> dict:
@@ -146,8 +147,7 @@ class AttentionLikeMixer(nn.Module):
         fused matmul at inference when ``fuse_input_linears`` ran and still holds."""
         fused = self.__dict__.get("_fused_inputs")
         if fused is not None and not torch.is_grad_enabled() and fused.valid():
-            outs = iter(fused(x))
-            return {n: (next(outs) if getattr(self, n, None) is not None else None) for n in self.input_linears}
+            return dict.fromkeys(self.input_linears) | dict(zip(fused.names, fused(x)))
         return {n: (None if (m := getattr(self, n, None)) is None else m(x)) for n in self.input_linears}
 
     def project_heads(self, x: torch.Tensor, position_embeddings=None, inputs: dict | None = None):
@@ -171,8 +171,7 @@ class AttentionLikeMixer(nn.Module):
         return q, k, v
 
     def kv_index(self, device) -> torch.Tensor:
-        """(num_heads,) kv head of each query head (j // groups), cached per device: a decode step
-        repeats kv heads with one index_select."""
+        """(num_heads,) kv head of each query head (j // groups), cached per device."""
         cached = self.__dict__.get("_kv_index")
         if cached is None or cached.device != torch.device(device):
             cached = torch.arange(self.num_heads, device=device) // (self.num_heads // self.num_kv_heads)
@@ -181,8 +180,9 @@ class AttentionLikeMixer(nn.Module):
 
     def repeat_kv(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Repeat kv heads over their query group along ``dim`` (GQA: query head j reads kv head j // groups)."""
-        groups = self.num_heads // self.num_kv_heads
-        return t.repeat_interleave(groups, dim=dim) if groups > 1 else t
+        if self.num_heads == self.num_kv_heads:
+            return t
+        return t.index_select(dim, self.kv_index(t.device))
 
     def project_qkv(self, x: torch.Tensor, position_embeddings=None, inputs: dict | None = None):
         """x (b, l, hidden) → q (b, h, l, d), k and v (b, h, l, d) with kv heads repeated (GQA)."""

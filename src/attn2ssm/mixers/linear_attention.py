@@ -107,9 +107,7 @@ class LinearAttentionMixer(AttentionLikeMixer):
         if self.use_rope and position_embeddings is not None and self.rotary_dim:
             cos, sin = position_embeddings  # (b, 1, d): broadcast over heads
             q, k = apply_rotary_full(q, cos, sin), apply_rotary_full(k, cos, sin)
-        if kv != h:  # GQA: query head j reads kv head j // groups
-            index = self.kv_index(k.device)
-            k, v = k.index_select(1, index), v.index_select(1, index)
+        k, v = self.repeat_kv(k, 1), self.repeat_kv(v, 1)
         fq, fk = self._step_features(self.feature_map_q, q, layer.seen), self._step_features(self.feature_map_k, k, layer.seen)
         y, layer.states["linear"] = linear_attention_decode(fq, fk, v.float(), layer.states["linear"], eps=self.eps)
         layer.advance(1)

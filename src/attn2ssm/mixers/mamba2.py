@@ -178,24 +178,19 @@ class Mamba2Mixer(AttentionLikeMixer):
     def _decode(self, u, position_embeddings, layer):
         """One unpadded token against the carried states, in as few ops as the math allows (the
         step form's decode-speed twin; tests hold them equal)."""
-        b = u.shape[0]
-        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         states = layer.states
         inputs = self.project_inputs(u)
-        xbc = self._xbc(u, position_embeddings, inputs)[:, 0]  # (b, c)
+        xbc = self._xbc(u, position_embeddings, inputs)  # (b, 1, c)
         if self.conv is not None:
-            xbc, states["conv"] = causal_conv1d_step(xbc, self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation)
-        self._emit_bc(xbc[:, None])
-        x, B, C = xbc.split([kv * d, kv * d, h * d], dim=-1)
-        x, B, C = x.reshape(b, kv, d), B.reshape(b, kv, d), C.reshape(b, h, d)
-        if kv != h:  # GQA: head j reads kv head j // groups
-            index = self.kv_index(x.device)
-            x, B = x.index_select(1, index), B.index_select(1, index)
+            xbc, states["conv"] = causal_conv1d_step(xbc[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation)
+            xbc = xbc[:, None]
+        self._emit_bc(xbc)
+        x, B, C = self._split(xbc)  # (b, 1, h, ·)
         a, dt = self._decay(u, inputs)
-        x_in = x if dt is None else x * dt[:, 0, :, None].to(x.dtype)
-        y, states["ssm"] = ssd_decode(x_in.float(), a[:, 0].float(), B.float(), C.float(), states["ssm"])
+        x_in = x if dt is None else x * dt[..., None].to(x.dtype)
+        y, states["ssm"] = ssd_decode(x_in[:, 0].float(), a[:, 0].float(), B[:, 0].float(), C[:, 0].float(), states["ssm"])
         layer.advance(1)
-        return self._output(y.to(x.dtype)[:, None], x[:, None], u, inputs)
+        return self._output(y.to(x.dtype)[:, None], x, u, inputs)
 
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
