@@ -143,6 +143,7 @@ def test_two_processes_give_the_same_loss_curve(run_overrides, tmp_path):
     two = tmp_path / "two"
     env = _env()
     env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU (gloo) case on any machine: one GPU cannot host two ranks
     r1 = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", "--out", str(one), "--no-progress", *sum((["--set", s] for s in sets), [])], env=env, capture_output=True, text=True, timeout=900)
     assert r1.returncode == 0, r1.stderr[-2000:]
     # On a machine without GPUs, --multi_gpu spawns 2 torch.distributed workers that use gloo on the CPU
