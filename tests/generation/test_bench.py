@@ -44,6 +44,28 @@ def test_interleaved_rounds_decode_the_same_tokens_as_plain_generate():
         assert decode_round(models[name], pre, 5)["tokens"] == plain[0, 21:].tolist()
 
 
+def test_a_prefill_out_of_memory_skips_that_model_and_the_others_still_run(monkeypatch):
+    """A GPU too small for one forward over the long prompt (the teacher's SDPA at 32k on an 80 GB
+    card) is recorded as skipped with the reason; the other models are measured as usual."""
+    from attn2ssm.generation import bench
+
+    teacher = tiny_model("llama")
+    models = build_models(teacher, ["teacher", "mamba2"], torch.device("cpu"))
+    real = bench.prefill
+
+    def prefill_or_oom(model, prompt):
+        if model is models["teacher"] and prompt.shape[1] > 16:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 36.00 GiB.\nmore detail")
+        return real(model, prompt)
+
+    monkeypatch.setattr(bench, "prefill", prefill_or_oom)
+    ids = torch.randint(0, 256, (1, 32))
+    short = measure_decode_interleaved(models, ids[:, :16], new_tokens=3, rounds=1)
+    long = measure_decode_interleaved(models, ids, new_tokens=3, rounds=1)
+    assert "skipped" not in short["teacher"] and "skipped" not in long["mamba2"]
+    assert long["teacher"] == {"context": 32, "skipped": "out of memory on cpu in the prefill: CUDA out of memory. Tried to allocate 36.00 GiB."}
+
+
 def test_measure_speculative_is_identical_to_plain():
     teacher = tiny_model("llama")
     draft = build_models(teacher, ["mamba2"], torch.device("cpu"))["mamba2"]
@@ -53,21 +75,49 @@ def test_measure_speculative_is_identical_to_plain():
     assert out["plain_tokens_per_second"] > 0
 
 
-def test_cli_bench_generate_writes_json_and_png(tmp_path):
-    from attn2ssm.cli import main
-
+def _tiny_teacher_and_corpus(tmp_path):
     tok = make_tokenizer()
     cfg = tiny_config("llama")
     cfg.vocab_size = len(tok)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "teacher")
     tok.save_pretrained(tmp_path / "teacher")
-    draft = tmp_path / "draft"
-    assert main(["convert", "--teacher", str(tmp_path / "teacher"), "--mixer", "mamba2", "--out", str(draft)]) == 0
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" ".join(SENTENCES))
+    return tmp_path / "teacher", corpus
+
+
+def test_cli_bench_skips_longer_contexts_after_an_out_of_memory_prefill(tmp_path, monkeypatch):
+    from attn2ssm.cli import main
+    from attn2ssm.generation import bench
+
+    teacher, corpus = _tiny_teacher_and_corpus(tmp_path)
+    real = bench.prefill
+
+    def prefill_or_oom(model, prompt):
+        if type(model).__name__.startswith("Llama") and prompt.shape[1] >= 16:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        return real(model, prompt)
+
+    monkeypatch.setattr(bench, "prefill", prefill_or_oom)
+    out = tmp_path / "gen.json"
+    argv = ["bench", "generate", "--teacher", str(teacher), "--models", "teacher,linear", "--contexts", "8,16,32", "--new-tokens", "3",
+            "--rounds", "1", "--corpus", str(corpus), "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["decode"]
+    assert "skipped" not in rows["teacher"][0] and "out of memory on cpu" in rows["teacher"][1]["skipped"]
+    assert rows["teacher"][2] == {"context": 32, "skipped": "the prefill ran out of memory at context 16"}
+    assert all("skipped" not in r for r in rows["linear"]) and "speedup_vs_teacher" in rows["linear"][0]
+
+
+def test_cli_bench_generate_writes_json_and_png(tmp_path):
+    from attn2ssm.cli import main
+
+    teacher, corpus = _tiny_teacher_and_corpus(tmp_path)
+    draft = tmp_path / "draft"
+    assert main(["convert", "--teacher", str(teacher), "--mixer", "mamba2", "--out", str(draft)]) == 0
     out = tmp_path / "res" / "gen.json"
-    argv = ["bench", "generate", "--teacher", str(tmp_path / "teacher"), "--models", "teacher,mamba2", "--contexts", "16,32",
+    argv = ["bench", "generate", "--teacher", str(teacher), "--models", "teacher,mamba2", "--contexts", "16,32",
             "--max-context", "teacher=16", "--new-tokens", "3", "--draft", str(draft), "--spec-contexts", "16", "--spec-k", "2",
             "--spec-new-tokens", "5", "--corpus", str(corpus), "--out", str(out), "--no-progress"]  # fmt: skip
     assert main(argv) == 0

@@ -203,14 +203,21 @@ def measure_decode_interleaved(models: dict, prompt: torch.Tensor, new_tokens: i
     """Several models at one context: each prefills once, then in every round each decodes in turn."""
     if new_tokens < 3:
         raise ValueError("measure at least 3 new tokens (the first is not timed, 2+ give decode times)")
-    pres = {name: prefill(m, prompt) for name, m in models.items()}
-    done: dict[str, list] = {name: [] for name in models}
+    pres, skipped = {}, {}
+    for name, m in models.items():
+        try:
+            pres[name] = prefill(m, prompt)
+        except torch.OutOfMemoryError as exc:  # e.g. a teacher's one-forward prefill of a long prompt on a GPU
+            skipped[name] = {"context": prompt.shape[1], "skipped": f"out of memory on {prompt.device} in the prefill: {str(exc).splitlines()[0][:160]}"}
+            if prompt.device.type == "cuda":
+                torch.cuda.empty_cache()
+    done: dict[str, list] = {name: [] for name in pres}
     for _ in range(rounds):
-        for name, m in models.items():
-            done[name].append(decode_round(m, pres[name], new_tokens))
-    rows = {name: decode_row(prompt.shape[1], pres[name], done[name]) for name in models}
+        for name in pres:
+            done[name].append(decode_round(models[name], pres[name], new_tokens))
+    rows = {name: decode_row(prompt.shape[1], pres[name], done[name]) for name in pres}
     pres.clear()  # the caches (a long KV cache is GBs) go before the next context
-    return rows
+    return {name: rows.get(name) or skipped[name] for name in models}
 
 
 # ------------------------------------------------------------------------------------- speculative
@@ -332,16 +339,23 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
         for model in [teacher, *models.values()]:
             cpu_decode_layout(model)
     limits = settings.max_context or {}
+    out_of_memory: dict[str, int] = {}  # model → the context whose prefill did not fit
     longest = max([*settings.contexts, *(settings.spec_contexts if settings.draft else ())])
     prompt = _prompt_ids(tokenizer, settings.corpus, longest, device)
     decode: dict[str, list] = {m: [] for m in settings.models}
     bar = tqdm(settings.contexts, desc="decode", disable=not progress, file=sys.stderr)
     for length in bar:
         bar.set_postfix_str(f"context {length}")
-        running = {m: models[m] for m in settings.models if length <= limits.get(m, math.inf)}
+        running = {m: models[m] for m in settings.models if length <= limits.get(m, math.inf) and m not in out_of_memory}
         rows = measure_decode_interleaved(running, prompt[:, :length], settings.new_tokens, settings.rounds) if running else {}
         for name in settings.models:
-            decode[name].append(rows.get(name) or {"context": length, "skipped": f"longer than --max-context {limits[name]} for {name}"})
+            if name in out_of_memory:
+                row = {"context": length, "skipped": f"the prefill ran out of memory at context {out_of_memory[name]}"}
+            else:
+                row = rows.get(name) or {"context": length, "skipped": f"longer than --max-context {limits[name]} for {name}"}
+                if "out of memory" in row.get("skipped", ""):
+                    out_of_memory[name] = length  # longer contexts would not fit either
+            decode[name].append(row)
     if "teacher" in decode:  # how many times faster than the teacher, from the medians, where both ran
         for name, rows in decode.items():
             for row, ref in zip(rows, decode["teacher"]):
