@@ -14,12 +14,10 @@ import os
 import pytest
 import torch
 from cache_forms import full_and_pieces, positions
-from tiny_models import tiny_model
+from tiny_models import tiny_student
 
 from attn2ssm.mixers.registry import MIXERS
 from attn2ssm.ops.layout import cpu_decode_layout
-from attn2ssm.student.convert import convert
-from attn2ssm.student.plans import make_plan
 
 # the device compared with the CPU; ATTN2SSM_TEST_DEVICE=cpu dry-runs these tests' logic on a CPU
 DEVICE = torch.device(os.environ.get("ATTN2SSM_TEST_DEVICE", "cuda"))
@@ -42,18 +40,6 @@ def _on(t):
     return t.device.type == DEVICE.type
 
 
-def _student(kind, family, ratio):
-    torch.manual_seed(0)
-    teacher = tiny_model(family)
-    student = convert(teacher, make_plan(teacher.config.num_hidden_layers, kind, attention_ratio=ratio))
-    with torch.no_grad():  # move decay / conv / gate off their identity init
-        for mixer in student.mixers().values():
-            for name, p in mixer.named_parameters():
-                if not name.startswith(("q_proj", "k_proj", "v_proj", "o_proj")):
-                    p.add_(0.1 * torch.randn_like(p))
-    return student.eval()
-
-
 def _batch(length=24):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 256, (2, length), generator=g)
@@ -72,7 +58,7 @@ def _close(a, b, tol=2e-4):
 @pytest.mark.parametrize("family,ratio", SHAPES)
 @torch.no_grad()
 def test_cuda_logits_and_cache_forms_match_cpu(kind, family, ratio):
-    cpu = _student(kind, family, ratio)
+    cpu = tiny_student(family, kind, ratio)
     gpu = copy.deepcopy(cpu).to(DEVICE)
     ids, mask = _batch()
     ref = cpu(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
@@ -88,7 +74,7 @@ def test_cuda_logits_and_cache_forms_match_cpu(kind, family, ratio):
 @pytest.mark.parametrize("kind", KINDS)
 @torch.no_grad()
 def test_cuda_generate_equals_cpu(kind):
-    cpu = _student(kind, "llama", 0.5)
+    cpu = tiny_student("llama", kind, 0.5)
     gpu = copy.deepcopy(cpu).to(DEVICE)
     if DEVICE.type != "cpu":
         assert cpu_decode_layout(gpu) == 0  # CPU decode mode leaves a GPU model alone
@@ -101,7 +87,7 @@ def test_cuda_generate_equals_cpu(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_backward_reaches_every_mixer_parameter(kind):
-    cpu = _student(kind, "llama", 0.0).train()
+    cpu = tiny_student("llama", kind, 0.0).train()
     gpu = copy.deepcopy(cpu).to(DEVICE).train()
     ids, mask = _batch()
     losses = []

@@ -164,6 +164,24 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     return model.float().eval()
 
 
+def tiny_student(family: str, kind: str, ratio: float = 0.0, options: dict | None = None) -> torch.nn.Module:
+    """``tiny_model(family)`` converted to ``kind`` mixers (keeping ``ratio`` of the layers as
+    attention), in eval mode, with the mixers' new parameters (decay, conv, gate …) moved off their
+    identity init so a wrongly carried or restored state cannot hide behind an identity map."""
+    from attn2ssm.student.convert import convert
+    from attn2ssm.student.plans import make_plan
+
+    torch.manual_seed(0)
+    teacher = tiny_model(family)
+    student = convert(teacher, make_plan(teacher.config.num_hidden_layers, kind, attention_ratio=ratio), {kind: options or {}})
+    with torch.no_grad():
+        for mixer in student.mixers().values():
+            for name, p in mixer.named_parameters():
+                if not name.startswith(("q_proj", "k_proj", "v_proj", "o_proj")):
+                    p.add_(0.1 * torch.randn_like(p))
+    return student.eval()
+
+
 SENTENCES = [
     "Call me Ishmael. Some years ago, never mind how long precisely.",
     "Fellow citizens of the Senate and House of Representatives.",

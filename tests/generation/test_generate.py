@@ -5,27 +5,13 @@ equals each prompt alone, sampling options, EOS stopping and streaming."""
 import pytest
 import torch
 from cache_forms import greedy_by_full_forwards
-from tiny_models import tiny_model
+from tiny_models import tiny_student
 from transformers.generation.streamers import BaseStreamer
 
 from attn2ssm.mixers.registry import MIXERS
-from attn2ssm.student.convert import convert
-from attn2ssm.student.plans import make_plan
 
 KINDS = sorted(MIXERS)
 NEW = 8
-
-
-def _student(kind, family="llama", ratio=0.0):
-    torch.manual_seed(0)
-    teacher = tiny_model(family)
-    student = convert(teacher, make_plan(teacher.config.num_hidden_layers, kind, attention_ratio=ratio))
-    with torch.no_grad():  # move decay / conv / gate off their identity init
-        for mixer in student.mixers().values():
-            for name, p in mixer.named_parameters():
-                if not name.startswith(("q_proj", "k_proj", "v_proj", "o_proj")):
-                    p.add_(0.1 * torch.randn_like(p))
-    return student.eval()
 
 
 def _prompts():
@@ -36,7 +22,7 @@ def _prompts():
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("family,ratio", [("llama", 0.0), ("gemma2", 0.5)])
 def test_greedy_batched_left_padded_equals_each_prompt_alone(kind, family, ratio):
-    model = _student(kind, family, ratio)
+    model = tiny_student(family, kind, ratio)
     a, b = _prompts()
     batch = torch.zeros(2, 7, dtype=torch.long)
     mask = torch.zeros(2, 7, dtype=torch.long)
@@ -50,7 +36,7 @@ def test_greedy_batched_left_padded_equals_each_prompt_alone(kind, family, ratio
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_sampling_options_eos_and_streaming(kind):
-    model = _student(kind, "llama", 0.5)
+    model = tiny_student("llama", kind, 0.5)
     prompt = _prompts()[0]
     greedy = model.generate(prompt, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     # top_k = 1 sampling is greedy
@@ -84,6 +70,6 @@ def test_sampling_options_eos_and_streaming(kind):
 
 def test_plain_call_builds_a_cache():
     """``model(ids)`` with no use_cache argument works like an HF model (returns a cache)."""
-    model = _student("mamba2", "llama", 0.5)
+    model = tiny_student("llama", "mamba2", 0.5)
     out = model(_prompts()[0])
     assert out.past_key_values is not None and out.past_key_values.get_seq_length() == 7

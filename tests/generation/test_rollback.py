@@ -5,27 +5,11 @@ next tokens give the same logits as a run that never saw the undone ones."""
 import pytest
 import torch
 from cache_forms import positions
-from tiny_models import tiny_model
+from tiny_models import tiny_student
 
 from attn2ssm.mixers.registry import MIXERS
-from attn2ssm.student.convert import convert
-from attn2ssm.student.plans import make_plan
 
 KINDS = sorted(MIXERS)
-
-
-def _student(family, kind, ratio, options=None):
-    torch.manual_seed(0)
-    teacher = tiny_model(family)
-    student = convert(teacher, make_plan(teacher.config.num_hidden_layers, kind, attention_ratio=ratio), {kind: options or {}})
-    # perturb the new parameters (decay, conv, gate …) away from their identity init, so a state
-    # restored wrongly cannot hide behind an identity map
-    with torch.no_grad():
-        for mixer in student.mixers().values():
-            for name, p in mixer.named_parameters():
-                if not name.startswith(("q_proj", "k_proj", "v_proj", "o_proj")):
-                    p.add_(0.1 * torch.randn_like(p))
-    return student.eval()
 
 
 def _feed(model, cache, ids, mask, start, end):
@@ -39,7 +23,7 @@ def _feed(model, cache, ids, mask, start, end):
 def test_crop_then_continue_equals_never_seen(kind, family, ratio, remove):
     """Prefill 6 real tokens, speculate 6 more in pieces (the first 6 - remove real, the rest
     wrong), undo ``remove``, then feed the true continuation: logits equal one full forward."""
-    student = _student(family, kind, ratio)
+    student = tiny_student(family, kind, ratio)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, :3] = 0  # left padding
@@ -61,7 +45,7 @@ def test_crop_then_continue_equals_never_seen(kind, family, ratio, remove):
 
 
 def test_crop_past_the_recording_is_a_clear_error():
-    student = _student("llama", "mamba2", 0.0)
+    student = tiny_student("llama", "mamba2", 0.0)
     ids = torch.randint(0, 256, (1, 8))
     cache = student.new_cache()
     with torch.no_grad():
@@ -81,7 +65,7 @@ def test_crop_past_the_recording_is_a_clear_error():
 
 def test_recorded_inputs_are_bounded_by_commits():
     """Each crop commits, so a long speculative run keeps one snapshot and a few tokens' inputs."""
-    student = _student("llama", "linear_attention", 0.0)
+    student = tiny_student("llama", "linear_attention", 0.0)
     cache = student.new_cache()
     cache.activate_past_recording()
     with torch.no_grad():
