@@ -12,8 +12,9 @@ What is measured, per model and context length L:
   not), and peak memory growth during decode (CUDA: max_memory_allocated; CPU: the process's
   peak RSS, reset before decoding through /proc/self/clear_refs).
 Students are converted from the teacher without training: speed and memory do not depend on the
-weights. On CPU every model, teacher included, gets ``cpu_decode_layout`` (wide weights
-column-major; students' mixer input projections fused) unless ``cpu_layout`` is off. Speculative decoding needs a trained draft (``--draft``): both models prefill the prompt
+weights. On CPU every model, teacher included, gets ``cpu_decode_layout`` (one-row matmuls over
+row blocks of the weight on every core; students' mixer input projections fused) unless
+``cpu_layout`` is off. Speculative decoding needs a trained draft (``--draft``): both models prefill the prompt
 once, then plain greedy decoding of the verifier and speculative decoding for each K start from
 copies of those caches, so every variant decodes the same text from the same state.
 """

@@ -5,7 +5,8 @@ weights stream from memory. PyTorch's CPU backend (MKL) runs such a one-row prod
 ~10-13 GB/s on the 2-core machine this project is measured on, where a plain reduction streams
 ~27 GB/s. Computing it as a batched matmul over ``p`` row blocks of the weight (p = the number of
 threads) spreads the blocks over the cores: 1.3-2x faster for every weight shape of the built-in
-teacher (benchmarks/results/generate_speed.json is measured with it, for teacher and students
+teacher with the matrix in cache, ~1.5x when a whole model's weights stream from memory (13 vs
+8-9 GB/s) (benchmarks/results/generate_speed.json is measured with it, for teacher and students
 alike). The weight is only viewed as (p, out/p, in): same storage, same values, same layout.
 
 ``cpu_decode_layout(model)`` (in place, any ``nn.Module``: teacher or student):

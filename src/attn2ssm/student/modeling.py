@@ -87,7 +87,7 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
         from attn2ssm.student.export import auto_map, write_remote_code
 
         self.config.auto_map = auto_map()
-        with standard_layout(self):  # checkpoints hold row-major tensors (see cpu_decode_layout)
+        with standard_layout(self):  # fused input projections written as independent tensors (see cpu_decode_layout)
             super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             write_remote_code(save_directory)
