@@ -84,14 +84,16 @@ def test_tied_embedding_stays_tied_and_outputs_and_generation_are_unchanged():
 
 
 def _count_fused_calls(monkeypatch):
+    """Shapes of the inputs the mixers' fused projections read (the MLPs' fused gate/up aside)."""
     calls = []
-    original = FusedLinears.__call__
+    original = FusedLinears.matmul
 
     def counting(self, x):
-        calls.append(x.shape)
+        if self.names[0] != "gate_proj":
+            calls.append(x.shape)
         return original(self, x)
 
-    monkeypatch.setattr(FusedLinears, "__call__", counting)
+    monkeypatch.setattr(FusedLinears, "matmul", counting)
     return calls
 
 
@@ -168,3 +170,43 @@ def test_models_in_decode_mode_save_load_and_train(tmp_path):
     model.train()
     model(ids, labels=ids).loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_norms_and_gated_mlps_take_their_fused_forms_only_where_they_compute_the_same():
+    """Llama: RMSNorm → one F.rms_norm, gate/up → one matmul. Gemma's (1 + w) RMSNorm fails the
+    probe and keeps its class; its gated GELU MLP is fused. Outputs unchanged; undo restores."""
+    for family, norm_fused in (("llama", True), ("gemma", False)):
+        torch.manual_seed(0)
+        teacher = tiny_model(family).eval()
+        with torch.no_grad():
+            for name, p in teacher.named_parameters():
+                if "norm" in name:
+                    p.add_(0.3 * torch.randn_like(p))  # a norm weight of ones would hide a (1 + w)
+        ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ref = teacher(ids).logits
+        classes = {n: type(m) for n, m in teacher.named_modules()}
+        cpu_decode_layout(teacher)
+        layer = teacher.model.layers[0]
+        assert ("_decode_base" in type(layer.input_layernorm).__dict__) is norm_fused, family
+        assert "_decode_base" in type(layer.mlp).__dict__
+        assert layer.mlp.gate_proj.weight.untyped_storage().data_ptr() == layer.mlp.up_proj.weight.untyped_storage().data_ptr()
+        with torch.no_grad():
+            torch.testing.assert_close(teacher(ids).logits, ref, rtol=1e-5, atol=1e-5)
+        undo_cpu_decode_layout(teacher)
+        assert {n: type(m) for n, m in teacher.named_modules()} == classes
+        with torch.no_grad():
+            torch.testing.assert_close(teacher(ids).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_dtype_move_drops_the_fused_buffers_and_stays_correct():
+    _, model = _student("linear_attention")
+    cpu_decode_layout(model)
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = model(ids).logits
+    model.to(torch.float64)  # the fused float32 buffers must not be read (nor kept alive)
+    assert all(m.__dict__.get("_fused_inputs") is None for m in model.modules())
+    assert all(m.__dict__.get("_blocks") is None for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits.float(), ref, rtol=1e-4, atol=1e-4)

@@ -81,6 +81,19 @@ def test_decode_form_equals_step_form_and_keeps_the_old_state():
     torch.testing.assert_close(fast.k_sum, state.k_sum, atol=1e-5, rtol=1e-6)
 
 
+def test_in_place_decode_equals_the_copying_one_and_writes_into_the_state():
+    q, k, v = _inputs(l=6)
+    copying = LinearAttentionState.zeros(2, 3, 8, 5)
+    owned = LinearAttentionState.zeros(2, 3, 8, 5)
+    kv, k_sum = owned.kv, owned.k_sum
+    for t in range(6):
+        ref, copying = linear_attention_decode(q[:, :, t], k[:, :, t], v[:, :, t], copying)
+        out, owned = linear_attention_decode(q[:, :, t], k[:, :, t], v[:, :, t], owned, inplace=True)
+        assert torch.equal(out, ref)
+        assert owned.kv is kv and owned.k_sum is k_sum  # no new tensors
+    assert torch.equal(kv, copying.kv) and torch.equal(k_sum, copying.k_sum)
+
+
 def test_matches_explicit_definition():
     """y_i = Σ_{j≤i} (φq_i·φk_j) v_j / Σ_{j≤i} φq_i·φk_j, written as a plain loop."""
     q, k, v = _inputs(b=1, h=1, l=6, f=3, d=2)

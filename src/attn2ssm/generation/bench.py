@@ -13,8 +13,10 @@ What is measured, per model and context length L:
   peak RSS, reset before decoding through /proc/self/clear_refs).
 Students are converted from the teacher without training: speed and memory do not depend on the
 weights. On CPU every model, teacher included, gets ``cpu_decode_layout`` (one-row matmuls over
-row blocks of the weight on every core; students' mixer input projections fused) unless
-``cpu_layout`` is off. Speculative decoding needs a trained draft (``--draft``): both models prefill the prompt
+row blocks of the weight on every core, gate/up and mixer input projections fused, fused
+RMSNorm) unless ``cpu_layout`` is off; pure students of a Llama-structured teacher also decode
+through their one-token ``DecodePlan`` there (HF's per-layer plumbing skipped), while the teacher
+runs HF's own forward with its KV cache (the reference the issue names). Speculative decoding needs a trained draft (``--draft``): both models prefill the prompt
 once, then plain greedy decoding of the verifier and speculative decoding for each K start from
 copies of those caches, so every variant decodes the same text from the same state.
 """

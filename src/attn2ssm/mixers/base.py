@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attn2ssm.ops.layout import DecodeLinear
-from attn2ssm.ops.layout import linear as decode_linear
-from attn2ssm.ops.rope import apply_rotary
+from attn2ssm.ops.layout import DecodeLinear, FusedLinears, drop_fusions  # noqa: F401  (FusedLinears: re-exported)
+from attn2ssm.ops.rope import apply_rotary, apply_rotary_full, signed_sin
 
 
 @dataclass
@@ -25,6 +24,15 @@ class MixerContext:
     """Per-forward facts the student model hands to its mixers."""
 
     padding_mask: torch.Tensor | None = None  # (b, l) 1 = real token, for the tokens of this forward
+    _rope_sin: torch.Tensor | None = None  # the last step's sin and its signed copy (see rope_step)
+    _rope_signed: torch.Tensor | None = None
+
+    def rope_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``apply_rotary_full`` with the signed sin made once per forward (every mixer of a
+        model gets the same sin tensor)."""
+        if self._rope_sin is not sin:
+            self._rope_sin, self._rope_signed = sin, signed_sin(sin)
+        return apply_rotary_full(x, cos, sin, self._rope_signed)
 
 
 class HeadRMSNorm(nn.Module):
@@ -47,42 +55,6 @@ def _record_inputs(mixer, args, kwargs):
     if layer is not None and getattr(layer, "record_past", False):
         hidden = args[0] if args else kwargs["hidden_states"]
         layer.record(mixer, hidden, kwargs.get("position_embeddings"), mixer.padding_mask(hidden.shape[1]))
-
-
-class FusedLinears:
-    """Linear layers that read the same input, their weights and biases made row blocks of one
-    (Σout, in) buffer, so that a step reads them with ONE matmul (see ops/layout.py). The layers
-    keep their own parameters (names, state dict, LoRA targets): the fused path is used only
-    while every parameter still lives where it was put (a ``.to()``, a re-assigned ``.data``, a
-    hook or another subclass turns it off)."""
-
-    def __init__(self, names: list[str], linears: list[nn.Linear]):
-        self.names, self.linears = names, linears
-        self.sizes = [lin.out_features for lin in linears]
-        with torch.no_grad():
-            self.weight = torch.cat([lin.weight for lin in linears], dim=0)  # (Σout, in)
-            self.bias = None
-            if any(lin.bias is not None for lin in linears):
-                parts = [lin.bias if lin.bias is not None else self.weight.new_zeros(n) for lin, n in zip(linears, self.sizes)]
-                self.bias = torch.cat(parts)
-            start = 0
-            for lin, n in zip(linears, self.sizes):
-                lin.weight.data = self.weight[start : start + n]
-                if lin.bias is not None:
-                    lin.bias.data = self.bias[start : start + n]
-                start += n
-        self.pointers = [(lin.weight.data_ptr(), None if lin.bias is None else lin.bias.data_ptr()) for lin in linears]
-
-    def valid(self) -> bool:
-        for lin, (w, b) in zip(self.linears, self.pointers):
-            if type(lin) not in (nn.Linear, DecodeLinear) or lin._forward_hooks or lin._forward_pre_hooks:
-                return False
-            if lin.weight.data_ptr() != w or (None if lin.bias is None else lin.bias.data_ptr()) != b:
-                return False
-        return True
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return decode_linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 class AttentionLikeMixer(nn.Module):
@@ -130,6 +102,10 @@ class AttentionLikeMixer(nn.Module):
         for mine, theirs in ((self.q_norm, w.q_norm), (self.k_norm, w.k_norm)):
             if mine is not None and theirs is not None:
                 mine.weight.copy_(theirs.weight)
+
+    def _apply(self, fn, recurse=True):  # .to() / .half(): fused buffers would pin the old storage
+        drop_fusions(self)
+        return super()._apply(fn, recurse)
 
     # -- shared projections ------------------------------------------------------------------
     def fuse_input_linears(self) -> bool:

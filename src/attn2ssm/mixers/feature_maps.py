@@ -177,9 +177,22 @@ class HedgehogMap(nn.Module):
         """``forward`` for one token in fewer ops (decode): x (b, h, d) → (b, h, f) float32."""
         if self.activation != "softmax":
             return self.forward(x[:, :, None])[:, :, 0]
-        z = torch.baddbmm(self.bias[:, None, :], x.to(self.weight.dtype).transpose(0, 1), self.weight)  # (h, b, f/2)
-        z = z.transpose(0, 1).float()
-        return torch.softmax(torch.cat([z, -z], dim=-1), dim=-1)
+        return hedgehog_softmax_step(x, self.weight, self.bias)
+
+
+def hedgehog_softmax_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Softmax-Hedgehog features of one token: x (b, H, d), weight (H, d, p), bias (H, p) →
+    (b, H, 2p) float32. H may stack several maps' heads (a mixer's query and key maps at once)."""
+    b, heads, d = x.shape
+    if x.dtype != weight.dtype:  # (skipping no-op casts: a decode step is op-count bound)
+        x = x.to(weight.dtype)
+    if b == 1:  # views, no transposed (strided) operands: the common decode case
+        z = torch.baddbmm(bias.view(heads, 1, -1), x.reshape(heads, 1, d), weight).view(1, heads, -1)
+    else:
+        z = torch.baddbmm(bias[:, None, :], x.transpose(0, 1), weight).transpose(0, 1)  # (H, b, p) → (b, H, p)
+    if z.dtype != torch.float32:
+        z = z.float()
+    return torch.softmax(torch.cat([z, -z], dim=-1), dim=-1)
 
 
 class T2RMap(nn.Module):

@@ -12,7 +12,7 @@ import torch
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.mixers.feature_maps import build_feature_map
+from attn2ssm.mixers.feature_maps import HedgehogMap, build_feature_map, hedgehog_softmax_step
 from attn2ssm.ops.linear_attention import (
     linear_attention_chunked,
     linear_attention_decode,
@@ -20,7 +20,7 @@ from attn2ssm.ops.linear_attention import (
     linear_attention_step,
     window_linear_attention,
 )
-from attn2ssm.ops.rope import apply_rotary_full
+from attn2ssm.ops.layout import ParamStack, linear_module
 
 
 class LinearAttentionMixer(AttentionLikeMixer):
@@ -95,29 +95,69 @@ class LinearAttentionMixer(AttentionLikeMixer):
         positions = torch.arange(seen, seen + 1, device=x.device)  # for position-aware maps
         return fmap(x[:, :, None], positions)[:, :, 0].float()
 
+    def fuse_input_linears(self) -> bool:
+        """Also stack the query and key Hedgehog maps' parameters (one buffer each for weights
+        and biases, values unchanged): a decode step then computes both maps' features in one
+        matmul and one softmax."""
+        fused = super().fuse_input_linears()
+        maps = (self.feature_map_q, self.feature_map_k)
+        if self.__dict__.get("_fused_maps") is None and all(type(m) is HedgehogMap and m.activation == "softmax" for m in maps):
+            self.__dict__["_fused_maps"] = (ParamStack([m.weight for m in maps]), ParamStack([m.bias for m in maps]))
+            fused = True
+        return fused
+
+    def _qk_index(self, device) -> torch.Tensor:
+        """(2h,) rows of the (h + kv) roped q/k heads: every query head, then each one's key head."""
+        cached = self.__dict__.get("_qk_rows")
+        if cached is None or cached.device != torch.device(device):
+            cached = torch.cat([torch.arange(self.num_heads, device=device), self.num_heads + self.kv_index(device)])
+            self.__dict__["_qk_rows"] = cached
+        return cached
+
     def _decode(self, hidden_states, position_embeddings, layer):
         """One unpadded token against the carried state, in as few ops as the math allows (the
-        step form's decode-speed twin; tests hold them equal)."""
+        step form's decode-speed twin; tests hold them equal): q and k roped together, both
+        feature maps in one matmul when they are stacked (``fuse_input_linears``)."""
         b = hidden_states.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        inputs = self.project_inputs(hidden_states)
-        q, k, v = inputs["q_proj"].view(b, h, d), inputs["k_proj"].view(b, kv, d), inputs["v_proj"].view(b, kv, d)
+        fused = self.__dict__.get("_fused_inputs")
+        if fused is not None and fused.valid():  # rows q | k | v (input_linears' order)
+            qkv = fused.matmul(hidden_states)
+        else:
+            qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+        qkv = qkv.view(b, h + 2 * kv, d)
+        qk, v = qkv[:, : h + kv], qkv[:, h + kv :]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], 1)
         if self.use_rope and position_embeddings is not None and self.rotary_dim:
-            cos, sin = position_embeddings  # (b, 1, d): broadcast over heads
-            q, k = apply_rotary_full(q, cos, sin), apply_rotary_full(k, cos, sin)
-        k, v = self.repeat_kv(k, 1), self.repeat_kv(v, 1)
-        fq, fk = self._step_features(self.feature_map_q, q, layer.seen), self._step_features(self.feature_map_k, k, layer.seen)
-        y, layer.states["linear"] = linear_attention_decode(fq, fk, v.float(), layer.states["linear"], eps=self.eps)
+            qk = self.context.rope_step(qk, *position_embeddings)
+        heads = qk.index_select(1, self._qk_index(qk.device))  # (b, 2h, d): q heads, then k heads repeated
+        maps = self.__dict__.get("_fused_maps")
+        if maps is not None and maps[0].valid() and maps[1].valid() and not self.feature_map_q._forward_hooks:
+            features = hedgehog_softmax_step(heads, maps[0].buffer, maps[1].buffer)
+            fq, fk = features[:, :h], features[:, h:]
+        else:
+            fq = self._step_features(self.feature_map_q, heads[:, :h], layer.seen)
+            fk = self._step_features(self.feature_map_k, heads[:, h:], layer.seen)
+        # in place: the cache owns its state tensors (rollback snapshots and benchmark copies are clones)
+        y, layer.states["linear"] = linear_attention_decode(fq, fk, self.repeat_kv(v, 1).float(), layer.states["linear"], eps=self.eps, inplace=True)
         layer.advance(1)
-        return self.o_proj(y.to(hidden_states.dtype).view(b, 1, h * d))
+        if y.dtype != hidden_states.dtype:
+            y = y.to(hidden_states.dtype)
+        return linear_module(self.o_proj, y.view(b, 1, h * d))
+
+    def can_decode_step(self, layer) -> bool:
+        """Can ``decode_step`` take one unpadded token with this cache layer?"""
+        return not self.window and "linear" in layer.states and (not self.use_rope or self.rotary_dim in (0, self.head_dim))
+
+    def decode_step(self, hidden_states, position_embeddings, layer):
+        """(b, 1, hidden) → (b, 1, hidden): one unpadded token (see ``_decode``)."""
+        return self._decode(hidden_states, position_embeddings, layer)
 
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
         layer = self.cache_layer(kwargs)
-        fast = l == 1 and not self.window and layer is not None and "linear" in layer.states
-        if fast and self.padding_mask(1) is None and (not self.use_rope or self.rotary_dim in (0, self.head_dim)):
+        if l == 1 and layer is not None and self.padding_mask(1) is None and self.can_decode_step(layer):
             return self._decode(hidden_states, position_embeddings, layer), None
         q, k, v, fq, fk = self._qkv_features(hidden_states, position_embeddings, offset=0 if layer is None else layer.seen)
         mask = self.padding_mask(l)

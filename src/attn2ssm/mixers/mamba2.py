@@ -192,10 +192,18 @@ class Mamba2Mixer(AttentionLikeMixer):
         layer.advance(1)
         return self._output(y.to(x.dtype)[:, None], x, u, inputs)
 
+    def can_decode_step(self, layer) -> bool:
+        """Can ``decode_step`` take one unpadded token with this cache layer?"""
+        return "ssm" in layer.states
+
+    def decode_step(self, hidden_states, position_embeddings, layer):
+        """(b, 1, hidden) → (b, 1, hidden): one unpadded token (see ``_decode``)."""
+        return self._decode(hidden_states, position_embeddings, layer)
+
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
         layer = self.cache_layer(kwargs)
-        if l == 1 and layer is not None and "ssm" in layer.states and self.padding_mask(1) is None:
+        if l == 1 and layer is not None and self.can_decode_step(layer) and self.padding_mask(1) is None:
             return self._decode(hidden_states, position_embeddings, layer), None
         states = {} if layer is None else layer.states
         mask = self.padding_mask(l)

@@ -94,19 +94,26 @@ def linear_attention_step(q, k, v, state: LinearAttentionState, *, eps: float = 
     return (num / (den + eps)).to(dtype), LinearAttentionState(kv, k_sum)
 
 
-def linear_attention_decode(q, k, v, state: LinearAttentionState, *, eps: float = 1e-6):
+def linear_attention_decode(q, k, v, state: LinearAttentionState, *, eps: float = 1e-6, inplace: bool = False):
     """``linear_attention_step`` in the fewest ops (decode speed): q, k (b, h, f), v (b, h, d),
     all float32. The state update is one batched rank-1 update, the numerator and denominator
-    one batched matmul each. Returns (out (b, h, d) float32, new state); the old state is kept."""
+    one batched matmul each. Returns (out (b, h, d) float32, new state). ``inplace``: the new
+    state is written into ``state``'s tensors (no allocation; a decode step's cache owns them),
+    else the old state is kept."""
     b, h, f = q.shape
     d = v.shape[-1]
-    kv = torch.baddbmm(state.kv.view(b * h, f, d), k.reshape(b * h, f, 1), v.reshape(b * h, 1, d))
-    k_sum = state.k_sum + k
+    k_col, v_row = k.reshape(b * h, f, 1), v.reshape(b * h, 1, d)
+    if inplace:
+        kv = state.kv.view(b * h, f, d).baddbmm_(k_col, v_row)
+        k_sum = state.k_sum.add_(k)
+    else:
+        kv = torch.baddbmm(state.kv.view(b * h, f, d), k_col, v_row)
+        k_sum = state.k_sum + k
     qf = q.reshape(b * h, 1, f)
     num = torch.bmm(qf, kv)  # (b·h, 1, d)
     den = torch.bmm(qf, k_sum.view(b * h, f, 1))  # (b·h, 1, 1)
     out = num.div_(den.add_(eps))
-    return out.view(b, h, d), LinearAttentionState(kv.view(b, h, f, d), k_sum)
+    return out.view(b, h, d), (state if inplace else LinearAttentionState(kv.view(b, h, f, d), k_sum))
 
 
 def linear_attention_recurrent(q, k, v, mask=None, state: LinearAttentionState | None = None, *, eps: float = 1e-6):

@@ -33,24 +33,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_d
     return torch.cat((x_rot, x_pass), dim=-1)
 
 
-_ROTATE_HALF: dict = {}
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """(s1, s2) -> (−s1, s2) over the last dim: rotate_half(x)·sin == swap_halves(x)·signed_sin(sin)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def _rotate_half_matrix(d: int, dtype, device) -> torch.Tensor:
-    """R (d, d) with x @ R == rotate_half(x): one matmul instead of slice/slice/neg/cat."""
-    key = (d, dtype, str(device))
-    if key not in _ROTATE_HALF:
-        half = d // 2
-        r = torch.zeros(d, d, dtype=dtype, device=device)
-        idx = torch.arange(half, device=device)
-        r[idx + half, idx] = -1.0  # out[:half] = −x[half:]
-        r[idx, idx + half] = 1.0  # out[half:] = x[:half]
-        _ROTATE_HALF[key] = r
-    return _ROTATE_HALF[key]
-
-
-def apply_rotary_full(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rotary`` when every dim rotates, in three ops (the decode step's form):
-    x (..., d) with cos, sin broadcasting against it. Equal to apply_rotary (exact: R is a signed
-    permutation)."""
-    return torch.addcmul(x * cos, x @ _rotate_half_matrix(x.shape[-1], x.dtype, x.device), sin)
+def apply_rotary_full(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed: torch.Tensor | None = None) -> torch.Tensor:
+    """``apply_rotary`` when every dim rotates, in a few small ops (the decode step's form):
+    x (..., d) with cos, sin broadcasting against it; rotate_half(x)·sin is computed as
+    swap_halves(x)·signed_sin(sin), the same products exactly. ``signed``: signed_sin(sin) when
+    the caller already has it (one per forward, shared by every layer)."""
+    half = x.shape[-1] // 2
+    if signed is None:
+        signed = signed_sin(sin)
+    return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), signed)

@@ -105,6 +105,21 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
             return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
+    # -- one-token decode plan (CPU decode mode) -------------------------------------------------
+    def enable_decode_plan(self) -> bool:
+        """Build a ``DecodePlan`` (called by ``cpu_decode_layout``). False, with the reason in
+        ``decode_plan_reason``, when this student's structure does not allow one."""
+        if self.__dict__.get("_decode_plan") is not None:
+            return False
+        from attn2ssm.student.decode_plan import DecodePlan
+
+        plan, self.decode_plan_reason = DecodePlan.build(self)
+        self.__dict__["_decode_plan"] = plan
+        return plan is not None
+
+    def disable_decode_plan(self) -> bool:
+        return self.__dict__.pop("_decode_plan", None) is not None
+
     # -- forward -----------------------------------------------------------------------------
     def forward(
         self,
@@ -127,6 +142,20 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
                 pad = current
         self.mixer_context.padding_mask = pad
         use_cache = getattr(self.base.config, "use_cache", True) if use_cache is None else use_cache
+        plan = self.__dict__.get("_decode_plan")
+        if (
+            plan is not None
+            and length == 1
+            and pad is None
+            and use_cache
+            and input_ids is not None
+            and inputs_embeds is None
+            and labels is None
+            and isinstance(logits_to_keep, int)
+            and isinstance(past_key_values, Attn2SSMCache)
+            and plan.usable(past_key_values, kwargs)
+        ):
+            return plan(input_ids, position_ids, kwargs.get("cache_position"), past_key_values)
         if use_cache and (past_key_values is None or not isinstance(past_key_values, Attn2SSMCache)):
             if past_key_values is not None and past_key_values.get_seq_length() > 0:
                 raise ValueError("pass an Attn2SSMCache (model.new_cache()) to a student, not a plain KV cache")
