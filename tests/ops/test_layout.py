@@ -137,6 +137,21 @@ def test_fused_path_steps_aside_when_weights_move_or_get_hooks(monkeypatch):
         hooked = model(ids).logits
     handle.remove()
     assert len(calls) == len(model.mixers()) - 1 and not torch.allclose(hooked, ref)
+    # a replaced (wrapped) layer is read through its replacement: peft's LoRA swaps the module
+    original = mixer.v_proj
+    mixer.v_proj = nn.Sequential(original, nn.Tanh())
+    calls.clear()
+    with torch.no_grad():
+        wrapped = model(ids).logits
+    mixer.v_proj = original
+    assert len(calls) == len(model.mixers()) - 1 and not torch.allclose(wrapped, ref)
+    mlp = model.base.model.layers[0].mlp
+    mlp.up_proj = nn.Sequential(mlp.up_proj, nn.Tanh())
+    with torch.no_grad():
+        assert not torch.allclose(model(ids).logits, ref)
+    mlp.up_proj = mlp.up_proj[0]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref)
     # re-assigned data (a load with assign=True, a dtype round trip) is read from the layer itself
     with torch.no_grad():
         mixer.k_proj.weight.data = mixer.k_proj.weight.data.clone() * 2

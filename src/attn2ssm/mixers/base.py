@@ -115,7 +115,7 @@ class AttentionLikeMixer(nn.Module):
         linears = [getattr(self, n) for n in names]
         if len(linears) < 2 or any(type(lin) not in (nn.Linear, DecodeLinear) for lin in linears):
             return False
-        self.__dict__["_fused_inputs"] = FusedLinears(names, linears)  # not a submodule: no state-dict entry
+        self.__dict__["_fused_inputs"] = FusedLinears(self, names, linears)  # not a submodule: no state-dict entry
         return True
 
     def project_inputs(self, x: torch.Tensor) -> dict:
