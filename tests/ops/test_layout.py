@@ -225,3 +225,45 @@ def test_a_dtype_move_drops_the_fused_buffers_and_stays_correct():
     assert all(m.__dict__.get("_blocks") is None for m in model.modules())
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits.float(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_hedgehog_students_stacked_maps_decode_save_undo_and_step_aside(tmp_path):
+    """The query and key Hedgehog maps become blocks of one buffer; decoding, saving and undoing
+    work, and a replaced map is read through its replacement."""
+    from tiny_models import tiny_student
+
+    model = tiny_student("gqa_9x3", "linear_attention", options={"feature_map": "hedgehog"})
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(ids, **kwargs)
+    cpu_decode_layout(model)
+    mixer = model.mixers()[0]
+    assert mixer.__dict__.get("_fused_maps") is not None
+    assert mixer.feature_map_q.weight.untyped_storage().data_ptr() == mixer.feature_map_k.weight.untyped_storage().data_ptr()
+    with torch.no_grad():
+        got = model.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(ref.scores), rtol=1e-5, atol=1e-5)
+    model.save_pretrained(tmp_path / "student")  # unfuses while writing, fuses again after
+    assert mixer.__dict__.get("_fused_maps") is not None
+    class Squared(nn.Module):  # a replaced map: prefill and every decode step must use it
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, positions=None):
+            return self.inner(x, positions) ** 2
+
+    plain = tiny_student("gqa_9x3", "linear_attention", options={"feature_map": "hedgehog"})  # same weights, no decode mode
+    original = mixer.feature_map_k
+    mixer.feature_map_k, plain.mixers()[0].feature_map_k = Squared(original), Squared(plain.mixers()[0].feature_map_k)
+    with torch.no_grad():
+        replaced, expected = model.generate(ids, **kwargs), plain.generate(ids, **kwargs)
+    torch.testing.assert_close(torch.stack(replaced.scores), torch.stack(expected.scores), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(torch.stack(replaced.scores), torch.stack(ref.scores))
+    mixer.feature_map_k = original
+    assert undo_cpu_decode_layout(model) > 0
+    assert mixer.__dict__.get("_fused_maps") is None
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **kwargs).sequences, ref.sequences)

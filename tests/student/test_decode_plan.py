@@ -32,10 +32,14 @@ def _tensors(state) -> list:
     return found
 
 
-def _decode_mode(family: str, kind: str):
-    model = tiny_student(family, kind)
+def _decode_mode(family: str, kind: str, options: dict | None = None):
+    model = tiny_student(family, kind, options=options)
     cpu_decode_layout(model)
     return model
+
+
+# every mixer kind, and linear attention with the Hedgehog map too (its two maps get stacked)
+KINDS = [(kind, None) for kind in sorted(MIXERS)] + [("linear_attention", {"feature_map": "hedgehog"})]
 
 
 def _prefill(model, ids, mask=None):
@@ -61,9 +65,9 @@ def _steps(model, cache, token, n, plan):
     return torch.cat(logits, 1)
 
 
-@pytest.mark.parametrize("kind", sorted(MIXERS))
-def test_plan_steps_equal_hf_forward_steps_for_every_mixer_kind(kind, plan_calls):
-    model = _decode_mode("gqa_9x3", kind)
+@pytest.mark.parametrize("kind, options", KINDS)
+def test_plan_steps_equal_hf_forward_steps_for_every_mixer_kind(kind, options, plan_calls):
+    model = _decode_mode("gqa_9x3", kind, options)
     assert model.__dict__["_decode_plan"] is not None, model.decode_plan_reason
     ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(1))
     cache_a, token = _prefill(model, ids)
@@ -83,7 +87,7 @@ def test_plan_steps_equal_hf_forward_steps_for_every_mixer_kind(kind, plan_calls
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_left_padded_generation_is_the_same_with_and_without_the_plan(family, plan_calls):
-    model = _decode_mode(family, "linear_attention")
+    model = _decode_mode(family, "linear_attention", {"feature_map": "hedgehog"})
     ids = torch.randint(3, 256, (2, 8), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding: positions come from the mask, not the cache length

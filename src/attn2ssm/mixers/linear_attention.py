@@ -23,6 +23,28 @@ from attn2ssm.ops.linear_attention import (
 from attn2ssm.ops.layout import ParamStack, linear_module
 
 
+class StackedMaps:
+    """A mixer's query and key Hedgehog maps with their weights and biases stacked (one buffer
+    each, ``ParamStack``): a decode step computes both maps' features in one matmul. Used only
+    while both maps are still the mixer's, hook-free, and their parameters where they were put."""
+
+    def __init__(self, owner, maps):
+        self.owner, self.maps = owner, maps
+        self.weight, self.bias = ParamStack([m.weight for m in maps]), ParamStack([m.bias for m in maps])
+
+    def valid(self) -> bool:
+        modules = self.owner._modules
+        if modules.get("feature_map_q") is not self.maps[0] or modules.get("feature_map_k") is not self.maps[1]:
+            return False
+        if any(m._forward_hooks or m._forward_pre_hooks for m in self.maps):
+            return False
+        return self.weight.valid() and self.bias.valid()
+
+    def release(self) -> None:
+        self.weight.release()
+        self.bias.release()
+
+
 class LinearAttentionMixer(AttentionLikeMixer):
     mixer_type = "linear_attention"
     # forward_quadratic's matrix is normalised attention (rows sum to 1): attention transfer can
@@ -102,7 +124,7 @@ class LinearAttentionMixer(AttentionLikeMixer):
         fused = super().fuse_input_linears()
         maps = (self.feature_map_q, self.feature_map_k)
         if self.__dict__.get("_fused_maps") is None and all(type(m) is HedgehogMap and m.activation == "softmax" for m in maps):
-            self.__dict__["_fused_maps"] = (ParamStack([m.weight for m in maps]), ParamStack([m.bias for m in maps]))
+            self.__dict__["_fused_maps"] = StackedMaps(self, maps)
             fused = True
         return fused
 
@@ -133,8 +155,8 @@ class LinearAttentionMixer(AttentionLikeMixer):
             qk = self.context.rope_step(qk, *position_embeddings)
         heads = qk.index_select(1, self._qk_index(qk.device))  # (b, 2h, d): q heads, then k heads repeated
         maps = self.__dict__.get("_fused_maps")
-        if maps is not None and maps[0].valid() and maps[1].valid() and not self.feature_map_q._forward_hooks:
-            features = hedgehog_softmax_step(heads, maps[0].buffer, maps[1].buffer)
+        if maps is not None and maps.valid():
+            features = hedgehog_softmax_step(heads, maps.weight.buffer, maps.bias.buffer)
             fq, fk = features[:, :h], features[:, h:]
         else:
             fq = self._step_features(self.feature_map_q, heads[:, :h], layer.seen)
