@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attn2ssm.ops.layout import DecodeLinear, FusedLinears, drop_fusions  # noqa: F401  (FusedLinears: re-exported)
+from attn2ssm.ops.layout import FusedLinears, drop_fusions, is_plain_linear
 from attn2ssm.ops.rope import apply_rotary, apply_rotary_full, signed_sin
 
 
@@ -113,7 +113,7 @@ class AttentionLikeMixer(nn.Module):
         inference steps then read them with one matmul. Called by ``cpu_decode_layout``."""
         names = [n for n in self.input_linears if getattr(self, n, None) is not None]
         linears = [getattr(self, n) for n in names]
-        if len(linears) < 2 or any(type(lin) not in (nn.Linear, DecodeLinear) for lin in linears):
+        if len(linears) < 2 or not all(is_plain_linear(lin) for lin in linears):
             return False
         self.__dict__["_fused_inputs"] = FusedLinears(self, names, linears)  # not a submodule: no state-dict entry
         return True

@@ -136,7 +136,7 @@ class LinearAttentionMixer(AttentionLikeMixer):
             self.__dict__["_qk_rows"] = cached
         return cached
 
-    def _decode(self, hidden_states, position_embeddings, layer):
+    def decode_step(self, hidden_states, position_embeddings, layer):
         """One unpadded token against the carried state, in as few ops as the math allows (the
         step form's decode-speed twin; tests hold them equal): q and k roped together, both
         feature maps in one matmul when they are stacked (``fuse_input_linears``)."""
@@ -172,15 +172,11 @@ class LinearAttentionMixer(AttentionLikeMixer):
         """Can ``decode_step`` take one unpadded token with this cache layer?"""
         return not self.window and "linear" in layer.states and (not self.use_rope or self.rotary_dim in (0, self.head_dim))
 
-    def decode_step(self, hidden_states, position_embeddings, layer):
-        """(b, 1, hidden) → (b, 1, hidden): one unpadded token (see ``_decode``)."""
-        return self._decode(hidden_states, position_embeddings, layer)
-
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
         layer = self.cache_layer(kwargs)
         if l == 1 and layer is not None and self.padding_mask(1) is None and self.can_decode_step(layer):
-            return self._decode(hidden_states, position_embeddings, layer), None
+            return self.decode_step(hidden_states, position_embeddings, layer), None
         q, k, v, fq, fk = self._qkv_features(hidden_states, position_embeddings, offset=0 if layer is None else layer.seen)
         mask = self.padding_mask(l)
         if self.window:  # blocks of chunk_size queries against [window cache; block]: linear in l

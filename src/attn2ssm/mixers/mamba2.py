@@ -175,7 +175,7 @@ class Mamba2Mixer(AttentionLikeMixer):
             M = M * dt.transpose(1, 2)[:, :, None, :].to(M.dtype)
         return self._output(y, x, hidden_states), M
 
-    def _decode(self, u, position_embeddings, layer):
+    def decode_step(self, u, position_embeddings, layer):
         """One unpadded token against the carried states, in as few ops as the math allows (the
         step form's decode-speed twin; tests hold them equal)."""
         states = layer.states
@@ -196,15 +196,11 @@ class Mamba2Mixer(AttentionLikeMixer):
         """Can ``decode_step`` take one unpadded token with this cache layer?"""
         return "ssm" in layer.states
 
-    def decode_step(self, hidden_states, position_embeddings, layer):
-        """(b, 1, hidden) → (b, 1, hidden): one unpadded token (see ``_decode``)."""
-        return self._decode(hidden_states, position_embeddings, layer)
-
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
         layer = self.cache_layer(kwargs)
         if l == 1 and layer is not None and self.can_decode_step(layer) and self.padding_mask(1) is None:
-            return self._decode(hidden_states, position_embeddings, layer), None
+            return self.decode_step(hidden_states, position_embeddings, layer), None
         states = {} if layer is None else layer.states
         mask = self.padding_mask(l)
         inputs = self.project_inputs(hidden_states)

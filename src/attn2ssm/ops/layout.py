@@ -42,6 +42,18 @@ from torch import nn
 MAX_ROWS = 4  # beyond a few rows the product is a real GEMM and MKL parallelises it itself
 
 
+def _blocks(weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """(parts, in, out/parts) view of ``weight``'s row blocks: same storage."""
+    return weight.view(parts, weight.shape[0] // parts, weight.shape[1]).transpose(1, 2)
+
+
+def _block_product(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    parts, width, part = blocks.shape
+    y = torch.bmm(x.reshape(1, rows, width).expand(parts, rows, width), blocks)  # (parts, rows, out/parts)
+    y = y.transpose(0, 1).reshape(*x.shape[:-1], parts * part)
+    return y if bias is None else y + bias
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; for at most MAX_ROWS rows on CPU without autograd, computed
     as a batched matmul over row blocks of ``weight`` so that every thread streams a block.
@@ -55,14 +67,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         or rows > MAX_ROWS
         or out % parts
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        or x.is_cuda
         or x.device.type != "cpu"
         or not weight.is_contiguous()
     ):
         return F.linear(x, weight, bias)
-    y = torch.bmm(x.reshape(1, rows, width).expand(parts, rows, width), weight.view(parts, out // parts, width).transpose(1, 2))
-    y = y.transpose(0, 1).reshape(*x.shape[:-1], out)  # (parts, rows, out/parts) → (..., out)
-    return y if bias is None else y + bias
+    return _block_product(x, _blocks(weight, parts), bias, rows)
 
 
 def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, memo: dict) -> torch.Tensor:
@@ -77,10 +86,8 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if kept is None or kept[0] != ptr or kept[1] != parts:
         if parts < 2 or weight.shape[0] % parts or not weight.is_contiguous():
             return F.linear(x, weight, bias)
-        kept = memo["_blocks"] = (ptr, parts, weight.view(parts, weight.shape[0] // parts, weight.shape[1]).transpose(1, 2))
-    y = torch.bmm(x.reshape(1, rows, weight.shape[1]).expand(parts, rows, weight.shape[1]), kept[2])
-    y = y.transpose(0, 1).reshape(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
+        kept = memo["_blocks"] = (ptr, parts, _blocks(weight, parts))
+    return _block_product(x, kept[2], bias, rows)
 
 
 class DecodeLinear(nn.Linear):
@@ -93,6 +100,14 @@ class DecodeLinear(nn.Linear):
     def _apply(self, fn, recurse=True):  # .to() / .half(): the kept block view would pin the old storage
         self.__dict__.pop("_blocks", None)
         return super()._apply(fn, recurse)
+
+
+_PLAIN_LINEAR = (nn.Linear, DecodeLinear)
+
+
+def is_plain_linear(module) -> bool:
+    """An ``nn.Linear`` or ``DecodeLinear`` itself (not a subclass someone wrapped it in)."""
+    return module.__class__ in _PLAIN_LINEAR
 
 
 class FusedLinears:
@@ -122,7 +137,7 @@ class FusedLinears:
     def valid(self) -> bool:
         modules = self.owner._modules
         for name, lin, (w, b) in zip(self.names, self.linears, self.pointers):
-            if modules.get(name) is not lin or lin.__class__ not in _PLAIN_LINEAR or lin._forward_hooks or lin._forward_pre_hooks:
+            if modules.get(name) is not lin or not is_plain_linear(lin) or lin._forward_hooks or lin._forward_pre_hooks:
                 return False
             params = lin._parameters  # (not lin.weight: nn.Module.__getattr__ is slow on a hot path)
             if params["weight"].data_ptr() != w or (b is not None and params["bias"].data_ptr() != b):
@@ -165,9 +180,6 @@ class ParamStack:
     def release(self) -> None:
         for p in self.params:
             p.data = p.data.clone()
-
-
-_PLAIN_LINEAR = (nn.Linear, DecodeLinear)
 
 
 def linear_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -246,18 +258,18 @@ def _same_outputs(module: nn.Module, new_class: type, width: int, dtype: torch.d
     return bool((out - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()))
 
 
-def _linear_like(m) -> bool:
-    return type(m) in (nn.Linear, DecodeLinear)
+def _fuse_gate_up(module: nn.Module) -> None:
+    module.__dict__["_fused_inputs"] = FusedLinears(module, ["gate_proj", "up_proj"], [module.gate_proj, module.up_proj])
 
 
 def _fuse_gated_mlp(module: nn.Module) -> bool:
     gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
-    if not (_linear_like(gate) and _linear_like(up) and _linear_like(getattr(module, "down_proj", None))):
+    if not (is_plain_linear(gate) and is_plain_linear(up) and is_plain_linear(getattr(module, "down_proj", None))):
         return False
     if not callable(getattr(module, "act_fn", None)) or gate.in_features != up.in_features or module.__dict__.get("_fused_inputs") is not None:
         return False
     new_class = _decode_class(_GatedMLPDecode, type(module))
-    module.__dict__["_fused_inputs"] = FusedLinears(module, ["gate_proj", "up_proj"], [gate, up])
+    _fuse_gate_up(module)
     if _same_outputs(module, new_class, gate.in_features, gate.weight.dtype):
         module.__class__ = new_class
         return True
@@ -294,7 +306,7 @@ def _fuse(model: nn.Module) -> int:
                 count += 1
         elif isinstance(module, _GatedMLPDecode):  # back from standard_layout: fuse again
             if module.__dict__.get("_fused_inputs") is None:
-                module.__dict__["_fused_inputs"] = FusedLinears(module, ["gate_proj", "up_proj"], [module.gate_proj, module.up_proj])
+                _fuse_gate_up(module)
                 count += 1
         elif _fuse_gated_mlp(module):
             count += 1

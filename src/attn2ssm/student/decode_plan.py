@@ -31,7 +31,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp")
-_ALLOWED_KWARGS = {"cache_position", "output_attentions", "output_hidden_states", "return_dict", "use_cache"}
+_ALLOWED_KWARGS = {"cache_position", "output_attentions", "output_hidden_states", "return_dict"}
 
 
 class _Stub(nn.Module):
@@ -77,6 +77,7 @@ class DecodePlan:
             name = next((n for n, m in parent.named_children() if m is module), None)
             if name is not None:
                 self.placed.append((parent, name, module))
+        self.stepping = {type(m) for m in mixers.values() if hasattr(m, "decode_step")}  # mixer kinds with a one-token step
         # modules whose __call__ (and so whose hooks) the plan skips: they must have none
         self.skipped = [model, self.base, inner, *layers] + [m for _, _, m in self.placed if not isinstance(m, nn.ModuleList)]
 
@@ -174,10 +175,9 @@ class DecodePlan:
         pe = None if self.rotary is None else self.rotary(x, position_ids)
         for i, norm1, mixer, norm2, mlp in self.steps:
             layer = cache.mixer_layer(i)
-            fast = getattr(mixer, "decode_step", None)
             h = norm1.forward(x)
-            if fast is not None and mixer.can_decode_step(layer):
-                x = x + fast(h, pe, layer)
+            if mixer.__class__ in self.stepping and mixer.can_decode_step(layer):
+                x = x + mixer.decode_step(h, pe, layer)
             else:
                 x = x + mixer.forward(h, position_embeddings=pe, past_key_values=cache)[0]
             x = x + mlp.forward(norm2.forward(x))
