@@ -131,6 +131,59 @@ def test_cli_bench_generate_writes_json_and_png(tmp_path):
     assert result["environment"]["torch"] == torch.__version__ and "command" in result
 
 
+class _CountingBackend:
+    """Traces the compiled step and runs the traced graph as it is (no inductor: seconds)."""
+
+    def __init__(self):
+        self.traces, self.calls = 0, 0
+
+    def __call__(self, graph_module, example_inputs):
+        self.traces += 1
+
+        def run(*args):
+            self.calls += 1
+            return graph_module.forward(*args)
+
+        return run
+
+
+def test_cli_bench_compile_compiles_students_before_timing(tmp_path, monkeypatch):
+    from attn2ssm.cli import main
+    from attn2ssm.student import compiled_step
+
+    backend = _CountingBackend()
+    monkeypatch.setattr(compiled_step, "BACKEND", backend)
+    teacher, corpus = _tiny_teacher_and_corpus(tmp_path)
+    out = tmp_path / "gen.json"
+    argv = ["bench", "generate", "--teacher", str(teacher), "--models", "teacher,mamba2", "--contexts", "16",
+            "--new-tokens", "4", "--rounds", "2", "--corpus", str(corpus), "--out", str(out), "--no-progress", "--compile"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    compiled = result["compiled_decode_step"]
+    assert compiled["mamba2"] == "compiled" and compiled["teacher"].startswith("not compiled")
+    assert result["settings"]["compile_students"] is True
+    assert backend.traces == 1  # traced in the warm-up, reused by every timed step
+    assert backend.calls == 2 + 2 * 4  # warm-up: 2 decode steps; 2 rounds x 4 one-token steps (the cache holds the prompt)
+
+
+def test_cli_generate_compile_prints_the_same_text(tmp_path, monkeypatch, capsys):
+    from attn2ssm.cli import main
+    from attn2ssm.student import compiled_step
+
+    backend = _CountingBackend()
+    monkeypatch.setattr(compiled_step, "BACKEND", backend)
+    teacher, _ = _tiny_teacher_and_corpus(tmp_path)
+    student = tmp_path / "student"
+    assert main(["convert", "--teacher", str(teacher), "--mixer", "linear_attention", "--out", str(student)]) == 0
+    capsys.readouterr()
+    texts = []
+    for extra in ([], ["--compile"]):
+        assert main(["generate", str(student), "--prompt", "the state of the union", "--max-new-tokens", "6", *extra]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()
+    assert backend.traces == 1 and backend.calls == 5  # 6 new tokens: one prefill, five decode steps
+
+
 @pytest.mark.parametrize(
     "flags,needle",
     [
@@ -140,6 +193,7 @@ def test_cli_bench_generate_writes_json_and_png(tmp_path):
         (["--new-tokens", "1"], "--new-tokens"),
         (["--rounds", "0"], "--rounds"),
         (["--draft", "/nope"], "--draft /nope"),
+        (["--compile", "--no-cpu-layout"], "--compile needs the CPU decode layout"),
     ],
 )
 def test_bench_bad_flags_are_one_line(flags, needle, capsys):

@@ -15,8 +15,9 @@ Students are converted from the teacher without training: speed and memory do no
 weights. On CPU every model, teacher included, gets ``cpu_decode_layout`` (one-row matmuls over
 row blocks of the weight on every core, gate/up and mixer input projections fused, fused
 RMSNorm) unless ``cpu_layout`` is off; pure students of a Llama-structured teacher also decode
-through their one-token ``DecodePlan`` there (HF's per-layer plumbing skipped), while the teacher
-runs HF's own forward with its KV cache (the reference the issue names). Speculative decoding needs a trained draft (``--draft``): both models prefill the prompt
+through their one-token ``DecodePlan`` there (HF's per-layer plumbing skipped), with
+``compile_students`` (``--compile``) as one ``torch.compile``d function (compiled before any
+timing), while the teacher runs HF's own forward with its KV cache (the reference the issue names). Speculative decoding needs a trained draft (``--draft``): both models prefill the prompt
 once, then plain greedy decoding of the verifier and speculative decoding for each K start from
 copies of those caches, so every variant decodes the same text from the same state.
 """
@@ -286,6 +287,7 @@ class BenchSettings:
     threads: int | None = None
     rounds: int = 3
     cpu_layout: bool = True
+    compile_students: bool = False  # CPU: students decode through a torch.compile'd step (compiled before timing)
 
 
 def _prompt_ids(tokenizer, corpus: str, length: int, device) -> torch.Tensor:
@@ -340,7 +342,20 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
         from attn2ssm.ops.layout import cpu_decode_layout
 
         for model in [teacher, *models.values()]:
-            cpu_decode_layout(model)
+            cpu_decode_layout(model, compile=settings.compile_students and model is not teacher)
+    compiled = {}
+    if layout and settings.compile_students:  # compile now (a minute each), not inside a timed decode
+        warm = _prompt_ids(tokenizer, settings.corpus, 16, device)
+        for name, model in models.items():
+            if model is teacher:
+                compiled[name] = "not compiled: HF's forward with its KV cache"
+                continue
+            compiled[name] = model.compiled_step_reason or "compiled"
+            if compiled[name] == "compiled":
+                with torch.no_grad():
+                    _greedy(model, warm, _new_cache(model), 3, _Clock())
+                step = model.__dict__["_decode_plan"].compiled
+                compiled[name] = "compiled" if step.failed is None else step.failed
     limits = settings.max_context or {}
     out_of_memory: dict[str, int] = {}  # model → the context whose prefill did not fit
     longest = max([*settings.contexts, *(settings.spec_contexts if settings.draft else ())])
@@ -368,6 +383,7 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
         "device": str(device),
         "threads": torch.get_num_threads(),
+        "compiled_decode_step": compiled,  # student → "compiled" or why it decodes eagerly
         "environment": environment(),
         "decode": decode,
     }

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attn2ssm.ops.layout import FusedLinears, drop_fusions, is_plain_linear
+from attn2ssm.ops.layout import FusedLinears, drop_fusions, is_plain_linear, traced_parts
 from attn2ssm.ops.rope import apply_rotary, apply_rotary_full, signed_sin
 
 
@@ -29,7 +29,9 @@ class MixerContext:
 
     def rope_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``apply_rotary_full`` with the signed sin made once per forward (every mixer of a
-        model gets the same sin tensor)."""
+        model gets the same sin tensor; not inside a compiled step, which fuses it anyway)."""
+        if traced_parts():
+            return apply_rotary_full(x, cos, sin)
         if self._rope_sin is not sin:
             self._rope_sin, self._rope_signed = sin, signed_sin(sin)
         return apply_rotary_full(x, cos, sin, self._rope_signed)

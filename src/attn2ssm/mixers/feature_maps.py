@@ -349,6 +349,8 @@ class CosFormerMap(nn.Module):
     0 ≤ i ≤ M (cos turns negative past M), so keep positions ≤ max_len. Returns the input dtype.
     """
 
+    uses_positions = True  # a decode step must hand it the token's position
+
     def __init__(self, num_heads: int, head_dim: int, *, max_len: int = 8192):
         super().__init__()
         self.max_len = _check_positive_int("cosformer", "max_len", max_len)

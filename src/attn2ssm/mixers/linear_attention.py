@@ -20,7 +20,7 @@ from attn2ssm.ops.linear_attention import (
     linear_attention_step,
     window_linear_attention,
 )
-from attn2ssm.ops.layout import ParamStack, linear_module
+from attn2ssm.ops.layout import ParamStack, linear_module, traced_parts
 
 
 class StackedMaps:
@@ -33,6 +33,8 @@ class StackedMaps:
         self.weight, self.bias = ParamStack([m.weight for m in maps]), ParamStack([m.bias for m in maps])
 
     def valid(self) -> bool:
+        if traced_parts():  # a compiled step checked it just before the call
+            return True
         modules = self.owner._modules
         if modules.get("feature_map_q") is not self.maps[0] or modules.get("feature_map_k") is not self.maps[1]:
             return False
@@ -114,7 +116,9 @@ class LinearAttentionMixer(AttentionLikeMixer):
         step = getattr(fmap, "step", None)
         if step is not None:
             return step(x)
-        positions = torch.arange(seen, seen + 1, device=x.device)  # for position-aware maps
+        if seen is None and getattr(fmap, "uses_positions", False):
+            raise ValueError(f"{type(fmap).__name__} needs the token's position: pass decode_math(..., seen=)")
+        positions = None if seen is None else torch.arange(seen, seen + 1, device=x.device)  # position-aware maps
         return fmap(x[:, :, None], positions)[:, :, 0].float()
 
     def fuse_input_linears(self) -> bool:
@@ -140,6 +144,16 @@ class LinearAttentionMixer(AttentionLikeMixer):
         """One unpadded token against the carried state, in as few ops as the math allows (the
         step form's decode-speed twin; tests hold them equal): q and k roped together, both
         feature maps in one matmul when they are stacked (``fuse_input_linears``)."""
+        y, states = self.decode_math(hidden_states, position_embeddings, layer.states, layer.seen)
+        layer.states.update(states)
+        layer.advance(1)
+        return y
+
+    def decode_math(self, hidden_states, position_embeddings, states: dict, seen: int | None = None):
+        """``decode_step``'s computation without the cache bookkeeping: (output, {state name: new
+        state}). An eager step updates the state in place (the cache owns it: rollback snapshots
+        and benchmark copies are clones); a traced one returns a new one. ``seen`` (tokens before this one) is read only by a feature
+        map without a one-token ``step`` (see ``can_trace_decode``)."""
         b = hidden_states.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         fused = self.__dict__.get("_fused_inputs")
@@ -159,14 +173,19 @@ class LinearAttentionMixer(AttentionLikeMixer):
             features = hedgehog_softmax_step(heads, maps.weight.buffer, maps.bias.buffer)
             fq, fk = features[:, :h], features[:, h:]
         else:
-            fq = self._step_features(self.feature_map_q, heads[:, :h], layer.seen)
-            fk = self._step_features(self.feature_map_k, heads[:, h:], layer.seen)
-        # in place: the cache owns its state tensors (rollback snapshots and benchmark copies are clones)
-        y, layer.states["linear"] = linear_attention_decode(fq, fk, self.repeat_kv(v, 1).float(), layer.states["linear"], eps=self.eps, inplace=True)
-        layer.advance(1)
+            fq = self._step_features(self.feature_map_q, heads[:, :h], seen)
+            fk = self._step_features(self.feature_map_k, heads[:, h:], seen)
+        # in place in eager steps (no allocation); a traced step returns new states (no copy-back)
+        y, state = linear_attention_decode(fq, fk, self.repeat_kv(v, 1).float(), states["linear"], eps=self.eps, inplace=not traced_parts())
         if y.dtype != hidden_states.dtype:
             y = y.to(hidden_states.dtype)
-        return linear_module(self.o_proj, y.view(b, 1, h * d))
+        return linear_module(self.o_proj, y.view(b, 1, h * d)), {"linear": state}
+
+    def can_trace_decode(self, layer) -> bool:
+        """Can a compiled decode step (student/compiled_step.py) trace ``decode_math`` for this
+        cache layer? (Not with a position-aware feature map: the trace must not read ``seen``.)"""
+        maps = (self.feature_map_q, self.feature_map_k)
+        return self.can_decode_step(layer) and not any(getattr(m, "uses_positions", False) for m in maps)
 
     def can_decode_step(self, layer) -> bool:
         """Can ``decode_step`` take one unpadded token with this cache layer?"""

@@ -33,6 +33,7 @@ from torch import nn
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.ssm_common import A_log_identity, CausalConv, apply_conv, check_activation, dt_bias_init, emit_bc, init_shared_parameters, store_states
+from attn2ssm.ops.conv import causal_conv1d_step
 from attn2ssm.ops.selective_scan import selective_scan_chunked, selective_scan_step
 
 
@@ -139,9 +140,41 @@ class MambaMixer(AttentionLikeMixer):
             y = y * F.silu(self.gate(u) if inputs is None else inputs["gate"])
         return self.o_proj(y)
 
+    def decode_step(self, u, position_embeddings, layer):
+        """One unpadded token against the carried states (the forward's decode branch without
+        padding; tests hold them equal)."""
+        y, states = self.decode_math(u, position_embeddings, layer.states)
+        layer.states.update(states)
+        layer.advance(1)
+        return y
+
+    def decode_math(self, u, position_embeddings, states: dict, seen: int | None = None):
+        """``decode_step``'s computation without the cache bookkeeping: (output, {state name: new
+        state}); the old states are kept (a rollback snapshot may hold them)."""
+        new = {}
+        inputs = self.project_inputs(u)
+        x, B, C = self._bc(u, position_embeddings, inputs)
+        if self.conv is not None:
+            x, new["conv"] = causal_conv1d_step(x[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation)
+            x = x[:, None]
+        xg, dt, A = self._scan_inputs(u, x, inputs)
+        y, new["ssm"] = selective_scan_step(xg[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], states["ssm"])
+        return self._output(y[:, None], x, u, inputs), new
+
+    def can_decode_step(self, layer) -> bool:
+        """Can ``decode_step`` take one unpadded token with this cache layer?"""
+        return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
+
+    def can_trace_decode(self, layer) -> bool:
+        """Can a compiled decode step trace ``decode_math`` for this cache layer? (Not while a
+        bridge stage collects B/C: its sink is outside the compiled graph.)"""
+        return self.can_decode_step(layer) and self.bc_sink is None
+
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
         layer = self.cache_layer(kwargs)
+        if l == 1 and layer is not None and self.can_decode_step(layer) and self.padding_mask(1) is None:
+            return self.decode_step(hidden_states, position_embeddings, layer), None
         states = {} if layer is None else layer.states
         mask = self.padding_mask(l)
         inputs = self.project_inputs(hidden_states)

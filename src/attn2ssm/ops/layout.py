@@ -41,6 +41,30 @@ from torch import nn
 
 MAX_ROWS = 4  # beyond a few rows the product is a real GEMM and MKL parallelises it itself
 
+# Set by a compiled decode step (student/compiled_step.py) around each call: the row-block count
+# its products use. Read only through ``traced_parts``.
+_TRACED_PARTS = 0
+
+
+def traced_parts() -> int:
+    """Non-zero only while torch.compile traces a compiled decode step: the row-block count its
+    products use, and the step's promise that it checked every fusion just before the call (so
+    ``valid`` need not run inside: its storage-pointer checks cannot be traced). 0 in eager code,
+    whatever ``_TRACED_PARTS`` holds, and in anyone else's traced code."""
+    return _TRACED_PARTS if torch.compiler.is_compiling() else 0
+
+
+@contextmanager
+def tracing_parts(parts: int):
+    """Inside the block a compiled step's trace sees ``traced_parts() == parts``; the compiled
+    function guards on it, so a call outside the block would re-trace, never reuse."""
+    global _TRACED_PARTS
+    previous, _TRACED_PARTS = _TRACED_PARTS, parts
+    try:
+        yield
+    finally:
+        _TRACED_PARTS = previous
+
 
 def _blocks(weight: torch.Tensor, parts: int) -> torch.Tensor:
     """(parts, in, out/parts) view of ``weight``'s row blocks: same storage."""
@@ -54,30 +78,33 @@ def _block_product(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | N
     return y if bias is None else y + bias
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``; for at most MAX_ROWS rows on CPU without autograd, computed
-    as a batched matmul over row blocks of ``weight`` so that every thread streams a block.
-    (A decode step calls this ~150 times: the checks are ordered cheapest and most decisive first.)"""
-    parts = torch.get_num_threads()
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` over ``parts`` row blocks of ``weight`` when ``x`` has at most
+    MAX_ROWS rows (and the blocks divide evenly), else ``F.linear``. No thread-count, autograd
+    or device checks: the caller made them (``linear``) or fixed ``parts`` (a traced step)."""
     out, width = weight.shape
     rows = x.numel() // width if width else 0
-    if (
-        parts < 2
-        or rows == 0
-        or rows > MAX_ROWS
-        or out % parts
-        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        or x.device.type != "cpu"
-        or not weight.is_contiguous()
-    ):
+    if parts < 2 or rows == 0 or rows > MAX_ROWS or out % parts or not weight.is_contiguous():
         return F.linear(x, weight, bias)
     return _block_product(x, _blocks(weight, parts), bias, rows)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; for at most MAX_ROWS rows on CPU without autograd, computed
+    as a batched matmul over row blocks of ``weight`` so that every thread streams a block."""
+    if (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)) or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    return rows_linear(x, weight, bias, torch.get_num_threads())
 
 
 def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, memo: dict) -> torch.Tensor:
     """``linear`` with the weight's row-block view kept in ``memo`` (a module's ``__dict__``) for
     the weight's storage and the thread count: a decode step makes ~150 of these products, and
-    the fewer small ops around each the better."""
+    the fewer small ops around each the better. (Inside a traced step: ``rows_linear`` with the
+    step's fixed block count; the memo's storage checks cannot be traced.)"""
+    traced = traced_parts()
+    if traced:
+        return rows_linear(x, weight, bias, traced)
     rows = x.numel() // weight.shape[1]
     if rows > MAX_ROWS or rows == 0 or torch.is_grad_enabled() or x.device.type != "cpu":
         return linear(x, weight, bias)
@@ -135,6 +162,8 @@ class FusedLinears:
         self.pointers = [(lin.weight.data_ptr(), None if lin.bias is None else lin.bias.data_ptr()) for lin in linears]
 
     def valid(self) -> bool:
+        if traced_parts():  # a compiled step checked it just before the call
+            return True
         modules = self.owner._modules
         for name, lin, (w, b) in zip(self.names, self.linears, self.pointers):
             if modules.get(name) is not lin or not is_plain_linear(lin) or lin._forward_hooks or lin._forward_pre_hooks:
@@ -175,6 +204,8 @@ class ParamStack:
         self.pointers = [p.data_ptr() for p in params]
 
     def valid(self) -> bool:
+        if traced_parts():
+            return True
         return all(p.data_ptr() == ptr for p, ptr in zip(self.params, self.pointers))
 
     def release(self) -> None:
@@ -326,9 +357,11 @@ def _unfuse(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def cpu_decode_layout(model: nn.Module) -> int:
+def cpu_decode_layout(model: nn.Module, compile: bool = False) -> int:
     """Put ``model`` in CPU decode mode (see the module docstring). Returns how many modules
-    changed; a no-op (0) off CPU or when already done."""
+    changed; a no-op (0) off CPU or when already done. ``compile``: a student's decode plan
+    also runs its layers as one ``torch.compile``d function (student/compiled_step.py; the
+    first step compiles: about a minute on a 2-core CPU, seconds once cached on disk)."""
     if not _on_cpu(model):
         return 0
     count = 0
@@ -340,7 +373,7 @@ def cpu_decode_layout(model: nn.Module) -> int:
             count += 1
     count += _fuse(model)
     enable = getattr(model, "enable_decode_plan", None)  # a student: one-token steps without HF's plumbing
-    if callable(enable) and enable():
+    if callable(enable) and (enable(compile=True) if compile else enable()):
         count += 1
     return count
 

@@ -80,6 +80,17 @@ class DecodePlan:
         self.stepping = {type(m) for m in mixers.values() if hasattr(m, "decode_step")}  # mixer kinds with a one-token step
         # modules whose __call__ (and so whose hooks) the plan skips: they must have none
         self.skipped = [model, self.base, inner, *layers] + [m for _, _, m in self.placed if not isinstance(m, nn.ModuleList)]
+        self.compiled = None  # a CompiledStep (opt-in: ``compile_step``)
+
+    def compile_step(self, backend=None) -> str:
+        """Run the layers through one ``torch.compile``d function from the next step on
+        (student/compiled_step.py). Returns "" or why not."""
+        from attn2ssm.student.compiled_step import CompiledStep
+
+        if self.compiled is None:
+            self.compiled, reason = CompiledStep.build(self, backend)
+            return reason
+        return ""
 
     # -- building -------------------------------------------------------------------------
     @classmethod
@@ -173,6 +184,11 @@ class DecodePlan:
                 cache_position = torch.arange(seen, seen + 1, device=x.device)
             position_ids = cache_position[None].expand(x.shape[0], -1)
         pe = None if self.rotary is None else self.rotary(x, position_ids)
+        compiled = self.compiled
+        if compiled is not None and compiled.ready(cache, pe):
+            logits = compiled(x, pe, cache)
+            if logits is not None:
+                return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
         for i, norm1, mixer, norm2, mlp in self.steps:
             layer = cache.mixer_layer(i)
             h = norm1.forward(x)

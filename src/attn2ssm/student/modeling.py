@@ -106,16 +106,26 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     # -- one-token decode plan (CPU decode mode) -------------------------------------------------
-    def enable_decode_plan(self) -> bool:
+    def enable_decode_plan(self, compile: bool = False) -> bool:
         """Build a ``DecodePlan`` (called by ``cpu_decode_layout``). False, with the reason in
-        ``decode_plan_reason``, when this student's structure does not allow one."""
-        if self.__dict__.get("_decode_plan") is not None:
-            return False
+        ``decode_plan_reason``, when this student's structure does not allow one. ``compile``:
+        its layers also run as one ``torch.compile``d function (student/compiled_step.py; the
+        reason it cannot, if so, in ``compiled_step_reason``). True when something was added."""
         from attn2ssm.student.decode_plan import DecodePlan
 
-        plan, self.decode_plan_reason = DecodePlan.build(self)
-        self.__dict__["_decode_plan"] = plan
-        return plan is not None
+        plan = self.__dict__.get("_decode_plan")
+        built = plan is None
+        if built:
+            plan, self.decode_plan_reason = DecodePlan.build(self)
+            self.__dict__["_decode_plan"] = plan
+        if not compile:
+            return built and plan is not None
+        if plan is None:
+            self.compiled_step_reason = f"no decode plan: {self.decode_plan_reason}"
+            return False
+        had = plan.compiled is not None
+        self.compiled_step_reason = plan.compile_step()
+        return (built or not had) and plan.compiled is not None
 
     def disable_decode_plan(self) -> bool:
         return self.__dict__.pop("_decode_plan", None) is not None

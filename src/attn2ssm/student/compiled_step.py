@@ -1,0 +1,118 @@
+"""A decode plan's layers as one ``torch.compile``d function (opt-in, CPU decode mode).
+
+With the one-token ``DecodePlan`` a pure student's step on the 2-core CPU is ~28-31 ms of
+weight streaming (538 MB for the built-in teacher's students) and ~15-20 ms of ~1,000 small
+eager ops and the Python around them. Compiled (inductor), the small ops become a few fused C++
+loops and the Python runs once at trace time; the matmuls stay the same row-block products
+(``ops/layout.rows_linear``). Measured on the built-in teacher's linear-attention student:
+~30 ms a token instead of ~45-55 (``benchmarks/results/generate_speed.json``, ``--compile``).
+
+What is traced is the plan's own code: the layers' norms and MLPs and each mixer's
+``decode_math`` (the same function the eager step runs, tests hold them equal), with
+``ops.layout.traced_parts`` telling it that the fusions were checked just before the call
+(their storage-pointer checks cannot be traced) and how many row blocks the products use.
+The cache bookkeeping (new states stored, token counts) stays outside, in Python.
+
+Used by the plan only when everything the trace assumed still holds: every fusion valid (checked
+before each call), every mixer able to trace its step for the cache (``can_trace_decode``), the
+thread count the trace was made for. Otherwise the plan runs its eager step. A first call traces
+and compiles (about a minute on the 2-core CPU; a few seconds once inductor's on-disk cache has
+it); dynamo re-traces if a module it read was replaced (e.g. fusions rebuilt after ``.to()``).
+A trace or compile failure turns the compiled step off with the reason in
+``model.compiled_step_reason`` and the step runs eagerly: nothing is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+
+import torch
+
+from attn2ssm.ops.layout import FUSION_KEYS, tracing_parts
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "inductor"  # the default torch.compile backend (tests swap in a tracing-only one)
+
+
+class CompiledStep:
+    """See the module docstring. ``CompiledStep.build(plan)`` → (step or None, reason)."""
+
+    def __init__(self, plan, backend=None):
+        self.plan, self.backend = plan, backend or BACKEND
+        self.parts = torch.get_num_threads()
+        # where fusions live (or may come back after standard_layout): checked before every call
+        holders = {id(m): m for _, _, mixer, _, mlp in plan.steps for m in (mixer, mlp)}
+        holders.update({id(m): m for m in plan.model.modules() if any(m.__dict__.get(k) is not None for k in FUSION_KEYS)})
+        self.fusion_slots = [(m, key) for m in holders.values() for key in FUSION_KEYS]
+        # dynamo keeps compiled entries per code object, with a cap (8): each step gets its own copy
+        # of _layers' code, or a process holding several students would run out of entries
+        layers = types.FunctionType(CompiledStep._layers.__code__.replace(), globals(), "_layers")
+        self.fn = torch.compile(types.MethodType(layers, self), backend=self.backend, dynamic=False, fullgraph=True)
+        self.compiled_once = False
+        self.failed: str | None = None
+
+    @classmethod
+    def build(cls, plan, backend=None) -> tuple[CompiledStep | None, str]:
+        if plan is None:
+            return None, "no decode plan"
+        missing = [type(mixer).__name__ for _, _, mixer, _, _ in plan.steps if not callable(getattr(mixer, "can_trace_decode", None))]
+        if missing:
+            return None, f"{missing[0]} has no traceable one-token step (decode_math); it decodes eagerly"
+        return cls(plan, backend), ""
+
+    # -- the traced function ---------------------------------------------------------------
+    def _layers(self, x, cos, sin, states: list):
+        pe = (cos, sin)
+        new = []
+        for (_, norm1, mixer, norm2, mlp), layer_states in zip(self.plan.steps, states):
+            y, updated = mixer.decode_math(norm1.forward(x), pe, layer_states)
+            new.append(updated)
+            x = x + y
+            x = x + mlp.forward(norm2.forward(x))
+        # contiguous states: the next call's inputs then match this trace's (a conv state comes out
+        # of the step as a strided view of its window; the prefill's is contiguous)
+        new = [{k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in d.items()} for d in new]
+        return self.plan.head(self.plan.norm.forward(x)), new
+
+    # -- running ---------------------------------------------------------------------------
+    def ready(self, cache, pe) -> bool:
+        """Does everything the trace assumed hold for this call?"""
+        if self.failed is not None or pe is None or torch.get_num_threads() != self.parts:
+            return False
+        for module, key in self.fusion_slots:
+            fusion = module.__dict__.get(key)
+            if fusion is not None and not fusion.valid():
+                return False
+        for i, _, mixer, _, _ in self.plan.steps:
+            if not mixer.can_trace_decode(cache.mixer_layer(i)):
+                return False
+        return True
+
+    def __call__(self, x, pe, cache):
+        """Logits for one token; the cache's states replaced and advanced. None if the compiled
+        function failed (then and on later calls the plan runs its eager step)."""
+        layers = [cache.mixer_layer(i) for i, *_ in self.plan.steps]
+        first = not self.compiled_once
+        if first:
+            logger.warning(
+                "compiling the decode step with torch.compile (%s): about a minute on a 2-core CPU the first time, "
+                "seconds once cached", self.backend,
+            )
+            start = time.perf_counter()
+        try:
+            with tracing_parts(self.parts):
+                logits, new = self.fn(x, pe[0], pe[1], [layer.states for layer in layers])
+        except Exception as exc:  # noqa: BLE001 - any trace/compile failure: run eagerly from now on
+            self.failed = f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            logger.warning("compiled decode step turned off (%s); decoding eagerly", self.failed)
+            return None
+        if first:
+            self.compiled_once = True
+            logger.warning("decode step compiled in %.1f s", time.perf_counter() - start)
+        for layer, updated in zip(layers, new):
+            layer.states.update(updated)
+            layer.advance(1)
+        return logits

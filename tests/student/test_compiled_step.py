@@ -1,0 +1,204 @@
+"""The compiled decode step (opt-in ``cpu_decode_layout(model, compile=True)``): the plan's
+layers traced into one function give the logits and states of the eager plan (itself held equal
+to HF's forward in test_decode_plan.py), trace once, step aside whenever what the trace assumed
+no longer holds, and turn themselves off, losing nothing, when tracing fails.
+
+Most tests trace with a counting dynamo backend that runs the traced graph eagerly (seconds);
+one compiles with inductor (the backend users get), marked slow."""
+
+import pytest
+import torch
+from tiny_models import tiny_student
+from torch import nn
+
+from attn2ssm.mixers.linear_attention import LinearAttentionMixer
+from attn2ssm.ops.layout import cpu_decode_layout, undo_cpu_decode_layout
+from attn2ssm.student.cache import _map_state
+from attn2ssm.student.compiled_step import CompiledStep
+
+KINDS = [("linear_attention", {"feature_map": "hedgehog"}), ("linear_attention", None), ("mamba", None), ("mamba2", None)]
+
+
+class CountingBackend:
+    """A dynamo backend that counts traces and runs each traced graph as it is (no inductor)."""
+
+    def __init__(self):
+        self.traces = 0
+
+    def __call__(self, graph_module, example_inputs):
+        self.traces += 1
+        return graph_module.forward
+
+
+def _tensors(state) -> list:
+    found: list = []
+    _map_state(state, lambda t: found.append(t) or t)
+    return found
+
+
+def _pair(kind, options, backend):
+    """(compiled, eager) students with the same weights, both in decode mode."""
+    torch.manual_seed(0)
+    compiled = tiny_student("gqa_9x3", kind, options=options)
+    torch.manual_seed(0)
+    eager = tiny_student("gqa_9x3", kind, options=options)
+    eager.load_state_dict(compiled.state_dict())
+    cpu_decode_layout(eager)
+    cpu_decode_layout(compiled)
+    plan = compiled.__dict__["_decode_plan"]
+    assert plan is not None, compiled.decode_plan_reason
+    assert plan.compile_step(backend) == ""
+    return compiled, eager
+
+
+def _prefill(model, ids):
+    cache = model.new_cache()
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True)
+    return cache, out.logits[:, -1:].argmax(-1)
+
+
+def _steps(model, cache, token, n):
+    logits = []
+    with torch.no_grad():
+        for _ in range(n):
+            out = model(token, past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+            token = out.logits[:, -1:].argmax(-1)
+    return torch.cat(logits, 1)
+
+
+def _ids(rows=2, length=7):
+    return torch.randint(3, 256, (rows, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("kind, options", KINDS)
+def test_compiled_steps_equal_the_eager_plan_and_trace_once(kind, options):
+    backend = CountingBackend()
+    compiled, eager = _pair(kind, options, backend)
+    ids = _ids()
+    cache_c, token = _prefill(compiled, ids)
+    cache_e, _ = _prefill(eager, ids)
+    got = _steps(compiled, cache_c, token, 6)
+    want = _steps(eager, cache_e, token, 6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    step = compiled.__dict__["_decode_plan"].compiled
+    assert step.failed is None and step.compiled_once
+    assert backend.traces == 1  # six steps, one trace: nothing in it changes from token to token
+    assert cache_c.get_seq_length() == cache_e.get_seq_length() == 7 + 6
+    for i in compiled.mixers():
+        a, b = cache_c.mixer_layer(i), cache_e.mixer_layer(i)
+        assert a.seen == b.seen
+        for x, y in zip(_tensors(a.states), _tensors(b.states), strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_generate_with_the_compiled_step_gives_the_eager_tokens():
+    compiled, eager = _pair("linear_attention", {"feature_map": "hedgehog"}, CountingBackend())
+    ids = _ids()
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(compiled.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+    assert compiled.__dict__["_decode_plan"].compiled.compiled_once
+
+
+def test_the_compiled_step_steps_aside_when_a_fusion_no_longer_holds():
+    backend = CountingBackend()
+    compiled, eager = _pair("linear_attention", {"feature_map": "hedgehog"}, backend)
+    ids = _ids()
+    cache_c, token = _prefill(compiled, ids)
+    cache_e, _ = _prefill(eager, ids)
+    _steps(compiled, cache_c, token, 1)
+    _steps(eager, cache_e, token, 1)
+    for model in (compiled, eager):  # new storage for one fused weight: the fused buffer is stale
+        mixer = model.mixers()[1]
+        mixer.q_proj.weight.data = mixer.q_proj.weight.data * 1.5
+    step = compiled.__dict__["_decode_plan"].compiled
+    assert not step.ready(cache_c, (torch.ones(1), torch.ones(1)))
+    traced = backend.traces
+    got = _steps(compiled, cache_c, token, 3)
+    want = _steps(eager, cache_e, token, 3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert backend.traces == traced  # the eager step ran, nothing was re-traced
+
+
+def test_a_replaced_module_is_retraced_not_reused():
+    backend = CountingBackend()
+    compiled, eager = _pair("mamba2", None, backend)
+    ids = _ids()
+    cache_c, token = _prefill(compiled, ids)
+    cache_e, _ = _prefill(eager, ids)
+    _steps(compiled, cache_c, token, 2)
+    _steps(eager, cache_e, token, 2)
+    for model in (compiled, eager):  # a different output projection (not fused: nothing stale)
+        mixer = model.mixers()[0]
+        new = nn.Linear(mixer.o_proj.in_features, mixer.o_proj.out_features, bias=True)
+        with torch.no_grad():
+            new.weight.copy_(mixer.o_proj.weight * -2.0)
+            new.bias.fill_(0.3)
+        mixer.o_proj = new
+    got = _steps(compiled, cache_c, token, 3)
+    want = _steps(eager, cache_e, token, 3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert backend.traces == 2
+
+
+def test_a_failing_trace_turns_the_compiled_step_off_and_loses_no_token(monkeypatch):
+    compiled, eager = _pair("linear_attention", {"feature_map": "hedgehog"}, CountingBackend())
+    ids = _ids()
+    cache_c, token = _prefill(compiled, ids)
+    cache_e, _ = _prefill(eager, ids)
+    original = LinearAttentionMixer.decode_math
+
+    def untraceable(self, hidden_states, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            torch._dynamo.graph_break()  # fullgraph=True: a break fails the trace
+        return original(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(LinearAttentionMixer, "decode_math", untraceable)
+    got = _steps(compiled, cache_c, token, 3)
+    want = _steps(eager, cache_e, token, 3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    step = compiled.__dict__["_decode_plan"].compiled
+    assert step.failed is not None and "torch.compile failed" in step.failed
+    assert cache_c.get_seq_length() == cache_e.get_seq_length()
+
+
+def test_the_compiled_step_is_not_used_with_another_thread_count():
+    compiled, _ = _pair("mamba", None, CountingBackend())
+    cache, token = _prefill(compiled, _ids())
+    step = compiled.__dict__["_decode_plan"].compiled
+    pe = (torch.ones(1), torch.ones(1))
+    assert step.ready(cache, pe)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert not step.ready(cache, pe)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_compile_option_and_its_reasons():
+    model = tiny_student("gqa_9x3", "mamba2")
+    cpu_decode_layout(model, compile=True)
+    assert isinstance(model.__dict__["_decode_plan"].compiled, CompiledStep) and model.compiled_step_reason == ""
+    undo_cpu_decode_layout(model)
+    assert model.__dict__.get("_decode_plan") is None
+    hybrid = tiny_student("gqa_9x3", "mamba2", ratio=0.5)
+    cpu_decode_layout(hybrid, compile=True)
+    assert "no decode plan" in hybrid.compiled_step_reason
+    cosformer = tiny_student("gqa_9x3", "linear_attention", options={"feature_map": "cosformer"})
+    cpu_decode_layout(cosformer, compile=True)
+    step = cosformer.__dict__["_decode_plan"].compiled
+    cache, _ = _prefill(cosformer, _ids())
+    assert not step.ready(cache, (torch.ones(1), torch.ones(1)))  # its map needs the token's position
+
+
+@pytest.mark.slow
+def test_inductor_compiled_steps_equal_the_eager_plan():
+    compiled, eager = _pair("linear_attention", {"feature_map": "hedgehog"}, "inductor")
+    ids = _ids()
+    cache_c, token = _prefill(compiled, ids)
+    cache_e, _ = _prefill(eager, ids)
+    torch.testing.assert_close(_steps(compiled, cache_c, token, 4), _steps(eager, cache_e, token, 4), rtol=1e-4, atol=1e-4)
+    assert compiled.__dict__["_decode_plan"].compiled.compiled_once
