@@ -444,7 +444,9 @@ def plot_generate_bench(result: dict, path: Path) -> Path:
         ax.set_title("speculative: teacher verifies a student draft", fontsize=9)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"generation on {result['device']} ({result['environment'].get('cuda') or result['environment'].get('processor')}, {result['threads']} threads), fp32", fontsize=10)
+    compiled = sorted(name for name, how in result.get("compiled_decode_step", {}).items() if how == "compiled")
+    note = f"; compiled decode step: {', '.join(compiled)}" if compiled else ""
+    fig.suptitle(f"generation on {result['device']} ({result['environment'].get('cuda') or result['environment'].get('processor')}, {result['threads']} threads), fp32{note}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

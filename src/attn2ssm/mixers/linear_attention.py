@@ -152,8 +152,8 @@ class LinearAttentionMixer(AttentionLikeMixer):
     def decode_math(self, hidden_states, position_embeddings, states: dict, seen: int | None = None):
         """``decode_step``'s computation without the cache bookkeeping: (output, {state name: new
         state}). An eager step updates the state in place (the cache owns it: rollback snapshots
-        and benchmark copies are clones); a traced one returns a new one. ``seen`` (tokens before this one) is read only by a feature
-        map without a one-token ``step`` (see ``can_trace_decode``)."""
+        and benchmark copies are clones); a traced one returns a new one. ``seen`` (tokens before
+        this one) is read only by a position-aware feature map (see ``can_trace_decode``)."""
         b = hidden_states.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         fused = self.__dict__.get("_fused_inputs")

@@ -19,7 +19,9 @@ alike). The weight is only viewed as (p, out/p, in): same storage, same values, 
 - any model's gated MLPs (``down(act(gate(x)) * up(x))``) read gate and up with one matmul, and
   its RMSNorms run in four ops (float32, autograd off) — each only after a probe input
   showed the fused form computes what the module computes (Gemma's (1 + w) norm keeps its class);
-- a student whose layers allow it gets a one-token ``DecodePlan`` (student/decode_plan.py).
+- a student whose layers allow it gets a one-token ``DecodePlan`` (student/decode_plan.py);
+  with ``compile=True`` the plan's layers also run as one ``torch.compile``d function
+  (student/compiled_step.py; ``traced_parts`` below is how the traced code knows).
 A decode step is bound by weight streaming AND by per-op overhead (~3-8 us a small op on the
 2-core machine, ~40 small ops per layer): fewer ops per layer is as much of the gain as the
 matmul route.
