@@ -173,6 +173,20 @@ class AttentionLikeMixer(nn.Module):
         b, h, l, d = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(b, l, h * d))
 
+    # -- one-token decode (mixers that define ``decode_math`` and ``can_decode_step``) --------
+    def decode_step(self, hidden_states, position_embeddings, layer):
+        """One unpadded token against ``layer``'s carried states: ``decode_math`` (the step form's
+        decode-speed twin; tests hold them equal), then the new states stored and the token counted."""
+        y, states = self.decode_math(hidden_states, position_embeddings, layer.states, layer.seen)
+        layer.states.update(states)
+        layer.advance(1)
+        return y
+
+    def can_trace_decode(self, layer) -> bool:
+        """Can a compiled decode step (student/compiled_step.py) trace ``decode_math`` for this
+        cache layer? (Not while a bridge stage collects B/C: its sink is outside the graph.)"""
+        return self.can_decode_step(layer) and getattr(self, "bc_sink", None) is None
+
     # -- HF call plumbing ----------------------------------------------------------------------
     def cache_layer(self, kwargs: dict):
         """This layer's ``MixerStateLayer`` in the student cache, or None when running without one."""

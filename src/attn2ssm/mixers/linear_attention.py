@@ -140,20 +140,13 @@ class LinearAttentionMixer(AttentionLikeMixer):
             self.__dict__["_qk_rows"] = cached
         return cached
 
-    def decode_step(self, hidden_states, position_embeddings, layer):
-        """One unpadded token against the carried state, in as few ops as the math allows (the
-        step form's decode-speed twin; tests hold them equal): q and k roped together, both
-        feature maps in one matmul when they are stacked (``fuse_input_linears``)."""
-        y, states = self.decode_math(hidden_states, position_embeddings, layer.states, layer.seen)
-        layer.states.update(states)
-        layer.advance(1)
-        return y
-
     def decode_math(self, hidden_states, position_embeddings, states: dict, seen: int | None = None):
-        """``decode_step``'s computation without the cache bookkeeping: (output, {state name: new
-        state}). An eager step updates the state in place (the cache owns it: rollback snapshots
-        and benchmark copies are clones); a traced one returns a new one. ``seen`` (tokens before
-        this one) is read only by a position-aware feature map (see ``can_trace_decode``)."""
+        """One unpadded token in as few ops as the math allows — q and k roped together, both
+        feature maps in one matmul when they are stacked (``fuse_input_linears``) — without the
+        cache bookkeeping: (output, {state name: new state}). An eager step updates the state in
+        place (the cache owns it: rollback snapshots and benchmark copies are clones); a traced one
+        returns a new one. ``seen`` (tokens before this one) is read only by a position-aware
+        feature map (see ``can_trace_decode``)."""
         b = hidden_states.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         fused = self.__dict__.get("_fused_inputs")
@@ -185,7 +178,7 @@ class LinearAttentionMixer(AttentionLikeMixer):
         """Can a compiled decode step (student/compiled_step.py) trace ``decode_math`` for this
         cache layer? (Not with a position-aware feature map: the trace must not read ``seen``.)"""
         maps = (self.feature_map_q, self.feature_map_k)
-        return self.can_decode_step(layer) and not any(getattr(m, "uses_positions", False) for m in maps)
+        return super().can_trace_decode(layer) and not any(getattr(m, "uses_positions", False) for m in maps)
 
     def can_decode_step(self, layer) -> bool:
         """Can ``decode_step`` take one unpadded token with this cache layer?"""

@@ -140,14 +140,6 @@ class MambaMixer(AttentionLikeMixer):
             y = y * F.silu(self.gate(u) if inputs is None else inputs["gate"])
         return self.o_proj(y)
 
-    def decode_step(self, u, position_embeddings, layer):
-        """One unpadded token against the carried states (the forward's decode branch without
-        padding; tests hold them equal)."""
-        y, states = self.decode_math(u, position_embeddings, layer.states)
-        layer.states.update(states)
-        layer.advance(1)
-        return y
-
     def decode_math(self, u, position_embeddings, states: dict, seen: int | None = None):
         """``decode_step``'s computation without the cache bookkeeping: (output, {state name: new
         state}); the old states are kept (a rollback snapshot may hold them)."""
@@ -164,11 +156,6 @@ class MambaMixer(AttentionLikeMixer):
     def can_decode_step(self, layer) -> bool:
         """Can ``decode_step`` take one unpadded token with this cache layer?"""
         return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
-
-    def can_trace_decode(self, layer) -> bool:
-        """Can a compiled decode step trace ``decode_math`` for this cache layer? (Not while a
-        bridge stage collects B/C: its sink is outside the compiled graph.)"""
-        return self.can_decode_step(layer) and self.bc_sink is None
 
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape

@@ -175,14 +175,6 @@ class Mamba2Mixer(AttentionLikeMixer):
             M = M * dt.transpose(1, 2)[:, :, None, :].to(M.dtype)
         return self._output(y, x, hidden_states), M
 
-    def decode_step(self, u, position_embeddings, layer):
-        """One unpadded token against the carried states, in as few ops as the math allows (the
-        step form's decode-speed twin; tests hold them equal)."""
-        y, states = self.decode_math(u, position_embeddings, layer.states)
-        layer.states.update(states)
-        layer.advance(1)
-        return y
-
     def decode_math(self, u, position_embeddings, states: dict, seen: int | None = None):
         """``decode_step``'s computation without the cache bookkeeping: (output, {state name: new
         state}); the old states are kept (a rollback snapshot may hold them)."""
@@ -198,11 +190,6 @@ class Mamba2Mixer(AttentionLikeMixer):
         x_in = x if dt is None else x * dt[..., None].to(x.dtype)
         y, new["ssm"] = ssd_decode(x_in[:, 0].float(), a[:, 0].float(), B[:, 0].float(), C[:, 0].float(), states["ssm"])
         return self._output(y.to(x.dtype)[:, None], x, u, inputs), new
-
-    def can_trace_decode(self, layer) -> bool:
-        """Can a compiled decode step trace ``decode_math`` for this cache layer? (Not while a
-        bridge stage collects B/C: its sink is outside the compiled graph.)"""
-        return self.can_decode_step(layer) and self.bc_sink is None
 
     def can_decode_step(self, layer) -> bool:
         """Can ``decode_step`` take one unpadded token with this cache layer?"""

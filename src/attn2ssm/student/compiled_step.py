@@ -58,7 +58,7 @@ class CompiledStep:
     def build(cls, plan, backend=None) -> tuple[CompiledStep | None, str]:
         if plan is None:
             return None, "no decode plan"
-        missing = [type(mixer).__name__ for _, _, mixer, _, _ in plan.steps if not callable(getattr(mixer, "can_trace_decode", None))]
+        missing = [type(mixer).__name__ for _, _, mixer, _, _ in plan.steps if not callable(getattr(mixer, "decode_math", None))]
         if missing:
             return None, f"{missing[0]} has no traceable one-token step (decode_math); it decodes eagerly"
         return cls(plan, backend), ""

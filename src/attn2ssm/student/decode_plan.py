@@ -77,7 +77,7 @@ class DecodePlan:
             name = next((n for n, m in parent.named_children() if m is module), None)
             if name is not None:
                 self.placed.append((parent, name, module))
-        self.stepping = {type(m) for m in mixers.values() if hasattr(m, "decode_step")}  # mixer kinds with a one-token step
+        self.stepping = {type(m) for m in mixers.values() if hasattr(m, "decode_math")}  # mixer kinds with a one-token step
         # modules whose __call__ (and so whose hooks) the plan skips: they must have none
         self.skipped = [model, self.base, inner, *layers] + [m for _, _, m in self.placed if not isinstance(m, nn.ModuleList)]
         self.compiled = None  # a CompiledStep (opt-in: ``compile_step``)
