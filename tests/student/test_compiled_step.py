@@ -114,7 +114,7 @@ def test_the_compiled_step_steps_aside_when_a_fusion_no_longer_holds():
         mixer = model.mixers()[1]
         mixer.q_proj.weight.data = mixer.q_proj.weight.data * 1.5
     step = compiled.__dict__["_decode_plan"].compiled
-    assert not step.ready(cache_c, (torch.ones(1), torch.ones(1)))
+    assert not step.ready(cache_c)
     traced = backend.traces
     got = _steps(compiled, cache_c, token, 3)
     want = _steps(eager, cache_e, token, 3)
@@ -161,6 +161,7 @@ def test_a_failing_trace_turns_the_compiled_step_off_and_loses_no_token(monkeypa
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     step = compiled.__dict__["_decode_plan"].compiled
     assert step.failed is not None and "torch.compile failed" in step.failed
+    assert compiled.compiled_step_reason == step.failed
     assert cache_c.get_seq_length() == cache_e.get_seq_length()
 
 
@@ -168,12 +169,11 @@ def test_the_compiled_step_is_not_used_with_another_thread_count():
     compiled, _ = _pair("mamba", None, CountingBackend())
     cache, token = _prefill(compiled, _ids())
     step = compiled.__dict__["_decode_plan"].compiled
-    pe = (torch.ones(1), torch.ones(1))
-    assert step.ready(cache, pe)
+    assert step.ready(cache)
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
-        assert not step.ready(cache, pe)
+        assert not step.ready(cache)
     finally:
         torch.set_num_threads(threads)
 
@@ -191,7 +191,7 @@ def test_compile_option_and_its_reasons():
     cpu_decode_layout(cosformer, compile=True)
     step = cosformer.__dict__["_decode_plan"].compiled
     cache, _ = _prefill(cosformer, _ids())
-    assert not step.ready(cache, (torch.ones(1), torch.ones(1)))  # its map needs the token's position
+    assert not step.ready(cache)  # its map needs the token's position
 
 
 @pytest.mark.slow

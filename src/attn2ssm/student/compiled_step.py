@@ -17,7 +17,8 @@ Used by the plan only when everything the trace assumed still holds: every fusio
 before each call), every mixer able to trace its step for the cache (``can_trace_decode``), the
 thread count the trace was made for. Otherwise the plan runs its eager step. A first call traces
 and compiles (about a minute on the 2-core CPU; a few seconds once inductor's on-disk cache has
-it); dynamo re-traces if a module it read was replaced (e.g. fusions rebuilt after ``.to()``).
+it); dynamo re-traces if a module it read was replaced (e.g. fusions rebuilt after ``.to()``)
+and for each new batch size (shapes are static: one compiled graph per size, up to dynamo's cap).
 A trace or compile failure turns the compiled step off with the reason in
 ``model.compiled_step_reason`` and the step runs eagerly: nothing is lost.
 """
@@ -65,7 +66,7 @@ class CompiledStep:
 
     # -- the traced function ---------------------------------------------------------------
     def _layers(self, x, cos, sin, states: list):
-        pe = (cos, sin)
+        pe = None if cos is None else (cos, sin)
         new = []
         for (_, norm1, mixer, norm2, mlp), layer_states in zip(self.plan.steps, states):
             y, updated = mixer.decode_math(norm1.forward(x), pe, layer_states)
@@ -78,9 +79,9 @@ class CompiledStep:
         return self.plan.head(self.plan.norm.forward(x)), new
 
     # -- running ---------------------------------------------------------------------------
-    def ready(self, cache, pe) -> bool:
+    def ready(self, cache) -> bool:
         """Does everything the trace assumed hold for this call?"""
-        if self.failed is not None or pe is None or torch.get_num_threads() != self.parts:
+        if self.failed is not None or torch.get_num_threads() != self.parts:
             return False
         for module, key in self.fusion_slots:
             fusion = module.__dict__.get(key)
@@ -104,9 +105,11 @@ class CompiledStep:
             start = time.perf_counter()
         try:
             with tracing_parts(self.parts):
-                logits, new = self.fn(x, pe[0], pe[1], [layer.states for layer in layers])
+                cos, sin = (None, None) if pe is None else pe
+                logits, new = self.fn(x, cos, sin, [layer.states for layer in layers])
         except Exception as exc:  # noqa: BLE001 - any trace/compile failure: run eagerly from now on
             self.failed = f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            self.plan.model.compiled_step_reason = self.failed
             logger.warning("compiled decode step turned off (%s); decoding eagerly", self.failed)
             return None
         if first:

@@ -185,7 +185,7 @@ class DecodePlan:
             position_ids = cache_position[None].expand(x.shape[0], -1)
         pe = None if self.rotary is None else self.rotary(x, position_ids)
         compiled = self.compiled
-        if compiled is not None and compiled.ready(cache, pe):
+        if compiled is not None and compiled.ready(cache):
             logits = compiled(x, pe, cache)
             if logits is not None:
                 return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
