@@ -1,6 +1,7 @@
 """Generation from a checkpoint loaded with ``trust_remote_code=True`` in a process where attn2ssm
 cannot be imported: batched left-padded greedy, sampling, and transformers' assisted decoding
-(which needs our cache's rollback) all run on the flattened remote code."""
+(which needs our cache's rollback) and a pure student's compiled decode step all run on the
+flattened remote code."""
 
 import pytest
 import torch
@@ -18,7 +19,12 @@ greedy = m.generate(input_ids=batch, attention_mask=mask, max_new_tokens=8, do_s
 assisted = m.generate(input_ids=batch[:1], max_new_tokens=8, do_sample=False, pad_token_id=0, assistant_model=draft)
 torch.manual_seed(0)
 sampled = m.generate(input_ids=batch, attention_mask=mask, max_new_tokens=8, do_sample=True, top_p=0.9, temperature=0.7, pad_token_id=0)
-print(json.dumps({"greedy": greedy.tolist(), "assisted": assisted.tolist(), "sampled": sampled.shape[1], "cls": type(m).__module__}))
+draft.enable_decode_plan()
+reason = draft._decode_plan.compile_step("eager")  # the compiled decode step, traced only (no inductor)
+compiled = draft.generate(input_ids=batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+used = draft._decode_plan.compiled.compiled_once and draft._decode_plan.compiled.failed is None
+print(json.dumps({"greedy": greedy.tolist(), "assisted": assisted.tolist(), "sampled": sampled.shape[1], "cls": type(m).__module__,
+                  "compiled": compiled.tolist(), "compiled_used": used, "reason": reason}))
 """
 
 
@@ -36,8 +42,10 @@ def test_remote_code_generation(kind, tmp_path):
     batch[1, :3], mask[1, :3] = 0, 0
     torch.save((batch, mask), tmp_path / "batch.pt")
     expected = student.generate(input_ids=batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    drafted = draft.generate(input_ids=batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     result = run_remote(REMOTE, tmp_path)
     assert result["cls"].startswith("transformers_modules")
     assert result["greedy"] == expected.tolist()
     assert result["assisted"] == expected[:1].tolist()
     assert result["sampled"] == 15
+    assert result["reason"] == "" and result["compiled_used"] and result["compiled"] == drafted.tolist()

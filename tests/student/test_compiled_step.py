@@ -93,6 +93,27 @@ def test_compiled_steps_equal_the_eager_plan_and_trace_once(kind, options):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind, options", KINDS)
+def test_a_plan_compiled_without_the_decode_layout_gives_the_eager_tokens(kind, options):
+    """``enable_decode_plan(compile=True)`` alone (no fused weights, plain nn.Linear layers, as a
+    remote-code checkpoint would have it) traces too."""
+    torch.manual_seed(0)
+    compiled = tiny_student("gqa_9x3", kind, options=options)
+    eager = tiny_student("gqa_9x3", kind, options=options)
+    eager.load_state_dict(compiled.state_dict())
+    backend = CountingBackend()
+    assert compiled.enable_decode_plan(compile=False)
+    assert compiled.__dict__["_decode_plan"].compile_step(backend) == ""
+    ids = _ids()
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        got, want = compiled.generate(ids, **kwargs), eager.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=1e-5, atol=1e-5)
+    step = compiled.__dict__["_decode_plan"].compiled
+    assert step.failed is None and backend.traces == 1
+
+
 def test_generate_with_the_compiled_step_gives_the_eager_tokens():
     compiled, eager = _pair("linear_attention", {"feature_map": "hedgehog"}, CountingBackend())
     ids = _ids()

@@ -126,7 +126,11 @@ class AttentionLikeMixer(nn.Module):
         fused = self.__dict__.get("_fused_inputs")
         if fused is not None and not torch.is_grad_enabled() and fused.valid():
             return dict.fromkeys(self.input_linears) | dict(zip(fused.names, fused(x)))
-        return {n: (None if (m := getattr(self, n, None)) is None else m(x)) for n in self.input_linears}
+        out = {}
+        for name in self.input_linears:  # (a loop, not a comprehension: a compiled step traces this)
+            linear = getattr(self, name, None)
+            out[name] = None if linear is None else linear(x)
+        return out
 
     def project_heads(self, x: torch.Tensor, position_embeddings=None, inputs: dict | None = None):
         """x (b, l, hidden) → q (b, l, h, d), k and v (b, l, kv, d): q/k norms and RoPE applied
