@@ -4,8 +4,8 @@ With the one-token ``DecodePlan`` a pure student's step on the 2-core CPU is ~28
 weight streaming (538 MB for the built-in teacher's students) and ~15-20 ms of ~1,000 small
 eager ops and the Python around them. Compiled (inductor), the small ops become a few fused C++
 loops and the Python runs once at trace time; the matmuls stay the same row-block products
-(``ops/layout.rows_linear``). Measured on the built-in teacher's linear-attention student:
-~30 ms a token instead of ~45-55 (``benchmarks/results/generate_speed.json``, ``--compile``).
+(``ops/layout.rows_linear``). Measured on the built-in teacher's students: ~37-42 ms a token
+instead of ~45-60 (``benchmarks/results/generate_speed.json``, ``--compile``).
 
 What is traced is the plan's own code: the layers' norms and MLPs and each mixer's
 ``decode_math`` (the same function the eager step runs, tests hold them equal), with
@@ -59,7 +59,7 @@ class CompiledStep:
     def build(cls, plan, backend=None) -> tuple[CompiledStep | None, str]:
         if plan is None:
             return None, "no decode plan"
-        missing = [type(mixer).__name__ for _, _, mixer, _, _ in plan.steps if not callable(getattr(mixer, "decode_math", None))]
+        missing = [type(mixer).__name__ for _, _, mixer, _, _ in plan.steps if type(mixer) not in plan.stepping]
         if missing:
             return None, f"{missing[0]} has no traceable one-token step (decode_math); it decodes eagerly"
         return cls(plan, backend), ""

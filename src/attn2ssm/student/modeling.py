@@ -113,19 +113,17 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
         reason it cannot, if so, in ``compiled_step_reason``). True when something was added."""
         from attn2ssm.student.decode_plan import DecodePlan
 
-        plan = self.__dict__.get("_decode_plan")
-        built = plan is None
-        if built:
+        plan, added = self.__dict__.get("_decode_plan"), False
+        if plan is None:
             plan, self.decode_plan_reason = DecodePlan.build(self)
             self.__dict__["_decode_plan"] = plan
-        if not compile:
-            return built and plan is not None
-        if plan is None:
+            added = plan is not None
+        if compile and plan is None:
             self.compiled_step_reason = f"no decode plan: {self.decode_plan_reason}"
-            return False
-        had = plan.compiled is not None
-        self.compiled_step_reason = plan.compile_step()
-        return (built or not had) and plan.compiled is not None
+        elif compile and plan.compiled is None:
+            self.compiled_step_reason = plan.compile_step()
+            added = added or plan.compiled is not None
+        return added
 
     def disable_decode_plan(self) -> bool:
         return self.__dict__.pop("_decode_plan", None) is not None
