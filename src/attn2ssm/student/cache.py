@@ -135,7 +135,7 @@ class MixerStateLayer(CacheLayerMixin):
         self._replaying = True
         try:
             with torch.no_grad():
-                mixer(hidden, position_embeddings=pe, past_key_values=_OneLayer(self))
+                mixer(hidden, position_embeddings=pe, cache=_OneLayer(self))
         finally:
             context.padding_mask, self._replaying = saved, False
 

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from attn2ssm.hf_compat import CACHE_KWARG
+
 _LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp")
 _ALLOWED_KWARGS = {"cache_position", "output_attentions", "output_hidden_states", "return_dict"}
 
@@ -130,7 +132,7 @@ class DecodePlan:
             mixer = layer._modules[name]
             layer._modules[name] = stub
             try:
-                ref = _first(layer(x, attention_mask=None, position_ids=pos, past_key_values=None, use_cache=False, cache_position=pos[0], position_embeddings=pe))
+                ref = _first(layer(x, attention_mask=None, position_ids=pos, use_cache=False, cache_position=pos[0], position_embeddings=pe))
             except Exception as error:  # noqa: BLE001 - any failure means "no plan"
                 return f"{type(layer).__name__} could not be probed ({type(error).__name__}: {error})"
             finally:
@@ -188,13 +190,13 @@ class DecodePlan:
         if compiled is not None and compiled.ready(cache):
             logits = compiled(x, pe, cache)
             if logits is not None:
-                return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+                return CausalLMOutputWithPast(logits=logits, **{CACHE_KWARG: cache})
         for i, norm1, mixer, norm2, mlp in self.steps:
             layer = cache.mixer_layer(i)
             h = norm1.forward(x)
             if mixer.__class__ in self.stepping and mixer.can_decode_step(layer):
                 x = x + mixer.decode_step(h, pe, layer)
             else:
-                x = x + mixer.forward(h, position_embeddings=pe, past_key_values=cache)[0]
+                x = x + mixer.forward(h, position_embeddings=pe, cache=cache)[0]
             x = x + mlp.forward(norm2.forward(x))
-        return CausalLMOutputWithPast(logits=self.head(self.norm.forward(x)), past_key_values=cache)
+        return CausalLMOutputWithPast(logits=self.head(self.norm.forward(x)), **{CACHE_KWARG: cache})

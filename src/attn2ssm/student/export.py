@@ -81,3 +81,4 @@ def write_remote_code(directory: str | Path) -> list[Path]:
         path.write_text(flat, encoding="utf-8")
         written.append(path)
     return written
+

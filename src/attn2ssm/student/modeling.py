@@ -13,9 +13,11 @@ transformers and attn2ssm modules of the same kind.
 from __future__ import annotations
 
 import torch
+import transformers
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 
+from attn2ssm.hf_compat import CACHE_KWARG, pick_cache
 from attn2ssm.mixers.base import MixerContext
 from attn2ssm.mixers.registry import build_mixer
 from attn2ssm.student.cache import Attn2SSMCache
@@ -96,12 +98,13 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
         return Attn2SSMCache(self.config)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """``generate`` gets our hybrid cache (KV + recurrent states) instead of a plain DynamicCache."""
+        """``generate`` gets our hybrid cache (KV + recurrent states) instead of a plain DynamicCache,
+        under the name this transformers keeps it (``CACHE_KWARG``)."""
         wants_default = generation_config.use_cache is not False and generation_config.cache_implementation in (None, "dynamic")
-        if model_kwargs.get("past_key_values") is None and wants_default:
-            model_kwargs["past_key_values"] = self.new_cache()
+        if model_kwargs.get(CACHE_KWARG) is None and wants_default:
+            model_kwargs[CACHE_KWARG] = self.new_cache()
             if generation_config.is_assistant:  # a draft model gets rolled back after each verification
-                model_kwargs["past_key_values"].activate_past_recording()
+                model_kwargs[CACHE_KWARG].activate_past_recording()
             return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
@@ -134,13 +137,17 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values=None,
+        cache: Attn2SSMCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Attn2SSMCache | None = None,
         **kwargs,
     ):
+        """As the family's ``ForCausalLM.forward``; the cache is taken as ``cache=`` (transformers
+        >= 5.24) or ``past_key_values=`` (earlier), whichever the caller uses."""
+        cache = pick_cache(cache, past_key_values)
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         # Mixers need the 2-D padding mask of the current tokens, not HF's 4-D softmax mask.
         pad = None
@@ -160,22 +167,43 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
             and inputs_embeds is None
             and labels is None
             and isinstance(logits_to_keep, int)
-            and isinstance(past_key_values, Attn2SSMCache)
-            and plan.usable(past_key_values, kwargs)
+            and isinstance(cache, Attn2SSMCache)
+            and plan.usable(cache, kwargs)
         ):
-            return plan(input_ids, position_ids, kwargs.get("cache_position"), past_key_values)
-        if use_cache and (past_key_values is None or not isinstance(past_key_values, Attn2SSMCache)):
-            if past_key_values is not None and past_key_values.get_seq_length() > 0:
+            return plan(input_ids, position_ids, kwargs.get("cache_position"), cache)
+        if use_cache and (cache is None or not isinstance(cache, Attn2SSMCache)):
+            if cache is not None and cache.get_seq_length() > 0:
                 raise ValueError("pass an Attn2SSMCache (model.new_cache()) to a student, not a plain KV cache")
-            past_key_values = self.new_cache()
-        return self.base(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values if use_cache else None,
-            inputs_embeds=inputs_embeds,
-            labels=labels,
-            use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
-            **kwargs,
-        )
+            cache = self.new_cache()
+        if not use_cache:
+            cache = None
+        seen = None if cache is None else [cache.mixer_layer(i).seen for i in self.config.mixer_layers]
+        self.mixer_context.cache = cache
+        try:
+            out = self.base(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **{CACHE_KWARG: cache},
+                **kwargs,
+            )
+        finally:
+            self.mixer_context.cache = None
+        if seen is not None:
+            self._check_states_advanced(cache, seen, length)
+        return out
+
+    def _check_states_advanced(self, cache: Attn2SSMCache, seen: list[int], length: int) -> None:
+        """Every mixer layer must have consumed this forward's tokens: a mixer that ran without its
+        state (as under transformers 5.24 before hf_compat) would otherwise decode wrongly, silently."""
+        for i, before in zip(self.config.mixer_layers, seen):
+            if cache.mixer_layer(i).seen != before + length:
+                raise RuntimeError(
+                    f"layer {i}'s mixer did not update its recurrent state in a cached forward "
+                    f"(transformers {transformers.__version__} passed it no cache): "
+                    "update attn2ssm, or refresh a saved student's code with `attn2ssm upgrade DIR`"
+                )
