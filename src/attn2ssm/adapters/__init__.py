@@ -17,9 +17,11 @@ from attn2ssm.adapters.gemma import Gemma2Adapter, Gemma3Adapter, GemmaAdapter
 from attn2ssm.adapters.phi import PhiAdapter
 from attn2ssm.adapters.gpt_neox import GPTNeoXAdapter
 from attn2ssm.adapters.gpt2 import GPT2Adapter
+from attn2ssm.adapters.capture import AttentionIO, capture_attention_io, capture_teacher_attention
 
 __all__ = [
     "Adapter",
+    "AttentionIO",
     "AttentionGeometry",
     "AttentionWeights",
     "GPT2Adapter",
@@ -32,6 +34,8 @@ __all__ = [
     "PhiAdapter",
     "Qwen2Adapter",
     "apply_rotary",
+    "capture_attention_io",
+    "capture_teacher_attention",
     "get_adapter",
     "probs_from_qk",
     "register_adapter",

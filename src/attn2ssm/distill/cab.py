@@ -176,35 +176,12 @@ def teacher_qk(adapter, attn: nn.Module, hidden_states: torch.Tensor, position_e
 @torch.no_grad()
 def capture_teacher_qk(teacher, input_ids, layers: list[int], attention_mask=None, *, rope: bool = False, logits: bool = False):
     """Teacher layer → (K, Q) per token for ``layers``, and the teacher's logits if ``logits``
-    (otherwise the forward stops at the last layer's attention: no later layer, no LM head)."""
-    from attn2ssm.adapters import get_adapter
+    (otherwise the forward stops after the last layer's attention: no later layer, no LM head)."""
+    from attn2ssm.adapters import capture_teacher_attention, get_adapter
 
     adapter = get_adapter(teacher)
-    paths = adapter.attention_module_paths(teacher)
-    last, captured, handles = max(layers), {}, []
-
-    def make_hook(j: int):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            captured[j] = teacher_qk(adapter, module, hidden, kwargs.get("position_embeddings"), rope)
-            if j == last and not logits:
-                raise _Stop
-
-        return hook
-
-    for j in set(layers):
-        handles.append(teacher.get_submodule(paths[j]).register_forward_pre_hook(make_hook(j), with_kwargs=True))
-    out = None
-    try:
-        if logits:
-            out = teacher(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        else:
-            teacher.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    except _Stop:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
+    io, out = capture_teacher_attention(teacher, input_ids, layers, attention_mask, logits=logits)
+    captured = {j: teacher_qk(adapter, x.module, x.hidden_states, x.position_embeddings, rope) for j, x in io.items()}
     return captured, out
 
 

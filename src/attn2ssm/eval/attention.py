@@ -1,10 +1,10 @@
 """Attention fidelity: how closely a student's mixing weights follow its teacher's softmax.
 
-Teacher-forced: the teacher runs once, forward hooks capture each attention module's input
-(hidden states and RoPE ``position_embeddings``), and for every layer where the student has a
-mixer with a materialisable mixing matrix (``mixer.attention_weights``) both maps are computed
-from the *same* layer input — so a layer's numbers measure that layer's approximation alone,
-not errors accumulated in the layers below it.
+Teacher-forced: the teacher runs once, up to the last scored layer, and ``adapters.capture``
+records each attention module's input (hidden states and RoPE ``position_embeddings``); for
+every layer where the student has a mixer with a materialisable mixing matrix
+(``mixer.attention_weights``) both maps are computed from the *same* layer input — so a layer's
+numbers measure that layer's approximation alone, not errors accumulated in the layers below it.
 
 Per layer (notes/002.md §3, Zhang et al. "The Hedgehog & the Porcupine"):
 
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from attn2ssm.adapters import get_adapter
+from attn2ssm.adapters import capture_attention_io, get_adapter
 from attn2ssm.adapters.masking import allowed_keys
 
 EPS = 1e-12
@@ -90,43 +90,10 @@ def spearman(x: torch.Tensor, y: torch.Tensor, valid: torch.Tensor | None = None
     return rho.masked_fill(undefined, math.nan)
 
 
-# ------------------------------------------------------------------------------------ teacher capture
-class _Capture:
-    """Forward hooks on the teacher's attention modules recording (hidden_states, position_embeddings)."""
-
-    def __init__(self, teacher: nn.Module, adapter, layers):
-        self.inputs: dict[int, tuple[torch.Tensor, tuple | None]] = {}
-        self.handles = []
-        paths = adapter.attention_module_paths(teacher)
-        for i in layers:
-            self.handles.append(teacher.get_submodule(paths[i]).register_forward_hook(self._hook(i), with_kwargs=True))
-
-    def _hook(self, layer: int):
-        def hook(module, args, kwargs, output):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            pos = kwargs.get("position_embeddings")
-            if pos is None and len(args) > 1 and isinstance(args[1], tuple):
-                pos = args[1]
-            self.inputs[layer] = (hidden.detach(), pos)
-
-        return hook
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
+# ------------------------------------------------------------------------------------ teacher vs student maps
 def _mixer_layers(student) -> dict[int, nn.Module]:
     """Student layers whose mixer exposes a (b, h, l, l) mixing matrix."""
     return {i: m for i, m in student.mixers().items() if callable(getattr(m, "attention_weights", None))}
-
-
-def _run_teacher(teacher, input_ids, attention_mask):
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    try:
-        teacher(**kwargs, logits_to_keep=1)  # the LM head's (l × vocab) logits are not needed
-    except TypeError:
-        teacher(**kwargs)
 
 
 def _check_pair(student, teacher) -> None:
@@ -163,15 +130,9 @@ def _layer_maps(student, teacher, input_ids, attention_mask=None, layers=None):
             attention_mask = attention_mask[None]
         if bool(attention_mask.all()):
             attention_mask = None
-    capture = _Capture(teacher, adapter, selected)
-    try:
-        _run_teacher(teacher, input_ids, attention_mask)
-    finally:
-        capture.remove()
-    paths = adapter.attention_module_paths(teacher)
+    io = capture_attention_io(teacher, input_ids, selected, attention_mask)
     for i in selected:
-        attn = teacher.get_submodule(paths[i])
-        hidden, pos = capture.inputs[i]
+        attn, hidden, pos = io[i].module, io[i].hidden_states, io[i].position_embeddings
         geometry = adapter.layer_geometry(attn)
         if pos is None and geometry.rotary_dim:
             pos = adapter.rotary_embeddings(teacher, hidden, None, i)
