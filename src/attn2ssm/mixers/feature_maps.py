@@ -254,20 +254,24 @@ class TaylorMap(nn.Module):
         d = head_dim
         self.head_dim, self.symmetric = d, symmetric
         self.scale = d**-0.25
-        if symmetric:
-            rows, cols = torch.triu_indices(d, d)
-            w = torch.where(rows == cols, torch.tensor(1.0 / math.sqrt(2.0)), torch.tensor(1.0))
-            self.register_buffer("rows", rows, persistent=False)
-            self.register_buffer("cols", cols, persistent=False)
-            self.register_buffer("quad_weight", w, persistent=False)
-            self.feature_dim = 1 + d + d * (d + 1) // 2
-        else:
-            self.feature_dim = 1 + d + d * d
+        self.feature_dim = 1 + d + (d * (d + 1) // 2 if symmetric else d * d)
+
+    def _upper(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, cols, weights) of the kept i ≤ j products, made on first use on each device. Not
+        buffers built in ``__init__``: transformers builds a model on the meta device and gives an
+        unsaved buffer back as uninitialised memory (and saving them would change the state dict)."""
+        cached = self.__dict__.get("_upper_index")
+        if cached is None or cached[0].device != torch.device(device):
+            rows, cols = torch.triu_indices(self.head_dim, self.head_dim, device=device)
+            weights = torch.where(rows == cols, 1.0 / math.sqrt(2.0), 1.0)
+            cached = self.__dict__["_upper_index"] = (rows, cols, weights)
+        return cached
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         xs = x * self.scale
         if self.symmetric:
-            quad = xs[..., self.rows] * xs[..., self.cols] * self.quad_weight.to(xs.dtype)
+            rows, cols, weights = self._upper(xs.device)
+            quad = xs[..., rows] * xs[..., cols] * weights.to(xs.dtype)
         else:
             quad = (xs[..., :, None] * xs[..., None, :]).flatten(-2) * (1.0 / math.sqrt(2.0))
         return torch.cat([xs.new_ones(*xs.shape[:-1], 1), xs, quad], dim=-1)

@@ -8,6 +8,8 @@ decode the step form; both carry the same ``LinearAttentionState`` in the studen
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from attn2ssm.errors import ConfigError
@@ -79,8 +81,9 @@ class LinearAttentionMixer(AttentionLikeMixer):
             raise ConfigError(f"window={window}, window_gamma={window_gamma} are out of range", "use window >= 0 and 0 < window_gamma < 1")
         self.window, self.scaling = window, geometry.get("scaling", self.head_dim**-0.5)
         if window:
-            logit = torch.logit(torch.tensor(window_gamma)).item()
-            self.window_factor = torch.nn.Parameter(torch.full((self.num_heads,), logit))
+            # γ = sigmoid(factor) starts at window_gamma. Plain floats: __init__ runs on the meta
+            # device when transformers loads a model, where a tensor has no value to read back.
+            self.window_factor = torch.nn.Parameter(torch.full((self.num_heads,), math.log(window_gamma / (1.0 - window_gamma))))
 
     def _qkv_features(self, hidden_states, position_embeddings=None, offset: int = 0):
         inputs = self.project_inputs(hidden_states)
