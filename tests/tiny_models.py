@@ -156,9 +156,13 @@ def tiny_config(name: str) -> PretrainedConfig:
         raise KeyError(f"no tiny config {name!r}; have {sorted(TINY_CONFIGS) + sorted(VARIANT_CONFIGS)}") from None
 
 
-def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """A randomly initialised CausalLM for ``family`` (or a variant): fp32, eval mode, eager attention."""
+def tiny_model(family: str, seed: int = 0, layers: int | None = None) -> torch.nn.Module:
+    """A randomly initialised CausalLM for ``family`` (or a variant): fp32, eval mode, eager attention.
+
+    ``layers`` sets the depth (for families without per-layer lists such as ``layer_types``)."""
     config = tiny_config(family)
+    if layers is not None:
+        config.num_hidden_layers = layers
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     return model.float().eval()

@@ -42,7 +42,7 @@ def cmd_convert(args) -> int:
     teacher, tokenizer, source = load_teacher(args.teacher, check_supported=True)
     if args.keep == "auto":
         from attn2ssm.data import block_indices, pack_blocks, prepare_corpus
-        from attn2ssm.student.plans import auto_plan
+        from attn2ssm.distill.layer_selection import auto_plan
 
         blocks = pack_blocks(prepare_corpus("sotu" if args.calibration is None else args.calibration, tokenizer, max_train_tokens=8 * 256 + 1, max_heldout_tokens=256).train_ids, 256)
         plan, scores = auto_plan(teacher, blocks[block_indices(len(blocks), 0, 0, min(8, len(blocks)))], args.mixer, options, args.attention_ratio, batch_size=2)

@@ -181,7 +181,7 @@ class Distiller:
             s = self.recipe.student
             n_layers = s.depth or self.teacher.config.num_hidden_layers
             if s.keep_attention == "auto":
-                from attn2ssm.student.plans import auto_plan
+                from attn2ssm.distill.layer_selection import auto_plan
 
                 plan, scores = auto_plan(self.teacher, self._calibration_ids(), s.mixer, dict(s.mixer_options), s.attention_ratio, batch_size=2, progress=self.progress)
                 self._log_layer_scores(scores, plan)
@@ -208,7 +208,8 @@ class Distiller:
         if cfg.attention_ratio is None:
             return
         from attn2ssm.student.convert import grow_student
-        from attn2ssm.student.plans import interleaved_keep, select_attention_layers
+        from attn2ssm.distill.layer_selection import select_attention_layers
+        from attn2ssm.student.plans import interleaved_keep
 
         s = self.recipe.student
         student = self.acc.unwrap_model(self.student)

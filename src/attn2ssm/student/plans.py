@@ -8,8 +8,9 @@ teacher's softmax attention. The kept layers are chosen by
 - ``clustered_keep``: one contiguous block (paper 004's "−Interleave" ablation),
 - ``nested_keep``: evenly spread *and* nested across a stepwise schedule (50 % → 25 % → …), so
   every later stage only converts more layers (what ``convert.grow_student`` needs),
-- ``select_attention_layers`` / ``auto_plan``: measured on the teacher — keep the layers whose
-  conversion alone hurts the teacher's next-token distribution most.
+- measured on the teacher (``distill.layer_selection``: ``select_attention_layers`` /
+  ``auto_plan``) — keep the layers whose conversion alone hurts the teacher's next-token
+  distribution most; that runs the teacher and a loss, so it is not here.
 
 ``layer_map`` pairs each layer of a student of another depth with a teacher layer (which layer it
 is built from, and which one CAB aligns it to).
@@ -31,7 +32,8 @@ def _check_choice(what: str, value: str, valid: tuple[str, ...]) -> None:
         raise ConfigError(f"unknown {what} {value!r}", f"use one of: {', '.join(valid)}")
 
 
-def _n_keep(num_layers: int, ratio: float) -> int:
+def keep_count(num_layers: int, ratio: float) -> int:
+    """How many of ``num_layers`` layers keep attention at ``ratio``: round(ratio·L), ratio checked."""
     if not 0.0 <= ratio <= 1.0:
         raise ConfigError(f"attention ratio {ratio} is outside [0, 1]", "use e.g. student.attention_ratio=0.25")
     return round(ratio * num_layers)
@@ -53,7 +55,7 @@ def interleaved_keep(num_layers: int, ratio: float, align: str = "first") -> lis
     use "last": for 32 layers {1,3,…,31}, {3,7,…,31}, {7,15,23,31}.
     """
     _check_choice("align", align, ALIGNS)
-    n_keep = _n_keep(num_layers, ratio)
+    n_keep = keep_count(num_layers, ratio)
     return _spread(num_layers, n_keep, align) if n_keep else []
 
 
@@ -64,7 +66,7 @@ def clustered_keep(num_layers: int, ratio: float, where: str = "last") -> list[i
     as the interleaved layout, but in one block. "middle" centres the block (rounding down).
     """
     _check_choice("where", where, WHERES)
-    n = _n_keep(num_layers, ratio)
+    n = keep_count(num_layers, ratio)
     start = {"first": 0, "middle": (num_layers - n) // 2, "last": num_layers - n}[where]
     return list(range(start, start + n))
 
@@ -83,7 +85,7 @@ def nested_keep(num_layers: int, ratios: list[float], align: str = "first") -> l
         return []
     stages = [interleaved_keep(num_layers, ratios[0], align)]
     for ratio in ratios[1:]:
-        prev, n = stages[-1], _n_keep(num_layers, ratio)
+        prev, n = stages[-1], keep_count(num_layers, ratio)
         if n > len(prev):
             raise ConfigError(f"stepwise ratios {list(ratios)} grow the attention layers ({len(prev)} → {n})", "list attention ratios from largest to smallest, e.g. [0.5, 0.25, 0.125]")
         stages.append([prev[r] for r in _spread(len(prev), n, align)] if n else [])
@@ -104,13 +106,13 @@ def make_plan(
 
     With a ratio, ``placement="interleaved"`` spreads the kept layers (``interleaved_keep`` with
     ``align``) and ``placement="clustered"`` keeps one block (``clustered_keep`` with ``where``).
-    To choose the layers from the teacher itself, use ``auto_plan``.
+    To choose the layers from the teacher itself, use ``distill.layer_selection.auto_plan``.
     """
     if mixer not in MIXERS:
         raise ConfigError(f"unknown mixer '{mixer}'", f"use one of: {', '.join(sorted(MIXERS))}")
     _check_choice("placement", placement, PLACEMENTS)
     if isinstance(keep_attention, str):
-        raise ConfigError(f"keep_attention={keep_attention!r} is not a list of layer indices", "list the indices, or call attn2ssm.student.plans.auto_plan(teacher, calibration_ids, …) to choose them")
+        raise ConfigError(f"keep_attention={keep_attention!r} is not a list of layer indices", "list the indices, or call attn2ssm.distill.layer_selection.auto_plan(teacher, calibration_ids, …) to choose them")
     if keep_attention is not None:
         keep = list(keep_attention)
     elif placement == "interleaved":
@@ -149,104 +151,3 @@ def layer_map(n_student: int, n_teacher: int, mode: str = "endpoints") -> list[i
         return [n_teacher - 1]
     span_s, span_t = n_student - 1, n_teacher - 1
     return [(2 * i * span_t + span_s) // (2 * span_s) for i in range(n_student)]  # round half up, in integers
-
-
-# --------------------------------------------------------------------------------------------
-# choosing the kept layers from the teacher
-
-
-def select_attention_layers(
-    teacher,
-    input_ids,
-    mixer: str,
-    mixer_options: dict | None = None,
-    *,
-    keep: int,
-    attention_mask=None,
-    batch_size: int | None = None,
-    progress: bool = True,
-    student=None,
-    candidates: list[int] | None = None,
-) -> tuple[list[int], list[float | None]]:
-    """Keep attention where converting it alone hurts most. Returns (kept indices, per-layer scores).
-
-    With ``student`` (a partly converted student, e.g. mid-way through a stepwise schedule) the
-    probe is that student instead of the teacher and only its attention layers (or
-    ``candidates``) are scored — the others get score None; the reference is still the teacher.
-
-    score[i] = mean per-token KL(teacher ‖ student_i) of the next-token distributions on the
-    calibration batch, where student_i is the teacher with only layer i swapped for an untrained
-    ``mixer`` initialised from that layer's attention. The ``keep`` layers with the largest
-    scores are kept (ties → lower index), returned sorted.
-
-    Cost: one copy of the teacher (``convert`` with an all-attention plan), the teacher's logits
-    on the calibration set kept once (tokens × vocab, in the logits' dtype), then per layer one
-    mixer swapped into the copy and one forward — no per-layer rebuild. ``batch_size`` splits the
-    calibration rows into forwards of that many rows (scores are still per token overall).
-    """
-    import torch
-    from tqdm.auto import tqdm
-
-    # distill.losses is a pure-function module; imported here so student/ does not depend on distill/ at import time.
-    from attn2ssm.distill.losses import forward_kl
-    from attn2ssm.student.convert import convert, converted_layer
-
-    if mixer not in MIXERS:
-        raise ConfigError(f"unknown mixer '{mixer}'", f"use one of: {', '.join(sorted(MIXERS))}")
-    num_layers = teacher.config.num_hidden_layers
-    if candidates is None:
-        candidates = list(range(num_layers)) if student is None else [i for i, k in enumerate(student.config.layer_plan) if k == ATTENTION]
-    if not 0 <= keep <= len(candidates):
-        raise ConfigError(f"keep={keep} attention layers is outside 0..{len(candidates)}", f"keep between 0 and the {len(candidates)} candidate layers")
-    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-        raise ConfigError(f"calibration input_ids have shape {tuple(input_ids.shape)}", "pass a (batch, length) tensor of token ids")
-    device = next(teacher.parameters()).device
-    ids = input_ids.to(device)
-    mask = None if attention_mask is None else attention_mask.to(device)
-    rows = batch_size or ids.shape[0]
-    batches = [(ids[s : s + rows], None if mask is None else mask[s : s + rows]) for s in range(0, ids.shape[0], rows)]
-    counts = [float(b.numel() if m is None else m.sum()) for b, m in batches]
-    total_tokens = max(sum(counts), 1.0)
-
-    was_training = teacher.training
-    teacher.eval()
-    try:
-        with torch.no_grad():
-            reference = [teacher(input_ids=b, attention_mask=m, use_cache=False).logits for b, m in batches]
-            # the teacher as a student we can swap layers in (or the given student)
-            probe = convert(teacher, [ATTENTION] * num_layers) if student is None else student
-            probe_was_training = probe.training
-            probe.eval()
-            scores: list[float | None] = [None] * num_layers
-            for layer in tqdm(candidates, desc="scoring layers", disable=not progress):
-                kl = 0.0
-                with converted_layer(probe, layer, mixer, mixer_options):
-                    for (b, m), t_logits, n in zip(batches, reference, counts):
-                        s_logits = probe(input_ids=b, attention_mask=m, use_cache=False).logits
-                        kl += forward_kl(s_logits, t_logits, m).item() * n
-                scores[layer] = max(0.0, kl / total_tokens)  # KL ≥ 0; clamp round-off below zero
-            probe.train(probe_was_training)
-    finally:
-        teacher.train(was_training)
-    ranked = sorted(candidates, key=lambda i: (-scores[i], i))
-    return sorted(ranked[:keep]), scores
-
-
-def auto_plan(
-    teacher,
-    calibration_ids,
-    mixer: str,
-    mixer_options: dict | None,
-    attention_ratio: float,
-    *,
-    attention_mask=None,
-    batch_size: int | None = None,
-    progress: bool = True,
-) -> tuple[list[str], list[float]]:
-    """A plan keeping round(ratio·L) attention layers chosen by ``select_attention_layers``; returns (plan, scores)."""
-    num_layers = teacher.config.num_hidden_layers
-    keep, scores = select_attention_layers(
-        teacher, calibration_ids, mixer, mixer_options,
-        keep=_n_keep(num_layers, attention_ratio), attention_mask=attention_mask, batch_size=batch_size, progress=progress,
-    )  # fmt: skip
-    return make_plan(num_layers, mixer, keep_attention=keep), scores

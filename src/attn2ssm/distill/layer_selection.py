@@ -1,0 +1,109 @@
+"""Choose which layers keep attention by measuring the teacher: keep those whose conversion hurts most.
+
+``select_attention_layers`` scores each candidate layer by the KL between the teacher's next-token
+distribution and that of the teacher with only this layer swapped for an untrained mixer;
+``auto_plan`` turns the top ``round(ratio·L)`` into a layer plan. They run the teacher and a loss,
+so they live in distill/ beside the losses; the placements that need no teacher
+(``interleaved_keep``, ``nested_keep``, …) stay in ``student.plans``.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from attn2ssm.distill.losses import forward_kl
+from attn2ssm.errors import ConfigError
+from attn2ssm.mixers.registry import ATTENTION, MIXERS
+from attn2ssm.student.convert import convert, converted_layer
+from attn2ssm.student.plans import keep_count, make_plan
+
+
+def select_attention_layers(
+    teacher,
+    input_ids,
+    mixer: str,
+    mixer_options: dict | None = None,
+    *,
+    keep: int,
+    attention_mask=None,
+    batch_size: int | None = None,
+    progress: bool = True,
+    student=None,
+    candidates: list[int] | None = None,
+) -> tuple[list[int], list[float | None]]:
+    """Keep attention where converting it alone hurts most. Returns (kept indices, per-layer scores).
+
+    With ``student`` (a partly converted student, e.g. mid-way through a stepwise schedule) the
+    probe is that student instead of the teacher and only its attention layers (or
+    ``candidates``) are scored — the others get score None; the reference is still the teacher.
+
+    score[i] = mean per-token KL(teacher ‖ student_i) of the next-token distributions on the
+    calibration batch, where student_i is the teacher with only layer i swapped for an untrained
+    ``mixer`` initialised from that layer's attention. The ``keep`` layers with the largest
+    scores are kept (ties → lower index), returned sorted.
+
+    Cost: one copy of the teacher (``convert`` with an all-attention plan), the teacher's logits
+    on the calibration set kept once (tokens × vocab, in the logits' dtype), then per layer one
+    mixer swapped into the copy and one forward — no per-layer rebuild. ``batch_size`` splits the
+    calibration rows into forwards of that many rows (scores are still per token overall).
+    """
+    if mixer not in MIXERS:
+        raise ConfigError(f"unknown mixer '{mixer}'", f"use one of: {', '.join(sorted(MIXERS))}")
+    num_layers = teacher.config.num_hidden_layers
+    if candidates is None:
+        candidates = list(range(num_layers)) if student is None else [i for i, k in enumerate(student.config.layer_plan) if k == ATTENTION]
+    if not 0 <= keep <= len(candidates):
+        raise ConfigError(f"keep={keep} attention layers is outside 0..{len(candidates)}", f"keep between 0 and the {len(candidates)} candidate layers")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ConfigError(f"calibration input_ids have shape {tuple(input_ids.shape)}", "pass a (batch, length) tensor of token ids")
+    device = next(teacher.parameters()).device
+    ids = input_ids.to(device)
+    mask = None if attention_mask is None else attention_mask.to(device)
+    rows = batch_size or ids.shape[0]
+    batches = [(ids[s : s + rows], None if mask is None else mask[s : s + rows]) for s in range(0, ids.shape[0], rows)]
+    counts = [float(b.numel() if m is None else m.sum()) for b, m in batches]
+    total_tokens = max(sum(counts), 1.0)
+
+    was_training = teacher.training
+    teacher.eval()
+    try:
+        with torch.no_grad():
+            reference = [teacher(input_ids=b, attention_mask=m, use_cache=False).logits for b, m in batches]
+            # the teacher as a student we can swap layers in (or the given student)
+            probe = convert(teacher, [ATTENTION] * num_layers) if student is None else student
+            probe_was_training = probe.training
+            probe.eval()
+            scores: list[float | None] = [None] * num_layers
+            for layer in tqdm(candidates, desc="scoring layers", disable=not progress):
+                kl = 0.0
+                with converted_layer(probe, layer, mixer, mixer_options):
+                    for (b, m), t_logits, n in zip(batches, reference, counts):
+                        s_logits = probe(input_ids=b, attention_mask=m, use_cache=False).logits
+                        kl += forward_kl(s_logits, t_logits, m).item() * n
+                scores[layer] = max(0.0, kl / total_tokens)  # KL ≥ 0; clamp round-off below zero
+            probe.train(probe_was_training)
+    finally:
+        teacher.train(was_training)
+    ranked = sorted(candidates, key=lambda i: (-scores[i], i))
+    return sorted(ranked[:keep]), scores
+
+
+def auto_plan(
+    teacher,
+    calibration_ids,
+    mixer: str,
+    mixer_options: dict | None,
+    attention_ratio: float,
+    *,
+    attention_mask=None,
+    batch_size: int | None = None,
+    progress: bool = True,
+) -> tuple[list[str], list[float]]:
+    """A plan keeping round(ratio·L) attention layers chosen by ``select_attention_layers``; returns (plan, scores)."""
+    num_layers = teacher.config.num_hidden_layers
+    keep, scores = select_attention_layers(
+        teacher, calibration_ids, mixer, mixer_options,
+        keep=keep_count(num_layers, attention_ratio), attention_mask=attention_mask, batch_size=batch_size, progress=progress,
+    )  # fmt: skip
+    return make_plan(num_layers, mixer, keep_attention=keep), scores
