@@ -36,12 +36,12 @@ def _tensors(state) -> list:
     return found
 
 
-def _pair(kind, options, backend):
+def _pair(kind, options, backend, family="gqa_9x3"):
     """(compiled, eager) students with the same weights, both in decode mode."""
     torch.manual_seed(0)
-    compiled = tiny_student("gqa_9x3", kind, options=options)
+    compiled = tiny_student(family, kind, options=options)
     torch.manual_seed(0)
-    eager = tiny_student("gqa_9x3", kind, options=options)
+    eager = tiny_student(family, kind, options=options)
     eager.load_state_dict(compiled.state_dict())
     cpu_decode_layout(eager)
     cpu_decode_layout(compiled)
@@ -72,10 +72,14 @@ def _ids(rows=2, length=7):
     return torch.randint(3, 256, (rows, length), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("kind, options", KINDS)
-def test_compiled_steps_equal_the_eager_plan_and_trace_once(kind, options):
+@pytest.mark.parametrize(
+    "kind, options, family",
+    [(*k, "gqa_9x3") for k in KINDS]  # Gemma 2/3: sandwich norms, soft-capped logits, per-layer-type RoPE
+    + [("linear_attention", {"feature_map": "hedgehog"}, "gemma3"), ("linear_attention", None, "gemma2")],
+)
+def test_compiled_steps_equal_the_eager_plan_and_trace_once(kind, options, family):
     backend = CountingBackend()
-    compiled, eager = _pair(kind, options, backend)
+    compiled, eager = _pair(kind, options, backend, family)
     ids = _ids()
     cache_c, token = _prefill(compiled, ids)
     cache_e, _ = _prefill(eager, ids)

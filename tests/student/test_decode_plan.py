@@ -101,8 +101,8 @@ def test_left_padded_generation_is_the_same_with_and_without_the_plan(family, pl
 
 
 def test_structures_it_was_not_probed_to_compute_get_no_plan():
-    gemma2 = _decode_mode("gemma2", "mamba2")  # sandwich norms around mixer and MLP
-    assert gemma2.__dict__["_decode_plan"] is None and "Gemma2DecoderLayer" in gemma2.decode_plan_reason
+    phi = _decode_mode("phi", "mamba2")  # parallel residual, final_layernorm
+    assert phi.__dict__["_decode_plan"] is None and "layers" in phi.decode_plan_reason
     gpt2 = _decode_mode("gpt2", "mamba2")
     assert gpt2.__dict__["_decode_plan"] is None and "layers" in gpt2.decode_plan_reason
     hybrid = tiny_student("llama", "mamba2", ratio=0.5)
@@ -110,9 +110,10 @@ def test_structures_it_was_not_probed_to_compute_get_no_plan():
     assert hybrid.__dict__["_decode_plan"] is None and "hybrid" in hybrid.decode_plan_reason
 
 
-def test_a_layer_that_computes_something_else_fails_the_probe(monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_layer_that_computes_something_else_fails_the_probe(family, monkeypatch):
     """The probe runs HF's layer forward: a residual scaled behind the plan's back is caught."""
-    model = tiny_student("llama", "linear_attention")
+    model = tiny_student(family, "linear_attention")
     layer_class = type(model.base.model.layers[0])
     original = layer_class.forward
     monkeypatch.setattr(layer_class, "forward", lambda self, hidden_states, **kw: original(self, hidden_states, **kw) * 1.01)
@@ -155,3 +156,63 @@ def test_the_plan_steps_aside_when_something_could_tell(plan_calls):
     assert not plan_calls
     undo_cpu_decode_layout(model)
     assert model.__dict__.get("_decode_plan") is None and not plan_ran()
+
+
+# Gemma 2/3: sandwich norms around mixer and MLP; Gemma-3 also gives its sliding-window and global
+# layers RoPE of different bases (one rotary module, called once per layer type)
+GEMMA_KINDS = [("linear_attention", {"feature_map": "hedgehog"}), ("linear_attention", None), ("mamba2", {"rope": "before"}), ("hedgemamba", None)]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+@pytest.mark.parametrize("kind, options", GEMMA_KINDS)
+def test_gemma_plans_step_as_hf_forward_does(family, kind, options, plan_calls):
+    model = _decode_mode(family, kind, options)
+    assert model.__dict__["_decode_plan"] is not None, model.decode_plan_reason
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+    cache_a, token = _prefill(model, ids)
+    cache_b, _ = _prefill(model, ids)
+    via_plan = _steps(model, cache_a, token, 5, plan=True)
+    assert len(plan_calls) == 5
+    via_hf = _steps(model, cache_b, token, 5, plan=False)
+    torch.testing.assert_close(via_plan, via_hf, rtol=1e-5, atol=1e-5)
+
+
+def test_gemma3_layers_get_their_own_layer_types_rope():
+    """The two layer types' RoPE differ past position 0; each mixer gets its own layer's."""
+    model = _decode_mode("gemma3", "linear_attention")
+    plan = model.__dict__["_decode_plan"]
+    assert plan is not None, model.decode_plan_reason
+    x = torch.zeros(1, 1, 64)
+    pes = plan.position_embeddings(x, torch.tensor([[9]]))
+    inner = model.base.model
+    for step, layer_type in zip(plan.steps, model.base.config.layer_types, strict=True):
+        cos, sin = pes[step.rope]
+        want_cos, want_sin = inner.rotary_emb(x, torch.tensor([[9]]), layer_type)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert not torch.equal(pes[plan.steps[0].rope][1], pes[plan.steps[1].rope][1])
+
+
+def test_position_embeddings_the_plan_cannot_reproduce_mean_no_plan(monkeypatch):
+    """A rotary module the plan cannot call, or one whose output HF's forward does not hand the
+    layers as it is, gives no plan and the reason, never an exception."""
+    model = tiny_student("gemma3", "linear_attention")
+    rotary = type(model.base.model.rotary_emb)
+    original = rotary.forward
+    monkeypatch.setattr(rotary, "forward", lambda self, x, position_ids, layer_type, scale: original(self, x, position_ids, layer_type))
+    cpu_decode_layout(model)
+    assert model.__dict__["_decode_plan"] is None and "position embeddings" in model.decode_plan_reason
+    undo_cpu_decode_layout(model)
+    monkeypatch.setattr(rotary, "forward", original)
+    model = tiny_student("gemma3", "linear_attention")
+    config = model.base.config
+    monkeypatch.setattr(config, "layer_types", list(reversed(config.layer_types)))  # the plan would read these
+    inner_forward = type(model.base.model).forward
+
+    def hf_with_the_original_types(self, *args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(config, "layer_types", list(reversed(config.layer_types)))
+            return inner_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model.base.model), "forward", hf_with_the_original_types)
+    cpu_decode_layout(model)
+    assert model.__dict__["_decode_plan"] is None and "position embeddings" in model.decode_plan_reason

@@ -32,6 +32,7 @@ import types
 import torch
 
 from attn2ssm.ops.layout import FUSION_KEYS, tracing_parts
+from attn2ssm.student.decode_plan import run_layer
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class CompiledStep:
         self.plan, self.backend = plan, backend or BACKEND
         self.parts = torch.get_num_threads()
         # where fusions live (or may come back after standard_layout): checked before every call
-        holders = {id(m): m for _, _, mixer, _, mlp in plan.steps for m in (mixer, mlp)}
+        holders = {id(m): m for step in plan.steps for m in (step.mixer, step.mlp)}
         holders.update({id(m): m for m in plan.model.modules() if any(m.__dict__.get(k) is not None for k in FUSION_KEYS)})
         self.fusion_slots = [(m, key) for m in holders.values() for key in FUSION_KEYS]
         # dynamo keeps compiled entries per code object, with a cap (8): each step gets its own copy
@@ -59,24 +60,23 @@ class CompiledStep:
     def build(cls, plan, backend=None) -> tuple[CompiledStep | None, str]:
         if plan is None:
             return None, "no decode plan"
-        missing = [type(mixer).__name__ for _, _, mixer, _, _ in plan.steps if type(mixer) not in plan.stepping]
+        missing = [type(step.mixer).__name__ for step in plan.steps if type(step.mixer) not in plan.stepping]
         if missing:
             return None, f"{missing[0]} has no traceable one-token step (decode_math); it decodes eagerly"
         return cls(plan, backend), ""
 
     # -- the traced function ---------------------------------------------------------------
-    def _layers(self, x, cos, sin, states: list):
-        pe = None if cos is None else (cos, sin)
+    def _layers(self, x, pes: list, states: list):
         new = []
-        for (_, norm1, mixer, norm2, mlp), layer_states in zip(self.plan.steps, states):
-            y, updated = mixer.decode_math(norm1.forward(x), pe, layer_states)
+        for step, layer_states in zip(self.plan.steps, states):
+            pe = None if step.rope is None else pes[step.rope]
+            y, updated = step.mixer.decode_math(step.norm_in.forward(x), pe, layer_states)
             new.append(updated)
-            x = x + y
-            x = x + mlp.forward(norm2.forward(x))
+            x = run_layer(step, x, y)
         # contiguous states: the next call's inputs then match this trace's (a conv state comes out
         # of the step as a strided view of its window; the prefill's is contiguous)
         new = [{k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in d.items()} for d in new]
-        return self.plan.head(self.plan.norm.forward(x)), new
+        return self.plan.logits(x), new
 
     # -- running ---------------------------------------------------------------------------
     def ready(self, cache) -> bool:
@@ -87,15 +87,15 @@ class CompiledStep:
             fusion = module.__dict__.get(key)
             if fusion is not None and not fusion.valid():
                 return False
-        for i, _, mixer, _, _ in self.plan.steps:
-            if not mixer.can_trace_decode(cache.mixer_layer(i)):
+        for step in self.plan.steps:
+            if not step.mixer.can_trace_decode(cache.mixer_layer(step.index)):
                 return False
         return True
 
-    def __call__(self, x, pe, cache):
+    def __call__(self, x, pes: list, cache):
         """Logits for one token; the cache's states replaced and advanced. None if the compiled
         function failed (then and on later calls the plan runs its eager step)."""
-        layers = [cache.mixer_layer(i) for i, *_ in self.plan.steps]
+        layers = [cache.mixer_layer(step.index) for step in self.plan.steps]
         first = not self.compiled_once
         if first:
             logger.warning(
@@ -105,8 +105,7 @@ class CompiledStep:
             start = time.perf_counter()
         try:
             with tracing_parts(self.parts):
-                cos, sin = (None, None) if pe is None else pe
-                logits, new = self.fn(x, cos, sin, [layer.states for layer in layers])
+                logits, new = self.fn(x, pes, [layer.states for layer in layers])
         except Exception as exc:  # noqa: BLE001 - any trace/compile failure: run eagerly from now on
             self.failed = f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             self.plan.model.compiled_step_reason = self.failed

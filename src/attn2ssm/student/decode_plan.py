@@ -4,15 +4,26 @@ Decoding one token of the built-in teacher's students on a 2-core CPU spends abo
 Python and per-op overhead as in streaming the weights; HF's model and decoder-layer forwards
 (kwargs, output capturing, mask and cache bookkeeping, a module call per sub-module) are a part
 of it that a recurrent student does not need. ``DecodePlan`` runs the same modules, in the same
-order, on the same tensors, for the pre-norm layer structure
+order, on the same tensors, for the two layer structures HF decoders use between
+``embed_tokens`` and ``norm`` → ``lm_head`` (→ tanh soft-capping where the config asks for it):
 
-    x = x + mixer(input_layernorm(x));  x = x + mlp(post_attention_layernorm(x))
+    pre-norm (Llama, Mistral, Qwen2, Gemma):
+        x = x + mixer(input_layernorm(x));  x = x + mlp(post_attention_layernorm(x))
+    sandwich norms (Gemma 2, Gemma 3):
+        x = x + post_attention_layernorm(mixer(input_layernorm(x)))
+        x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
 
-between ``embed_tokens`` and ``norm`` → ``lm_head`` (Llama, Mistral, Qwen2 …). The structure is
-not assumed from names: building a plan runs each layer and the model's ends on a probe (the
-mixer replaced by a stub) and compares with HF's own forward; a family that computes something
-else (sandwich norms, parallel residuals, scaled embeddings, capped logits) gets no plan and
-decodes through HF's forward as before. Hybrids (kept attention layers) get no plan either.
+The structure is not assumed from names: building a plan runs each layer and the model's ends on
+a probe (the mixer replaced by a stub) and compares with HF's own forward; a family that computes
+something else (parallel residuals, no ``layers`` list) gets no plan and decodes through HF's
+forward as before. Hybrids (kept attention layers) get no plan either.
+
+Position embeddings: the plan calls the model's rotary module as HF's forward does — once, or,
+where the rotary module takes a ``layer_type`` (Gemma 3: its sliding-window layers use RoPE base
+10k, its global layers 1M), once per type in ``config.layer_types``, each layer getting its own
+type's. The probe checks this too: it captures what HF's forward hands each layer at a non-zero
+position (at 0 every RoPE is the identity) and refuses a plan whose embeddings differ, with the
+reason; a rotary module the plan cannot call is a reason too, never an exception.
 
 A plan is used only where nothing could tell the difference: one new token per row, no padding
 in it, autograd off, the student's own cache with every layer's state present and no rollback
@@ -26,13 +37,22 @@ Built by ``cpu_decode_layout`` (``Attn2SSMForCausalLM.enable_decode_plan``); dro
 
 from __future__ import annotations
 
+import inspect
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from attn2ssm.hf_compat import CACHE_KWARG
 
-_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp")
+_PRE_NORM = ("input_layernorm", "post_attention_layernorm", "mlp")
+_SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm")
+_STRUCTURES = {
+    False: "x + mixer(input_layernorm(x)), then + mlp(post_attention_layernorm(·))",
+    True: "x + post_attention_layernorm(mixer(input_layernorm(x))), then + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(·)))",
+}
+_PROBE_POSITION = 5  # RoPE at position 0 is the identity for every base: probe where they differ
 _ALLOWED_KWARGS = {"cache_position", "output_attentions", "output_hidden_states", "return_dict"}
 
 
@@ -58,22 +78,62 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool((a - b).abs().max() <= 1e-5 * (1 + b.abs().max()))
 
 
+def _same_embeddings(a, b) -> bool:
+    """Two layers' position embeddings (None or a (cos, sin) pair) hold the same values."""
+    if a is None or b is None:
+        return a is None and b is None
+    return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+
+
+class Step(NamedTuple):
+    """One layer as the plan runs it. ``mixer_norm`` / ``mlp_norm_out`` are the sandwich norms
+    after the mixer and the MLP (None in a pre-norm layer); ``rope`` indexes the plan's position
+    embeddings (``DecodePlan.position_embeddings``), None where the layer gets none."""
+
+    index: int
+    norm_in: nn.Module
+    mixer: nn.Module
+    mixer_norm: nn.Module | None
+    mlp_norm_in: nn.Module
+    mlp: nn.Module
+    mlp_norm_out: nn.Module | None
+    rope: int | None
+
+
+def run_layer(step: Step, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The rest of a layer once its mixer gave y for input x (the eager plan and the compiled step share it)."""
+    x = x + (y if step.mixer_norm is None else step.mixer_norm.forward(y))
+    h = step.mlp.forward(step.mlp_norm_in.forward(x))
+    return x + (h if step.mlp_norm_out is None else step.mlp_norm_out.forward(h))
+
+
 class DecodePlan:
     """See the module docstring. ``DecodePlan.build(model)`` → (plan or None, reason)."""
 
-    def __init__(self, model, inner, layers, mixer_names):
+    def __init__(self, model, inner, layers, mixer_names, rope_types: list | None):
         self.model, self.base, self.inner = model, model.base, inner
         self.embed = inner.get_input_embeddings()
         self.norm = inner.norm
         self.rotary = getattr(inner, "rotary_emb", None)
         self.head = model.base.get_output_embeddings()
+        cap = getattr(self.base.config, "final_logit_softcapping", None)
+        self.softcap = float(cap) if cap else None
+        # the rotary module's calls: [None] (one call, every layer gets it) or one layer type per call
+        self.rope_calls = [] if self.rotary is None else sorted(set(rope_types)) if rope_types is not None else [None]
         mixers = model.mixers()
-        self.steps = []  # (layer index, input norm, mixer, post norm, mlp)
+        self.steps: list[Step] = []
         self.placed = []  # (parent, attribute, module): where every module the plan calls must still be
         for i, (layer, name) in enumerate(zip(layers, mixer_names)):
-            parts = [getattr(layer, p) for p in _LAYER_PARTS]
-            self.steps.append((i, parts[0], mixers[i], parts[1], parts[2]))
-            self.placed += [(layer, p, m) for p, m in zip(_LAYER_PARTS, parts)] + [(layer, name, mixers[i])]
+            sandwich = all(isinstance(getattr(layer, p, None), nn.Module) for p in _SANDWICH)
+            parts = _SANDWICH if sandwich else _PRE_NORM
+            rope = None if self.rotary is None else self.rope_calls.index(rope_types[i] if rope_types is not None else None)
+            if sandwich:
+                step = Step(i, layer.input_layernorm, mixers[i], layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                            layer.mlp, layer.post_feedforward_layernorm, rope)  # fmt: skip
+            else:
+                step = Step(i, layer.input_layernorm, mixers[i], None, layer.post_attention_layernorm, layer.mlp, None, rope)
+            self.steps.append(step)
+            self.placed += [(layer, p, getattr(layer, p)) for p in parts] + [(layer, name, mixers[i])]
         self.placed += [(inner, "layers", inner.layers), (inner, "norm", self.norm)]
         for parent, module in ((inner, self.embed), (self.base, self.head), (inner, self.rotary)):
             name = next((n for n, m in parent.named_children() if m is module), None)
@@ -111,24 +171,82 @@ class DecodePlan:
         names = []
         for i, layer in enumerate(layers):
             name = next((n for n, m in layer.named_children() if m is mixers[i]), None)
-            if name is None or any(not isinstance(getattr(layer, p, None), nn.Module) for p in _LAYER_PARTS):
-                return None, f"layer {i} ({type(layer).__name__}) is not input_layernorm → mixer → post_attention_layernorm → mlp"
+            if name is None or any(not isinstance(getattr(layer, p, None), nn.Module) for p in _PRE_NORM):
+                return None, f"layer {i} ({type(layer).__name__}) is not input_layernorm → mixer → (norm →) mlp"
             names.append(name)
-        plan = cls(model, inner, layers, names)
+        rope_types, reason = cls._rope_types(inner, len(layers))
+        if reason:
+            return None, reason
+        plan = cls(model, inner, layers, names, rope_types)
         reason = plan._probe(layers, names)
         return (plan, "") if reason is None else (None, reason)
+
+    @staticmethod
+    def _rope_types(inner, n_layers: int) -> tuple[list | None, str]:
+        """(each layer's type for a rotary module that takes ``layer_type``, or None for one
+        shared call; why not). Which embeddings HF hands each layer is then checked by the probe."""
+        rotary = getattr(inner, "rotary_emb", None)
+        if rotary is None:
+            return None, ""
+        try:
+            params = inspect.signature(rotary.forward).parameters
+        except (TypeError, ValueError):
+            return None, f"{type(rotary).__name__}.forward has no readable signature, so its position embeddings cannot be reproduced"
+        if "layer_type" not in params:
+            return None, ""
+        types = getattr(inner.config, "layer_types", None)
+        if not isinstance(types, (list, tuple)) or len(types) < n_layers:
+            return None, f"{type(rotary).__name__} computes position embeddings per layer type, but the config has no layer_types for every layer"
+        return list(types[:n_layers]), ""
+
+    def position_embeddings(self, x: torch.Tensor, position_ids: torch.Tensor) -> list:
+        """The rotary module's outputs for these positions, one per call in ``rope_calls``
+        (``Step.rope`` indexes them); [] without a rotary module."""
+        if self.rope_calls == [None]:
+            return [self.rotary(x, position_ids)]
+        return [self.rotary(x, position_ids, layer_type=t) for t in self.rope_calls]
 
     def _probe(self, layers, names) -> str | None:
         """None if HF's forward computes what the plan computes (on a random input), else why not."""
         weight = self.embed.weight
         x = torch.randn(1, 1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        pos = torch.zeros(1, 1, dtype=torch.long)
-        pe = None if self.rotary is None else self.rotary(x, pos)
+        pos = torch.full((1, 1), _PROBE_POSITION, dtype=torch.long)
+        try:
+            pes = self.position_embeddings(x, pos)
+        except Exception as error:  # noqa: BLE001 - any failure means "no plan"
+            return f"the plan could not compute {type(self.rotary).__name__}'s position embeddings ({type(error).__name__}: {error})"
         stub = _Stub()
+        # what HF's own forward hands each layer as position_embeddings (mixers stubbed out)
+        handed: dict[int, object] = {}
+
+        def capture(index):
+            def hook(module, args, kwargs):
+                handed[index] = kwargs.get("position_embeddings")  # (passed positionally: not what the plan was written for)
+
+            return hook
+
+        handles = [layer.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)]
+        saved = [layer._modules[name] for layer, name in zip(layers, names)]
+        for layer, name in zip(layers, names):
+            layer._modules[name] = stub
+        try:
+            self.inner(input_ids=torch.tensor([[1]]), position_ids=pos, use_cache=False)
+        except Exception as error:  # noqa: BLE001
+            return f"{type(self.inner).__name__} could not be probed ({type(error).__name__}: {error})"
+        finally:
+            for handle in handles:
+                handle.remove()
+            for layer, name, mixer in zip(layers, names, saved):
+                layer._modules[name] = mixer
+        for step in self.steps:
+            mine = None if step.rope is None else pes[step.rope]
+            if step.index not in handed or not _same_embeddings(mine, handed[step.index]):
+                return f"layer {step.index} gets position embeddings from HF's forward that the plan does not reproduce"
         checked: set = set()
-        for (_, norm1, _, norm2, mlp), layer, name in zip(self.steps, layers, names):
+        for step, layer, name in zip(self.steps, layers, names):
             if type(layer) in checked:
                 continue
+            pe = None if step.rope is None else pes[step.rope]
             mixer = layer._modules[name]
             layer._modules[name] = stub
             try:
@@ -137,23 +255,29 @@ class DecodePlan:
                 return f"{type(layer).__name__} could not be probed ({type(error).__name__}: {error})"
             finally:
                 layer._modules[name] = mixer
-            y = x + stub(norm1(x))[0]
-            y = y + mlp(norm2(y))
+            y = run_layer(step, x, stub(step.norm_in(x))[0])
             if not isinstance(ref, torch.Tensor) or not _close(y, ref):
-                return f"{type(layer).__name__} does not compute x + mixer(input_layernorm(x)), then + mlp(post_attention_layernorm(·))"
+                return f"{type(layer).__name__} does not compute {_STRUCTURES[step.mixer_norm is not None]}"
             checked.add(type(layer))
         ids = torch.tensor([[1, 2]])
-        saved = self.inner.layers
+        saved_layers = self.inner.layers
         self.inner.layers = nn.ModuleList()
         try:
             ref = self.base(input_ids=ids, use_cache=False).logits
         except Exception as error:  # noqa: BLE001
             return f"{type(self.base).__name__} could not be probed without layers ({type(error).__name__}: {error})"
         finally:
-            self.inner.layers = saved
-        if not _close(self.head(self.norm(self.embed(ids))), ref):
-            return f"{type(self.base).__name__}'s logits are not lm_head(norm(embed_tokens(ids))) around its layers"
+            self.inner.layers = saved_layers
+        if not _close(self.logits(self.embed(ids)), ref):
+            return f"{type(self.base).__name__}'s logits are not lm_head(norm(embed_tokens(ids))) (soft-capped as its config says) around its layers"
         return None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """lm_head(norm(x)), tanh soft-capped where the config asks for it (Gemma 2)."""
+        logits = self.head(self.norm.forward(x))
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     # -- running ----------------------------------------------------------------------------
     def usable(self, cache, kwargs: dict) -> bool:
@@ -172,8 +296,8 @@ class DecodePlan:
                 return False
             if module._forward_pre_hooks and (len(module._forward_pre_hooks) > 1 or not hasattr(module, "mixer_type")):
                 return False  # a mixer's one pre-hook records inputs for rollback, checked below
-        for i, *_ in self.steps:
-            layer = cache.mixer_layer(i)
+        for step in self.steps:
+            layer = cache.mixer_layer(step.index)
             if layer is None or not layer.states or layer.record_past:
                 return False
         return True
@@ -185,18 +309,20 @@ class DecodePlan:
                 seen = cache.get_seq_length()
                 cache_position = torch.arange(seen, seen + 1, device=x.device)
             position_ids = cache_position[None].expand(x.shape[0], -1)
-        pe = None if self.rotary is None else self.rotary(x, position_ids)
+        pes = self.position_embeddings(x, position_ids)
         compiled = self.compiled
         if compiled is not None and compiled.ready(cache):
-            logits = compiled(x, pe, cache)
+            logits = compiled(x, pes, cache)
             if logits is not None:
                 return CausalLMOutputWithPast(logits=logits, **{CACHE_KWARG: cache})
-        for i, norm1, mixer, norm2, mlp in self.steps:
-            layer = cache.mixer_layer(i)
-            h = norm1.forward(x)
+        for step in self.steps:
+            layer = cache.mixer_layer(step.index)
+            mixer = step.mixer
+            h = step.norm_in.forward(x)
+            pe = None if step.rope is None else pes[step.rope]
             if mixer.__class__ in self.stepping and mixer.can_decode_step(layer):
-                x = x + mixer.decode_step(h, pe, layer)
+                y = mixer.decode_step(h, pe, layer)
             else:
-                x = x + mixer.forward(h, position_embeddings=pe, cache=cache)[0]
-            x = x + mlp.forward(norm2.forward(x))
-        return CausalLMOutputWithPast(logits=self.head(self.norm.forward(x)), **{CACHE_KWARG: cache})
+                y = mixer.forward(h, position_embeddings=pe, cache=cache)[0]
+            x = run_layer(step, x, y)
+        return CausalLMOutputWithPast(logits=self.logits(x), **{CACHE_KWARG: cache})
