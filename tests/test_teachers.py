@@ -191,3 +191,57 @@ def test_builtin_teacher_loads():
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], config.vocab_size) and torch.isfinite(logits).all()
+
+
+# ------------------------------------------------------------------- every family, its attention
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    """family → a saved tiny teacher directory (weights and tokenizer) for every supported family."""
+    from tiny_models import TINY_CONFIGS
+
+    tok = make_tokenizer()
+    dirs = {}
+    for family in TINY_CONFIGS:
+        path = tmp_path_factory.mktemp(family)
+        cfg = tiny_config(family)
+        cfg.vocab_size = len(tok)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+        tok.save_pretrained(path)
+        dirs[family] = path
+    return dirs
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3", "phi", "gpt_neox", "gpt2"])
+def test_every_family_loads_with_an_attention_it_supports(family, family_dirs):
+    """SDPA where the family's model class supports it, eager where not (Gemma-2: its attention
+    soft-caps the logits, SDPA cannot); the logits are the eager reference's."""
+    model, _, _ = load_teacher(str(family_dirs[family]))
+    expected = "sdpa" if type(model)._supports_sdpa else "eager"
+    assert model.config._attn_implementation == expected
+    if family == "gemma2":
+        assert expected == "eager"
+    reference = AutoModelForCausalLM.from_pretrained(family_dirs[family], attn_implementation="eager").eval()
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_failure_that_is_not_the_directorys_names_the_cause(family_dirs, monkeypatch):
+    """An attention implementation the family lacks, or a missing package, is not a damaged
+    directory: the one line says what went wrong and does not send the user to re-save it."""
+    with pytest.raises(CheckpointError) as info:
+        load_teacher(str(family_dirs["gemma2"]), attn_implementation="sdpa")
+    message = assert_one_line(info, "Gemma2ForCausalLM", "sdpa", "attention implementation")
+    assert "save_pretrained" not in message
+
+    def missing(*args, **kwargs):
+        raise ImportError("this model needs the `einops` library but it was not found in your environment")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", missing)
+    with pytest.raises(CheckpointError) as info:
+        load_teacher(str(family_dirs["llama"]))
+    message = assert_one_line(info, "einops", "install")
+    assert "save_pretrained" not in message

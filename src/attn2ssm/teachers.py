@@ -174,26 +174,57 @@ def resolve_teacher(spec: str | None) -> TeacherSource:
     return TeacherSource("hub", spec)
 
 
+def _attention_implementations(model_class) -> list[str]:
+    """The attention implementations a transformers model class declares it supports."""
+    flags = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn", "flash_attention_2": "_supports_flash_attn"}
+    return ["eager"] + [name for name, flag in flags.items() if getattr(model_class, flag, False)]
+
+
+def _load_error(step: str, where: str, exc: BaseException, files_fix: str, config=None, attn_implementation=None) -> CheckpointError:
+    """The one-line error for a failed load: the files are blamed only when nothing else explains it."""
+    cause = first_line(exc)
+    if isinstance(exc, ImportError):
+        return CheckpointError(f"loading the teacher's {step} from {where} needs a package that is not installed ({cause})",
+                               "install the package it names into this environment and retry")  # fmt: skip
+    if step == "model" and attn_implementation is not None and config is not None:
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+        supported = _attention_implementations(model_class) if model_class is not None else None
+        if supported is not None and attn_implementation not in supported:
+            return CheckpointError(
+                f"{model_class.__name__} does not support the attention implementation '{attn_implementation}' ({cause})",
+                f"load it with one it supports ({', '.join(supported)}), or with none to let transformers choose",
+            )
+    return CheckpointError(f"could not load the teacher's {step} from {where} ({cause})", files_fix)
+
+
 def load_teacher(
     spec: str | None = None,
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     check_supported: bool = False,
 ):
     """Returns (model, tokenizer, source). The model is in eval mode with gradients off.
 
-    ``dtype`` defaults to float32. ``check_supported=True`` reads the config first and raises
+    ``dtype`` defaults to float32. ``attn_implementation`` None lets transformers choose from
+    what the family's model class declares it supports: SDPA where it can, eager otherwise
+    (Gemma-2 soft-caps its attention logits inside attention, which SDPA cannot do, so its
+    class declares no SDPA). ``check_supported=True`` reads the config first and raises
     UnsupportedModelError for an architecture without an adapter before any weights load.
-    Every load failure is a one-line CheckpointError (the original is chained for ``--debug``).
+    Every load failure is a one-line CheckpointError naming its cause (the original is chained
+    for ``--debug``).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_teacher(spec)
     gguf = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    kwargs = {"dtype": dtype or torch.float32, "attn_implementation": attn_implementation, **gguf}
+    kwargs = {"dtype": dtype or torch.float32, **gguf}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     if source.kind == "hub":
         where = f"hub id '{source.location}'"
         fix = "check the id and your network, or pass a local directory / .gguf file"
@@ -203,13 +234,15 @@ def load_teacher(
     else:
         where = f"directory {source.location}"
         fix = "point --teacher at a directory written by save_pretrained (config.json, weights and tokenizer files)"
-    step = "config"
+    step, config = "config", None
     try:
         with quiet_loading():
+            if check_supported or attn_implementation is not None:
+                config = AutoConfig.from_pretrained(source.location, **gguf)
             if check_supported:
                 from attn2ssm.adapters import get_adapter
 
-                get_adapter(AutoConfig.from_pretrained(source.location, **gguf))
+                get_adapter(config)
             step = "tokenizer"
             tokenizer = AutoTokenizer.from_pretrained(source.location, **gguf)
             step = "model"
@@ -217,7 +250,7 @@ def load_teacher(
     except Attn2SSMError:
         raise
     except (OSError, ValueError, KeyError, ImportError) as exc:
-        raise CheckpointError(f"could not load the teacher's {step} from {where} ({first_line(exc)})", fix) from exc
+        raise _load_error(step, where, exc, fix, config, attn_implementation) from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval().requires_grad_(False)
