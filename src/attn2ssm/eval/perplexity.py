@@ -23,14 +23,21 @@ def strided_windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, 
 
 
 @torch.no_grad()
-def perplexity(model, ids: torch.Tensor, *, window: int, stride: int | None = None, batch_size: int = 4, max_tokens: int | None = None, progress: bool = False, desc: str = "perplexity") -> dict:
-    """Returns {"ppl", "nll", "tokens"} for a 1-D token stream ``ids``."""
+def perplexity(model, ids: torch.Tensor, *, window: int, stride: int | None = None, batch_size: int = 4, max_tokens: int | None = None, progress: bool = False,
+               desc: str = "perplexity", predictions: bool = False) -> dict:  # fmt: skip
+    """Returns {"ppl", "nll", "tokens"} for a 1-D token stream ``ids``.
+
+    ``predictions=True`` adds "argmax": the model's top-1 next-token guess for every scored
+    position 1..n-1 (a (n-1,) long tensor, from the same forwards, each position predicted inside
+    its own window), so two models scored with the same windows compare position by position.
+    """
     stride = stride or max(1, window // 2)
     if max_tokens is not None:
         ids = ids[:max_tokens]
     device = next(model.parameters()).device
     spans = strided_windows(len(ids), window, stride)
     total_nll, total_tokens = 0.0, 0
+    argmax = torch.full((len(ids),), -1, dtype=torch.long) if predictions else None
     was_training = model.training
     model.eval()
     bar = tqdm(total=len(spans), desc=desc, disable=not progress, leave=False)
@@ -48,8 +55,13 @@ def perplexity(model, ids: torch.Tensor, *, window: int, stride: int | None = No
                 scored = logp[row, first - b - 1 :]
                 total_nll -= scored.sum().item()
                 total_tokens += scored.numel()
+                if argmax is not None:  # logits at position p predict token p + 1
+                    argmax[first:e] = logits[row, first - b - 1 : e - b - 1].argmax(-1).cpu()
         bar.update(len(group))
     bar.close()
     model.train(was_training)
     nll = total_nll / max(total_tokens, 1)
-    return {"ppl": math.exp(nll), "nll": nll, "tokens": total_tokens}
+    out = {"ppl": math.exp(nll), "nll": nll, "tokens": total_tokens}
+    if argmax is not None:
+        out["argmax"] = argmax[1:]
+    return out
