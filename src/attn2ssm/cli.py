@@ -180,6 +180,14 @@ def cmd_generate(args) -> int:
     else:
         text = args.prompt
     inputs = tokenizer(text, return_tensors="pt")
+    if inputs["input_ids"].shape[1] == 0:  # an empty prompt, with a tokenizer that adds no BOS
+        if tokenizer.bos_token_id is None:
+            raise ConfigError(
+                f"--prompt {args.prompt!r} gives no tokens and the tokenizer of {args.model} has no BOS token to start from",
+                "give a prompt of at least one token, e.g. --prompt 'The'",
+            )
+        ids = torch.tensor([[tokenizer.bos_token_id]])  # start where a document starts
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     sample = args.temperature > 0
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=not args.echo, skip_special_tokens=True)
