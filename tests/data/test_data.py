@@ -57,6 +57,73 @@ def test_txt_is_one_document(tmp_path):
     assert doc == Document("book.txt", "Hello there.\n\nGeneral Kenobi.", {"source": "book.txt"})
 
 
+def _binary(n=4096, seed=0, nul=True) -> bytes:
+    """Random bytes, like compressed or encrypted data (with or without NUL bytes)."""
+    import random
+
+    data = random.Random(seed).randbytes(n)
+    return data if nul else data.replace(b"\x00", b"\x01")
+
+
+@pytest.mark.parametrize("nul", [True, False])
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_a_binary_file_named_as_text_is_refused(tmp_path, nul, suffix):
+    path = tmp_path / f"weights{suffix}"
+    path.write_bytes(_binary(nul=nul))
+    with pytest.raises(DataError, match="is not text") as info:
+        load_documents(str(path))
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_binary_file_in_a_corpus_folder_is_named(tmp_path):
+    make_corpus_dir(tmp_path)
+    (tmp_path / "b" / "model.txt").write_bytes(b"PK\x03\x04" + _binary(2000, seed=1))  # a zip named .txt
+    with pytest.raises(DataError, match="is not text") as info:
+        load_documents(str(tmp_path))
+    assert str(tmp_path / "b" / "model.txt") in str(info.value)
+
+
+def test_a_utf16_file_is_refused_with_the_conversion_named(tmp_path):
+    path = tmp_path / "utf16.txt"
+    path.write_text("Plain words in another encoding. " * 20, encoding="utf-16")
+    with pytest.raises(DataError, match="UTF-8"):
+        load_documents(str(path))
+
+
+def test_real_text_with_non_ascii_and_a_few_bad_bytes_passes(tmp_path):
+    text = "Café, naïve façade — “quoted” 東京 Ελληνικά Привет 👍 tab\there.\n\n" * 50
+    good = tmp_path / "utf8.txt"
+    good.write_text(text, encoding="utf-8")
+    assert load_documents(str(good))[0].text == text
+    damaged = tmp_path / "damaged.txt"  # a few bytes of another encoding: replaced, not refused
+    damaged.write_bytes(text.encode() + "naïve in latin-1\n".encode("latin-1") * 3)
+    assert load_documents(str(damaged))[0].text.count("\ufffd") == 3
+    lines = tmp_path / "lines.jsonl"
+    write_jsonl(lines, [{"text": line} for line in text.split("\n\n")[:5]])
+    assert [d.text for d in load_documents(str(lines))] == text.split("\n\n")[:5]
+
+
+def test_the_real_builtin_texts_pass_the_text_check(tmp_path):
+    """Moby Dick's chapters and the State of the Union addresses as local files, from the user's
+    corpus cache where an earlier run fetched them (skipped on a machine without it)."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    cached = Path(os.environ.get("ATTN2SSM_USER_CACHE", Path.home() / ".cache" / "attn2ssm")) / "corpora"
+    if not (cached / "moby-dick").is_dir() or not (cached / "sotu").is_dir():
+        pytest.skip(f"no fetched built-in corpora in {cached}")
+    books = tmp_path / "books"
+    books.mkdir()
+    for chapter in sorted((cached / "moby-dick").glob("chapter_*.txt")):
+        shutil.copy(chapter, books / chapter.name)
+    for address in sorted((cached / "sotu").glob("*.json")):  # one address per file, as JSON lines
+        record = json.loads(address.read_text(encoding="utf-8"))
+        write_jsonl(books / f"{address.stem}.jsonl", [{"text": record["text"]}])
+    docs = load_documents(str(books))
+    assert len(docs) > 300 and sum(len(d.text) for d in docs) > 10_000_000
+
+
 def test_jsonl_default_and_custom_field(tmp_path):
     path = write_jsonl(
         tmp_path / "c.jsonl", [{"text": "one", "content": "uno"}, {"text": "two", "content": "dos"}]

@@ -159,9 +159,31 @@ def _load_local(base: str, text_field: str) -> list[Document]:
     return docs
 
 
+# A file named .txt / .jsonl whose bytes are not text (model weights, an archive, UTF-16) would
+# otherwise be decoded with replacements and trained on. UTF-8 text never holds a NUL byte; random
+# or compressed bytes decode to U+FFFD replacements and C0 control characters at tens of percent
+# of their characters, while real text with a few bytes of another encoding stays far below.
+_MAX_NOT_TEXT_SHARE = 0.10
+_CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\r\x0b\x0c\x1b") + b"\x7f"
+_NOT_TEXT_FIX = "point data.corpus at UTF-8 text (convert another encoding with `iconv -t UTF-8`), or move that file out of the corpus"
+
+
+def decode_text(data: bytes, where: str) -> str:
+    """``data`` as UTF-8 (the odd undecodable byte replaced by U+FFFD); a DataError naming
+    ``where`` when the bytes are not text at all."""
+    if b"\x00" in data:
+        raise DataError(f"{where} is not text: it holds NUL bytes (a binary file, or UTF-16 text)", _NOT_TEXT_FIX)
+    text = data.decode("utf-8", errors="replace")
+    controls = len(data) - len(data.translate(None, _CONTROL_BYTES))
+    share = (text.count("\ufffd") + controls) / max(len(text), 1)
+    if share > _MAX_NOT_TEXT_SHARE:
+        raise DataError(f"{where} is not text: {share:.0%} of its characters are invalid UTF-8 or control characters", _NOT_TEXT_FIX)
+    return text
+
+
 def _read_file(path: Path, rel: str, text_field: str) -> list[Document]:
     if path.suffix == ".txt":
-        return [Document(rel, path.read_text(encoding="utf-8", errors="replace"), {"source": rel})]
+        return [Document(rel, decode_text(path.read_bytes(), f"corpus file {path}"), {"source": rel})]
     if path.suffix == ".jsonl":
         return _read_jsonl(path, rel, text_field)
     return _read_parquet(path, rel, text_field)
@@ -169,18 +191,18 @@ def _read_file(path: Path, rel: str, text_field: str) -> list[Document]:
 
 def _read_jsonl(path: Path, rel: str, text_field: str) -> list[Document]:
     docs = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{path}:{lineno} is not valid JSON ({e.msg})", "fix or remove that line"
-                ) from e
-            text = _field(record, text_field, f"{path}:{lineno}")
-            docs.append(Document(f"{rel}:{lineno}", text, {"source": rel, "line": lineno}))
+    text = decode_text(path.read_bytes(), f"corpus file {path}")
+    for lineno, line in enumerate(text.split("\n"), 1):  # (not splitlines: JSON strings may hold U+2028)
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"{path}:{lineno} is not valid JSON ({e.msg})", "fix or remove that line"
+            ) from e
+        text_value = _field(record, text_field, f"{path}:{lineno}")
+        docs.append(Document(f"{rel}:{lineno}", text_value, {"source": rel, "line": lineno}))
     return docs
 
 
