@@ -19,6 +19,38 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 # --------------------------------------------------------------------------------------------- convert
+def _held_model(out: Path) -> str:
+    """What in ``out`` a convert would overwrite: a saved model or a distillation run ("" if neither)."""
+    if (out / "config.json").is_file():
+        return "a saved model (config.json)"
+    if (out / "checkpoints").exists() or (out / "student").exists():
+        return "a distillation run (checkpoints/ or student/)"
+    return ""
+
+
+def _write_student(student, tokenizer, out: Path, replace: bool) -> None:
+    """Save into a staging directory beside ``out``, then move it into place: a failed write
+    leaves what ``out`` held untouched. ``replace`` (--force over a model): the staged directory
+    replaces ``out`` whole; otherwise ``out`` is new or empty, or its other files stay beside the student's."""
+    import shutil
+    import tempfile
+
+    from attn2ssm.paths import replace_dir
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.convert-"))
+    try:
+        student.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if replace or not out.exists() or not any(out.iterdir()):
+            replace_dir(staging, out)
+        else:
+            for path in staging.iterdir():
+                os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def cmd_convert(args) -> int:
     from attn2ssm.config import parse_value
     from attn2ssm.teachers import load_teacher, resolve_teacher
@@ -34,6 +66,12 @@ def cmd_convert(args) -> int:
         if not sep or not key.strip():
             raise ConfigError(f"--option {item!r} is not key=value", "write e.g. --option feature_map=elu")
         options[key.strip()] = parse_value(value)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file", "give a directory for the student")
+    held = _held_model(out)
+    if held and not args.force:  # as distill never overwrites a run: a trained student is not replaced silently
+        raise ConfigError(f"--out {out} already holds {held}", "pass --force to replace it, or choose another --out")
     resolve_teacher(args.teacher)  # a missing path fails here, before torch/transformers load
 
     from attn2ssm.student.convert import convert
@@ -50,9 +88,7 @@ def cmd_convert(args) -> int:
     else:
         plan = make_plan(teacher.config.num_hidden_layers, args.mixer, attention_ratio=args.attention_ratio, keep_attention=keep, align="last")
     student = convert(teacher, plan, {args.mixer: options}, teacher_info={"source": source.describe()}, init=args.init)
-    out = Path(args.out)
-    student.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    _write_student(student, tokenizer, out, replace=bool(held))
     kept = [i for i, k in enumerate(plan) if k == "attention"]
     print(f"wrote {out}: {len(plan) - len(kept)}/{len(plan)} layers → {args.mixer}, attention kept at {kept or 'none'}")
     return 0
@@ -353,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--init", choices=("attention", "random"), default="attention", help="mixers from the teacher's q/k/v/o, or random (ablation)")
     c.add_argument("--option", action="append", help="mixer option key=value (repeatable), e.g. feature_map=elu")
     c.add_argument("--out", required=True)
+    c.add_argument("--force", action="store_true", help="replace a model or run already in --out (written beside it first, so a failure keeps the old one)")
     c.set_defaults(func=cmd_convert)
 
     d = sub.add_parser("distill", help="run a distillation recipe (default: quickstart)")

@@ -1,6 +1,7 @@
 """Where attn2ssm keeps downloaded teachers, corpora and tokenized blocks."""
 
 import os
+import shutil
 from pathlib import Path
 
 
@@ -29,3 +30,22 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def replace_dir(staging: Path, target: Path) -> None:
+    """Move directory ``staging`` to ``target`` (same filesystem), replacing a directory there.
+    The old one is renamed aside first and deleted only once the new one is in place, so a
+    failure leaves the old directory at ``target`` (or, killed between the two renames, beside
+    it as ``.<name>.old-<pid>``)."""
+    staging, target = Path(staging), Path(target)
+    if not target.exists():
+        os.replace(staging, target)
+        return
+    aside = target.with_name(f".{target.name}.old-{os.getpid()}")
+    os.replace(target, aside)
+    try:
+        os.replace(staging, target)
+    except BaseException:
+        os.replace(aside, target)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
