@@ -10,8 +10,10 @@ refused when it was made with another tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
+import itertools
 import json
 from array import array
 from dataclasses import dataclass, field
@@ -24,8 +26,15 @@ from tqdm.auto import tqdm
 from attn2ssm.errors import DataError
 from attn2ssm.paths import atomic_write_bytes, cache_dir
 
-from .sources import Document, corpus_stamp, load_documents, parse_spec
-from .splits import split_documents
+from .sources import (
+    Document,
+    can_stream,
+    corpus_stamp,
+    iter_hf_documents,
+    load_documents,
+    parse_spec,
+)
+from .splits import is_heldout_id, split_documents
 
 FORMAT_VERSION = 1
 _BATCH_DOCS = 64
@@ -69,9 +78,12 @@ def prepare_corpus(
 
     ``max_*_tokens`` cut each stream to at most that many tokens (documents are taken in
     corpus order, and tokenizing stops once the limit is reached). ``meta["from_cache"]``
-    tells whether the cache answered.
+    tells whether the cache answered. A hub corpus with ``max_train_tokens`` set is streamed
+    (:func:`.sources.iter_hf_documents`): rows are read only until both streams are full (the
+    held-out one when ``max_heldout_tokens`` is set), with the split a full download would give.
     """
     base, text_field = parse_spec(spec, text_field)
+    stream = max_train_tokens is not None and can_stream(base)
     fingerprint = tokenizer_fingerprint(tokenizer)
     key_fields = {
         "format": FORMAT_VERSION,
@@ -82,6 +94,8 @@ def prepare_corpus(
         "max_train_tokens": max_train_tokens,
         "max_heldout_tokens": max_heldout_tokens,
     }
+    if stream:  # a streamed corpus stops reading early; keep its cache apart from a downloaded one
+        key_fields["stream"] = True
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:24]
     path = cache_dir() / "tokenized" / f"{key}.pt"
     if cache and path.is_file():
@@ -94,16 +108,19 @@ def prepare_corpus(
             return corpus
 
     eos = _eos_id(tokenizer)
-    train_docs, heldout_docs = split_documents(load_documents(base, text_field=text_field), base)
-    train_ids = _tokenize(train_docs, tokenizer, eos, max_train_tokens, "train")
-    heldout_ids = _tokenize(heldout_docs, tokenizer, eos, max_heldout_tokens, "held-out")
+    if stream:
+        train_ids, heldout_ids, counts = _tokenize_stream(base, text_field, tokenizer, eos, max_train_tokens, max_heldout_tokens)
+    else:
+        train_docs, heldout_docs = split_documents(load_documents(base, text_field=text_field), base)
+        train_ids = _tokenize(train_docs, tokenizer, eos, max_train_tokens, "train")
+        heldout_ids = _tokenize(heldout_docs, tokenizer, eos, max_heldout_tokens, "held-out")
+        counts = {"n_train_docs": len(train_docs), "n_heldout_docs": len(heldout_docs)}
     meta = {
         "spec": base,
         "text_field": text_field,
         "tokenizer_class": type(tokenizer).__name__,
         "eos_token_id": eos,
-        "n_train_docs": len(train_docs),
-        "n_heldout_docs": len(heldout_docs),
+        **counts,
         "n_train_tokens": int(train_ids.numel()),
         "n_heldout_tokens": int(heldout_ids.numel()),
         "max_train_tokens": max_train_tokens,
@@ -176,47 +193,97 @@ def _eos_id(tokenizer) -> int:
     return int(eos)
 
 
+class _Joiner:
+    """Token ids of documents joined by ``eos`` into one stream, cut to at most ``limit`` tokens."""
+
+    def __init__(self, eos: int, limit: int | None, label: str):
+        if limit is not None and limit < 0:
+            raise DataError(
+                f"token limit for {label} data is negative ({limit})",
+                "use a positive number or leave it unset",
+            )
+        self.sep, self.limit = torch.tensor([eos], dtype=torch.int32), limit
+        self.pieces: list[torch.Tensor] = []
+        self.total = 0
+        self.docs = 0  # documents taken (tokenized and added)
+
+    @property
+    def full(self) -> bool:
+        return self.limit is not None and self.total >= self.limit
+
+    def add(self, ids: list[int]) -> None:
+        if self.pieces:
+            self.pieces.append(self.sep)
+        self.pieces.append(torch.tensor(ids, dtype=torch.int32))
+        self.total += len(ids) + (len(self.pieces) > 1)
+        self.docs += 1
+
+    def ids(self) -> torch.Tensor:
+        ids = torch.cat(self.pieces) if self.pieces else torch.zeros(0, dtype=torch.int32)
+        return (ids if self.limit is None else ids[: self.limit]).long()
+
+
+@contextlib.contextmanager
+def _long_documents_allowed(tokenizer):
+    """Silence the tokenizer's warning about sequences longer than the model: whole documents are, on purpose."""
+    warned = getattr(tokenizer, "deprecation_warnings", None)
+    was_silenced = warned.get(_LONG_SEQ_WARNING, False) if isinstance(warned, dict) else None
+    if isinstance(warned, dict):
+        warned[_LONG_SEQ_WARNING] = True
+    try:
+        yield
+    finally:
+        if isinstance(warned, dict):
+            warned[_LONG_SEQ_WARNING] = was_silenced
+
+
 def _tokenize(
     docs: list[Document], tokenizer, eos: int, limit: int | None, label: str
 ) -> torch.Tensor:
     """Ids of ``docs`` joined by ``eos``, no special tokens per document, at most ``limit``."""
-    if limit is not None and limit < 0:
-        raise DataError(
-            f"token limit for {label} data is negative ({limit})",
-            "use a positive number or leave it unset",
-        )
-    pieces: list[torch.Tensor] = []
-    total = 0
-    sep = torch.tensor([eos], dtype=torch.int32)
-    warned = getattr(tokenizer, "deprecation_warnings", None)
-    was_silenced = warned.get(_LONG_SEQ_WARNING, False) if isinstance(warned, dict) else None
-    if isinstance(warned, dict):  # whole documents are longer than the model's context on purpose
-        warned[_LONG_SEQ_WARNING] = True
-    try:
-        with tqdm(
-            total=len(docs),
-            desc=f"tokenizing {label}",
-            unit="doc",
-            disable=len(docs) < _PROGRESS_MIN_DOCS,
-        ) as bar:
-            for start in range(0, len(docs), _BATCH_DOCS):
-                if limit is not None and total >= limit:
-                    break
-                batch = docs[start : start + _BATCH_DOCS]
-                encoded = tokenizer([d.text for d in batch], add_special_tokens=False)["input_ids"]
-                for ids in encoded:
-                    if pieces:
-                        pieces.append(sep)
-                    pieces.append(torch.tensor(ids, dtype=torch.int32))
-                    total += len(ids) + (len(pieces) > 1)
-                bar.update(len(batch))
-    finally:
-        if isinstance(warned, dict):
-            warned[_LONG_SEQ_WARNING] = was_silenced
-    ids = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int32)
-    if limit is not None:
-        ids = ids[:limit]
-    return ids.long()
+    out = _Joiner(eos, limit, label)
+    with _long_documents_allowed(tokenizer), tqdm(
+        total=len(docs),
+        desc=f"tokenizing {label}",
+        unit="doc",
+        disable=len(docs) < _PROGRESS_MIN_DOCS,
+    ) as bar:
+        for start in range(0, len(docs), _BATCH_DOCS):
+            if out.full:
+                break
+            batch = docs[start : start + _BATCH_DOCS]
+            for ids in tokenizer([d.text for d in batch], add_special_tokens=False)["input_ids"]:
+                out.add(ids)
+            bar.update(len(batch))
+    return out.ids()
+
+
+def _tokenize_stream(
+    spec: str, text_field: str, tokenizer, eos: int, train_limit: int, heldout_limit: int | None
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Both streams of a streamed hub corpus. Each row goes to its side of the hash split; reading
+    stops once the training side holds ``train_limit`` tokens and the held-out side ``heldout_limit``
+    (when unset, as soon as the training side is full). The tokens a full download gives when both fill."""
+    train = _Joiner(eos, train_limit, "train")
+    held = _Joiner(eos, heldout_limit, "held-out")
+    rows = 0
+    docs = iter_hf_documents(spec, text_field=text_field)
+    goal = train_limit + (heldout_limit or 0)
+    with _long_documents_allowed(tokenizer), tqdm(desc=f"streaming {spec}", unit="tok", total=goal) as bar:
+        while not (train.full and (held.full or heldout_limit is None)):
+            batch = list(itertools.islice(docs, _BATCH_DOCS))
+            if not batch:
+                break
+            rows = batch[-1].meta["row"] + 1
+            wanted = [(d, held if is_heldout_id(d.id) else train) for d in batch]
+            wanted = [(d, side) for d, side in wanted if not side.full]
+            encoded = tokenizer([d.text for d, _ in wanted], add_special_tokens=False)["input_ids"] if wanted else []
+            for (_, side), ids in zip(wanted, encoded):
+                if not side.full:  # a batch may fill its side part-way
+                    side.add(ids)
+            bar.update(min(train.total, train_limit) + min(held.total, heldout_limit or 0) - bar.n)
+    counts = {"n_train_docs": train.docs, "n_heldout_docs": held.docs, "streamed": True, "rows_read": rows}
+    return train.ids(), held.ids(), counts
 
 
 def check_block_len(block_len: int, max_positions: int | None) -> None:

@@ -15,11 +15,30 @@ naming text lives here:
 Any spec may end in ``?field=<name>`` to read another text field; ``text_field=`` does the
 same from code. Document ids are relative to the spec (never absolute paths) so that the
 hash-based held-out split does not change when a corpus moves to another machine.
+
+Hub datasets are *streamed* (``load_dataset(..., streaming=True)``) whenever the caller caps the
+training tokens (``max_train_tokens``; in a recipe also a source's ``max_tokens`` or the run's
+budget): rows are read in order only until both the training and the held-out stream are full, so
+naming a large dataset downloads only what the run uses. An integer slice (``train[100:5000]``)
+streams too; a percentage slice (``train[:10%]``) needs the split's length and is downloaded.
+``<dataset>`` may also be a local folder of data files (``hf:/data/shards``: the same reader
+as for a hub repository) or a folder written by ``Dataset.save_to_disk``.
+
+``"generated:<n_tokens>[:<prompt corpus>][?option=value&…]"`` is text the teacher writes: ``n_tokens``
+tokens sampled from the teacher, each sample started from the BOS token (EOS when there is none) or,
+with a prompt corpus, from ``prompt_len`` tokens cut from that corpus' training text. It needs the
+teacher, so it is read by :func:`attn2ssm.data.teacher_samples.generate_corpus` (the trainer does
+this for ``data.corpus`` / ``data.sources``), not by :func:`load_documents`. Options (defaults):
+``temperature`` (1.0), ``top_p`` (1.0: plain sampling), ``length`` (256 new tokens per sample, cut
+to the teacher's context), ``prompt_len`` (16), ``batch`` (16 samples per ``generate`` call; part of
+the cache key, since the random draws depend on it) and ``field`` (the prompt corpus' text field).
+Example: ``generated:1000000:sotu?top_p=0.95&batch=64``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -34,6 +53,7 @@ FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_TEXT_FIELD = "text"
 _NETWORK_MODULES = {"requests", "httpx", "httpcore", "urllib3", "aiohttp"}
 _SPLIT_NAMES = {"train", "validation", "valid", "test", "dev", "all"}
+GENERATED_PREFIX = "generated:"
 
 
 @dataclass
@@ -51,6 +71,11 @@ def load_documents(spec: str, *, text_field: str | None = None) -> list[Document
     Raises :class:`DataError` for a missing path, an unknown format, an unreachable hub,
     or a corpus without any text (``empty corpus``).
     """
+    if is_generated(spec):
+        raise DataError(
+            f"{spec.strip()!r} is text the teacher writes, so it cannot be read without the teacher",
+            "use it as data.corpus or in data.sources of a recipe (attn2ssm distill)",
+        )
     base, text_field = parse_spec(spec, text_field)
     if builtin.is_builtin(base):
         docs = builtin.load_builtin(base)
@@ -94,6 +119,60 @@ def parse_spec(spec: str, text_field: str | None = None) -> tuple[str, str]:
             "keep one of them",
         )
     return base, text_field or query_field or DEFAULT_TEXT_FIELD
+
+
+# ------------------------------------------------------------------------------- generated
+
+
+@dataclass(frozen=True)
+class GeneratedSpec:
+    """A parsed ``generated:`` spec (see the module docstring)."""
+
+    n_tokens: int
+    prompts: str | None = None  # corpus the prompts are cut from; None: start from BOS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    length: int = 256  # new tokens per sample
+    prompt_len: int = 16
+    batch: int = 16
+    field: str | None = None
+
+
+_GENERATED_OPTIONS = {"temperature": float, "top_p": float, "length": int, "prompt_len": int, "batch": int, "field": str}
+_GENERATED_FORM = "write generated:<n_tokens>[:<prompt corpus>][?temperature=1&top_p=0.95&length=256&prompt_len=16&batch=16]"
+
+
+def is_generated(spec) -> bool:
+    return isinstance(spec, str) and spec.strip().startswith(GENERATED_PREFIX)
+
+
+def parse_generated_spec(spec: str) -> GeneratedSpec:
+    """``"generated:<n_tokens>[:<prompt corpus>][?k=v&…]"`` → :class:`GeneratedSpec`; bad parts are DataErrors."""
+    rest = spec.strip()[len(GENERATED_PREFIX) :]
+    rest, _, query = rest.partition("?")
+    count, _, prompts = rest.partition(":")
+    try:
+        n_tokens = int(count)
+    except ValueError:
+        raise DataError(f"{spec!r} does not start with a number of tokens", _GENERATED_FORM) from None
+    options: dict = {}
+    for pair in filter(None, query.split("&")):
+        key, _, value = pair.partition("=")
+        if key not in _GENERATED_OPTIONS or not value:
+            raise DataError(f"unknown option {pair!r} in {spec!r}", f"options: {', '.join(_GENERATED_OPTIONS)}")
+        try:
+            options[key] = _GENERATED_OPTIONS[key](value)
+        except ValueError:
+            raise DataError(f"option {key}={value!r} in {spec!r} is not a {_GENERATED_OPTIONS[key].__name__}", _GENERATED_FORM) from None
+    g = GeneratedSpec(n_tokens, prompts or None, **options)
+    for name, ok in (("n_tokens", g.n_tokens >= 1), ("temperature", g.temperature > 0), ("top_p", 0 < g.top_p <= 1),
+                     ("length", g.length >= 1), ("prompt_len", g.prompt_len >= 1), ("batch", g.batch >= 1)):  # fmt: skip
+        if not ok:
+            raise DataError(f"{name}={getattr(g, name)} in {spec!r} is out of range",
+                            "n_tokens, length, prompt_len and batch are positive; temperature > 0; 0 < top_p <= 1")  # fmt: skip
+    if g.field is not None and g.prompts is None:
+        raise DataError(f"{spec!r} sets field= but has no prompt corpus", "name the corpus: generated:<n_tokens>:<corpus>?field=NAME")
+    return g
 
 
 def corpus_stamp(spec: str) -> str:
@@ -273,18 +352,54 @@ def parse_hf_spec(rest: str) -> tuple[str, str | None, str]:
     return name, config, split
 
 
+_ROW_SLICE = re.compile(r"^(?P<name>[^\[\]]+?)(?:\[(?P<start>\d*):(?P<stop>\d*)\])?$")
+
+
+def row_slice(split: str) -> tuple[str, int, int | None] | None:
+    """``"train"`` → ``("train", 0, None)``, ``"train[10:20]"`` → ``("train", 10, 20)``; ``None`` for a
+    split only ``datasets`` itself can cut (percentages, negative or single indices), which is downloaded."""
+    m = _ROW_SLICE.match(split)
+    if m is None:
+        return None
+    start = int(m["start"]) if m["start"] else 0
+    stop = int(m["stop"]) if m["stop"] else None
+    return m["name"], start, stop
+
+
+def can_stream(spec: str) -> bool:
+    """Whether ``spec`` is a hub corpus that :func:`iter_hf_documents` can read row by row."""
+    base, _ = parse_spec(spec)
+    return base.startswith("hf:") and row_slice(parse_hf_spec(base[3:])[2]) is not None
+
+
 def open_hf_dataset(
     rest: str,
     offline_fix: str = "use a local .txt/.jsonl/.parquet file or directory, or a built-in corpus (sotu, moby-dick)",
+    *,
+    streaming: bool = False,
 ):
-    """``datasets.load_dataset`` for ``hf:<rest>``, every failure turned into a one-line DataError."""
+    """``datasets.load_dataset`` for ``hf:<rest>``, every failure turned into a one-line DataError.
+
+    ``streaming=True`` returns an ``IterableDataset`` (the split's integer slice applied with
+    skip/take); a folder written by ``save_to_disk`` is opened with ``load_from_disk``.
+    """
     name, config, split = parse_hf_spec(rest)
     import datasets
     from datasets.exceptions import DatasetNotFoundError
 
     label = f"hf:{rest}"
     try:
-        return datasets.load_dataset(name, config, split=split)
+        if _is_saved_dataset(name):
+            return _open_saved(name, config, split, label, streaming)
+        if not streaming:
+            return datasets.load_dataset(name, config, split=split)
+        cut = row_slice(split)
+        if cut is None:
+            raise DataError(f"cannot stream {label!r}: split {split!r} is not a plain or integer-sliced split", "write e.g. train or train[1000:50000]")
+        split_name, start, stop = cut
+        ds = datasets.load_dataset(name, config, split=split_name, streaming=True)
+        ds = ds.skip(start) if start else ds
+        return ds.take(stop - start) if stop is not None else ds
     except DatasetNotFoundError as e:
         raise DataError(
             f"dataset {name!r} was not found on the Hugging Face Hub",
@@ -292,14 +407,36 @@ def open_hf_dataset(
         ) from e
     except ValueError as e:  # unknown config or split
         raise DataError(
-            f"cannot load {label!r}: {str(e).splitlines()[0]}", "check the config and split names"
+            f"cannot load {label!r}: {_first_line(e)}", "check the config and split names"
         ) from e
     except Exception as e:
         if not _is_network_error(e):
             raise
         raise DataError(
-            f"the Hugging Face Hub is unreachable, so {label!r} cannot be loaded ({e})", offline_fix
+            f"the Hugging Face Hub is unreachable, so {label!r} cannot be loaded ({_first_line(e)})", offline_fix
         ) from e
+
+
+def _is_saved_dataset(name: str) -> bool:
+    path = Path(name).expanduser()
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def _open_saved(name: str, config, split: str, label: str, streaming: bool):
+    import datasets
+
+    cut = row_slice(split)
+    if config is not None or cut is None:
+        raise DataError(f"cannot read {label!r}: a save_to_disk folder has no configs and takes integer slices only",
+                        "write hf:<folder>[:<split>[start:stop]]")  # fmt: skip
+    split_name, start, stop = cut
+    ds = datasets.load_from_disk(str(Path(name).expanduser()))
+    if isinstance(ds, datasets.DatasetDict):
+        if split_name not in ds:
+            raise DataError(f"{label!r} has no split {split_name!r} (splits: {', '.join(ds)})", "check the split name")
+        ds = ds[split_name]
+    ds = ds.select(range(min(start, len(ds)), len(ds) if stop is None else min(stop, len(ds))))
+    return ds.to_iterable_dataset() if streaming else ds
 
 
 def _load_hf(rest: str, text_field: str) -> list[Document]:
@@ -316,6 +453,39 @@ def _load_hf(rest: str, text_field: str) -> list[Document]:
         )
         for i, t in enumerate(ds[text_field])
     ]
+
+
+def iter_hf_documents(spec: str, *, text_field: str | None = None):
+    """Stream the documents of hub spec ``spec`` one row at a time (see :func:`can_stream`).
+
+    Ids and order are those :func:`load_documents` gives, so the held-out split is the same; rows are
+    fetched only as the caller asks for them, and a connection lost mid-stream is a one-line DataError.
+    """
+    base, text_field = parse_spec(spec, text_field)
+    label = base
+    ds = open_hf_dataset(base[3:], streaming=True)
+    columns = ds.column_names  # None when the features are only known once rows arrive
+    if columns is not None and text_field not in columns:
+        raise DataError(f"{label!r} has no column {text_field!r} (columns: {', '.join(columns)})", "choose the text column with ?field=NAME")
+    rows = iter(ds)
+    for i in itertools.count():
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Exception as e:
+            if not _is_network_error(e):
+                raise
+            raise DataError(f"the Hugging Face Hub became unreachable while streaming {label!r} at row {i} ({_first_line(e)})",
+                            "run again when the connection is back (the tokens read so far are not cached)") from e  # fmt: skip
+        text = _field(row, text_field, f"{label} row {i}")
+        if text.strip():
+            yield Document(f"{label}:{i}", text, {"source": label, "row": i})
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _is_network_error(exc: BaseException) -> bool:

@@ -10,6 +10,9 @@ and, where the corpus allows it, meaningful:
   in the lowest 5% — stable as documents are added or removed, independent of file order;
   at least one document lands on each side.
 * a single document: its text is cut at ~95% of its characters, on a paragraph boundary.
+* a streamed hub corpus (:mod:`.sources`): the same hash rule, decided row by row as rows arrive
+  (:func:`is_heldout_id`), so it holds out the documents a full download would.
+* teacher-generated text: the same hash rule on the sample's id (``generated:<index>``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ def split_documents(docs: list[Document], spec: str) -> tuple[list[Document], li
 def _id_score(doc_id: str) -> float:
     """A uniform number in [0, 1) fixed by the id alone (Python's hash() is salted per process)."""
     return int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "big") / 2**64
+
+
+def is_heldout_id(doc_id: str) -> bool:
+    """The hash rule for one document: held out when its id's score falls in the lowest 5%."""
+    return _id_score(doc_id) < HASH_HELDOUT_FRACTION
 
 
 def _split_by_hash(docs: list[Document]) -> tuple[list[Document], list[Document]]:
