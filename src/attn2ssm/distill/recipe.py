@@ -7,6 +7,7 @@ Every field has a default, so ``Recipe()`` is a valid (if short) run; built-in r
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -18,12 +19,37 @@ from attn2ssm.errors import ConfigError
 
 
 @dataclass
+class SourceConfig:
+    """One entry of ``data.sources``: a corpus and its share of the training blocks (data/mixture.py)."""
+
+    corpus: str = ""  # any corpus spec, as data.corpus
+    weight: float = 1.0  # share = weight / sum of the weights
+    # Training tokens taken from this source (null: weight's share of data.max_train_tokens if set;
+    # a hub dataset then streams only the blocks the run draws from it; other sources are read whole).
+    max_tokens: int | None = None
+
+
+@dataclass
 class DataConfig:
-    corpus: str = "sotu"  # built-in name, local file/dir, or hf:<name>[:<config>][:<split>]
+    # One source: built-in name, local file/dir, hf:<name>[:<config>][:<split>], or generated:<n_tokens>[:<prompt corpus>]
+    # (teacher samples; data/sources.py). Null when `sources` is given; sotu when neither is.
+    corpus: str | None = None
+    sources: list[SourceConfig] = field(default_factory=list)  # a weighted mixture instead of `corpus`
     block_len: int = 256
-    max_train_tokens: int | None = None
-    max_heldout_tokens: int | None = 20000
+    max_train_tokens: int | None = None  # a mixture splits it by weight
+    max_heldout_tokens: int | None = 20000  # per source
     text_field: str = "text"
+
+    def __post_init__(self):
+        if self.corpus is None and not self.sources:
+            self.corpus = "sotu"
+
+    def source_list(self) -> list[SourceConfig]:
+        """The sources to train on: ``sources``, or ``corpus`` as the one source."""
+        return list(self.sources) if self.sources else [SourceConfig(corpus=self.corpus)]
+
+    def describe(self) -> str:
+        return self.corpus if not self.sources else " + ".join(f"{s.weight:g}×{s.corpus}" for s in self.sources)
 
 
 @dataclass
@@ -214,6 +240,28 @@ def validate(recipe: Recipe) -> None:
         ratio = stage.attention_ratio
     if recipe.data.block_len < 2:
         raise ConfigError("data.block_len must be at least 2", "set data.block_len=256 for example")
+    _validate_data(recipe.data)
+
+
+def _validate_data(d: DataConfig) -> None:
+    from attn2ssm.data.sources import is_generated, parse_generated_spec
+
+    if d.corpus is not None and d.sources:
+        raise ConfigError("data.corpus and data.sources are both set", "keep data.sources for a mixture and set data.corpus: null, or drop data.sources")
+    for name, value in (("max_train_tokens", d.max_train_tokens), ("max_heldout_tokens", d.max_heldout_tokens)):
+        if value is not None and value < 0:
+            raise ConfigError(f"data.{name}={value} is negative", f"set data.{name} to a token count, or null for no limit")
+    for i, s in enumerate(d.sources):
+        where = f"data.sources[{i}]"
+        if not isinstance(s.corpus, str) or not s.corpus.strip():
+            raise ConfigError(f"{where} names no corpus", f"set {where}.corpus to a built-in name, a file, a directory, hf:<dataset> or generated:<n_tokens>")
+        if not (s.weight > 0 and math.isfinite(s.weight)):
+            raise ConfigError(f"{where} ({s.corpus}): weight {s.weight} is not a positive number", "weights are relative shares, e.g. 0.5, 0.2, 0.3")
+        if s.max_tokens is not None and s.max_tokens < 1:
+            raise ConfigError(f"{where} ({s.corpus}): max_tokens={s.max_tokens} is not positive", f"set {where}.max_tokens to a token count, or null")
+    for spec in (s.corpus for s in d.source_list()):
+        if is_generated(spec):
+            parse_generated_spec(spec)  # a bad spec fails here, before the teacher loads
 
 
 def _validate_stage_data(stage: StageConfig, kind, i: int, where: str) -> None:

@@ -90,7 +90,7 @@ def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: b
     results = {
         "recipe": recipe.name,
         "teacher": recipe.teacher,
-        "corpus": recipe.data.corpus,
+        "corpus": recipe.data.describe(),
         "heldout": {"window": window, "stride": stride, "tokens": s["tokens"]},
         "teacher_ppl": t["ppl"],
         "student_ppl": s["ppl"],
@@ -109,7 +109,7 @@ def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: b
         "",
         f"Teacher `{recipe.teacher}` → student with {len(plan) - len(results['attention_layers'])}/{len(plan)} layers "
         f"as `{recipe.student.mixer}` (attention kept at {results['attention_layers'] or 'none'}).",
-        f"Corpus `{recipe.data.corpus}`; held-out perplexity over {s['tokens']} tokens, window {window}, stride {stride}.",
+        f"Corpus `{recipe.data.describe()}`; held-out perplexity over {s['tokens']} tokens, window {window}, stride {stride}.",
         "",
         "| model | held-out perplexity |",
         "|---|---|",
