@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from attn2ssm.config import from_dict
 from attn2ssm.data.teacher_samples import build_teacher_sft_data, is_teacher_source
-from attn2ssm.data import block_indices, check_block_len, load_preference_dataset, load_sft_dataset, pack_blocks, prepare_corpus
+from attn2ssm.data import block_indices, check_block_len, load_preference_dataset, load_sft_dataset, load_training_data
 from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
 from attn2ssm.distill.recipe import Recipe, validate
 from attn2ssm.distill.schedules import lr_multiplier
@@ -165,11 +165,15 @@ class Distiller:
     def _load_data(self):
         d = self.recipe.data
         check_block_len(d.block_len, getattr(self.teacher.config, "max_position_embeddings", None))
-        with self.acc.main_process_first():  # one process tokenizes, the others read its cache
-            corpus = prepare_corpus(d.corpus, self.tokenizer, max_train_tokens=d.max_train_tokens, max_heldout_tokens=d.max_heldout_tokens, text_field=d.text_field)
-        self.corpus = corpus
-        self.blocks = pack_blocks(corpus.train_ids, d.block_len)
-        self.eval_blocks = pack_blocks(corpus.heldout_ids, d.block_len)
+        # The most blocks one LM stage draws: a mixture's size, and how far a hub source streams (None: epochs budgets only).
+        budget = max((math.ceil(s.tokens / (s.batch_size * d.block_len)) * s.batch_size for s in self.recipe.stages if s.data is None and s.epochs is None), default=None)
+        with self.acc.main_process_first():  # one process tokenizes (or samples the teacher), the others read its cache
+            data = load_training_data(d.source_list(), self.tokenizer, d.block_len, seed=self.recipe.seed, max_train_tokens=d.max_train_tokens,
+                                      max_heldout_tokens=d.max_heldout_tokens, text_field=d.text_field, budget_blocks=budget, teacher=self.teacher,
+                                      progress=self.progress and self.is_main)  # fmt: skip
+        self.corpus, self.blocks, self.eval_blocks = data.corpus, data.blocks, data.eval_blocks
+        if self.is_main and len(data.sources) > 1:
+            print(data.describe())
 
     def _build_student(self):
         from attn2ssm.student.convert import convert
