@@ -48,7 +48,7 @@ def test_end_to_end_artifacts(run_overrides, tmp_path):
 
 def test_existing_run_dir_is_not_overwritten(run_overrides, tmp_path):
     out = tmp_path / "run"
-    distill(load_recipe("quickstart", run_overrides(**{"stages": "[{name: a, kind: ce, tokens: 128, batch_size: 4}]"})), out, progress=False)
+    distill(load_recipe("quickstart", run_overrides(stages="[{name: a, kind: ce, tokens: 128, batch_size: 4}]")), out, progress=False)
     before = (out / "student" / "model.safetensors").read_bytes()
     with pytest.raises(ConfigError, match="already holds a run"):
         distill(load_recipe("quickstart", run_overrides()), out, progress=False)
@@ -157,3 +157,45 @@ def test_two_processes_give_the_same_loss_curve(run_overrides, tmp_path):
     l1, l2 = [r["loss"] for r in m1], [r["loss"] for r in m2]
     assert len(l1) == len(l2) == 21
     assert l2 == pytest.approx(l1, rel=1e-4, abs=1e-5)
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # as after a full disk or a kill mid-copy
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.pt"])
+def test_resume_from_a_damaged_checkpoint_falls_back_to_the_newest_intact_one(damaged, run_overrides, tmp_path):
+    sets = run_overrides()
+    reference = tmp_path / "reference"
+    distill(load_recipe("quickstart", sets), reference, progress=False)
+    killed = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, "-c", KILLER, "after", str(killed), *sets], env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert latest_checkpoint(killed).name == "stage0-step000006"
+    _truncate(killed / "checkpoints" / "stage0-step000006" / damaged)
+
+    cli = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", "--out", str(killed), "--resume", "--no-progress"], env=_env(), capture_output=True, text=True, timeout=600)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    notice = [line for line in (cli.stdout + cli.stderr).splitlines() if line.startswith("checkpoint ")]
+    assert len(notice) == 1 and "stage0-step000006" in notice[0] and damaged in notice[0] and "stage0-step000003" in notice[0]
+    a, b = _weights(reference), _weights(killed)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
+    steps = [(r["stage_index"], r["step"]) for r in map(json.loads, (killed / "metrics.jsonl").read_text().splitlines())]
+    assert steps == sorted(set(steps)) and len(steps) == 21
+
+
+def test_resume_with_every_checkpoint_damaged_changes_nothing(run_overrides, tmp_path):
+    killed = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, "-c", KILLER, "after", str(killed), *run_overrides()], env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    for ckpt in (killed / "checkpoints").iterdir():
+        if ckpt.is_dir():
+            _truncate(ckpt / "model.safetensors")
+    metrics = (killed / "metrics.jsonl").read_bytes()
+    cli = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", "--out", str(killed), "--resume", "--no-progress"], env=_env(), capture_output=True, text=True, timeout=600)
+    assert cli.returncode == 2
+    err = cli.stderr.strip().splitlines()
+    assert len(err) == 1 and "no intact checkpoint" in err[0] and "stage0-step000006" in err[0]
+    assert (killed / "metrics.jsonl").read_bytes() == metrics  # nothing on disk changed

@@ -34,6 +34,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,16 +43,34 @@ import torch
 from tqdm.auto import tqdm
 
 from attn2ssm.config import from_dict
+from attn2ssm.data import (
+    block_indices,
+    check_block_len,
+    load_preference_dataset,
+    load_sft_dataset,
+    load_training_data,
+)
 from attn2ssm.data.teacher_samples import build_teacher_sft_data, is_teacher_source
-from attn2ssm.data import block_indices, check_block_len, load_preference_dataset, load_sft_dataset, load_training_data
+from attn2ssm.distill.checkpoints import (
+    append_jsonl,
+    checkpoint_name,
+    choose_checkpoint,
+    latest_checkpoint,
+    publish_checkpoint,
+    rng_state,
+    set_rng_state,
+    truncate_metrics,
+)
 from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
-from attn2ssm.distill.recipe import Recipe, validate
+from attn2ssm.distill.recipe import Recipe, StageConfig, validate
 from attn2ssm.distill.schedules import lr_multiplier
-from attn2ssm.distill.stages import STAGE_KINDS, select_trainable
+from attn2ssm.distill.stages import STAGE_KINDS, StageKind, select_trainable
 from attn2ssm.errors import CheckpointError, ConfigError, TrainingError
 from attn2ssm.mixers.registry import ATTENTION
 from attn2ssm.paths import atomic_write_text
 from attn2ssm.student.plans import make_plan
+
+__all__ = ["Distiller", "TrainerState", "distill", "latest_checkpoint"]
 
 
 @dataclass
@@ -62,64 +81,35 @@ class TrainerState:
     total_tokens: int = 0  # tokens consumed over all stages
     finished: list[int] = field(default_factory=list)  # indices of completed stages
 
-
-# --------------------------------------------------------------------------------------------
-# run directory helpers
-
-
-def _checkpoint_root(out: Path) -> Path:
-    return out / "checkpoints"
+    def advance(self, tokens: int) -> None:
+        self.step += 1
+        self.tokens += tokens
+        self.total_tokens += tokens
 
 
-def latest_checkpoint(out: Path) -> Path | None:
-    pointer = _checkpoint_root(out) / "latest"
-    if not pointer.exists():
-        return None
-    path = _checkpoint_root(out) / pointer.read_text().strip()
-    if not (path / "state.json").exists():
-        raise CheckpointError(f"checkpoint pointer names {path}, which is incomplete", f"delete {pointer} to restart from scratch")
-    return path
+@dataclass
+class StageRun:
+    """What one stage holds while it runs (``Distiller._setup_stage`` builds it)."""
 
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    index: int
+    cfg: StageConfig
+    kind: StageKind
+    dataset: object | None  # the stage's own dataset (sft / dpo), else None: corpus blocks
+    seq_len: int
+    n_items: int  # blocks or dataset examples the stage draws from
+    steps: int
+    model: torch.nn.Module  # DDP-wrapped when the kind runs through the model's forward
+    unwrapped: torch.nn.Module
+    params: list
+    n_trainable_tensors: int
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
 
 
 def _drop_stage_modules(model) -> None:
     """Remove a finished stage's training-only modules (CAB's bridges) from the student."""
     if hasattr(model, "stage_modules"):
         del model.stage_modules
-
-
-def _append_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as fh:
-        fh.write(json.dumps(record) + "\n")
-        fh.flush()
-
-
-def _truncate_metrics(path: Path, state: TrainerState) -> None:
-    """On resume, drop metric lines written after the checkpoint we restart from."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-        if (rec.get("stage_index", -1), rec.get("step", 0)) <= (state.stage, state.step):
-            kept.append(line)
-    atomic_write_text(path, "".join(k + "\n" for k in kept))
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,14 +123,14 @@ class Distiller:
 
         self.out = Path(out)
         self.progress = progress
-        self.resume_from = None
+        self.resume_from: Path | None = None  # the intact checkpoint a resumed run continues from
         if resume:
             saved = self.out / "recipe.yaml"
             if saved.exists():
                 import yaml
 
                 recipe = from_dict(Recipe, yaml.safe_load(saved.read_text()), "recipe")
-            self.resume_from = latest_checkpoint(self.out) if self.out.exists() else None
+            self.resume_from = self._intact_checkpoint() if self.out.exists() else None
         elif self.out.exists() and ((self.out / "checkpoints").exists() or (self.out / "student").exists()):
             raise ConfigError(f"run directory {self.out} already holds a run", "pass --resume to continue it, or choose another --out")
         validate(recipe)
@@ -148,8 +138,27 @@ class Distiller:
         cpu = recipe.device == "cpu" or (recipe.device == "auto" and not torch.cuda.is_available())
         self.acc = Accelerator(cpu=cpu, mixed_precision=recipe.mixed_precision)
         self.is_main = self.acc.is_main_process
-        self.teacher, self.tokenizer = teacher, tokenizer
         self.metrics_path = self.out / "metrics.jsonl"
+        # filled by run(): the frozen teacher, the data, the student being trained
+        self.teacher, self.tokenizer = teacher, tokenizer
+        self.teacher_info: dict = {}
+        self.corpus = None
+        self.blocks: torch.Tensor | None = None  # training blocks (n, block_len)
+        self.eval_blocks: torch.Tensor | None = None
+        self.stage_data: dict[int, object] = {}  # stage index → its own dataset (sft / dpo), loaded up front
+        self.student: torch.nn.Module | None = None
+
+    def _intact_checkpoint(self) -> Path | None:
+        """The newest checkpoint whose files match their manifest, with a one-line notice for each
+        damaged one skipped; an error when there are checkpoints but none is intact. Reads only."""
+        chosen, skipped = choose_checkpoint(self.out)
+        if chosen is None and skipped:
+            (newest, reason), names = skipped[0], ", ".join(folder.name for folder, _ in skipped)
+            raise CheckpointError(f"no intact checkpoint in {self.out / 'checkpoints'}: {names} damaged ({newest.name}: {reason})",
+                                  "restart the run without --resume in a new --out")  # fmt: skip
+        for folder, reason in skipped:
+            print(f"checkpoint {folder.name} is damaged ({reason}); resuming from {chosen.name}", file=sys.stderr)
+        return chosen
 
     # -- setup ---------------------------------------------------------------------------------
     def _load_teacher(self):
@@ -205,14 +214,14 @@ class Distiller:
         if self.is_main:
             kept = [i for i, k in enumerate(plan) if k == ATTENTION]
             print(f"automatic layer selection: keeping attention in layers {kept}")
-            _append_jsonl(self.metrics_path, {"event": "layer_selection", "stage_index": stage_idx, "step": 0, "scores": scores, "keep_attention": kept})
+            append_jsonl(self.metrics_path, {"event": "layer_selection", "stage_index": stage_idx, "step": 0, "scores": scores, "keep_attention": kept})
 
     def _grow_for_stage(self, stage_idx: int, cfg) -> None:
         """Stepwise hybrids: convert more attention layers before a stage with its own attention_ratio."""
         if cfg.attention_ratio is None:
             return
-        from attn2ssm.student.convert import grow_student
         from attn2ssm.distill.layer_selection import select_attention_layers
+        from attn2ssm.student.convert import grow_student
         from attn2ssm.student.plans import interleaved_keep
 
         s = self.recipe.student
@@ -235,32 +244,23 @@ class Distiller:
         self.student = grow_student(student, self.teacher, new_plan).to(self.acc.device)
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def _save_checkpoint(self, state: TrainerState, optimizer, scheduler, stage_cfg) -> None:
+    def _save_checkpoint(self, state: TrainerState, run: StageRun) -> None:
         self.acc.wait_for_everyone()
         if self.is_main:
-            root = _checkpoint_root(self.out)
-            root.mkdir(parents=True, exist_ok=True)
-            name = f"stage{state.stage}-step{state.step:06d}"
-            tmp = root / f".tmp-{name}"
-            shutil.rmtree(tmp, ignore_errors=True)
             student = self.acc.unwrap_model(self.student)
-            plain = {k: v for k, v in state_dict_without_lora(student).items() if not k.startswith("stage_modules.")}
-            student.save_pretrained(tmp, state_dict=plain)
-            payload = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()}
-            if hasattr(student, "lora"):  # a LoRA stage in progress: adapters travel beside the plain student
-                payload["lora"] = student.lora.state_dict()
-            if hasattr(student, "stage_modules"):  # and so do a stage's training-only modules
-                payload["stage_modules"] = student.stage_modules.state_dict()
-            torch.save(payload, tmp / "optimizer.pt")
-            atomic_write_text(tmp / "state.json", json.dumps(asdict(state), indent=1))
-            final = root / name
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            atomic_write_text(root / "latest", name)  # the pointer moves only once the checkpoint is whole
-            existing = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-            for old in existing[: -max(1, stage_cfg.keep_checkpoints)]:
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
+
+            def write(folder: Path) -> None:
+                plain = {k: v for k, v in state_dict_without_lora(student).items() if not k.startswith("stage_modules.")}
+                student.save_pretrained(folder, state_dict=plain)
+                payload = {"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), "rng": rng_state()}
+                if hasattr(student, "lora"):  # a LoRA stage in progress: adapters travel beside the plain student
+                    payload["lora"] = student.lora.state_dict()
+                if hasattr(student, "stage_modules"):  # and so do a stage's training-only modules
+                    payload["stage_modules"] = student.stage_modules.state_dict()
+                torch.save(payload, folder / "optimizer.pt")
+                atomic_write_text(folder / "state.json", json.dumps(asdict(state), indent=1))
+
+            publish_checkpoint(self.out, checkpoint_name(state.stage, state.step), write, run.cfg.keep_checkpoints)
         self.acc.wait_for_everyone()
 
     # -- evaluation --------------------------------------------------------------------------------
@@ -300,7 +300,6 @@ class Distiller:
     def _prepare_stage_data(self, first_stage: int) -> None:
         """Load the datasets of the stages still to run now, so a missing file, a bad record or a
         tokenizer without a chat template stops the run before hours of earlier stages."""
-        self.stage_data = {}
         for i, cfg in enumerate(self.recipe.stages):
             kind = STAGE_KINDS[cfg.kind]
             if i >= first_stage and kind.data_formats is not None:
@@ -324,7 +323,9 @@ class Distiller:
         """Every process's items of optimizer step ``step`` (the global batch)."""
         return block_indices(n_items, self.recipe.seed + 1000 * stage_idx, step * stage_cfg.batch_size, stage_cfg.batch_size)
 
-    def _run_stage(self, stage_idx: int, state: TrainerState, resume_payload: dict | None) -> None:
+    def _setup_stage(self, stage_idx: int, resume_payload: dict | None) -> StageRun:
+        """The stage's data, adapters / training-only modules, trainable set, optimizer and schedule
+        (restored from ``resume_payload`` when the run resumes inside this stage)."""
         cfg = self.recipe.stages[stage_idx]
         kind = STAGE_KINDS[cfg.kind]
         world = self.acc.num_processes
@@ -335,11 +336,9 @@ class Distiller:
             )
         dataset = None
         if kind.data_formats is not None:
-            stage_data = getattr(self, "stage_data", {})
-            dataset = stage_data.pop(stage_idx) if stage_idx in stage_data else self._stage_dataset(stage_idx, cfg, kind)
+            dataset = self.stage_data.pop(stage_idx) if stage_idx in self.stage_data else self._stage_dataset(stage_idx, cfg, kind)
         seq_len = cfg.data.max_len if dataset is not None else self.recipe.data.block_len
         n_items = len(dataset) if dataset is not None else len(self.blocks)
-        steps = self._stage_steps(cfg, n_items, seq_len)
         unwrapped = self.acc.unwrap_model(self.student)
         if cfg.lora is not None:
             attach_lora(unwrapped, cfg.lora.targets, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout)
@@ -353,93 +352,118 @@ class Distiller:
         if hasattr(unwrapped, "stage_modules"):  # they exist only to be trained, whatever the patterns say
             unwrapped.stage_modules.requires_grad_(True)
         params = [p for p in unwrapped.parameters() if p.requires_grad]
-        n_train = sum(p.numel() for p in params)
         optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        steps = self._stage_steps(cfg, n_items, seq_len)
         lam = lr_multiplier(cfg.schedule.kind, steps, cfg.schedule.warmup, cfg.schedule.decay, cfg.schedule.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
         if resume_payload is not None:
             optimizer.load_state_dict(resume_payload["optimizer"])
             scheduler.load_state_dict(resume_payload["scheduler"])
-            _set_rng_state(resume_payload["rng"])
+            set_rng_state(resume_payload["rng"])
         # DDP wrap under accelerate launch (identity otherwise); layer-local kinds never call the
-        # model's forward, so they are not wrapped and their gradients are averaged below.
+        # model's forward, so they are not wrapped and their gradients are averaged in _train_step.
         model = self.acc.prepare_model(unwrapped) if kind.through_model_forward else unwrapped
         self.student = model
         model.train()
+        return StageRun(stage_idx, cfg, kind, dataset, seq_len, n_items, steps, model, unwrapped, params, len(names), optimizer, scheduler)
+
+    def _micro_batches(self, run: StageRun, step: int):
+        """(tokens of the global batch, this process's micro-batches of optimizer step ``step``)."""
+        cfg, world = run.cfg, self.acc.num_processes
+        if run.dataset is None:
+            batches = ({"input_ids": self.blocks[self._batch_indices(run.index, step, a, cfg)].to(self.acc.device)} for a in range(cfg.grad_accum))
+            return cfg.batch_size * run.seq_len, batches
+        global_idx = self._step_indices(run.index, step, cfg, run.n_items).tolist()
+        mean_loss_tokens = run.dataset.loss_tokens(global_idx) / (cfg.grad_accum * world)
+
+        def collate(a: int) -> dict:
+            idx = self._batch_indices(run.index, step, a, cfg, run.n_items).tolist()
+            batch = {k: v.to(self.acc.device) for k, v in run.dataset.collate(idx).items()}
+            batch["mean_loss_tokens"] = mean_loss_tokens
+            return batch
+
+        return run.dataset.tokens(global_idx), (collate(a) for a in range(cfg.grad_accum))
+
+    def _train_step(self, run: StageRun, step: int) -> tuple[int, float, dict, float | None]:
+        """One optimizer step: (tokens, loss averaged over processes, metrics, grad norm)."""
+        cfg, model = run.cfg, run.model
+        tokens, batches = self._micro_batches(run, step)
+        step_metrics: dict[str, float] = {}
+        step_loss = torch.zeros((), device=self.acc.device)
+        for a, batch in enumerate(batches):
+            wrapped = model is not run.unwrapped
+            sync = self.acc.no_sync(model) if wrapped and a < cfg.grad_accum - 1 else contextlib.nullcontext()
+            with sync, self.acc.autocast():
+                loss, metrics = run.kind.loss(model, self.teacher, batch, cfg)
+                if not torch.isfinite(loss):
+                    ckpt = latest_checkpoint(self.out)
+                    raise TrainingError(
+                        f"non-finite loss ({loss.item()}) at stage '{cfg.name}' step {step + 1}",
+                        f"lower stages.{run.index}.optim.lr or the clip value; the last good checkpoint is {ckpt or 'none (nothing saved yet)'}",
+                    )
+                self.acc.backward(loss / cfg.grad_accum)
+            step_loss += loss.detach() / cfg.grad_accum
+            for k, v in metrics.items():
+                step_metrics[k] = step_metrics.get(k, 0.0) + v / cfg.grad_accum
+        if self.acc.num_processes > 1 and not run.kind.through_model_forward:
+            for p in run.params:
+                if p.grad is not None:
+                    p.grad = self.acc.reduce(p.grad, "mean")
+        grad_norm = self.acc.clip_grad_norm_(run.params, cfg.clip) if cfg.clip else None
+        run.optimizer.step()
+        run.scheduler.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        loss_value = self.acc.reduce(step_loss, "mean").item()
+        return tokens, loss_value, step_metrics, None if grad_norm is None else float(grad_norm)
+
+    def _log_step(self, run: StageRun, state: TrainerState, loss: float, metrics: dict, grad_norm: float | None, tokens_per_s: float) -> None:
+        """One metrics line (with a held-out evaluation every ``eval_every`` steps and at the end)."""
+        cfg = run.cfg
+        record = {"stage": cfg.name, "stage_index": run.index, "step": state.step, "tokens": state.tokens, "total_tokens": state.total_tokens,
+                  "loss": loss, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "processes": self.acc.num_processes,
+                  **{f"train_{k}": v for k, v in metrics.items()}}  # fmt: skip
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
+        due = (cfg.eval_every and state.step % cfg.eval_every == 0) or state.step == run.steps
+        if self.is_main and due and len(self.eval_blocks):
+            record["eval_loss"] = self._eval_loss(cfg)
+            record["eval_ppl"] = math.exp(min(record["eval_loss"], 50))
         if self.is_main:
-            shape = f"{cfg.batch_size} examples (≤ {seq_len} tokens)" if dataset is not None else f"{cfg.batch_size} × {seq_len} tokens"
-            print(f"[stage {stage_idx + 1}/{len(self.recipe.stages)}] {cfg.name} ({cfg.kind}): {steps} steps × {shape}, "
-                  f"{n_train / 1e6:.2f}M trainable params in {len(names)} tensors")
-        bar = tqdm(total=steps, initial=state.step, desc=f"{cfg.name}", disable=not (self.progress and self.is_main), dynamic_ncols=True)
-        t_last, tokens_last = time.perf_counter(), 0
-        while state.step < steps:
-            step_metrics: dict[str, float] = {}
-            step_loss = torch.zeros((), device=self.acc.device)
-            if dataset is not None:
-                global_idx = self._step_indices(stage_idx, state.step, cfg, n_items).tolist()
-                tokens = dataset.tokens(global_idx)
-                mean_loss_tokens = dataset.loss_tokens(global_idx) / (cfg.grad_accum * world)
-            else:
-                tokens = cfg.batch_size * seq_len
-            for a in range(cfg.grad_accum):
-                if dataset is not None:
-                    idx = self._batch_indices(stage_idx, state.step, a, cfg, n_items).tolist()
-                    batch = {k: v.to(self.acc.device) for k, v in dataset.collate(idx).items()}
-                    batch["mean_loss_tokens"] = mean_loss_tokens
-                else:
-                    idx = self._batch_indices(stage_idx, state.step, a, cfg)
-                    batch = {"input_ids": self.blocks[idx].to(self.acc.device)}
-                wrapped = model is not unwrapped
-                sync = self.acc.no_sync(model) if wrapped and a < cfg.grad_accum - 1 else contextlib.nullcontext()
-                with sync, self.acc.autocast():
-                    loss, metrics = kind.loss(model, self.teacher, batch, cfg)
-                    if not torch.isfinite(loss):
-                        ckpt = latest_checkpoint(self.out)
-                        raise TrainingError(
-                            f"non-finite loss ({loss.item()}) at stage '{cfg.name}' step {state.step + 1}",
-                            f"lower stages.{stage_idx}.optim.lr or the clip value; the last good checkpoint is {ckpt or 'none (nothing saved yet)'}",
-                        )
-                    self.acc.backward(loss / cfg.grad_accum)
-                step_loss += loss.detach() / cfg.grad_accum
-                for k, v in metrics.items():
-                    step_metrics[k] = step_metrics.get(k, 0.0) + v / cfg.grad_accum
-            if world > 1 and not kind.through_model_forward:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad = self.acc.reduce(p.grad, "mean")
-            grad_norm = self.acc.clip_grad_norm_(params, cfg.clip) if cfg.clip else None
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            state.tokens += tokens
-            state.total_tokens += tokens
-            tokens_last += tokens
-            loss_value = self.acc.reduce(step_loss, "mean").item()
+            append_jsonl(self.metrics_path, record)
+
+    def _finish_stage(self, run: StageRun, state: TrainerState) -> None:
+        """The stage's last step: LoRA merged and training-only modules dropped, so the stage-end
+        checkpoint (and the next stage) hold the plain student."""
+        state.finished.append(run.index)
+        merge_lora(self.acc.unwrap_model(run.model))
+        _drop_stage_modules(self.acc.unwrap_model(run.model))
+
+    def _run_stage(self, stage_idx: int, state: TrainerState, resume_payload: dict | None) -> None:
+        run = self._setup_stage(stage_idx, resume_payload)
+        cfg = run.cfg
+        if self.is_main:
+            shape = f"{cfg.batch_size} examples (≤ {run.seq_len} tokens)" if run.dataset is not None else f"{cfg.batch_size} × {run.seq_len} tokens"
+            n_train = sum(p.numel() for p in run.params)
+            print(f"[stage {stage_idx + 1}/{len(self.recipe.stages)}] {cfg.name} ({cfg.kind}): {run.steps} steps × {shape}, "
+                  f"{n_train / 1e6:.2f}M trainable params in {run.n_trainable_tensors} tensors")
+        bar = tqdm(total=run.steps, initial=state.step, desc=f"{cfg.name}", disable=not (self.progress and self.is_main), dynamic_ncols=True)
+        clock = time.perf_counter()
+        while state.step < run.steps:
+            tokens, loss, metrics, grad_norm = self._train_step(run, state.step)
+            state.advance(tokens)
             now = time.perf_counter()
-            tps = tokens_last / max(now - t_last, 1e-9)
-            record = {"stage": cfg.name, "stage_index": stage_idx, "step": state.step, "tokens": state.tokens, "total_tokens": state.total_tokens,
-                      "loss": loss_value, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tps, "processes": world, **{f"train_{k}": v for k, v in step_metrics.items()}}
-            if grad_norm is not None:
-                record["grad_norm"] = float(grad_norm)
-            last = state.step == steps
-            if self.is_main and ((cfg.eval_every and state.step % cfg.eval_every == 0) or last) and len(self.eval_blocks):
-                record["eval_loss"] = self._eval_loss(cfg)
-                record["eval_ppl"] = math.exp(min(record["eval_loss"], 50))
-            if self.is_main:
-                _append_jsonl(self.metrics_path, record)
-            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tps:.0f}")
+            tokens_per_s = tokens / max(now - clock, 1e-9)
+            clock = now
+            self._log_step(run, state, loss, metrics, grad_norm, tokens_per_s)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
             bar.update(1)
-            t_last, tokens_last = now, 0
+            last = state.step == run.steps
             if last:
-                state.finished.append(stage_idx)
-            if last:
-                merge_lora(self.acc.unwrap_model(model))  # the stage-end checkpoint holds the merged weights
-                _drop_stage_modules(self.acc.unwrap_model(model))
+                self._finish_stage(run, state)
             if last or (cfg.save_every and state.step % cfg.save_every == 0):
-                self._save_checkpoint(state, optimizer, scheduler, cfg)
+                self._save_checkpoint(state, run)
         bar.close()
-        self.student = self.acc.unwrap_model(model)
+        self.student = self.acc.unwrap_model(run.model)
         merge_lora(self.student)
         _drop_stage_modules(self.student)
 
@@ -455,11 +479,11 @@ class Distiller:
         if self.resume_from is not None:
             state = from_dict(TrainerState, json.loads((self.resume_from / "state.json").read_text()), "state")
             payload = torch.load(self.resume_from / "optimizer.pt", weights_only=False)
-            if self.is_main:
-                print(f"resuming from {self.resume_from.name}: stage {state.stage + 1}, step {state.step}")
-                _truncate_metrics(self.metrics_path, state)
         self._prepare_stage_data(state.stage)
         self._build_student()
+        if self.resume_from is not None and self.is_main:  # only now that the checkpoint has loaded
+            print(f"resuming from {self.resume_from.name}: stage {state.stage + 1}, step {state.step}")
+            truncate_metrics(self.metrics_path, state.stage, state.step)
         for stage_idx in range(len(self.recipe.stages)):
             if stage_idx < state.stage:
                 continue

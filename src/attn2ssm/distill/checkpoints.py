@@ -1,0 +1,195 @@
+"""A run directory's checkpoints: written atomically with a manifest, verified before a resume.
+
+Layout (under ``<run>/checkpoints``)::
+
+    <stage{s}-step{n:06d}>/   HF student, optimizer.pt, state.json, manifest.json
+    latest                    name of the newest complete checkpoint
+
+A checkpoint is built in a hidden ``.tmp-`` folder and renamed into place; ``latest`` moves only
+after that. ``manifest.json`` (written last, before the rename) records every file's size and
+SHA-256, so a file damaged afterwards — a full disk, a kill during a copy or a sync — is found
+before it is trusted: ``choose_checkpoint`` walks the checkpoints newest first and returns the
+first whose files all match, naming the damaged ones it skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from attn2ssm.errors import CheckpointError
+from attn2ssm.paths import atomic_write_text
+
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^stage(\d+)-step(\d+)$")
+
+
+def checkpoint_root(out: Path) -> Path:
+    return Path(out) / "checkpoints"
+
+
+def checkpoint_name(stage: int, step: int) -> str:
+    return f"stage{stage}-step{step:06d}"
+
+
+def _order(path: Path) -> tuple[int, int]:
+    """(stage, step) of a checkpoint folder; names that are not checkpoints sort first."""
+    m = _NAME.match(path.name)
+    return (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """Every complete-looking checkpoint folder, oldest first (by stage, then step)."""
+    root = checkpoint_root(out)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)), key=_order)
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The checkpoint ``latest`` names (None before the first one)."""
+    pointer = checkpoint_root(out) / "latest"
+    if not pointer.exists():
+        return None
+    path = checkpoint_root(out) / pointer.read_text().strip()
+    if not (path / "state.json").exists():
+        raise CheckpointError(f"checkpoint pointer names {path}, which is incomplete", f"delete {pointer} to restart from scratch")
+    return path
+
+
+# -- manifest ------------------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the size and SHA-256 of every file in ``folder`` (recursively) in manifest.json."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    atomic_write_text(folder / MANIFEST, json.dumps({"files": files}, indent=1))
+
+
+def damage(folder: Path) -> str | None:
+    """None if every file of the checkpoint matches its manifest, else what is wrong (one line).
+
+    A checkpoint written before manifests existed is checked for its state and a readable
+    safetensors header instead."""
+    manifest = folder / MANIFEST
+    if not manifest.exists():
+        if not (folder / "state.json").exists():
+            return "state.json is missing"
+        return _legacy_damage(folder)
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError) as error:
+        return f"{MANIFEST} is unreadable ({type(error).__name__})"
+    for name, record in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != record["size"]:
+            return f"{name} has {size} bytes, {record['size']} were written"
+        if _sha256(path) != record["sha256"]:
+            return f"{name} does not match the SHA-256 recorded when it was written"
+    return None
+
+
+def _legacy_damage(folder: Path) -> str | None:
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                fh.keys()
+        except Exception as error:  # noqa: BLE001 - any failure to read the header is damage
+            return f"{path.name} is unreadable ({type(error).__name__})"
+    return None
+
+
+def choose_checkpoint(out: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest intact checkpoint or None, [(damaged checkpoint, reason)] skipped on the way).
+    Reads only; nothing on disk changes. The one ``latest`` names is tried first."""
+    candidates = checkpoints(out)[::-1]
+    pointer = checkpoint_root(out) / "latest"
+    if pointer.exists():
+        named = checkpoint_root(out) / pointer.read_text().strip()
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
+    skipped = []
+    for folder in candidates:
+        reason = damage(folder)
+        if reason is None:
+            return folder, skipped
+        skipped.append((folder, reason))
+    return None, skipped
+
+
+# -- writing -------------------------------------------------------------------------------------
+def publish_checkpoint(out: Path, name: str, write, keep: int) -> Path:
+    """Build checkpoint ``name`` with ``write(folder)`` in a hidden folder, add its manifest,
+    rename it into place, move ``latest`` and prune all but the newest ``keep``."""
+    root = checkpoint_root(out)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write(tmp)
+    write_manifest(tmp)
+    final = root / name
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    atomic_write_text(root / "latest", name)  # the pointer moves only once the checkpoint is whole
+    for old in checkpoints(out)[: -max(1, keep)]:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -- metrics -------------------------------------------------------------------------------------
+def append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+        fh.flush()
+
+
+def truncate_metrics(path: Path, stage: int, step: int) -> None:
+    """On resume, drop metric lines written after the checkpoint we restart from."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the kill
+        if (rec.get("stage_index", -1), rec.get("step", 0)) <= (stage, step):
+            kept.append(line)
+    atomic_write_text(path, "".join(k + "\n" for k in kept))
