@@ -324,6 +324,53 @@ def cmd_bench_generate(args) -> int:
     return 0
 
 
+def cmd_bench_quality(args) -> int:
+    import shlex
+
+    from attn2ssm.eval.scoreboard import DEFAULT_TEACHER, EvalSettings, GridSettings, format_markdown, parse_family_table, select_cells
+
+    table = parse_family_table(args.family)
+    cells = select_cells(table, args.families, args.budgets, args.only)
+    corpora = tuple(c.strip() for c in args.corpora.split(",") if c.strip())
+    if not corpora:
+        raise ConfigError(f"--corpora {args.corpora!r} names no corpus", "write e.g. --corpora sotu,moby-dick")
+    windows = _int_list("--windows", args.windows)
+    if min(windows) < 2:
+        raise ConfigError(f"--windows {args.windows!r} has a window shorter than 2 tokens", "write e.g. --windows 1024,2048")
+    if args.eval_tokens < max(windows) // 2 + 2:
+        raise ConfigError(f"--eval-tokens {args.eval_tokens} is too few for windows up to {max(windows)}", f"use at least {max(windows)}, e.g. --eval-tokens 16384")
+    if args.agreement_prompts < 0 or args.passkey_trials < 1:
+        raise ConfigError("--agreement-prompts must be >= 0 and --passkey-trials >= 1", "e.g. --agreement-prompts 16 --passkey-trials 2")
+    try:
+        depths = tuple(float(v) for v in args.passkey_depths.split(",") if v.strip())
+    except ValueError:
+        depths = (-1.0,)
+    if not depths or any(not 0 <= d <= 1 for d in depths):
+        raise ConfigError(f"--passkey-depths {args.passkey_depths!r} is not a list of fractions in 0..1", "write e.g. --passkey-depths 0,0.5,1")
+    lengths = () if args.passkey_lengths in ("", "0", "none") else _int_list("--passkey-lengths", args.passkey_lengths)
+    settings = GridSettings(
+        teacher=args.teacher or DEFAULT_TEACHER, families=table, cells=cells, sets=list(args.set or []), grid_dir=Path(args.out_dir),
+        json_path=Path(args.json),
+        eval=EvalSettings(corpora=corpora, windows=windows, eval_tokens=args.eval_tokens, agreement_prompts=args.agreement_prompts,
+                          passkey_lengths=lengths, passkey_depths=depths, passkey_trials=args.passkey_trials),
+    )  # fmt: skip
+    from attn2ssm.eval.scoreboard import format_plan, plan_cells, run_grid
+    from attn2ssm.teachers import resolve_teacher
+
+    planned = plan_cells(settings)  # a missing recipe, an unscalable stage, a budget too small: before anything loads
+    if args.plan:
+        print(format_plan(planned, settings.eval))
+        return 0
+    resolve_teacher(settings.teacher)  # a missing path fails before any cell starts
+    command = shlex.join(["attn2ssm", *args.argv])
+    result = run_grid(settings, command=command, progress=not args.no_progress, cells=planned)
+    print()
+    print(format_markdown(result))
+    out = Path(args.json)
+    print(f"\nwrote {out}, {out.with_suffix('.png')} and {out.with_suffix('.md')} ({len(result['cells'])} cells of {settings.grid_dir})")
+    return 0
+
+
 def format_generate_bench(result: dict) -> str:
     lines = [f"decode on {result['device']} ({result['threads']} threads): tokens/s | prefill s | cache MB, by context"]
     for name, rows in result["decode"].items():
@@ -440,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true", help="CPU, pure students: run the decode step as one torch.compile'd function (~1.5x faster a token; the first step compiles, about a minute on 2 cores)")
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="benchmarks (generate: decode speed / memory vs context, speculative decoding)")
+    b = sub.add_parser("bench", help="benchmarks (generate: decode speed / memory vs context, speculative decoding; quality: the family × budget scoreboard)")
     bsub = b.add_subparsers(dest="bench", required=True)
     bg = bsub.add_parser("generate", help="decode tokens/s, prefill time and memory vs context for the teacher and students; speculative decoding with --draft")
     bg.add_argument("--teacher", default=None, help="teacher spec (default: the built-in smollm2-135m)")
@@ -462,6 +509,27 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--no-progress", action="store_true")
     bg.set_defaults(func=cmd_bench_generate)
 
+    bq = bsub.add_parser("quality", help="quality scoreboard: student families × token budgets distilled from one teacher, "
+                         "each cell scored against it (perplexity ratio, top-1 and greedy agreement, passkey)")
+    bq.add_argument("--teacher", default=None, help="teacher spec for every cell (default: the built-in smollm2-135m)")
+    bq.add_argument("--families", default=None, help="comma-separated families (default: every family in the table)")
+    bq.add_argument("--budgets", default=None, help="training tokens per cell, comma-separated (default 65536,262144,1048576; 2^16 works too)")
+    bq.add_argument("--only", default=None, metavar="FAMILY@TOKENS,...", help="run just these cells (instead of --families × --budgets)")
+    bq.add_argument("--family", action="append", metavar="NAME=RECIPE", help="add a family (or remap one) to a recipe name or YAML path (repeatable)")
+    bq.add_argument("--set", action="append", metavar="KEY=VALUE", help="recipe override for every cell (before the budget's stage tokens)")
+    bq.add_argument("--out-dir", default="runs/quality", help="grid directory: one run directory per cell, the teacher's cached references")
+    bq.add_argument("--json", default="benchmarks/results/quality.json", help="grid JSON (the PNG and markdown table go beside it)")
+    bq.add_argument("--corpora", default="sotu,moby-dick", help="held-out corpora to score (the first also gives the agreement prompts)")
+    bq.add_argument("--windows", default="1024,2048", help="perplexity windows (stride = window / 2)")
+    bq.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens scored per corpus")
+    bq.add_argument("--agreement-prompts", type=int, default=16, help="held-out prompts for greedy 32-token continuation agreement (0 = skip)")
+    bq.add_argument("--passkey-lengths", default="1024,2048", help="passkey context lengths in tokens ('none' = skip)")
+    bq.add_argument("--passkey-depths", default="0,0.5,1")
+    bq.add_argument("--passkey-trials", type=int, default=2, help="keys per length and depth")
+    bq.add_argument("--plan", action="store_true", help="list the cells, their status (done / trained / partial / todo) and commands; run nothing")
+    bq.add_argument("--no-progress", action="store_true")
+    bq.set_defaults(func=cmd_bench_quality)
+
     u = sub.add_parser("upgrade", help="refresh saved students' modeling code (trust_remote_code files) with this attn2ssm's; weights untouched")
     u.add_argument("dirs", nargs="+", metavar="DIR", help="student directories (with config.json)")
     u.set_defaults(func=cmd_upgrade)
@@ -474,6 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what was typed (benchmarks record it)
     try:
         return args.func(args)
     except Attn2SSMError as exc:

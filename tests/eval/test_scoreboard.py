@@ -1,0 +1,287 @@
+"""``attn2ssm bench quality`` on a tiny teacher: budgets split over stages, a cell distilled in its
+own process then scored and cached, a half-run cell resumed, ``--only``, the outputs, errors.
+
+The grid fixture runs one real cell (a tiny two-stage recipe, 384 tokens) through the CLI; tests
+that change a grid work on a copy of it, so they do not depend on each other's order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_models import make_tokenizer, tiny_config, tiny_model
+from transformers import AutoModelForCausalLM
+
+from attn2ssm.cli import main
+from attn2ssm.distill.recipe import load_recipe
+from attn2ssm.errors import ConfigError
+from attn2ssm.eval.perplexity import perplexity
+from attn2ssm.eval.scoreboard import (
+    FAMILIES,
+    EvalSettings,
+    GridSettings,
+    budget_overrides,
+    load_family,
+    parse_budgets,
+    parse_family_table,
+    plan_cells,
+    run_grid,
+    select_cells,
+)
+
+WORDS = "the union state people congress nation law work peace war year future hope country".split()
+TINY_RECIPE = """\
+name: tiny
+description: two stages, weights 2 to 1, 64 tokens a step
+data: {{corpus: {corpus}, block_len: 32, max_heldout_tokens: 2000}}
+student: {{mixer: linear_attention}}
+stages:
+  - {{name: kd, kind: kd, tokens: 2000, batch_size: 2, save_every: 1, optim: {{lr: 0.01}}}}
+  - {{name: ce, kind: ce, tokens: 1000, batch_size: 2, trainable: [all], save_every: 2, optim: {{lr: 0.001}}}}
+eval: {{max_tokens: 256}}
+"""
+
+
+# ------------------------------------------------------------------------------------- pure parts
+def test_budget_is_split_over_stages_by_their_tokens_in_whole_steps():
+    recipe, raw = load_family("q", "quickstart", [], "smollm2-135m")  # stages 16384 : 8192, 4 × 256 tokens a step
+    sets, shares = budget_overrides(recipe, raw, 65536)
+    assert shares == [44032, 21504] and sum(shares) == 65536  # 43 and 21 steps of 1024
+    assert sets == ["stages.0.tokens=44032", "stages.1.tokens=21504"]
+    _, shares = budget_overrides(recipe, raw, 2**20)
+    assert shares == [699392, 349184]  # 2 : 1 to within a step
+    with pytest.raises(ConfigError, match="less than one optimizer step per stage"):
+        budget_overrides(recipe, raw, 1000)
+    _, shares = budget_overrides(recipe, raw, 2048)
+    assert shares == [1024, 1024]  # every stage runs at least one step
+
+
+def test_epochs_stage_needs_a_tokens_weight_and_then_runs_by_tokens():
+    recipe, raw = load_family("m", "mamba_in_llama", [], "smollm2-135m")  # its sft stage runs for epochs: 1
+    with pytest.raises(ConfigError, match=r"stage 3 \(sft\) runs for epochs=1.0 and has no tokens field"):
+        budget_overrides(recipe, raw, 65536, "m")
+    recipe, raw = load_family("m", "mamba_in_llama", ["stages.3.tokens=16384"], "smollm2-135m")
+    sets, shares = budget_overrides(recipe, raw, 65536, "m")
+    assert shares[:3] == [16384] * 3 and shares[3] == 11 * 4 * 384  # its step counts padded positions: 4 × data.max_len
+    assert "stages.3.epochs=null" in sets and "stages.3.tokens=16896" in sets
+    scaled = load_recipe("mamba_in_llama", ["stages.3.tokens=16384", *sets])
+    assert scaled.stages[3].epochs is None and [s.tokens for s in scaled.stages] == shares
+
+
+def test_cell_selection_budgets_and_only():
+    table = parse_family_table(["qs=quickstart"])
+    assert list(table)[: len(FAMILIES)] == list(FAMILIES) and table["qs"] == "quickstart"
+    assert select_cells(table, "qs", "65536,2^18", None) == [("qs", 65536), ("qs", 262144)]
+    assert len(select_cells(table, None, None, None)) == 3 * len(table)  # every family × 2^16, 2^18, 2^20
+    assert select_cells(table, None, None, "qs@4096, mamba2@2**16,qs@4096") == [("qs", 4096), ("mamba2", 65536)]
+    assert parse_budgets("262144,65536,65536") == (65536, 262144)
+    for bad in ("0", "x", "", "-5", "2^"):
+        with pytest.raises(ConfigError, match="--budgets"):
+            parse_budgets(bad)
+    with pytest.raises(ConfigError, match="unknown family 'nope'"):
+        select_cells(table, "qs,nope", None, None)
+    with pytest.raises(ConfigError, match="FAMILY@TOKENS"):
+        select_cells(table, None, None, "qs")
+    with pytest.raises(ConfigError, match="--only names its cells itself"):
+        select_cells(table, "qs", None, "qs@4096")
+
+
+def test_perplexity_predictions_are_each_windows_argmax():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(0))
+    full = perplexity(model, ids, window=70, predictions=True)
+    with torch.no_grad():
+        assert torch.equal(full["argmax"], model(input_ids=ids[None]).logits[0, :-1].argmax(-1))
+    strided = perplexity(model, ids, window=16, stride=8, predictions=True)
+    assert strided["argmax"].shape == (69,) and strided["ppl"] == pytest.approx(perplexity(model, ids, window=16, stride=8)["ppl"])
+    with torch.no_grad():  # token 40 is scored in the window [32, 48): predicted from tokens 32..39
+        assert strided["argmax"][39] == model(input_ids=ids[None, 32:48]).logits[0, 7].argmax()
+
+
+# ------------------------------------------------------------------------------------- one-line CLI errors
+def _cli(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "attn2ssm", "bench", "quality", *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--families", "mamba2,nope"], "unknown family 'nope'"),
+    (["--family", "ghost=no_such_recipe", "--families", "ghost"], "family 'ghost' needs recipe 'no_such_recipe', which does not exist"),
+    (["--families", "qs", "--family", "qs=quickstart", "--budgets", "65536,lots"], "--budgets 'lots' is not a positive token count"),
+    (["--family", "qs=quickstart", "--families", "qs", "--budgets", "512"], "a budget of 512 tokens is less than one optimizer step per stage"),
+    (["--family", "qs=quickstart", "--only", "qs-4096"], "is not FAMILY@TOKENS"),
+    (["--family", "a/b=quickstart"], "is not NAME=RECIPE with a plain name"),
+])  # fmt: skip
+def test_bad_input_is_one_line(args, needle, tmp_path):
+    r = _cli(*args, "--out-dir", tmp_path / "grid", "--json", tmp_path / "q.json")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and " — " in r.stderr and needle in r.stderr, r.stderr
+    assert not (tmp_path / "grid").exists() and not (tmp_path / "q.json").exists()
+
+
+# ------------------------------------------------------------------------------------- the grid end to end
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scoreboard")
+    tok = make_tokenizer(300)
+    cfg = tiny_config("llama")
+    cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_id = len(tok), 512, tok.eos_token_id
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "teacher")
+    tok.save_pretrained(root / "teacher")
+    rng = random.Random(0)
+    (root / "corpus").mkdir()
+    for i in range(16):
+        (root / "corpus" / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(400)).capitalize() + ".\n")
+    book = root / "book.txt"  # one document: its last ~5 % is held out
+    book.write_text("\n\n".join(" ".join(rng.choice(WORDS) for _ in range(60)) for _ in range(60)) + "\n")
+    (root / "tiny.yaml").write_text(TINY_RECIPE.format(corpus=root / "corpus"))
+    return SimpleNamespace(root=root, teacher=root / "teacher", corpora=f"{root / 'corpus'},{book}", recipe=root / "tiny.yaml")
+
+
+def _args(setup, grid: Path, *extra) -> list[str]:
+    return ["bench", "quality", "--no-progress", "--teacher", str(setup.teacher), "--family", f"tiny={setup.recipe}", "--out-dir", str(grid),
+            "--json", str(grid.parent / "results" / "quality.json"), "--corpora", setup.corpora, "--windows", "32,64", "--eval-tokens", "256",
+            "--agreement-prompts", "2", "--passkey-lengths", "200,300", "--passkey-depths", "0,1", "--passkey-trials", "1", *extra]  # fmt: skip
+
+
+def _settings(setup, grid: Path, cells) -> GridSettings:
+    return GridSettings(teacher=str(setup.teacher), families=parse_family_table([f"tiny={setup.recipe}"]), cells=cells, grid_dir=grid,
+                        json_path=grid.parent / "results" / "quality.json",
+                        eval=EvalSettings(corpora=tuple(setup.corpora.split(",")), windows=(32, 64), eval_tokens=256, agreement_prompts=2,
+                                          passkey_lengths=(200, 300), passkey_depths=(0.0, 1.0), passkey_trials=1))  # fmt: skip
+
+
+def _runs(cell_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (cell_dir / "cell_runs.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def grid(setup, tmp_path_factory):
+    """A grid with one finished cell, tiny@384, filled by the CLI."""
+    grid = tmp_path_factory.mktemp("grid") / "quality"
+    assert main(_args(setup, grid, "--families", "tiny", "--budgets", "384")) == 0
+    return grid
+
+
+def _copy(grid: Path, tmp_path: Path) -> Path:
+    shutil.copytree(grid, tmp_path / "quality")
+    return tmp_path / "quality"
+
+
+def test_cell_is_distilled_scored_and_written(setup, grid):
+    cell = json.loads((grid / "tiny-384" / "cell.json").read_text())
+    assert cell["command"] == (f"attn2ssm distill {setup.recipe} --out {grid / 'tiny-384'} --resume --set stages.0.tokens=256 "
+                               f"--set stages.1.tokens=128 --teacher {setup.teacher}")  # fmt: skip
+    assert cell["stage_tokens"] == [256, 128] and cell["train_tokens"] == 384 and cell["steps"] == 6
+    assert len(_runs(grid / "tiny-384")) == 1 and _runs(grid / "tiny-384")[0]["returncode"] == 0
+    assert cell["wall_seconds"] > cell["train_seconds"] > 0 and cell["train_tokens_per_s"] == pytest.approx(384 / cell["train_seconds"])
+
+    result = json.loads((grid.parent / "results" / "quality.json").read_text())
+    assert result["teacher"] == str(setup.teacher) and result["families"] == {"tiny": str(setup.recipe)}
+    assert {"machine", "torch", "transformers", "python"} <= set(result["environment"]) and result["command"].startswith("attn2ssm bench quality")
+    assert result["settings"]["windows"] == [32, 64] and result["stale_cells"] == []
+    (rec,) = result["cells"]
+    assert {"family", "recipe", "tokens", "command", "perplexity", "generation_agreement", "passkey", "wall_seconds", "train_tokens_per_s"} <= set(rec)
+    assert (rec["family"], rec["recipe"], rec["tokens"], rec["command"]) == ("tiny", str(setup.recipe), 384, cell["command"])
+    corpora = setup.corpora.split(",")
+    assert set(rec["perplexity"]) == set(corpora)
+    teacher_ref = result["teacher_reference"]["perplexity"]
+    for corpus in corpora:
+        for window in ("32", "64"):
+            p = rec["perplexity"][corpus][window]
+            assert p["ppl"] > 1 and p["ppl_ratio"] == pytest.approx(p["ppl"] / p["teacher_ppl"]) and 0 <= p["top1_agreement"] <= 1
+            assert p["tokens"] == 255 and teacher_ref[corpus][window]["ppl"] == p["teacher_ppl"]
+    assert rec["perplexity"][corpora[0]]["32"]["ppl"] != rec["perplexity"][corpora[0]]["64"]["ppl"]  # really two windows
+    agree = rec["generation_agreement"]
+    assert agree["prompts"] == 2 and agree["new_tokens"] == 32 and 0 <= agree["token_agreement"] <= 1
+    assert set(rec["passkey"]["accuracy"]) == {"200", "300"} == set(rec["passkey"]["teacher_accuracy"])
+    # the teacher's references are cached once for the grid: ppl + argmax per corpus × window, continuations, passkey
+    names = sorted(p.name.split("-")[0] for p in (grid / "teacher").iterdir())
+    assert names == ["continuations", "passkey", "ppl", "ppl", "ppl", "ppl"]
+
+    assert (grid.parent / "results" / "quality.png").read_bytes()[:4] == b"\x89PNG"
+    md = (grid.parent / "results" / "quality.md").read_text()
+    assert "| teacher |" in md and f"`{cell['command']}`" in md and "| tiny | 384 |" in md
+
+
+def test_second_invocation_reuses_the_cell_and_only_adds_cells(setup, grid, tmp_path, capsys):
+    grid = _copy(grid, tmp_path)
+    before = (grid / "tiny-384" / "cell.json").read_bytes()
+    assert main(_args(setup, grid, "--only", "tiny@192")) == 0  # a new cell; tiny@384 is not selected
+    assert (grid / "tiny-384" / "cell.json").read_bytes() == before and len(_runs(grid / "tiny-384")) == 1
+    assert json.loads((grid / "tiny-192" / "cell.json").read_text())["train_tokens"] == 192
+    assert not (grid / "tiny-65536").exists()
+    result = json.loads((grid.parent / "results" / "quality.json").read_text())
+    assert [c["tokens"] for c in result["cells"]] == [192, 384]  # rebuilt from every cached cell
+    assert result["selected"] == ["tiny@192"]
+
+    capsys.readouterr()
+    assert main(_args(setup, grid, "--families", "tiny", "--budgets", "192,384")) == 0
+    assert "[1/2] tiny@192: cached" in capsys.readouterr().out
+    assert (grid / "tiny-384" / "cell.json").read_bytes() == before and len(_runs(grid / "tiny-192")) == 1
+
+
+KILLER = r"""
+import os, signal, sys
+import attn2ssm.distill.trainer as T
+original = T.Distiller._save_checkpoint
+
+def save_then_die(self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)  # after the first complete checkpoint (stage 0, step 1)
+
+T.Distiller._save_checkpoint = save_then_die
+from attn2ssm.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_half_run_cell_resumes_from_its_checkpoint(setup, grid, tmp_path, capfd):
+    grid = _copy(grid, tmp_path)
+    (cell,) = plan_cells(_settings(setup, grid, [("tiny", 256)]))
+    proc = subprocess.run([sys.executable, "-c", KILLER, *cell.argv(), "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert (cell.run_dir / "checkpoints" / "latest").read_text() == "stage0-step000001" and not (cell.run_dir / "student").exists()
+    assert cell.status(_settings(setup, grid, []).eval) == "partial"
+
+    capfd.readouterr()
+    assert main(_args(setup, grid, "--only", "tiny@256")) == 0
+    out = capfd.readouterr().out
+    assert "tiny@256: resuming" in out and "resuming from stage0-step000001" in out  # the second line is the trainer's
+    steps = [(r["stage_index"], r["step"]) for r in map(json.loads, (cell.run_dir / "metrics.jsonl").read_text().splitlines())]
+    assert steps == [(0, 1), (0, 2), (0, 3), (1, 1)]  # 192 + 64 tokens, step 1 not run twice
+    record = json.loads((cell.run_dir / "cell.json").read_text())
+    assert record["train_tokens"] == 256 and record["command"] == cell.command and len(_runs(cell.run_dir)) == 1
+
+
+def test_changed_eval_settings_rescore_without_retraining(setup, grid, tmp_path):
+    grid = _copy(grid, tmp_path)
+    before = json.loads((grid / "tiny-384" / "cell.json").read_text())
+    assert main(_args(setup, grid, "--only", "tiny@384", "--windows", "48")) == 0
+    after = json.loads((grid / "tiny-384" / "cell.json").read_text())
+    assert len(_runs(grid / "tiny-384")) == 1  # no distill run
+    assert set(after["perplexity"][setup.corpora.split(",")[0]]) == {"48"} and after["eval_settings"]["windows"] == [48]
+    assert after["train_tokens"] == before["train_tokens"]
+
+
+def test_a_run_dir_of_another_recipe_or_teacher_is_refused(setup, grid, tmp_path, capsys):
+    grid = _copy(grid, tmp_path)
+    capsys.readouterr()
+    assert main(_args(setup, grid, "--only", "tiny@384", "--set", "stages.0.optim.lr=0.5")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds a run of another recipe, budget or teacher than cell tiny@384" in err
+    other = _settings(setup, grid, [("tiny", 384)])
+    other.teacher = str(setup.root / "another-teacher")
+    with pytest.raises(ConfigError, match="holds cells distilled from teacher"):
+        run_grid(other, progress=False)
