@@ -1,4 +1,4 @@
-"""``attn2ssm convert | distill | eval | generate | bench | recipes | upgrade``.
+"""``attn2ssm convert | distill | eval | generate | bench (generate | quality | train) | recipes | upgrade``.
 
 Every user-facing failure is an ``Attn2SSMError``: printed as one line, no traceback
 (``--debug`` shows it).
@@ -371,6 +371,36 @@ def cmd_bench_quality(args) -> int:
     return 0
 
 
+def cmd_bench_train(args) -> int:
+    import shlex
+
+    from attn2ssm.distill.bench import CASES, TrainBenchSettings
+
+    cases = tuple(c.strip() for c in args.cases.split(",") if c.strip())
+    unknown = [c for c in cases if c not in CASES]
+    if unknown or not cases:
+        raise ConfigError(f"--cases {args.cases!r} names unknown stage cases {unknown}", f"choose from {', '.join(CASES)}")
+    precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
+    if not precisions or any(p not in ("no", "bf16", "fp16") for p in precisions):
+        raise ConfigError(f"--precisions {args.precisions!r} is not a list of no / bf16 / fp16", "write e.g. --precisions no,bf16")
+    if args.steps < 1 or args.step_tokens < 1:
+        raise ConfigError("--steps and --step-tokens must be positive", "use e.g. --steps 3 --step-tokens 2048")
+    settings = TrainBenchSettings(teacher=args.teacher, cases=cases, lengths=_int_list("--lengths", args.lengths), step_tokens=args.step_tokens,
+                                  precisions=precisions, steps=args.steps, threads=args.threads, profile=not args.no_profile, corpus=args.corpus)  # fmt: skip
+    from attn2ssm.distill.bench import format_train_bench, plot_train_bench, run_train_bench
+    from attn2ssm.paths import atomic_write_text
+
+    result = run_train_bench(settings, progress=not args.no_progress)
+    result["command"] = shlex.join(["attn2ssm", *args.argv])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
+    png = plot_train_bench(result, out.with_suffix(".png"))
+    print(format_train_bench(result))
+    print(f"wrote {out} and {png}")
+    return 0
+
+
 def format_generate_bench(result: dict) -> str:
     lines = [f"decode on {result['device']} ({result['threads']} threads): tokens/s | prefill s | cache MB, by context"]
     for name, rows in result["decode"].items():
@@ -516,7 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--budgets", default=None, help="training tokens per cell, comma-separated (default 65536,262144,1048576; 2^16 works too)")
     bq.add_argument("--only", default=None, metavar="FAMILY@TOKENS,...", help="run just these cells (instead of --families × --budgets)")
     bq.add_argument("--family", action="append", metavar="NAME=RECIPE", help="add a family (or remap one) to a recipe name or YAML path (repeatable)")
-    bq.add_argument("--set", action="append", metavar="KEY=VALUE", help="recipe override for every cell (before the budget's stage tokens)")
+    bq.add_argument("--set", action="append", metavar="[FAMILY:]KEY=VALUE", help="recipe override for every cell, or with FAMILY: for that family's cells "
+                    "(variants of one recipe: --family w32=lolcats --set w32:student.mixer_options.window=32); applied before the budget's stage tokens")
     bq.add_argument("--out-dir", default="runs/quality", help="grid directory: one run directory per cell, the teacher's cached references")
     bq.add_argument("--json", default="benchmarks/results/quality.json", help="grid JSON (the PNG and markdown table go beside it)")
     bq.add_argument("--corpora", default="sotu,moby-dick", help="held-out corpora to score (the first also gives the agreement prompts)")
@@ -529,6 +560,21 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--plan", action="store_true", help="list the cells, their status (done / trained / partial / todo) and commands; run nothing")
     bq.add_argument("--no-progress", action="store_true")
     bq.set_defaults(func=cmd_bench_quality)
+
+    bt = bsub.add_parser("train", help="training tokens/s of each stage kind (the trainer's own step) against the teacher's forward "
+                         "(the bound) and the teacher's own forward + backward, fp32 and bf16")
+    bt.add_argument("--teacher", default=None, help="teacher spec (default: the built-in smollm2-135m)")
+    bt.add_argument("--cases", default="attention_transfer,hidden_alignment,kd_lora,kd_ce_mixers", help="stage cases (see attn2ssm.distill.bench.CASES)")
+    bt.add_argument("--lengths", default="1024", help="block lengths in tokens, comma-separated (e.g. 1024,4096,16384)")
+    bt.add_argument("--step-tokens", type=int, default=2048, help="tokens per optimizer step (batch = step-tokens // length, at least 1)")
+    bt.add_argument("--precisions", default="no,bf16", help="mixed precision settings: no (fp32), bf16 (autocast), fp16")
+    bt.add_argument("--steps", type=int, default=3, help="timed steps per point, after one warm-up")
+    bt.add_argument("--threads", type=int, default=None)
+    bt.add_argument("--corpus", default="sotu", help="text the blocks are cut from")
+    bt.add_argument("--no-profile", action="store_true", help="skip the profiled step (top operators by self time)")
+    bt.add_argument("--out", default="benchmarks/results/train_speed.json")
+    bt.add_argument("--no-progress", action="store_true")
+    bt.set_defaults(func=cmd_bench_train)
 
     u = sub.add_parser("upgrade", help="refresh saved students' modeling code (trust_remote_code files) with this attn2ssm's; weights untouched")
     u.add_argument("dirs", nargs="+", metavar="DIR", help="student directories (with config.json)")

@@ -285,3 +285,15 @@ def test_a_run_dir_of_another_recipe_or_teacher_is_refused(setup, grid, tmp_path
     other.teacher = str(setup.root / "another-teacher")
     with pytest.raises(ConfigError, match="holds cells distilled from teacher"):
         run_grid(other, progress=False)
+
+
+def test_family_scoped_overrides_apply_to_that_family_only():
+    from attn2ssm.eval.scoreboard import family_sets
+
+    table = {"a": "lolcats", "b": "lolcats"}
+    sets = ["seed=1", "a:student.mixer_options.window=32", "b:data.corpus=hf:x:y"]
+    assert family_sets(sets, "a", table) == ["seed=1", "student.mixer_options.window=32"]
+    assert family_sets(sets, "b", table) == ["seed=1", "data.corpus=hf:x:y"]
+    assert family_sets(["data.corpus=hf:x"], "a", table) == ["data.corpus=hf:x"]  # a colon in the value is not a family
+    with pytest.raises(ConfigError, match="unknown family 'c'"):
+        family_sets(["c:seed=2"], "a", table)

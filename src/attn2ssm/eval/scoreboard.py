@@ -66,7 +66,7 @@ class GridSettings:
     teacher: str = DEFAULT_TEACHER
     families: dict[str, str] = field(default_factory=lambda: dict(FAMILIES))  # the table (built-in + --family)
     cells: list[tuple[str, int]] = field(default_factory=list)  # (family, tokens) to fill, in order
-    sets: list[str] = field(default_factory=list)  # --set overrides for every cell's recipe
+    sets: list[str] = field(default_factory=list)  # --set overrides: KEY=VALUE for every cell, FAMILY:KEY=VALUE for one family
     grid_dir: Path = Path("runs/quality")
     json_path: Path = Path("benchmarks/results/quality.json")
     eval: EvalSettings = field(default_factory=EvalSettings)
@@ -130,6 +130,23 @@ def select_cells(table: dict[str, str], families: str | None, budgets: str | Non
     names = list(dict.fromkeys(_known(n, table, "--families") for n in names))
     sizes = DEFAULT_BUDGETS if budgets is None else parse_budgets(budgets)
     return [(n, t) for n in names for t in sizes]
+
+
+def family_sets(sets: list[str], family: str, table: dict[str, str]) -> list[str]:
+    """The ``--set`` overrides that apply to ``family``: every ``KEY=VALUE``, and ``FAMILY:KEY=VALUE``
+    for this family (so one grid can hold variants of one recipe, as a recipe sweep does)."""
+    out = []
+    for item in sets:
+        key = item.partition("=")[0]
+        if ":" not in key:
+            out.append(item)
+            continue
+        name, _, rest = item.partition(":")
+        if name not in table:
+            raise ConfigError(f"--set {item!r} names unknown family {name!r}", f"write KEY=VALUE for every cell, or FAMILY:KEY=VALUE with one of {', '.join(table)}")
+        if name == family:
+            out.append(rest)
+    return out
 
 
 # ------------------------------------------------------------------------------------- budgets
@@ -244,13 +261,14 @@ def plan_cells(settings: GridSettings) -> list[Cell]:
 
     families, cells = {}, []
     for family, tokens in settings.cells:
+        sets = family_sets(settings.sets, family, settings.families)
         if family not in families:
-            families[family] = load_family(family, settings.families[family], settings.sets, settings.teacher)
+            families[family] = load_family(family, settings.families[family], sets, settings.teacher)
         recipe, raw = families[family]
         budget_sets, shares = budget_overrides(recipe, raw, tokens, family)
-        resolved = load_recipe(settings.families[family], [*settings.sets, *budget_sets])
+        resolved = load_recipe(settings.families[family], [*sets, *budget_sets])
         resolved.teacher = settings.teacher
-        cells.append(Cell(family, settings.families[family], tokens, Path(settings.grid_dir) / f"{family}-{tokens}", [*settings.sets, *budget_sets],
+        cells.append(Cell(family, settings.families[family], tokens, Path(settings.grid_dir) / f"{family}-{tokens}", [*sets, *budget_sets],
                           shares, settings.teacher, yaml.safe_dump(yaml.safe_load(resolved.to_yaml()), sort_keys=True)))  # fmt: skip
     return cells
 

@@ -1,0 +1,209 @@
+"""``attn2ssm bench train``: training throughput of each stage kind against its teacher-side bound.
+
+Each measured stage is the real trainer's (``Distiller._setup_stage`` / ``_train_step``: the same
+data path, loss, backward, clipping and optimizer step a run takes), on one block length and a
+fixed number of tokens per step, in fp32 or under bf16 autocast (``mixed_precision: bf16``; this
+CPU has AVX-512 BF16). Two teacher-side references run on the same batches:
+
+* the teacher's forward alone (logits, no gradient): the bound a distillation step cannot beat,
+  since every stage runs at least that much of the teacher (layer-local stages stop before the
+  LM head, so they can come close; KD stages add the student's forward and backward);
+* the teacher's own forward + backward (next-token CE, every parameter): what training the
+  teacher itself would cost, the reference for a student's training speed on a GPU.
+
+One extra step of each stage runs under ``torch.profiler``; its most expensive operators (self
+time) are recorded, to say where the time goes. Results: JSON + PNG (tokens/s per stage kind
+and length, with the bound) under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from attn2ssm.distill.recipe import DataConfig, EvalConfig, LoRAConfig, OptimConfig, Recipe, StageConfig, StudentConfig
+
+_LINEAR = StudentConfig(mixer="linear_attention", mixer_options={"feature_map": "hedgehog", "feature_map_options": {"activation": "softmax"}, "window": 64})
+_MAMBA2 = StudentConfig(mixer="mamba2")
+
+# name → (student, stage): the stage kinds the benchmark runs, each as a recipe would set it up
+CASES: dict[str, tuple[StudentConfig, StageConfig]] = {
+    "attention_transfer": (_LINEAR, StageConfig(name="attention_transfer", kind="attention_transfer", trainable=["feature_maps"],
+                                                losses={"attention": 0.0, "output_mse": 1.0})),
+    "hidden_alignment": (_MAMBA2, StageConfig(name="hidden_alignment", kind="hidden_alignment", trainable=["mixers"], losses={"distance": "mse"})),
+    "kd_lora": (_LINEAR, StageConfig(name="kd_lora", kind="kd", trainable=["lora"], lora=LoRAConfig(r=8, alpha=16))),
+    "kd_ce_mixers": (_MAMBA2, StageConfig(name="kd_ce_mixers", kind="kd_ce", trainable=["mixers"])),
+}
+
+
+@dataclass
+class TrainBenchSettings:
+    teacher: str | None = None
+    cases: tuple[str, ...] = tuple(CASES)
+    lengths: tuple[int, ...] = (1024,)
+    step_tokens: int = 2048  # tokens per optimizer step (batch = step_tokens // length, at least 1)
+    precisions: tuple[str, ...] = ("no", "bf16")
+    steps: int = 3  # timed steps per point (after one warm-up step)
+    threads: int | None = None
+    profile: bool = True
+    corpus: str = "sotu"
+    extra: dict = field(default_factory=dict)
+
+
+def _recipe(settings: TrainBenchSettings, case: str, length: int, precision: str) -> Recipe:
+    student, stage = CASES[case]
+    batch = max(1, settings.step_tokens // length)
+    steps = settings.steps + 1 + int(settings.profile)
+    stage = replace(stage, tokens=steps * batch * length, batch_size=batch, save_every=0, eval_every=0, optim=OptimConfig(lr=1e-4))
+    return Recipe(name=f"bench-{case}", teacher=settings.teacher or "smollm2-135m", device="cpu" if not torch.cuda.is_available() else "auto",
+                  mixed_precision=precision, data=DataConfig(corpus=settings.corpus, block_len=length, max_heldout_tokens=2 * length),
+                  student=student, stages=[stage], eval=EvalConfig(max_tokens=0))  # fmt: skip
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _top_ops(prof, n: int = 8) -> list[dict]:
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in rows) or 1
+    return [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3, "share": e.self_cpu_time_total / total, "calls": e.count} for e in rows[:n]]
+
+
+def _teacher_rates(distiller, batches, precision: str) -> dict:
+    """Tokens/s of the teacher's forward (logits, no grad) and its own forward + backward (CE)."""
+    teacher = distiller.teacher
+    device = distiller.acc.device
+    out = {}
+    for name in ("teacher_forward", "teacher_fwd_bwd"):
+        grad = name == "teacher_fwd_bwd"
+        teacher.requires_grad_(grad)
+        times = []
+        for i, ids in enumerate(batches):
+            _sync(device)
+            t0 = time.perf_counter()
+            with torch.set_grad_enabled(grad), distiller.acc.autocast():
+                logits = teacher(input_ids=ids, use_cache=False).logits
+                if grad:
+                    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+            if grad:
+                loss.backward()
+                teacher.zero_grad(set_to_none=True)
+            _sync(device)
+            if i:  # the first is a warm-up
+                times.append(time.perf_counter() - t0)
+        out[name] = batches[0].numel() / statistics.median(times)
+    teacher.requires_grad_(False)
+    return out
+
+
+def _measure(settings: TrainBenchSettings, case: str, length: int, precision: str, teacher, tokenizer, progress) -> dict:
+    from attn2ssm.distill.trainer import Distiller
+
+    from accelerate.state import AcceleratorState
+
+    recipe = _recipe(settings, case, length, precision)
+    AcceleratorState._reset_state()  # accelerate keeps one state per process; each point sets its own precision
+    with tempfile.TemporaryDirectory(prefix="attn2ssm-bench-train-") as tmp:
+        distiller = Distiller(recipe, tmp, progress=False, teacher=teacher, tokenizer=tokenizer)
+        distiller._load_teacher()
+        distiller._load_data()
+        distiller._build_student()
+        run = distiller._setup_stage(0, None)
+        if len(distiller.blocks) < run.steps * recipe.stages[0].batch_size:
+            raise ValueError(f"corpus too small for {run.steps} steps of {length}-token blocks")
+        times, tokens = [], 0
+        for step in range(settings.steps + 1):
+            _sync(distiller.acc.device)
+            t0 = time.perf_counter()
+            tokens, *_ = distiller._train_step(run, step)
+            _sync(distiller.acc.device)
+            if step:
+                times.append(time.perf_counter() - t0)
+            progress()
+        ops = []
+        if settings.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                distiller._train_step(run, settings.steps + 1)
+            ops = _top_ops(prof)
+        batch = recipe.stages[0].batch_size
+        batches = [distiller.blocks[i * batch : (i + 1) * batch].to(distiller.acc.device) for i in range(settings.steps + 1)]
+        teacher_rates = _teacher_rates(distiller, batches, precision)
+        trainable = sum(p.numel() for p in run.params)
+        del run, distiller
+    rate = tokens / statistics.median(times)
+    return {
+        "case": case, "kind": CASES[case][1].kind, "mixer": CASES[case][0].mixer, "length": length, "batch": batch, "precision": precision,
+        "tokens_per_s": rate, "step_seconds": [round(t, 4) for t in times], "trainable_params": trainable,
+        **teacher_rates, "fraction_of_forward_bound": rate / teacher_rates["teacher_forward"],
+        "vs_teacher_fwd_bwd": rate / teacher_rates["teacher_fwd_bwd"], "top_ops": ops,
+    }  # fmt: skip
+
+
+def run_train_bench(settings: TrainBenchSettings, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    from attn2ssm.eval.report import environment
+    from attn2ssm.teachers import load_teacher
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    unknown = [c for c in settings.cases if c not in CASES]
+    if unknown:
+        from attn2ssm.errors import ConfigError
+
+        raise ConfigError(f"unknown stage case(s) {unknown}", f"choose from {', '.join(CASES)}")
+    teacher, tokenizer, source = load_teacher(settings.teacher)
+    points = [(c, n, p) for c in settings.cases for n in settings.lengths for p in settings.precisions]
+    bar = tqdm(total=len(points) * (settings.steps + 1), desc="bench train", disable=not progress)
+    rows = []
+    for case, length, precision in points:
+        bar.set_postfix(case=case, length=length, precision=precision)
+        rows.append(_measure(settings, case, length, precision, teacher, tokenizer, lambda: bar.update(1)))
+    bar.close()
+    return {"environment": environment(), "threads": torch.get_num_threads(), "teacher": source.describe(), "step_tokens": settings.step_tokens,
+            "timed_steps": settings.steps, "rows": rows}  # fmt: skip
+
+
+def format_train_bench(result: dict) -> str:
+    lines = [f"training tokens/s ({result['threads']} threads; bound = teacher forward on the same batch)",
+             f"{'case':<20} {'len':>5} {'prec':>5} {'tok/s':>8} {'bound':>8} {'of bound':>9} {'teacher f+b':>12}"]  # fmt: skip
+    for r in result["rows"]:
+        lines.append(f"{r['case']:<20} {r['length']:>5} {r['precision']:>5} {r['tokens_per_s']:>8.0f} {r['teacher_forward']:>8.0f} "
+                     f"{r['fraction_of_forward_bound']:>8.0%} {r['teacher_fwd_bwd']:>12.0f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot_train_bench(result: dict, path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{r['case']}\n{r['length']} {r['precision']}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
+    ax.bar([i - 0.2 for i in x], [r["tokens_per_s"] for r in rows], width=0.4, label="stage step")
+    ax.bar([i + 0.2 for i in x], [r["teacher_forward"] for r in rows], width=0.4, label="teacher forward (bound)", alpha=0.6)
+    for i, r in zip(x, rows):
+        ax.text(i - 0.2, r["tokens_per_s"], f"{r['fraction_of_forward_bound']:.0%}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=7, rotation=45, ha="right")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"training throughput vs the teacher's forward ({result['threads']} threads, {result['environment']['processor']})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+__all__ = ["CASES", "TrainBenchSettings", "format_train_bench", "plot_train_bench", "run_train_bench"]
