@@ -147,6 +147,29 @@ def test_bad_options_are_config_errors(gqa_teacher):
         convert(gqa_teacher, ["mamba2"] * 2, {"mamba2": {"d_state": 16}})
 
 
+@pytest.mark.parametrize("kind", ["mamba2", "discrete_mamba2"])
+def test_gated_norm_eps_option(kind, gqa_teacher):
+    """``norm_eps`` is the gated norm's ε (default 1e-6, as before the option): the norm is
+    RMSNorm(y·SiLU(z))·w over each head with that ε, written out here; YAML's ``1e-5`` (a string)
+    is read as the number; anything but a positive number is a ConfigError."""
+    default = convert(gqa_teacher, [kind] * 2, {kind: {"norm": True}})
+    student = convert(gqa_teacher, [kind] * 2, {kind: {"norm": True, "norm_eps": "1e-5"}})
+    assert all(m.norm.eps == 1e-6 for m in default.mixers().values())
+    norm = student.mixers()[0].norm
+    assert norm.eps == 1e-5
+    torch.manual_seed(0)
+    with torch.no_grad():
+        norm.weight.normal_()
+    y, z = 1e-3 * torch.randn(2, 5, norm.weight.numel()), torch.randn(2, 5, norm.weight.numel())
+    v = (y * F.silu(z)).view(2, 5, norm.num_heads, -1)
+    expected = (v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5)).view(2, 5, -1) * norm.weight
+    torch.testing.assert_close(norm(y, z), expected, rtol=1e-5, atol=1e-6)
+    assert (norm(y, z) - default.mixers()[0].norm(y, z) * norm.weight).abs().max() > 1e-3  # ε matters at this scale
+    for bad in (0, -1e-5, "small", True):
+        with pytest.raises(ConfigError, match="norm_eps"):
+            convert(gqa_teacher, [kind] * 2, {kind: {"norm": True, "norm_eps": bad}})
+
+
 def test_mamba_expand_adds_state_copies(gqa_teacher):
     one = convert(gqa_teacher, ["mamba"] * 2, {"mamba": {"expand": 1}})
     two = convert(gqa_teacher, ["mamba"] * 2, {"mamba": {"expand": 2}})

@@ -38,6 +38,7 @@ CASES = (
         # Mamba-2 and discrete Mamba-2: gated norm, the extras off, RoPE, sanity
         ("mamba2", {}),
         ("mamba2", {"norm": True, "rope": "before", "A_init": -1e-4}),
+        ("mamba2", {"norm": True, "norm_eps": 1e-5}),
         ("mamba2", {"gate": False, "D": False, "d_conv": 0}),
         ("mamba2", {"sanity": True}),
         ("discrete_mamba2", {}),

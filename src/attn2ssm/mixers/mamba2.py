@@ -14,6 +14,11 @@ Per token, with u the layer input (after the block's norm):
     h_t = exp(a_t)·h_{t−1} + (Δ_t x_t) ⊗ B_t,   y_t = h_t C_t + D ⊙ x_t
     out = W_O · norm(y ⊙ SiLU(W_z u + b_z))            (gated RMSNorm per head, optional)
 
+``norm_eps`` is the gated norm's ε (1e-6 by default, as students were always built). Native
+hybrid classes (GraniteMoeHybrid, Bamba) use the config's one ``rms_norm_eps`` for it and for
+every block norm, so a student meant for ``attn2ssm export --format native`` trains with the
+teacher's ``rms_norm_eps`` here (student/native_export.py says so when they differ).
+
 ``DiscreteMamba2Mixer`` is paper 001's Phi-Mamba mixer: no Δ, the decay is an input projection
 a_t = −softplus(W_a u_t + b_a) per head, no activation after the conv, no norm, D skip.
 
@@ -35,6 +40,7 @@ from attn2ssm.mixers.ssm_common import (
     GatedRMSNorm,
     apply_conv,
     check_activation,
+    check_norm_eps,
     dt_bias_init,
     emit_bc,
     init_shared_parameters,
@@ -57,6 +63,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         conv_activation: str | None = "silu",
         gate: bool = True,
         norm: bool = False,
+        norm_eps: float = 1e-6,
         D: bool = True,
         A_init_range: tuple[float, float] = (1.0, 16.0),
         dt_min: float = 1e-3,
@@ -84,7 +91,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         # conv over [x (kv·d), B (kv·d), C (h·d)] before the GQA repeat, as paper 004's Mamba-2.
         self.conv = CausalConv((2 * kv + h) * d, d_conv) if d_conv else None
         self.gate = nn.Linear(self.hidden_size, h * d, bias=True) if gate else None
-        self.norm = GatedRMSNorm(h, d) if norm else None
+        self.norm = GatedRMSNorm(h, d, check_norm_eps(self.mixer_type, norm_eps)) if norm else None
         self.D = nn.Parameter(torch.ones(h)) if D else None
         if self.discrete:  # paper 001: the decay is an input projection, no Δ / A
             self.a_proj = None if sanity else nn.Linear(self.hidden_size, h, bias=True)
@@ -240,6 +247,7 @@ class DiscreteMamba2Mixer(Mamba2Mixer):
         conv_activation: str | None = "none",
         gate: bool = True,
         norm: bool = False,
+        norm_eps: float = 1e-6,
         D: bool = True,
         a_init_range: tuple[float, float] = (-8.0, -7.0),
         rope: str = "none",
@@ -247,6 +255,6 @@ class DiscreteMamba2Mixer(Mamba2Mixer):
         sanity: bool = False,
         D_init: float = 0.0,
     ):
-        super().__init__(geometry, layer_idx, d_conv=d_conv, conv_activation=conv_activation, gate=gate, norm=norm, D=D,
+        super().__init__(geometry, layer_idx, d_conv=d_conv, conv_activation=conv_activation, gate=gate, norm=norm, norm_eps=norm_eps, D=D,
                          a_init_range=a_init_range, rope=rope, chunk_size=chunk_size, sanity=sanity, D_init=D_init)
 

@@ -96,6 +96,19 @@ class GatedRMSNorm(nn.Module):
         return (yf.view(b, l, width) * self.weight.float()).to(y.dtype)
 
 
+def check_norm_eps(kind: str, eps) -> float:
+    """The gated norm's ε as a float; a ConfigError unless it is a positive number (YAML reads
+    ``1e-5`` without a dot as a string: taken as the number it spells)."""
+    if isinstance(eps, str):
+        try:
+            eps = float(eps)
+        except ValueError:
+            pass
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ConfigError(f"{kind} option norm_eps={eps!r} is not a positive number", "use the teacher's rms_norm_eps, e.g. norm_eps: 1.0e-5, or leave it out (1e-6)")
+    return float(eps)
+
+
 def check_activation(name: str | None) -> str | None:
     if name in (None, "none", "identity"):
         return None
