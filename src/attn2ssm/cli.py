@@ -1,4 +1,4 @@
-"""``attn2ssm convert | distill | eval | generate | bench (generate | quality | train) | recipes | upgrade``.
+"""``attn2ssm convert | distill | eval | generate | bench (generate | quality | train) | export | recipes | upgrade``.
 
 Every user-facing failure is an ``Attn2SSMError``: printed as one line, no traceback
 (``--debug`` shows it).
@@ -450,6 +450,19 @@ def cmd_upgrade(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------- export
+def cmd_export(args) -> int:
+    from attn2ssm.student.native_export import export_native
+
+    result = export_native(args.student, args.out, force=args.force)
+    n_attn = result.layer_types.count("attention")
+    print(f"wrote {result.out}: {result.cls}, {len(result.layer_types) - n_attn} Mamba-2 + {n_attn} attention layers; "
+          f"logits equal the student's to {result.max_abs_diff:.1e} on a probe; loads without trust_remote_code")  # fmt: skip
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return 0
+
+
 # --------------------------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attn2ssm", description="Distil a Hugging Face Transformer into a linear-attention / SSM / hybrid student.")
@@ -579,6 +592,14 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("upgrade", help="refresh saved students' modeling code (trust_remote_code files) with this attn2ssm's; weights untouched")
     u.add_argument("dirs", nargs="+", metavar="DIR", help="student directories (with config.json)")
     u.set_defaults(func=cmd_upgrade)
+
+    x = sub.add_parser("export", help="write a student as a checkpoint of a native transformers class (no remote code) where the map is exact")
+    x.add_argument("student", help="student directory (a run's student/ folder or a convert --out)")
+    x.add_argument("--format", required=True, choices=("native",), help="native: GraniteMoeHybridForCausalLM (Mamba-2 students with norm: true "
+                   "of Llama / Mistral / Qwen2 teachers, pure or hybrid with global attention layers)")
+    x.add_argument("--out", required=True, help="directory for the exported model")
+    x.add_argument("--force", action="store_true", help="replace a model already in --out")
+    x.set_defaults(func=cmd_export)
 
     r = sub.add_parser("recipes", help="list built-in recipes, or print one")
     r.add_argument("name", nargs="?")

@@ -32,3 +32,7 @@ class TrainingError(Attn2SSMError):
 
 class CheckpointError(Attn2SSMError):
     """A checkpoint or run directory is missing or damaged."""
+
+
+class ExportError(Attn2SSMError):
+    """A student cannot be written in the requested format (the reason and the nearest setting that can)."""

@@ -1,0 +1,392 @@
+"""``attn2ssm export STUDENT --format native``: a student as a checkpoint of a transformers class.
+
+The target is ``GraniteMoeHybridForCausalLM`` in its dense form (``num_local_experts = 0``: one
+shared SwiGLU MLP per layer) with every multiplier 1: pre-norm RMSNorm blocks, each either a
+Mamba-2 mixer or softmax attention with full RoPE, as a Llama-family student is. It is served by
+transformers, vLLM (and SGLang, mistral.rs) without remote code. ``BambaForCausalLM`` holds the
+same blocks but its config hard-codes ``partial_rotary_factor = 0.5`` (full RoPE needs an override
+that vLLM's Bamba does not read) and vLLM's Bamba attention has no biases (Qwen2's q/k/v);
+``Mamba2ForCausalLM`` has no MLP and no attention; ``FalconH1`` runs attention and Mamba in
+parallel. So: GraniteMoeHybrid, for students of Llama / SmolLM2 / Mistral / Qwen2 teachers whose
+mixers are Mamba-2 with the gated RMSNorm on.
+
+The map, per Mamba-2 layer (h heads of head_dim d, kv heads; query head j reads kv head
+j // (h / kv); our mixer in mixers/mamba2.py, GraniteMoeHybrid's in transformers'
+``GraniteMoeHybridMambaLayer``): n_groups = h, d_state = d, head_dim = d, expand = h·d / hidden (1);
+
+    in_proj  rows  [z: gate | x: v_proj, kv rows repeated | B: k_proj, repeated | C: q_proj·√d⁻¹ | dt: dt_proj]
+    in_proj  bias  [gate bias | v bias | k bias | q bias·√d⁻¹ | 0]      (mamba_proj_bias: True)
+    conv1d         our conv's [x | B | C] channels, x and B channels repeated like their rows
+    dt_bias ← dt_proj.bias,  A_log ← A_log,  D ← D (0 without D),  norm.weight ← norm.weight
+    out_proj ← o_proj (bias 0 without one)
+
+(our conv runs before the GQA repeat; it is depthwise, so repeating channels after it or before it
+is the same). No gate (``gate: false``) is a zero-weight gate with bias b, SiLU(b) = 1. Both
+compute y = SSD(Δ·x, B, C) + D·x, then RMSNorm(y·SiLU(z)) per head (``norm_before_gate=False``),
+Δ = softplus(W_Δ u + b_Δ), A = −exp(A_log), the conv's activation SiLU. Kept attention layers
+copy q/k/v/o (``attention_multiplier`` = the teacher's 1/√d); the MLP's gate and up rows become
+``shared_mlp.input_linear`` (gate first: it is the activated half), down ``output_linear``.
+
+Only exact maps are written: anything the class cannot express is a one-line ``ExportError``
+naming the reason and the nearest recipe setting that exports. Before anything is written the
+native model is run beside the student on a probe and must give the same logits.
+
+Not imported by student/modeling.py: modeling's import closure is copied into every checkpoint.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from attn2ssm.errors import ExportError
+from attn2ssm.mixers.ssm_common import GATE_IDENTITY_BIAS
+
+NATIVE_CLASS = "GraniteMoeHybridForCausalLM"
+FAMILIES = ("llama", "mistral", "qwen2")
+# Why other families' blocks do not fit (their teacher-side structure, not a mixer setting).
+_FAMILY_REASONS = {
+    "gemma": "Gemma scales embeddings by √hidden, its norms by (1 + w), and its GELU MLP would set the Mamba conv's activation too (one hidden_act)",
+    "gemma2": "Gemma-2 layers have four norms (sandwich) and soft-capped attention and logits",
+    "gemma3": "Gemma-3 layers have four norms (sandwich) and q/k norms",
+    "phi": "Phi runs attention and the MLP in parallel after one LayerNorm",
+    "gpt_neox": "GPT-NeoX uses LayerNorm and a parallel residual",
+    "gpt2": "GPT-2 uses LayerNorm and learned position embeddings",
+}
+# Legacy layer-type names in config.json: vLLM, llama.cpp's converter and transformers < 5 read
+# these; transformers 5 maps them to "linear_attention" / "full_attention" on load.
+_LAYER_TYPE = {"mamba2": "mamba", "attention": "attention"}
+
+
+# ------------------------------------------------------------------------------------ what exports
+def _mamba2_options(config) -> dict:
+    """The student's effective mamba2 options (its saved ones over the mixer's defaults)."""
+    from attn2ssm.mixers.mamba2 import Mamba2Mixer
+
+    defaults = {n: p.default for n, p in inspect.signature(Mamba2Mixer.__init__).parameters.items() if p.default is not inspect.Parameter.empty}
+    return {**defaults, **((config.mixer_options or {}).get("mamba2") or {})}
+
+
+def native_problem(config) -> tuple[str, str] | None:
+    """(reason, fix) of the first thing ``NATIVE_CLASS`` cannot express in a student with this
+    ``Attn2SSMConfig``, or None when it maps exactly. Reads the config only (no weights)."""
+    base = config.base_config
+    family = (config.teacher or {}).get("family") or base.get("model_type")
+    keep_as_is = "keep this student in attn2ssm's format (trust_remote_code=True)"
+    if family not in FAMILIES:
+        reason = _FAMILY_REASONS.get(family, "its blocks are not Llama-style pre-norm RMSNorm + gated MLP")
+        return f"{NATIVE_CLASS} cannot express {family} blocks: {reason}", f"export students of {', '.join(FAMILIES)} teachers, or {keep_as_is}"
+    for i in config.mixer_layers:
+        kind = config.layer_plan[i]
+        if kind != "mamba2":
+            return (f"layer {i} is a '{kind}' mixer; {NATIVE_CLASS}'s layers are Mamba-2 (SSD) or attention",
+                    "distil with student.mixer: mamba2 and student.mixer_options: {norm: true}")  # fmt: skip
+    act, eps = base.get("hidden_act", "silu"), base.get("rms_norm_eps")
+    if act != "silu":
+        return f"the teacher's MLP activation is {act}; {NATIVE_CLASS} uses one hidden_act for the MLP and the Mamba conv (SiLU)", keep_as_is
+    if base.get("mlp_bias"):
+        return f"the teacher's MLP has biases (mlp_bias: true); {NATIVE_CLASS}'s shared MLP has none", keep_as_is
+    for i, g in enumerate(config.layer_geometry):
+        if g["num_heads"] * g["head_dim"] != g["hidden_size"]:
+            return (f"layer {i} has {g['num_heads']} heads × {g['head_dim']} = {g['num_heads'] * g['head_dim']} ≠ hidden_size {g['hidden_size']}; "
+                    f"{NATIVE_CLASS} (and vLLM) take head_dim = hidden_size / heads", keep_as_is)  # fmt: skip
+    if config.mixer_layers:
+        o = _mamba2_options(config)
+        fix = "distil with student.mixer_options: {norm: true" + (f", norm_eps: {eps!r}" if eps is not None else "") + "}"
+        if o["sanity"]:
+            return "the mixers are in sanity mode (no conv, gate, norm, Δ or A)", fix
+        if not o["norm"]:
+            return f"the mamba2 mixers have no gated RMSNorm (norm: false); {NATIVE_CLASS} always normalises y·SiLU(z) per head, so no map is exact", fix
+        if eps is None or not math.isclose(float(o["norm_eps"]), float(eps), rel_tol=1e-9, abs_tol=0.0):
+            return (f"the mixers' gated RMSNorm uses eps {float(o['norm_eps']):g} but {NATIVE_CLASS} uses the teacher's rms_norm_eps ({eps}) "
+                    "for it and for every block norm", fix)  # fmt: skip
+        if not o["d_conv"]:
+            return f"the mixers have no conv (d_conv: 0); {NATIVE_CLASS} always runs one, with SiLU", "distil with student.mixer_options.d_conv: 4 (the default)"
+        if o["conv_activation"] not in ("silu",):
+            return (f"the mixers' conv has no activation (conv_activation: {o['conv_activation']}); {NATIVE_CLASS}'s conv applies hidden_act (SiLU)",
+                    "distil with student.mixer_options.conv_activation: silu (the default)")  # fmt: skip
+        if o["rope"] != "none":
+            return f"the mixers rotate B and C (rope: {o['rope']}); {NATIVE_CLASS}'s Mamba layers have no RoPE", "distil with student.mixer_options.rope: none (the default)"
+    kept = [i for i, kind in enumerate(config.layer_plan) if kind == "attention"]
+    global_layers = [i for i, g in enumerate(config.layer_geometry) if g.get("sliding_window") is None]
+    for i in kept:
+        g = config.layer_geometry[i]
+        if g.get("sliding_window") is not None:
+            keep = f"student.keep_attention: {global_layers}" if global_layers else "student.attention_ratio: 0 (a pure Mamba-2 student)"
+            return (f"layer {i} keeps sliding-window attention (window {g['sliding_window']}); {NATIVE_CLASS}'s attention is global",
+                    f"convert the sliding layers too: {keep}")  # fmt: skip
+        if g.get("softcap") is not None or g.get("has_qk_norm"):
+            return f"layer {i} keeps attention with soft-capping or q/k norms, which {NATIVE_CLASS} lacks", keep_as_is
+        if g["rotary_dim"] != g["head_dim"]:
+            return f"layer {i} rotates {g['rotary_dim']} of {g['head_dim']} dims; {NATIVE_CLASS}'s RoPE is full", keep_as_is
+    scalings = {config.layer_geometry[i]["scaling"] for i in kept}
+    if len(scalings) > 1:
+        return f"the kept attention layers scale q·k differently ({sorted(scalings)}); {NATIVE_CLASS} has one attention_multiplier", keep_as_is
+    return None
+
+
+def check_native(config) -> None:
+    """Raise the one-line ``ExportError`` of ``native_problem``, if any."""
+    problem = native_problem(config)
+    if problem is not None:
+        raise ExportError(*problem)
+
+
+# ---------------------------------------------------------------------------------------- config
+def native_config(config):
+    """The ``GraniteMoeHybridConfig`` of a student that ``check_native`` passed."""
+    from transformers import GraniteMoeHybridConfig
+
+    base = config.base_config
+    g0 = config.layer_geometry[0]
+    kept = [i for i, kind in enumerate(config.layer_plan) if kind == "attention"]
+    mixers = config.mixer_layers
+    opts = _mamba2_options(config) if mixers else {"d_conv": 4, "chunk_size": 256}
+    biases = any(config.layer_geometry[i].get("qkv_bias") or config.layer_geometry[i].get("o_bias") for i in kept)
+    return GraniteMoeHybridConfig(
+        vocab_size=base["vocab_size"],
+        hidden_size=g0["hidden_size"],
+        intermediate_size=base["intermediate_size"],
+        shared_intermediate_size=base["intermediate_size"],
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        num_hidden_layers=len(config.layer_plan),
+        num_attention_heads=g0["num_heads"],
+        num_key_value_heads=g0["num_kv_heads"],
+        hidden_act=base.get("hidden_act", "silu"),
+        max_position_embeddings=base.get("max_position_embeddings", 2048),
+        use_cache=bool(kept),  # see _notes: transformers' class cannot hold a cache without an attention layer
+        initializer_range=base.get("initializer_range", 0.02),
+        rms_norm_eps=base["rms_norm_eps"],
+        pad_token_id=base.get("pad_token_id"),
+        bos_token_id=base.get("bos_token_id"),
+        eos_token_id=base.get("eos_token_id"),
+        tie_word_embeddings=bool(base.get("tie_word_embeddings", False)),
+        rope_parameters=dict(base.get("rope_parameters") or {"rope_type": "default", "rope_theta": base.get("rope_theta", 10000.0)}),
+        attention_bias=bool(biases),
+        attention_dropout=0.0,
+        embedding_multiplier=1.0,
+        residual_multiplier=1.0,
+        logits_scaling=1.0,
+        attention_multiplier=float(config.layer_geometry[kept[0]]["scaling"]) if kept else g0["head_dim"] ** -0.5,
+        position_embedding_type="rope" if kept else None,
+        layer_types=["attention" if kind == "attention" else "mamba" for kind in config.layer_plan],
+        mamba_n_heads=g0["num_heads"],
+        mamba_n_groups=g0["num_heads"],
+        mamba_d_state=g0["head_dim"],
+        mamba_d_head=g0["head_dim"],
+        mamba_d_conv=int(opts["d_conv"]),
+        mamba_expand=1,
+        mamba_chunk_size=int(opts["chunk_size"]),
+        mamba_conv_bias=True,
+        mamba_proj_bias=True,
+        time_step_limit=(0.0, float("inf")),
+    )
+
+
+# --------------------------------------------------------------------------------------- weights
+def _kv_rows(h: int, kv: int, d: int) -> torch.Tensor:
+    """Row j·d + p of a per-query-head tensor reads row (j // (h/kv))·d + p of the kv-head one."""
+    heads = torch.arange(h) // (h // kv)
+    return (heads[:, None] * d + torch.arange(d)[None, :]).reshape(-1)
+
+
+def _weight_bias(linear, rows=None, scale: float = 1.0):
+    w = linear.weight.detach().float()
+    b = linear.bias.detach().float() if linear.bias is not None else torch.zeros(w.shape[0])
+    if rows is not None:
+        w, b = w[rows], b[rows]
+    return w * scale, b * scale
+
+
+def mamba2_tensors(mixer) -> dict[str, torch.Tensor]:
+    """One of our ``Mamba2Mixer``s as ``GraniteMoeHybridMambaLayer`` tensors (fp32), by name."""
+    h, kv, d, hidden = mixer.num_heads, mixer.num_kv_heads, mixer.head_dim, mixer.hidden_size
+    rows = _kv_rows(h, kv, d)
+    if mixer.gate is not None:
+        z = _weight_bias(mixer.gate)
+    else:  # no gate: SiLU(0·u + b) = 1
+        z = torch.zeros(h * d, hidden), torch.full((h * d,), GATE_IDENTITY_BIAS)
+    x, B = _weight_bias(mixer.v_proj, rows), _weight_bias(mixer.k_proj, rows)
+    C = _weight_bias(mixer.q_proj, scale=float(mixer.scaling))  # C keeps the teacher's 1/√d
+    dt_w = mixer.dt_proj.weight.detach().float()
+    parts = [z, x, B, C, (dt_w, torch.zeros(h))]
+    conv_rows = torch.cat([rows, kv * d + rows, 2 * kv * d + torch.arange(h * d)])
+    out_w, out_b = _weight_bias(mixer.o_proj)
+    return {
+        "in_proj.weight": torch.cat([w for w, _ in parts]),
+        "in_proj.bias": torch.cat([b for _, b in parts]),
+        "conv1d.weight": mixer.conv.weight.detach().float()[conv_rows][:, None, :],
+        "conv1d.bias": mixer.conv.bias.detach().float()[conv_rows],
+        "dt_bias": mixer.dt_proj.bias.detach().float(),
+        "A_log": mixer.A_log.detach().float(),
+        "D": mixer.D.detach().float() if mixer.D is not None else torch.zeros(h),
+        "norm.weight": mixer.norm.weight.detach().float(),
+        "out_proj.weight": out_w,
+        "out_proj.bias": out_b,
+    }
+
+
+def attention_tensors(weights, with_bias: bool) -> dict[str, torch.Tensor]:
+    """A kept attention layer's q/k/v/o (an adapter's ``AttentionWeights``), biases 0 where absent."""
+    out = {}
+    for name, w, b in (("q_proj", weights.q, weights.q_bias), ("k_proj", weights.k, weights.k_bias),
+                       ("v_proj", weights.v, weights.v_bias), ("o_proj", weights.o, weights.o_bias)):  # fmt: skip
+        out[f"{name}.weight"] = w.float()
+        if with_bias:
+            out[f"{name}.bias"] = b.float() if b is not None else torch.zeros(w.shape[0])
+    return out
+
+
+def native_state_dict(student, native_cfg) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``GraniteMoeHybridForCausalLM`` for ``student`` (fp32), by name. Each of
+    the student's own tensors is used exactly once (anything left over is an error, not dropped)."""
+    from attn2ssm.adapters import get_adapter
+
+    config = student.config
+    adapter = get_adapter(student.base)
+    state = {k: v.detach().float() for k, v in student.base.state_dict().items()}
+    used: set[str] = set()
+
+    def take(key: str) -> torch.Tensor:
+        used.add(key)
+        return state[key]
+
+    out = {"model.embed_tokens.weight": take("model.embed_tokens.weight"), "model.norm.weight": take("model.norm.weight")}
+    if "lm_head.weight" in state:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i, kind in enumerate(config.layer_plan):
+        src, dst = config.attention_paths[i].rpartition(".")[0], f"model.layers.{i}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{dst}.{norm}.weight"] = take(f"{src}.{norm}.weight")
+        gate, up, down = (take(f"{src}.mlp.{p}_proj.weight") for p in ("gate", "up", "down"))
+        out[f"{dst}.shared_mlp.input_linear.weight"] = torch.cat([gate, up])
+        out[f"{dst}.shared_mlp.output_linear.weight"] = down
+        module = student.base.get_submodule(config.attention_paths[i])
+        prefix = f"{config.attention_paths[i]}."
+        used.update(k for k in state if k.startswith(prefix))
+        if kind == "attention":
+            tensors = attention_tensors(adapter.read_weights(module), native_cfg.attention_bias)
+            out.update({f"{dst}.self_attn.{k}": v for k, v in tensors.items()})
+        else:
+            out.update({f"{dst}.mamba.{k}": v for k, v in mamba2_tensors(module).items()})
+    left = sorted(set(state) - used)
+    if left:
+        raise ExportError(f"the student has tensors {NATIVE_CLASS} has no place for: {left[:4]}", "keep this student in attn2ssm's format (trust_remote_code=True)")
+    return out
+
+
+def to_native(student):
+    """The student as a ``GraniteMoeHybridForCausalLM`` in fp32 (``check_native`` first)."""
+    from transformers import GraniteMoeHybridForCausalLM
+
+    check_native(student.config)
+    cfg = native_config(student.config)
+    model = GraniteMoeHybridForCausalLM(cfg).float()
+    model.load_state_dict(native_state_dict(student, cfg), strict=True)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------- export
+@dataclass
+class NativeExport:
+    out: Path
+    cls: str
+    layer_types: list[str]
+    max_abs_diff: float  # native vs student logits on the probe (fp32)
+    notes: list[str] = field(default_factory=list)
+
+
+@torch.no_grad()
+def probe_difference(student, native, vocab: int, length: int = 24) -> tuple[float, float]:
+    """(max |native − student| logit, max |student logit|) on two unpadded random sequences (fp32)."""
+    ids = torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(0))
+    mine = student(input_ids=ids, use_cache=False).logits.float()
+    theirs = native(input_ids=ids, use_cache=False).logits.float()
+    return float((theirs - mine).abs().max()), float(mine.abs().max())
+
+
+def _notes(config) -> list[str]:
+    notes = []
+    kept = [i for i, kind in enumerate(config.layer_plan) if kind == "attention"]
+    if config.mixer_layers and any(config.layer_geometry[i].get("qkv_bias") for i in config.mixer_layers):
+        notes.append("the mixers' x/B/C projections have biases (the teacher's q/k/v biases): transformers' class zeroes a padded "
+                     "position's layer input, not its projection, so in a LEFT-padded batch those biases reach the first d_conv-1 "
+                     "real tokens' conv; unpadded prompts (and engines that run each prompt alone, as vLLM does) are exact")  # fmt: skip
+    if kept and config.mixer_layers:
+        notes.append("llama.cpp's converter treats GraniteMoeHybrid hybrids' attention as NoPE; these kept layers use RoPE")
+    if not kept:
+        notes.append("no layer keeps attention: transformers' GraniteMoeHybrid builds a softmax mask from its cache and raises when "
+                     "the cache holds no attention layer, so config.json and generation_config.json set use_cache: false (exact, "
+                     "but generate recomputes the prefix each token); vLLM keeps its own recurrent state")  # fmt: skip
+    return notes
+
+
+def _fix_config_json(path: Path) -> None:
+    """Legacy layer-type names (see ``_LAYER_TYPE``), as published Granite 4.0-H checkpoints have."""
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    legacy = {"linear_attention": "mamba", "full_attention": "attention"}
+    cfg["layer_types"] = [legacy.get(t, t) for t in cfg["layer_types"]]
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def export_native(student_dir: str | Path, out: str | Path, *, force: bool = False, tolerance: float = 1e-4) -> NativeExport:
+    """Write the student in ``student_dir`` to ``out`` as a ``GraniteMoeHybridForCausalLM`` checkpoint:
+    config.json (no ``auto_map``), model.safetensors (the student's dtype), tokenizer, README.md;
+    no Python files. Refused (``ExportError``, nothing written) when the map would not be exact;
+    ``out`` holding a model is kept unless ``force``. Staged beside ``out``, then moved into place."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    import attn2ssm.student  # noqa: F401  (registers the Auto classes)
+    from attn2ssm.errors import CheckpointError, ConfigError
+    from attn2ssm.paths import replace_dir
+    from attn2ssm.student.card import native_card, read_results
+    from attn2ssm.student.configuration import Attn2SSMConfig
+    from attn2ssm.student.modeling import Attn2SSMForCausalLM
+
+    student_dir, out = Path(student_dir), Path(out)
+    try:
+        saved = json.loads((student_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{student_dir} has no readable config.json ({exc.__class__.__name__})", "point at a student directory (a run's student/ folder)") from None
+    if saved.get("model_type") != "attn2ssm":
+        raise CheckpointError(f"{student_dir} holds a {saved.get('model_type')!r} model, not an attn2ssm student", "point at a student directory (a run's student/ folder)")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file", "give a directory for the exported model")
+    if (out / "config.json").is_file() and not force:
+        raise ConfigError(f"--out {out} already holds a model (config.json)", "pass --force to replace it, or choose another --out")
+    check_native(Attn2SSMConfig.from_dict(saved))  # refuse before the weights load
+
+    dtype = getattr(torch, str(saved.get("dtype") or "float32"))
+    student = Attn2SSMForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
+    native = to_native(student)
+    diff, scale = probe_difference(student, native, native.config.vocab_size)
+    if not diff <= tolerance * max(1.0, scale):
+        raise ExportError(f"the {NATIVE_CLASS} logits differ from the student's by {diff:.3g} on a probe (tolerance {tolerance * max(1.0, scale):.3g})",
+                          "nothing was written; this is a bug in the map: report it with the student's config.json")  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
+    try:
+        native.to(dtype).save_pretrained(staging)
+        _fix_config_json(staging / "config.json")
+        AutoTokenizer.from_pretrained(student_dir).save_pretrained(staging)
+        if (student_dir / "generation_config.json").is_file():
+            generation = GenerationConfig.from_pretrained(student_dir)
+        else:
+            generation = GenerationConfig.from_model_config(native.config)
+        generation.use_cache = native.config.use_cache
+        generation.save_pretrained(staging)
+        notes = _notes(student.config)
+        (staging / "README.md").write_text(native_card(saved, read_results(student_dir), NATIVE_CLASS, notes), encoding="utf-8")
+        replace_dir(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    layer_types = [_LAYER_TYPE.get(kind, "mamba") for kind in student.config.layer_plan]
+    return NativeExport(out, NATIVE_CLASS, layer_types, diff, notes)
