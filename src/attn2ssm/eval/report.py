@@ -102,6 +102,10 @@ def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: b
         "environment": environment(),
     }
     atomic_write_text(run_dir / "results.json", json.dumps(results, indent=1))
+    if (run_dir / "student" / "config.json").is_file():  # its card, written before these results existed, gains them
+        from attn2ssm.student.card import write_student_card
+
+        write_student_card(run_dir / "student")
     lines = [
         f"# {recipe.name}",
         "",

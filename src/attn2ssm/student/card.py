@@ -6,7 +6,7 @@ the teacher (held-out perplexity ratio) when the run measured it, and how to loa
 
 A distillation run writes ``results.json`` beside ``student/`` only after the student is saved,
 so the card is written again by the run's report (``eval/report.py``); a card written with no
-``results.json`` beside the folder simply has no results section.
+``results.json`` beside the folder says that nothing was measured.
 
 This module is imported by ``student/modeling.py``'s ``save_pretrained`` and therefore copied into
 every checkpoint as remote code: standard library only.
@@ -37,13 +37,20 @@ def read_results(directory: str | Path) -> dict | None:
 
 
 def teacher_name(config: dict) -> tuple[str, str | None]:
-    """(what to call the teacher, its hub id or None) from a student config's ``teacher`` entry."""
+    """(what to call the teacher, its hub id or None) from a student config's ``teacher`` entry.
+    Local paths are never shown (configs saved before they were scrubbed may still hold one)."""
     teacher = config.get("teacher") or {}
     source = teacher.get("source") or {}
-    name = source.get("name") or source.get("location") or teacher.get("model_type") or "unknown teacher"
+    location = source.get("location")
+    hub_id = source.get("hub_id") or (location if source.get("kind") == "hub" else None)
+    local = source.get("kind") in ("dir", "gguf", "builtin") or (isinstance(location, str) and location.startswith(("/", "~", ".")))
+    shown_location = None if local or not location else location
+    if local and location and not source.get("name"):
+        shown_location = location.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+    name = source.get("name") or shown_location or teacher.get("model_type") or "unknown teacher"
     if source.get("gguf_file"):
         name = f"{name} ({source['gguf_file']})"
-    return name, source.get("location") if source.get("kind") == "hub" else None
+    return name, hub_id
 
 
 def _front_matter(hub_id: str | None, tags: list[str]) -> list[str]:
@@ -68,6 +75,11 @@ def _plan_lines(config: dict) -> list[str]:
     return lines
 
 
+def _tokens(n) -> str:
+    """A stage's budget: ``n`` tokens, or what a stage without one (``epochs:``) ran on."""
+    return f"{n:,} tokens" if isinstance(n, int) and not isinstance(n, bool) else "its dataset's epochs"
+
+
 def _results_lines(results: dict | None) -> list[str]:
     if not results:
         return []
@@ -76,9 +88,9 @@ def _results_lines(results: dict | None) -> list[str]:
         lines.append(f"- **Recipe**: `{results['recipe']}`")
     stages = results.get("stages") or []
     if stages:
-        lines.append("- **Stages**: " + " → ".join(f"{s.get('name')} ({s.get('kind')}, {s.get('tokens'):,} tokens)" for s in stages))
+        lines.append("- **Stages**: " + " → ".join(f"{s.get('name')} ({s.get('kind')}, {_tokens(s.get('tokens'))})" for s in stages))
     if results.get("train_tokens") is not None:
-        lines.append(f"- **Training budget**: {results['train_tokens']:,} tokens")
+        lines.append(f"- **Training budget**: {results['train_tokens']:,} tokens (all stages)")
     if results.get("corpus"):
         lines.append(f"- **Corpus**: {results['corpus']}")
     if results.get("student_ppl") is not None and results.get("teacher_ppl") is not None:
@@ -88,6 +100,14 @@ def _results_lines(results: dict | None) -> list[str]:
             f"(ratio {results['student_ppl'] / results['teacher_ppl']:.3f}; {held.get('tokens', '?')} tokens, window {held.get('window', '?')})"
         )
     return lines
+
+
+def _unmeasured_lines(results: dict | None) -> list[str]:
+    if results:
+        return []
+    return ["", "## Distillation", "", ("Not recorded with this folder (no `results.json` beside it): a student written by `attn2ssm "
+            "convert` (mixers initialised from the teacher's attention, untrained), a run's checkpoint or a model saved from Python. "
+            "`attn2ssm distill` writes the recipe, token budget and measured ratio to the teacher into its final `student/` card.")]
 
 
 def student_card(config: dict, results: dict | None = None) -> str:
@@ -100,32 +120,46 @@ def student_card(config: dict, results: dict | None = None) -> str:
     lines += [
         f"# {' + '.join(kinds) or 'attention'} student of {name}",
         "",
-        f"Distilled from **{name}** ({family} architecture) with attn2ssm: the teacher with some "
-        "attention modules replaced by sequence mixers; embeddings, norms, MLPs and the LM head are the teacher's.",
+        (f"Distilled from **{name}** ({family} architecture) with attn2ssm: the teacher with some "
+        "attention modules replaced by sequence mixers; embeddings, norms, MLPs and the LM head are the teacher's."),
         "",
         *_plan_lines(config),
         f"- **Weights**: {config.get('dtype') or config.get('torch_dtype') or 'float32'}",
         *_results_lines(results),
+        *_unmeasured_lines(results),
         "",
         "## How to load",
         "",
-        "The modeling code is in this folder (`attn2ssm_*.py`), so attn2ssm need not be installed:",
+        ("The modeling code is in this folder (`attn2ssm_*.py`), so attn2ssm need not be installed, but transformers must be "
+        "allowed to run it (`trust_remote_code=True`):"),
         "",
         "```python",
+        "import torch",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
-        'model = AutoModelForCausalLM.from_pretrained("PATH_OR_HUB_ID", trust_remote_code=True)',
+        'model = AutoModelForCausalLM.from_pretrained("PATH_OR_HUB_ID", trust_remote_code=True, dtype=torch.bfloat16)',
         'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_HUB_ID")',
         'ids = tokenizer("The", return_tensors="pt")',
         "print(tokenizer.decode(model.generate(**ids, max_new_tokens=32)[0]))",
         "```",
         "",
-        "`AutoModel` (no LM head) loads the same way. Where attn2ssm is installed, `import attn2ssm.student` registers "
-        "the classes and `trust_remote_code` is not needed. `generate` decodes with a recurrent cache (constant memory "
-        "per mixer layer, KV only for kept attention layers).",
+        ("`dtype` applies to the whole model (Mamba-style `A_log` / `D` stay float32); `dtype=\"auto\"` keeps the saved one. "
+        "`AutoModel` (no LM head: hidden states) loads the same way. Where attn2ssm is installed, `import attn2ssm.student` "
+        "registers the classes and `trust_remote_code` is not needed. `generate` decodes with a recurrent cache (constant "
+        "memory per mixer layer, KV only for kept attention layers)."),
+        *_native_lines(config),
         "",
     ]
     return "\n".join(lines)
+
+
+def _native_lines(config: dict) -> list[str]:
+    plan = config.get("layer_plan") or []
+    kinds = {kind for kind in plan if kind != "attention"}
+    if kinds != {"mamba2"}:
+        return []
+    return ["", ("Mamba-2 students of Llama-family teachers with the gated norm on can also be written as a plain transformers "
+            "`GraniteMoeHybridForCausalLM` (no remote code; served by vLLM): `attn2ssm export DIR --format native --out NATIVE_DIR`.")]
 
 
 def native_card(config: dict, results: dict | None, cls: str, notes: list[str] = ()) -> str:
@@ -137,8 +171,8 @@ def native_card(config: dict, results: dict | None, cls: str, notes: list[str] =
     lines += [
         f"# Mamba-2 {'hybrid ' if hybrid else ''}student of {name}, as {cls}",
         "",
-        f"Distilled from **{name}** with attn2ssm and exported with `attn2ssm export --format native`: a plain transformers "
-        f"`{cls}` checkpoint (dense shared MLP, multipliers 1), no remote code. Its logits equal the attn2ssm student's.",
+        (f"Distilled from **{name}** with attn2ssm and exported with `attn2ssm export --format native`: a plain transformers "
+        f"`{cls}` checkpoint (dense shared MLP, multipliers 1), no remote code. Its logits equal the attn2ssm student's."),
         "",
         *_plan_lines(config),
         *_results_lines(results),

@@ -23,7 +23,11 @@ from attn2ssm.adapters import get_adapter
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.registry import ATTENTION, MIXERS, build_mixer
 from attn2ssm.student.configuration import Attn2SSMConfig
-from attn2ssm.student.modeling import Attn2SSMForCausalLM, _get_submodule_parent
+from attn2ssm.student.modeling import (
+    Attn2SSMForCausalLM,
+    _get_submodule_parent,
+    keep_fp32_parameters,
+)
 from attn2ssm.student.plans import layer_map
 
 # Per-layer fields of transformers configs, remapped when a student changes depth.
@@ -147,6 +151,7 @@ def convert(
     )
     param = next(teacher.parameters())
     student = Attn2SSMForCausalLM(student_config).to(dtype=param.dtype, device=param.device)
+    keep_fp32_parameters(student)  # a half-precision teacher: A_log / D stay float32, as from_pretrained keeps them
     state = _state_for_depth(teacher.state_dict(), paths, student_paths, source)
     result = student.base.load_state_dict(state, strict=False)
     mixer_prefixes = tuple(student_paths[i] + "." for i in student_config.mixer_layers)
@@ -189,6 +194,7 @@ def converted_layer(student: Attn2SSMForCausalLM, layer: int, kind: str, options
         mixer.init_new_parameters()
     ref = _first_param(attention)
     mixer.to(dtype=ref.dtype, device=ref.device)
+    keep_fp32_parameters(mixer)
     mixer.load_attention_weights(get_adapter(student.base).read_weights(attention))
     mixer.context = student.mixer_context
     mixer.train(student.training)
@@ -267,6 +273,7 @@ def grow_student(
     for i in added:
         mixer, ref = grown.base.get_submodule(paths[i]), _first_param(student.base.get_submodule(paths[i]))
         mixer.to(dtype=ref.dtype, device=ref.device)
+        keep_fp32_parameters(mixer)
     old_tensors = {**dict(student.named_parameters()), **dict(student.named_buffers())}
     for name, tensor in [*grown.named_parameters(), *grown.named_buffers()]:
         src = old_tensors.get(name)

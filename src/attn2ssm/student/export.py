@@ -26,6 +26,7 @@ def flat_name(module: str) -> str:
 def auto_map() -> dict[str, str]:
     return {
         "AutoConfig": f"{flat_name('attn2ssm.student.configuration')}.Attn2SSMConfig",
+        "AutoModel": f"{flat_name('attn2ssm.student.modeling')}.Attn2SSMModel",
         "AutoModelForCausalLM": f"{flat_name('attn2ssm.student.modeling')}.Attn2SSMForCausalLM",
     }
 
