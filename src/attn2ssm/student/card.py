@@ -147,10 +147,25 @@ def student_card(config: dict, results: dict | None = None) -> str:
         "`AutoModel` (no LM head: hidden states) loads the same way. Where attn2ssm is installed, `import attn2ssm.student` "
         "registers the classes and `trust_remote_code` is not needed. `generate` decodes with a recurrent cache (constant "
         "memory per mixer layer, KV only for kept attention layers)."),
+        *_peft_lines(config),
         *_native_lines(config),
         "",
     ]
     return "\n".join(lines)
+
+
+def _peft_lines(config: dict) -> list[str]:
+    """How to put LoRA on this student with peft (its learned feature maps are not nn.Linear)."""
+    plan, options = config.get("layer_plan") or [], config.get("mixer_options") or {}
+    default_map = {"linear_attention": "elu", "hedgemamba": "hedgehog"}  # the mixers' own defaults
+    learned = any(kind in plan and (options.get(kind) or {}).get("feature_map", default) in ("hedgehog", "t2r") for kind, default in default_map.items())
+    if not learned:
+        return []
+    return ["", ("LoRA with peft (>= 0.17): the learned feature maps hold per-head weights (heads × head_dim × features), not "
+                 "`nn.Linear`s, so name them in `target_parameters`, e.g. `LoraConfig(target_modules=[\"q_proj\", \"k_proj\", "
+                 "\"v_proj\", \"o_proj\"], target_parameters=[\"feature_map_q.weight\", \"feature_map_k.weight\"])` (one rank-r "
+                 "update per head), or train them whole with `modules_to_save=[\"feature_map_q\", \"feature_map_k\"]`. "
+                 "`merge_and_unload()` gives back a plain student.")]
 
 
 def _native_lines(config: dict) -> list[str]:
