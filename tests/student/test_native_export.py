@@ -237,7 +237,7 @@ def _student_config(family="llama", plan=None, layers=2, teacher_overrides=None,
         (dict(plan=["mamba", "attention"]), "layer 0 is a 'mamba' mixer", "student.mixer: mamba2"),
         (dict(plan=["attention", "discrete_mamba2"]), "layer 1 is a 'discrete_mamba2' mixer", "student.mixer: mamba2"),
         (dict(norm=False), "no gated RMSNorm (norm: false)", "norm: true"),
-        (dict(norm_eps=1e-5), "gated RMSNorm uses eps 1e-05 but GraniteMoeHybridForCausalLM uses the teacher's rms_norm_eps (1e-06)", "norm_eps: 1e-06"),
+        (dict(norm_eps=1e-5), "gated RMSNorm uses eps 1e-05 but GraniteMoeHybridForCausalLM uses the teacher's rms_norm_eps (1e-06)", "norm_eps: auto} (auto: the teacher's rms_norm_eps, 1e-06)"),
         (dict(d_conv=0), "no conv (d_conv: 0)", "d_conv: 4"),
         (dict(conv_activation="none"), "conv has no activation", "conv_activation: silu"),
         (dict(rope="before"), "rotate B and C (rope: before)", "rope: none"),
@@ -268,5 +268,5 @@ def test_refusal_through_the_cli_writes_nothing(tmp_path, capsys):
     assert main(["export", str(tmp_path / "student"), "--format", "native", "--out", str(tmp_path / "native")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == ("error: layer 0 is a 'linear_attention' mixer; GraniteMoeHybridForCausalLM's layers are Mamba-2 (SSD) or attention "
-                   "— distil with student.mixer: mamba2 and student.mixer_options: {norm: true}")  # fmt: skip
+                   "— distil with student.mixer: mamba2 and student.mixer_options: {norm: true, norm_eps: auto}")  # fmt: skip
     assert not (tmp_path / "native").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".native")]

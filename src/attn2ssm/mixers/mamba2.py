@@ -17,7 +17,8 @@ Per token, with u the layer input (after the block's norm):
 ``norm_eps`` is the gated norm's ε (1e-6 by default, as students were always built). Native
 hybrid classes (GraniteMoeHybrid, Bamba) use the config's one ``rms_norm_eps`` for it and for
 every block norm, so a student meant for ``attn2ssm export --format native`` trains with the
-teacher's ``rms_norm_eps`` here (student/native_export.py says so when they differ).
+teacher's ``rms_norm_eps`` here: ``norm_eps: auto``, resolved to that number when the student is
+built (student/convert.py; student/native_export.py says so when they differ).
 
 ``DiscreteMamba2Mixer`` is paper 001's Phi-Mamba mixer: no Δ, the decay is an input projection
 a_t = −softplus(W_a u_t + b_a) per head, no activation after the conv, no norm, D skip.

@@ -96,17 +96,53 @@ class GatedRMSNorm(nn.Module):
         return (yf.view(b, l, width) * self.weight.float()).to(y.dtype)
 
 
+# ``norm_eps: auto``: the teacher's own norm ε, resolved when a student is built (``resolve_norm_eps``),
+# so the saved options hold the number. Native hybrid classes use the config's one rms_norm_eps for
+# the gated norm too (student/native_export.py), so this is the setting a servable student needs.
+AUTO = "auto"
+
+
 def check_norm_eps(kind: str, eps) -> float:
     """The gated norm's ε as a float; a ConfigError unless it is a positive number (YAML reads
     ``1e-5`` without a dot as a string: taken as the number it spells)."""
+    if eps == AUTO:
+        raise ConfigError(f"{kind} option norm_eps: auto reached a mixer built without its teacher",
+                          "build students through attn2ssm.student.convert (it resolves auto), or give a number such as 1.0e-5")  # fmt: skip
     if isinstance(eps, str):
         try:
             eps = float(eps)
         except ValueError:
             pass
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ConfigError(f"{kind} option norm_eps={eps!r} is not a positive number", "use the teacher's rms_norm_eps, e.g. norm_eps: 1.0e-5, or leave it out (1e-6)")
+        raise ConfigError(f"{kind} option norm_eps={eps!r} is not a positive number",
+                          "use auto (the teacher's rms_norm_eps), a number such as 1.0e-5, or leave it out (1e-6)")  # fmt: skip
     return float(eps)
+
+
+def teacher_norm_eps(config) -> float | None:
+    """The teacher's block-norm ε from its config (object or dict): ``rms_norm_eps``, else a
+    LayerNorm family's ``layer_norm_eps`` / ``layer_norm_epsilon``; None when it has none."""
+    for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"):
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def resolve_norm_eps(kind: str, options: dict | None, config) -> dict:
+    """``options`` with ``norm_eps: auto`` replaced by the teacher's norm ε (``config``: the teacher's
+    config or a student's ``base_config``); other values are left for the mixer to check."""
+    options = dict(options or {})
+    if options.get("norm_eps") != AUTO:
+        return options
+    eps = teacher_norm_eps(config)
+    if eps is None:
+        raise ConfigError(f"{kind} option norm_eps: auto needs the teacher's rms_norm_eps, and its config has none",
+                          "give the gated norm's ε as a number, e.g. norm_eps: 1.0e-5")  # fmt: skip
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ConfigError(f"{kind} option norm_eps: auto found the teacher's norm ε {eps!r}, not a positive number", "give norm_eps as a positive number, e.g. 1.0e-5")
+    options["norm_eps"] = float(eps)
+    return options
 
 
 def check_activation(name: str | None) -> str | None:

@@ -2,6 +2,8 @@
 
 Every non-attention weight is the teacher's; each mixer starts from its layer's q/k/v/o
 (read through the family adapter, so fused/transposed layouts and GQA are handled there).
+Options that name a teacher setting (``norm_eps: auto``) are made concrete here, so the saved
+student records the number (``resolve_options``).
 ``depth=N`` builds a student with N layers instead: student layer i is a copy of teacher layer
 ``layer_map(N, T)[i]`` (norms, MLP, attention or the mixer's init) — a proportional subset of the
 teacher's layers when shallower, some layers repeated when deeper.
@@ -22,6 +24,7 @@ from torch import nn
 from attn2ssm.adapters import get_adapter
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.registry import ATTENTION, MIXERS, build_mixer
+from attn2ssm.mixers.ssm_common import resolve_norm_eps
 from attn2ssm.student.configuration import Attn2SSMConfig
 from attn2ssm.student.modeling import (
     Attn2SSMForCausalLM,
@@ -91,6 +94,12 @@ def _state_for_depth(state: dict, teacher_paths: list[str], student_paths: list[
     return out
 
 
+def resolve_options(mixer_options: dict | None, teacher_config) -> dict:
+    """Mixer options by kind with every value that names a teacher setting made concrete
+    (``norm_eps: auto`` → the teacher's rms_norm_eps), so a saved student records the number."""
+    return {kind: resolve_norm_eps(kind, opts, teacher_config) for kind, opts in (mixer_options or {}).items()}
+
+
 def _student_paths(adapter, base_config: dict) -> list[str]:
     """Attention module paths of a model built from ``base_config`` (built on the meta device: no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -138,6 +147,7 @@ def convert(
             g.update(_qk_norm_settings(adapter.read_weights(attn_modules[j])))
         geometry.append(g)
     base_config = _config_for_depth(config, source)
+    mixer_options = resolve_options(mixer_options, config)
     student_paths = paths if len(source) == len(paths) else _student_paths(adapter, base_config)
     student_config = Attn2SSMConfig(
         base_config=base_config,
@@ -189,6 +199,7 @@ def converted_layer(student: Attn2SSMForCausalLM, layer: int, kind: str, options
         raise ConfigError(f"layer {layer} is already a '{config.layer_plan[layer]}' mixer", "convert only layers that keep attention")
     path = config.attention_paths[layer]
     attention = student.base.get_submodule(path)
+    options = resolve_norm_eps(kind, options, config.base_config)
     mixer = build_mixer(kind, config.layer_geometry[layer], layer, options)
     if hasattr(mixer, "init_new_parameters"):  # the designed init, as Attn2SSMForCausalLM gives its mixers
         mixer.init_new_parameters()
@@ -259,7 +270,7 @@ def grow_student(
         raise ConfigError(f"teacher ({len(teacher_paths)} attention layers at {teacher_paths[0] if teacher_paths else '-'}…) does not match the student", "pass the teacher the student was converted from")
     options = copy.deepcopy(dict(old_config.mixer_options))
     used = {kind for kind in old_config.layer_plan if kind != ATTENTION}
-    for kind, opts in (mixer_options or {}).items():
+    for kind, opts in resolve_options(mixer_options, teacher.config).items():
         if kind in used and dict(opts or {}) != dict(options.get(kind) or {}):
             raise ConfigError(f"mixer_options for '{kind}' differ from the trained student's {options.get(kind) or {}}", f"leave '{kind}' out of mixer_options: grown layers reuse the student's options")
         options[kind] = dict(opts or {})

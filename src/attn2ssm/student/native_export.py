@@ -87,7 +87,7 @@ def native_problem(config) -> tuple[str, str] | None:
         kind = config.layer_plan[i]
         if kind != "mamba2":
             return (f"layer {i} is a '{kind}' mixer; {NATIVE_CLASS}'s layers are Mamba-2 (SSD) or attention",
-                    "distil with student.mixer: mamba2 and student.mixer_options: {norm: true}")  # fmt: skip
+                    "distil with student.mixer: mamba2 and student.mixer_options: {norm: true, norm_eps: auto}")  # fmt: skip
     act, eps = base.get("hidden_act", "silu"), base.get("rms_norm_eps")
     if act != "silu":
         return f"the teacher's MLP activation is {act}; {NATIVE_CLASS} uses one hidden_act for the MLP and the Mamba conv (SiLU)", keep_as_is
@@ -99,7 +99,7 @@ def native_problem(config) -> tuple[str, str] | None:
                     f"{NATIVE_CLASS} (and vLLM) take head_dim = hidden_size / heads", keep_as_is)  # fmt: skip
     if config.mixer_layers:
         o = _mamba2_options(config)
-        fix = "distil with student.mixer_options: {norm: true" + (f", norm_eps: {eps!r}" if eps is not None else "") + "}"
+        fix = "distil with student.mixer_options: {norm: true, norm_eps: auto}" + (f" (auto: the teacher's rms_norm_eps, {eps!r})" if eps is not None else "")
         if o["sanity"]:
             return "the mixers are in sanity mode (no conv, gate, norm, Δ or A)", fix
         if not o["norm"]:
