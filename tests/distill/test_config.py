@@ -45,6 +45,18 @@ def test_type_errors_are_reported():
         load_recipe("quickstart", ["stages.0.kind=magic"])
 
 
+def test_mixed_precision_values(tmp_path):
+    """YAML 1.1 reads a bare `no` as false: it means no mixed precision, in a file and in --set."""
+    path = tmp_path / "r.yaml"
+    path.write_text("mixed_precision: no\nstages: [{kind: kd, tokens: 8}]\n")
+    assert load_recipe(str(path)).mixed_precision == "no"
+    assert load_recipe("quickstart", ["mixed_precision=no"]).mixed_precision == "no"
+    assert load_recipe("quickstart", ["mixed_precision=bf16"]).mixed_precision == "bf16"
+    with pytest.raises(ConfigError) as err:
+        load_recipe("quickstart", ["mixed_precision=bf17"])
+    assert "unknown precision 'bf17'" in str(err.value) and "bf16" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_parse_value():
     assert parse_value("1e5") == 100000.0 and parse_value("12") == 12 and parse_value("true") is True
     assert parse_value("[1, 2]") == [1, 2] and parse_value("null") is None and parse_value("elu") == "elu"

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tiny_models import BASE_RECIPE
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill
 from attn2ssm.errors import ConfigError
@@ -26,7 +27,7 @@ def test_stepwise_schedule_converts_more_layers_and_carries_trained_mixers(run_o
     out = tmp_path / "run"
     stages = "[" + KD_CE % ("half", "") + ", " + KD_CE % ("none", ", attention_ratio: 0.0") + "]"
     overrides = run_overrides(**{"stages": stages, "student.mixer": "mamba2", "student.mixer_options": "{}", "student.attention_ratio": 0.5})
-    distill(load_recipe("quickstart", overrides), out, progress=False)
+    distill(load_recipe(BASE_RECIPE, overrides), out, progress=False)
     final = Attn2SSMForCausalLM.from_pretrained(out / "student")
     assert final.config.layer_plan == ["mamba2", "mamba2"]
     stage_names = {r["stage"] for r in _records(out) if "stage" in r}
@@ -49,7 +50,7 @@ def test_stepwise_growth_keeps_stage_one_weights(run_overrides, tmp_path):
     overrides = run_overrides(**{"stages": stages, "student.mixer": "mamba2", "student.mixer_options": "{}", "student.attention_ratio": 0.5})
     T.Distiller._grow_for_stage = spy
     try:
-        distill(load_recipe("quickstart", overrides), tmp_path / "run", progress=False)
+        distill(load_recipe(BASE_RECIPE, overrides), tmp_path / "run", progress=False)
     finally:
         T.Distiller._grow_for_stage = original
     before, after = captured[1]
@@ -62,14 +63,14 @@ def test_stepwise_growth_keeps_stage_one_weights(run_overrides, tmp_path):
 def test_stepwise_ratio_must_not_grow(run_overrides):
     stages = "[" + KD_CE % ("a", "") + ", " + KD_CE % ("b", ", attention_ratio: 0.75") + "]"
     with pytest.raises(ConfigError, match="only converts more layers"):
-        load_recipe("quickstart", run_overrides(**{"stages": stages, "student.attention_ratio": 0.5}))
+        load_recipe(BASE_RECIPE, run_overrides(**{"stages": stages, "student.attention_ratio": 0.5}))
 
 
 def test_auto_keep_attention_logs_scores(run_overrides, tmp_path):
     out = tmp_path / "run"
     overrides = run_overrides(**{"stages": "[" + KD_CE % ("a", "") + "]", "student.mixer": "mamba2", "student.mixer_options": "{}", "student.attention_ratio": 0.5,
                                  "student.keep_attention": "auto", "student.auto_calibration_blocks": 2})  # fmt: skip
-    distill(load_recipe("quickstart", overrides), out, progress=False)
+    distill(load_recipe(BASE_RECIPE, overrides), out, progress=False)
     selection = [r for r in _records(out) if r.get("event") == "layer_selection"]
     assert len(selection) == 1 and len(selection[0]["scores"]) == 2
     scores, kept = selection[0]["scores"], selection[0]["keep_attention"]
@@ -83,25 +84,25 @@ def test_random_init_and_placement_options(run_overrides, tmp_path, tiny_setup):
     out = tmp_path / "run"
     overrides = run_overrides(**{"stages": "[{name: a, kind: ce, tokens: 128, batch_size: 4, optim: {lr: 0.0}}]", "student.mixer": "mamba2", "student.mixer_options": "{}",
                                  "student.attention_ratio": 0.5, "student.init": "random", "student.align": "first"})  # fmt: skip
-    distill(load_recipe("quickstart", overrides), out, progress=False)
+    distill(load_recipe(BASE_RECIPE, overrides), out, progress=False)
     student = load_file(out / "student" / "model.safetensors")
     teacher = load_file(teacher_dir / "model.safetensors")
     assert Attn2SSMForCausalLM.from_pretrained(out / "student").config.layer_plan == ["attention", "mamba2"]
     assert not torch.equal(student["base.model.layers.1.self_attn.q_proj.weight"], teacher["model.layers.1.self_attn.q_proj.weight"])
     assert torch.equal(student["base.model.layers.0.self_attn.q_proj.weight"], teacher["model.layers.0.self_attn.q_proj.weight"])
     with pytest.raises(ConfigError, match="student.init"):
-        load_recipe("quickstart", run_overrides(**{"student.init": "xavier"}))
+        load_recipe(BASE_RECIPE, run_overrides(**{"student.init": "xavier"}))
 
 
 def test_output_alignment_stage_runs_on_ssm_mixers_and_attention_loss_is_refused(run_overrides, tmp_path):
     stage = "[{name: align, kind: attention_transfer, tokens: 256, batch_size: 4, trainable: [mixers], losses: {attention: 0.0, output_mse: 1.0}}]"
     out = tmp_path / "run"
-    distill(load_recipe("quickstart", run_overrides(**{"stages": stage, "student.mixer": "mamba2", "student.mixer_options": "{}"})), out, progress=False)
+    distill(load_recipe(BASE_RECIPE, run_overrides(**{"stages": stage, "student.mixer": "mamba2", "student.mixer_options": "{}"})), out, progress=False)
     recs = [r for r in _records(out) if r.get("stage") == "align"]
     assert recs and all("train_mse" in r for r in recs)
     bad = "[{name: align, kind: attention_transfer, tokens: 256, batch_size: 4, losses: {attention: 1.0}}]"
     with pytest.raises(ConfigError, match="normalised weights"):
-        distill(load_recipe("quickstart", run_overrides(**{"stages": bad, "student.mixer": "mamba", "student.mixer_options": "{}"})), tmp_path / "bad", progress=False)
+        distill(load_recipe(BASE_RECIPE, run_overrides(**{"stages": bad, "student.mixer": "mamba", "student.mixer_options": "{}"})), tmp_path / "bad", progress=False)
 
 
 def test_sft_on_teacher_sampled_replies(chat_overrides, tmp_path, monkeypatch):
@@ -120,13 +121,13 @@ def test_sft_on_teacher_sampled_replies(chat_overrides, tmp_path, monkeypatch):
     overrides = chat_overrides(stage % "CORPUS")
     corpus = next(o for o in overrides if o.startswith("data.corpus=")).split("=", 1)[1]
     overrides = chat_overrides(stage % corpus)
-    distill(load_recipe("quickstart", overrides), tmp_path / "a", progress=False)
+    distill(load_recipe(BASE_RECIPE, overrides), tmp_path / "a", progress=False)
     files = list((Path(__import__("attn2ssm.paths", fromlist=["cache_dir"]).cache_dir()) / "teacher_samples").glob("*.jsonl"))
     assert len(files) == 1
     records = [json.loads(line) for line in files[0].read_text().splitlines()]
     assert 1 <= len(records) <= 4 and all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in records)
     stamp = files[0].stat().st_mtime_ns
-    distill(load_recipe("quickstart", overrides), tmp_path / "b", progress=False)
+    distill(load_recipe(BASE_RECIPE, overrides), tmp_path / "b", progress=False)
     assert files[0].stat().st_mtime_ns == stamp  # reused, not regenerated
     sft = [r for r in _records(tmp_path / "b") if r.get("stage") == "sft"]
     assert sft and all(torch.isfinite(torch.tensor(r["loss"])) for r in sft)
@@ -170,7 +171,7 @@ def test_stepwise_resume_matches_uninterrupted(run_overrides, tmp_path, monkeypa
     stages = "[" + KD_CE % ("half", "") + ", " + KD_CE % ("none", ", attention_ratio: 0.0") + "]"
     sets = run_overrides(**{"stages": stages, "student.mixer": "mamba2", "student.mixer_options": "{}", "student.attention_ratio": 0.5})
     reference = tmp_path / "reference"
-    distill(load_recipe("quickstart", sets), reference, progress=False)
+    distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
 
     original, saves = Distiller._save_checkpoint, {"n": 0}
 
@@ -186,9 +187,9 @@ def test_stepwise_resume_matches_uninterrupted(run_overrides, tmp_path, monkeypa
     monkeypatch.setattr(Distiller, "_save_checkpoint", save_then_crash)
     crashed = tmp_path / "crashed"
     with pytest.raises(Crash):
-        distill(load_recipe("quickstart", sets), crashed, progress=False)
+        distill(load_recipe(BASE_RECIPE, sets), crashed, progress=False)
     monkeypatch.setattr(Distiller, "_save_checkpoint", original)
-    distill(load_recipe("quickstart", sets), crashed, resume=True, progress=False)
+    distill(load_recipe(BASE_RECIPE, sets), crashed, resume=True, progress=False)
     a, b = load_file(reference / "student" / "model.safetensors"), load_file(crashed / "student" / "model.safetensors")
     assert set(a) == set(b)
     for name in a:

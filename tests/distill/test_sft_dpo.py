@@ -8,6 +8,7 @@ import torch
 from chat_data import END_OF_TURN
 from safetensors.torch import load_file
 
+from tiny_models import BASE_RECIPE
 from attn2ssm.data.chat import encode_conversation, load_preference_dataset, load_sft_dataset
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.stages import STAGE_KINDS
@@ -178,7 +179,7 @@ def test_format_errors(data, chat_tokenizer, tmp_path):
 )
 def test_validation_errors(stage, match):
     with pytest.raises(ConfigError, match=match) as err:
-        load_recipe("quickstart", [f"stages=[{stage}]"])
+        load_recipe(BASE_RECIPE, [f"stages=[{stage}]"])
     assert "\n" not in str(err.value) and err.value.fix
 
 
@@ -189,9 +190,9 @@ def test_data_problems_stop_the_run_before_the_first_stage(run_overrides, chat_o
     source = chat_setup[2]["messages"]
     stages = "[{{name: kd, kind: kd, tokens: 128, batch_size: 4}}, {{name: sft, kind: sft, data: {{source: '{}', max_len: {}}}}}]"
     with pytest.raises(ConfigError, match="has no chat template"):  # the plain tiny teacher has none
-        distill(load_recipe("quickstart", run_overrides(stages=stages.format(source, 96))), tmp_path / "a", progress=False)
+        distill(load_recipe(BASE_RECIPE, run_overrides(stages=stages.format(source, 96))), tmp_path / "a", progress=False)
     with pytest.raises(DataError, match="exceeds the model's maximum of 128"):
-        distill(load_recipe("quickstart", chat_overrides(stages.format(source, 512))), tmp_path / "b", progress=False)
+        distill(load_recipe(BASE_RECIPE, chat_overrides(stages.format(source, 512))), tmp_path / "b", progress=False)
     assert not (tmp_path / "a" / "metrics.jsonl").exists() and not (tmp_path / "b" / "metrics.jsonl").exists()
 
 
@@ -224,7 +225,7 @@ def test_kd_ce_sft_dpo_run(chat_setup, chat_overrides, tmp_path, monkeypatch):
     _capture(monkeypatch, "sft", sft_batches)
     _capture(monkeypatch, "dpo", dpo_batches)
     out = tmp_path / "run"
-    distill(load_recipe("quickstart", chat_overrides(stages)), out, progress=False)
+    distill(load_recipe(BASE_RECIPE, chat_overrides(stages)), out, progress=False)
     records = _metrics(out)
     by_stage = {name: [r for r in records if r["stage"] == name] for name in ("stage1", "sft", "dpo")}
     assert [len(v) for v in by_stage.values()] == [2, 2, 2]  # 256/(4·32); 768/(4·96); ceil(0.5·12/4)
@@ -257,7 +258,7 @@ def test_dpo_starts_at_log2_when_student_is_teacher_and_learns(chat_setup, chat_
         f" schedule: {{kind: constant}}, data: {{source: '{data['preference']}', max_len: 96, max_examples: 4}}}}]"
     )
     out = tmp_path / "run"
-    distill(load_recipe("quickstart", chat_overrides(stages, **{"student.attention_ratio": 1.0})), out, progress=False)
+    distill(load_recipe(BASE_RECIPE, chat_overrides(stages, **{"student.attention_ratio": 1.0})), out, progress=False)
     losses = [r["loss"] for r in _metrics(out)]
     assert len(losses) == 3  # 1152 / (4 · 96)
     assert losses[0] == pytest.approx(math.log(2), abs=1e-5)  # attention kept everywhere: the student is the teacher
@@ -272,7 +273,7 @@ def test_resume_mid_sft_matches_uninterrupted(chat_setup, chat_overrides, tmp_pa
     )
     sets = chat_overrides(stages)
     reference = tmp_path / "reference"
-    distill(load_recipe("quickstart", sets), reference, progress=False)
+    distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
 
     original = Distiller._save_checkpoint
     saves = {"n": 0}
@@ -289,10 +290,10 @@ def test_resume_mid_sft_matches_uninterrupted(chat_setup, chat_overrides, tmp_pa
     monkeypatch.setattr(Distiller, "_save_checkpoint", save_then_crash)
     crashed = tmp_path / "crashed"
     with pytest.raises(Crash):
-        distill(load_recipe("quickstart", sets), crashed, progress=False)
+        distill(load_recipe(BASE_RECIPE, sets), crashed, progress=False)
     monkeypatch.setattr(Distiller, "_save_checkpoint", original)
     assert not (crashed / "student").exists()
-    distill(load_recipe("quickstart", sets), crashed, resume=True, progress=False)
+    distill(load_recipe(BASE_RECIPE, sets), crashed, resume=True, progress=False)
 
     a, b = load_file(reference / "student" / "model.safetensors"), load_file(crashed / "student" / "model.safetensors")
     for name in a:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tiny_models import BASE_RECIPE
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill, latest_checkpoint
 from attn2ssm.errors import ConfigError, TrainingError
@@ -27,7 +28,7 @@ def _weights(run: Path) -> dict:
 
 def test_end_to_end_artifacts(run_overrides, tmp_path):
     out = tmp_path / "run"
-    results = distill(load_recipe("quickstart", run_overrides()), out, progress=False)
+    results = distill(load_recipe(BASE_RECIPE, run_overrides()), out, progress=False)
     for name in ("recipe.yaml", "metrics.jsonl", "results.json", "report.md", "loss.png", "student/config.json", "student/tokenizer.json"):
         assert (out / name).exists(), name
     assert results["teacher_ppl"] > 1 and results["student_ppl"] > 1
@@ -48,10 +49,10 @@ def test_end_to_end_artifacts(run_overrides, tmp_path):
 
 def test_existing_run_dir_is_not_overwritten(run_overrides, tmp_path):
     out = tmp_path / "run"
-    distill(load_recipe("quickstart", run_overrides(stages="[{name: a, kind: ce, tokens: 128, batch_size: 4}]")), out, progress=False)
+    distill(load_recipe(BASE_RECIPE, run_overrides(stages="[{name: a, kind: ce, tokens: 128, batch_size: 4}]")), out, progress=False)
     before = (out / "student" / "model.safetensors").read_bytes()
     with pytest.raises(ConfigError, match="already holds a run"):
-        distill(load_recipe("quickstart", run_overrides()), out, progress=False)
+        distill(load_recipe(BASE_RECIPE, run_overrides()), out, progress=False)
     assert (out / "student" / "model.safetensors").read_bytes() == before
 
 
@@ -59,6 +60,7 @@ KILLER = r"""
 import os, signal, sys, torch
 import attn2ssm.distill.trainer as T
 from attn2ssm.distill.recipe import load_recipe
+from tiny_models import BASE_RECIPE
 
 mode, out, *sets = sys.argv[1:]
 saves = {"done": 0, "writes": 0}
@@ -80,7 +82,7 @@ def die_while_writing(obj, path, *args, **kwargs):
 
 T.Distiller._save_checkpoint = save_then_die
 torch.save = die_while_writing
-T.distill(load_recipe("quickstart", sets), out, progress=False)
+T.distill(load_recipe(BASE_RECIPE, sets), out, progress=False)
 """
 
 
@@ -88,7 +90,7 @@ T.distill(load_recipe("quickstart", sets), out, progress=False)
 def test_sigkill_then_resume_matches_uninterrupted(mode, run_overrides, tmp_path):
     sets = run_overrides()
     reference = tmp_path / "reference"
-    distill(load_recipe("quickstart", sets), reference, progress=False)
+    distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
 
     killed = tmp_path / "killed"
     proc = subprocess.run([sys.executable, "-c", KILLER, mode, str(killed), *sets], env=_env(), capture_output=True, text=True, timeout=600)
@@ -129,7 +131,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(run_overrides, tmp
     monkeypatch.setattr(type(kind), "loss", poisoned)
     out = tmp_path / "run"
     with pytest.raises(TrainingError) as err:
-        distill(load_recipe("quickstart", run_overrides()), out, progress=False)
+        distill(load_recipe(BASE_RECIPE, run_overrides()), out, progress=False)
     msg = str(err.value)
     assert "non-finite loss" in msg and "step 5" in msg and "stage0-step000003" in msg and "\n" not in msg
     assert latest_checkpoint(out).name == "stage0-step000003"
@@ -144,12 +146,12 @@ def test_two_processes_give_the_same_loss_curve(run_overrides, tmp_path):
     env = _env()
     env["OMP_NUM_THREADS"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU (gloo) case on any machine: one GPU cannot host two ranks
-    r1 = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", "--out", str(one), "--no-progress", *sum((["--set", s] for s in sets), [])], env=env, capture_output=True, text=True, timeout=900)
+    r1 = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", BASE_RECIPE, "--out", str(one), "--no-progress", *sum((["--set", s] for s in sets), [])], env=env, capture_output=True, text=True, timeout=900)
     assert r1.returncode == 0, r1.stderr[-2000:]
     # On a machine without GPUs, --multi_gpu spawns 2 torch.distributed workers that use gloo on the CPU
     # (accelerate's --cpu with several processes would need mpirun).
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    r2 = subprocess.run([*launcher, "-m", "attn2ssm", "distill", "--out", str(two), "--no-progress", *sum((["--set", s] for s in sets), [])], env=env, capture_output=True, text=True, timeout=900)
+    r2 = subprocess.run([*launcher, "-m", "attn2ssm", "distill", BASE_RECIPE, "--out", str(two), "--no-progress", *sum((["--set", s] for s in sets), [])], env=env, capture_output=True, text=True, timeout=900)
     assert r2.returncode == 0, r2.stderr[-3000:]
     m1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
     m2 = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
@@ -168,7 +170,7 @@ def _truncate(path: Path) -> None:
 def test_resume_from_a_damaged_checkpoint_falls_back_to_the_newest_intact_one(damaged, run_overrides, tmp_path):
     sets = run_overrides()
     reference = tmp_path / "reference"
-    distill(load_recipe("quickstart", sets), reference, progress=False)
+    distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
     killed = tmp_path / "killed"
     proc = subprocess.run([sys.executable, "-c", KILLER, "after", str(killed), *sets], env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == -9, proc.stderr[-2000:]

@@ -22,6 +22,7 @@ import torch
 from tiny_models import make_tokenizer, tiny_config, tiny_model
 from transformers import AutoModelForCausalLM
 
+from tiny_models import BASE_RECIPE
 from attn2ssm.cli import main
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.errors import ConfigError
@@ -54,7 +55,7 @@ eval: {{max_tokens: 256}}
 
 # ------------------------------------------------------------------------------------- pure parts
 def test_budget_is_split_over_stages_by_their_tokens_in_whole_steps():
-    recipe, raw = load_family("q", "quickstart", [], "smollm2-135m")  # stages 16384 : 8192, 4 × 256 tokens a step
+    recipe, raw = load_family("q", BASE_RECIPE, [], "smollm2-135m")  # stages 16384 : 8192, 4 × 256 tokens a step
     sets, shares = budget_overrides(recipe, raw, 65536)
     assert shares == [44032, 21504] and sum(shares) == 65536  # 43 and 21 steps of 1024
     assert sets == ["stages.0.tokens=44032", "stages.1.tokens=21504"]

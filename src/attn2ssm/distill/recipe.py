@@ -191,7 +191,10 @@ def load_recipe(name_or_path: str | None = None, overrides: list[str] | None = N
         raw = load_yaml(name_or_path)
     else:
         raise ConfigError(f"no recipe '{name_or_path}'", f"use a YAML path or one of: {', '.join(recipes)}")
-    recipe = from_dict(Recipe, apply_overrides(raw, overrides), "recipe")
+    raw = apply_overrides(raw, overrides)
+    if raw.get("mixed_precision") is False:  # YAML 1.1 reads a bare `no` as false
+        raw["mixed_precision"] = "no"
+    recipe = from_dict(Recipe, raw, "recipe")
     validate(recipe)
     return recipe
 
@@ -200,6 +203,8 @@ def validate(recipe: Recipe) -> None:
     from attn2ssm.distill.stages import STAGE_KINDS
     from attn2ssm.student.plans import LAYER_MAPS
 
+    if recipe.mixed_precision not in ("no", "bf16", "fp16"):
+        raise ConfigError(f"recipe.mixed_precision: unknown precision '{recipe.mixed_precision}'", "use no, bf16 or fp16")
     if not recipe.stages:
         raise ConfigError("the recipe has no stages", "add at least one entry under 'stages'")
     for i, stage in enumerate(recipe.stages):
