@@ -278,6 +278,19 @@ def _int_list(flag: str, text: str) -> tuple[int, ...]:
     return values
 
 
+
+def _write_bench(result: dict, out: str, plot, fmt) -> int:
+    """A benchmark's JSON (atomically) and its PNG beside it, then its table."""
+    from attn2ssm.paths import atomic_write_text
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
+    png = plot(result, out.with_suffix(".png"))
+    print(fmt(result))
+    print(f"wrote {out} and {png}")
+    return 0
+
 def cmd_bench_generate(args) -> int:
     from attn2ssm.generation.bench import STUDENTS, BenchSettings
 
@@ -311,17 +324,10 @@ def cmd_bench_generate(args) -> int:
     import shlex
 
     from attn2ssm.generation.bench import plot_generate_bench, run_generate_bench
-    from attn2ssm.paths import atomic_write_text
 
     result = run_generate_bench(settings, progress=not args.no_progress)
     result["command"] = shlex.join(["attn2ssm", *sys.argv[1:]]) if sys.argv[0].endswith(("attn2ssm", "__main__.py")) else "attn2ssm bench generate"
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
-    png = plot_generate_bench(result, out.with_suffix(".png"))
-    print(format_generate_bench(result))
-    print(f"wrote {out} and {png}")
-    return 0
+    return _write_bench(result, args.out, plot_generate_bench, format_generate_bench)
 
 
 def cmd_bench_quality(args) -> int:
@@ -388,17 +394,10 @@ def cmd_bench_train(args) -> int:
     settings = TrainBenchSettings(teacher=args.teacher, cases=cases, lengths=_int_list("--lengths", args.lengths), step_tokens=args.step_tokens,
                                   precisions=precisions, steps=args.steps, threads=args.threads, profile=not args.no_profile, corpus=args.corpus)  # fmt: skip
     from attn2ssm.distill.bench import format_train_bench, plot_train_bench, run_train_bench
-    from attn2ssm.paths import atomic_write_text
 
     result = run_train_bench(settings, progress=not args.no_progress)
     result["command"] = shlex.join(["attn2ssm", *args.argv])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out, json.dumps(result, indent=2) + "\n")
-    png = plot_train_bench(result, out.with_suffix(".png"))
-    print(format_train_bench(result))
-    print(f"wrote {out} and {png}")
-    return 0
+    return _write_bench(result, args.out, plot_train_bench, format_train_bench)
 
 
 def format_generate_bench(result: dict) -> str:
