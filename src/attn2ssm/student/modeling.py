@@ -136,6 +136,17 @@ class Attn2SSMPreTrainedModel(PreTrainedModel):
         return Attn2SSMCache(self.config)
 
     # -- running the family's model with the mixers fed ------------------------------------------
+    def _begin_forward(self, family_config, cache, past_key_values, input_ids, inputs_embeds, attention_mask, use_cache):
+        """What every forward does first: the cache under either name, the sequence length, the
+        padding mask published to the mixers, and ``use_cache`` defaulted from the family config.
+        Returns (cache, length, padding mask or None, use_cache)."""
+        cache = pick_cache(cache, past_key_values)
+        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        pad = self._padding_of(attention_mask, length)
+        self.mixer_context.padding_mask = pad
+        use_cache = getattr(family_config, "use_cache", True) if use_cache is None else use_cache
+        return cache, length, pad, use_cache
+
     @staticmethod
     def _padding_of(attention_mask, length: int):
         """The 2-D padding mask of the current tokens (mixers cannot use HF's 4-D softmax mask), or
@@ -215,11 +226,8 @@ class Attn2SSMModel(Attn2SSMPreTrainedModel):
         **kwargs,
     ):
         """As the family's base model's ``forward`` (``last_hidden_state`` after the final norm)."""
-        cache = pick_cache(cache, past_key_values)
-        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        self.mixer_context.padding_mask = self._padding_of(attention_mask, length)
         family = self._family_model()
-        use_cache = getattr(family.config, "use_cache", True) if use_cache is None else use_cache
+        cache, length, _, use_cache = self._begin_forward(family.config, cache, past_key_values, input_ids, inputs_embeds, attention_mask, use_cache)
         cache = self._student_cache(cache, use_cache)
         return self._run_family(family, cache, length, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)  # fmt: skip
@@ -293,11 +301,7 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
     ):
         """As the family's ``ForCausalLM.forward``; the cache is taken as ``cache=`` (transformers
         >= 5.24) or ``past_key_values=`` (earlier), whichever the caller uses."""
-        cache = pick_cache(cache, past_key_values)
-        length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        pad = self._padding_of(attention_mask, length)
-        self.mixer_context.padding_mask = pad
-        use_cache = getattr(self.base.config, "use_cache", True) if use_cache is None else use_cache
+        cache, length, pad, use_cache = self._begin_forward(self.base.config, cache, past_key_values, input_ids, inputs_embeds, attention_mask, use_cache)
         plan = self.__dict__.get("_decode_plan")
         if (
             plan is not None
