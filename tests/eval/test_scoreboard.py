@@ -298,3 +298,20 @@ def test_family_scoped_overrides_apply_to_that_family_only():
     assert family_sets(["data.corpus=hf:x"], "a", table) == ["data.corpus=hf:x"]  # a colon in the value is not a family
     with pytest.raises(ConfigError, match="unknown family 'c'"):
         family_sets(["c:seed=2"], "a", table)
+
+
+def _synthetic_result(budgets: list[int]) -> dict:
+    cells = [{"family": f, "tokens": t, "perplexity": {"sotu": {"1024": {"ppl_ratio": r}}}}
+             for f, r in (("a", 1.5), ("b", 2.0)) for t in budgets]  # fmt: skip
+    return {"teacher": "t", "settings": {"windows": [1024], "corpora": ["sotu"]}, "cells": cells}
+
+
+@pytest.mark.parametrize("budgets, bars", [([65536], True), ([65536, 262144], False)])
+def test_plot_is_bars_for_a_one_budget_sweep_and_curves_for_a_grid(budgets, bars, tmp_path, monkeypatch):
+    import attn2ssm.eval.scoreboard as sb
+
+    called = []
+    real = sb._plot_sweep
+    monkeypatch.setattr(sb, "_plot_sweep", lambda *a: called.append(a) or real(*a))
+    path = sb.plot_quality(_synthetic_result(budgets), tmp_path / "q.png")
+    assert path.read_bytes()[:4] == b"\x89PNG" and bool(called) == bars

@@ -654,8 +654,10 @@ def plot_quality(result: dict, path: Path) -> Path:
 
     s = result["settings"]
     windows = [str(w) for w in s["windows"]]
-    fig, axes = plt.subplots(1, len(windows), figsize=(5.6 * len(windows), 4.3), squeeze=False)
     families = list(dict.fromkeys(r["family"] for r in result["cells"]))
+    if len({r["tokens"] for r in result["cells"]}) == 1:  # a sweep at one budget: bars, not a curve
+        return _plot_sweep(result, families, windows, Path(path), plt)
+    fig, axes = plt.subplots(1, len(windows), figsize=(5.6 * len(windows), 4.3), squeeze=False)
     for ax, window in zip(axes[0], windows):
         for ci, corpus in enumerate(s["corpora"]):
             for fi, family in enumerate(families):
@@ -685,6 +687,37 @@ def plot_quality(result: dict, path: Path) -> Path:
     fig.suptitle(f"quality vs budget: students of {result['teacher']}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_sweep(result: dict, families: list[str], windows: list[str], path: Path, plt) -> Path:
+    """One budget, several recipe variants: a horizontal bar per family and corpus, one panel per window."""
+    s = result["settings"]
+    corpora = s["corpora"]
+    height = 0.8 / len(corpora)
+    fig, axes = plt.subplots(1, len(windows), figsize=(5.6 * len(windows), 1.2 + 0.45 * len(families) * len(corpora)), squeeze=False)
+    for ax, window in zip(axes[0], windows):
+        for ci, corpus in enumerate(corpora):
+            ratios = [next((r["perplexity"][corpus][window]["ppl_ratio"] for r in result["cells"]
+                            if r["family"] == f and window in r["perplexity"].get(corpus, {})), float("nan")) for f in families]  # fmt: skip
+            ys = [i + ci * height for i in range(len(families))]
+            ax.barh(ys, ratios, height=height, color=f"C{ci}", label=_corpus_label(corpus))
+            for y, v in zip(ys, ratios):
+                if v == v:
+                    ax.text(v, y, f" {v:.2f}×", va="center", fontsize=8)
+        ax.set_yticks([i + (len(corpora) - 1) * height / 2 for i in range(len(families))], families, fontsize=8)
+        ax.invert_yaxis()
+        ax.axvline(1.0, color="gray", linewidth=1)
+        ax.set_xlabel("held-out ppl / teacher's")
+        ax.set_title(f"window {window}, {_tokens_label(result['cells'][0]['tokens'])} training tokens", fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+        ax.margins(x=0.15)
+        if len(corpora) > 1:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"recipe sweep: students of {result['teacher']}", fontsize=10)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
