@@ -8,6 +8,8 @@ the several that log-softmax autograd keeps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -41,7 +43,7 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask: torch
 
 def kd_ce_loss(
     student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | TopKTargets,
     input_ids: torch.Tensor,
     mask: torch.Tensor | None = None,
     *,
@@ -64,7 +66,8 @@ def kd_ce_loss(
     if labels == "data":
         ce = cross_entropy(student_logits, input_ids, mask)
     elif labels == "teacher":
-        ce = token_cross_entropy(student_logits, teacher_logits.detach().argmax(-1), mask)
+        top1 = teacher_logits.argmax() if isinstance(teacher_logits, TopKTargets) else teacher_logits.detach().argmax(-1)
+        ce = token_cross_entropy(student_logits, top1, mask)
     else:
         raise ValueError(f"unknown labels {labels!r} (data | teacher)")
     return ce_weight * ce + kl_weight * kl, ce, kl
@@ -132,9 +135,85 @@ class _ChunkedForwardKL(torch.autograd.Function):
         return grad * grad_output, None, None, None, None
 
 
+@dataclass
+class TopKTargets:
+    """The teacher's next-token distribution kept sparse: its k most likely tokens and the mass of
+    the rest. ``indices`` (..., k) token ids, most likely first; ``logprobs`` (..., k) their
+    log-probabilities at temperature 1 over the full vocabulary (fp32); ``log_tail`` (...) the log
+    of the remaining mass, log(1 − Σ_k p) (−inf when k = vocabulary). Leading dims are positions,
+    (b, l) or (n,); ``targets[:, :-1]`` indexes them."""
+
+    indices: torch.Tensor
+    logprobs: torch.Tensor
+    log_tail: torch.Tensor
+
+    def __getitem__(self, index) -> "TopKTargets":
+        return TopKTargets(self.indices[index], self.logprobs[index], self.log_tail[index])
+
+    def argmax(self) -> torch.Tensor:
+        return self.indices[..., 0]
+
+    def to(self, device) -> "TopKTargets":
+        return TopKTargets(self.indices.to(device), self.logprobs.to(device), self.log_tail.to(device))
+
+
+@torch.no_grad()
+def topk_targets(logits: torch.Tensor, k: int, chunk_size: int = 64) -> TopKTargets:
+    """The top-k log-probabilities of ``logits`` (..., V) at temperature 1 and the tail's log-mass,
+    in row chunks. The tail is a log-sum-exp over the other V − k log-probabilities (not
+    log(1 − Σ top-k), which cancels to 0 or below when the top-k holds nearly all the mass)."""
+    V = logits.shape[-1]
+    if not 1 <= k <= V:
+        raise ValueError(f"top_k {k} is outside 1..{V} (the vocabulary)")
+    flat = logits.reshape(-1, V)
+    idx = torch.empty(flat.shape[0], k, dtype=torch.long, device=flat.device)
+    lp = torch.empty(flat.shape[0], k, dtype=torch.float32, device=flat.device)
+    tail = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    for start in range(0, flat.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        log_p = F.log_softmax(flat[rows].float(), -1)
+        lp[rows], idx[rows] = log_p.topk(k, -1)
+        tail[rows] = log_p.scatter_(-1, idx[rows], float("-inf")).logsumexp(-1)
+    lead = logits.shape[:-1]
+    return TopKTargets(idx.view(*lead, k), lp.view(*lead, k), tail.view(lead))
+
+
+class _ChunkedTopKKL(torch.autograd.Function):
+    """Σ_tokens w·KL_k(p ‖ q) with the analytic gradient q − p̃ per token (see ``forward_kl``)."""
+
+    @staticmethod
+    def forward(ctx, student, indices, logprobs, log_tail, weights, chunk):
+        work = torch.promote_types(student.dtype, torch.float32)  # fp32, or fp64 for gradcheck
+        total = student.new_zeros((), dtype=work)
+        grad = torch.empty_like(student) if student.requires_grad else None
+        for start in range(0, student.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            idx, lp_t, w = indices[rows], logprobs[rows].to(work), weights[rows].to(work)
+            log_tail_t = log_tail[rows].to(work)
+            log_q = F.log_softmax(student[rows].to(work), -1)
+            tail_q = log_q.scatter(-1, idx, float("-inf"))  # the student's log q outside the teacher's top-k
+            log_tail_q = tail_q.logsumexp(-1)
+            has_tail = log_tail_t > float("-inf")
+            tail_kl = torch.where(has_tail, log_tail_t.exp() * (log_tail_t - log_tail_q), 0.0)
+            top_kl = (lp_t.exp() * (lp_t - log_q.gather(-1, idx))).sum(-1)
+            total = total + ((top_kl + tail_kl) * w).sum()
+            if grad is not None:
+                # p̃: the teacher's top-k probabilities, and its tail mass spread like the student's tail
+                safe = torch.where(has_tail, log_tail_t - log_tail_q, float("-inf"))
+                p_tilde = (tail_q + safe[:, None]).exp().scatter_(-1, idx, lp_t.exp())
+                grad[rows] = ((log_q.exp() - p_tilde) * w[:, None]).to(grad.dtype)
+        ctx.save_for_backward(grad)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output, None, None, None, None, None
+
+
 def forward_kl(
     student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
+    teacher_logits: torch.Tensor | TopKTargets,
     mask: torch.Tensor | None = None,
     *,
     temperature: float = 1.0,
@@ -142,13 +221,31 @@ def forward_kl(
 ) -> torch.Tensor:
     """KL(teacher ‖ student) per real token, scaled by T² (Hinton et al.), in row chunks.
 
-    student_logits, teacher_logits: (b, l, V) or (n, V) at the same positions; mask: (b, l) or (n,).
+    student_logits: (b, l, V) or (n, V); mask: (b, l) or (n,). ``teacher_logits``: the teacher's
+    logits at the same positions, or its cached top-k distribution (:class:`TopKTargets`, at
+    temperature 1 only). Then, with S the teacher's k most likely tokens at a position, p its
+    probabilities, P = 1 − Σ_{i∈S} p_i its tail mass and Q = 1 − Σ_{i∈S} q_i the student's mass
+    outside S, the loss is the "top-k + tail bucket" KL
+
+        KL_k(p ‖ q) = Σ_{i∈S} p_i·log(p_i / q_i) + P·log(P / Q),
+
+    the exact KL between the two distributions coarsened to S plus one bucket for the rest. It is
+    exact when k = V, and otherwise (chain rule of KL) falls short of the full KL by exactly
+    P·KL(p(·|tail) ‖ q(·|tail)) ≥ 0: the tail's mass is matched, not its shape. Its gradient in the
+    student's logits is q − p̃, where p̃_i = p_i on S and p̃_j = P·q_j / Q off S (the teacher's tail
+    mass spread as the student spreads its own), so it sums to zero like the full KL's q − p.
     """
     V = student_logits.shape[-1]
     s = student_logits.reshape(-1, V)
-    t = teacher_logits.reshape(-1, V).detach()
     m = torch.ones(s.shape[0], device=s.device) if mask is None else mask.reshape(-1).float()
     weights = m / m.sum().clamp_min(1)
+    if isinstance(teacher_logits, TopKTargets):
+        if temperature != 1.0:
+            raise ValueError(f"cached teacher top-k targets are at temperature 1; got temperature {temperature}")
+        t = teacher_logits
+        k = t.indices.shape[-1]
+        return _ChunkedTopKKL.apply(s, t.indices.reshape(-1, k), t.logprobs.reshape(-1, k), t.log_tail.reshape(-1), weights, int(chunk_size))
+    t = teacher_logits.reshape(-1, V).detach()
     return _ChunkedForwardKL.apply(s, t, weights, float(temperature), int(chunk_size))
 
 

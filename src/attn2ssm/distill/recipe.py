@@ -111,6 +111,15 @@ DATA_FORMATS = ("auto", "messages", "prompt_completion", "preference")
 
 
 @dataclass
+class LogitCacheConfig:
+    """A KD stage's teacher-logit cache (distill/logit_cache.py): the teacher's top-k next-token
+    log-probs + tail mass per block, computed once and reused by later epochs, stages and runs."""
+
+    top_k: int = 64  # tokens kept per position; disk: 6·top_k + 4 bytes per token
+    dir: str | None = None  # null: <attn2ssm cache>/teacher_logits (shared by every run)
+
+
+@dataclass
 class StageConfig:
     name: str = "stage"
     kind: str = "kd"
@@ -137,6 +146,7 @@ class StageConfig:
     clip: float = 1.0
     temperature: float = 1.0  # kd
     kl_chunk: int = 64  # kd: tokens per chunk of the vocabulary-wide KL (small chunks stay in cache)
+    logit_cache: LogitCacheConfig | None = None  # kd / kd_ce / sft with kl_weight: reuse cached teacher top-k (temperature 1)
     lora: LoRAConfig | None = None  # adapters on `targets`, trained via the 'lora' pattern, merged at the stage end
     losses: dict = field(default_factory=dict)  # kind-specific loss weights/options (see the stage kind)
     eval_every: int = 0  # steps between held-out evaluations (0: stage end only)
@@ -221,6 +231,8 @@ def validate(recipe: Recipe) -> None:
         if stage.epochs is not None and stage.epochs <= 0:
             raise ConfigError(f"{where}: epochs must be positive, got {stage.epochs}", "set epochs to e.g. 1, or leave it unset to use tokens")
         _validate_stage_data(stage, STAGE_KINDS[stage.kind], i, where)
+        if stage.logit_cache is not None:
+            _validate_logit_cache(stage, STAGE_KINDS[stage.kind], i, where)
     s = recipe.student
     for name, value, valid in (("placement", s.placement, ("interleaved", "clustered")), ("align", s.align, ("first", "last")),
                                ("where", s.where, ("first", "middle", "last")), ("init", s.init, ("attention", "random")),
@@ -287,3 +299,15 @@ def _validate_stage_data(stage: StageConfig, kind, i: int, where: str) -> None:
         raise ConfigError(f"{where}: data.max_len must be at least 2, got {d.max_len}", f"set stages.{i}.data.max_len to e.g. 512")
     if d.max_examples is not None and d.max_examples < 1:
         raise ConfigError(f"{where}: data.max_examples must be positive, got {d.max_examples}", f"set stages.{i}.data.max_examples=null to use every record")
+
+
+def _validate_logit_cache(stage: StageConfig, kind, i: int, where: str) -> None:
+    c = stage.logit_cache
+    if not kind.caches_teacher_logits or (stage.kind == "sft" and not kind.options(stage)["kl_weight"]):
+        raise ConfigError(f"{where}: kind '{stage.kind}' uses no teacher logits, so logit_cache has nothing to cache",
+                          f"remove stages.{i}.logit_cache (it applies to kd, kd_ce, and sft with losses.kl_weight > 0)")  # fmt: skip
+    if isinstance(c.top_k, bool) or c.top_k < 1:
+        raise ConfigError(f"{where}: logit_cache.top_k={c.top_k!r} is not a positive number of tokens", f"set stages.{i}.logit_cache.top_k to e.g. 64")
+    if stage.temperature != 1.0:
+        raise ConfigError(f"{where}: logit_cache stores the teacher at temperature 1, but temperature is {stage.temperature}",
+                          f"set stages.{i}.temperature: 1, or remove stages.{i}.logit_cache")  # fmt: skip

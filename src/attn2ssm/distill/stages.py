@@ -49,6 +49,8 @@ class StageKind:
     # None: the kind trains on the corpus blocks. Otherwise the `data.format` values it accepts;
     # the trainer loads the stage's dataset and hands the kind its collated batches.
     data_formats: tuple[str, ...] | None = None
+    # True for kinds whose loss is a KL to the teacher's logits, which a logit cache can serve.
+    caches_teacher_logits = False
 
     def options(self, cfg) -> dict:
         unknown = sorted(set(cfg.losses) - set(self.loss_defaults))
@@ -77,14 +79,25 @@ class CrossEntropyStage(StageKind):
         return loss, {"ce": loss.item()}
 
 
+def teacher_targets(teacher, ids, mask, batch):
+    """The teacher's next-token targets for a batch: its logits (one forward), or, when the trainer
+    hands the stage a logit cache (``batch["logit_cache"]``, a stage's ``logit_cache`` option), the
+    cached top-k + tail targets, computed by the teacher only for blocks the cache has not seen."""
+    cache = batch.get("logit_cache")
+    if cache is not None:
+        return cache.targets(teacher, ids, mask)
+    with torch.no_grad():
+        return teacher(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
 class KnowledgeDistillationStage(StageKind):
     name = "kd"
     uses_teacher = True
+    caches_teacher_logits = True
 
     def loss(self, student, teacher, batch, cfg):
         ids, mask = batch["input_ids"], batch.get("attention_mask")
-        with torch.no_grad():
-            t_logits = teacher(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        t_logits = teacher_targets(teacher, ids, mask, batch)
         s_logits = student(input_ids=ids, attention_mask=mask, use_cache=False).logits
         loss = forward_kl(s_logits, t_logits, mask, temperature=cfg.temperature, chunk_size=cfg.kl_chunk)
         with torch.no_grad():
@@ -103,14 +116,14 @@ class KDCrossEntropyStage(StageKind):
 
     name = "kd_ce"
     uses_teacher = True
+    caches_teacher_logits = True
     loss_defaults = {"kl_weight": 0.1, "ce_weight": 1.0, "labels": "data"}
     loss_choices = {"labels": ("data", "teacher")}
 
     def loss(self, student, teacher, batch, cfg):
         opts = self.options(cfg)
         ids, mask = batch["input_ids"], batch.get("attention_mask")
-        with torch.no_grad():
-            t_logits = teacher(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        t_logits = teacher_targets(teacher, ids, mask, batch)
         s_logits = student(input_ids=ids, attention_mask=mask, use_cache=False).logits
         loss, ce, kl = kd_ce_loss(s_logits, t_logits, ids, mask, ce_weight=opts["ce_weight"], kl_weight=opts["kl_weight"],
                                   labels=opts["labels"], temperature=cfg.temperature, chunk_size=cfg.kl_chunk)
@@ -132,6 +145,7 @@ class SFTStage(StageKind):
 
     name = "sft"
     uses_teacher = True  # for the optional KL term
+    caches_teacher_logits = True
     loss_defaults = {"kl_weight": 0.0}
     data_formats = ("auto", "messages", "prompt_completion")
 
@@ -144,8 +158,7 @@ class SFTStage(StageKind):
         loss = ce_sum / norm
         metrics = {"ce": loss.item()}
         if opts["kl_weight"]:
-            with torch.no_grad():
-                t_logits = teacher(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            t_logits = teacher_targets(teacher, ids, mask, batch)
             # position t predicts token t+1: score the positions whose next token is the assistant's
             kl = forward_kl(s_logits[:, :-1], t_logits[:, :-1], loss_mask[:, 1:], temperature=cfg.temperature, chunk_size=cfg.kl_chunk)
             kl = kl * (count.clamp_min(1) / norm)  # forward_kl normalises by this batch's count

@@ -104,6 +104,7 @@ class StageRun:
     n_trainable_tensors: int
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    logit_cache: object | None = None  # the stage's LogitCache (its `logit_cache` option), else None
 
 
 def _drop_stage_modules(model) -> None:
@@ -147,6 +148,7 @@ class Distiller:
         self.eval_blocks: torch.Tensor | None = None
         self.stage_data: dict[int, object] = {}  # stage index → its own dataset (sft / dpo), loaded up front
         self.student: torch.nn.Module | None = None
+        self.logit_caches: dict[tuple, object] = {}  # (top_k, dir) → LogitCache, shared by the run's stages
 
     def _intact_checkpoint(self) -> Path | None:
         """The newest checkpoint whose files match their manifest, with a one-line notice for each
@@ -365,7 +367,27 @@ class Distiller:
         model = self.acc.prepare_model(unwrapped) if kind.through_model_forward else unwrapped
         self.student = model
         model.train()
-        return StageRun(stage_idx, cfg, kind, dataset, seq_len, n_items, steps, model, unwrapped, params, len(names), optimizer, scheduler)
+        return StageRun(stage_idx, cfg, kind, dataset, seq_len, n_items, steps, model, unwrapped, params, len(names), optimizer, scheduler,
+                        self._logit_cache(cfg))  # fmt: skip
+
+    def _logit_cache(self, cfg):
+        """The stage's teacher-logit cache, keyed by the teacher and this run's compute mode (one
+        fingerprint per run: the teacher is frozen)."""
+        if cfg.logit_cache is None:
+            return None
+        from attn2ssm.distill.logit_cache import CacheStats, LogitCache
+
+        vocab = self.teacher.get_output_embeddings().weight.shape[0]
+        if cfg.logit_cache.top_k > vocab:
+            raise ConfigError(f"stage '{cfg.name}': logit_cache.top_k={cfg.logit_cache.top_k} exceeds the teacher's vocabulary ({vocab})",
+                              f"set logit_cache.top_k to at most {vocab} (e.g. 64)")  # fmt: skip
+        key = (cfg.logit_cache.top_k, cfg.logit_cache.dir)
+        if key not in self.logit_caches:
+            mode = f"{self.acc.device.type}/{self.recipe.mixed_precision}"
+            self.logit_caches[key] = LogitCache(self.teacher, cfg.logit_cache.top_k, mode, cfg.logit_cache.dir, chunk_size=cfg.kl_chunk)
+        cache = self.logit_caches[key]
+        cache.stats = CacheStats()  # counted per stage
+        return cache
 
     def _micro_batches(self, run: StageRun, step: int):
         """(tokens of the global batch, this process's micro-batches of optimizer step ``step``)."""
@@ -391,6 +413,8 @@ class Distiller:
         step_metrics: dict[str, float] = {}
         step_loss = torch.zeros((), device=self.acc.device)
         for a, batch in enumerate(batches):
+            if run.logit_cache is not None:
+                batch["logit_cache"] = run.logit_cache
             wrapped = model is not run.unwrapped
             sync = self.acc.no_sync(model) if wrapped and a < cfg.grad_accum - 1 else contextlib.nullcontext()
             with sync, self.acc.autocast():
@@ -463,6 +487,9 @@ class Distiller:
             if last or (cfg.save_every and state.step % cfg.save_every == 0):
                 self._save_checkpoint(state, run)
         bar.close()
+        if run.logit_cache is not None and self.is_main:
+            st = run.logit_cache.stats
+            print(f"[stage {stage_idx + 1}] teacher-logit cache: {st.hits} blocks read, {st.misses} computed and stored ({run.logit_cache.dir})")
         self.student = self.acc.unwrap_model(run.model)
         merge_lora(self.student)
         _drop_stage_modules(self.student)
