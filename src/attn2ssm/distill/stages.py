@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from attn2ssm.distill.cab import BridgeAlignmentStage
+from attn2ssm.distill.cab_vision import VISION_STAGE_KINDS
 from attn2ssm.distill.losses import (
     HIDDEN_DISTANCES,
     MATRIX_NORMS,
@@ -364,7 +365,7 @@ class HiddenAlignmentStage(TeacherForcedStage):
 
 STAGE_KINDS: dict[str, StageKind] = {
     k.name: k() for k in (CrossEntropyStage, KnowledgeDistillationStage, KDCrossEntropyStage, AttentionTransferStage, SFTStage, DPOStage,
-                           MatrixOrientationStage, HiddenAlignmentStage, BridgeAlignmentStage)
+                           MatrixOrientationStage, HiddenAlignmentStage, BridgeAlignmentStage, *VISION_STAGE_KINDS)
 }
 
 PARAMETER_GROUPS = ("all", "mixers", "feature_maps", "lora", "mlps", "embeddings", "norms", "attention")

@@ -148,6 +148,8 @@ class Distiller:
         self.eval_blocks: torch.Tensor | None = None
         self.stage_data: dict[int, object] = {}  # stage index → its own dataset (sft / dpo), loaded up front
         self.student: torch.nn.Module | None = None
+        self.images = None  # image recipes (recipe.images): data.images.ImageData, the stages' dataset
+        self.started = time.perf_counter()
         self.logit_caches: dict[tuple, object] = {}  # (top_k, dir) → LogitCache, shared by the run's stages
 
     def _intact_checkpoint(self) -> Path | None:
@@ -166,7 +168,11 @@ class Distiller:
     def _load_teacher(self):
         from attn2ssm.teachers import load_teacher
 
-        if self.teacher is None:
+        if self.teacher is None and self.recipe.images is not None:  # an image classifier and its image processor
+            from attn2ssm.vision_teacher import load_vision_teacher
+
+            self.teacher, self.tokenizer, self.teacher_info = load_vision_teacher(self.recipe.teacher, progress=self.progress and self.is_main)
+        elif self.teacher is None:
             self.teacher, self.tokenizer, source = load_teacher(self.recipe.teacher, check_supported=True)
             self.teacher_info = {"source": source.describe()}
         else:
@@ -174,6 +180,13 @@ class Distiller:
         self.teacher.to(self.acc.device).eval().requires_grad_(False)
 
     def _load_data(self):
+        if self.recipe.images is not None:  # a stratified fraction of the training split + the full test split
+            from attn2ssm.data.images import load_image_data
+
+            self.images = load_image_data(self.recipe.images, self.tokenizer, self.recipe.seed)
+            if self.is_main:
+                print(self.images.describe())
+            return
         d = self.recipe.data
         check_block_len(d.block_len, getattr(self.teacher.config, "max_position_embeddings", None))
         # The most blocks one LM stage draws: a mixture's size, and how far a hub source streams (None: epochs budgets only).
@@ -190,7 +203,14 @@ class Distiller:
         from attn2ssm.student.convert import convert
         from attn2ssm.student.modeling import Attn2SSMForCausalLM
 
-        if self.resume_from is not None:
+        if self.images is not None:
+            from attn2ssm.student.convert_vision import build_vision_student
+            from attn2ssm.student.vision import Attn2SSMForImageClassification
+
+            s = self.recipe.student
+            student = (Attn2SSMForImageClassification.from_pretrained(self.resume_from, dtype=torch.float32) if self.resume_from is not None else
+                       build_vision_student(self.teacher, s.mixer, dict(s.mixer_options), depth=s.depth, layer_map_mode=s.layer_map, teacher_info=self.teacher_info))  # fmt: skip
+        elif self.resume_from is not None:
             student = Attn2SSMForCausalLM.from_pretrained(self.resume_from, dtype=torch.float32)
         else:
             s = self.recipe.student
@@ -336,10 +356,10 @@ class Distiller:
                 f"stage '{cfg.name}': batch_size {cfg.batch_size} is not divisible by grad_accum × processes = {cfg.grad_accum * world}",
                 "make batch_size a multiple of grad_accum × number of processes",
             )
-        dataset = None
+        dataset = self.images.train if self.images is not None else None  # image stages: budgets count images
         if kind.data_formats is not None:
             dataset = self.stage_data.pop(stage_idx) if stage_idx in self.stage_data else self._stage_dataset(stage_idx, cfg, kind)
-        seq_len = cfg.data.max_len if dataset is not None else self.recipe.data.block_len
+        seq_len = 1 if self.images is not None else cfg.data.max_len if dataset is not None else self.recipe.data.block_len
         n_items = len(dataset) if dataset is not None else len(self.blocks)
         unwrapped = self.acc.unwrap_model(self.student)
         if cfg.lora is not None:
@@ -402,6 +422,8 @@ class Distiller:
             idx = self._batch_indices(run.index, step, a, cfg, run.n_items).tolist()
             batch = {k: v.to(self.acc.device) for k, v in run.dataset.collate(idx).items()}
             batch["mean_loss_tokens"] = mean_loss_tokens
+            if self.images is not None:  # for losses with a schedule of their own (vision_cab's align_until)
+                batch["step"], batch["steps"] = step, run.steps
             return batch
 
         return run.dataset.tokens(global_idx), (collate(a) for a in range(cfg.grad_accum))
@@ -449,7 +471,12 @@ class Distiller:
         if grad_norm is not None:
             record["grad_norm"] = grad_norm
         due = (cfg.eval_every and state.step % cfg.eval_every == 0) or state.step == run.steps
-        if self.is_main and due and len(self.eval_blocks):
+        if self.is_main and due and self.images is not None:
+            from attn2ssm.eval.classification import evaluate_classifier
+
+            scores = evaluate_classifier(self.acc.unwrap_model(self.student), self.images.test, max_images=self.recipe.images.eval_images)
+            record["eval_loss"], record["eval_top1"] = scores["loss"], scores["top1"]
+        elif self.is_main and due and len(self.eval_blocks):
             record["eval_loss"] = self._eval_loss(cfg)
             record["eval_ppl"] = math.exp(min(record["eval_loss"], 50))
         if self.is_main:
@@ -545,7 +572,12 @@ class Distiller:
                 self.tokenizer.save_pretrained(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress)
+            if self.images is not None:
+                from attn2ssm.eval.classification import write_vision_report
+
+                results = write_vision_report(self.out, self.recipe, self.teacher, student, self.images, seconds=round(time.perf_counter() - self.started, 1))
+            else:
+                results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress)
         self.acc.wait_for_everyone()
         return results
 

@@ -7,6 +7,7 @@ import inspect
 from torch import nn
 
 from attn2ssm.errors import ConfigError
+from attn2ssm.mixers.bimamba import BiMambaMixer
 from attn2ssm.mixers.hedgemamba import HedgeMambaMixer
 from attn2ssm.mixers.linear_attention import LinearAttentionMixer
 from attn2ssm.mixers.mamba import MambaMixer
@@ -16,14 +17,18 @@ MIXERS: dict[str, type[nn.Module]] = {
     cls.mixer_type: cls for cls in (LinearAttentionMixer, MambaMixer, Mamba2Mixer, DiscreteMamba2Mixer, HedgeMambaMixer)
 }
 
+# Non-causal mixers for encoders (vision transformers): never in a causal LM's plan.
+ENCODER_MIXERS: dict[str, type[nn.Module]] = {BiMambaMixer.mixer_type: BiMambaMixer}
+
 ATTENTION = "attention"  # a layer-plan entry that keeps the teacher's attention
 
 
 def build_mixer(kind: str, geometry: dict, layer_idx: int, options: dict | None = None) -> nn.Module:
-    if kind not in MIXERS:
-        valid = ", ".join(sorted([*MIXERS, ATTENTION]))
+    known = {**MIXERS, **ENCODER_MIXERS}
+    if kind not in known:
+        valid = ", ".join(sorted([*known, ATTENTION]))
         raise ConfigError(f"unknown mixer '{kind}' in the layer plan", f"use one of: {valid}")
-    cls = MIXERS[kind]
+    cls = known[kind]
     valid = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "geometry", "layer_idx")]
     unknown = sorted(set(options or {}) - set(valid))
     if unknown:

@@ -62,8 +62,9 @@ def closure(roots=ROOT_MODULES) -> dict[str, str]:
     return seen
 
 
-def write_remote_code(directory: str | Path) -> list[Path]:
-    """Write the flattened modeling files into ``directory``; returns their paths."""
+def write_remote_code(directory: str | Path, roots=ROOT_MODULES) -> list[Path]:
+    """Write the flattened modeling files of ``roots`` (and what they import) into ``directory``;
+    returns their paths. Image-classification students pass their own roots (student/vision.py)."""
     directory = Path(directory)
     if not __name__.startswith("attn2ssm."):
         # Running from an already flattened copy (a checkpoint loaded with trust_remote_code):
@@ -76,7 +77,7 @@ def write_remote_code(directory: str | Path) -> list[Path]:
             written.append(dst)
         return written
     written = []
-    for module, source in sorted(closure().items()):
+    for module, source in sorted(closure(roots).items()):
         flat = _IMPORT_RE.sub(lambda m: f"{m.group(1)}from .{flat_name(m.group(2))} import ", source)
         path = directory / f"{flat_name(module)}.py"
         path.write_text(flat, encoding="utf-8")
