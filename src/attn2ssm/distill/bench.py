@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from attn2ssm.distill.recipe import DataConfig, EvalConfig, LoRAConfig, OptimConfig, Recipe, StageConfig, StudentConfig
+from attn2ssm.distill.recipe import DataConfig, EvalConfig, LogitCacheConfig, LoRAConfig, OptimConfig, Recipe, StageConfig, StudentConfig
 
 _LINEAR = StudentConfig(mixer="linear_attention", mixer_options={"feature_map": "hedgehog", "feature_map_options": {"activation": "softmax"}, "window": 64})
 _MAMBA2 = StudentConfig(mixer="mamba2")
@@ -36,6 +36,9 @@ CASES: dict[str, tuple[StudentConfig, StageConfig]] = {
                                                 losses={"attention": 0.0, "output_mse": 1.0})),
     "hidden_alignment": (_MAMBA2, StageConfig(name="hidden_alignment", kind="hidden_alignment", trainable=["mixers"], losses={"distance": "mse"})),
     "kd_lora": (_LINEAR, StageConfig(name="kd_lora", kind="kd", trainable=["lora"], lora=LoRAConfig(r=8, alpha=16))),
+    # the same stage reading the teacher's top-64 from a logit cache filled beforehand (every timed step a hit)
+    "kd_lora_cached": (_LINEAR, StageConfig(name="kd_lora_cached", kind="kd", trainable=["lora"], lora=LoRAConfig(r=8, alpha=16),
+                                            logit_cache=LogitCacheConfig(top_k=64))),
     "kd_ce_mixers": (_MAMBA2, StageConfig(name="kd_ce_mixers", kind="kd_ce", trainable=["mixers"])),
 }
 
@@ -50,6 +53,7 @@ class TrainBenchSettings:
     steps: int = 3  # timed steps per point (after one warm-up step)
     threads: int | None = None
     profile: bool = True
+    references: tuple[str, ...] = ("teacher_forward", "teacher_fwd_bwd")  # teacher-side rates measured beside each point
     corpus: str = "sotu"
     extra: dict = field(default_factory=dict)
 
@@ -75,12 +79,12 @@ def _top_ops(prof, n: int = 8) -> list[dict]:
     return [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3, "share": e.self_cpu_time_total / total, "calls": e.count} for e in rows[:n]]
 
 
-def _teacher_rates(distiller, batches, precision: str) -> dict:
+def _teacher_rates(distiller, batches, names) -> dict:
     """Tokens/s of the teacher's forward (logits, no grad) and its own forward + backward (CE)."""
     teacher = distiller.teacher
     device = distiller.acc.device
     out = {}
-    for name in ("teacher_forward", "teacher_fwd_bwd"):
+    for name in names:
         grad = name == "teacher_fwd_bwd"
         teacher.requires_grad_(grad)
         times = []
@@ -102,6 +106,25 @@ def _teacher_rates(distiller, batches, precision: str) -> dict:
     return out
 
 
+def _fill_cache(distiller, run) -> dict:
+    """Fill a cached case's logit cache for every step the point will take (so each timed step is a
+    hit); the fill's rate (teacher forward + top-k + write, per token) and the bytes per token."""
+    cache, blocks = run.logit_cache, 0
+    _sync(distiller.acc.device)
+    t0 = time.perf_counter()
+    for step in range(run.steps):
+        for batch in distiller._micro_batches(run, step)[1]:
+            with distiller.acc.autocast():
+                cache.targets(distiller.teacher, batch["input_ids"])
+            blocks += len(batch["input_ids"])
+    _sync(distiller.acc.device)
+    seconds = time.perf_counter() - t0
+    files = list(cache.dir.rglob("*.safetensors"))
+    tokens = blocks * run.seq_len
+    cache.stats.hits = cache.stats.misses = 0
+    return {"top_k": cache.top_k, "fill_tokens_per_s": tokens / seconds, "bytes_per_token": sum(f.stat().st_size for f in files) / (len(files) * run.seq_len)}
+
+
 def _measure(settings: TrainBenchSettings, case: str, length: int, precision: str, teacher, tokenizer, progress) -> dict:
     from attn2ssm.distill.trainer import Distiller
 
@@ -110,13 +133,16 @@ def _measure(settings: TrainBenchSettings, case: str, length: int, precision: st
     recipe = _recipe(settings, case, length, precision)
     AcceleratorState._reset_state()  # accelerate keeps one state per process; each point sets its own precision
     with tempfile.TemporaryDirectory(prefix="attn2ssm-bench-train-") as tmp:
-        distiller = Distiller(recipe, tmp, progress=False, teacher=teacher, tokenizer=tokenizer)
+        if recipe.stages[0].logit_cache is not None:  # a private cache: the point measures hits, and leaves nothing behind
+            recipe.stages[0].logit_cache = replace(recipe.stages[0].logit_cache, dir=f"{tmp}/logit_cache")
+        distiller = Distiller(recipe, f"{tmp}/run", progress=False, teacher=teacher, tokenizer=tokenizer)
         distiller._load_teacher()
         distiller._load_data()
         distiller._build_student()
         run = distiller._setup_stage(0, None)
         if len(distiller.blocks) < run.steps * recipe.stages[0].batch_size:
             raise ValueError(f"corpus too small for {run.steps} steps of {length}-token blocks")
+        cache = _fill_cache(distiller, run) if run.logit_cache is not None else None
         times, tokens = [], 0
         for step in range(settings.steps + 1):
             _sync(distiller.acc.device)
@@ -135,16 +161,22 @@ def _measure(settings: TrainBenchSettings, case: str, length: int, precision: st
             ops = _top_ops(prof)
         batch = recipe.stages[0].batch_size
         batches = [distiller.blocks[i * batch : (i + 1) * batch].to(distiller.acc.device) for i in range(settings.steps + 1)]
-        teacher_rates = _teacher_rates(distiller, batches, precision)
+        teacher_rates = _teacher_rates(distiller, batches, settings.references)
         trainable = sum(p.numel() for p in run.params)
+        if cache is not None:
+            cache["hits"], cache["misses"] = run.logit_cache.stats.hits, run.logit_cache.stats.misses
         del run, distiller
     rate = tokens / statistics.median(times)
-    return {
+    row = {
         "case": case, "kind": CASES[case][1].kind, "mixer": CASES[case][0].mixer, "length": length, "batch": batch, "precision": precision,
-        "tokens_per_s": rate, "step_seconds": [round(t, 4) for t in times], "trainable_params": trainable,
-        **teacher_rates, "fraction_of_forward_bound": rate / teacher_rates["teacher_forward"],
-        "vs_teacher_fwd_bwd": rate / teacher_rates["teacher_fwd_bwd"], "top_ops": ops,
+        "tokens_per_s": rate, "step_seconds": [round(t, 4) for t in times], "trainable_params": trainable, **teacher_rates, "top_ops": ops,
     }  # fmt: skip
+    for name, key in (("teacher_forward", "fraction_of_forward_bound"), ("teacher_fwd_bwd", "vs_teacher_fwd_bwd")):
+        if name in teacher_rates:
+            row[key] = rate / teacher_rates[name]
+    if cache is not None:
+        row["logit_cache"] = cache
+    return row
 
 
 def run_train_bench(settings: TrainBenchSettings, progress: bool = True) -> dict:
