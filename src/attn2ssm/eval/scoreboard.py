@@ -709,6 +709,10 @@ def _plot_sweep(result: dict, families: list[str], windows: list[str], path: Pat
                     ax.text(v, y, f" {v:.2f}×", va="center", fontsize=8)
         ax.set_yticks([i + (len(corpora) - 1) * height / 2 for i in range(len(families))], families, fontsize=8)
         ax.invert_yaxis()
+        finite = [r["perplexity"][c][window]["ppl_ratio"] for r in result["cells"] for c in corpora if window in r["perplexity"].get(c, {})]
+        if finite and max(finite) / max(min(finite), 1e-9) > 10:  # one bad variant would flatten the rest
+            ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.axvline(1.0, color="gray", linewidth=1)
         ax.set_xlabel("held-out ppl / teacher's")
         ax.set_title(f"window {window}, {_tokens_label(result['cells'][0]['tokens'])} training tokens", fontsize=9)
