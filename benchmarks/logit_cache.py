@@ -96,7 +96,7 @@ def measure_error(teacher, blocks: torch.Tensor) -> dict:
     return out
 
 
-def measure_speed(teacher, tokenizer, reps: int, step_tokens: int, precisions=("no", "bf16")) -> dict:
+def measure_speed(teacher, tokenizer, reps: int, step_tokens: int, precisions=("no", "bf16"), keep_rows=()) -> dict:
     from attn2ssm.distill.bench import TrainBenchSettings, _measure
 
     settings = TrainBenchSettings(lengths=(1024,), step_tokens=step_tokens, steps=2, profile=False, references=("teacher_forward",))
@@ -110,10 +110,11 @@ def measure_speed(teacher, tokenizer, reps: int, step_tokens: int, precisions=("
                 pair[case] = _measure(settings, case, 1024, precision, teacher, tokenizer, lambda: None)
                 r = pair[case]
                 print(f"    {r['tokens_per_s']:.0f} tok/s (teacher forward {r['teacher_forward']:.0f})", file=sys.stderr)
-            rows.append({"rep": rep, "precision": precision, "order": list(order), "uncached": pair["kd_lora"], "cached": pair["kd_lora_cached"],
+            rows.append({"rep": rep, "precision": precision, "threads": torch.get_num_threads(), "order": list(order), "uncached": pair["kd_lora"], "cached": pair["kd_lora_cached"],
                          "speedup": pair["kd_lora_cached"]["tokens_per_s"] / pair["kd_lora"]["tokens_per_s"]})  # fmt: skip
+    rows = [r for r in keep_rows if r["precision"] not in precisions] + rows  # an earlier invocation's other precisions
     summary = {}
-    for precision in precisions:
+    for precision in dict.fromkeys(r["precision"] for r in rows):
         ratios = [r["speedup"] for r in rows if r["precision"] == precision]
         summary[precision] = {"speedup_median": statistics.median(ratios), "speedups": ratios,
                               "uncached_tok_s": statistics.median(r["uncached"]["tokens_per_s"] for r in rows if r["precision"] == precision),
@@ -146,7 +147,7 @@ def plot(result: dict, path: Path) -> None:
         axes[2].text(0.5, 0.5, "speed (b) not measured", ha="center", va="center")
         axes[2].set_axis_off()
     else:
-        precisions = list(speed["summary"])
+        precisions = [p for p, v in speed["summary"].items() if v.get("valid", True)]  # a pair run under unequal loads is marked invalid
         x = range(len(precisions))
         axes[2].bar([i - 0.2 for i in x], [speed["summary"][p]["uncached_tok_s"] for p in precisions], width=0.4, label="KD step, teacher forward")
         axes[2].bar([i + 0.2 for i in x], [speed["summary"][p]["cached_tok_s"] for p in precisions], width=0.4, label="KD step, cache hit (k=64)")
@@ -166,6 +167,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=8, help="held-out 1024-token SOTU blocks for (a)")
     ap.add_argument("--reps", type=int, default=2, help="interleaved reps for (b)")
+    ap.add_argument("--precisions", default="no,bf16", help="(b): mixed precision settings; rows of others are kept from --out")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (1 avoids OpenMP stalls on a CPU shared with other jobs)")
     ap.add_argument("--step-tokens", type=int, default=2048, help="(b): tokens per optimizer step (1024-token blocks)")
     ap.add_argument("--parts", default="error,speed", help="error (a, c) and/or speed (b); a part not run is kept from an existing --out")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/logit_cache.json"))
@@ -174,6 +177,8 @@ def main(argv=None) -> None:
     from attn2ssm.distill.recipe import DataConfig
     from attn2ssm.teachers import load_teacher
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     teacher, tokenizer, source = load_teacher("smollm2-135m")
     teacher.eval().requires_grad_(False)
     data = load_training_data(DataConfig(corpus="sotu").source_list(), tokenizer, 1024, seed=0, max_heldout_tokens=1024 * args.blocks, progress=False)
@@ -185,13 +190,14 @@ def main(argv=None) -> None:
     if out.exists():  # keep what this invocation does not remeasure, with the command that measured it
         old = json.loads(out.read_text())
         for part in ("error", "speed"):
-            if part not in parts and part in old:
+            if part in old and (part not in parts or part == "speed"):
                 result[part] = {**old[part], "command": old[part].get("command", old.get("command"))}
     if "error" in parts:
         result["error"] = {**measure_error(teacher, blocks), "command": result["command"]}
         write_json(out, result)
     if "speed" in parts:
-        result["speed"] = {**measure_speed(teacher, tokenizer, args.reps, args.step_tokens), "command": result["command"]}
+        result["speed"] = {**measure_speed(teacher, tokenizer, args.reps, args.step_tokens, tuple(args.precisions.split(",")),
+                                                   result.get("speed", {}).get("rows", [])), "command": result["command"]}
         write_json(out, result)
     if "error" in result:
         plot(result, out.with_suffix(".png"))
