@@ -20,6 +20,11 @@ every block norm, so a student meant for ``attn2ssm export --format native`` tra
 teacher's ``rms_norm_eps`` here: ``norm_eps: auto``, resolved to that number when the student is
 built (student/convert.py; student/native_export.py says so when they differ).
 
+``gate_bias: false`` drops the gate's bias, as mamba_ssm's in_proj has none. llama.cpp's Mamba-2
+layer has no in_proj bias, so only such students export exactly to GGUF (student/gguf_export.py).
+Without a bias the gate cannot start at the identity (SiLU(0·u) = 0 would silence the mixer): its
+weight starts as ``nn.Linear``'s default (Kaiming-uniform), as mamba_ssm's does.
+
 ``DiscreteMamba2Mixer`` is paper 001's Phi-Mamba mixer: no Δ, the decay is an input projection
 a_t = −softplus(W_a u_t + b_a) per head, no activation after the conv, no norm, D skip.
 
@@ -63,6 +68,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         d_conv: int = 4,
         conv_activation: str | None = "silu",
         gate: bool = True,
+        gate_bias: bool = True,
         norm: bool = False,
         norm_eps: float = 1e-6,
         D: bool = True,
@@ -91,7 +97,7 @@ class Mamba2Mixer(AttentionLikeMixer):
             d_conv, gate, norm, D = 0, False, False, False
         # conv over [x (kv·d), B (kv·d), C (h·d)] before the GQA repeat, as paper 004's Mamba-2.
         self.conv = CausalConv((2 * kv + h) * d, d_conv) if d_conv else None
-        self.gate = nn.Linear(self.hidden_size, h * d, bias=True) if gate else None
+        self.gate = nn.Linear(self.hidden_size, h * d, bias=bool(gate_bias)) if gate else None
         self.norm = GatedRMSNorm(h, d, check_norm_eps(self.mixer_type, norm_eps)) if norm else None
         self.D = nn.Parameter(torch.ones(h)) if D else None
         if self.discrete:  # paper 001: the decay is an input projection, no Δ / A

@@ -159,7 +159,10 @@ def init_shared_parameters(mixer) -> None:
     if getattr(mixer, "conv", None) is not None:
         mixer.conv.reset_parameters()
     if getattr(mixer, "gate", None) is not None:
-        init_identity_gate(mixer.gate)
+        if mixer.gate.bias is not None:
+            init_identity_gate(mixer.gate)
+        else:  # no bias (Mamba-2's gate_bias: false): SiLU(0) = 0 would silence the mixer, so nn.Linear's init
+            mixer.gate.reset_parameters()
     if getattr(mixer, "norm", None) is not None:
         mixer.norm.reset_parameters()
     if getattr(mixer, "D", None) is not None:
