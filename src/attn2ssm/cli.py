@@ -295,13 +295,40 @@ def _write_bench(result: dict, out: str, plot, fmt) -> int:
     print(f"wrote {out} and {png}")
     return 0
 
-def cmd_bench_generate(args) -> int:
-    from attn2ssm.generation.bench import STUDENTS, BenchSettings
+def _llama_cpp_bench_args(args, models: tuple[str, ...]) -> tuple[str, ...]:
+    """The llama.cpp backend's flags checked (before anything loads); returns the GGUF types."""
+    from attn2ssm.generation.bench import LLAMA_CPP_STUDENTS
+    from attn2ssm.llamacpp import OUTTYPES, converter_dir, load_runtime
 
+    if args.backend != "llama.cpp":
+        if args.quant is not None or args.gguf_dir is not None or args.no_flash_attn:
+            raise ConfigError("--quant, --gguf-dir and --no-flash-attn are for --backend llama.cpp", "add --backend llama.cpp, or drop them")
+        return ()
+    other = [m for m in models if m != "teacher" and m not in LLAMA_CPP_STUDENTS]
+    if other:
+        raise ConfigError(f"--backend llama.cpp cannot run {other}: only Mamba-2 students export to GGUF", f"choose from teacher, {', '.join(LLAMA_CPP_STUDENTS)}")
+    for flag, value in (("--draft", args.draft), ("--compile", args.compile), ("--device", args.device not in (None, "cpu"))):
+        if value:
+            raise ConfigError(f"{flag} is for the torch backend", f"drop {flag} with --backend llama.cpp (it decodes on the CPU)")
+    quants = tuple(q.strip() for q in (args.quant or "q8_0,f16").split(",") if q.strip())
+    bad = [q for q in quants if q not in OUTTYPES]
+    if bad or not quants:
+        raise ConfigError(f"--quant {args.quant!r} names GGUF types llama.cpp has not here: {bad}", f"choose from {', '.join(OUTTYPES)}, e.g. --quant q8_0,f16")
+    converter_dir()  # missing converter or runtime: one line naming make llama-cpp
+    load_runtime()
+    return quants
+
+
+def cmd_bench_generate(args) -> int:
+    from attn2ssm.generation.bench import LLAMA_CPP_STUDENTS, STUDENTS, BenchSettings
+
+    if args.models is None:
+        args.models = "teacher," + ",".join(LLAMA_CPP_STUDENTS) if args.backend == "llama.cpp" else "teacher,linear,mamba,mamba2,hybrid25"
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
     unknown = [m for m in models if m != "teacher" and m not in STUDENTS]
     if unknown or not models:
         raise ConfigError(f"--models {args.models!r} names unknown models {unknown}", f"choose from teacher, {', '.join(STUDENTS)}")
+    quants = _llama_cpp_bench_args(args, models)
     limits = {}
     for item in args.max_context or []:
         name, sep, value = item.partition("=")
@@ -317,7 +344,8 @@ def cmd_bench_generate(args) -> int:
         max_context=limits, draft=args.draft, spec_contexts=_int_list("--spec-contexts", args.spec_contexts),
         spec_ks=_int_list("--spec-k", args.spec_k), spec_new_tokens=args.spec_new_tokens, corpus=args.corpus,
         device=args.device, threads=args.threads, rounds=args.rounds, cpu_layout=not args.no_cpu_layout,
-        compile_students=args.compile,
+        compile_students=args.compile, backend=args.backend, quants=quants or BenchSettings.quants, flash_attn=not args.no_flash_attn,
+        gguf_dir=args.gguf_dir,
     )  # fmt: skip
     if args.compile and args.no_cpu_layout:
         raise ConfigError("--compile needs the CPU decode layout", "drop --no-cpu-layout (or --compile)")
@@ -405,7 +433,8 @@ def cmd_bench_train(args) -> int:
 
 
 def format_generate_bench(result: dict) -> str:
-    lines = [f"decode on {result['device']} ({result['threads']} threads): tokens/s | prefill s | cache MB, by context"]
+    engine = "llama.cpp, " if result.get("backend") == "llama.cpp" else ""
+    lines = [f"decode ({engine}{result['device']}, {result['threads']} threads): tokens/s | prefill s | cache MB, by context"]
     for name, rows in result["decode"].items():
         cells = []
         for r in rows:
@@ -414,7 +443,7 @@ def format_generate_bench(result: dict) -> str:
             else:
                 speedup = f" ({r['speedup_vs_teacher']:.2f}x teacher)" if "speedup_vs_teacher" in r else ""
                 cells.append(f"{r['context']}: {r['decode_tokens_per_second']:.2f}{speedup} | {r['prefill_seconds']:.1f} | {r['cache_mb']:.1f}")
-        lines.append(f"  {name:<9} " + "; ".join(cells))
+        lines.append(f"  {name:<{max(9, *map(len, result['decode']))}} " + "; ".join(cells))
     for row in result.get("speculative", {}).get("by_context", []):
         lines.append(f"speculative @ {row['context']} (plain {row['plain_tokens_per_second']:.2f} tok/s):")
         for r in row["by_k"]:
@@ -557,9 +586,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (generate: decode speed / memory vs context, speculative decoding; quality: the family × budget scoreboard)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    bg = bsub.add_parser("generate", help="decode tokens/s, prefill time and memory vs context for the teacher and students; speculative decoding with --draft")
+    bg = bsub.add_parser("generate", help="decode tokens/s, prefill time and memory vs context for the teacher and students (PyTorch or llama.cpp); "
+                         "speculative decoding with --draft")
     bg.add_argument("--teacher", default=None, help="teacher spec (default: the built-in smollm2-135m)")
-    bg.add_argument("--models", default="teacher,linear,mamba,mamba2,hybrid25", help="teacher and/or untrained students: linear, mamba, mamba2, hybrid25")
+    bg.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"), help="torch: the HF models in PyTorch; llama.cpp: GGUFs of the teacher "
+                    "and its students (exported with export --format gguf) in llama-cpp-python, on the CPU ('make llama-cpp' installs it)")
+    bg.add_argument("--models", default=None, help="teacher and/or untrained students: linear, mamba, mamba2, hybrid25 (default: all; llama.cpp: teacher,mamba2,hybrid25)")
     bg.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768", help="context lengths (prompt tokens)")
     bg.add_argument("--max-context", action="append", metavar="MODEL=TOKENS", help="skip longer contexts for a model (repeatable), e.g. teacher=16384")
     bg.add_argument("--new-tokens", type=int, default=16, help="greedy tokens decoded per point")
@@ -573,7 +605,10 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--rounds", type=int, default=3, help="decode rounds per point (models take turns; rates from the median token time)")
     bg.add_argument("--no-cpu-layout", action="store_true", help="keep HF's weight layout on CPU (default: cpu_decode_layout for every model, teacher included)")
     bg.add_argument("--compile", action="store_true", help="CPU: pure students decode through a torch.compile'd step (compiled before timing; the teacher runs HF's forward)")
-    bg.add_argument("--out", default="benchmarks/results/generate_speed.json")
+    bg.add_argument("--quant", default=None, help="llama.cpp: GGUF types, teacher and students alike (default q8_0,f16)")
+    bg.add_argument("--gguf-dir", default=None, help="llama.cpp: keep the GGUF files here and reuse those already there (default: a temporary folder)")
+    bg.add_argument("--no-flash-attn", action="store_true", help="llama.cpp: without flash attention (default on, as llama.cpp's CLI picks on CPU)")
+    bg.add_argument("--out", default="benchmarks/results/generate_speed.json", help="JSON (the PNG goes beside it); e.g. benchmarks/results/generate_speed_llama_cpp.json for llama.cpp")
     bg.add_argument("--no-progress", action="store_true")
     bg.set_defaults(func=cmd_bench_generate)
 

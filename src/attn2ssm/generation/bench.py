@@ -20,6 +20,17 @@ through their one-token ``DecodePlan`` there (HF's per-layer plumbing skipped), 
 timing), while the teacher runs HF's own forward with its KV cache (the reference the issue names). Speculative decoding needs a trained draft (``--draft``): both models prefill the prompt
 once, then plain greedy decoding of the verifier and speculative decoding for each K start from
 copies of those caches, so every variant decodes the same text from the same state.
+
+``backend="llama.cpp"`` measures the same rows where users run small models: each model is a GGUF in
+``llama_cpp.Llama`` (llamacpp.py), ``threads`` threads, flash attention on (llama.cpp's own CLI picks
+it on CPU), the default f16 KV cache. The teacher's GGUF comes from its HF checkpoint through
+llama.cpp's converter and the students' through ``attn2ssm export --format gguf``
+(student/gguf_export.py), each at every type in ``quants`` (teacher and students at the same type:
+``teacher@q8_0`` is the reference of ``mamba2@q8_0``). Students are untrained conversions built
+with ``LLAMA_CPP_STUDENT_OPTIONS``, what a GGUF export needs. Prefill = feeding the L prompt tokens
+and taking the first token; a round restores llama.cpp's saved context state (KV cells and recurrent
+states) after the prefill and decodes one token at a time; the cache column is that state's size
+after decoding (llama_state_get_size, which also holds one row of logits).
 """
 
 from __future__ import annotations
@@ -47,6 +58,9 @@ STUDENTS = {
     "mamba2": ("mamba2", 0.0, {}),
     "hybrid25": ("mamba2", 0.25, {}),
 }
+# The llama.cpp backend's students: what exports exactly to GGUF (student/native_export.py llama_cpp_problem).
+LLAMA_CPP_STUDENTS = ("mamba2", "hybrid25")
+LLAMA_CPP_STUDENT_OPTIONS = {"norm": True, "norm_eps": "auto", "gate": True, "gate_bias": False}
 
 
 # ------------------------------------------------------------------------------------- memory
@@ -143,6 +157,8 @@ def _greedy(model, ids: torch.Tensor, cache, new_tokens: int, clock: _Clock) -> 
 def prefill(model, prompt: torch.Tensor) -> dict:
     """Prefill ``prompt`` (1, L) through ``generate`` (one new token); returns the timing, the
     peak memory growth, the cache holding L tokens and the prompt extended by its first token."""
+    if isinstance(model, LlamaCppBench):
+        return model.prefill(prompt)
     memory = _Memory(prompt.device)
     memory.start()
     clock, cache = _Clock(), _new_cache(model)
@@ -155,6 +171,8 @@ def prefill(model, prompt: torch.Tensor) -> dict:
 def decode_round(model, prefilled: dict, new_tokens: int) -> dict:
     """Greedy ``new_tokens`` from a copy of a prefilled cache: per-token seconds (the first
     token's time, which includes generate's set-up, is left out), peak memory growth, cache bytes."""
+    if isinstance(model, LlamaCppBench):
+        return model.decode_round(prefilled, new_tokens)
     cache = copy.deepcopy(prefilled["cache"])
     memory = _Memory(prefilled["ids"].device)
     memory.start()
@@ -221,8 +239,110 @@ def measure_decode_interleaved(models: dict, prompt: torch.Tensor, new_tokens: i
         for name in pres:
             done[name].append(decode_round(models[name], pres[name], new_tokens))
     rows = {name: decode_row(prompt.shape[1], pres[name], done[name]) for name in pres}
+    for name, pre in pres.items():
+        if isinstance(models[name], LlamaCppBench):
+            models[name].release(pre)
     pres.clear()  # the caches (a long KV cache is GBs) go before the next context
     return {name: rows.get(name) or skipped[name] for name in models}
+
+
+# ------------------------------------------------------------------------------------- llama.cpp
+class LlamaCppBench:
+    """A GGUF behind ``prefill`` / ``decode_round``, giving the rows an HF model gives. Each prefill
+    opens a llama.cpp context just large enough for the prompt and the decoded tokens."""
+
+    def __init__(self, path, threads: int | None, new_tokens: int, flash_attn: bool = True):
+        self.path, self.threads, self.new_tokens, self.flash_attn = Path(path), threads, new_tokens, flash_attn
+
+    def prefill(self, prompt: torch.Tensor) -> dict:
+        from attn2ssm.llamacpp import GGUFModel
+
+        tokens = prompt[0].tolist()
+        memory = _Memory(torch.device("cpu"))
+        memory.start()
+        model = GGUFModel(self.path, n_ctx=len(tokens) + self.new_tokens + 8, threads=self.threads, flash_attn=self.flash_attn)
+        start = time.perf_counter()
+        model.feed(tokens)
+        first = int(model.last_logits().argmax())
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "peak_growth_mb": memory.peak_growth_mb(), "model": model, "state": model.state(),
+                "ids": torch.tensor([[*tokens, first]])}  # fmt: skip
+
+    def decode_round(self, prefilled: dict, new_tokens: int) -> dict:
+        """From the saved state after the prompt: feed the first token, then greedy ``new_tokens``
+        tokens one at a time; the first token's time is left out as the HF rows leave it out."""
+        model = prefilled["model"]
+        model.restore(prefilled["state"])
+        memory = _Memory(torch.device("cpu"))
+        memory.start()
+        token, tokens, stamps = int(prefilled["ids"][0, -1]), [], [time.perf_counter()]
+        for _ in range(new_tokens):
+            model.feed([token])
+            token = int(model.last_logits().argmax())
+            tokens.append(token)
+            stamps.append(time.perf_counter())
+        seconds = [b - a for a, b in zip(stamps[1:], stamps[2:])]
+        return {"seconds": seconds, "peak_growth_mb": memory.peak_growth_mb(), "cache_mb": len(model.state()[0]) / 2**20, "tokens": tokens}
+
+    def release(self, prefilled: dict) -> None:
+        prefilled.pop("state", None)
+        model = prefilled.pop("model", None)
+        if model is not None:
+            model.close()
+
+
+def build_gguf_models(teacher, tokenizer, source, settings: "BenchSettings", work: Path, progress: bool = True) -> tuple[dict, dict]:
+    """name@quant → ``LlamaCppBench`` for every model × type in ``settings``, and what each file is.
+    GGUFs already in ``work`` (``--gguf-dir``) are used as they are."""
+    from attn2ssm.llamacpp import to_gguf
+    from attn2ssm.student.convert import convert
+    from attn2ssm.student.gguf_export import export_gguf
+    from attn2ssm.student.plans import make_plan
+
+    work.mkdir(parents=True, exist_ok=True)
+    n = teacher.config.num_hidden_layers
+    models, files = {}, {}
+    for name in settings.models:
+        source_dir = None
+        for quant in settings.quants:
+            path = work / f"{name}-{quant}.gguf"
+            info = {"path": str(path), "outtype": quant, "reused": path.exists()}
+            if not path.exists():
+                if progress:
+                    print(f"bench: writing {path.name}", file=sys.stderr)
+                if name == "teacher":
+                    source_dir = source_dir or _teacher_hf_dir(teacher, tokenizer, source, work)
+                    to_gguf(source_dir, path, quant, work, settings.threads)
+                else:
+                    if source_dir is None:
+                        kind, ratio, options = STUDENTS[name]
+                        student = convert(teacher, make_plan(n, kind, attention_ratio=ratio), {kind: {**options, **LLAMA_CPP_STUDENT_OPTIONS}}).eval()
+                        source_dir = work / f"{name}-student"
+                        student.save_pretrained(source_dir)
+                        tokenizer.save_pretrained(source_dir)
+                    result = export_gguf(source_dir, path, outtype=quant, force=True, threads=settings.threads)
+                    info.update({"identity_layers": result.identity_layers, "llama_cpp_max_abs_diff_vs_student": result.llama_cpp_max_abs_diff,
+                                 "notes": result.notes})  # fmt: skip
+            info["bytes"] = path.stat().st_size
+            models[f"{name}@{quant}"] = LlamaCppBench(path, settings.threads, settings.new_tokens, settings.flash_attn)
+            files[f"{name}@{quant}"] = info
+    return models, files
+
+
+def _teacher_hf_dir(teacher, tokenizer, source, work: Path) -> Path:
+    """A transformers directory of the teacher for llama.cpp's converter: its own, else saved here."""
+    if source.kind in ("builtin", "dir"):
+        return Path(source.location)
+    target = work / "teacher-hf"
+    teacher.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def reference_name(name: str) -> str:
+    """The teacher row a model is compared with: ``teacher``, or ``teacher@q8_0`` for ``mamba2@q8_0``."""
+    _, sep, quant = name.partition("@")
+    return "teacher" + sep + quant
 
 
 # ------------------------------------------------------------------------------------- speculative
@@ -289,6 +409,10 @@ class BenchSettings:
     rounds: int = 3
     cpu_layout: bool = True
     compile_students: bool = False  # CPU: students decode through a torch.compile'd step (compiled before timing)
+    backend: str = "torch"  # or "llama.cpp": every model a GGUF in llama_cpp (see the module docstring)
+    quants: tuple[str, ...] = ("q8_0", "f16")  # llama.cpp: the GGUF types, teacher and students alike
+    flash_attn: bool = True  # llama.cpp: flash attention (llama.cpp's CLI default on CPU)
+    gguf_dir: str | None = None  # llama.cpp: keep (and reuse) the GGUF files here; None: a temporary folder
 
 
 def _prompt_ids(tokenizer, corpus: str, length: int, device) -> torch.Tensor:
@@ -333,6 +457,8 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
     from attn2ssm.eval.report import environment
     from attn2ssm.teachers import load_teacher
 
+    if settings.backend == "llama.cpp":
+        return _run_llama_cpp_bench(settings, progress)
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -357,36 +483,16 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
                     _greedy(model, warm, _new_cache(model), 3, _Clock())
                 step = model.__dict__["_decode_plan"].compiled
                 compiled[name] = "compiled" if step.failed is None else step.failed
-    limits = settings.max_context or {}
-    out_of_memory: dict[str, int] = {}  # model → the context whose prefill did not fit
     longest = max([*settings.contexts, *(settings.spec_contexts if settings.draft else ())])
     prompt = _prompt_ids(tokenizer, settings.corpus, longest, device)
-    decode: dict[str, list] = {m: [] for m in settings.models}
-    bar = tqdm(settings.contexts, desc="decode", disable=not progress, file=sys.stderr)
-    for length in bar:
-        bar.set_postfix_str(f"context {length}")
-        running = {m: models[m] for m in settings.models if length <= limits.get(m, math.inf) and m not in out_of_memory}
-        rows = measure_decode_interleaved(running, prompt[:, :length], settings.new_tokens, settings.rounds) if running else {}
-        for name in settings.models:
-            if name in out_of_memory:
-                row = {"context": length, "skipped": f"the prefill ran out of memory at context {out_of_memory[name]}"}
-            else:
-                row = rows.get(name) or {"context": length, "skipped": f"longer than --max-context {limits[name]} for {name}"}
-                if "out of memory" in row.get("skipped", ""):
-                    out_of_memory[name] = length  # longer contexts would not fit either
-            decode[name].append(row)
-    if "teacher" in decode:  # how many times faster than the teacher, from the medians, where both ran
-        for name, rows in decode.items():
-            for row, ref in zip(rows, decode["teacher"]):
-                if name != "teacher" and "skipped" not in row and "skipped" not in ref:
-                    row["speedup_vs_teacher"] = ref["decode_ms_per_token"] / row["decode_ms_per_token"]
     result = {
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
+        "backend": "torch",
         "device": str(device),
         "threads": torch.get_num_threads(),
         "compiled_decode_step": compiled,  # student → "compiled" or why it decodes eagerly
         "environment": environment(),
-        "decode": decode,
+        "decode": _decode_by_context(models, settings, prompt, progress),
     }
     if settings.draft:
         from attn2ssm.teachers import load_model_and_tokenizer
@@ -400,6 +506,69 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
             spec.append(measure_speculative(teacher, draft, prompt[:, :length], list(settings.spec_ks), settings.spec_new_tokens))
         result["speculative"] = {"verifier": settings.teacher or "smollm2-135m (built-in teacher)", "draft": settings.draft, "by_context": spec}
     return result
+
+
+def _decode_by_context(models: dict, settings: BenchSettings, prompt: torch.Tensor, progress: bool) -> dict:
+    """name → one row per context (``measure_decode_interleaved``; skipped past ``max_context`` or
+    after an out-of-memory prefill), with each model's speed relative to its teacher row."""
+    from tqdm.auto import tqdm
+
+    limits = settings.max_context or {}
+    out_of_memory: dict[str, int] = {}  # model → the context whose prefill did not fit
+    decode: dict[str, list] = {m: [] for m in models}
+    bar = tqdm(settings.contexts, desc="decode", disable=not progress, file=sys.stderr)
+    for length in bar:
+        bar.set_postfix_str(f"context {length}")
+        limit = {m: limits.get(m.partition("@")[0], math.inf) for m in models}
+        running = {m: models[m] for m in models if length <= limit[m] and m not in out_of_memory}
+        rows = measure_decode_interleaved(running, prompt[:, :length], settings.new_tokens, settings.rounds) if running else {}
+        for name in models:
+            if name in out_of_memory:
+                row = {"context": length, "skipped": f"the prefill ran out of memory at context {out_of_memory[name]}"}
+            else:
+                row = rows.get(name) or {"context": length, "skipped": f"longer than --max-context {limit[name]} for {name}"}
+                if "out of memory" in row.get("skipped", ""):
+                    out_of_memory[name] = length  # longer contexts would not fit either
+            decode[name].append(row)
+    for name, rows in decode.items():  # how many times faster than the teacher, from the medians, where both ran
+        ref = reference_name(name)
+        if name != ref and ref in decode:
+            for row, base in zip(rows, decode[ref]):
+                if "skipped" not in row and "skipped" not in base:
+                    row["speedup_vs_teacher"] = base["decode_ms_per_token"] / row["decode_ms_per_token"]
+    return decode
+
+
+def _run_llama_cpp_bench(settings: BenchSettings, progress: bool) -> dict:
+    """The llama.cpp backend: GGUFs of the teacher and its students (built, or reused from
+    ``gguf_dir``), decoded by llama.cpp on the CPU; the same rows, JSON and plot as the torch backend."""
+    import tempfile
+
+    from attn2ssm.eval.report import environment
+    from attn2ssm.llamacpp import environment as llama_cpp_environment
+    from attn2ssm.llamacpp import load_runtime
+    from attn2ssm.teachers import load_teacher
+
+    load_runtime()  # missing: one line naming make llama-cpp, before the teacher loads
+    threads = settings.threads or os.cpu_count()
+    settings.threads = threads
+    torch.set_num_threads(threads)
+    teacher, tokenizer, source = load_teacher(settings.teacher)
+    with tempfile.TemporaryDirectory(prefix="attn2ssm-bench-gguf-") as tmp:
+        work = Path(settings.gguf_dir) if settings.gguf_dir else Path(tmp)
+        models, files = build_gguf_models(teacher, tokenizer, source, settings, work, progress)
+        del teacher  # the GGUFs are written; llama.cpp holds its own copies
+        prompt = _prompt_ids(tokenizer, settings.corpus, max(settings.contexts), "cpu")
+        decode = _decode_by_context(models, settings, prompt, progress)
+    return {
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
+        "backend": "llama.cpp",
+        "device": "cpu",
+        "threads": threads,
+        "environment": {**environment(), "llama_cpp": llama_cpp_environment()},
+        "gguf": files,
+        "decode": decode,
+    }
 
 
 def plot_generate_bench(result: dict, path: Path) -> Path:
@@ -447,7 +616,12 @@ def plot_generate_bench(result: dict, path: Path) -> Path:
         ax.grid(alpha=0.3)
     compiled = sorted(name for name, how in result.get("compiled_decode_step", {}).items() if how == "compiled")
     note = f"; compiled decode step: {', '.join(compiled)}" if compiled else ""
-    fig.suptitle(f"generation on {result['device']} ({result['environment'].get('cuda') or result['environment'].get('processor')}, {result['threads']} threads), fp32{note}", fontsize=10)
+    where = f"{result['device']} ({result['environment'].get('cuda') or result['environment'].get('processor')}, {result['threads']} threads)"
+    if result.get("backend") == "llama.cpp":
+        version = result["environment"].get("llama_cpp", {}).get("llama_cpp_python")
+        fig.suptitle(f"llama.cpp (llama-cpp-python {version}) on {where}, GGUF {' / '.join(result['settings']['quants'])}: teacher and students at the same type", fontsize=10)
+    else:
+        fig.suptitle(f"generation on {where}, fp32{note}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
