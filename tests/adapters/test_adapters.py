@@ -414,3 +414,17 @@ def test_padding_mask_shape_is_checked():
     hidden, rope = hidden_and_rope(args, kwargs)
     with pytest.raises(ValueError, match="padding mask"):
         adapter.attention_probs(attn, hidden, rope, attention_mask=torch.ones(BATCH, 1, LENGTH, LENGTH))
+
+
+def test_probabilities_stay_float32_under_a_bf16_autocast():
+    """Attention-weight transfer under `mixed_precision: bf16` once failed here: the masked fill's
+    float32 minimum does not fit a bf16 score tensor; the targets must stay float32 regardless."""
+    model, adapter, calls, _ = run_and_capture("llama")
+    attn, args, kwargs, _ = calls[0]
+    hidden, rope = hidden_and_rope(args, kwargs)
+    geo = adapter.layer_geometry(attn)
+    q, k = adapter.qk(attn, hidden, rope)
+    plain = probs_from_qk(q, k, geo)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = probs_from_qk(q, k, geo)
+    assert autocast.dtype == torch.float32 and torch.equal(autocast, plain)

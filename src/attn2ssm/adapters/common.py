@@ -40,12 +40,13 @@ def probs_from_qk(
     """
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1) if groups > 1 else k  # (b, h, l, d)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * geometry.scaling  # (b, h, l, l)
-    if geometry.softcap is not None:
-        scores = torch.tanh(scores / geometry.softcap) * geometry.softcap
-    allowed = allowed_keys(q.shape[-2], geometry.sliding_window, attention_mask, device=q.device)
-    scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
-    return torch.softmax(scores, dim=-1)
+    with torch.autocast(q.device.type, enabled=False):  # float32 targets under a bf16/fp16 autocast too
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * geometry.scaling  # (b, h, l, l)
+        if geometry.softcap is not None:
+            scores = torch.tanh(scores / geometry.softcap) * geometry.softcap
+        allowed = allowed_keys(q.shape[-2], geometry.sliding_window, attention_mask, device=q.device)
+        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+        return torch.softmax(scores, dim=-1)
 
 
 def partial_rotary_factor(config) -> float:
