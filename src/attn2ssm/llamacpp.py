@@ -171,6 +171,7 @@ tokens = [int(t) for t in sys.argv[2].split(",")]
 model = GGUFModel(sys.argv[1], n_ctx=max(32, len(tokens)), logits_all=True, flash_attn=False, kv_type="f32")
 model.feed(tokens)
 np.save(sys.argv[3], model.all_logits())
+model.close()  # before interpreter shutdown, where llama_cpp's own __del__ finds its library gone
 """
 
 
