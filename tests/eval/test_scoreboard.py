@@ -315,3 +315,18 @@ def test_plot_is_bars_for_a_one_budget_sweep_and_curves_for_a_grid(budgets, bars
     monkeypatch.setattr(sb, "_plot_sweep", lambda *a: called.append(a) or real(*a))
     path = sb.plot_quality(_synthetic_result(budgets), tmp_path / "q.png")
     assert path.read_bytes()[:4] == b"\x89PNG" and bool(called) == bars
+
+
+def test_a_key_added_to_recipes_since_does_not_orphan_a_cached_cell(setup, grid, tmp_path):
+    """A run saved before the toolkit grew a recipe key (here: drop a defaulted stage key from its
+    recipe.yaml) is still the same cell: reused, not refused or retrained."""
+    import yaml
+
+    grid = _copy(grid, tmp_path)
+    saved = grid / "tiny-384" / "recipe.yaml"
+    raw = yaml.safe_load(saved.read_text())
+    dropped = [s.pop("logit_cache") for s in raw["stages"] if "logit_cache" in s]
+    assert dropped, "the saved recipe should hold the defaulted key"
+    saved.write_text(yaml.safe_dump(raw))
+    assert main(_args(setup, grid, "--families", "tiny", "--budgets", "384")) == 0
+    assert len(_runs(grid / "tiny-384")) == 1

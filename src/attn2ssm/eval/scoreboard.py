@@ -240,7 +240,7 @@ class Cell:
     def status(self, settings: EvalSettings) -> str:
         """done (cached for these settings) | trained (to evaluate) | partial (to resume) | todo."""
         cached = read_cell(self.run_dir)
-        if cached and cached.get("eval_settings") == settings.as_dict() and cached.get("recipe_sha") == self.recipe_sha:
+        if cached and cached.get("eval_settings") == settings.as_dict() and _same_recipe(self):
             return "done"
         if self.finished():
             return "trained"
@@ -281,16 +281,26 @@ def read_cell(run_dir: Path) -> dict | None:
         return None
 
 
-def _check_run_dir(cell: Cell) -> None:
-    """A run directory that holds a run of another recipe, budget or teacher is never continued."""
+def _same_recipe(cell: Cell) -> bool:
+    """Whether the run directory's saved recipe is the cell's. Both are compared as the current
+    loader resolves them, so a key the toolkit added since (with its default) does not turn every
+    cached cell of an earlier version into "another recipe"; without a saved recipe, cell.json's
+    hash decides."""
     import yaml
 
+    from attn2ssm.distill.recipe import load_recipe
+
     saved = cell.run_dir / "recipe.yaml"
-    if saved.exists() and yaml.safe_dump(yaml.safe_load(saved.read_text()), sort_keys=True) != cell.recipe_yaml:
-        raise ConfigError(f"{cell.run_dir} holds a run of another recipe, budget or teacher than cell {cell.name}", f"delete {cell.run_dir} to rerun the cell, or use another --out-dir")
+    if saved.exists():
+        return yaml.safe_dump(yaml.safe_load(load_recipe(str(saved)).to_yaml()), sort_keys=True) == cell.recipe_yaml
     cached = read_cell(cell.run_dir)
-    if cached and cached.get("recipe_sha") not in (None, cell.recipe_sha):
-        raise ConfigError(f"{cell.run_dir}/cell.json records another recipe, budget or teacher than cell {cell.name}", f"delete {cell.run_dir} to rerun the cell, or use another --out-dir")
+    return not cached or cached.get("recipe_sha") in (None, cell.recipe_sha)
+
+
+def _check_run_dir(cell: Cell) -> None:
+    """A run directory that holds a run of another recipe, budget or teacher is never continued."""
+    if not _same_recipe(cell):
+        raise ConfigError(f"{cell.run_dir} holds a run of another recipe, budget or teacher than cell {cell.name}", f"delete {cell.run_dir} to rerun the cell, or use another --out-dir")
 
 
 def run_cell(cell: Cell, progress: bool = True) -> None:
