@@ -182,12 +182,29 @@ def tiny_student(family: str, kind: str, ratio: float = 0.0, options: dict | Non
     torch.manual_seed(0)
     teacher = tiny_model(family)
     student = convert(teacher, make_plan(teacher.config.num_hidden_layers, kind, attention_ratio=ratio), {kind: options or {}})
-    with torch.no_grad():
-        for mixer in student.mixers().values():
-            for name, p in mixer.named_parameters():
-                if not name.startswith(("q_proj", "k_proj", "v_proj", "o_proj")):
-                    p.add_(0.1 * torch.randn_like(p))
+    perturb_new_mixer_parameters(student)
     return student.eval()
+
+
+@torch.no_grad()
+def perturb_new_mixer_parameters(student, scale: float = 0.1) -> None:
+    """Move every mixer parameter that attention did not provide (all but q/k/v/o) off its init
+    by ``scale``·N(0, 1), drawing from the current RNG state."""
+    for mixer in student.mixers().values():
+        for name, p in mixer.named_parameters():
+            if not name.startswith(("q_proj", "k_proj", "v_proj", "o_proj")):
+                p.add_(scale * torch.randn_like(p))
+
+
+def one_line_error(capsys, argv) -> str:
+    """Run the CLI on ``argv``; assert it exits 2 with one ``error: …`` line on stderr; return it."""
+    from attn2ssm.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+    return err
 
 
 SENTENCES = [

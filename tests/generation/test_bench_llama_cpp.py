@@ -11,26 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import one_line_error
 
 from attn2ssm.cli import main
-
-
-def _one_line_error(capsys, argv) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
-    return err
 
 
 def test_bench_llama_cpp_flags_are_one_line_errors(capsys, monkeypatch):
     monkeypatch.delenv("ATTN2SSM_LLAMA_CPP", raising=False)
     bench = ["bench", "generate", "--no-progress", "--contexts", "16"]
-    assert "only Mamba-2 students" in _one_line_error(capsys, [*bench, "--backend", "llama.cpp", "--models", "teacher,linear"])
-    assert "--backend llama.cpp" in _one_line_error(capsys, [*bench, "--quant", "q8_0"])
-    assert "q3_x" in _one_line_error(capsys, [*bench, "--backend", "llama.cpp", "--quant", "q3_x"])
-    assert "--compile is for the torch backend" in _one_line_error(capsys, [*bench, "--backend", "llama.cpp", "--compile"])
-    assert "make llama-cpp" in _one_line_error(capsys, [*bench, "--backend", "llama.cpp"])
+    assert "only Mamba-2 students" in one_line_error(capsys, [*bench, "--backend", "llama.cpp", "--models", "teacher,linear"])
+    assert "--backend llama.cpp" in one_line_error(capsys, [*bench, "--quant", "q8_0"])
+    assert "q3_x" in one_line_error(capsys, [*bench, "--backend", "llama.cpp", "--quant", "q3_x"])
+    assert "--compile is for the torch backend" in one_line_error(capsys, [*bench, "--backend", "llama.cpp", "--compile"])
+    assert "make llama-cpp" in one_line_error(capsys, [*bench, "--backend", "llama.cpp"])
 
 
 def test_reference_rows_pair_each_type():

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from cache_forms import positions
-from tiny_models import make_tokenizer, tiny_config
+from tiny_models import make_tokenizer, one_line_error, perturb_new_mixer_parameters, tiny_config
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.cli import main
@@ -44,11 +44,7 @@ def _student(teacher, plan, **options):
     options = {"norm": True, "norm_eps": teacher.config.rms_norm_eps, "gate_bias": False, **options}
     student = convert(teacher, plan, {MAMBA2: options})
     torch.manual_seed(1)
-    with torch.no_grad():
-        for mixer in student.mixers().values():
-            for name, p in mixer.named_parameters():
-                if not name.startswith(("q_proj", "k_proj", "v_proj", "o_proj")):
-                    p.add_(0.1 * torch.randn_like(p))
+    perturb_new_mixer_parameters(student)
     return student.eval()
 
 
@@ -143,26 +139,18 @@ def student_dir(tmp_path):
     return tmp_path / "student"
 
 
-def _one_line_error(capsys, argv) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and len(err.splitlines()) == 1, err
-    return err
-
-
 def test_gguf_export_flags_are_one_line_errors(student_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("ATTN2SSM_LLAMA_CPP", raising=False)
     s = str(student_dir)
-    assert "does not end in .gguf" in _one_line_error(capsys, ["export", s, "--format", "gguf", "--out", str(tmp_path / "m.bin")])
-    assert "--outtype is for --format gguf" in _one_line_error(capsys, ["export", s, "--format", "native", "--out", str(tmp_path / "n"), "--outtype", "f16"])
+    assert "does not end in .gguf" in one_line_error(capsys, ["export", s, "--format", "gguf", "--out", str(tmp_path / "m.bin")])
+    assert "--outtype is for --format gguf" in one_line_error(capsys, ["export", s, "--format", "native", "--out", str(tmp_path / "n"), "--outtype", "f16"])
     (tmp_path / "there.gguf").write_bytes(b"x")
-    assert "--force" in _one_line_error(capsys, ["export", s, "--format", "gguf", "--out", str(tmp_path / "there.gguf")])
+    assert "--force" in one_line_error(capsys, ["export", s, "--format", "gguf", "--out", str(tmp_path / "there.gguf")])
     # the private test cache holds no llama-cpp-python sdist: the converter is missing
-    err = _one_line_error(capsys, ["export", s, "--format", "gguf", "--out", str(tmp_path / "m.gguf")])
+    err = one_line_error(capsys, ["export", s, "--format", "gguf", "--out", str(tmp_path / "m.gguf")])
     assert "convert_hf_to_gguf.py" in err and "make llama-cpp" in err
     monkeypatch.setenv("ATTN2SSM_LLAMA_CPP", str(tmp_path))
-    err = _one_line_error(capsys, ["export", s, "--format", "gguf", "--out", str(tmp_path / "m.gguf")])
+    err = one_line_error(capsys, ["export", s, "--format", "gguf", "--out", str(tmp_path / "m.gguf")])
     assert "$ATTN2SSM_LLAMA_CPP" in err and "make llama-cpp" in err
     assert not (tmp_path / "m.gguf").exists() and not list(tmp_path.glob(".m.gguf.export-*"))
 
