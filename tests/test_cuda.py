@@ -17,7 +17,7 @@ from cache_forms import full_and_pieces, positions
 from tiny_models import tiny_student
 
 from attn2ssm.mixers.registry import MIXERS
-from attn2ssm.ops.layout import cpu_decode_layout
+from attn2ssm.decode.layout import cpu_decode_layout
 
 # the device compared with the CPU; ATTN2SSM_TEST_DEVICE=cpu dry-runs these tests' logic on a CPU
 DEVICE = torch.device(os.environ.get("ATTN2SSM_TEST_DEVICE", "cuda"))

@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM
 
 import attn2ssm.student  # noqa: F401  (registers the Auto classes)
 from attn2ssm.cli import main
-from attn2ssm.student import compiled_step
-from attn2ssm.student.decode_plan import DecodePlan
+from attn2ssm.decode import compiled as compiled_step
+from attn2ssm.decode.plan import DecodePlan
 
 FAMILIES = ["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3", "phi", "gpt_neox", "gpt2"]
 PLANNED = {"llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3"}  # pre-norm or sandwich-norm layers

@@ -209,7 +209,7 @@ def cmd_generate(args) -> int:
 
     if args.draft is not None and args.num_draft_tokens < 1:
         raise ConfigError(f"--num-draft-tokens {args.num_draft_tokens}", "draft at least 1 token per round, e.g. --num-draft-tokens 4")
-    from attn2ssm.ops.layout import cpu_decode_layout
+    from attn2ssm.decode.layout import cpu_decode_layout
 
     model, tokenizer = load_model_and_tokenizer(args.model)
     cpu_decode_layout(model, compile=args.compile)  # faster one-token steps on CPU (a no-op elsewhere)

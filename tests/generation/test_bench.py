@@ -149,7 +149,7 @@ class _CountingBackend:
 
 def test_cli_bench_compile_compiles_students_before_timing(tmp_path, monkeypatch):
     from attn2ssm.cli import main
-    from attn2ssm.student import compiled_step
+    from attn2ssm.decode import compiled as compiled_step
 
     backend = _CountingBackend()
     monkeypatch.setattr(compiled_step, "BACKEND", backend)
@@ -168,7 +168,7 @@ def test_cli_bench_compile_compiles_students_before_timing(tmp_path, monkeypatch
 
 def test_cli_generate_compile_prints_the_same_text(tmp_path, monkeypatch, capsys):
     from attn2ssm.cli import main
-    from attn2ssm.student import compiled_step
+    from attn2ssm.decode import compiled as compiled_step
 
     backend = _CountingBackend()
     monkeypatch.setattr(compiled_step, "BACKEND", backend)

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from attn2ssm.ops.linear_attention import (
     LinearAttentionState,
     linear_attention_chunked,
-    linear_attention_decode,
     linear_attention_noncausal,
     linear_attention_quadratic,
     linear_attention_recurrent,
@@ -65,30 +64,33 @@ def test_state_carry_equals_one_pass():
     torch.testing.assert_close(torch.cat(outs, 2), full, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_form_equals_step_form_and_keeps_the_old_state():
-    """The few-op decode step (batched rank-1 update, bmm numerator/denominator) is the step form."""
+def test_the_step_continues_a_chunked_prefill_and_keeps_the_old_state():
+    """Decode as the mixers run it: a chunked prefill, then one ``linear_attention_step`` per token
+    from its state, equals one chunked pass; a (copying) step leaves the state it was given
+    untouched (a rollback snapshot may hold it)."""
     q, k, v = _inputs(l=12)
-    state = LinearAttentionState.zeros(2, 3, 8, 5)
-    fast = LinearAttentionState.zeros(2, 3, 8, 5)
-    for t in range(12):
-        old = fast.kv.clone()
-        ref, state = linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state)
-        out, new = linear_attention_decode(q[:, :, t], k[:, :, t], v[:, :, t], fast)
-        assert torch.equal(fast.kv, old)  # a rollback snapshot may still hold it
-        fast = new
-        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(fast.kv, state.kv, atol=1e-5, rtol=1e-6)
-    torch.testing.assert_close(fast.k_sum, state.k_sum, atol=1e-5, rtol=1e-6)
+    full, final = linear_attention_chunked(q, k, v, chunk_size=4)
+    out, state = linear_attention_chunked(q[:, :, :5], k[:, :, :5], v[:, :, :5], chunk_size=4)
+    outs = [out]
+    for t in range(5, 12):
+        old = state.kv.clone()
+        o, new = linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state)
+        assert torch.equal(state.kv, old)
+        outs.append(o[:, :, None])
+        state = new
+    torch.testing.assert_close(torch.cat(outs, 2), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.kv, final.kv, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(state.k_sum, final.k_sum, atol=1e-5, rtol=1e-6)
 
 
-def test_in_place_decode_equals_the_copying_one_and_writes_into_the_state():
+def test_in_place_step_equals_the_copying_one_and_writes_into_the_state():
     q, k, v = _inputs(l=6)
     copying = LinearAttentionState.zeros(2, 3, 8, 5)
     owned = LinearAttentionState.zeros(2, 3, 8, 5)
     kv, k_sum = owned.kv, owned.k_sum
     for t in range(6):
-        ref, copying = linear_attention_decode(q[:, :, t], k[:, :, t], v[:, :, t], copying)
-        out, owned = linear_attention_decode(q[:, :, t], k[:, :, t], v[:, :, t], owned, inplace=True)
+        ref, copying = linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], copying)
+        out, owned = linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], owned, inplace=True)
         assert torch.equal(out, ref)
         assert owned.kv is kv and owned.k_sum is k_sum  # no new tensors
     assert torch.equal(kv, copying.kv) and torch.equal(k_sum, copying.k_sum)

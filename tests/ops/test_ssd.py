@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from attn2ssm.ops.ssd import segsum, ssd_chunked, ssd_decode, ssd_quadratic, ssd_sequential, ssd_step
+from attn2ssm.ops.ssd import segsum, ssd_chunked, ssd_quadratic, ssd_sequential, ssd_step
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -206,17 +206,19 @@ def test_per_channel_d():
     torch.testing.assert_close(y_step, ssd_quadratic(x, a, B, C, D=D)[:, 0], **TOL)
 
 
-def test_decode_form_equals_step_form_and_keeps_the_old_state():
-    g = torch.Generator().manual_seed(4)
-    b, h, p, n = 2, 3, 5, 4
-    state = fast = torch.randn(b, h, p, n, generator=g)
-    for _ in range(6):
-        x, B, C = (torch.randn(b, h, k, generator=g) for k in (p, n, n))
-        a = -torch.rand(b, h, generator=g)
-        old = fast.clone()
-        ref, state = ssd_step(x, a, B, C, state)
-        y, new = ssd_decode(x, a, B, C, fast)
-        assert torch.equal(fast, old)
-        fast = new
-        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(fast, state, atol=1e-5, rtol=1e-5)
+def test_the_step_continues_a_chunked_prefill_and_keeps_the_old_state():
+    """Decode as the mixers run it: a chunked prefill, then one ``ssd_step`` per token from its
+    state, equals one chunked pass over the whole sequence; each step leaves the state it was
+    given untouched (a rollback snapshot may hold it)."""
+    x, a, B, C, _ = _inputs(l=14)
+    full, final = ssd_chunked(x, a, B, C, chunk_size=4)
+    y, state = ssd_chunked(x[:, :8], a[:, :8], B[:, :8], C[:, :8], chunk_size=4)
+    ys = [y]
+    for t in range(8, 14):
+        old = state.clone()
+        y_t, new = ssd_step(x[:, t], a[:, t], B[:, t], C[:, t], state)
+        assert torch.equal(state, old)
+        ys.append(y_t[:, None])
+        state = new
+    torch.testing.assert_close(torch.cat(ys, 1), full, **TOL)
+    torch.testing.assert_close(state, final, **TOL)

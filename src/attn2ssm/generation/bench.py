@@ -466,7 +466,7 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
     models = build_models(teacher, settings.models, device)
     layout = settings.cpu_layout and device.type == "cpu"
     if layout:
-        from attn2ssm.ops.layout import cpu_decode_layout
+        from attn2ssm.decode.layout import cpu_decode_layout
 
         for model in [teacher, *models.values()]:
             cpu_decode_layout(model, compile=settings.compile_students and model is not teacher)

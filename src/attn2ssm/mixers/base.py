@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from attn2ssm.hf_compat import explicit_cache
-from attn2ssm.ops.layout import FusedLinears, drop_fusions, is_plain_linear, traced_parts
+from attn2ssm.mixers.fusion import FusedLinears, call_linear, drop_fusions, is_plain_linear
 from attn2ssm.ops.rope import apply_rotary, apply_rotary_full, signed_sin
 
 
@@ -31,10 +31,10 @@ class MixerContext:
     _rope_sin: torch.Tensor | None = None  # the last step's sin and its signed copy (see rope_step)
     _rope_signed: torch.Tensor | None = None
 
-    def rope_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rope_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, traced: bool = False) -> torch.Tensor:
         """``apply_rotary_full`` with the signed sin made once per forward (every mixer of a
-        model gets the same sin tensor; not inside a compiled step, which fuses it anyway)."""
-        if traced_parts():
+        model gets the same sin tensor; not inside a compiled step, ``traced``, which fuses it anyway)."""
+        if traced:
             return apply_rotary_full(x, cos, sin)
         if self._rope_sin is not sin:
             self._rope_sin, self._rope_signed = sin, signed_sin(sin)
@@ -124,16 +124,17 @@ class AttentionLikeMixer(nn.Module):
         self.__dict__["_fused_inputs"] = FusedLinears(self, names, linears)  # not a submodule: no state-dict entry
         return True
 
-    def project_inputs(self, x: torch.Tensor) -> dict:
+    def project_inputs(self, x: torch.Tensor, traced_parts: int = 0) -> dict:
         """name → output of every ``input_linears`` layer on x (None for an absent one); one
-        fused matmul at inference when ``fuse_input_linears`` ran and still holds."""
+        fused matmul at inference when ``fuse_input_linears`` ran and still holds.
+        ``traced_parts``: see ``step``."""
         fused = self.__dict__.get("_fused_inputs")
-        if fused is not None and not torch.is_grad_enabled() and fused.valid():
-            return dict.fromkeys(self.input_linears) | dict(zip(fused.names, fused(x)))
+        if fused is not None and not torch.is_grad_enabled() and fused.valid(trusted=traced_parts > 0):
+            return dict.fromkeys(self.input_linears) | dict(zip(fused.names, fused(x, traced_parts)))
         out = {}
         for name in self.input_linears:  # (a loop, not a comprehension: a compiled step traces this)
             linear = getattr(self, name, None)
-            out[name] = None if linear is None else linear(x)
+            out[name] = None if linear is None else call_linear(linear, x, traced_parts)
         return out
 
     def project_heads(self, x: torch.Tensor, position_embeddings=None, inputs: dict | None = None):
@@ -181,19 +182,32 @@ class AttentionLikeMixer(nn.Module):
         b, h, l, d = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(b, l, h * d))
 
-    # -- one-token decode (mixers that define ``decode_math`` and ``can_decode_step``) --------
-    def decode_step(self, hidden_states, position_embeddings, layer):
-        """One unpadded token against ``layer``'s carried states: ``decode_math`` (the step form's
-        decode-speed twin; tests hold them equal), then the new states stored and the token counted."""
-        y, states = self.decode_math(hidden_states, position_embeddings, layer.states, layer.seen)
+    # -- one token against the carried states -------------------------------------------------
+    # A mixer with a recurrent step defines
+    #     step(u, position_embeddings, states, mask=None, seen=None, traced_parts=0) -> (y, new states)
+    # u (b, 1, hidden) → y (b, 1, hidden) and {state name: new state}. It is the mixer's ONE
+    # one-token path: its forward runs it for every one-token call with states (padded or not),
+    # and so do the decode plan and the compiled step (attn2ssm.decode). ``mask`` (b, 1): 1 where
+    # the row's token is real; a padded row's recurrent state is left as it was (its conv window
+    # takes a zero, as in the chunked form, ops/conv.py) and its output is whatever is cheapest.
+    # ``seen``: tokens before this one (read only by position-aware feature maps). ``traced_parts``
+    # > 0 only inside a compiled step's trace: products as that many row blocks, every fusion
+    # checked by the caller just before, states returned new rather than updated in place.
+    def can_step(self, layer) -> bool:
+        """Can ``step`` take one token with this cache layer's states? (False: no step.)"""
+        return False
+
+    def can_trace_step(self, layer) -> bool:
+        """Can a compiled decode step trace ``step`` for this cache layer? (Not while a bridge stage
+        collects B/C: its sink is outside the graph.)"""
+        return self.can_step(layer) and getattr(self, "bc_sink", None) is None
+
+    def step_layer(self, hidden_states, position_embeddings, layer, mask=None):
+        """``step`` against ``layer``'s states, then the new states stored and the token counted."""
+        y, states = self.step(hidden_states, position_embeddings, layer.states, mask=mask, seen=layer.seen)
         layer.states.update(states)
         layer.advance(1)
         return y
-
-    def can_trace_decode(self, layer) -> bool:
-        """Can a compiled decode step (student/compiled_step.py) trace ``decode_math`` for this
-        cache layer? (Not while a bridge stage collects B/C: its sink is outside the graph.)"""
-        return self.can_decode_step(layer) and getattr(self, "bc_sink", None) is None
 
     # -- HF call plumbing ----------------------------------------------------------------------
     def cache_layer(self, kwargs: dict):

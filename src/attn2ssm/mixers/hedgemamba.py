@@ -56,8 +56,9 @@ from torch import nn
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.feature_maps import build_feature_map
+from attn2ssm.mixers.fusion import call_linear
 from attn2ssm.mixers.ssm_common import CausalConv, apply_conv, init_shared_parameters, store_states
-from attn2ssm.ops.conv import causal_conv1d
+from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
 from attn2ssm.ops.rope import apply_rotary
 from attn2ssm.ops.ssd import ssd_chunked, ssd_quadratic, ssd_step
 
@@ -127,35 +128,39 @@ class HedgeMambaMixer(AttentionLikeMixer):
             raise ValueError(f"linear-attention weights do not fit this hedgemamba mixer: unexpected {result.unexpected_keys[:5]}, missing {missing[:5]}")
 
     # -- the pieces ------------------------------------------------------------------------
-    def _features(self, x, position_embeddings, offset: int, inputs=None):
-        """Conv output x (b, l, hidden) → C = φq, B = φk (b, l, h, f) and v (b, l, h, d), GQA repeated."""
+    def _features(self, x, position_embeddings, offset: int | None, inputs=None):
+        """Conv output x (b, l, hidden) → C = φq, B = φk (b, l, h, f) and v (b, l, h, d), GQA
+        repeated. ``offset``: the first token's position (None: unknown, for maps that read none)."""
         q, k, v = self.project_qkv(x, position_embeddings if self.rope == "before_map" else None, inputs)
-        positions = torch.arange(offset, offset + x.shape[1], device=x.device)
+        maps = (self.feature_map_q, self.feature_map_k)
+        if offset is None and any(getattr(m, "uses_positions", False) for m in maps):
+            raise ValueError(f"{type(self.feature_map_q).__name__} needs the token's position: pass step(..., seen=)")
+        positions = None if offset is None else torch.arange(offset, offset + x.shape[1], device=x.device)
         fq, fk = self.feature_map_q(q, positions), self.feature_map_k(k, positions)  # (b, h, l, f)
         if self.rope == "after_map" and position_embeddings is not None and self.rotary_dim:
             cos, sin = position_embeddings
             fq, fk = apply_rotary(fq, cos, sin, self.rotary_dim), apply_rotary(fk, cos, sin, self.rotary_dim)
         return fq.transpose(1, 2), fk.transpose(1, 2), v.transpose(1, 2)
 
-    def _scan_inputs(self, x, v, inputs=None):
+    def _scan_inputs(self, x, v, inputs=None, traced_parts: int = 0):
         """(log-decay a (b, l, h) ≤ 0, scan input Δ·[v; 1] (b, l, h, d + 1) in float32, Δ or None)."""
         b, l, h, _ = v.shape
         ones = v.new_ones(b, l, h, 1, dtype=torch.float32)
         xv = torch.cat([v.float(), ones], dim=-1)  # Eq. 10: the ones channel carries the denominator
         if self.dt_proj is None:
             return xv.new_zeros(b, l, h), xv, None
-        dt = F.softplus((self.dt_proj(x) if inputs is None else inputs["dt_proj"]).float())  # (b, l, h)
+        dt = F.softplus((call_linear(self.dt_proj, x, traced_parts) if inputs is None else inputs["dt_proj"]).float())  # (b, l, h)
         A = self.A.float()
         A = A - A.detach().clamp_min(0.0)  # forward min(A, 0), straight-through gradient
         return dt * A, xv * dt[..., None], dt
 
-    def _output(self, y, u):
+    def _output(self, y, u, traced_parts: int = 0):
         """Scan output y (b, l, h, d + 1) → o_proj(normalised y ⊙ gate)."""
         y = y[..., :-1] / (y[..., -1:] + self.eps)  # Eq. 9, same eps convention as linear attention
         y = y.to(u.dtype).flatten(2)
         if self.gate is not None:
-            y = y * F.silu(self.gate(u))
-        return self.o_proj(y)
+            y = y * F.silu(call_linear(self.gate, u, traced_parts))
+        return call_linear(self.o_proj, y, traced_parts)
 
     # -- forward forms ---------------------------------------------------------------------
     def features(self, hidden_states, position_embeddings=None, offset: int = 0):
@@ -186,25 +191,42 @@ class HedgeMambaMixer(AttentionLikeMixer):
         weights = M / (y[..., -1].transpose(1, 2)[..., None] + self.eps)  # row sums = denominators
         return self._output(y, hidden_states), weights
 
+    def step(self, u, position_embeddings, states: dict, mask=None, seen: int | None = None, traced_parts: int = 0):
+        """One token against the carried states (see ``AttentionLikeMixer``): (output, {state name:
+        new state}); the old states are kept (a rollback snapshot may hold them)."""
+        new = {}
+        m = None if mask is None else mask.to(torch.float32).view(-1, 1, 1)
+        x = u if m is None else u * m.to(u.dtype)  # a padded token enters the conv window as 0 (as the chunked form)
+        if self.conv is not None:
+            x, new["conv"] = causal_conv1d_step(x[:, 0], self.conv.weight, self.conv.bias, states["conv"])
+            x = x[:, None]
+        inputs = self.project_inputs(x, traced_parts)
+        C, B, v = self._features(x, position_embeddings, seen, inputs)
+        a, xv, _ = self._scan_inputs(x, v, inputs, traced_parts)
+        if m is not None:  # and leaves the state alone: decay 1, no input
+            a, xv = a * m, xv * m[..., None]
+        y, new["ssm"] = ssd_step(xv[:, 0], a[:, 0], B[:, 0].float(), C[:, 0].float(), states["ssm"])
+        return self._output(y[:, None], u, traced_parts), new
+
+    def can_step(self, layer) -> bool:
+        return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
+
+    def can_trace_step(self, layer) -> bool:
+        """Not with a position-aware feature map: the trace must not read ``seen``."""
+        maps = (self.feature_map_q, self.feature_map_k)
+        return super().can_trace_step(layer) and not any(getattr(m, "uses_positions", False) for m in maps)
+
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
         layer = self.cache_layer(kwargs)
+        if l == 1 and layer is not None and self.can_step(layer):
+            return self.step_layer(hidden_states, position_embeddings, layer, self.padding_mask(1)), None
         states = {} if layer is None else layer.states
         mask = self.padding_mask(l)
-        decode = l == 1 and "ssm" in states
-        u = hidden_states
-        x = u * mask[:, :, None].to(u.dtype) if decode and mask is not None else u  # a padded step enters the conv as 0
-        x, conv_state = apply_conv(self.conv, x, states, mask, decode, None)
+        x, conv_state = apply_conv(self.conv, hidden_states, states, mask, None)
         inputs = self.project_inputs(x)
         C, B, v = self._features(x, position_embeddings, 0 if layer is None else layer.seen, inputs)
         a, xv, _ = self._scan_inputs(x, v, inputs)
-        if decode:
-            if mask is not None:  # a padded step leaves the state alone and outputs 0
-                m = mask[:, 0].to(a.dtype)
-                a, xv, C = a * m[:, None, None], xv * m[:, None, None, None], C * m[:, None, None, None].to(C.dtype)
-            y, ssm = ssd_step(xv[:, 0], a[:, 0], B[:, 0], C[:, 0], states["ssm"])
-            y = y[:, None]
-        else:
-            y, ssm = ssd_chunked(xv, a, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
+        y, ssm = ssd_chunked(xv, a, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
         store_states(layer, ssm, conv_state, l)
-        return self._output(y, u), None
+        return self._output(y, hidden_states), None

@@ -15,14 +15,14 @@ import torch
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.feature_maps import HedgehogMap, build_feature_map, hedgehog_softmax_step
+from attn2ssm.mixers.fusion import ParamStack, call_linear
 from attn2ssm.ops.linear_attention import (
     linear_attention_chunked,
-    linear_attention_decode,
     linear_attention_quadratic,
     linear_attention_step,
     window_linear_attention,
 )
-from attn2ssm.ops.layout import ParamStack, linear_module, traced_parts
+from attn2ssm.ops.rope import apply_rotary
 
 
 class StackedMaps:
@@ -34,8 +34,8 @@ class StackedMaps:
         self.owner, self.maps = owner, maps
         self.weight, self.bias = ParamStack([m.weight for m in maps]), ParamStack([m.bias for m in maps])
 
-    def valid(self) -> bool:
-        if traced_parts():  # a compiled step checked it just before the call
+    def valid(self, trusted: bool = False) -> bool:
+        if trusted:  # a compiled step checked it just before the call
             return True
         modules = self.owner._modules
         if modules.get("feature_map_q") is not self.maps[0] or modules.get("feature_map_k") is not self.maps[1]:
@@ -47,6 +47,10 @@ class StackedMaps:
     def release(self) -> None:
         self.weight.release()
         self.bias.release()
+
+    def rebuild(self) -> None:
+        self.weight.rebuild()
+        self.bias.rebuild()
 
 
 class LinearAttentionMixer(AttentionLikeMixer):
@@ -120,7 +124,7 @@ class LinearAttentionMixer(AttentionLikeMixer):
         if step is not None:
             return step(x)
         if seen is None and getattr(fmap, "uses_positions", False):
-            raise ValueError(f"{type(fmap).__name__} needs the token's position: pass decode_math(..., seen=)")
+            raise ValueError(f"{type(fmap).__name__} needs the token's position: pass step(..., seen=)")
         positions = None if seen is None else torch.arange(seen, seen + 1, device=x.device)  # position-aware maps
         return fmap(x[:, :, None], positions)[:, :, 0].float()
 
@@ -143,55 +147,62 @@ class LinearAttentionMixer(AttentionLikeMixer):
             self.__dict__["_qk_rows"] = cached
         return cached
 
-    def decode_math(self, hidden_states, position_embeddings, states: dict, seen: int | None = None):
-        """One unpadded token in as few ops as the math allows — q and k roped together, both
-        feature maps in one matmul when they are stacked (``fuse_input_linears``) — without the
-        cache bookkeeping: (output, {state name: new state}). An eager step updates the state in
-        place (the cache owns it: rollback snapshots and benchmark copies are clones); a traced one
-        returns a new one. ``seen`` (tokens before this one) is read only by a position-aware
-        feature map (see ``can_trace_decode``)."""
+    def step(self, hidden_states, position_embeddings, states: dict, mask=None, seen: int | None = None, traced_parts: int = 0):
+        """One token against the carried state (see ``AttentionLikeMixer``) in as few ops as the
+        math allows — q and k roped together, both feature maps in one matmul when they are
+        stacked (``fuse_input_linears``): (output, {state name: new state}). An eager step updates
+        the state in place (the cache owns it: rollback snapshots and benchmark copies are
+        clones); a traced one returns a new one. ``seen`` is read only by a position-aware
+        feature map (see ``can_trace_step``)."""
         b = hidden_states.shape[0]
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        traced = traced_parts > 0
         fused = self.__dict__.get("_fused_inputs")
-        if fused is not None and fused.valid():  # rows q | k | v (input_linears' order)
-            qkv = fused.matmul(hidden_states)
+        if fused is not None and fused.valid(trusted=traced):  # rows q | k | v (input_linears' order)
+            qkv = fused.matmul(hidden_states, traced_parts)
         else:
-            qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+            qkv = torch.cat([call_linear(getattr(self, n), hidden_states, traced_parts) for n in ("q_proj", "k_proj", "v_proj")], -1)
         qkv = qkv.view(b, h + 2 * kv, d)
         qk, v = qkv[:, : h + kv], qkv[:, h + kv :]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], 1)
         if self.use_rope and position_embeddings is not None and self.rotary_dim:
-            qk = self.context.rope_step(qk, *position_embeddings)
+            if self.rotary_dim == d:
+                qk = self.context.rope_step(qk, *position_embeddings, traced=traced)
+            else:  # partial rotary (Phi, GPT-NeoX): the general form over (b, heads, 1, d)
+                qk = apply_rotary(qk[:, :, None], *position_embeddings, self.rotary_dim)[:, :, 0]
         heads = qk.index_select(1, self._qk_index(qk.device))  # (b, 2h, d): q heads, then k heads repeated
         maps = self.__dict__.get("_fused_maps")
-        if maps is not None and maps.valid():
+        if maps is not None and maps.valid(trusted=traced):
             features = hedgehog_softmax_step(heads, maps.weight.buffer, maps.bias.buffer)
             fq, fk = features[:, :h], features[:, h:]
         else:
             fq = self._step_features(self.feature_map_q, heads[:, :h], seen)
             fk = self._step_features(self.feature_map_k, heads[:, h:], seen)
+        v = self.repeat_kv(v, 1).float()
+        if mask is not None:  # a padded token adds nothing to the state
+            m = mask.to(torch.float32).view(-1, 1, 1)
+            fk, v = fk * m, v * m
         # in place in eager steps (no allocation); a traced step returns new states (no copy-back)
-        y, state = linear_attention_decode(fq, fk, self.repeat_kv(v, 1).float(), states["linear"], eps=self.eps, inplace=not traced_parts())
+        y, state = linear_attention_step(fq, fk, v, states["linear"], eps=self.eps, inplace=not traced)
         if y.dtype != hidden_states.dtype:
             y = y.to(hidden_states.dtype)
-        return linear_module(self.o_proj, y.view(b, 1, h * d)), {"linear": state}
+        return call_linear(self.o_proj, y.view(b, 1, h * d), traced_parts), {"linear": state}
 
-    def can_trace_decode(self, layer) -> bool:
-        """Can a compiled decode step (student/compiled_step.py) trace ``decode_math`` for this
-        cache layer? (Not with a position-aware feature map: the trace must not read ``seen``.)"""
+    def can_trace_step(self, layer) -> bool:
+        """Can a compiled decode step trace ``step`` for this cache layer? (Not with a
+        position-aware feature map: the trace must not read ``seen``.)"""
         maps = (self.feature_map_q, self.feature_map_k)
-        return super().can_trace_decode(layer) and not any(getattr(m, "uses_positions", False) for m in maps)
+        return super().can_trace_step(layer) and not any(getattr(m, "uses_positions", False) for m in maps)
 
-    def can_decode_step(self, layer) -> bool:
-        """Can ``decode_step`` take one unpadded token with this cache layer?"""
-        return not self.window and "linear" in layer.states and (not self.use_rope or self.rotary_dim in (0, self.head_dim))
+    def can_step(self, layer) -> bool:
+        return not self.window and "linear" in layer.states
 
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
         layer = self.cache_layer(kwargs)
-        if l == 1 and layer is not None and self.padding_mask(1) is None and self.can_decode_step(layer):
-            return self.decode_step(hidden_states, position_embeddings, layer), None
+        if l == 1 and layer is not None and self.can_step(layer):
+            return self.step_layer(hidden_states, position_embeddings, layer, self.padding_mask(1)), None
         q, k, v, fq, fk = self._qkv_features(hidden_states, position_embeddings, offset=0 if layer is None else layer.seen)
         mask = self.padding_mask(l)
         if self.window:  # blocks of chunk_size queries against [window cache; block]: linear in l
@@ -207,14 +218,7 @@ class LinearAttentionMixer(AttentionLikeMixer):
                 layer.advance(l)
             return self.merge_heads(torch.cat(outs, 2)), None
         state = None if layer is None else layer.states.get("linear")
-        if state is not None and l == 1:  # decode: O(f·d) step against the carried state
-            if mask is not None:
-                m = mask[:, None, :, None].to(fk.dtype)
-                fq, fk, v = fq * m, fk * m, v * m
-            y, state = linear_attention_step(fq[:, :, 0], fk[:, :, 0], v[:, :, 0], state, eps=self.eps)
-            y = y[:, :, None]
-        else:
-            y, state = linear_attention_chunked(fq, fk, v, mask, state, chunk_size=self.chunk_size, eps=self.eps)
+        y, state = linear_attention_chunked(fq, fk, v, mask, state, chunk_size=self.chunk_size, eps=self.eps)
         if layer is not None:
             layer.states["linear"] = state
             layer.advance(l)

@@ -32,6 +32,7 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
+from attn2ssm.mixers.fusion import call_linear
 from attn2ssm.mixers.ssm_common import A_log_identity, CausalConv, apply_conv, check_activation, dt_bias_init, emit_bc, init_shared_parameters, store_states
 from attn2ssm.ops.conv import causal_conv1d_step
 from attn2ssm.ops.selective_scan import selective_scan_chunked, selective_scan_step
@@ -111,14 +112,14 @@ class MambaMixer(AttentionLikeMixer):
         t = t.reshape(b, l, self.groups, self.d_state)
         return t.repeat(1, 1, self.expand, 1) if self.expand > 1 else t
 
-    def _scan_inputs(self, u, x, inputs=None):
+    def _scan_inputs(self, u, x, inputs=None, traced_parts: int = 0):
         """x (b, l, d_inner) after the conv → (x, Δ, A) in the scan's (b, l, G, p) layout."""
         b, l, _ = u.shape
         xg = self._groups(x)
         if self.sanity:
             return xg, torch.ones_like(xg), xg.new_zeros(self.groups, self.d_state, self.d_state)
         low = self.dt_down(u) if inputs is None else inputs["dt_down"]
-        dt = F.softplus(self.dt_up(low).float()).to(x.dtype)
+        dt = F.softplus(call_linear(self.dt_up, low, traced_parts).float()).to(x.dtype)
         dt = dt.reshape(b, l, self.expand * self.groups, self.d_state)
         return xg, dt, -torch.exp(self.A_log.float()).to(x.dtype)
 
@@ -131,52 +132,47 @@ class MambaMixer(AttentionLikeMixer):
         C = self._groups((q * self.scaling).flatten(2))
         return x, B, C
 
-    def _output(self, y, x, u, inputs=None):
+    def _output(self, y, x, u, inputs=None, traced_parts: int = 0):
         b, l = y.shape[:2]
         y = y.reshape(b, l, self.expand, self.d_inner).sum(2)
         if self.D is not None:
             y = y + self.D.to(y.dtype) * x
         if self.gate is not None:
             y = y * F.silu(self.gate(u) if inputs is None else inputs["gate"])
-        return self.o_proj(y)
+        return call_linear(self.o_proj, y, traced_parts)
 
-    def decode_math(self, u, position_embeddings, states: dict, seen: int | None = None):
-        """``decode_step``'s computation without the cache bookkeeping: (output, {state name: new
-        state}); the old states are kept (a rollback snapshot may hold them)."""
+    def step(self, u, position_embeddings, states: dict, mask=None, seen: int | None = None, traced_parts: int = 0):
+        """One token against the carried states (see ``AttentionLikeMixer``): (output, {state name:
+        new state}); the old states are kept (a rollback snapshot may hold them)."""
         new = {}
-        inputs = self.project_inputs(u)
+        inputs = self.project_inputs(u, traced_parts)
         x, B, C = self._bc(u, position_embeddings, inputs)
+        m = None if mask is None else mask.view(-1, 1, 1)
+        if m is not None:  # a padded token enters the conv window as 0 (as the chunked form)
+            x = x * m.to(x.dtype)
         if self.conv is not None:
             x, new["conv"] = causal_conv1d_step(x[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation)
             x = x[:, None]
-        xg, dt, A = self._scan_inputs(u, x, inputs)
+        xg, dt, A = self._scan_inputs(u, x, inputs, traced_parts)
+        if m is not None:  # and leaves the state alone: Δ = 0 (decay 1, no input)
+            dt = dt * m[..., None].to(dt.dtype)
         y, new["ssm"] = selective_scan_step(xg[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], states["ssm"])
-        return self._output(y[:, None], x, u, inputs), new
+        return self._output(y[:, None], x, u, inputs, traced_parts), new
 
-    def can_decode_step(self, layer) -> bool:
-        """Can ``decode_step`` take one unpadded token with this cache layer?"""
+    def can_step(self, layer) -> bool:
         return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
 
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
         layer = self.cache_layer(kwargs)
-        if l == 1 and layer is not None and self.can_decode_step(layer) and self.padding_mask(1) is None:
-            return self.decode_step(hidden_states, position_embeddings, layer), None
+        if l == 1 and layer is not None and self.can_step(layer):
+            return self.step_layer(hidden_states, position_embeddings, layer, self.padding_mask(1)), None
         states = {} if layer is None else layer.states
         mask = self.padding_mask(l)
         inputs = self.project_inputs(hidden_states)
         x, B, C = self._bc(hidden_states, position_embeddings, inputs)
-        decode = l == 1 and "ssm" in states
-        if decode and mask is not None:
-            x = x * mask[:, :, None].to(x.dtype)
-        x, conv_state = apply_conv(self.conv, x, states, mask, decode, self.conv_activation)
+        x, conv_state = apply_conv(self.conv, x, states, mask, self.conv_activation)
         xg, dt, A = self._scan_inputs(hidden_states, x, inputs)
-        if decode:
-            if mask is not None:  # a padded step leaves the state alone
-                dt = dt * mask[:, :, None, None].to(dt.dtype)
-            y, ssm = selective_scan_step(xg[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], states["ssm"])
-            y = y[:, None]
-        else:
-            y, ssm = selective_scan_chunked(xg, dt, A, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
+        y, ssm = selective_scan_chunked(xg, dt, A, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
         store_states(layer, ssm, conv_state, l)
         return self._output(y, x, hidden_states, inputs), None

@@ -40,6 +40,7 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
+from attn2ssm.mixers.fusion import call_linear
 from attn2ssm.mixers.ssm_common import (
     A_log_identity,
     CausalConv,
@@ -53,7 +54,7 @@ from attn2ssm.mixers.ssm_common import (
     store_states,
 )
 from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
-from attn2ssm.ops.ssd import ssd_chunked, ssd_decode, ssd_quadratic, ssd_step
+from attn2ssm.ops.ssd import ssd_chunked, ssd_quadratic, ssd_step
 
 
 class Mamba2Mixer(AttentionLikeMixer):
@@ -159,7 +160,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         dt = F.softplus((self.dt_proj(u) if inputs is None else inputs["dt_proj"]).float())
         return dt * -torch.exp(self.A_log.float()), dt
 
-    def _output(self, y, x, u, inputs=None):
+    def _output(self, y, x, u, inputs=None, traced_parts: int = 0):
         """y, x (b, l, h, p) → o_proj(gate/norm(y + D·x))."""
         if self.D is not None:
             y = y + self.D[:, None].to(y.dtype) * x
@@ -172,7 +173,7 @@ class Mamba2Mixer(AttentionLikeMixer):
             y = self.norm(y, z)
         elif z is not None:
             y = y * F.silu(z)
-        return self.o_proj(y)
+        return call_linear(self.o_proj, y, traced_parts)
 
     # -- forward forms ---------------------------------------------------------------------
     def forward_quadratic(self, hidden_states, position_embeddings=None, mask=None):
@@ -189,52 +190,45 @@ class Mamba2Mixer(AttentionLikeMixer):
             M = M * dt.transpose(1, 2)[:, :, None, :].to(M.dtype)
         return self._output(y, x, hidden_states), M
 
-    def decode_math(self, u, position_embeddings, states: dict, seen: int | None = None):
-        """``decode_step``'s computation without the cache bookkeeping: (output, {state name: new
-        state}); the old states are kept (a rollback snapshot may hold them)."""
+    def step(self, u, position_embeddings, states: dict, mask=None, seen: int | None = None, traced_parts: int = 0):
+        """One token against the carried states (see ``AttentionLikeMixer``): (output, {state name:
+        new state}); the old states are kept (a rollback snapshot may hold them)."""
         new = {}
-        inputs = self.project_inputs(u)
+        inputs = self.project_inputs(u, traced_parts)
         xbc = self._xbc(u, position_embeddings, inputs)  # (b, 1, c)
+        m = None if mask is None else mask.to(torch.float32).view(-1, 1, 1)
+        if m is not None:  # a padded token enters the conv window as 0 (as the chunked form)
+            xbc = xbc * m.to(xbc.dtype)
         if self.conv is not None:
             xbc, new["conv"] = causal_conv1d_step(xbc[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation)
             xbc = xbc[:, None]
         self._emit_bc(xbc)
         x, B, C = self._split(xbc)  # (b, 1, h, ·)
         a, dt = self._decay(u, inputs)
-        x_in = x if dt is None else x * dt[..., None].to(x.dtype)
-        y, new["ssm"] = ssd_decode(x_in[:, 0].float(), a[:, 0].float(), B[:, 0].float(), C[:, 0].float(), states["ssm"])
-        return self._output(y.to(x.dtype)[:, None], x, u, inputs), new
+        x_in = x.float() if dt is None else x.float() * dt[..., None]
+        if m is not None:  # and leaves the state alone: decay 1, no input
+            a, x_in = a * m, x_in * m[..., None]
+        y, new["ssm"] = ssd_step(x_in[:, 0], a[:, 0].float(), B[:, 0].float(), C[:, 0].float(), states["ssm"])
+        return self._output(y.to(x.dtype)[:, None], x, u, inputs, traced_parts), new
 
-    def can_decode_step(self, layer) -> bool:
-        """Can ``decode_step`` take one unpadded token with this cache layer?"""
-        return "ssm" in layer.states
+    def can_step(self, layer) -> bool:
+        return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
 
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
         layer = self.cache_layer(kwargs)
-        if l == 1 and layer is not None and self.can_decode_step(layer) and self.padding_mask(1) is None:
-            return self.decode_step(hidden_states, position_embeddings, layer), None
+        if l == 1 and layer is not None and self.can_step(layer):
+            return self.step_layer(hidden_states, position_embeddings, layer, self.padding_mask(1)), None
         states = {} if layer is None else layer.states
         mask = self.padding_mask(l)
         inputs = self.project_inputs(hidden_states)
         xbc = self._xbc(hidden_states, position_embeddings, inputs)
-        decode = l == 1 and "ssm" in states
-        if decode and mask is not None:
-            xbc = xbc * mask[:, :, None].to(xbc.dtype)
-        xbc, conv_state = apply_conv(self.conv, xbc, states, mask, decode, self.conv_activation)
+        xbc, conv_state = apply_conv(self.conv, xbc, states, mask, self.conv_activation)
         self._emit_bc(xbc)
         x, B, C = self._split(xbc)
         a, dt = self._decay(hidden_states, inputs)
         x_in = x if dt is None else x * dt[..., None].to(x.dtype)
-        a = a.to(x.dtype)
-        if decode:
-            if mask is not None:  # a padded step leaves the state alone
-                a = a * mask[:, :, None].to(a.dtype)
-                x_in = x_in * mask[:, :, None, None].to(x_in.dtype)
-            y, ssm = ssd_step(x_in[:, 0], a[:, 0], B[:, 0], C[:, 0], states["ssm"])
-            y = y[:, None]
-        else:
-            y, ssm = ssd_chunked(x_in, a, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
+        y, ssm = ssd_chunked(x_in, a.to(x.dtype), B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
         store_states(layer, ssm, conv_state, l)
         return self._output(y, x, hidden_states, inputs), None
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn2ssm.errors import ConfigError
-from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
+from attn2ssm.ops.conv import causal_conv1d
 
 # SiLU(b) = b·σ(b) = 1 at b ≈ 1.27846: a zero-weight gate with this bias multiplies by exactly 1.
 GATE_IDENTITY_BIAS = 1.2784645427610738
@@ -169,14 +169,12 @@ def init_shared_parameters(mixer) -> None:
         mixer.D.fill_(mixer.D_init)
 
 
-def apply_conv(conv: CausalConv | None, x, states: dict, mask, decode: bool, activation):
-    """x (b, l, c) through the mixer's causal conv: one step against ``states["conv"]`` when
-    decoding, else the whole block from it. Returns (x, new conv state or None without a conv)."""
+def apply_conv(conv: CausalConv | None, x, states: dict, mask, activation):
+    """x (b, l, c) through the mixer's causal conv, continuing from ``states["conv"]`` if there is
+    one. Returns (x, new conv state or None without a conv). (A one-token ``step`` calls
+    ``causal_conv1d_step`` itself.)"""
     if conv is None:
         return x, None
-    if decode:
-        y, conv_state = causal_conv1d_step(x[:, 0], conv.weight, conv.bias, states["conv"], activation=activation)
-        return y[:, None], conv_state
     return causal_conv1d(x, conv.weight, conv.bias, state=states.get("conv"), mask=mask, activation=activation)
 
 

@@ -83,23 +83,13 @@ def linear_attention_chunked(
     return out.to(dtype), LinearAttentionState(kv, k_sum)
 
 
-def linear_attention_step(q, k, v, state: LinearAttentionState, *, eps: float = 1e-6):
-    """One decode step: q, k (b, h, f), v (b, h, d). Returns (out (b, h, d), new state)."""
+def linear_attention_step(q, k, v, state: LinearAttentionState, *, eps: float = 1e-6, inplace: bool = False):
+    """One decode step: q, k (b, h, f), v (b, h, d). Returns (out (b, h, d) in v's dtype, new
+    state). In the fewest ops (decode speed): the state update is one batched rank-1 update, the
+    numerator and denominator one batched matmul each. ``inplace``: the new state is written into
+    ``state``'s tensors (no allocation; a decode step's cache owns them), else the old state is kept."""
     dtype = v.dtype
     q, k, v = q.float(), k.float(), v.float()
-    kv = state.kv + k[..., :, None] * v[..., None, :]
-    k_sum = state.k_sum + k
-    num = (q[..., None, :] @ kv).squeeze(-2)  # (b, h, d)
-    den = (q * k_sum).sum(-1, keepdim=True)
-    return (num / (den + eps)).to(dtype), LinearAttentionState(kv, k_sum)
-
-
-def linear_attention_decode(q, k, v, state: LinearAttentionState, *, eps: float = 1e-6, inplace: bool = False):
-    """``linear_attention_step`` in the fewest ops (decode speed): q, k (b, h, f), v (b, h, d),
-    all float32. The state update is one batched rank-1 update, the numerator and denominator
-    one batched matmul each. Returns (out (b, h, d) float32, new state). ``inplace``: the new
-    state is written into ``state``'s tensors (no allocation; a decode step's cache owns them),
-    else the old state is kept."""
     b, h, f = q.shape
     d = v.shape[-1]
     k_col, v_row = k.reshape(b * h, f, 1), v.reshape(b * h, 1, d)
@@ -107,13 +97,13 @@ def linear_attention_decode(q, k, v, state: LinearAttentionState, *, eps: float 
         kv = state.kv.view(b * h, f, d).baddbmm_(k_col, v_row)
         k_sum = state.k_sum.add_(k)
     else:
-        kv = torch.baddbmm(state.kv.view(b * h, f, d), k_col, v_row)
+        kv = torch.baddbmm(state.kv.reshape(b * h, f, d), k_col, v_row)
         k_sum = state.k_sum + k
     qf = q.reshape(b * h, 1, f)
     num = torch.bmm(qf, kv)  # (b·h, 1, d)
-    den = torch.bmm(qf, k_sum.view(b * h, f, 1))  # (b·h, 1, 1)
-    out = num.div_(den.add_(eps))
-    return out.view(b, h, d), (state if inplace else LinearAttentionState(kv.view(b, h, f, d), k_sum))
+    den = torch.bmm(qf, k_sum.reshape(b * h, f, 1))  # (b·h, 1, 1)
+    out = num.div_(den.add_(eps)).view(b, h, d)
+    return (out if dtype == torch.float32 else out.to(dtype)), (state if inplace else LinearAttentionState(kv.view(b, h, f, d), k_sum))
 
 
 def linear_attention_recurrent(q, k, v, mask=None, state: LinearAttentionState | None = None, *, eps: float = 1e-6):

@@ -11,7 +11,7 @@ equal (fp32, 1e-5):
 * ``ssd_quadratic`` materialises M (b, h, l, l) — for distillation losses against attention maps;
 * ``ssd_chunked`` the SSD algorithm (quadratic inside chunks, states carried across them) —
   training and prefill, O(l·C·(n + p) + l·n·p); dispatches to ``mamba_ssm`` on CUDA;
-* ``ssd_step`` one token against the state — decode;
+* ``ssd_step`` one token against the state — decode (every mixer's one-token step);
 * ``ssd_sequential`` the per-token loop over ``ssd_step`` — the plain reference.
 
 ``mask`` (b, l): 1 = real token, 0 = padding. A padded token leaves the state unchanged (decay 1,
@@ -134,28 +134,23 @@ def ssd_chunked(x, a, B, C, mask=None, D=None, state=None, chunk_size: int = 64,
 
 
 def ssd_step(x, a, B, C, state=None, D=None):
-    """One token: x (b, h, p), a (b, h), B, C (b, h, n), state (b, h, p, n) or None.
-    Returns (y (b, h, p), new state (b, h, p, n))."""
+    """One token: x (b, h, p), a (b, h), B, C (b, h, n), state (b, h, p, n) or None (zeros).
+    Returns (y (b, h, p) in x's dtype, new state (b, h, p, n) float32); the old state is kept
+    (a rollback snapshot may hold it). In the fewest ops (decode speed): the state update is one
+    ``addcmul``, the readout one batched matmul."""
     dtype = x.dtype
     x, a, B, C = x.float(), a.float(), B.float(), C.float()
-    if state is None:
-        state = x.new_zeros(*x.shape, B.shape[-1])
-    state = torch.exp(a)[..., None, None] * state.float() + x[..., :, None] * B[..., None, :]
-    y = (state @ C[..., None]).squeeze(-1)
-    if D is not None:
-        y = y + _skip(D, x)
-    return y.to(dtype), state
-
-
-def ssd_decode(x, a, B, C, state):
-    """``ssd_step`` in the fewest ops (decode speed), all float32 and a state given: x (b, h, p),
-    a (b, h), B, C (b, h, n), state (b, h, p, n). Returns (y (b, h, p), new state); the old
-    state is kept (a rollback snapshot may hold it)."""
     b, h, p = x.shape
     n = B.shape[-1]
-    state = torch.addcmul(torch.exp(a)[..., None, None] * state, x[..., :, None], B[..., None, :])
-    y = torch.bmm(state.view(b * h, p, n), C.reshape(b * h, n, 1))
-    return y.view(b, h, p), state
+    inp = x[..., :, None]
+    if state is None:
+        state = inp * B[..., None, :]
+    else:
+        state = torch.addcmul(torch.exp(a)[..., None, None] * state.float(), inp, B[..., None, :])
+    y = torch.bmm(state.reshape(b * h, p, n), C.reshape(b * h, n, 1)).view(b, h, p)
+    if D is not None:
+        y = y + _skip(D, x)
+    return (y if y.dtype == dtype else y.to(dtype)), state
 
 
 def ssd_sequential(x, a, B, C, mask=None, D=None, state=None):

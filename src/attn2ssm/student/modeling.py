@@ -121,7 +121,7 @@ class Attn2SSMPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """HF save (safetensors) plus the flattened modeling code, ``auto_map`` and a model card
         (README.md, see student/card.py)."""
-        from attn2ssm.ops.layout import standard_layout
+        from attn2ssm.mixers.fusion import standard_layout
         from attn2ssm.student.card import write_student_card
         from attn2ssm.student.export import auto_map, write_remote_code
 
@@ -262,25 +262,15 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
             return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
-    # -- one-token decode plan (CPU decode mode) -------------------------------------------------
+    # -- one-token decode plan (CPU decode mode, attn2ssm.decode) ---------------------------------
+    # The plan is built by attn2ssm.decode and kept in this model's __dict__; forward only asks it
+    # ``usable`` and calls it. ``enable_decode_plan`` is the user's entry point, deferring to
+    # ``attn2ssm.decode.plan.enable_decode_plan`` (the one place student code reaches decode).
     def enable_decode_plan(self, compile: bool = False) -> bool:
-        """Build a ``DecodePlan`` (called by ``cpu_decode_layout``). False, with the reason in
-        ``decode_plan_reason``, when this student's structure does not allow one. ``compile``:
-        its layers also run as one ``torch.compile``d function (student/compiled_step.py; the
-        reason it cannot, if so, in ``compiled_step_reason``). True when something was added."""
-        from attn2ssm.student.decode_plan import DecodePlan
+        """Build a ``DecodePlan`` (see ``attn2ssm.decode.plan.enable_decode_plan``)."""
+        from attn2ssm.decode.plan import enable_decode_plan
 
-        plan, added = self.__dict__.get("_decode_plan"), False
-        if plan is None:
-            plan, self.decode_plan_reason = DecodePlan.build(self)
-            self.__dict__["_decode_plan"] = plan
-            added = plan is not None
-        if compile and plan is None:
-            self.compiled_step_reason = f"no decode plan: {self.decode_plan_reason}"
-        elif compile and plan.compiled is None:
-            self.compiled_step_reason = plan.compile_step()
-            added = added or plan.compiled is not None
-        return added
+        return enable_decode_plan(self, compile=compile)
 
     def disable_decode_plan(self) -> bool:
         return self.__dict__.pop("_decode_plan", None) is not None

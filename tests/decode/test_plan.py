@@ -8,9 +8,9 @@ from tiny_models import tiny_model, tiny_student
 from torch import nn
 
 from attn2ssm.mixers.registry import MIXERS
-from attn2ssm.ops.layout import cpu_decode_layout, undo_cpu_decode_layout
+from attn2ssm.decode.layout import cpu_decode_layout, undo_cpu_decode_layout
 from attn2ssm.student.cache import _map_state
-from attn2ssm.student.decode_plan import DecodePlan
+from attn2ssm.decode.plan import DecodePlan
 
 
 @pytest.fixture

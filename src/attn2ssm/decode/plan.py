@@ -31,8 +31,9 @@ recording, no hooks on the modules whose ``__call__`` it skips, every module sti
 was (a LoRA wrap or a replaced layer turns it off), no outputs besides logits requested. Tests
 hold its logits equal to HF's forward for every mixer kind.
 
-Built by ``cpu_decode_layout`` (``Attn2SSMForCausalLM.enable_decode_plan``); dropped by
-``undo_cpu_decode_layout``.
+Each mixer runs its one ``step`` (the same function its forward runs for a one-token call).
+Built by ``cpu_decode_layout`` (``enable_decode_plan`` below, also reachable as
+``Attn2SSMForCausalLM.enable_decode_plan``); dropped by ``undo_cpu_decode_layout``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from attn2ssm.decode.layout import mlp_forward
 from attn2ssm.hf_compat import CACHE_KWARG
+from attn2ssm.mixers.fusion import call_linear
 
 _PRE_NORM = ("input_layernorm", "post_attention_layernorm", "mlp")
 _SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm")
@@ -100,10 +103,11 @@ class Step(NamedTuple):
     rope: int | None
 
 
-def run_layer(step: Step, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The rest of a layer once its mixer gave y for input x (the eager plan and the compiled step share it)."""
+def run_layer(step: Step, x: torch.Tensor, y: torch.Tensor, traced_parts: int = 0) -> torch.Tensor:
+    """The rest of a layer once its mixer gave y for input x (the eager plan and the compiled step
+    share it; ``traced_parts``: see ``AttentionLikeMixer.step``)."""
     x = x + (y if step.mixer_norm is None else step.mixer_norm.forward(y))
-    h = step.mlp.forward(step.mlp_norm_in.forward(x))
+    h = mlp_forward(step.mlp, step.mlp_norm_in.forward(x), traced_parts)
     return x + (h if step.mlp_norm_out is None else step.mlp_norm_out.forward(h))
 
 
@@ -139,15 +143,15 @@ class DecodePlan:
             name = next((n for n, m in parent.named_children() if m is module), None)
             if name is not None:
                 self.placed.append((parent, name, module))
-        self.stepping = {type(m) for m in mixers.values() if hasattr(m, "decode_math")}  # mixer kinds with a one-token step
+        self.stepping = {type(m) for m in mixers.values() if callable(getattr(m, "step", None))}  # mixer kinds with a one-token step
         # modules whose __call__ (and so whose hooks) the plan skips: they must have none
         self.skipped = [model, self.base, inner, *layers] + [m for _, _, m in self.placed if not isinstance(m, nn.ModuleList)]
         self.compiled = None  # a CompiledStep (opt-in: ``compile_step``)
 
     def compile_step(self, backend=None) -> str:
         """Run the layers through one ``torch.compile``d function from the next step on
-        (student/compiled_step.py). Returns "" or why not."""
-        from attn2ssm.student.compiled_step import CompiledStep
+        (decode/compiled.py). Returns "" or why not."""
+        from attn2ssm.decode.compiled import CompiledStep
 
         if self.compiled is None:
             self.compiled, reason = CompiledStep.build(self, backend)
@@ -272,9 +276,9 @@ class DecodePlan:
             return f"{type(self.base).__name__}'s logits are not lm_head(norm(embed_tokens(ids))) (soft-capped as its config says) around its layers"
         return None
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, traced_parts: int = 0) -> torch.Tensor:
         """lm_head(norm(x)), tanh soft-capped where the config asks for it (Gemma 2)."""
-        logits = self.head(self.norm.forward(x))
+        logits = call_linear(self.head, self.norm.forward(x), traced_parts)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -320,9 +324,28 @@ class DecodePlan:
             mixer = step.mixer
             h = step.norm_in.forward(x)
             pe = None if step.rope is None else pes[step.rope]
-            if mixer.__class__ in self.stepping and mixer.can_decode_step(layer):
-                y = mixer.decode_step(h, pe, layer)
+            if mixer.__class__ in self.stepping and mixer.can_step(layer):
+                y = mixer.step_layer(h, pe, layer)
             else:
                 y = mixer.forward(h, position_embeddings=pe, cache=cache)[0]
             x = run_layer(step, x, y)
         return CausalLMOutputWithPast(logits=self.logits(x), **{CACHE_KWARG: cache})
+
+
+def enable_decode_plan(model, compile: bool = False) -> bool:
+    """Build ``model``'s ``DecodePlan`` (an ``Attn2SSMForCausalLM``; kept in its ``__dict__``, where
+    its forward looks for it). False, with the reason in ``model.decode_plan_reason``, when its
+    structure does not allow one. ``compile``: its layers also run as one ``torch.compile``d
+    function (decode/compiled.py; the reason it cannot, if so, in ``model.compiled_step_reason``).
+    True when something was added."""
+    plan, added = model.__dict__.get("_decode_plan"), False
+    if plan is None:
+        plan, model.decode_plan_reason = DecodePlan.build(model)
+        model.__dict__["_decode_plan"] = plan
+        added = plan is not None
+    if compile and plan is None:
+        model.compiled_step_reason = f"no decode plan: {model.decode_plan_reason}"
+    elif compile and plan.compiled is None:
+        model.compiled_step_reason = plan.compile_step()
+        added = added or plan.compiled is not None
+    return added

@@ -4,17 +4,18 @@ With the one-token ``DecodePlan`` a pure student's step on the 2-core CPU is ~28
 weight streaming (538 MB for the built-in teacher's students) and ~15-20 ms of ~1,000 small
 eager ops and the Python around them. Compiled (inductor), the small ops become a few fused C++
 loops and the Python runs once at trace time; the matmuls stay the same row-block products
-(``ops/layout.rows_linear``). Measured on the built-in teacher's students: ~37-42 ms a token
+(``ops/rows.rows_linear``). Measured on the built-in teacher's students: ~37-42 ms a token
 instead of ~45-60 (``benchmarks/results/generate_speed.json``, ``--compile``).
 
-What is traced is the plan's own code: the layers' norms and MLPs and each mixer's
-``decode_math`` (the same function the eager step runs, tests hold them equal), with
-``ops.layout.traced_parts`` telling it that the fusions were checked just before the call
-(their storage-pointer checks cannot be traced) and how many row blocks the products use.
+What is traced is the plan's own code: the layers' norms and MLPs and each mixer's ``step``
+(the same function the eager step and the mixer's forward run; tests hold them equal), called
+with ``traced_parts`` = the thread count: an explicit argument telling it that the fusions were
+checked just before the call (their storage-pointer checks cannot be traced), how many row blocks
+the products use, and that states come back new (no in-place update inside a graph).
 The cache bookkeeping (new states stored, token counts) stays outside, in Python.
 
 Used by the plan only when everything the trace assumed still holds: every fusion valid (checked
-before each call), every mixer able to trace its step for the cache (``can_trace_decode``), the
+before each call), every mixer able to trace its step for the cache (``can_trace_step``), the
 thread count the trace was made for. Otherwise the plan runs its eager step. A first call traces
 and compiles (about a minute on the 2-core CPU; a few seconds once inductor's on-disk cache has
 it); dynamo re-traces if a module it read was replaced (e.g. fusions rebuilt after ``.to()``)
@@ -31,8 +32,8 @@ import types
 
 import torch
 
-from attn2ssm.ops.layout import FUSION_KEYS, tracing_parts
-from attn2ssm.student.decode_plan import run_layer
+from attn2ssm.decode.plan import run_layer
+from attn2ssm.mixers.fusion import FUSION_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class CompiledStep:
             return None, "no decode plan"
         missing = [type(step.mixer).__name__ for step in plan.steps if type(step.mixer) not in plan.stepping]
         if missing:
-            return None, f"{missing[0]} has no traceable one-token step (decode_math); it decodes eagerly"
+            return None, f"{missing[0]} has no one-token step; it decodes eagerly"
         return cls(plan, backend), ""
 
     # -- the traced function ---------------------------------------------------------------
@@ -70,13 +71,13 @@ class CompiledStep:
         new = []
         for step, layer_states in zip(self.plan.steps, states):
             pe = None if step.rope is None else pes[step.rope]
-            y, updated = step.mixer.decode_math(step.norm_in.forward(x), pe, layer_states)
+            y, updated = step.mixer.step(step.norm_in.forward(x), pe, layer_states, traced_parts=self.parts)
             new.append(updated)
-            x = run_layer(step, x, y)
+            x = run_layer(step, x, y, self.parts)
         # contiguous states: the next call's inputs then match this trace's (a conv state comes out
         # of the step as a strided view of its window; the prefill's is contiguous)
         new = [{k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in d.items()} for d in new]
-        return self.plan.logits(x), new
+        return self.plan.logits(x, self.parts), new
 
     # -- running ---------------------------------------------------------------------------
     def ready(self, cache) -> bool:
@@ -88,7 +89,7 @@ class CompiledStep:
             if fusion is not None and not fusion.valid():
                 return False
         for step in self.plan.steps:
-            if not step.mixer.can_trace_decode(cache.mixer_layer(step.index)):
+            if not step.mixer.can_trace_step(cache.mixer_layer(step.index)):
                 return False
         return True
 
@@ -104,8 +105,7 @@ class CompiledStep:
             )
             start = time.perf_counter()
         try:
-            with tracing_parts(self.parts):
-                logits, new = self.fn(x, pes, [layer.states for layer in layers])
+            logits, new = self.fn(x, pes, [layer.states for layer in layers])
         except Exception as exc:  # noqa: BLE001 - any trace/compile failure: run eagerly from now on
             self.failed = f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             self.plan.model.compiled_step_reason = self.failed

@@ -1,6 +1,6 @@
 """The compiled decode step (opt-in ``cpu_decode_layout(model, compile=True)``): the plan's
 layers traced into one function give the logits and states of the eager plan (itself held equal
-to HF's forward in test_decode_plan.py), trace once, step aside whenever what the trace assumed
+to HF's forward in test_plan.py), trace once, step aside whenever what the trace assumed
 no longer holds, and turn themselves off, losing nothing, when tracing fails.
 
 Most tests trace with a counting dynamo backend that runs the traced graph eagerly (seconds);
@@ -12,11 +12,11 @@ from tiny_models import tiny_student
 from torch import nn
 
 from attn2ssm.mixers.linear_attention import LinearAttentionMixer
-from attn2ssm.ops.layout import cpu_decode_layout, undo_cpu_decode_layout
+from attn2ssm.decode.layout import cpu_decode_layout, undo_cpu_decode_layout
 from attn2ssm.student.cache import _map_state
-from attn2ssm.student.compiled_step import CompiledStep
+from attn2ssm.decode.compiled import CompiledStep
 
-KINDS = [("linear_attention", {"feature_map": "hedgehog"}), ("linear_attention", None), ("mamba", None), ("mamba2", None)]
+KINDS = [("linear_attention", {"feature_map": "hedgehog"}), ("linear_attention", None), ("mamba", None), ("mamba2", None), ("hedgemamba", None)]
 
 
 class CountingBackend:
@@ -173,14 +173,14 @@ def test_a_failing_trace_turns_the_compiled_step_off_and_loses_no_token(monkeypa
     ids = _ids()
     cache_c, token = _prefill(compiled, ids)
     cache_e, _ = _prefill(eager, ids)
-    original = LinearAttentionMixer.decode_math
+    original = LinearAttentionMixer.step
 
     def untraceable(self, hidden_states, *args, **kwargs):
         if torch.compiler.is_compiling():
             torch._dynamo.graph_break()  # fullgraph=True: a break fails the trace
         return original(self, hidden_states, *args, **kwargs)
 
-    monkeypatch.setattr(LinearAttentionMixer, "decode_math", untraceable)
+    monkeypatch.setattr(LinearAttentionMixer, "step", untraceable)
     got = _steps(compiled, cache_c, token, 3)
     want = _steps(eager, cache_e, token, 3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
