@@ -493,7 +493,12 @@ class Distiller:
         run = self._setup_stage(stage_idx, resume_payload)
         cfg = run.cfg
         if self.is_main:
-            shape = f"{cfg.batch_size} examples (≤ {run.seq_len} tokens)" if run.dataset is not None else f"{cfg.batch_size} × {run.seq_len} tokens"
+            if self.images is not None:
+                shape = f"{cfg.batch_size} images"
+            elif run.dataset is not None:
+                shape = f"{cfg.batch_size} examples (≤ {run.seq_len} tokens)"
+            else:
+                shape = f"{cfg.batch_size} × {run.seq_len} tokens"
             n_train = sum(p.numel() for p in run.params)
             print(f"[stage {stage_idx + 1}/{len(self.recipe.stages)}] {cfg.name} ({cfg.kind}): {run.steps} steps × {shape}, "
                   f"{n_train / 1e6:.2f}M trainable params in {run.n_trainable_tensors} tensors")
