@@ -245,8 +245,11 @@ def cmd_generate(args) -> int:
         return 0
     from attn2ssm.generation.speculative import speculative_generate
 
-    draft, _ = load_model_and_tokenizer(args.draft)
-    cpu_decode_layout(draft)
+    if args.draft.startswith("ngram"):
+        draft = args.draft  # prompt lookup: no model
+    else:
+        draft, _ = load_model_and_tokenizer(args.draft)
+        cpu_decode_layout(draft)
     out = speculative_generate(
         model,
         draft,
@@ -263,7 +266,7 @@ def cmd_generate(args) -> int:
     )
     s = out.stats
     print(
-        f"[speculative] {s.generated} tokens in {s.rounds} verifier forwards ({s.tokens_per_round:.2f} per forward); "
+        f"[speculative] {s.generated} tokens in {s.rounds} target forwards ({s.tokens_per_round:.2f} per forward); "
         f"draft acceptance {s.acceptance_rate:.1%} ({s.accepted}/{s.drafted}); "
         f"draft {s.draft_seconds:.1f}s, verify {s.verify_seconds:.1f}s",
         file=sys.stderr,
@@ -307,7 +310,7 @@ def _llama_cpp_bench_args(args, models: tuple[str, ...]) -> tuple[str, ...]:
     other = [m for m in models if m != "teacher" and m not in LLAMA_CPP_STUDENTS]
     if other:
         raise ConfigError(f"--backend llama.cpp cannot run {other}: only Mamba-2 students export to GGUF", f"choose from teacher, {', '.join(LLAMA_CPP_STUDENTS)}")
-    for flag, value in (("--draft", args.draft), ("--compile", args.compile), ("--device", args.device not in (None, "cpu"))):
+    for flag, value in (("--spec", args.spec), ("--draft", args.draft), ("--compile", args.compile), ("--device", args.device not in (None, "cpu"))):
         if value:
             raise ConfigError(f"{flag} is for the torch backend", f"drop {flag} with --backend llama.cpp (it decodes on the CPU)")
     quants = tuple(q.strip() for q in (args.quant or "q8_0,f16").split(",") if q.strip())
@@ -317,6 +320,33 @@ def _llama_cpp_bench_args(args, models: tuple[str, ...]) -> tuple[str, ...]:
     converter_dir()  # missing converter or runtime: one line naming make llama-cpp
     load_runtime()
     return quants
+
+
+def _spec_bench_args(args) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """--spec's targets (NAME or NAME=DIR) and drafters checked before anything loads."""
+    from attn2ssm.generation.bench import STUDENTS, BenchSettings
+
+    if not args.spec:
+        if args.draft or args.spec_targets or args.spec_drafters:
+            raise ConfigError("--draft, --spec-targets and --spec-drafters are for the speculative benchmark", "add --spec")
+        return BenchSettings.spec_targets, BenchSettings.spec_drafters
+    targets = tuple(t.strip() for t in (args.spec_targets or "mamba2,hybrid25").split(",") if t.strip())
+    for item in targets:
+        name, sep, path = item.partition("=")
+        if sep and not (Path(path) / "config.json").exists():
+            raise CheckpointError(f"--spec-targets {item}: {path} has no config.json", "point NAME=DIR at a student directory (e.g. runs/quality/hybrid25-65536/student)")
+        if not sep and name not in STUDENTS:
+            raise ConfigError(f"--spec-targets names an unknown student {name!r}", f"use NAME=DIR for a trained student, or one of {', '.join(STUDENTS)}")
+    drafters = tuple(d.strip() for d in (args.spec_drafters if args.spec_drafters is not None else "ngram").split(",") if d.strip())
+    bad = [d for d in drafters if d.partition(":")[0] != "ngram" or not (d.partition(":")[2] or "3").isdigit()]
+    if bad:
+        raise ConfigError(f"--spec-drafters {bad}", "use ngram or ngram:N (prompt lookup of the last N..1 tokens); model drafts go in --draft DIR")
+    for path in args.draft or ():
+        if not (Path(path) / "config.json").exists():
+            raise CheckpointError(f"--draft {path} has no config.json", "point it at a student directory (e.g. runs/draft_shallow/student)")
+    if not drafters and not args.draft:
+        raise ConfigError("--spec with no drafter", "keep --spec-drafters ngram or add --draft DIR")
+    return targets, drafters
 
 
 def cmd_bench_generate(args) -> int:
@@ -329,6 +359,7 @@ def cmd_bench_generate(args) -> int:
     if unknown or not models:
         raise ConfigError(f"--models {args.models!r} names unknown models {unknown}", f"choose from teacher, {', '.join(STUDENTS)}")
     quants = _llama_cpp_bench_args(args, models)
+    spec_targets, spec_drafters = _spec_bench_args(args)
     limits = {}
     for item in args.max_context or []:
         name, sep, value = item.partition("=")
@@ -341,7 +372,8 @@ def cmd_bench_generate(args) -> int:
         raise ConfigError(f"--rounds {args.rounds} must be at least 1", "use e.g. --rounds 3")
     settings = BenchSettings(
         teacher=args.teacher, contexts=_int_list("--contexts", args.contexts), models=models, new_tokens=args.new_tokens,
-        max_context=limits, draft=args.draft, spec_contexts=_int_list("--spec-contexts", args.spec_contexts),
+        max_context=limits, spec=args.spec, spec_targets=spec_targets, spec_drafters=spec_drafters, draft=tuple(args.draft or ()) or None,
+        spec_contexts=_int_list("--spec-contexts", args.spec_contexts),
         spec_ks=_int_list("--spec-k", args.spec_k), spec_new_tokens=args.spec_new_tokens, corpus=args.corpus,
         device=args.device, threads=args.threads, rounds=args.rounds, cpu_layout=not args.no_cpu_layout,
         compile_students=args.compile, backend=args.backend, quants=quants or BenchSettings.quants, flash_attn=not args.no_flash_attn,
@@ -349,17 +381,15 @@ def cmd_bench_generate(args) -> int:
     )  # fmt: skip
     if args.compile and args.no_cpu_layout:
         raise ConfigError("--compile needs the CPU decode layout", "drop --no-cpu-layout (or --compile)")
-    if args.draft:
-        resolve = Path(args.draft)
-        if not (resolve / "config.json").exists():
-            raise CheckpointError(f"--draft {args.draft} has no config.json", "point it at a student directory (e.g. runs/demo/student from 'make demo')")
     import shlex
 
-    from attn2ssm.generation.bench import plot_generate_bench, run_generate_bench
+    from attn2ssm.generation.bench import plot_generate_bench, plot_spec_bench, run_generate_bench
 
     result = run_generate_bench(settings, progress=not args.no_progress)
     result["command"] = shlex.join(["attn2ssm", *sys.argv[1:]]) if sys.argv[0].endswith(("attn2ssm", "__main__.py")) else "attn2ssm bench generate"
-    return _write_bench(result, args.out, plot_generate_bench, format_generate_bench)
+    if args.spec:
+        return _write_bench(result, args.out or "benchmarks/results/speculative.json", plot_spec_bench, format_spec_bench)
+    return _write_bench(result, args.out or "benchmarks/results/generate_speed.json", plot_generate_bench, format_generate_bench)
 
 
 def cmd_bench_quality(args) -> int:
@@ -444,11 +474,17 @@ def format_generate_bench(result: dict) -> str:
                 speedup = f" ({r['speedup_vs_teacher']:.2f}x teacher)" if "speedup_vs_teacher" in r else ""
                 cells.append(f"{r['context']}: {r['decode_tokens_per_second']:.2f}{speedup} | {r['prefill_seconds']:.1f} | {r['cache_mb']:.1f}")
         lines.append(f"  {name:<{max(9, *map(len, result['decode']))}} " + "; ".join(cells))
-    for row in result.get("speculative", {}).get("by_context", []):
-        lines.append(f"speculative @ {row['context']} (plain {row['plain_tokens_per_second']:.2f} tok/s):")
-        for r in row["by_k"]:
-            lines.append(f"  K={r['k']}: {r['tokens_per_second']:.2f} tok/s ({r['speedup']:.2f}x), acceptance {r['acceptance_rate']:.1%}, "
-                         f"{r['tokens_per_round']:.2f} tokens/forward, identical {r['identical_to_plain_greedy']}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def format_spec_bench(result: dict) -> str:
+    lines = [f"speculative decoding ({result['device']}, {result['threads']} threads), the student as target; speedup over its plain greedy decode"]
+    for row in result["speculative"]:
+        lines.append(f"{row['target']} @ {row['context']} {row['task']} (plain {row['plain_tokens_per_second']:.2f} tok/s):")
+        for name, rows in row["by_drafter"].items():
+            for r in rows:
+                lines.append(f"  {name} K={r['k']}: {r['tokens_per_second']:.2f} tok/s ({r['speedup']:.2f}x), acceptance {r['acceptance_rate']:.1%}, "
+                             f"{r['tokens_per_target_forward']:.2f} tokens/forward, identical {r['identical_to_plain_greedy']}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -579,7 +615,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--echo", action="store_true", help="print the prompt too")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--draft", default=None, help="speculative decoding: a draft model (student dir or teacher spec, same tokenizer) proposes tokens that MODEL verifies")
+    g.add_argument("--draft", default=None, help="speculative decoding: 'ngram' (prompt lookup, no model) or a draft model (student dir or teacher "
+                   "spec, same tokenizer) proposes tokens that MODEL verifies")
     g.add_argument("--num-draft-tokens", type=int, default=4, help="with --draft: tokens proposed per verifier forward")
     g.add_argument("--compile", action="store_true", help="CPU, pure students: run the decode step as one torch.compile'd function (~1.5x faster a token; the first step compiles, about a minute on 2 cores)")
     g.set_defaults(func=cmd_generate)
@@ -587,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks (generate: decode speed / memory vs context, speculative decoding; quality: the family × budget scoreboard)")
     bsub = b.add_subparsers(dest="bench", required=True)
     bg = bsub.add_parser("generate", help="decode tokens/s, prefill time and memory vs context for the teacher and students (PyTorch or llama.cpp); "
-                         "speculative decoding with --draft")
+                         "speculative decoding with the student as target with --spec")
     bg.add_argument("--teacher", default=None, help="teacher spec (default: the built-in smollm2-135m)")
     bg.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"), help="torch: the HF models in PyTorch; llama.cpp: GGUFs of the teacher "
                     "and its students (exported with export --format gguf) in llama-cpp-python, on the CPU ('make llama-cpp' installs it)")
@@ -595,9 +632,15 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768", help="context lengths (prompt tokens)")
     bg.add_argument("--max-context", action="append", metavar="MODEL=TOKENS", help="skip longer contexts for a model (repeatable), e.g. teacher=16384")
     bg.add_argument("--new-tokens", type=int, default=16, help="greedy tokens decoded per point")
-    bg.add_argument("--draft", default=None, help="a trained student directory to draft for the teacher (speculative part; skipped without it)")
+    bg.add_argument("--spec", action="store_true", help="speculative decoding with the student as the target (Mamba in the Llama §4): "
+                    "speedup over the target's plain greedy decode, acceptance, tokens per target forward (writes benchmarks/results/speculative.json)")
+    bg.add_argument("--spec-targets", default=None, help="with --spec: targets, NAME (an untrained conversion: mamba2, hybrid25, ...) or NAME=DIR "
+                    "(a trained student), comma-separated (default mamba2,hybrid25)")
+    bg.add_argument("--spec-drafters", default=None, help="with --spec: model-free drafters, ngram or ngram:N (prompt lookup; default ngram; '' for none)")
+    bg.add_argument("--draft", action="append", default=None, metavar="DIR", help="with --spec: a draft model (student directory or teacher spec "
+                    "sharing the tokenizer, e.g. a shallow student from recipes/draft_shallow.yaml); repeatable")
     bg.add_argument("--spec-contexts", default="1024,8192")
-    bg.add_argument("--spec-k", default="2,3,4,5,6")
+    bg.add_argument("--spec-k", default="2,4,6", help="with --spec: draft tokens per target forward")
     bg.add_argument("--spec-new-tokens", type=int, default=64)
     bg.add_argument("--corpus", default="sotu", help="text the prompts are cut from")
     bg.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -608,7 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--quant", default=None, help="llama.cpp: GGUF types, teacher and students alike (default q8_0,f16)")
     bg.add_argument("--gguf-dir", default=None, help="llama.cpp: keep the GGUF files here and reuse those already there (default: a temporary folder)")
     bg.add_argument("--no-flash-attn", action="store_true", help="llama.cpp: without flash attention (default on, as llama.cpp's CLI picks on CPU)")
-    bg.add_argument("--out", default="benchmarks/results/generate_speed.json", help="JSON (the PNG goes beside it); e.g. benchmarks/results/generate_speed_llama_cpp.json for llama.cpp")
+    bg.add_argument("--out", default=None, help="JSON (the PNG goes beside it); default benchmarks/results/generate_speed.json, "
+                    "speculative.json with --spec; e.g. benchmarks/results/generate_speed_llama_cpp.json for llama.cpp")
     bg.add_argument("--no-progress", action="store_true")
     bg.set_defaults(func=cmd_bench_generate)
 

@@ -1,5 +1,6 @@
 """``attn2ssm bench generate``: decode speed, prefill time and memory against context length, and
-speculative decoding (acceptance, tokens per verifier forward, wall-clock speedup) for K drafts.
+(``--spec``) speculative decoding with the student as the target (acceptance, tokens per target
+forward, speedup over the target's own plain greedy decode) for each drafter and K.
 
 What is measured, per model and context length L:
 - prefill: time from calling ``generate`` to the first new token (one forward over L tokens);
@@ -17,9 +18,15 @@ row blocks of the weight on every core, gate/up and mixer input projections fuse
 RMSNorm) unless ``cpu_layout`` is off; pure students of a Llama-structured teacher also decode
 through their one-token ``DecodePlan`` there (HF's per-layer plumbing skipped), with
 ``compile_students`` (``--compile``) as one ``torch.compile``d function (compiled before any
-timing), while the teacher runs HF's own forward with its KV cache (the reference the issue names). Speculative decoding needs a trained draft (``--draft``): both models prefill the prompt
-once, then plain greedy decoding of the verifier and speculative decoding for each K start from
-copies of those caches, so every variant decodes the same text from the same state.
+timing), while the teacher runs HF's own forward with its KV cache (the reference the issue names).
+
+Speculative decoding (``run_spec_bench``, Mamba in the Llama §4): the target is a student (a pure
+Mamba-2 and a 25 % hybrid; trained ones with ``NAME=DIR``), the drafters prompt lookup ("ngram",
+no model) and any ``--draft`` models (a shallow student). Target and draft models prefill the
+prompt once; the target's plain greedy decode (one token per forward, its fast decode path) and
+speculative decoding for each drafter and K start from copies of those caches, taking turns in
+each round, so every variant decodes the same text from the same state. Two tasks: the corpus' own
+text, and a passage the prompt asks to repeat (where lookup shines).
 
 ``backend="llama.cpp"`` measures the same rows where users run small models: each model is a GGUF in
 ``llama_cpp.Llama`` (llamacpp.py), ``threads`` threads, flash attention on (llama.cpp's own CLI picks
@@ -48,7 +55,8 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from attn2ssm.generation.speculative import _Runner, speculative_generate
+from attn2ssm.generation.drafters import Runner
+from attn2ssm.generation.speculative import speculative_generate
 from attn2ssm.hf_compat import CACHE_KWARG
 
 # name → (mixer kind, attention ratio, mixer options): the students the benchmark builds
@@ -346,49 +354,197 @@ def reference_name(name: str) -> str:
 
 
 # ------------------------------------------------------------------------------------- speculative
-@torch.no_grad()
-def measure_speculative(verifier, draft, prompt: torch.Tensor, ks: list[int], new_tokens: int) -> dict:
-    """Plain greedy decoding of ``verifier`` vs speculative decoding for each K, all from the same
-    prefilled caches; reports speed, acceptance and whether the tokens are identical."""
-    runners = _Runner(verifier), _Runner(draft)
-    t0 = time.perf_counter()
-    for runner in runners:
-        runner.feed(prompt[:, :-1], keep=1)
-    prefill = time.perf_counter() - t0
-    caches = [r.cache for r in runners]
-
-    # plain greedy decoding of the verifier, one token per forward
-    plain = _Runner(verifier)
-    plain.cache, plain.consumed = copy.deepcopy(caches[0]), prompt.shape[1] - 1
+def _plain_greedy(target, cache, prompt: torch.Tensor, new_tokens: int) -> tuple[float, list[int]]:
+    """The target's own greedy decode from a prefilled cache (all of ``prompt`` but its last
+    token), one token per forward: the path a user's ``generate`` takes (the decode plan where
+    the student has one). Returns the seconds and the tokens."""
+    plain = Runner(target)
+    plain.cache, plain.consumed = cache, prompt.shape[1] - 1
     text = prompt[0].tolist()
     start = time.perf_counter()
     for _ in range(new_tokens):
         logits = plain.feed(torch.tensor([text[plain.consumed :]], device=prompt.device), keep=1)
         text.append(int(logits[-1].argmax()))
-    plain_seconds = time.perf_counter() - start
-    reference = text[prompt.shape[1] :]
-    rows = []
-    for k in ks:
-        start = time.perf_counter()
-        out = speculative_generate(
-            verifier, draft, prompt, max_new_tokens=new_tokens, num_draft_tokens=k,
-            past_key_values=(copy.deepcopy(caches[0]), copy.deepcopy(caches[1])),
-        )  # fmt: skip
-        seconds = time.perf_counter() - start
-        tokens = out.sequences[0, prompt.shape[1] :].tolist()
-        rows.append({
-            "k": k,
-            "tokens_per_second": len(tokens) / seconds,
-            "speedup": plain_seconds / seconds * len(tokens) / new_tokens,
-            "identical_to_plain_greedy": tokens == reference[: len(tokens)],
-            **out.stats.as_dict(),
-        })  # fmt: skip
+    return time.perf_counter() - start, text[prompt.shape[1] :]
+
+
+@torch.no_grad()
+def measure_speculative(target, drafts: dict, prompt: torch.Tensor, ks: list[int], new_tokens: int, rounds: int = 1) -> dict:
+    """The target's plain greedy decode vs speculative decoding with each drafter (name → a model
+    or "ngram") at each K, every run from copies of one prefill of each model. In each of
+    ``rounds`` rounds the plain decode and every variant take turns, so a slow spell of a shared
+    machine hits all of them; times are medians over the rounds. Speedup = plain seconds / spec
+    seconds for the same number of tokens; tokens are compared with the plain decode's."""
+    t0 = time.perf_counter()
+    prefilled = {}
+    for name, draft in {"target": target, **drafts}.items():
+        if isinstance(draft, str):
+            prefilled[name] = None
+            continue
+        runner = Runner(draft)
+        runner.feed(prompt[:, :-1], keep=1)
+        prefilled[name] = runner.cache
+    prefill_seconds = time.perf_counter() - t0
+    plain_times, reference, runs = [], None, {(name, k): [] for name in drafts for k in ks}
+    for _ in range(rounds):
+        seconds, tokens = _plain_greedy(target, copy.deepcopy(prefilled["target"]), prompt, new_tokens)
+        plain_times.append(seconds)
+        reference = reference or tokens
+        for name, draft in drafts.items():
+            for k in ks:
+                caches = copy.deepcopy(prefilled["target"]), copy.deepcopy(prefilled[name])
+                start = time.perf_counter()
+                out = speculative_generate(target, draft, prompt, max_new_tokens=new_tokens, num_draft_tokens=k, past_key_values=caches)
+                runs[name, k].append((time.perf_counter() - start, out))
+    plain = _quantile(plain_times, 0.5)
+    by_drafter = {}
+    for name in drafts:
+        rows = []
+        for k in ks:
+            seconds = _quantile([t for t, _ in runs[name, k]], 0.5)
+            out = runs[name, k][0][1]
+            tokens = out.sequences[0, prompt.shape[1] :].tolist()
+            rows.append({
+                "k": k,
+                "seconds": seconds,
+                "seconds_all": [round(t, 4) for t, _ in runs[name, k]],
+                "tokens_per_second": len(tokens) / seconds,
+                "speedup": plain / seconds * len(tokens) / new_tokens,
+                "tokens_per_target_forward": out.stats.tokens_per_round,
+                "identical_to_plain_greedy": all(r.sequences[0, prompt.shape[1] :].tolist() == reference[: len(tokens)] for _, r in runs[name, k]),
+                **out.stats.as_dict(),
+            })  # fmt: skip
+        by_drafter[name] = rows
     return {
         "context": prompt.shape[1],
-        "prefill_seconds_both": prefill,
-        "plain_tokens_per_second": new_tokens / plain_seconds,
-        "by_k": rows,
+        "prefill_seconds": prefill_seconds,
+        "plain_seconds": plain,
+        "plain_seconds_all": [round(t, 4) for t in plain_times],
+        "plain_tokens_per_second": new_tokens / plain,
+        "plain_tokens": reference,
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "by_drafter": by_drafter,
     }
+
+
+COPY_INSTRUCTION = "\n\nRepeat the passage above word for word.\n\n"
+COPY_PASSAGE, COPY_PRIMER = 256, 8
+
+
+def copy_prompt(tokenizer, corpus: str, length: int, device) -> tuple[torch.Tensor, list[int]]:
+    """A prompt where prompt lookup should shine: ``length`` tokens ending in a passage of the
+    corpus, an instruction to repeat it and the passage's first ``COPY_PRIMER`` tokens; returns
+    it and the passage's rest (what a faithful copy continues with)."""
+    instruction = tokenizer(COPY_INSTRUCTION, add_special_tokens=False)["input_ids"]
+    filler = length - COPY_PASSAGE - len(instruction) - COPY_PRIMER
+    if filler < 0:
+        raise ValueError(f"a copy prompt needs at least {length - filler} tokens, not {length}")
+    ids = _prompt_ids(tokenizer, corpus, filler + COPY_PASSAGE, device)[0].tolist()
+    passage = ids[filler:]
+    prompt = ids[:filler] + passage + instruction + passage[:COPY_PRIMER]
+    return torch.tensor([prompt], device=device), passage[COPY_PRIMER:]
+
+
+def _spec_targets(teacher, names: tuple[str, ...], device) -> dict:
+    """name → target: ``NAME=DIR`` loads a trained student, a bare name converts an untrained
+    one from ``STUDENTS``."""
+    from attn2ssm.teachers import load_model_and_tokenizer
+
+    targets, untrained = {}, [n for n in names if "=" not in n]
+    targets.update(build_models(teacher, untrained, device))
+    for item in names:
+        name, sep, path = item.partition("=")
+        if sep:
+            model, _ = load_model_and_tokenizer(path)
+            targets[name] = model.to(device).eval()
+    return {n.partition("=")[0]: targets[n.partition("=")[0]] for n in names}
+
+
+def run_spec_bench(settings: "BenchSettings", progress: bool = True) -> dict:
+    """``bench generate --spec``: each target (a pure Mamba-2 and a 25 % hybrid student) with each
+    drafter (prompt lookup, and ``--draft`` models), at each context, on two tasks: the corpus'
+    own text (``continue``) and a passage to repeat (``copy``), where lookup should shine."""
+    from tqdm.auto import tqdm
+
+    from attn2ssm.eval.report import environment
+    from attn2ssm.teachers import load_model_and_tokenizer, load_teacher
+
+    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    teacher, tokenizer, _ = load_teacher(settings.teacher, device=device)
+    targets = _spec_targets(teacher, settings.spec_targets, device)
+    drafts: dict = {name: name for name in settings.spec_drafters}
+    for path in settings.draft or ():
+        model, _ = load_model_and_tokenizer(path)
+        drafts[f"model:{Path(path).name if Path(path).name != 'student' else Path(path).parent.name}"] = model.to(device).eval()
+    if settings.cpu_layout and device.type == "cpu":
+        from attn2ssm.decode.layout import cpu_decode_layout
+
+        for model in [*targets.values(), *(d for d in drafts.values() if not isinstance(d, str))]:
+            cpu_decode_layout(model)
+    longest = max(settings.spec_contexts)
+    text = _prompt_ids(tokenizer, settings.corpus, longest, device)
+    rows = []
+    points = [(t, length, task) for t in targets for length in settings.spec_contexts for task in ("continue", "copy")]
+    bar = tqdm(points, desc="speculative", disable=not progress, file=sys.stderr)
+    for target_name, length, task in bar:
+        bar.set_postfix_str(f"{target_name} @ {length} {task}")
+        if task == "copy":
+            prompt, passage = copy_prompt(tokenizer, settings.corpus, length, device)
+        else:
+            prompt, passage = text[:, :length], None
+        row = measure_speculative(targets[target_name], drafts, prompt, list(settings.spec_ks), settings.spec_new_tokens, settings.rounds)
+        if passage is not None:
+            plain = row["plain_tokens"]
+            row["plain_copies_passage"] = sum(a == b for a, b in zip(plain, passage)) / len(plain)
+        rows.append({"target": target_name, "task": task, **row})
+    return {
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
+        "backend": "torch",
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "environment": environment(),
+        "targets": {name: (item.partition("=")[2] or f"untrained {name} conversion of the teacher") for item in settings.spec_targets for name in [item.partition("=")[0]]},
+        "drafters": {name: (d if isinstance(d, str) else f"{sum(p.numel() for p in d.parameters()) / 1e6:.1f}M parameters, {d.config.num_hidden_layers} layers") for name, d in drafts.items()},
+        "speculative": rows,
+    }
+
+
+def plot_spec_bench(result: dict, path: Path) -> Path:
+    """Speedup over the target's plain greedy decode (solid) and acceptance rate (dashed) vs K:
+    one panel per target × task, one colour per drafter × context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["target"], r["task"]) for r in result["speculative"]})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.0), squeeze=False)
+    for ax, (target, task) in zip(axes[0], panels):
+        i = 0
+        for row in result["speculative"]:
+            if (row["target"], row["task"]) != (target, task):
+                continue
+            for name, rows in row["by_drafter"].items():
+                ks = [r["k"] for r in rows]
+                ax.plot(ks, [r["speedup"] for r in rows], marker="o", color=f"C{i}", label=f"{name} @ {row['context']}: speedup")
+                ax.plot(ks, [r["acceptance_rate"] for r in rows], marker="x", linestyle="--", color=f"C{i}", label=f"{name} @ {row['context']}: acceptance")
+                i += 1
+        ax.axhline(1.0, color="gray", linewidth=1)
+        ax.axhline(1.5, color="gray", linewidth=1, linestyle=":")
+        ax.set_title(f"target {target}, task {task}", fontsize=9)
+        ax.set_xlabel("draft tokens per target forward (K)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    where = f"{result['device']} ({result['environment'].get('processor')}, {result['threads']} threads)"
+    fig.suptitle(f"speculative decoding, the student as target (Mamba in the Llama §4), greedy, on {where}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 # ------------------------------------------------------------------------------------- driver
@@ -399,9 +555,12 @@ class BenchSettings:
     models: tuple[str, ...] = ("teacher", "linear", "mamba", "mamba2", "hybrid25")
     new_tokens: int = 16
     max_context: dict | None = None  # model → longest context to run (longer ones are recorded as skipped)
-    draft: str | None = None
+    spec: bool = False  # run the speculative benchmark (run_spec_bench) instead of the decode table
+    spec_targets: tuple[str, ...] = ("mamba2", "hybrid25")  # NAME (untrained, from STUDENTS) or NAME=DIR (a trained student)
+    spec_drafters: tuple[str, ...] = ("ngram",)
+    draft: tuple[str, ...] | None = None  # model drafts (student directories or teacher specs)
     spec_contexts: tuple[int, ...] = (1024, 8192)
-    spec_ks: tuple[int, ...] = (2, 3, 4, 5, 6)
+    spec_ks: tuple[int, ...] = (2, 4, 6)
     spec_new_tokens: int = 64
     corpus: str = "sotu"
     device: str | None = None
@@ -452,13 +611,13 @@ def build_models(teacher, names, device):
 
 
 def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
-    from tqdm.auto import tqdm
-
     from attn2ssm.eval.report import environment
     from attn2ssm.teachers import load_teacher
 
     if settings.backend == "llama.cpp":
         return _run_llama_cpp_bench(settings, progress)
+    if settings.spec:
+        return run_spec_bench(settings, progress)
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -483,8 +642,7 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
                     _greedy(model, warm, _new_cache(model), 3, _Clock())
                 step = model.__dict__["_decode_plan"].compiled
                 compiled[name] = "compiled" if step.failed is None else step.failed
-    longest = max([*settings.contexts, *(settings.spec_contexts if settings.draft else ())])
-    prompt = _prompt_ids(tokenizer, settings.corpus, longest, device)
+    prompt = _prompt_ids(tokenizer, settings.corpus, max(settings.contexts), device)
     result = {
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
         "backend": "torch",
@@ -494,17 +652,6 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
         "environment": environment(),
         "decode": _decode_by_context(models, settings, prompt, progress),
     }
-    if settings.draft:
-        from attn2ssm.teachers import load_model_and_tokenizer
-
-        draft, _ = load_model_and_tokenizer(settings.draft)
-        draft = draft.to(device)
-        if layout:
-            cpu_decode_layout(draft)
-        spec = []
-        for length in tqdm(settings.spec_contexts, desc="speculative", disable=not progress, file=sys.stderr):
-            spec.append(measure_speculative(teacher, draft, prompt[:, :length], list(settings.spec_ks), settings.spec_new_tokens))
-        result["speculative"] = {"verifier": settings.teacher or "smollm2-135m (built-in teacher)", "draft": settings.draft, "by_context": spec}
     return result
 
 
@@ -583,8 +730,7 @@ def plot_generate_bench(result: dict, path: Path) -> Path:
         ("prefill_seconds", "prefill seconds", True),
         ("cache_mb", "cache MB after decode", True),
     ]
-    spec = result.get("speculative")
-    fig, axes = plt.subplots(1, len(panels) + (1 if spec else 0), figsize=(5.0 * (len(panels) + (1 if spec else 0)), 4.2))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.2))
     for ax, (key, label, log) in zip(axes, panels):
         for i, (name, rows) in enumerate(result["decode"].items()):
             pts = [(r["context"], r[key]) for r in rows if "skipped" not in r and r.get(key) is not None and r[key] > 0]
@@ -603,17 +749,6 @@ def plot_generate_bench(result: dict, path: Path) -> Path:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    if spec:
-        ax = axes[-1]
-        for i, row in enumerate(spec["by_context"]):
-            ks = [r["k"] for r in row["by_k"]]
-            ax.plot(ks, [r["speedup"] for r in row["by_k"]], marker="o", color=f"C{i}", label=f"speedup @ {row['context']}")
-            ax.plot(ks, [r["acceptance_rate"] for r in row["by_k"]], marker="x", linestyle="--", color=f"C{i}", label=f"acceptance @ {row['context']}")
-        ax.axhline(1.0, color="gray", linewidth=1)
-        ax.set_xlabel("draft tokens per verifier forward (K)")
-        ax.set_title("speculative: teacher verifies a student draft", fontsize=9)
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
     compiled = sorted(name for name, how in result.get("compiled_decode_step", {}).items() if how == "compiled")
     note = f"; compiled decode step: {', '.join(compiled)}" if compiled else ""
     where = f"{result['device']} ({result['environment'].get('cuda') or result['environment'].get('processor')}, {result['threads']} threads)"

@@ -1,15 +1,21 @@
-"""Speculative decoding for recurrent, hybrid and attention models (paper 004 §4, Algorithm 2).
+"""Speculative decoding for recurrent, hybrid and attention targets (Mamba in the Llama §4, Algorithm 2).
 
-A draft model proposes K tokens one at a time; the verifier scores them all in ONE forward over
-[its pending tokens; d_1..d_K] and keeps the longest acceptable prefix plus one token of its own.
-Each model then forgets what it consumed past the accepted text: attention layers drop KV rows,
-recurrent layers go back to the snapshot taken before the round and replay their recorded inputs
-(``MixerStateLayer.crop``) — so only one state per layer is ever stored. Any attn2ssm student or
-any plain HF decoder (the teacher) can be draft or verifier; they must share a tokenizer.
+A drafter proposes up to K tokens; the target scores them all in ONE forward over [its pending
+token; d_1..d_K] and keeps the longest acceptable prefix plus one token of its own. The target
+then forgets what it consumed past the accepted text: attention layers drop KV rows, recurrent
+layers go back to the snapshot taken before the round and replay their recorded inputs
+(``MixerStateLayer.crop``), so only one state per layer is ever stored.
+
+As in the paper the target is the student (a pure Mamba-2 or a hybrid) and the draft something
+much cheaper (generation/drafters.py): prompt lookup (``draft="ngram"``, no model at all) or a
+small model sharing the tokenizer (a shallow student of the same teacher; any attn2ssm student or
+plain HF decoder works). A round whose drafter has nothing to propose verifies one token: plain
+decoding, through the target's one-token fast path where it has one (recording for rollback is
+switched on only for rounds with drafts).
 
 ``model.generate(ids, assistant_model=draft)`` also works for students (transformers drives the
-same cache protocol); this loop exists for the paper's fixed-K algorithm and its statistics
-(acceptance rate, tokens per verifier forward), which the benchmark reports.
+same cache protocol); this loop exists for the paper's fixed-K algorithm, for drafters that are
+not models, and for its statistics (acceptance rate, tokens per target forward).
 """
 
 from __future__ import annotations
@@ -18,19 +24,19 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from attn2ssm.errors import ConfigError
+from attn2ssm.generation.drafters import Drafter, Runner, make_drafter
 from attn2ssm.generation.sampling import accept_greedy, accept_sampled, warp
-from attn2ssm.hf_compat import CACHE_KWARG
+from attn2ssm.student.cache import MixerStateLayer
 
 
 @dataclass
 class SpeculativeStats:
-    rounds: int = 0  # verifier forwards after the prompt
+    rounds: int = 0  # target forwards after the prompt
     drafted: int = 0  # draft tokens proposed
-    accepted: int = 0  # draft tokens the verifier kept
-    generated: int = 0  # tokens emitted (accepted drafts + one verifier token per round)
+    accepted: int = 0  # draft tokens the target kept
+    generated: int = 0  # tokens emitted (accepted drafts + one target token per round)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
@@ -57,50 +63,17 @@ class SpeculativeOutput:
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
 
 
-class _Runner:
-    """One model with its cache and how many tokens of the text it has consumed."""
-
-    def __init__(self, model):
-        self.model = model
-        self.cache = model.new_cache() if hasattr(model, "new_cache") else DynamicCache(config=model.config)
-        self.consumed = 0
-
-    def feed(self, tokens: torch.Tensor, keep: int) -> torch.Tensor:
-        """tokens (1, n) → fp32 logits (keep, V) for the last ``keep`` of them."""
-        n = tokens.shape[1]
-        device = tokens.device
-        out = self.model(
-            input_ids=tokens,
-            attention_mask=torch.ones(1, self.consumed + n, dtype=torch.long, device=device),
-            position_ids=torch.arange(self.consumed, self.consumed + n, device=device)[None],
-            use_cache=True,
-            **{CACHE_KWARG: self.cache},
-            logits_to_keep=keep,
-        )
-        self.consumed += n
-        return out.logits[0, -keep:].float()
-
-    def start_round(self) -> None:
-        """Everything fed from now on may be undone by ``rollback``."""
-        self.cache.activate_past_recording()
-
-    def rollback(self, length: int) -> None:
-        """Forget tokens past ``length`` (and commit: the next round snapshots afresh)."""
-        if length > self.consumed:
-            raise RuntimeError(f"cannot roll forward from {self.consumed} to {length} tokens")
-        self.cache.crop(length - self.consumed)
-        self.consumed = length
-
-
-def _check_pair(verifier, draft) -> None:
-    vv, dv = verifier.config.get_text_config().vocab_size, draft.config.get_text_config().vocab_size
-    if vv != dv:
-        raise ConfigError(f"the draft's vocabulary ({dv} tokens) differs from the verifier's ({vv})", "use a draft that shares the verifier's tokenizer (a student of the same teacher)")
+def _stop_recording(cache) -> None:
+    """After a commit nothing is left to undo: recurrent layers stop recording their inputs, so
+    a round without drafts runs the target's one-token fast path (which refuses a recording cache)."""
+    for layer in getattr(cache, "layers", ()):
+        if isinstance(layer, MixerStateLayer):
+            layer.record_past = False
 
 
 @torch.no_grad()
 def speculative_generate(
-    verifier,
+    target,
     draft,
     input_ids: torch.LongTensor,
     max_new_tokens: int = 32,
@@ -114,71 +87,60 @@ def speculative_generate(
     streamer=None,
     past_key_values: tuple | None = None,
 ) -> SpeculativeOutput:
-    """Generate up to ``max_new_tokens`` after ``input_ids`` (1, l) with ``draft`` proposing
-    ``num_draft_tokens`` tokens per verifier forward. Greedy output equals the verifier's own
-    greedy output; sampled output follows the verifier's (warped) distribution.
+    """Generate up to ``max_new_tokens`` after ``input_ids`` (1, l), ``draft`` proposing up to
+    ``num_draft_tokens`` tokens per target forward. ``draft``: a model sharing the target's
+    tokenizer, ``"ngram"`` / ``"ngram:N"`` (prompt lookup) or a ``Drafter``. Greedy output equals
+    the target's own greedy output; sampled output follows the target's (warped) distribution.
 
-    ``past_key_values=(verifier_cache, draft_cache)``: caches that already hold every prompt
-    token but the last (e.g. copies of one long prefill, to compare settings from one state)."""
+    ``past_key_values=(target_cache, draft_cache)``: caches that already hold every prompt token
+    but the last (e.g. copies of one long prefill, to compare settings from one state); the
+    draft's is None for a drafter without a model."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ConfigError(f"speculative decoding takes one prompt (input_ids of shape (1, l)), got {tuple(input_ids.shape)}", "run prompts one at a time")
     if num_draft_tokens < 1:
         raise ConfigError(f"num_draft_tokens={num_draft_tokens}", "draft at least 1 token per round (2-6 is typical)")
-    _check_pair(verifier, draft)
+    drafter: Drafter = make_drafter(draft, target.config.get_text_config().vocab_size)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p) if do_sample else None
     stats = SpeculativeStats()
-    runners = _Runner(verifier), _Runner(draft)
-    if past_key_values is not None:
-        for runner, cache in zip(runners, past_key_values):
-            if cache.get_seq_length() != input_ids.shape[1] - 1:
-                raise ConfigError(f"a prefilled cache holds {cache.get_seq_length()} tokens, not the prompt's {input_ids.shape[1] - 1} (all but the last)", "prefill both models on input_ids[:, :-1]")
-            runner.cache, runner.consumed = cache, input_ids.shape[1] - 1
+    ver = Runner(target)
+    caches = past_key_values or (None, None)
+    if caches[0] is not None:
+        if caches[0].get_seq_length() != input_ids.shape[1] - 1:
+            raise ConfigError(f"a prefilled cache holds {caches[0].get_seq_length()} tokens, not the prompt's {input_ids.shape[1] - 1} (all but the last)", "prefill both models on input_ids[:, :-1]")
+        ver.cache, ver.consumed = caches[0], input_ids.shape[1] - 1
     text = input_ids[0].tolist()
     device = input_ids.device
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    def pending(runner):
-        return torch.tensor([text[runner.consumed :]], device=device)
-
-    # prefill: both models consume all but the last prompt token, which opens the first round
+    # prefill: the target and a draft model consume all but the last prompt token, which opens the first round
     t0 = time.perf_counter()
-    if len(text) > 1 and past_key_values is None:
-        for runner in runners:
-            runner.feed(input_ids[:, :-1], keep=1)
+    if len(text) > 1 and caches[0] is None:
+        ver.feed(input_ids[:, :-1], keep=1)
+    drafter.start(input_ids, caches[1])
     stats.prefill_seconds = time.perf_counter() - t0
 
     new, done = 0, False
     while new < max_new_tokens and not done:
-        ver, dra = runners
-        k = min(num_draft_tokens, max_new_tokens - new - 1)  # leave room for the verifier's token
+        k = min(num_draft_tokens, max_new_tokens - new - 1)  # leave room for the target's token
         start = len(text)
 
-        # 1. draft k tokens, one forward each (the first also catches up on accepted text)
+        # 1. draft up to k tokens
         t0 = time.perf_counter()
-        drafts, q = [], []
-        if k:
-            dra.start_round()
-            logits = dra.feed(pending(dra), keep=1)[-1]
-            for i in range(k):
-                if do_sample:
-                    probs = warp(logits, temperature, top_k, top_p)
-                    token = int(torch.multinomial(probs, 1, generator=generator))
-                    q.append(probs)
-                else:
-                    token = int(logits.argmax())
-                drafts.append(token)
-                if i + 1 < k:
-                    logits = dra.feed(torch.tensor([[token]], device=device), keep=1)[-1]
+        drafts, q = drafter.propose(text, k, sampling, generator) if k else ([], [])
+        k = len(drafts)
         t1 = time.perf_counter()
 
         # 2. verify: one forward over [pending; drafts] scores all k drafts and one token beyond
-        ver.start_round()
-        v_logits = ver.feed(torch.cat([pending(ver), torch.tensor([drafts], dtype=torch.long, device=device)], 1), keep=k + 1)
+        if k:
+            ver.start_round()
+        pending = torch.tensor([text[ver.consumed :] + drafts], dtype=torch.long, device=device)
+        v_logits = ver.feed(pending, keep=k + 1)
         d = torch.tensor(drafts, dtype=torch.long, device=v_logits.device)
         if do_sample:
             p = warp(v_logits, temperature, top_k, top_p)
-            n, token = accept_sampled(p, torch.stack(q) if q else p[:0], d, generator)
+            n, token = accept_sampled(p, torch.stack(q).to(p.device) if q else p[:0], d, generator)
         else:
             n, token = accept_greedy(v_logits, d)
         stats.draft_seconds += t1 - t0
@@ -198,12 +160,15 @@ def speculative_generate(
         if streamer is not None:
             streamer.put(torch.tensor(emitted))
 
-        # 3. both models forget what they consumed past the accepted text: text[:start] and the
-        #    accepted drafts stay, the last emitted token is fed next round. The draft never fed
-        #    its own last proposal, so after a full acceptance it is behind and catches up next round.
+        # 3. forget what was consumed past the accepted text: text[:start] and the accepted drafts
+        #    stay, the last emitted token is fed next round
         keep = start + min(n, len(emitted) - 1)
-        for runner in runners:
-            runner.rollback(min(runner.consumed, keep))
+        if k:
+            t0 = time.perf_counter()
+            ver.rollback(min(ver.consumed, keep))
+            _stop_recording(ver.cache)
+            stats.verify_seconds += time.perf_counter() - t0
+        drafter.accept(keep)
     if streamer is not None:
         streamer.end()
     return SpeculativeOutput(torch.tensor([text], device=device), stats)

@@ -1,0 +1,210 @@
+"""Drafters (generation/drafters.py) and speculative decoding with the student as the target
+(Mamba in the Llama §4): prompt lookup proposes what followed the latest occurrence of the text's
+tail; with it or a model draft, greedy output equals the target's plain greedy output for a pure
+Mamba-2 target and a 25 % hybrid, and the target's state after a run equals that of a model that
+never saw the rejected drafts."""
+
+import pytest
+import torch
+from tiny_models import perturb_new_mixer_parameters, tiny_model
+
+from attn2ssm.errors import ConfigError
+from attn2ssm.generation.drafters import ModelDrafter, NgramDrafter, Runner, make_drafter
+from attn2ssm.generation.speculative import speculative_generate
+from attn2ssm.student.cache import MixerStateLayer
+from attn2ssm.student.convert import convert
+from attn2ssm.student.plans import make_plan
+
+
+# ------------------------------------------------------------------------------- prompt lookup
+def _propose(text, k, max_n=3):
+    drafter = NgramDrafter(max_n=max_n)
+    drafter.start(torch.tensor([text]))
+    return drafter.propose(text, k, None, None)[0]
+
+
+def test_ngram_takes_the_longest_then_latest_match():
+    # tail "1 2 3": the trigram occurred once (followed by 7 8); the bigram "2 3" more recently (→ 9)
+    text = [1, 2, 3, 7, 8, 0, 2, 3, 9, 5, 1, 2, 3]
+    assert _propose(text, 2) == [7, 8]
+    assert _propose(text, 2, max_n=2) == [9, 5]  # the latest "2 3" wins when trigrams are not tried
+    # unigram only: latest earlier "3" is at position 6, followed by 9, 5, 1, 2 …
+    assert _propose([4, 3, 9, 5, 6, 3], 3, max_n=1) == [9, 5, 6]
+
+
+def test_ngram_continues_through_its_own_proposals():
+    """A loop "a b c a b c": the continuation of the latest match runs off the known text, so
+    the lookup repeats from the proposed tokens and still fills k."""
+    assert _propose([5, 1, 2, 3, 1, 2, 3], 7) == [1, 2, 3, 1, 2, 3, 1]
+
+
+def test_ngram_proposes_k_or_nothing():
+    """A continuation that reaches the end of the text continues through the proposals (the text
+    is periodic there), so a lookup that finds anything fills k; one that finds nothing is empty."""
+    assert _propose([1, 2, 3, 4], 4) == []  # every token new: nothing to look up
+    assert _propose([1, 7, 0], 4) == []  # 0 never had a successor
+    assert _propose([1, 2, 9, 4, 7, 4], 4) == [7, 4, 7, 4]  # "4" → 7 4, then the loop
+    assert _propose([6, 1, 2, 5, 8, 1, 2], 5) == [5, 8, 1, 2, 5]  # "1 2" → 5 8 1 2, again → 5
+    assert _propose([7, 0, 5, 7], 4) == [0, 5, 7, 0]
+    assert _propose([6, 1, 2, 5, 8, 1, 2], 2) == [5, 8]  # k bounds a long continuation
+
+
+def test_ngram_index_grows_with_the_text():
+    drafter = NgramDrafter(max_n=2)
+    text = [1, 2, 3]
+    drafter.start(torch.tensor([text]))
+    assert drafter.propose(text, 2, None, None)[0] == []
+    text += [1, 2]
+    assert drafter.propose(text, 2, None, None)[0] == [3, 1]
+
+
+def test_ngram_sampling_distributions_are_one_hot():
+    drafter = NgramDrafter(vocab_size=10)
+    drafter.start(torch.tensor([[1, 2, 1]]))
+    tokens, probs = drafter.propose([1, 2, 1], 2, {"temperature": 1.0}, None)
+    assert tokens == [2, 1] and [int(p.argmax()) for p in probs] == tokens and all(float(p.sum()) == 1.0 for p in probs)
+
+
+def test_bad_drafters_are_clear_errors():
+    with pytest.raises(ConfigError, match="unknown drafter"):
+        make_drafter("lookup", 256)
+    with pytest.raises(ConfigError, match="min_n"):
+        NgramDrafter(max_n=1, min_n=2)
+    assert isinstance(make_drafter("ngram:5", 256), NgramDrafter) and make_drafter("ngram:5", 256).max_n == 5
+
+
+# ------------------------------------------------------------------------------- end to end
+def _student(ratio, seed=0):
+    """A 4-layer tiny Llama converted to Mamba-2 (25 %: one layer keeps attention)."""
+    teacher = tiny_model("llama", seed=seed, layers=4)
+    torch.manual_seed(seed)
+    student = convert(teacher, make_plan(4, "mamba2", attention_ratio=ratio))
+    perturb_new_mixer_parameters(student)
+    student.generation_config.eos_token_id = None  # plain generate runs the full length, as speculation here does
+    return student.eval()
+
+
+def _plain(model, ids, n):
+    # an explicit mask: generate would otherwise take the prompt's 0 tokens for padding
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(11)
+    passage = torch.randint(0, 256, (1, 12), generator=g)
+    return {
+        "distinct": torch.randperm(256, generator=g)[:9][None],  # lookup finds nothing in the prompt
+        "copy": torch.cat([passage, torch.randint(0, 256, (1, 3), generator=g), passage[:, :4]], 1),  # a passage to repeat
+        "random": torch.randint(0, 32, (1, 20), generator=g),  # many short matches, most wrong
+    }
+
+
+def _echo(target, name):
+    """A prompt P, the target's own greedy continuation G of it, then P again: lookup proposes G,
+    which the target partly repeats (its state after P G P is not its state after P)."""
+    p = _prompts()[name]
+    return torch.cat([p, _plain(target, p, 24)[:, p.shape[1] :], p], 1)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.25], ids=["pure", "hybrid25"])
+@pytest.mark.parametrize("prompt", ["distinct", "copy", "random", "echo"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_ngram_speculation_equals_plain_greedy(ratio, prompt, k):
+    target = _student(ratio)
+    assert ("attention" in target.config.layer_plan) == (ratio > 0)
+    ids = _echo(target, "distinct") if prompt == "echo" else _prompts()[prompt]
+    out = speculative_generate(target, "ngram", ids, max_new_tokens=24, num_draft_tokens=k)
+    assert torch.equal(out.sequences, _plain(target, ids, 24))
+    s = out.stats
+    assert s.generated == 24 and s.rounds == 24 - s.accepted and s.drafted <= k * s.rounds
+
+
+def test_ngram_rounds_cover_nothing_fewer_and_rejections():
+    """One run where lookup proposes nothing in some rounds, fewer than num_draft_tokens in some
+    (the last rounds, where max_new_tokens bounds k), and has drafts rejected in some: every path
+    of the loop runs and the output is still exact."""
+    target = _student(0.0)
+    ids = _echo(target, "copy")
+    seen = []
+
+    class Watch(NgramDrafter):
+        def propose(self, text, k, sampling, generator):
+            drafts, probs = super().propose(text, k, sampling, generator)
+            seen.append(len(drafts))
+            return drafts, probs
+
+    out = speculative_generate(target, Watch(), ids, max_new_tokens=32, num_draft_tokens=6)
+    assert torch.equal(out.sequences, _plain(target, ids, 32))
+    assert 0 in seen and any(0 < n < 6 for n in seen) and 6 in seen
+    assert out.stats.accepted < out.stats.drafted
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.25], ids=["pure", "hybrid25"])
+def test_model_draft_equals_plain_greedy(ratio):
+    """A shallow draft (2 of the teacher's 4 layers) as a model draft, and as an object."""
+    target = _student(ratio)
+    teacher = tiny_model("llama", layers=4)
+    draft = convert(teacher, make_plan(2, "mamba2"), depth=2).eval()
+    for prompt in ("copy", "random"):
+        ids = _prompts()[prompt]
+        for d in (draft, ModelDrafter(draft)):
+            out = speculative_generate(target, d, ids, max_new_tokens=20, num_draft_tokens=3)
+            assert torch.equal(out.sequences, _plain(target, ids, 20))
+
+
+def _noised_copy(model):
+    """A draft that agrees with the target part of the time: the target with a noised head."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        w = draft.get_output_embeddings().weight
+        w.add_(0.5 * w.std() * torch.randn(w.shape, generator=torch.Generator().manual_seed(3)))
+    return draft
+
+
+@pytest.mark.parametrize("ratio,drafter", [(0.0, "ngram"), (0.0, "model"), (0.25, "model")], ids=["pure-ngram", "pure-model", "hybrid25-model"])
+def test_target_state_after_speculation_never_saw_the_rejected_drafts(ratio, drafter):
+    """After a run the target's cache holds the text but its last token; its states (and KV
+    rows) equal those of the same model fed exactly that text once."""
+    target = _student(ratio)
+    ids = _echo(target, "distinct")
+    cache = Runner(target)
+    with torch.no_grad():
+        cache.feed(ids[:, :-1], keep=1)
+    draft = "ngram" if drafter == "ngram" else _noised_copy(target)
+    out = speculative_generate(target, draft, ids, max_new_tokens=20, num_draft_tokens=4, past_key_values=(cache.cache, None))
+    assert 0 < out.stats.accepted < out.stats.drafted
+    fresh = Runner(target)
+    with torch.no_grad():
+        fresh.feed(out.sequences[:, :-1], keep=1)
+    assert cache.cache.get_seq_length() == fresh.cache.get_seq_length() == out.sequences.shape[1] - 1
+    for a, b in zip(cache.cache.layers, fresh.cache.layers):
+        if isinstance(a, MixerStateLayer):
+            assert a.states.keys() == b.states.keys() and a.states
+            for key in a.states:
+                for x, y in zip(_tensors(a.states[key]), _tensors(b.states[key])):
+                    torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+        else:
+            torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-4)
+
+
+def _tensors(value):
+    import dataclasses
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if dataclasses.is_dataclass(value):
+        return [t for f in dataclasses.fields(value) for t in _tensors(getattr(value, f.name))]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def test_ngram_sampling_runs_and_stops():
+    target = _student(0.0)
+    ids = _prompts()["copy"]
+    g = torch.Generator().manual_seed(0)
+    out = speculative_generate(target, "ngram", ids, max_new_tokens=12, num_draft_tokens=3, do_sample=True, top_k=5, generator=g)
+    assert out.sequences.shape[1] == ids.shape[1] + 12 and out.stats.generated == 12
