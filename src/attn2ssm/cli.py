@@ -151,7 +151,11 @@ def cmd_eval(args) -> int:
         run_attention_eval(args.model, against=args.against, corpus=args.corpus, window=args.window, max_tokens=args.max_tokens,
                            blocks=args.blocks, text=args.text, out_dir=args.out_dir, json_path=args.json)  # fmt: skip
         return 0
+    from attn2ssm.decode.quantize import apply_weight_format, check_weight_format
+
+    check_weight_format(args.dtype, args.quantize)
     model, tokenizer = load_model_and_tokenizer(args.model)
+    apply_weight_format(model, args.dtype, args.quantize)  # the forms generate --dtype / --quantize decode in
     corpus = prepare_corpus(args.corpus, tokenizer, max_heldout_tokens=args.max_tokens, max_train_tokens=0)
     if corpus.heldout_ids.numel() < 2:
         raise DataError(
@@ -210,8 +214,11 @@ def cmd_generate(args) -> int:
     if args.draft is not None and args.num_draft_tokens < 1:
         raise ConfigError(f"--num-draft-tokens {args.num_draft_tokens}", "draft at least 1 token per round, e.g. --num-draft-tokens 4")
     from attn2ssm.decode.layout import cpu_decode_layout
+    from attn2ssm.decode.quantize import apply_weight_format, check_weight_format
 
+    check_weight_format(args.dtype, args.quantize)  # a bad --dtype / --quantize: one line, before anything loads
     model, tokenizer = load_model_and_tokenizer(args.model)
+    apply_weight_format(model, args.dtype, args.quantize)  # before the layout: it fuses what is still a plain linear
     cpu_decode_layout(model, compile=args.compile)  # faster one-token steps on CPU (a no-op elsewhere)
     if args.compile and getattr(model, "compiled_step_reason", ""):
         print(f"--compile: decoding eagerly: {model.compiled_step_reason}", file=sys.stderr)
@@ -349,6 +356,23 @@ def _spec_bench_args(args) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return targets, drafters
 
 
+def _weight_formats(args) -> tuple[str, ...]:
+    """``bench generate --dtype D1,D2 --quantize none,int8``: every dtype x quantize pair, checked
+    (one-line errors), named as the benchmark rows name them (float32, bfloat16, int8, bfloat16+int8)."""
+    from attn2ssm.decode.quantize import check_weight_format, format_name
+
+    dtypes = [d.strip() for d in (args.dtype or "float32").split(",") if d.strip()] or ["float32"]
+    quants = [q.strip() for q in (args.quantize or "none").split(",") if q.strip()] or ["none"]
+    if args.backend == "llama.cpp" and (dtypes != ["float32"] or quants != ["none"]):
+        raise ConfigError("--dtype and --quantize are for the torch backend", "use --quant (GGUF types) with --backend llama.cpp")
+    formats = []
+    for d in dtypes:
+        for q in quants:
+            check_weight_format(d, q)
+            formats.append(format_name(d, q))
+    return tuple(dict.fromkeys(formats))
+
+
 def cmd_bench_generate(args) -> int:
     from attn2ssm.generation.bench import LLAMA_CPP_STUDENTS, STUDENTS, BenchSettings
 
@@ -381,6 +405,10 @@ def cmd_bench_generate(args) -> int:
     )  # fmt: skip
     if args.compile and args.no_cpu_layout:
         raise ConfigError("--compile needs the CPU decode layout", "drop --no-cpu-layout (or --compile)")
+    settings.formats = _weight_formats(args)
+    if args.plain_check not in ("shortest", "all", "none"):
+        raise ConfigError(f"--plain-check {args.plain_check!r}", "use shortest, all or none")
+    settings.plain_check = args.plain_check
     import shlex
 
     from attn2ssm.generation.bench import plot_generate_bench, plot_spec_bench, run_generate_bench
@@ -472,6 +500,10 @@ def format_generate_bench(result: dict) -> str:
                 cells.append(f"{r['context']}: skipped")
             else:
                 speedup = f" ({r['speedup_vs_teacher']:.2f}x teacher)" if "speedup_vs_teacher" in r else ""
+                if "benchmark_vs_plain_generate" in r:  # a user's plain generate beside the rounds
+                    speedup += f" [plain generate {r['plain_generate_tokens_per_second']:.2f}]"
+                if "fraction_of_bandwidth_bound" in r:
+                    speedup += f" [{r['fraction_of_bandwidth_bound']:.0%} of bound]"
                 cells.append(f"{r['context']}: {r['decode_tokens_per_second']:.2f}{speedup} | {r['prefill_seconds']:.1f} | {r['cache_mb']:.1f}")
         lines.append(f"  {name:<{max(9, *map(len, result['decode']))}} " + "; ".join(cells))
     return "\n".join(lines)
@@ -588,6 +620,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--window", type=int, default=256)
     e.add_argument("--stride", type=int, default=None)
     e.add_argument("--max-tokens", type=int, default=20000)
+    e.add_argument("--dtype", default="float32", help="score MODEL with float32 or bfloat16 weights (as generate --dtype)")
+    e.add_argument("--quantize", default=None, help="int8: score MODEL with int8 weight-only linears (as generate --quantize int8)")
     e.add_argument("--json", default=None, help="also write results to this JSON file")
     e.add_argument("--attention", action="store_true", help="instead of perplexity: per-layer attention fidelity of a student to its teacher (KL, entropy, monotonicity) and heat-maps")
     e.add_argument("--text", default=None, help="with --attention: also score this text, and draw the heat-maps from it")
@@ -619,6 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "spec, same tokenizer) proposes tokens that MODEL verifies")
     g.add_argument("--num-draft-tokens", type=int, default=4, help="with --draft: tokens proposed per verifier forward")
     g.add_argument("--compile", action="store_true", help="CPU, pure students: run the decode step as one torch.compile'd function (~1.5x faster a token; the first step compiles, about a minute on 2 cores)")
+    g.add_argument("--dtype", default="float32", help="weights and activations: float32 or bfloat16 (SSM decay, skip and dt bias stay float32)")
+    g.add_argument("--quantize", default=None, help="int8: linear weights int8 with per-channel scales (weight-only; activations in --dtype)")
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks (generate: decode speed / memory vs context, speculative decoding; quality: the family × budget scoreboard)")
@@ -648,6 +684,10 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--rounds", type=int, default=3, help="decode rounds per point (models take turns; rates from the median token time)")
     bg.add_argument("--no-cpu-layout", action="store_true", help="keep HF's weight layout on CPU (default: cpu_decode_layout for every model, teacher included)")
     bg.add_argument("--compile", action="store_true", help="CPU: pure students decode through a torch.compile'd step (compiled before timing; the teacher runs HF's forward)")
+    bg.add_argument("--dtype", default="float32", help="torch: comma-separated weight dtypes, float32 and/or bfloat16 (rows NAME@bfloat16)")
+    bg.add_argument("--quantize", default="none", help="torch: comma-separated none and/or int8 (int8 weight-only linears; rows NAME@int8, NAME@bfloat16+int8)")
+    bg.add_argument("--plain-check", default="shortest", help="also time each model's plain generate (a user's call) beside the rounds at the "
+                    "shortest context (default), all contexts, or none; JSON: plain_generate_tokens_per_second, benchmark_vs_plain_generate")
     bg.add_argument("--quant", default=None, help="llama.cpp: GGUF types, teacher and students alike (default q8_0,f16)")
     bg.add_argument("--gguf-dir", default=None, help="llama.cpp: keep the GGUF files here and reuse those already there (default: a temporary folder)")
     bg.add_argument("--no-flash-attn", action="store_true", help="llama.cpp: without flash attention (default on, as llama.cpp's CLI picks on CPU)")

@@ -195,6 +195,56 @@ def decode_round(model, prefilled: dict, new_tokens: int) -> dict:
     }
 
 
+class _Stamps:
+    """A logits processor that only notes when it is called: once per forward, before the token
+    is chosen (what an outside observer of ``generate`` sees)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+@torch.no_grad()
+def plain_generate(model, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """A user's plain ``model.generate`` over ``prompt`` (1, L): its own fresh cache, greedy,
+    nothing passed but the prompt, its mask and a logits processor stamping each forward. The
+    benchmark's reference: its rounds must decode as fast as this and the same tokens.
+    Returns the per-token seconds of the decode forwards (the prefill's left out) and the tokens."""
+    from transformers import LogitsProcessorList
+
+    stamps = _Stamps()
+    out = model.generate(
+        input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+        logits_processor=LogitsProcessorList([stamps]),
+    )  # fmt: skip
+    t = stamps.times  # t[0]: after the prefill forward, t[i]: after the i-th one-token forward
+    return {"seconds": [b - a for a, b in zip(t, t[1:])], "tokens": out[0, prompt.shape[1] :].tolist()}
+
+
+def stream_rate(device: torch.device, megabytes: int = 512, repeats: int = 5) -> dict:
+    """How fast this machine streams memory with torch's own kernels, the floor of a decode step
+    (weight bytes / rate): a sum over, and a copy of, a ``megabytes`` float32 tensor (far larger
+    than any cache), ``repeats`` times each; the medians in GB/s (a copy moves its bytes twice)."""
+    if device.type != "cpu":
+        return {}
+    big = torch.ones(megabytes * 2**20 // 4, device=device)
+    dst = torch.empty_like(big)
+    sums, copies = [], []
+    big.sum(), dst.copy_(big)  # first touch of every page outside the timing
+    for _ in range(repeats):
+        start = time.perf_counter()
+        big.sum()
+        sums.append(big.numel() * 4 / (time.perf_counter() - start) / 1e9)
+        start = time.perf_counter()
+        dst.copy_(big)
+        copies.append(2 * big.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return {"sum_gb_per_s": _quantile(sums, 0.5), "copy_gb_per_s": _quantile(copies, 0.5), "sum_all": [round(v, 2) for v in sums],
+            "copy_all": [round(v, 2) for v in copies], "tensor_mb": megabytes, "threads": torch.get_num_threads()}  # fmt: skip
+
+
 def _quantile(values: list[float], q: float) -> float:
     v = sorted(values)
     pos = q * (len(v) - 1)
@@ -202,10 +252,23 @@ def _quantile(values: list[float], q: float) -> float:
     return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
 
 
-def decode_row(length: int, pre: dict, rounds: list[dict]) -> dict:
-    """One model at one context: rates from the median per-token time over every round."""
+def decode_row(length: int, pre: dict, rounds: list[dict], plain: list[dict] | None = None) -> dict:
+    """One model at one context: rates from the median per-token time over every round; with
+    ``plain`` (``plain_generate`` runs taking turns with the rounds) the same for a user's plain
+    ``generate``, the benchmark's rate over it, and whether both chose the same tokens."""
     times = [s for r in rounds for s in r["seconds"]]
     median = _quantile(times, 0.5)
+    check = {}
+    if plain:
+        plain_times = [s for r in plain for s in r["seconds"]]
+        plain_median = _quantile(plain_times, 0.5)
+        n = len(rounds[0]["tokens"])  # a round decodes after the prefill's token; plain's tokens start with it
+        check = {
+            "plain_generate_tokens_per_second": 1.0 / plain_median,
+            "plain_generate_ms_per_token_all": [round(1000 * s, 3) for s in plain_times],
+            "benchmark_vs_plain_generate": plain_median / median,
+            "plain_generate_same_tokens": all(p["tokens"][1:] == rounds[0]["tokens"][: len(p["tokens"]) - 1] for p in plain) and n > 0,
+        }
     return {
         "context": length,
         "prefill_seconds": pre["seconds"],
@@ -222,6 +285,7 @@ def decode_row(length: int, pre: dict, rounds: list[dict]) -> dict:
         "decode_peak_growth_mb": max((r["peak_growth_mb"] for r in rounds if r["peak_growth_mb"] is not None), default=None),
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,  # recorded, not hidden
         "ms_per_token_all": [round(1000 * s, 3) for s in times],
+        **check,
     }
 
 
@@ -230,8 +294,9 @@ def measure_decode(model, prompt: torch.Tensor, new_tokens: int, rounds: int = 1
     return measure_decode_interleaved({"model": model}, prompt, new_tokens, rounds)["model"]
 
 
-def measure_decode_interleaved(models: dict, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict:
-    """Several models at one context: each prefills once, then in every round each decodes in turn."""
+def measure_decode_interleaved(models: dict, prompt: torch.Tensor, new_tokens: int, rounds: int, plain_check: bool = False) -> dict:
+    """Several models at one context: each prefills once, then in every round each decodes in turn
+    (with ``plain_check``, each also runs a user's plain ``generate`` right after its round)."""
     if new_tokens < 3:
         raise ValueError("measure at least 3 new tokens (the first is not timed, 2+ give decode times)")
     pres, skipped = {}, {}
@@ -243,10 +308,13 @@ def measure_decode_interleaved(models: dict, prompt: torch.Tensor, new_tokens: i
             if prompt.device.type == "cuda":
                 torch.cuda.empty_cache()
     done: dict[str, list] = {name: [] for name in pres}
+    plain: dict[str, list] = {name: [] for name in pres}
     for _ in range(rounds):
         for name in pres:
             done[name].append(decode_round(models[name], pres[name], new_tokens))
-    rows = {name: decode_row(prompt.shape[1], pres[name], done[name]) for name in pres}
+            if plain_check and not isinstance(models[name], LlamaCppBench):
+                plain[name].append(plain_generate(models[name], prompt, new_tokens))
+    rows = {name: decode_row(prompt.shape[1], pres[name], done[name], plain[name]) for name in pres}
     for name, pre in pres.items():
         if isinstance(models[name], LlamaCppBench):
             models[name].release(pre)
@@ -572,6 +640,8 @@ class BenchSettings:
     quants: tuple[str, ...] = ("q8_0", "f16")  # llama.cpp: the GGUF types, teacher and students alike
     flash_attn: bool = True  # llama.cpp: flash attention (llama.cpp's CLI default on CPU)
     gguf_dir: str | None = None  # llama.cpp: keep (and reuse) the GGUF files here; None: a temporary folder
+    formats: tuple[str, ...] = ("float32",)  # torch: weight formats (decode/quantize.py): float32, bfloat16, int8, bfloat16+int8
+    plain_check: str = "shortest"  # torch: also time a user's plain generate at the "shortest" context, "all" of them, or "none"
 
 
 def _prompt_ids(tokenizer, corpus: str, length: int, device) -> torch.Tensor:
@@ -592,21 +662,44 @@ def _prompt_ids(tokenizer, corpus: str, length: int, device) -> torch.Tensor:
     return torch.tensor([ids[:length]], device=device)
 
 
-def build_models(teacher, names, device):
-    """name → model: the teacher itself and untrained students converted from it."""
+def parse_format(name: str) -> tuple[str, str | None]:
+    """A benchmark weight format → (dtype, quantize): float32, bfloat16, int8 (float32
+    activations), bfloat16+int8 (decode/quantize.py format_name's inverse)."""
+    dtype, _, quantize = name.partition("+")
+    if dtype == "int8":
+        dtype, quantize = "float32", "int8"
+    return dtype, quantize or None
+
+
+def build_models(teacher, names, device, formats: tuple[str, ...] = ("float32",)) -> dict:
+    """name → model: the teacher itself and untrained students converted from it, in each weight
+    format (``apply_weight_format``): float32 rows keep their plain names, others are NAME@FORMAT
+    (``teacher@bfloat16`` is the reference of ``mamba2@bfloat16``). ``.weight_format`` on each
+    model says what it holds (format, bytes a step reads)."""
+    from attn2ssm.decode.quantize import apply_weight_format, step_weight_bytes
     from attn2ssm.student.convert import convert
     from attn2ssm.student.plans import make_plan
 
     n = teacher.config.num_hidden_layers
-    models = {}
+    base = {}
     for name in names:
         if name == "teacher":
-            models[name] = teacher
+            base[name] = teacher
             continue
         if name not in STUDENTS:
             raise ValueError(f"unknown benchmark model {name!r}; choose from teacher, {', '.join(STUDENTS)}")
         kind, ratio, options = STUDENTS[name]
-        models[name] = convert(teacher, make_plan(n, kind, attention_ratio=ratio), {kind: options}).to(device).eval()
+        base[name] = convert(teacher, make_plan(n, kind, attention_ratio=ratio), {kind: options}).to(device).eval()
+    models = {}
+    for fmt in formats:
+        for name, model in base.items():
+            if fmt == "float32":
+                model.__dict__["weight_format"] = {"format": "float32", "weight_bytes": step_weight_bytes(model)}
+                models[name] = model
+                continue
+            copy_ = copy.deepcopy(model)
+            copy_.__dict__["weight_format"] = apply_weight_format(copy_, *parse_format(fmt))
+            models[f"{name}@{fmt}"] = copy_
     return models
 
 
@@ -622,7 +715,7 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     teacher, tokenizer, _ = load_teacher(settings.teacher, device=device)
-    models = build_models(teacher, settings.models, device)
+    models = build_models(teacher, settings.models, device, settings.formats)
     layout = settings.cpu_layout and device.type == "cpu"
     if layout:
         from attn2ssm.decode.layout import cpu_decode_layout
@@ -643,6 +736,10 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
                 step = model.__dict__["_decode_plan"].compiled
                 compiled[name] = "compiled" if step.failed is None else step.failed
     prompt = _prompt_ids(tokenizer, settings.corpus, max(settings.contexts), device)
+    stream = stream_rate(device)
+    decode = _decode_by_context(models, settings, prompt, progress)
+    weights = {name: model.__dict__.get("weight_format", {}) for name, model in models.items()}
+    _bandwidth_bound(decode, weights, stream)
     result = {
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
         "backend": "torch",
@@ -650,9 +747,30 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
         "threads": torch.get_num_threads(),
         "compiled_decode_step": compiled,  # student → "compiled" or why it decodes eagerly
         "environment": environment(),
-        "decode": _decode_by_context(models, settings, prompt, progress),
+        "stream_rate": stream,  # GB/s this machine streams: the bandwidth bound's denominator
+        "weight_formats": weights,
+        "decode": decode,
     }
     return result
+
+
+def _bandwidth_bound(decode: dict, weights: dict, stream: dict) -> None:
+    """Each row's token time against its bandwidth bound: weight bytes a step reads / the measured
+    stream rate (sum); ``fraction_of_bandwidth_bound`` = bound / measured time (1 = at the bound).
+    The ``_with_cache`` pair also counts reading the cache once (the KV of attention layers)."""
+    rate = stream.get("sum_gb_per_s")
+    for name, rows in decode.items():
+        size = weights.get(name, {}).get("weight_bytes")
+        if not rate or not size:
+            continue
+        for row in rows:
+            if "skipped" in row:
+                continue
+            row["weight_mb_per_token"] = size / 2**20
+            row["bandwidth_bound_ms"] = 1000 * size / (rate * 1e9)
+            row["fraction_of_bandwidth_bound"] = row["bandwidth_bound_ms"] / row["decode_ms_per_token"]
+            row["bandwidth_bound_with_cache_ms"] = 1000 * (size + row["cache_mb"] * 2**20) / (rate * 1e9)
+            row["fraction_of_bandwidth_bound_with_cache"] = row["bandwidth_bound_with_cache_ms"] / row["decode_ms_per_token"]
 
 
 def _decode_by_context(models: dict, settings: BenchSettings, prompt: torch.Tensor, progress: bool) -> dict:
@@ -668,7 +786,8 @@ def _decode_by_context(models: dict, settings: BenchSettings, prompt: torch.Tens
         bar.set_postfix_str(f"context {length}")
         limit = {m: limits.get(m.partition("@")[0], math.inf) for m in models}
         running = {m: models[m] for m in models if length <= limit[m] and m not in out_of_memory}
-        rows = measure_decode_interleaved(running, prompt[:, :length], settings.new_tokens, settings.rounds) if running else {}
+        check = settings.plain_check == "all" or (settings.plain_check == "shortest" and length == min(settings.contexts))
+        rows = measure_decode_interleaved(running, prompt[:, :length], settings.new_tokens, settings.rounds, plain_check=check) if running else {}
         for name in models:
             if name in out_of_memory:
                 row = {"context": length, "skipped": f"the prefill ran out of memory at context {out_of_memory[name]}"}
@@ -683,6 +802,11 @@ def _decode_by_context(models: dict, settings: BenchSettings, prompt: torch.Tens
             for row, base in zip(rows, decode[ref]):
                 if "skipped" not in row and "skipped" not in base:
                     row["speedup_vs_teacher"] = base["decode_ms_per_token"] / row["decode_ms_per_token"]
+        model, sep, _ = name.partition("@")  # the same model in float32 (torch formats; llama.cpp rows have none)
+        if sep and model in decode:
+            for row, base in zip(rows, decode[model]):
+                if "skipped" not in row and "skipped" not in base:
+                    row["speedup_vs_float32"] = base["decode_ms_per_token"] / row["decode_ms_per_token"]
     return decode
 
 
@@ -756,7 +880,8 @@ def plot_generate_bench(result: dict, path: Path) -> Path:
         version = result["environment"].get("llama_cpp", {}).get("llama_cpp_python")
         fig.suptitle(f"llama.cpp (llama-cpp-python {version}) on {where}, GGUF {' / '.join(result['settings']['quants'])}: teacher and students at the same type", fontsize=10)
     else:
-        fig.suptitle(f"generation on {where}, fp32{note}", fontsize=10)
+        formats = " / ".join(result["settings"].get("formats") or ["float32"])
+        fig.suptitle(f"generation on {where}, weights {formats}{note}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

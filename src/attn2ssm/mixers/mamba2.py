@@ -227,10 +227,12 @@ class Mamba2Mixer(AttentionLikeMixer):
         self._emit_bc(xbc)
         x, B, C = self._split(xbc)
         a, dt = self._decay(hidden_states, inputs)
-        x_in = x if dt is None else x * dt[..., None].to(x.dtype)
-        y, ssm = ssd_chunked(x_in, a.to(x.dtype), B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
+        # the scan in float32 whatever the weights' dtype (as ``step`` and mamba_ssm's kernels): a
+        # bfloat16 cumulative decay drifts, and the carried state stays float32 for the steps after
+        x_in = x.float() if dt is None else x.float() * dt[..., None]
+        y, ssm = ssd_chunked(x_in, a.float(), B.float(), C.float(), mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
         store_states(layer, ssm, conv_state, l)
-        return self._output(y, x, hidden_states, inputs), None
+        return self._output(y.to(x.dtype), x, hidden_states, inputs), None
 
 
 class DiscreteMamba2Mixer(Mamba2Mixer):
