@@ -41,10 +41,13 @@ def test_int8_linear_matches_the_dequantised_float32_reference(dtype, rows):
     bias = torch.randn(64)
     x = torch.randn(2, rows, 96).to(dtype)
     y = int8_linear(x, q, scales, bias.to(dtype))
+    exact = F.linear(x.float(), w, bias)  # not the int8 weight: the quantisation shows beside the kernel's rounding
+    assert (y.float() - exact).abs().max() > 0
     ref = F.linear(x.float(), q.float() * scales[:, None], bias)  # float32, weight dequantised
     assert y.dtype == dtype and y.shape == (2, rows, 64)
-    # float32: accumulation order only; bfloat16: x, scales and the output rounded to 8 bits
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # the kernel takes bfloat16 activations and scales (float32 ones are rounded for it: its float32
+    # path is ~20x slower) and rounds its output to bfloat16: 8-bit mantissas, ~2^-9 relative each
+    tol = 2e-2
     assert (y.float() - ref).abs().max() <= tol * (1 + ref.abs().max())
     assert int8_linear_reference(x, q, scales, bias).dtype == dtype
 

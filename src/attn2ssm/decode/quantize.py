@@ -72,7 +72,7 @@ class Int8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int8Linear":
         q, scales = quantize_per_channel_int8(linear.weight)
         bias = None if linear.bias is None else linear.bias.detach().to(dtype).clone()
-        return cls(q, scales.to(dtype), bias)
+        return cls(q, scales.to(torch.bfloat16), bias)  # the kernel takes bfloat16 activations and scales (ops/quant.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self.qweight, self.scales, self.bias)
