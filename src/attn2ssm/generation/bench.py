@@ -607,6 +607,12 @@ def plot_spec_bench(result: dict, path: Path) -> Path:
         ax.legend(fontsize=6)
     where = f"{result['device']} ({result['environment'].get('processor')}, {result['threads']} threads)"
     fig.suptitle(f"speculative decoding, the student as target (Mamba in the Llama §4), greedy, on {where}", fontsize=10)
+    return _save_figure(fig, path)
+
+
+def _save_figure(fig, path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -882,9 +888,4 @@ def plot_generate_bench(result: dict, path: Path) -> Path:
     else:
         formats = " / ".join(result["settings"].get("formats") or ["float32"])
         fig.suptitle(f"generation on {where}, weights {formats}{note}", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path)
