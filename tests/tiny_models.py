@@ -230,3 +230,19 @@ def make_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|endoftext|>", model_max_length=64
     )
+
+
+def save_tiny_teacher_and_corpus(tmp_path):
+    """A tiny random Llama teacher (+ tokenizer) saved under tmp_path/teacher and a small text
+    corpus file: the inputs the CLI benchmarks take. Returns (teacher dir, corpus path)."""
+    from transformers import AutoModelForCausalLM
+
+    tok = make_tokenizer()
+    cfg = tiny_config("llama")
+    cfg.vocab_size = len(tok)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "teacher")
+    tok.save_pretrained(tmp_path / "teacher")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(SENTENCES))
+    return tmp_path / "teacher", corpus

@@ -6,8 +6,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import SENTENCES, make_tokenizer, tiny_config, tiny_model
-from transformers import AutoModelForCausalLM
+from tiny_models import save_tiny_teacher_and_corpus, tiny_model
 
 from attn2ssm.generation.bench import build_models, decode_round, measure_decode, measure_decode_interleaved, prefill
 
@@ -66,23 +65,11 @@ def test_a_prefill_out_of_memory_skips_that_model_and_the_others_still_run(monke
     assert long["teacher"] == {"context": 32, "skipped": "out of memory on cpu in the prefill: CUDA out of memory. Tried to allocate 36.00 GiB."}
 
 
-def _tiny_teacher_and_corpus(tmp_path):
-    tok = make_tokenizer()
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "teacher")
-    tok.save_pretrained(tmp_path / "teacher")
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(" ".join(SENTENCES))
-    return tmp_path / "teacher", corpus
-
-
 def test_cli_bench_skips_longer_contexts_after_an_out_of_memory_prefill(tmp_path, monkeypatch):
     from attn2ssm.cli import main
     from attn2ssm.generation import bench
 
-    teacher, corpus = _tiny_teacher_and_corpus(tmp_path)
+    teacher, corpus = save_tiny_teacher_and_corpus(tmp_path)
     real = bench.prefill
 
     def prefill_or_oom(model, prompt):
@@ -104,7 +91,7 @@ def test_cli_bench_skips_longer_contexts_after_an_out_of_memory_prefill(tmp_path
 def test_cli_bench_generate_writes_json_and_png(tmp_path):
     from attn2ssm.cli import main
 
-    teacher, corpus = _tiny_teacher_and_corpus(tmp_path)
+    teacher, corpus = save_tiny_teacher_and_corpus(tmp_path)
     out = tmp_path / "res" / "gen.json"
     argv = ["bench", "generate", "--teacher", str(teacher), "--models", "teacher,mamba2", "--contexts", "16,32",
             "--max-context", "teacher=16", "--new-tokens", "3", "--corpus", str(corpus), "--out", str(out), "--no-progress"]  # fmt: skip
@@ -140,7 +127,7 @@ def test_cli_bench_compile_compiles_students_before_timing(tmp_path, monkeypatch
 
     backend = _CountingBackend()
     monkeypatch.setattr(compiled_step, "BACKEND", backend)
-    teacher, corpus = _tiny_teacher_and_corpus(tmp_path)
+    teacher, corpus = save_tiny_teacher_and_corpus(tmp_path)
     out = tmp_path / "gen.json"
     argv = ["bench", "generate", "--teacher", str(teacher), "--models", "teacher,mamba2", "--contexts", "16",
             "--new-tokens", "4", "--rounds", "2", "--corpus", str(corpus), "--out", str(out), "--no-progress", "--compile"]  # fmt: skip
@@ -163,7 +150,7 @@ def test_cli_generate_compile_prints_the_same_text(tmp_path, monkeypatch, capsys
 
     backend = _CountingBackend()
     monkeypatch.setattr(compiled_step, "BACKEND", backend)
-    teacher, _ = _tiny_teacher_and_corpus(tmp_path)
+    teacher, _ = save_tiny_teacher_and_corpus(tmp_path)
     student = tmp_path / "student"
     assert main(["convert", "--teacher", str(teacher), "--mixer", "linear_attention", "--out", str(student)]) == 0
     capsys.readouterr()

@@ -6,8 +6,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import SENTENCES, make_tokenizer, tiny_config, tiny_model
-from transformers import AutoModelForCausalLM
+from tiny_models import SENTENCES, make_tokenizer, save_tiny_teacher_and_corpus, tiny_model
 
 from attn2ssm.generation.bench import COPY_PRIMER, copy_prompt, measure_speculative
 from attn2ssm.student.convert import convert
@@ -44,22 +43,10 @@ def test_copy_prompt_holds_the_passage(tmp_path):
         copy_prompt(tok, str(corpus), 100, "cpu")
 
 
-def _tiny_teacher_and_corpus(tmp_path):
-    tok = make_tokenizer()
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "teacher")
-    tok.save_pretrained(tmp_path / "teacher")
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(" ".join(SENTENCES))
-    return tmp_path / "teacher", corpus
-
-
 def test_cli_bench_spec_writes_json_and_png(tmp_path):
     from attn2ssm.cli import main
 
-    teacher, corpus = _tiny_teacher_and_corpus(tmp_path)
+    teacher, corpus = save_tiny_teacher_and_corpus(tmp_path)
     draft, trained = tmp_path / "draft", tmp_path / "trained"
     assert main(["convert", "--teacher", str(teacher), "--mixer", "mamba2", "--out", str(draft)]) == 0
     assert main(["convert", "--teacher", str(teacher), "--mixer", "mamba2", "--out", str(trained)]) == 0
