@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn2ssm.ops.rows import MEMO_KEY, block_linear, linear, rows_linear
+from attn2ssm.ops.rows import MAX_ROWS, MEMO_KEY, block_linear, block_product, linear, row_blocks, rows_linear
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -48,3 +48,15 @@ def test_rows_linear_and_the_memoised_block_linear_equal_f_linear(parts):
             torch.testing.assert_close(block_linear(x, w2, b, memo), F.linear(x, w2, b), rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 40), (1, 8, 40), (8, 40), (2, 4, 40)])
+def test_block_route_takes_a_verify_forwards_rows_and_equals_f_linear(shape):
+    """A speculative verify forward (K + 1 <= MAX_ROWS tokens) takes the row-block route."""
+    g = torch.Generator().manual_seed(len(shape))
+    w, b = torch.randn(98, 40, generator=g), torch.randn(98, generator=g)
+    x = torch.randn(*shape, generator=g)
+    assert x.numel() // 40 <= MAX_ROWS
+    torch.testing.assert_close(rows_linear(x, w, b, 2), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    blocks = row_blocks(w, 2)
+    torch.testing.assert_close(block_product(x, blocks, b, x.numel() // 40), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
