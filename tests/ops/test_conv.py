@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
+from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_state, causal_conv1d_step
 
 
 def _inputs(b=2, l=13, c=5, k=4, seed=0):
@@ -106,3 +106,18 @@ def test_cuda_kernel_matches_torch():
         out = causal_conv1d(x, w, bias, state=s0, mask=mask, activation=activation, backend="auto")
         torch.testing.assert_close(out[0], ref[0], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(out[1], ref[1])
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_state_alone_equals_the_step_at_every_position(k):
+    """``causal_conv1d_state`` over the first t tokens (every t), from a carried state, with left
+    padding, equals the state ``causal_conv1d_step`` reaches token by token."""
+    x, w, bias = _inputs(l=7, k=k)
+    mask = _left_padding(2, 7, [0, 3])
+    start = torch.randn(2, 5, k - 1, generator=torch.Generator().manual_seed(2))
+    xm, stepped = x * mask[..., None], start
+    for t in range(8):
+        got = causal_conv1d_state(x[:, :t], k, state=start, mask=mask[:, :t])
+        torch.testing.assert_close(got, stepped, atol=0, rtol=0)
+        if t < 7:
+            _, stepped = causal_conv1d_step(xm[:, t], w, bias, stepped)

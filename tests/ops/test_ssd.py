@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from attn2ssm.ops.ssd import segsum, ssd_chunked, ssd_quadratic, ssd_sequential, ssd_step
+from attn2ssm.ops.ssd import segsum, ssd_chunked, ssd_quadratic, ssd_sequential, ssd_state, ssd_step
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -222,3 +222,24 @@ def test_the_step_continues_a_chunked_prefill_and_keeps_the_old_state():
         state = new
     torch.testing.assert_close(torch.cat(ys, 1), full, **TOL)
     torch.testing.assert_close(state, final, **TOL)
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("start", [False, True])
+def test_state_alone_equals_the_step_at_every_position(padded, start):
+    """``ssd_state`` over the first t tokens (every t, 0 included), from a carried state or none,
+    with left padding or not, equals ``ssd_step`` applied token by token up to t, and over all
+    tokens equals the chunked form's state: the three ways a state is reached agree."""
+    x, a, B, C, D = _inputs(l=9, decay=2.0)
+    mask = _left_padding(2, 9, [0, 3]) if padded else None
+    state = torch.randn(2, 3, 4, 5, generator=torch.Generator().manual_seed(3)) if start else None
+    m = torch.ones(2, 9) if mask is None else mask
+    stepped = state
+    for t in range(10):
+        got = ssd_state(x[:, :t], a[:, :t], B[:, :t], mask=None if mask is None else mask[:, :t], state=state)
+        want = torch.zeros(2, 3, 4, 5) if stepped is None else stepped
+        torch.testing.assert_close(got, want, **TOL)
+        if t < 9:
+            mt = m[:, t]
+            _, stepped = ssd_step(x[:, t] * mt[:, None, None], a[:, t] * mt[:, None], B[:, t], C[:, t], stepped)
+    _, chunked = ssd_chunked(x, a, B, C, mask=mask, state=state, chunk_size=4)
+    torch.testing.assert_close(ssd_state(x, a, B, mask=mask, state=state), chunked, **TOL)

@@ -34,14 +34,8 @@ def causal_conv1d(x, weight, bias=None, state=None, mask=None, activation=None, 
     if backend not in ("auto", "torch"):
         raise ValueError(f"backend must be 'auto' or 'torch', got {backend!r}")
     dtype = x.dtype
-    b, l, c = x.shape
     k = weight.shape[-1]
-    x = x.float()
-    if mask is not None:
-        x = x * mask.to(device=x.device, dtype=torch.float32)[..., None]
-    prev = x.new_zeros(b, c, k - 1) if state is None else state.float()
-    # Prepending the state makes the conv exact with no padding; its first k-1 outputs are never formed.
-    full = torch.cat([prev, x.transpose(1, 2)], dim=-1)  # (b, c, k-1+l)
+    full = _window(x, k, state, mask)
     new_state = full[..., full.shape[-1] - (k - 1) :].clone()  # also right when l < k-1 (old state shifts)
     w = weight.float()
     fn = _causal_conv1d_fn() if backend == "auto" and x.is_cuda and 2 <= k <= 4 else None
@@ -49,10 +43,28 @@ def causal_conv1d(x, weight, bias=None, state=None, mask=None, activation=None, 
         y = fn(full.contiguous(), w.contiguous(), None if bias is None else bias.float(), activation=activation)
         y = y[..., k - 1 :]
     else:
-        y = F.conv1d(full, w[:, None, :], None if bias is None else bias.float(), groups=c)  # (b, c, l)
+        y = F.conv1d(full, w[:, None, :], None if bias is None else bias.float(), groups=full.shape[1])  # (b, c, l)
         if activation == "silu":
             y = F.silu(y)
     return y.transpose(1, 2).to(dtype), new_state
+
+
+def causal_conv1d_state(x, width: int, state=None, mask=None):
+    """The state (b, c, width-1) after the l tokens of x (b, l, c): what ``causal_conv1d`` returns as
+    its new state, without the conv (a speculative rollback to a prefix, student/cache.py)."""
+    full = _window(x, width, state, mask)
+    return full[..., full.shape[-1] - (width - 1) :].clone()
+
+
+def _window(x, k, state, mask):
+    """(b, c, k-1+l) float32: the carried state (zeros if None), then x with padded inputs zeroed.
+    Prepending the state makes the conv exact with no padding; its first k-1 outputs are never formed."""
+    b, l, c = x.shape
+    x = x.float()
+    if mask is not None:
+        x = x * mask.to(device=x.device, dtype=torch.float32)[..., None]
+    prev = x.new_zeros(b, c, k - 1) if state is None else state.float()
+    return torch.cat([prev, x.transpose(1, 2)], dim=-1)
 
 
 def causal_conv1d_step(x, weight, bias, state, activation=None):

@@ -14,6 +14,8 @@ equal (fp32, 1e-5):
 * ``ssd_step`` one token against the state — decode (every mixer's one-token step);
 * ``ssd_sequential`` the per-token loop over ``ssd_step`` — the plain reference.
 
+``ssd_state`` is the state alone (no outputs), equal to the state each form returns.
+
 ``mask`` (b, l): 1 = real token, 0 = padding. A padded token leaves the state unchanged (decay 1,
 no input) and its output is 0. Math runs in float32; outputs return in the input dtype, states
 stay float32. Every exponent the code takes is a sum of log-decays over a forward interval
@@ -151,6 +153,27 @@ def ssd_step(x, a, B, C, state=None, D=None):
     if D is not None:
         y = y + _skip(D, x)
     return (y if y.dtype == dtype else y.to(dtype)), state
+
+
+def ssd_state(x, a, B, mask=None, state=None):
+    """The state (b, h, p, n) float32 after the l tokens, without the outputs: what ``ssd_chunked``
+    and ``ssd_sequential`` return as their state, in one product,
+        h_l = exp(a_1 + … + a_l) · state + Σ_s exp(a_{s+1} + … + a_l) · x_s ⊗ B_s.
+    For a speculative rollback (Mamba in the Llama §4): the state after a kept prefix of a verify
+    forward, from the x, a, B it already computed (student/cache.py). Each exponent is a suffix
+    sum of the terms it names (never a difference of prefix sums), so it is exact at any l."""
+    x, a, B = x.float(), a.float(), B.float()
+    b, l, h, p = x.shape
+    if mask is not None:  # a padded token leaves the state alone: decay 1, no input
+        m = mask.to(device=x.device, dtype=torch.float32)
+        x, a = x * m[..., None, None], a * m[..., None]
+    suffix = a.flip(1).cumsum(1).flip(1)  # (b, l, h): a_s + … + a_l
+    after = F.pad(suffix[:, 1:], (0, 0, 0, 1))  # a_{s+1} + … + a_l, 0 for the last token
+    s = torch.einsum("blhp,blhn->bhpn", x * torch.exp(after)[..., None], B)
+    if state is not None:
+        decay = torch.exp(suffix[:, 0]) if l else torch.ones(b, h, device=x.device)
+        s = s + decay[..., None, None] * state.float()
+    return s
 
 
 def ssd_sequential(x, a, B, C, mask=None, D=None, state=None):
