@@ -74,3 +74,45 @@ def test_recorded_inputs_are_bounded_by_commits():
             cache.crop(-1)
     layer = cache.layers[0]
     assert layer._inputs == [] and layer._snapshot is None and cache.get_seq_length() == 10
+
+
+@pytest.mark.parametrize("family,ratio", [("llama", 0.0), ("mistral", 0.5)])
+def test_mamba2_rollback_by_rule_equals_replay_and_never_fed(family, ratio, monkeypatch):
+    """Mamba in the Llama §4 rollback: after a 5-token verify forward, ``crop`` to keep j tokens
+    (every j) by the Mamba-2 mixer's own rule (``ssd_state`` / ``causal_conv1d_state`` from the
+    snapshot, no replay) gives the states and next-token logits of (a) the replay of the kept
+    inputs and (b) a cache that was only ever fed the kept tokens."""
+    from attn2ssm.student.cache import MixerStateLayer
+
+    student = tiny_student(family, "mamba2", ratio)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
+
+    def run(keep, rule=True, fed_only_kept=False):
+        cache = student.new_cache()
+        with torch.no_grad():
+            student(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
+            if fed_only_kept:
+                if keep:
+                    student(input_ids=ids[:, 6 : 6 + keep], past_key_values=cache, use_cache=True)
+            else:
+                cache.activate_past_recording()
+                student(input_ids=ids[:, 6:11], past_key_values=cache, use_cache=True)
+                layers = [layer for layer in cache.layers if isinstance(layer, MixerStateLayer)]
+                assert all(bool(layer._rollbacks[0]) for layer in layers)  # the rule was handed over
+                if not rule:
+                    for layer in layers:
+                        layer._rollbacks = [None]
+                cache.crop(keep - 5)
+            assert cache.get_seq_length() == 6 + keep
+            states = [dict(layer.states) for layer in cache.layers if isinstance(layer, MixerStateLayer)]
+            nxt = student(input_ids=ids[:, 11:12], past_key_values=cache, use_cache=True).logits
+        return states, nxt
+
+    for keep in range(6):
+        by_rule, by_replay, never = run(keep), run(keep, rule=False), run(keep, fed_only_kept=True)
+        for other in (by_replay, never):
+            for mine, theirs in zip(by_rule[0], other[0]):
+                assert mine.keys() == theirs.keys()
+                for name in mine:
+                    torch.testing.assert_close(mine[name], theirs[name], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(by_rule[1], other[1], atol=1e-5, rtol=1e-5)

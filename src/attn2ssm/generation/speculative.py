@@ -4,7 +4,8 @@ A drafter proposes up to K tokens; the target scores them all in ONE forward ove
 token; d_1..d_K] and keeps the longest acceptable prefix plus one token of its own. The target
 then forgets what it consumed past the accepted text: attention layers drop KV rows, recurrent
 layers go back to the snapshot taken before the round and replay their recorded inputs
-(``MixerStateLayer.crop``), so only one state per layer is ever stored.
+(``MixerStateLayer.crop``; a Mamba-2 layer computes its state at the kept position from the
+snapshot without a replay, Mamba in the Llama §4), so only one state per layer is ever stored.
 
 As in the paper the target is the student (a pure Mamba-2 or a hybrid) and the draft something
 much cheaper (generation/drafters.py): prompt lookup (``draft="ngram"``, no model at all) or a

@@ -53,8 +53,8 @@ from attn2ssm.mixers.ssm_common import (
     init_shared_parameters,
     store_states,
 )
-from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
-from attn2ssm.ops.ssd import ssd_chunked, ssd_quadratic, ssd_step
+from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_state, causal_conv1d_step
+from attn2ssm.ops.ssd import ssd_chunked, ssd_quadratic, ssd_state, ssd_step
 
 
 class Mamba2Mixer(AttentionLikeMixer):
@@ -222,8 +222,8 @@ class Mamba2Mixer(AttentionLikeMixer):
         states = {} if layer is None else layer.states
         mask = self.padding_mask(l)
         inputs = self.project_inputs(hidden_states)
-        xbc = self._xbc(hidden_states, position_embeddings, inputs)
-        xbc, conv_state = apply_conv(self.conv, xbc, states, mask, self.conv_activation)
+        pre_conv = self._xbc(hidden_states, position_embeddings, inputs)
+        xbc, conv_state = apply_conv(self.conv, pre_conv, states, mask, self.conv_activation)
         self._emit_bc(xbc)
         x, B, C = self._split(xbc)
         a, dt = self._decay(hidden_states, inputs)
@@ -231,8 +231,21 @@ class Mamba2Mixer(AttentionLikeMixer):
         # bfloat16 cumulative decay drifts, and the carried state stays float32 for the steps after
         x_in = x.float() if dt is None else x.float() * dt[..., None]
         y, ssm = ssd_chunked(x_in, a.float(), B.float(), C.float(), mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
+        if layer is not None and layer.record_past:  # a speculative verify: say how to stop after any prefix
+            layer.set_rollback(lambda start, keep: self._states_after(start, keep, pre_conv, x_in, a, B, mask))
         store_states(layer, ssm, conv_state, l)
         return self._output(y.to(x.dtype), x, hidden_states, inputs), None
+
+    def _states_after(self, start: dict, keep: int, pre_conv, x_in, a, B, mask) -> dict:
+        """The states after the first ``keep`` tokens of a forward that began at ``start`` and
+        computed these pre-conv rows, x·Δ, a and B (a speculative rollback, Mamba in the Llama §4:
+        no projection or scan is run again)."""
+        m = None if mask is None else mask[:, :keep]
+        new = dict(start)
+        new["ssm"] = ssd_state(x_in[:, :keep], a[:, :keep], B[:, :keep], mask=m, state=start.get("ssm"))
+        if self.conv is not None:
+            new["conv"] = causal_conv1d_state(pre_conv[:, :keep], self.conv.kernel, state=start.get("conv"), mask=m)
+        return new
 
 
 class DiscreteMamba2Mixer(Mamba2Mixer):

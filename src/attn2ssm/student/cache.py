@@ -10,8 +10,15 @@ then ``cache.crop(-n)`` to forget the last n tokens (``crop(0)`` commits). A KV 
 rows; a recurrent state cannot be un-mixed. So a recording mixer layer keeps one snapshot of its
 state, taken before the first forward after the last crop, plus the *inputs* its mixer saw since
 (hidden states, position embeddings, padding mask: a few tokens' worth). ``crop(-n)`` restores the
-snapshot and replays the mixer alone over the inputs it keeps: paper 004's "cache the inputs,
-recompute from one snapshot", exact for every mixer kind, with no per-token states stored.
+snapshot and brings it forward over the tokens it keeps, in one of two ways:
+
+* a mixer that can say what its state is after any prefix of a forward hands the layer that
+  rule (``set_rollback``; Mamba-2: the SSD state from the x, a, B it computed, the conv state from
+  its pre-conv rows, "Mamba in the Llama" §4). The state at the kept position is then computed
+  from the snapshot directly, in a few small products, with no mixer weights read again;
+* for any other mixer (or a round where one forward gave no rule) the mixer is replayed alone
+  over the inputs it keeps: paper 004's "cache the inputs, recompute from one snapshot", exact for
+  every mixer kind. Both ways give the state of a cache that never saw the undone tokens.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class MixerStateLayer(CacheLayerMixin):
         self.record_past = False
         self._snapshot: tuple[int, dict] | None = None  # (seen, states) before the recorded forwards
         self._inputs: list[tuple] = []  # (mixer, hidden (b, l, d), position_embeddings, padding mask)
+        self._rollbacks: list = []  # per recorded forward: its mixer's rule (see set_rollback) or None
         self._replaying = False
 
     def advance(self, n: int) -> None:
@@ -96,9 +104,17 @@ class MixerStateLayer(CacheLayerMixin):
         if self._snapshot is None:
             self._snapshot = (self.seen, {k: _map_state(v, torch.clone) for k, v in self.states.items()})
         self._inputs.append((mixer, hidden_states.detach(), position_embeddings, padding_mask))
+        self._rollbacks.append(None)
+
+    def set_rollback(self, rule) -> None:
+        """Called by a mixer during a recorded forward (after ``record``): ``rule(states, keep)``
+        returns the states after the first ``keep`` (1..l) tokens of that forward, given
+        ``states``, the states it started from. ``crop`` then needs no replay of this forward."""
+        if self.record_past and not self._replaying and self._rollbacks:
+            self._rollbacks[-1] = rule
 
     def _commit(self) -> None:
-        self._snapshot, self._inputs = None, []
+        self._snapshot, self._inputs, self._rollbacks = None, [], []
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (transformers' sign convention); 0 commits."""
@@ -117,9 +133,21 @@ class MixerStateLayer(CacheLayerMixin):
             )
         keep = self.seen - remove - snapshot[0]
         self.seen, self.states = snapshot[0], dict(snapshot[1])
-        if keep:
+        if keep and all(self._rollbacks):
+            self._roll_forward(keep)
+        elif keep:
             self._replay(keep)
         self._commit()
+
+    def _roll_forward(self, keep: int) -> None:
+        """Bring the snapshot forward over the first ``keep`` recorded tokens by the mixer's rules."""
+        for (_, hidden, _, _), rule in zip(self._inputs, self._rollbacks):
+            take = min(keep, hidden.shape[1])
+            self.states = rule(self.states, take)
+            self.advance(take)
+            keep -= take
+            if not keep:
+                return
 
     def _replay(self, keep: int) -> None:
         """Run the recorded mixer over the first ``keep`` recorded tokens, from the snapshot."""
