@@ -245,3 +245,35 @@ def test_a_hedgehog_students_stacked_maps_decode_save_undo_and_step_aside(tmp_pa
     assert mixer.__dict__.get("_fused_maps") is None
     with torch.no_grad():
         assert torch.equal(model.generate(ids, **kwargs).sequences, ref.sequences)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_fused_buffer_with_an_odd_row_count_is_padded_and_read_by_row_blocks(threads):
+    """q|k|v|gate|Δ of a Mamba-2 mixer add up to an odd row count (1545 on the built-in teacher):
+    the buffer gets zero rows to a multiple of lcm(8, threads), so the one-matmul read takes the
+    row-block route (it keeps its block view) instead of the one-core fallback, and every layer's
+    output is unchanged; the padding's columns never reach a caller."""
+    from attn2ssm.mixers.fusion import ROW_MULTIPLE
+    from attn2ssm.ops.rows import MEMO_KEY
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        owner = nn.Module()
+        torch.manual_seed(0)
+        owner.a, owner.b, owner.c = nn.Linear(16, 24), nn.Linear(16, 8, bias=False), nn.Linear(16, 9)
+        x = torch.randn(3, 16)
+        with torch.no_grad():
+            refs = [owner.a(x), owner.b(x), owner.c(x)]
+            fused = FusedLinears(owner, ["a", "b", "c"], [owner.a, owner.b, owner.c])
+            multiple = ROW_MULTIPLE * threads // (2 if threads % 2 == 0 else 1)  # lcm(8, threads)
+            assert fused.weight.shape[0] % multiple == 0 and fused.weight.shape[0] - 41 < multiple
+            assert torch.count_nonzero(fused.weight[41:]) == 0 and torch.count_nonzero(fused.bias[41:]) == 0
+            outs = fused(x)
+            assert MEMO_KEY in fused.__dict__  # the row-block route ran
+            assert fused.matmul(x).shape == (3, 41)
+            for out, ref in zip(outs, refs):
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(owner.c(x), refs[2])  # each layer still reads its own rows
+    finally:
+        torch.set_num_threads(old)

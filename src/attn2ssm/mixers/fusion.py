@@ -16,6 +16,7 @@ one without importing it.
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import torch
@@ -25,6 +26,11 @@ from attn2ssm.ops.rows import MEMO_KEY, block_linear, rows_linear
 
 # ``module.__dict__`` keys under which modules keep fusions (objects with valid / release / rebuild)
 FUSION_KEYS = ("_fused_inputs", "_fused_maps")
+# A fused buffer's rows are padded (zeros) to a multiple of lcm(this, threads): the row-block product
+# needs its rows to split evenly over the threads, else it falls back to MKL's one-core product. A
+# Mamba-2 mixer's q|k|v|gate|Δ rows number 1545 on the built-in teacher: unpadded, its fused read
+# was the slowest product of a decode step (333 us a layer, one core; 2 threads, quiet 2-core CPU).
+ROW_MULTIPLE = 8
 
 
 def is_plain_linear(module) -> bool:
@@ -47,7 +53,8 @@ def call_linear(module: nn.Module, x: torch.Tensor, traced_parts: int = 0) -> to
 
 class FusedLinears:
     """Linear layers of ``owner`` that read the same input, their weights and biases made row
-    blocks of one (Σout, in) buffer, so that a step reads them with ONE matmul. The layers keep
+    blocks of one (Σout + pad, in) buffer (``pad`` zero rows make the row count divide evenly over
+    the threads, see ROW_MULTIPLE), so that a step reads them with ONE matmul. The layers keep
     their own parameters (names, state dict, LoRA targets): the fused path is used only while
     every layer is still ``owner``'s and every parameter still lives where it was put (a
     replaced or wrapped layer, a re-assigned ``.data``, a hook or another class turns it off)."""
@@ -61,12 +68,15 @@ class FusedLinears:
         """(Re)make the shared buffer from the layers' current parameters."""
         linears = self.linears
         self.__dict__.pop(MEMO_KEY, None)
+        self.rows = rows = sum(self.sizes)
+        pad = (-rows) % math.lcm(ROW_MULTIPLE, torch.get_num_threads())
         with torch.no_grad():
-            self.weight = torch.cat([lin.weight for lin in linears], dim=0)  # (Σout, in)
+            first = linears[0].weight
+            self.weight = torch.cat([lin.weight for lin in linears] + [first.new_zeros(pad, first.shape[1])], dim=0)  # (Σout + pad, in)
             self.bias = None
             if any(lin.bias is not None for lin in linears):
                 parts = [lin.bias if lin.bias is not None else self.weight.new_zeros(n) for lin, n in zip(linears, self.sizes)]
-                self.bias = torch.cat(parts)
+                self.bias = torch.cat(parts + [self.weight.new_zeros(pad)])
             start = 0
             for lin, n in zip(linears, self.sizes):
                 lin.weight.data = self.weight[start : start + n]
@@ -90,10 +100,12 @@ class FusedLinears:
         return True
 
     def matmul(self, x: torch.Tensor, traced_parts: int = 0) -> torch.Tensor:
-        """The layers' outputs side by side: (..., Σout)."""
+        """The layers' outputs side by side: (..., Σout) (a view: the padding's columns left out)."""
         if traced_parts:
-            return rows_linear(x, self.weight, self.bias, traced_parts)
-        return block_linear(x, self.weight, self.bias, self.__dict__)
+            y = rows_linear(x, self.weight, self.bias, traced_parts)
+        else:
+            y = block_linear(x, self.weight, self.bias, self.__dict__)
+        return y.narrow(-1, 0, self.rows)
 
     def __call__(self, x: torch.Tensor, traced_parts: int = 0) -> tuple[torch.Tensor, ...]:
         return self.matmul(x, traced_parts).split(self.sizes, dim=-1)
