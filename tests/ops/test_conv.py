@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_state, causal_conv1d_step
+from attn2ssm.ops.conv import SHORT, causal_conv1d, causal_conv1d_state, causal_conv1d_step
 
 
 def _inputs(b=2, l=13, c=5, k=4, seed=0):
@@ -28,6 +28,19 @@ def test_matches_nn_conv1d_definition():
     ref = F.conv1d(x.transpose(1, 2), w[:, None, :], bias, padding=3, groups=5)[..., :13].transpose(1, 2)
     torch.testing.assert_close(y, ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(state, x[:, -3:].transpose(1, 2))
+
+
+@pytest.mark.parametrize("l", [1, 5, SHORT, SHORT + 1, 40])
+def test_both_forms_match_nn_conv1d_with_a_state(l):
+    """Short inputs take the unfolded-window sum, longer ones oneDNN's conv: both equal the
+    definition, continuing from a carried state."""
+    x, w, bias = _inputs(l=l)
+    state = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(1))
+    y, new_state = causal_conv1d(x, w, bias, state=state, activation="silu")
+    full = torch.cat([state, x.transpose(1, 2)], -1)
+    ref = F.silu(F.conv1d(full, w[:, None, :], bias, groups=5)).transpose(1, 2)
+    torch.testing.assert_close(y, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(new_state, full[..., -3:])
 
 
 @pytest.mark.parametrize("activation", [None, "silu"])
