@@ -211,8 +211,7 @@ def cmd_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
-    if args.draft is not None and args.num_draft_tokens < 1:
-        raise ConfigError(f"--num-draft-tokens {args.num_draft_tokens}", "draft at least 1 token per round, e.g. --num-draft-tokens 4")
+    num_draft_tokens = _draft_tokens("--num-draft-tokens", args.num_draft_tokens)
     from attn2ssm.decode.layout import cpu_decode_layout
     from attn2ssm.decode.quantize import apply_weight_format, check_weight_format
 
@@ -262,7 +261,7 @@ def cmd_generate(args) -> int:
         draft,
         inputs["input_ids"],
         max_new_tokens=args.max_new_tokens,
-        num_draft_tokens=args.num_draft_tokens,
+        num_draft_tokens=num_draft_tokens,
         do_sample=sample,
         temperature=args.temperature if sample else 1.0,
         top_k=args.top_k,
@@ -282,6 +281,16 @@ def cmd_generate(args) -> int:
 
 
 # --------------------------------------------------------------------------------------------- bench
+def _draft_tokens(flag: str, text: str) -> int | str:
+    """A number of draft tokens per round (>= 1) or ``auto`` (chosen each round)."""
+    text = str(text).strip()
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{flag} {text} is not a positive number of draft tokens or 'auto'", f"write e.g. {flag} 4, or {flag} auto")
+    return int(text)
+
+
 def _int_list(flag: str, text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
@@ -398,7 +407,7 @@ def cmd_bench_generate(args) -> int:
         teacher=args.teacher, contexts=_int_list("--contexts", args.contexts), models=models, new_tokens=args.new_tokens,
         max_context=limits, spec=args.spec, spec_targets=spec_targets, spec_drafters=spec_drafters, draft=tuple(args.draft or ()) or None,
         spec_contexts=_int_list("--spec-contexts", args.spec_contexts),
-        spec_ks=_int_list("--spec-k", args.spec_k), spec_new_tokens=args.spec_new_tokens, corpus=args.corpus,
+        spec_ks=tuple(_draft_tokens("--spec-k", v) for v in args.spec_k.split(",") if v.strip()) or (_draft_tokens("--spec-k", ""),), spec_new_tokens=args.spec_new_tokens, corpus=args.corpus,
         device=args.device, threads=args.threads, rounds=args.rounds, cpu_layout=not args.no_cpu_layout,
         compile_students=args.compile, backend=args.backend, quants=quants or BenchSettings.quants, flash_attn=not args.no_flash_attn,
         gguf_dir=args.gguf_dir,
@@ -650,7 +659,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--draft", default=None, help="speculative decoding: 'ngram' (prompt lookup, no model) or a draft model (student dir or teacher "
                    "spec, same tokenizer) proposes tokens that MODEL verifies")
-    g.add_argument("--num-draft-tokens", type=int, default=4, help="with --draft: tokens proposed per verifier forward")
+    g.add_argument("--num-draft-tokens", default="auto", help="with --draft: tokens proposed per verifier forward, or auto (default: "
+                   "chosen each round from the acceptance and round times measured so far, 0 where drafting does not pay)")
     g.add_argument("--compile", action="store_true", help="CPU, pure students: run the decode step as one torch.compile'd function (~1.5x faster a token; the first step compiles, about a minute on 2 cores)")
     g.add_argument("--dtype", default="float32", help="weights and activations: float32 or bfloat16 (SSM decay, skip and dt bias stay float32)")
     g.add_argument("--quantize", default=None, help="int8: linear weights int8 with per-channel scales (weight-only; activations in --dtype)")
@@ -675,7 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
     bg.add_argument("--draft", action="append", default=None, metavar="DIR", help="with --spec: a draft model (student directory or teacher spec "
                     "sharing the tokenizer, e.g. a shallow student from recipes/draft_shallow.yaml); repeatable")
     bg.add_argument("--spec-contexts", default="1024,8192")
-    bg.add_argument("--spec-k", default="2,4,6", help="with --spec: draft tokens per target forward")
+    bg.add_argument("--spec-k", default="2,4,6,auto", help="with --spec: draft tokens per target forward (auto: chosen each round)")
     bg.add_argument("--spec-new-tokens", type=int, default=64)
     bg.add_argument("--corpus", default="sotu", help="text the prompts are cut from")
     bg.add_argument("--device", default=None, help="default: cuda if available, else cpu")

@@ -10,7 +10,7 @@ from tiny_models import perturb_new_mixer_parameters, tiny_model
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.generation.drafters import ModelDrafter, NgramDrafter, Runner, make_drafter
-from attn2ssm.generation.speculative import speculative_generate
+from attn2ssm.generation.speculative import DraftLength, speculative_generate
 from attn2ssm.student.cache import MixerStateLayer
 from attn2ssm.student.convert import convert
 from attn2ssm.student.plans import make_plan
@@ -208,3 +208,78 @@ def test_ngram_sampling_runs_and_stops():
     g = torch.Generator().manual_seed(0)
     out = speculative_generate(target, "ngram", ids, max_new_tokens=12, num_draft_tokens=3, do_sample=True, top_k=5, generator=g)
     assert out.sequences.shape[1] == ids.shape[1] + 12 and out.stats.generated == 12
+
+
+# ------------------------------------------------------------------------- num_draft_tokens="auto"
+def test_draft_length_expected_tokens_and_choice_by_hand():
+    """tokens(k) = 1 + α + … + α^k; the choice maximises tokens(k) / seconds(k)."""
+    policy = DraftLength(max_k=4)
+    policy.kept, policy.tried = 1.0, 2.0  # α = 0.5
+    assert policy.expected_tokens(0) == 1.0
+    assert policy.expected_tokens(2) == pytest.approx(1.75)
+    assert policy.expected_tokens(4) == pytest.approx(1.9375)
+    # measured: a plain step 10 ms, a round with 2 drafts 14 ms, with 4 drafts 20 ms:
+    # rates 1/10 = 0.1, 1.75/14 = 0.125, 1.9375/20 = 0.097; k = 3 interpolates (17 ms: 1.875/17 = 0.110),
+    # k = 1 extrapolates by the prior's 0.05 plain steps a draft (13.5 ms: 1.5/13.5 = 0.111)
+    policy.seconds = {0: 0.010, 2: 0.014, 4: 0.020}
+    assert policy.choose(room=10) == 2
+    policy.kept, policy.tried = 0.2, 2.0  # α = 0.1: 1.11/14 ms < 1/10 ms — drafting does not pay
+    assert policy.choose(room=10) == 0
+    assert policy._round_seconds(3) == pytest.approx(0.017) and policy._round_seconds(1) == pytest.approx(0.0135)
+    assert policy._round_seconds(6) == pytest.approx(0.021)
+    policy.kept, policy.tried = 1.0, 2.0
+    assert policy.choose(room=1) == 1  # room bounds k (1 draft: 1.5 / 13.5 ms = 0.111 > 0.1)
+    assert policy.choose(room=0) == 0
+
+
+def test_draft_length_learns_acceptance_from_rounds_and_probes():
+    policy = DraftLength(max_k=6)
+    assert policy.alpha == pytest.approx(0.6)  # the prior
+    policy.observe(4, 1, 0.02)  # one of four kept: 1 kept, 2 judged (the rest never were)
+    assert policy.alpha == pytest.approx((0.6 * 2 * 0.9 + 1) / (2 * 0.9 + 2))
+    policy.observe(0, 0, 0.01)
+    assert policy.seconds == {4: 0.02, 0: 0.01}
+    policy.observe(0, 0, 0.02)
+    assert policy.seconds[0] == pytest.approx(0.7 * 0.01 + 0.3 * 0.02)  # a moving average
+    for _ in range(40):
+        policy.observe_probe(False)
+    assert policy.alpha < 0.01 and policy.choose(room=10) == 0
+    for _ in range(40):  # lookup starts being right: drafting resumes
+        policy.observe_probe(True)
+    assert policy.alpha > 0.95 and policy.choose(room=10) >= 4
+
+
+def test_draft_length_probes_a_model_drafter_every_few_plain_rounds():
+    policy = DraftLength(max_k=6, free=False, probe_every=3)
+    policy.kept, policy.tried = 0.01, 10.0
+    policy.seconds = {0: 0.01, 1: 0.018}
+    assert policy.choose(room=10) == 0
+    for _ in range(3):
+        policy.observe(0, 0, 0.01)
+    assert policy.choose(room=10) == 1  # a probe: the draft may have become right
+    policy.observe(1, 0, 0.018)
+    assert policy.choose(room=10) == 0
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.25], ids=["pure", "hybrid25"])
+@pytest.mark.parametrize("prompt", ["copy", "random", "echo"])
+def test_auto_draft_length_equals_plain_greedy(ratio, prompt):
+    """num_draft_tokens="auto" with prompt lookup and with a model draft: the same tokens as
+    plain greedy, whatever K each round chose (0 included)."""
+    target = _student(ratio)
+    ids = _echo(target, "distinct") if prompt == "echo" else _prompts()[prompt]
+    teacher = tiny_model("llama", layers=4)
+    model = convert(teacher, make_plan(2, "mamba2"), depth=2).eval()
+    for draft in ("ngram", model):
+        out = speculative_generate(target, draft, ids, max_new_tokens=24, num_draft_tokens="auto")
+        assert torch.equal(out.sequences, _plain(target, ids, 24))
+        s = out.stats
+        assert s.generated == 24 and sum(s.draft_lengths.values()) == s.rounds
+        assert all(0 <= k <= 7 for k in s.draft_lengths)
+
+
+def test_bad_num_draft_tokens_is_one_clear_error():
+    target = _student(0.0)
+    for bad in (0, "four", 2.5):
+        with pytest.raises(ConfigError, match="num_draft_tokens"):
+            speculative_generate(target, "ngram", _prompts()["copy"], max_new_tokens=4, num_draft_tokens=bad)

@@ -595,14 +595,15 @@ def plot_spec_bench(result: dict, path: Path) -> Path:
             if (row["target"], row["task"]) != (target, task):
                 continue
             for name, rows in row["by_drafter"].items():
-                ks = [r["k"] for r in rows]
+                fixed = [r["k"] for r in rows if r["k"] != "auto"]
+                ks = [r["k"] if r["k"] != "auto" else max(fixed, default=0) + 2 for r in rows]  # "auto" drawn right of the fixed K
                 ax.plot(ks, [r["speedup"] for r in rows], marker="o", color=f"C{i}", label=f"{name} @ {row['context']}: speedup")
                 ax.plot(ks, [r["acceptance_rate"] for r in rows], marker="x", linestyle="--", color=f"C{i}", label=f"{name} @ {row['context']}: acceptance")
                 i += 1
         ax.axhline(1.0, color="gray", linewidth=1)
         ax.axhline(1.5, color="gray", linewidth=1, linestyle=":")
         ax.set_title(f"target {target}, task {task}", fontsize=9)
-        ax.set_xlabel("draft tokens per target forward (K)")
+        ax.set_xlabel("draft tokens per target forward (K; the rightmost point: K chosen each round, auto)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     where = f"{result['device']} ({result['environment'].get('processor')}, {result['threads']} threads)"
@@ -634,7 +635,7 @@ class BenchSettings:
     spec_drafters: tuple[str, ...] = ("ngram",)
     draft: tuple[str, ...] | None = None  # model drafts (student directories or teacher specs)
     spec_contexts: tuple[int, ...] = (1024, 8192)
-    spec_ks: tuple[int, ...] = (2, 4, 6)
+    spec_ks: tuple = (2, 4, 6, "auto")
     spec_new_tokens: int = 64
     corpus: str = "sotu"
     device: str | None = None

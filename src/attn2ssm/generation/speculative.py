@@ -14,6 +14,12 @@ plain HF decoder works). A round whose drafter has nothing to propose verifies o
 decoding, through the target's one-token fast path where it has one (recording for rollback is
 switched on only for rounds with drafts).
 
+``num_draft_tokens="auto"`` picks K before every round (``DraftLength``): the K (0 = a plain
+step) that maximises expected tokens per second, from the acceptance rate and round times it has
+measured so far in this call. A fixed K costs more than it returns wherever the drafts are
+rarely right: a verify forward of K+1 tokens costs ~1.7x a plain step on the 2-core CPU
+(README "Speculative decoding"), so at an acceptance under ~0.4 drafting is a slowdown.
+
 ``model.generate(ids, assistant_model=draft)`` also works for students (transformers drives the
 same cache protocol); this loop exists for the paper's fixed-K algorithm, for drafters that are
 not models, and for its statistics (acceptance rate, tokens per target forward).
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attn2ssm.errors import ConfigError
-from attn2ssm.generation.drafters import Drafter, Runner, make_drafter
+from attn2ssm.generation.drafters import Drafter, NgramDrafter, Runner, make_drafter
 from attn2ssm.generation.sampling import accept_greedy, accept_sampled, warp
 from attn2ssm.student.cache import MixerStateLayer
 
@@ -41,6 +47,7 @@ class SpeculativeStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    draft_lengths: dict = field(default_factory=dict)  # k → rounds that verified k drafts
 
     @property
     def acceptance_rate(self) -> float:
@@ -64,6 +71,91 @@ class SpeculativeOutput:
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
 
 
+AUTO = "auto"
+AUTO_MAX_DRAFTS = 7  # a verify forward of <= 8 tokens keeps the few-row products (ops/rows.MAX_ROWS)
+
+
+class DraftLength:
+    """``num_draft_tokens="auto"``: before each round, the number of drafts k in 0..max_k with the
+    most expected tokens per second of round time,
+
+        tokens(k) = 1 + α + … + α^k          (each draft kept with probability α, until the first miss)
+        seconds(k) = round time measured for k (a moving average; an unmeasured k is interpolated
+                     between measured ones, or priced by a prior of (1.7 + 0.05 k) plain steps),
+
+    α from the rounds so far (kept / tried drafts, older rounds weighing less; prior 0.6). A free
+    drafter (prompt lookup) is also asked in rounds without drafts, and whether its first token
+    was the target's own updates α, so the policy sees when lookup starts paying again; a model
+    drafter (whose proposals cost) gets one draft every ``probe_every`` rounds instead."""
+
+    DECAY, SMOOTH = 0.9, 0.3
+    PRIOR_VERIFY, PRIOR_PER_DRAFT = 1.7, 0.05  # a (k+1)-token verify in plain steps (2-core CPU, measured)
+
+    def __init__(self, max_k: int = AUTO_MAX_DRAFTS, free: bool = True, probe_every: int = 8):
+        self.max_k, self.free, self.probe_every = max_k, free, probe_every
+        self.kept, self.tried = 1.2, 2.0  # α's prior: 0.6, worth two drafts
+        self.seconds: dict[int, float] = {}  # k → moving average of a round's seconds
+        self.plain_run = 0  # rounds without drafts in a row
+
+    @property
+    def alpha(self) -> float:
+        return self.kept / self.tried
+
+    def _round_seconds(self, k: int) -> float | None:
+        """Seconds of a round with k drafts: measured, else interpolated between the measured k >= 1
+        around it, else extrapolated from the nearest one by the prior's cost per draft."""
+        if k in self.seconds:
+            return self.seconds[k]
+        plain = self.seconds.get(0)
+        drafted = [j for j in self.seconds if j >= 1]
+        if k == 0 or not drafted:
+            return None if plain is None else plain * (1.0 if k == 0 else self.PRIOR_VERIFY + self.PRIOR_PER_DRAFT * k)
+        lo = max((j for j in drafted if j < k), default=None)
+        hi = min((j for j in drafted if j > k), default=None)
+        if lo is not None and hi is not None:
+            w = (k - lo) / (hi - lo)
+            return (1 - w) * self.seconds[lo] + w * self.seconds[hi]
+        j = lo if lo is not None else hi
+        per_draft = self.PRIOR_PER_DRAFT * (plain if plain is not None else self.seconds[j] / self.PRIOR_VERIFY)
+        return self.seconds[j] + (k - j) * per_draft
+
+    def expected_tokens(self, k: int) -> float:
+        a = min(self.alpha, 1 - 1e-6)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def choose(self, room: int) -> int:
+        """k for the next round, at most ``room``."""
+        limit = min(self.max_k, room)
+        if limit < 1:
+            return 0
+        if not self.free and self.plain_run >= self.probe_every:
+            return 1
+        if 0 not in self.seconds:  # no plain step timed yet: seconds in plain steps, by the prior
+            rate = {k: self.expected_tokens(k) / (1.0 if k == 0 else self.PRIOR_VERIFY + self.PRIOR_PER_DRAFT * k) for k in range(limit + 1)}
+        else:
+            rate = {k: self.expected_tokens(k) / self._round_seconds(k) for k in range(limit + 1)}
+        return max(rate, key=lambda k: (rate[k], -k))
+
+    def _decay(self) -> None:
+        self.kept, self.tried = self.kept * self.DECAY, self.tried * self.DECAY
+
+    def observe(self, k: int, accepted: int, seconds: float) -> None:
+        """A round with ``k`` drafts (0: a plain step) of which ``accepted`` were kept took ``seconds``."""
+        old = self.seconds.get(k)
+        self.seconds[k] = seconds if old is None else (1 - self.SMOOTH) * old + self.SMOOTH * seconds
+        self.plain_run = self.plain_run + 1 if k == 0 else 0
+        if k:
+            self._decay()
+            self.kept += accepted
+            self.tried += accepted + (accepted < k)  # drafts after the first miss were never judged
+
+    def observe_probe(self, hit: bool) -> None:
+        """A free drafter's first token, asked in a round without drafts, was (not) the target's."""
+        self._decay()
+        self.kept += hit
+        self.tried += 1
+
+
 def _stop_recording(cache) -> None:
     """After a commit nothing is left to undo: recurrent layers stop recording their inputs, so
     a round without drafts runs the target's one-token fast path (which refuses a recording cache)."""
@@ -78,7 +170,7 @@ def speculative_generate(
     draft,
     input_ids: torch.LongTensor,
     max_new_tokens: int = 32,
-    num_draft_tokens: int = 4,
+    num_draft_tokens: int | str = 4,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = None,
@@ -89,7 +181,8 @@ def speculative_generate(
     past_key_values: tuple | None = None,
 ) -> SpeculativeOutput:
     """Generate up to ``max_new_tokens`` after ``input_ids`` (1, l), ``draft`` proposing up to
-    ``num_draft_tokens`` tokens per target forward. ``draft``: a model sharing the target's
+    ``num_draft_tokens`` tokens per target forward (``"auto"``: chosen each round, ``DraftLength``).
+    ``draft``: a model sharing the target's
     tokenizer, ``"ngram"`` / ``"ngram:N"`` (prompt lookup) or a ``Drafter``. Greedy output equals
     the target's own greedy output; sampled output follows the target's (warped) distribution.
 
@@ -98,9 +191,11 @@ def speculative_generate(
     draft's is None for a drafter without a model."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ConfigError(f"speculative decoding takes one prompt (input_ids of shape (1, l)), got {tuple(input_ids.shape)}", "run prompts one at a time")
-    if num_draft_tokens < 1:
-        raise ConfigError(f"num_draft_tokens={num_draft_tokens}", "draft at least 1 token per round (2-6 is typical)")
+    auto = num_draft_tokens == AUTO
+    if not auto and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1):
+        raise ConfigError(f"num_draft_tokens={num_draft_tokens!r}", "draft at least 1 token per round (2-6 is typical), or pass 'auto'")
     drafter: Drafter = make_drafter(draft, target.config.get_text_config().vocab_size)
+    policy = DraftLength(free=isinstance(drafter, NgramDrafter)) if auto else None
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p) if do_sample else None
     stats = SpeculativeStats()
@@ -124,12 +219,14 @@ def speculative_generate(
 
     new, done = 0, False
     while new < max_new_tokens and not done:
-        k = min(num_draft_tokens, max_new_tokens - new - 1)  # leave room for the target's token
+        room = max_new_tokens - new - 1  # leave room for the target's token
+        k = policy.choose(room) if auto else min(num_draft_tokens, room)
         start = len(text)
 
-        # 1. draft up to k tokens
+        # 1. draft up to k tokens (a free drafter is asked for one even when k = 0: a probe of α)
         t0 = time.perf_counter()
         drafts, q = drafter.propose(text, k, sampling, generator) if k else ([], [])
+        probe = drafter.propose(text, 1, None, None)[0] if auto and not k and policy.free and room > 0 else []
         k = len(drafts)
         t1 = time.perf_counter()
 
@@ -165,11 +262,16 @@ def speculative_generate(
         #    stay, the last emitted token is fed next round
         keep = start + min(n, len(emitted) - 1)
         if k:
-            t0 = time.perf_counter()
+            t2 = time.perf_counter()
             ver.rollback(min(ver.consumed, keep))
             _stop_recording(ver.cache)
-            stats.verify_seconds += time.perf_counter() - t0
+            stats.verify_seconds += time.perf_counter() - t2
         drafter.accept(keep)
+        if auto:
+            policy.observe(k, n, time.perf_counter() - t0)
+            if probe:
+                policy.observe_probe(probe[0] == token)
+        stats.draft_lengths[k] = stats.draft_lengths.get(k, 0) + 1
     if streamer is not None:
         streamer.end()
     return SpeculativeOutput(torch.tensor([text], device=device), stats)
