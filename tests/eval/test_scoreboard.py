@@ -7,6 +7,7 @@ that change a grid work on a copy of it, so they do not depend on each other's o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -32,6 +33,7 @@ from attn2ssm.eval.scoreboard import (
     EvalSettings,
     GridSettings,
     budget_overrides,
+    earlier_cells,
     load_family,
     parse_budgets,
     parse_family_table,
@@ -231,6 +233,35 @@ def test_second_invocation_reuses_the_cell_and_only_adds_cells(setup, grid, tmp_
     assert main(_args(setup, grid, "--families", "tiny", "--budgets", "192,384")) == 0
     assert "[1/2] tiny@192: cached" in capsys.readouterr().out
     assert (grid / "tiny-384" / "cell.json").read_bytes() == before and len(_runs(grid / "tiny-192")) == 1
+
+
+def test_cells_of_an_earlier_grid_json_survive_a_session_without_their_run_dirs(setup, grid, tmp_path):
+    """A new machine's grid directory lacks the cells an earlier session committed in the grid
+    JSON: a new cell adds to the JSON, it does not replace it (the cells keep their results and
+    say where they came from); cells scored with other settings or for another teacher are not taken."""
+    old_json = grid.parent / "results" / "quality.json"
+    (tmp_path / "results").mkdir()
+    shutil.copy(old_json, tmp_path / "results" / "quality.json")
+    fresh = tmp_path / "quality"
+    assert main(_args(setup, fresh, "--only", "tiny@192")) == 0
+    assert not (fresh / "tiny-384").exists()
+    result = json.loads((tmp_path / "results" / "quality.json").read_text())
+    assert [c["tokens"] for c in result["cells"]] == [192, 384]
+    (old,) = json.loads(old_json.read_text())["cells"]
+    kept = result["cells"][1]
+    assert kept["perplexity"] == old["perplexity"] and kept["command"] == old["command"] and "not in this grid directory" in kept["from"]
+    assert "from" not in result["cells"][0]
+    md = (tmp_path / "results" / "quality.md").read_text()
+    assert "| tiny | 384 |" in md and "| tiny | 192 |" in md
+
+    settings = _settings(setup, fresh, [])
+    (again,) = earlier_cells(old_json, str(setup.teacher), settings.eval, set())
+    assert {k: v for k, v in again.items() if k != "from"} == old
+    assert earlier_cells(old_json, str(setup.teacher), settings.eval, {("tiny", 384)}) == []
+    assert earlier_cells(old_json, "another-teacher", settings.eval, set()) == []
+    other = dataclasses.replace(settings.eval, eval_tokens=128)
+    assert earlier_cells(old_json, str(setup.teacher), other, set()) == []
+    assert earlier_cells(tmp_path / "missing.json", str(setup.teacher), settings.eval, set()) == []
 
 
 KILLER = r"""

@@ -17,7 +17,10 @@ student in memory at a time, against references the teacher computes once per gr
 the teacher's, their ratio and teacher-forced top-1 agreement on the same windows; greedy
 continuation agreement on held-out prompts of the first corpus; passkey accuracy per length.
 ``cell.json`` (atomic) keeps the cell's command and results; the grid JSON, the plot and the
-markdown table are rebuilt from every cached cell of the grid on each invocation.
+markdown table are rebuilt from every cached cell of the grid on each invocation, plus the cells
+of the grid JSON already there that this grid directory lacks (same teacher and evaluation
+settings): a grid is filled over several sessions on machines that do not share their ``runs/``,
+and a session's new cells must not erase the cells an earlier one committed.
 """
 
 from __future__ import annotations
@@ -577,10 +580,30 @@ def collect_cells(grid_dir: Path, settings: EvalSettings, table: dict[str, str])
     return records, stale
 
 
+def earlier_cells(json_path: Path, teacher: str, settings: EvalSettings, have: set[tuple[str, int]]) -> list[dict]:
+    """The cells of the grid JSON at ``json_path`` (written by an earlier invocation, perhaps on
+    another machine) that were scored with these settings for this teacher and are not in ``have``
+    (family, tokens); each says so in ``"from"``. None for a missing or unreadable file."""
+    try:
+        old = json.loads(Path(json_path).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict) or old.get("teacher") != teacher or old.get("settings") != settings.as_dict():
+        return []
+    kept = []
+    for rec in old.get("cells", []):
+        if isinstance(rec, dict) and (rec.get("family"), rec.get("tokens")) not in have:
+            kept.append({**rec, "from": rec.get("from") or f"{json_path} (its run directory {rec.get('run_dir')} is not in this grid directory)"})
+    return kept
+
+
 def write_outputs(settings: GridSettings, reference: TeacherReference, command: str, selected: list[str] | None = None) -> dict:
     from attn2ssm.eval.report import environment
 
     records, stale = collect_cells(settings.grid_dir, settings.eval, settings.families)
+    records += earlier_cells(settings.json_path, settings.teacher, settings.eval, {(r["family"], r["tokens"]) for r in records})
+    order = {name: i for i, name in enumerate(settings.families)}
+    records.sort(key=lambda r: (order.get(r["family"], len(order)), r["family"], r["tokens"]))
     result = {
         "teacher": settings.teacher,
         "grid_dir": str(settings.grid_dir),
