@@ -261,6 +261,21 @@ def test_draft_length_probes_a_model_drafter_every_few_plain_rounds():
     assert policy.choose(room=10) == 0
 
 
+def test_draft_length_prices_a_model_drafts_tokens_without_its_catch_up():
+    """seconds(k) = verify(k) + k · draft; the draft's seconds per token come from rounds after a
+    round with drafts, not from the first round after plain steps (the draft then catches up)."""
+    policy = DraftLength(max_k=4, free=False)
+    policy.observe(0, 0, 0.010)
+    policy.observe(2, 2, 0.017, 0.050)  # after a plain round: the draft caught up, not counted
+    assert policy.draft is None
+    policy.observe(2, 2, 0.017, 0.008)
+    assert policy.draft == pytest.approx(0.004)
+    policy.kept, policy.tried = 1.0, 2.0  # α = 0.5: k = 2 gives 1.75 tokens in 17 + 8 ms = 70/s < a plain step's 100/s
+    assert policy.choose(room=10) == 0
+    policy.draft = 0.0  # free drafts: 1.75 / 17 ms = 103/s > 100/s
+    assert policy.choose(room=10) >= 1
+
+
 @pytest.mark.parametrize("ratio", [0.0, 0.25], ids=["pure", "hybrid25"])
 @pytest.mark.parametrize("prompt", ["copy", "random", "echo"])
 def test_auto_draft_length_equals_plain_greedy(ratio, prompt):

@@ -80,9 +80,13 @@ class DraftLength:
     most expected tokens per second of round time,
 
         tokens(k) = 1 + α + … + α^k          (each draft kept with probability α, until the first miss)
-        seconds(k) = round time measured for k (a moving average; an unmeasured k is interpolated
-                     between measured ones, or priced by a prior of (1.7 + 0.05 k) plain steps),
+        seconds(k) = verify(k) + k · draft       (the target's forward and rollback, and drafting)
 
+    verify(k): the target's time measured for k (a moving average; an unmeasured k is interpolated
+    between measured ones, or priced by a prior of (1.7 + 0.05 k) plain steps); draft: seconds per
+    drafted token, from rounds that followed a round with drafts (after plain rounds a model draft
+    first catches up on the tokens it skipped, a cost that drafting every round does not pay),
+    prior 0.4 plain steps for a model (a shallow student is ~0.37x its target), 0 for lookup.
     α from the rounds so far (kept / tried drafts, older rounds weighing less; prior 0.6). A free
     drafter (prompt lookup) is also asked in rounds without drafts, and whether its first token
     was the target's own updates α, so the policy sees when lookup starts paying again; a model
@@ -90,11 +94,13 @@ class DraftLength:
 
     DECAY, SMOOTH = 0.9, 0.3
     PRIOR_VERIFY, PRIOR_PER_DRAFT = 1.7, 0.05  # a (k+1)-token verify in plain steps (2-core CPU, measured)
+    PRIOR_DRAFT_MODEL = 0.4  # a model draft's token in plain steps of the target
 
     def __init__(self, max_k: int = AUTO_MAX_DRAFTS, free: bool = True, probe_every: int = 8):
         self.max_k, self.free, self.probe_every = max_k, free, probe_every
         self.kept, self.tried = 1.2, 2.0  # α's prior: 0.6, worth two drafts
-        self.seconds: dict[int, float] = {}  # k → moving average of a round's seconds
+        self.seconds: dict[int, float] = {}  # k → moving average of the target's seconds in a round (verify)
+        self.draft: float | None = 0.0 if free else None  # moving average of seconds per drafted token
         self.plain_run = 0  # rounds without drafts in a row
 
     @property
@@ -130,19 +136,28 @@ class DraftLength:
             return 0
         if not self.free and self.plain_run >= self.probe_every:
             return 1
-        if 0 not in self.seconds:  # no plain step timed yet: seconds in plain steps, by the prior
-            rate = {k: self.expected_tokens(k) / (1.0 if k == 0 else self.PRIOR_VERIFY + self.PRIOR_PER_DRAFT * k) for k in range(limit + 1)}
+        plain = self.seconds.get(0)
+        if plain is None:  # no plain step timed yet: seconds in plain steps, by the priors
+            draft = self.PRIOR_DRAFT_MODEL if self.draft is None else 0.0
+            cost = {k: 1.0 if k == 0 else self.PRIOR_VERIFY + self.PRIOR_PER_DRAFT * k + k * draft for k in range(limit + 1)}
         else:
-            rate = {k: self.expected_tokens(k) / self._round_seconds(k) for k in range(limit + 1)}
+            draft = self.PRIOR_DRAFT_MODEL * plain if self.draft is None else self.draft
+            cost = {k: self._round_seconds(k) + k * draft for k in range(limit + 1)}
+        rate = {k: self.expected_tokens(k) / cost[k] for k in cost}
         return max(rate, key=lambda k: (rate[k], -k))
 
     def _decay(self) -> None:
         self.kept, self.tried = self.kept * self.DECAY, self.tried * self.DECAY
 
-    def observe(self, k: int, accepted: int, seconds: float) -> None:
-        """A round with ``k`` drafts (0: a plain step) of which ``accepted`` were kept took ``seconds``."""
-        old = self.seconds.get(k)
-        self.seconds[k] = seconds if old is None else (1 - self.SMOOTH) * old + self.SMOOTH * seconds
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.SMOOTH) * old + self.SMOOTH * new
+
+    def observe(self, k: int, accepted: int, seconds: float, draft_seconds: float = 0.0) -> None:
+        """A round with ``k`` drafts (0: a plain step), ``accepted`` of them kept: the target took
+        ``seconds`` (verify and rollback), drafting ``draft_seconds``."""
+        self.seconds[k] = self._average(self.seconds.get(k), seconds)
+        if k and not self.free and self.plain_run == 0:  # not a catch-up after plain rounds
+            self.draft = self._average(self.draft, draft_seconds / k)
         self.plain_run = self.plain_run + 1 if k == 0 else 0
         if k:
             self._decay()
@@ -268,7 +283,7 @@ def speculative_generate(
             stats.verify_seconds += time.perf_counter() - t2
         drafter.accept(keep)
         if auto:
-            policy.observe(k, n, time.perf_counter() - t0)
+            policy.observe(k, n, time.perf_counter() - t1, t1 - t0)
             if probe:
                 policy.observe_probe(probe[0] == token)
         stats.draft_lengths[k] = stats.draft_lengths.get(k, 0) + 1
