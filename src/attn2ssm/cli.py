@@ -407,7 +407,7 @@ def cmd_bench_generate(args) -> int:
         teacher=args.teacher, contexts=_int_list("--contexts", args.contexts), models=models, new_tokens=args.new_tokens,
         max_context=limits, spec=args.spec, spec_targets=spec_targets, spec_drafters=spec_drafters, draft=tuple(args.draft or ()) or None,
         spec_contexts=_int_list("--spec-contexts", args.spec_contexts),
-        spec_ks=tuple(_draft_tokens("--spec-k", v) for v in args.spec_k.split(",") if v.strip()) or (_draft_tokens("--spec-k", ""),), spec_new_tokens=args.spec_new_tokens, corpus=args.corpus,
+        spec_ks=tuple(_draft_tokens("--spec-k", v) for v in args.spec_k.split(",")), spec_new_tokens=args.spec_new_tokens, corpus=args.corpus,
         device=args.device, threads=args.threads, rounds=args.rounds, cpu_layout=not args.no_cpu_layout,
         compile_students=args.compile, backend=args.backend, quants=quants or BenchSettings.quants, flash_attn=not args.no_flash_attn,
         gguf_dir=args.gguf_dir,

@@ -563,8 +563,8 @@ def run_grid(settings: GridSettings, command: str = "attn2ssm bench quality", pr
     return write_outputs(settings, reference, command, selected=[c.name for c in cells])
 
 
-def collect_cells(grid_dir: Path, settings: EvalSettings, table: dict[str, str]) -> tuple[list[dict], list[str]]:
-    """Every cached cell of the grid scored with ``settings`` (family-table order, then tokens), and
+def collect_cells(grid_dir: Path, settings: EvalSettings) -> tuple[list[dict], list[str]]:
+    """Every cached cell of the grid scored with ``settings``, and
     the names of cells scored with other settings (left out until they are run again)."""
     records, stale = [], []
     for path in sorted(Path(grid_dir).glob("*/cell.json")):
@@ -575,15 +575,13 @@ def collect_cells(grid_dir: Path, settings: EvalSettings, table: dict[str, str])
             stale.append(f"{rec['family']}@{rec['tokens']}")
             continue
         records.append(rec)
-    order = {name: i for i, name in enumerate(table)}
-    records.sort(key=lambda r: (order.get(r["family"], len(order)), r["family"], r["tokens"]))
     return records, stale
 
 
 def earlier_cells(json_path: Path, teacher: str, settings: EvalSettings, have: set[tuple[str, int]]) -> list[dict]:
     """The cells of the grid JSON at ``json_path`` (written by an earlier invocation, perhaps on
     another machine) that were scored with these settings for this teacher and are not in ``have``
-    (family, tokens); each says so in ``"from"``. None for a missing or unreadable file."""
+    (family, tokens); each says so in ``"from"``. Nothing from a missing or unreadable file."""
     try:
         old = json.loads(Path(json_path).read_text())
     except (OSError, ValueError):
@@ -600,9 +598,9 @@ def earlier_cells(json_path: Path, teacher: str, settings: EvalSettings, have: s
 def write_outputs(settings: GridSettings, reference: TeacherReference, command: str, selected: list[str] | None = None) -> dict:
     from attn2ssm.eval.report import environment
 
-    records, stale = collect_cells(settings.grid_dir, settings.eval, settings.families)
+    records, stale = collect_cells(settings.grid_dir, settings.eval)
     records += earlier_cells(settings.json_path, settings.teacher, settings.eval, {(r["family"], r["tokens"]) for r in records})
-    order = {name: i for i, name in enumerate(settings.families)}
+    order = {name: i for i, name in enumerate(settings.families)}  # family-table order, then tokens
     records.sort(key=lambda r: (order.get(r["family"], len(order)), r["family"], r["tokens"]))
     result = {
         "teacher": settings.teacher,
