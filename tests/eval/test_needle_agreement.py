@@ -5,7 +5,7 @@ import torch
 from tiny_models import make_tokenizer, tiny_model
 
 from attn2ssm.eval.agreement import generation_agreement, heldout_prompts, lcs_length, prefix_match, rouge_l
-from attn2ssm.eval.needle import FILLER, build_prompt, needle_text, passkey_grid, plot_passkey
+from attn2ssm.eval.needle import FILLER, build_prompt, key_recalled, needle_text, passkey_grid, plot_passkey
 
 
 def test_lcs_and_rouge_hand_cases():
@@ -30,27 +30,48 @@ def test_passkey_prompt_length_and_depth(depth):
 
 
 class _Oracle(torch.nn.Module):
-    """Answers with the key it finds in the prompt when ``honest``, else with 00000."""
+    """Answers with the key it finds in the prompt when ``honest``, else with 00000 (or with words
+    when ``answer`` is given). Teacher-forced, it predicts each next input token exactly when
+    ``recalls``, else always "0"."""
 
-    def __init__(self, tok, honest=True):
+    def __init__(self, tok, honest=True, recalls=True, answer=None):
         super().__init__()
-        self.tok, self.honest, self.p = tok, honest, torch.nn.Parameter(torch.zeros(1))
+        self.tok, self.honest, self.recalls, self.answer, self.p = tok, honest, recalls, answer, torch.nn.Parameter(torch.zeros(1))
 
     def generate(self, input_ids, **kw):
         import re
 
         key = re.search(r"pass key is (\d+)\.", self.tok.decode(input_ids[0])).group(1) if self.honest else "00000"
-        return torch.cat([input_ids, torch.tensor([self.tok(" " + key)["input_ids"]])], 1)
+        text = self.answer if self.answer is not None else " " + key
+        return torch.cat([input_ids, torch.tensor([self.tok(text)["input_ids"]])], 1)
+
+    def forward(self, input_ids, logits_to_keep=0, **kw):
+        from types import SimpleNamespace
+
+        nxt = torch.roll(input_ids, -1, 1) if self.recalls else torch.full_like(input_ids, self.tok("0", add_special_tokens=False)["input_ids"][0])
+        logits = torch.nn.functional.one_hot(nxt, len(self.tok)).float()
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
 
 def test_passkey_grid_scores_and_plots(tmp_path):
     tok = make_tokenizer()
     good = passkey_grid(_Oracle(tok), tok, [100, 200], [0.0, 1.0], trials=2, progress=False)
-    bad = passkey_grid(_Oracle(tok, honest=False), tok, [100, 200], [0.0, 1.0], trials=2, progress=False)
-    assert good["accuracy"] == [[1.0, 1.0], [1.0, 1.0]] and good["mean_accuracy"] == 1.0
-    assert bad["mean_accuracy"] == 0.0
+    bad = passkey_grid(_Oracle(tok, honest=False, recalls=False), tok, [100, 200], [0.0, 1.0], trials=2, progress=False)
+    assert good["accuracy"] == [[1.0, 1.0], [1.0, 1.0]] and good["mean_accuracy"] == 1.0 and good["mean_recall"] == 1.0
+    assert bad["mean_accuracy"] == 0.0 and bad["recall"] == [[0.0, 0.0], [0.0, 0.0]]
     plot_passkey({"teacher": good, "student": bad}, tmp_path / "needle.png")
     assert (tmp_path / "needle.png").stat().st_size > 0
+
+
+def test_passkey_recall_separates_memory_from_answer_form():
+    """A model that holds the key but answers in words fails the greedy test and passes recall;
+    one that answers 00000 teacher-forced too fails both."""
+    tok = make_tokenizer()
+    worded = passkey_grid(_Oracle(tok, answer=" a secret code"), tok, [150], [0.0, 0.5, 1.0], trials=2, progress=False)
+    assert worded["mean_accuracy"] == 0.0 and worded["mean_recall"] == 1.0
+    assert all(e["recalled"] and not e["correct"] for e in worded["examples"])
+    assert key_recalled(_Oracle(tok), tok, build_prompt(tok, 150, 0.5, "48213"), "48213")
+    assert not key_recalled(_Oracle(tok, recalls=False), tok, build_prompt(tok, 150, 0.5, "48213"), "48213")
 
 
 def test_generation_agreement_self_is_perfect_and_other_is_not():

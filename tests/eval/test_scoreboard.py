@@ -209,6 +209,8 @@ def test_cell_is_distilled_scored_and_written(setup, grid):
     agree = rec["generation_agreement"]
     assert agree["prompts"] == 2 and agree["new_tokens"] == 32 and 0 <= agree["token_agreement"] <= 1
     assert set(rec["passkey"]["accuracy"]) == {"200", "300"} == set(rec["passkey"]["teacher_accuracy"])
+    assert set(rec["passkey"]["recall"]) == {"200", "300"} == set(rec["passkey"]["teacher_recall"])
+    assert all(0 <= v <= 1 for v in rec["passkey"]["recall"].values())
     # the teacher's references are cached once for the grid: ppl + argmax per corpus × window, continuations, passkey
     names = sorted(p.name.split("-")[0] for p in (grid / "teacher").iterdir())
     assert names == ["continuations", "passkey", "ppl", "ppl", "ppl", "ppl"]
@@ -361,3 +363,12 @@ def test_a_key_added_to_recipes_since_does_not_orphan_a_cached_cell(setup, grid,
     saved.write_text(yaml.safe_dump(raw))
     assert main(_args(setup, grid, "--families", "tiny", "--budgets", "384")) == 0
     assert len(_runs(grid / "tiny-384")) == 1
+
+
+def test_passkey_table_cells_show_accuracy_and_recall():
+    from attn2ssm.eval.scoreboard import _passkey_cell
+
+    scored = {"accuracy": {"1024": 0.0, "2048": 0.5}, "recall": {"1024": 1.0, "2048": 0.5}}
+    assert _passkey_cell(scored, "1024") == "0% · 100%" and _passkey_cell(scored, "2048") == "50% · 50%"
+    assert _passkey_cell({"accuracy": {"1024": 1 / 3}}, "1024") == "33%"  # a cell scored before recall existed
+    assert _passkey_cell({}, "1024") == "–"

@@ -6,6 +6,12 @@ the pass key." at a chosen depth, more filler, then "What is the pass key? The p
 trial passes when the greedy continuation starts with the key's digits. Each (length, depth)
 cell averages ``trials`` random keys; lengths are in tokens of the model's tokenizer, so a
 student and its teacher see identical prompts.
+
+Each trial also records **recall**, which separates memory from answer format: the answer
+" KEY" is teacher-forced after the prompt, and the trial recalls the key when every answer token
+that carries a digit is the model's argmax there. A model that retrieved the key but prefers to
+answer "a secret code ..." fails the greedy test and passes recall (with SmolLM2's tokenizer the
+answer's first token is a bare space, the format choice, and the five digits are checked).
 """
 
 from __future__ import annotations
@@ -67,7 +73,22 @@ def passkey_trial(model, tokenizer, length: int, depth: float, key: str, max_new
                          pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)  # fmt: skip
     answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     found = re.match(r"\s*(\d+)", answer)
-    return {"prompt_tokens": ids.shape[1], "answer": answer, "correct": bool(found and found.group(1) == key)}
+    return {"prompt_tokens": ids.shape[1], "answer": answer, "correct": bool(found and found.group(1) == key),
+            "recalled": key_recalled(model, tokenizer, ids[0].tolist(), key)}  # fmt: skip
+
+
+@torch.no_grad()
+def key_recalled(model, tokenizer, prompt_ids: list[int], key: str) -> bool:
+    """Teacher-forced recall: with " KEY" appended to the prompt, is every answer token that
+    carries a digit the model's argmax at its position? (Only those positions' logits are made.)"""
+    answer = tokenizer(" " + key, add_special_tokens=False)["input_ids"]
+    checked = [i for i, t in enumerate(answer) if any(c.isdigit() for c in tokenizer.decode([t]))]
+    if not checked:
+        raise ValueError(f"the tokenizer encodes the key {key!r} without digits; passkey recall needs a tokenizer that keeps digits")
+    ids = torch.tensor([prompt_ids + answer], device=_device(model))
+    logits = model(input_ids=ids, logits_to_keep=len(answer) + 1).logits[0, :-1]  # predictions of answer[0..n-1]
+    pred = logits.argmax(-1).tolist()
+    return all(pred[i] == answer[i] for i in checked)
 
 
 def passkey_grid(model, tokenizer, lengths, depths, trials: int = 3, seed: int = 0, progress: bool = True, desc: str = "passkey") -> dict:
@@ -75,24 +96,29 @@ def passkey_grid(model, tokenizer, lengths, depths, trials: int = 3, seed: int =
     same keys for every model evaluated with the same seed)."""
     rng = random.Random(seed)
     keys = {(L, d, t): str(rng.randint(10000, 99999)) for L in lengths for d in depths for t in range(trials)}
-    acc = []
+    acc, recall = [], []
     bar = tqdm(total=len(keys), desc=desc, disable=not progress, leave=False)
     examples = []
     for L in lengths:
-        row = []
+        row, recall_row = [], []
         for d in depths:
-            hits = 0
+            hits = recalled = 0
             for t in range(trials):
                 r = passkey_trial(model, tokenizer, L, d, keys[(L, d, t)])
                 hits += r["correct"]
+                recalled += r["recalled"]
                 if t == 0:
                     examples.append({"length": L, "depth": d, "key": keys[(L, d, t)], **r})
                 bar.update(1)
             row.append(hits / trials)
+            recall_row.append(recalled / trials)
         acc.append(row)
+        recall.append(recall_row)
     bar.close()
+    cells = len(lengths) * len(depths)
     return {"lengths": list(lengths), "depths": list(depths), "trials": trials, "seed": seed, "accuracy": acc,
-            "mean_accuracy": sum(map(sum, acc)) / (len(lengths) * len(depths)), "examples": examples}  # fmt: skip
+            "mean_accuracy": sum(map(sum, acc)) / cells, "recall": recall, "mean_recall": sum(map(sum, recall)) / cells,
+            "examples": examples}  # fmt: skip
 
 
 def plot_passkey(results: dict[str, dict], path, title: str = "") -> None:

@@ -429,7 +429,9 @@ class TeacherReference:
         key = {"teacher": self.spec, "lengths": list(s.passkey_lengths), "depths": list(s.passkey_depths), "trials": s.passkey_trials, "seed": s.passkey_seed}
         path = self._path("passkey", key, ".json")
         if path.exists():
-            return json.loads(path.read_text())
+            cached = json.loads(path.read_text())
+            if "recall" in cached:  # a grid cached before recall was scored is redone
+                return cached
         from attn2ssm.eval.needle import passkey_grid
 
         grid = passkey_grid(self.model(), tokenizer, s.passkey_lengths, s.passkey_depths, s.passkey_trials, seed=s.passkey_seed, progress=self.progress, desc="teacher passkey")
@@ -451,7 +453,10 @@ class TeacherReference:
         s = self.settings
         path = self._path("passkey", {"teacher": self.spec, "lengths": list(s.passkey_lengths), "depths": list(s.passkey_depths), "trials": s.passkey_trials, "seed": s.passkey_seed}, ".json")
         if path.exists():
-            out["passkey"] = _passkey_by_length(json.loads(path.read_text()))
+            grid = json.loads(path.read_text())
+            out["passkey"] = _passkey_by_length(grid)
+            if "recall" in grid:
+                out["passkey_recall"] = _passkey_by_length(grid, "recall")
         return out
 
 
@@ -459,8 +464,8 @@ def _batch(window: int) -> int:
     return max(1, 4096 // window)  # ~4k tokens a forward: bounded logits memory at 2048 as at 256
 
 
-def _passkey_by_length(grid: dict) -> dict:
-    return {str(L): sum(row) / len(row) for L, row in zip(grid["lengths"], grid["accuracy"])}
+def _passkey_by_length(grid: dict, metric: str = "accuracy") -> dict:
+    return {str(L): sum(row) / len(row) for L, row in zip(grid["lengths"], grid[metric])}
 
 
 # ------------------------------------------------------------------------------------- evaluation
@@ -505,6 +510,7 @@ def evaluate_student(student_dir: Path, reference: TeacherReference, progress: b
         teacher_grid = reference.passkey(tokenizer)
         grid = passkey_grid(student, tokenizer, s.passkey_lengths, s.passkey_depths, s.passkey_trials, seed=s.passkey_seed, progress=progress, desc="student passkey")
         record["passkey"] = {"accuracy": _passkey_by_length(grid), "teacher_accuracy": _passkey_by_length(teacher_grid), "mean_accuracy": grid["mean_accuracy"],
+                             "recall": _passkey_by_length(grid, "recall"), "teacher_recall": _passkey_by_length(teacher_grid, "recall"),
                              "depths": list(s.passkey_depths), "trials": s.passkey_trials}  # fmt: skip
     del student
     record["eval_seconds"] = time.time() - start
@@ -640,6 +646,14 @@ def _secs(v) -> str:
     return f"{v / 3600:.1f} h" if v >= 3600 else f"{v / 60:.1f} min" if v >= 60 else f"{v:.0f} s"
 
 
+def _passkey_cell(passkey: dict, length: str) -> str:
+    """"accuracy · recall" at one length ("–" where not scored; cells scored before recall show accuracy alone)."""
+    acc, recall = passkey.get("accuracy", {}).get(length), passkey.get("recall", {}).get(length)
+    if acc is None:
+        return "–"
+    return f"{acc:.0%}" if recall is None else f"{acc:.0%} · {recall:.0%}"
+
+
 def format_markdown(result: dict) -> str:
     s = result["settings"]
     cols = [(c, str(w)) for c in s["corpora"] for w in s["windows"]]
@@ -650,23 +664,25 @@ def format_markdown(result: dict) -> str:
         f"Quality scoreboard: students of `{result['teacher']}`; held-out perplexity over {s['eval_tokens']} tokens per corpus "
         f"(stride = window / 2). Perplexity cells: student ppl · ratio to the teacher · teacher-forced top-1 agreement with the "
         f"teacher on the same windows. Greedy agree: share of {s['agreement_new_tokens']} greedy tokens equal to the teacher's, "
-        f"{s['agreement_prompts']} held-out prompts of {_corpus_label(s['corpora'][0])}. Passkey: {len(s['passkey_depths'])} depths × {s['passkey_trials']} keys.",
+        f"{s['agreement_prompts']} held-out prompts of {_corpus_label(s['corpora'][0])}. Passkey: {len(s['passkey_depths'])} depths × {s['passkey_trials']} keys, "
+        f"greedy accuracy · recall (the answer teacher-forced: every digit-bearing token is the argmax; recall without accuracy means the "
+        f"key was retrieved but the model answers in another form).",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]  # fmt: skip
     teacher_cells = [f"{ref['perplexity'][c][w]['ppl']:.2f}" if w in ref["perplexity"].get(c, {}) else "–" for c, w in cols]
-    passkey_ref = ref.get("passkey", {})
-    lines.append("| " + " | ".join(["teacher", "–", *teacher_cells, "100%", *[f"{passkey_ref[L]:.0%}" if L in passkey_ref else "–" for L in lengths], "–", "–", "–"]) + " |")
+    passkey_ref = {"accuracy": ref.get("passkey", {}), "recall": ref.get("passkey_recall", {})}
+    lines.append("| " + " | ".join(["teacher", "–", *teacher_cells, "100%", *[_passkey_cell(passkey_ref, L) for L in lengths], "–", "–", "–"]) + " |")
     for r in result["cells"]:
         ppl = []
         for c, w in cols:
             p = r["perplexity"].get(c, {}).get(w)
             ppl.append(f"{p['ppl']:.2f} · {p['ppl_ratio']:.2f}× · {p['top1_agreement']:.0%}" if p else "–")
         agree = r.get("generation_agreement", {}).get("token_agreement")
-        passkey = r.get("passkey", {}).get("accuracy", {})
+        passkey = r.get("passkey", {})
         tps = r.get("train_tokens_per_s")
-        row = [r["family"], f"{r['tokens']:,}", *ppl, "–" if agree is None else f"{agree:.0%}", *[f"{passkey[L]:.0%}" if L in passkey else "–" for L in lengths],
+        row = [r["family"], f"{r['tokens']:,}", *ppl, "–" if agree is None else f"{agree:.0%}", *[_passkey_cell(passkey, L) for L in lengths],
                _secs(r.get("wall_seconds")), "–" if tps is None else f"{tps:,.0f}", "`" + r["command"].replace("|", "\\|") + "`"]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     if result["stale_cells"]:
