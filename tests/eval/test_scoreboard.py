@@ -309,6 +309,19 @@ def test_changed_eval_settings_rescore_without_retraining(setup, grid, tmp_path)
     assert after["train_tokens"] == before["train_tokens"]
 
 
+def test_a_cell_scored_before_passkey_recall_is_rescored_without_retraining(setup, grid, tmp_path):
+    grid = _copy(grid, tmp_path)
+    path = grid / "tiny-384" / "cell.json"
+    old = json.loads(path.read_text())
+    for key in ("recall", "teacher_recall"):
+        del old["passkey"][key]
+    path.write_text(json.dumps(old))
+    assert main(_args(setup, grid, "--only", "tiny@384")) == 0
+    after = json.loads(path.read_text())
+    assert len(_runs(grid / "tiny-384")) == 1 and after["train_tokens"] == old["train_tokens"]  # no distill run
+    assert set(after["passkey"]["recall"]) == {"200", "300"}
+
+
 def test_a_run_dir_of_another_recipe_or_teacher_is_refused(setup, grid, tmp_path, capsys):
     grid = _copy(grid, tmp_path)
     capsys.readouterr()

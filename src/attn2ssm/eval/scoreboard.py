@@ -243,11 +243,16 @@ class Cell:
     def status(self, settings: EvalSettings) -> str:
         """done (cached for these settings) | trained (to evaluate) | partial (to resume) | todo."""
         cached = read_cell(self.run_dir)
-        if cached and cached.get("eval_settings") == settings.as_dict() and _same_recipe(self):
+        if cached and cached.get("eval_settings") == settings.as_dict() and _same_recipe(self) and _has_every_metric(cached, settings):
             return "done"
         if self.finished():
             return "trained"
         return "partial" if _has_checkpoint(self.run_dir) else "todo"
+
+
+def _has_every_metric(record: dict, settings: EvalSettings) -> bool:
+    """False for a cell scored before a metric was added (passkey recall): it is scored again."""
+    return not settings.passkey_lengths or "recall" in record.get("passkey", {})
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
