@@ -391,6 +391,14 @@ class TeacherReference:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
         return self.dir / f"{kind}-{digest}{suffix}"
 
+    def _ppl_path(self, corpus: str, window: int) -> Path:
+        return self._path("ppl", {"teacher": self.spec, "corpus": corpus, "window": window, "eval_tokens": self.settings.eval_tokens}, ".pt")
+
+    def _passkey_path(self) -> Path:
+        s = self.settings
+        key = {"teacher": self.spec, "lengths": list(s.passkey_lengths), "depths": list(s.passkey_depths), "trials": s.passkey_trials, "seed": s.passkey_seed}
+        return self._path("passkey", key, ".json")
+
     def perplexity(self, corpus: str, ids, window: int) -> dict:
         import io
 
@@ -399,8 +407,7 @@ class TeacherReference:
         from attn2ssm.eval.perplexity import perplexity
 
         ids_sha = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
-        key = {"teacher": self.spec, "corpus": corpus, "window": window, "eval_tokens": self.settings.eval_tokens}
-        path = self._path("ppl", key, ".pt")
+        path = self._ppl_path(corpus, window)
         if path.exists():
             cached = torch.load(path, weights_only=True)
             if cached.get("ids_sha") == ids_sha:
@@ -431,8 +438,7 @@ class TeacherReference:
 
     def passkey(self, tokenizer) -> dict:
         s = self.settings
-        key = {"teacher": self.spec, "lengths": list(s.passkey_lengths), "depths": list(s.passkey_depths), "trials": s.passkey_trials, "seed": s.passkey_seed}
-        path = self._path("passkey", key, ".json")
+        path = self._passkey_path()
         if path.exists():
             cached = json.loads(path.read_text())
             if "recall" in cached:  # a grid cached before recall was scored is redone
@@ -451,12 +457,11 @@ class TeacherReference:
         out: dict = {"perplexity": {}}
         for corpus in self.settings.corpora:
             for window in self.settings.windows:
-                path = self._path("ppl", {"teacher": self.spec, "corpus": corpus, "window": window, "eval_tokens": self.settings.eval_tokens}, ".pt")
+                path = self._ppl_path(corpus, window)
                 if path.exists():
                     r = torch.load(path, weights_only=True)
                     out["perplexity"].setdefault(corpus, {})[str(window)] = {"ppl": r["ppl"], "tokens": r["tokens"]}
-        s = self.settings
-        path = self._path("passkey", {"teacher": self.spec, "lengths": list(s.passkey_lengths), "depths": list(s.passkey_depths), "trials": s.passkey_trials, "seed": s.passkey_seed}, ".json")
+        path = self._passkey_path()
         if path.exists():
             grid = json.loads(path.read_text())
             out["passkey"] = _passkey_by_length(grid)
