@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import TINY_CONFIGS, tiny_model
 
 import attn2ssm.student  # noqa: F401  (registers Auto classes)
 from attn2ssm.distill.layer_selection import auto_plan, select_attention_layers
@@ -26,15 +26,21 @@ def teacher():
     return tiny_model("llama", layers=4)
 
 
-def _naive_scores(teacher, ids, mask=None, options=None):
-    """Reference: a full ``convert`` per layer."""
+def _naive_scores(teacher, ids, mask=None, options=None, base_plan=None, kind=LA):
+    """Reference: a full ``convert`` per layer and a full forward from the embeddings (None for a
+    layer ``base_plan`` has already converted)."""
     n = teacher.config.num_hidden_layers
+    base_plan = base_plan or [A] * n
     with torch.no_grad():
         ref = teacher(input_ids=ids, attention_mask=mask, use_cache=False).logits
         out = []
         for i in range(n):
-            plan = [LA if j == i else A for j in range(n)]
-            student = convert(teacher, plan, {LA: options or {}})
+            if base_plan[i] != A:
+                out.append(None)
+                continue
+            plan = [kind if j == i else base_plan[j] for j in range(n)]
+            torch.manual_seed(0)  # the already-converted layers start from the same init in every student
+            student = convert(teacher, plan, {kind: options or {}})
             out.append(forward_kl(student(input_ids=ids, attention_mask=mask, use_cache=False).logits, ref, mask).item())
     return out
 
@@ -101,3 +107,65 @@ def test_every_mixer_kind_scores(kind, teacher):
     """Mamba-family mixers too: every layer gets a score."""
     keep, scores = select_attention_layers(teacher, _ids(), kind, keep=2, progress=False)
     assert len(keep) == 2 and len(scores) == 4 and all(math.isfinite(s) and s >= 0 for s in scores)
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_scores_from_replayed_layers_match_full_forwards(family):
+    """The probe starts at the swapped layer (the layers below replay their recorded outputs):
+    the scores equal those of full forwards of a fully converted student, in every family."""
+    teacher = tiny_model(family)
+    ids = _ids(b=3, l=10)
+    _, scores = select_attention_layers(teacher, ids, LA, keep=1, batch_size=2, progress=False)
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(_naive_scores(teacher, ids)), rtol=1e-4, atol=1e-6)
+
+
+def test_layers_below_the_swap_are_not_recomputed(teacher):
+    """Layer 0's attention runs in the recording forward only: every later candidate replays it.
+    Afterwards the layers compute again and an instance ``forward`` (accelerate's hooks) is kept."""
+    from attn2ssm.distill import layer_selection
+
+    calls = []
+    real_convert = layer_selection.convert
+
+    def counting_convert(*args, **kwargs):
+        probe = real_convert(*args, **kwargs)
+        probe.base.model.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
+        hooked = probe.base.model.layers[1]
+        own_forward = hooked.forward
+
+        def counted(*args, **kwargs):
+            calls.append(2)
+            return own_forward(*args, **kwargs)
+
+        hooked.forward = counted
+        counting_convert.probe = probe
+        return probe
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(layer_selection, "convert", counting_convert):
+        select_attention_layers(teacher, _ids(), LA, keep=1, progress=False)
+    # layer 0's attention: the recording forward (candidate 0 swaps it out; 1-3 replay it);
+    # layer 1 (through its own instance forward): recording, candidates 0 and 1
+    assert calls.count(1) == 1 and calls.count(2) == 3, calls
+    layers = counting_convert.probe.base.model.layers
+    assert "forward" not in layers[0].__dict__ and "forward" in layers[1].__dict__
+    calls.clear()
+    counting_convert.probe(input_ids=_ids(), use_cache=False)
+    assert calls == [1, 2]
+
+
+def test_stepwise_student_scores_match_full_forwards(teacher):
+    """A partly converted student as the probe: only its attention layers get scores, each the KL
+    of the student with that layer converted too, against the teacher."""
+    from attn2ssm.mixers.registry import ATTENTION
+
+    base_plan = [LA, A, A, LA]
+    torch.manual_seed(0)
+    student = convert(teacher, base_plan, {LA: {}})
+    ids = _ids()
+    keep, scores = select_attention_layers(teacher, ids, LA, keep=1, student=student, progress=False)
+    naive = _naive_scores(teacher, ids, base_plan=base_plan)
+    assert scores[0] is None and scores[3] is None and keep[0] in (1, 2)
+    torch.testing.assert_close(torch.tensor(scores[1:3]), torch.tensor(naive[1:3]), rtol=1e-4, atol=1e-6)
+    assert student.config.layer_plan == base_plan and student.config.layer_plan[1] == ATTENTION
