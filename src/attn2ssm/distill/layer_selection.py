@@ -52,8 +52,9 @@ def select_attention_layers(
     probe recording each decoder layer's output (layers × tokens × hidden), then per layer one
     mixer swapped into the copy and one forward that starts at that layer — the layers below it
     are unchanged, so they hand back their recorded outputs (the same scores, bit for bit, in
-    0.54× the time of full forwards for the built-in 30-layer teacher on one 1024-token block). ``batch_size`` splits the calibration rows
-    into forwards of that many rows (scores are still per token overall).
+    0.54× the time of full forwards for the built-in 30-layer teacher on one 1024-token block).
+    ``batch_size`` splits the calibration rows into forwards of that many rows (scores are still
+    per token overall).
     """
     if mixer not in MIXERS:
         raise ConfigError(f"unknown mixer '{mixer}'", f"use one of: {', '.join(sorted(MIXERS))}")
