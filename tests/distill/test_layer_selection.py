@@ -7,6 +7,7 @@ import torch
 from tiny_models import TINY_CONFIGS, tiny_model
 
 import attn2ssm.student  # noqa: F401  (registers Auto classes)
+from attn2ssm.distill import layer_selection
 from attn2ssm.distill.layer_selection import auto_plan, select_attention_layers
 from attn2ssm.distill.losses import forward_kl
 from attn2ssm.errors import ConfigError
@@ -26,7 +27,7 @@ def teacher():
     return tiny_model("llama", layers=4)
 
 
-def _naive_scores(teacher, ids, mask=None, options=None, base_plan=None, kind=LA):
+def _naive_scores(teacher, ids, mask=None, options=None, base_plan=None):
     """Reference: a full ``convert`` per layer and a full forward from the embeddings (None for a
     layer ``base_plan`` has already converted)."""
     n = teacher.config.num_hidden_layers
@@ -38,9 +39,9 @@ def _naive_scores(teacher, ids, mask=None, options=None, base_plan=None, kind=LA
             if base_plan[i] != A:
                 out.append(None)
                 continue
-            plan = [kind if j == i else base_plan[j] for j in range(n)]
+            plan = [LA if j == i else base_plan[j] for j in range(n)]
             torch.manual_seed(0)  # the already-converted layers start from the same init in every student
-            student = convert(teacher, plan, {kind: options or {}})
+            student = convert(teacher, plan, {LA: options or {}})
             out.append(forward_kl(student(input_ids=ids, attention_mask=mask, use_cache=False).logits, ref, mask).item())
     return out
 
@@ -88,8 +89,6 @@ def test_selection_finds_a_planted_layer():
 
 
 def test_ties_go_to_the_lower_index(teacher, monkeypatch):
-    import attn2ssm.distill.layer_selection as layer_selection
-
     monkeypatch.setattr(layer_selection, "forward_kl", lambda s, t, m=None: torch.tensor(0.5))
     keep, scores = select_attention_layers(teacher, _ids(), LA, keep=2, progress=False)
     assert scores == [0.5] * 4 and keep == [0, 1]
@@ -119,11 +118,9 @@ def test_scores_from_replayed_layers_match_full_forwards(family):
     torch.testing.assert_close(torch.tensor(scores), torch.tensor(_naive_scores(teacher, ids)), rtol=1e-4, atol=1e-6)
 
 
-def test_layers_below_the_swap_are_not_recomputed(teacher):
+def test_layers_below_the_swap_are_not_recomputed(teacher, monkeypatch):
     """Layer 0's attention runs in the recording forward only: every later candidate replays it.
     Afterwards the layers compute again and an instance ``forward`` (accelerate's hooks) is kept."""
-    from attn2ssm.distill import layer_selection
-
     calls = []
     real_convert = layer_selection.convert
 
@@ -141,10 +138,8 @@ def test_layers_below_the_swap_are_not_recomputed(teacher):
         counting_convert.probe = probe
         return probe
 
-    import unittest.mock
-
-    with unittest.mock.patch.object(layer_selection, "convert", counting_convert):
-        select_attention_layers(teacher, _ids(), LA, keep=1, progress=False)
+    monkeypatch.setattr(layer_selection, "convert", counting_convert)
+    select_attention_layers(teacher, _ids(), LA, keep=1, progress=False)
     # layer 0's attention: the recording forward (candidate 0 swaps it out; 1-3 replay it);
     # layer 1 (through its own instance forward): recording, candidates 0 and 1
     assert calls.count(1) == 1 and calls.count(2) == 3, calls
@@ -158,8 +153,6 @@ def test_layers_below_the_swap_are_not_recomputed(teacher):
 def test_stepwise_student_scores_match_full_forwards(teacher):
     """A partly converted student as the probe: only its attention layers get scores, each the KL
     of the student with that layer converted too, against the teacher."""
-    from attn2ssm.mixers.registry import ATTENTION
-
     base_plan = [LA, A, A, LA]
     torch.manual_seed(0)
     student = convert(teacher, base_plan, {LA: {}})
@@ -168,4 +161,4 @@ def test_stepwise_student_scores_match_full_forwards(teacher):
     naive = _naive_scores(teacher, ids, base_plan=base_plan)
     assert scores[0] is None and scores[3] is None and keep[0] in (1, 2)
     torch.testing.assert_close(torch.tensor(scores[1:3]), torch.tensor(naive[1:3]), rtol=1e-4, atol=1e-6)
-    assert student.config.layer_plan == base_plan and student.config.layer_plan[1] == ATTENTION
+    assert student.config.layer_plan == base_plan and student.config.layer_plan[1] == A
