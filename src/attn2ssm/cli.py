@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from attn2ssm.errors import Attn2SSMError, CheckpointError, ConfigError, DataError
+from attn2ssm.precision import PRECISIONS
 from attn2ssm.teachers import load_model_and_tokenizer  # noqa: F401  (light: torch loads lazily)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -486,8 +487,8 @@ def cmd_bench_train(args) -> int:
     if unknown or not cases:
         raise ConfigError(f"--cases {args.cases!r} names unknown stage cases {unknown}", f"choose from {', '.join(CASES)}")
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
-    if not precisions or any(p not in ("no", "bf16", "fp16") for p in precisions):
-        raise ConfigError(f"--precisions {args.precisions!r} is not a list of no / bf16 / fp16", "write e.g. --precisions no,bf16")
+    if not precisions or any(p not in PRECISIONS for p in precisions):
+        raise ConfigError(f"--precisions {args.precisions!r} is not a list of {' / '.join(PRECISIONS)}", "write e.g. --precisions no,auto")
     if args.steps < 1 or args.step_tokens < 1:
         raise ConfigError("--steps and --step-tokens must be positive", "use e.g. --steps 3 --step-tokens 2048")
     settings = TrainBenchSettings(teacher=args.teacher, cases=cases, lengths=_int_list("--lengths", args.lengths), step_tokens=args.step_tokens,
@@ -733,7 +734,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--cases", default="attention_transfer,hidden_alignment,kd_lora,kd_ce_mixers", help="stage cases (see attn2ssm.distill.bench.CASES)")
     bt.add_argument("--lengths", default="1024", help="block lengths in tokens, comma-separated (e.g. 1024,4096,16384)")
     bt.add_argument("--step-tokens", type=int, default=2048, help="tokens per optimizer step (batch = step-tokens // length, at least 1)")
-    bt.add_argument("--precisions", default="no,bf16", help="mixed precision settings: no (fp32), bf16 (autocast), fp16")
+    bt.add_argument("--precisions", default="no,auto", help="mixed precision settings: no (fp32), auto (bf16 where it is fast), bf16 (autocast), fp16")
     bt.add_argument("--steps", type=int, default=3, help="timed steps per point, after one warm-up")
     bt.add_argument("--threads", type=int, default=None)
     bt.add_argument("--corpus", default="sotu", help="text the blocks are cut from")

@@ -26,6 +26,7 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.ops.quant import int8_linear, quantize_per_channel_int8
+from attn2ssm.precision import warn_if_slow_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZE = ("int8",)
@@ -92,6 +93,9 @@ def apply_weight_format(model: nn.Module, dtype: str | None = "float32", quantiz
     linear layers in int8 (see the module docstring). Returns what changed: the format's name,
     how many linear layers were quantised and the bytes a one-token step reads (``weight_bytes``)."""
     torch_dtype, quantize = check_weight_format(dtype, quantize)
+    if torch_dtype == torch.bfloat16:  # on a CPU without native bf16, prefill slows; one-token steps (memory-bound) do not
+        warn_if_slow_bf16(next(model.parameters()).device, "--dtype bfloat16",
+                          "prompts (prefill) and perplexity windows run that much slower; one-token decode steps read half the bytes and are not slowed")  # fmt: skip
     if torch_dtype != torch.float32:
         for module in model.modules():  # parameters only: buffers (RoPE's inv_freq) keep their float32
             for name, param in module.named_parameters(recurse=False):

@@ -2,8 +2,8 @@
 
 Each measured stage is the real trainer's (``Distiller._setup_stage`` / ``_train_step``: the same
 data path, loss, backward, clipping and optimizer step a run takes), on one block length and a
-fixed number of tokens per step, in fp32 or under bf16 autocast (``mixed_precision: bf16``; this
-CPU has AVX-512 BF16). Two teacher-side references run on the same batches:
+fixed number of tokens per step, in fp32 or under bf16 autocast (``mixed_precision: bf16``, or
+``auto``: bf16 where it is fast — attn2ssm/precision.py; rows record what ran). Two teacher-side references run on the same batches:
 
 * the teacher's forward alone (logits, no gradient): the bound a distillation step cannot beat,
   since every stage runs at least that much of the teacher (layer-local stages stop before the
@@ -136,6 +136,7 @@ def _measure(settings: TrainBenchSettings, case: str, length: int, precision: st
         if recipe.stages[0].logit_cache is not None:  # a private cache: the point measures hits, and leaves nothing behind
             recipe.stages[0].logit_cache = replace(recipe.stages[0].logit_cache, dir=f"{tmp}/logit_cache")
         distiller = Distiller(recipe, f"{tmp}/run", progress=False, teacher=teacher, tokenizer=tokenizer)
+        used = distiller.precision.used  # auto resolved for this machine
         distiller._load_teacher()
         distiller._load_data()
         distiller._build_student()
@@ -168,7 +169,8 @@ def _measure(settings: TrainBenchSettings, case: str, length: int, precision: st
         del run, distiller
     rate = tokens / statistics.median(times)
     row = {
-        "case": case, "kind": CASES[case][1].kind, "mixer": CASES[case][0].mixer, "length": length, "batch": batch, "precision": precision,
+        "case": case, "kind": CASES[case][1].kind, "mixer": CASES[case][0].mixer, "length": length, "batch": batch, "precision": used,
+        "precision_requested": precision,
         "tokens_per_s": rate, "step_seconds": [round(t, 4) for t in times], "trainable_params": trainable, **teacher_rates, "top_ops": ops,
     }  # fmt: skip
     for name, key in (("teacher_forward", "fraction_of_forward_bound"), ("teacher_fwd_bwd", "vs_teacher_fwd_bwd")):

@@ -16,6 +16,7 @@ import yaml
 
 from attn2ssm.config import apply_overrides, from_dict, load_yaml
 from attn2ssm.errors import ConfigError
+from attn2ssm.precision import PRECISIONS
 
 
 @dataclass
@@ -185,7 +186,9 @@ class Recipe:
     teacher: str = "smollm2-135m"
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
+    # no (fp32) | auto (bf16 where it is fast: CUDA with bf16, a CPU with native bf16; else fp32; the built-in
+    # recipes' setting — attn2ssm/precision.py) | bf16 | fp16 (accelerate's autocast)
+    mixed_precision: str = "no"
     data: DataConfig = field(default_factory=DataConfig)
     student: StudentConfig = field(default_factory=StudentConfig)
     stages: list[StageConfig] = field(default_factory=lambda: [StageConfig()])
@@ -231,8 +234,8 @@ def validate(recipe: Recipe) -> None:
     from attn2ssm.distill.stages import STAGE_KINDS
     from attn2ssm.student.plans import LAYER_MAPS
 
-    if recipe.mixed_precision not in ("no", "bf16", "fp16"):
-        raise ConfigError(f"recipe.mixed_precision: unknown precision '{recipe.mixed_precision}'", "use no, bf16 or fp16")
+    if recipe.mixed_precision not in PRECISIONS:
+        raise ConfigError(f"recipe.mixed_precision: unknown precision '{recipe.mixed_precision}'", f"use one of: {', '.join(PRECISIONS)}")
     if not recipe.stages:
         raise ConfigError("the recipe has no stages", "add at least one entry under 'stages'")
     for i, stage in enumerate(recipe.stages):

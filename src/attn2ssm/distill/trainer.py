@@ -68,6 +68,7 @@ from attn2ssm.distill.stages import STAGE_KINDS, StageKind, select_trainable
 from attn2ssm.errors import CheckpointError, ConfigError, TrainingError
 from attn2ssm.mixers.registry import ATTENTION
 from attn2ssm.paths import atomic_write_text
+from attn2ssm.precision import choose_precision, warn_if_slow_bf16
 from attn2ssm.student.plans import make_plan
 
 __all__ = ["Distiller", "TrainerState", "distill", "latest_checkpoint"]
@@ -137,7 +138,11 @@ class Distiller:
         validate(recipe)
         self.recipe = recipe
         cpu = recipe.device == "cpu" or (recipe.device == "auto" and not torch.cuda.is_available())
-        self.acc = Accelerator(cpu=cpu, mixed_precision=recipe.mixed_precision)
+        # auto: bf16 only where it is fast (CUDA with bf16, a CPU with native bf16); explicit bf16 on a slow CPU warns
+        self.precision = choose_precision(recipe.mixed_precision, "cpu" if cpu else "cuda")
+        if self.precision.used == "bf16":
+            warn_if_slow_bf16("cpu" if cpu else "cuda", "mixed_precision: bf16", "training will be that much slower: set mixed_precision: auto (or no)")
+        self.acc = Accelerator(cpu=cpu, mixed_precision=self.precision.used)
         self.is_main = self.acc.is_main_process
         self.metrics_path = self.out / "metrics.jsonl"
         # filled by run(): the frozen teacher, the data, the student being trained
@@ -403,7 +408,7 @@ class Distiller:
                               f"set logit_cache.top_k to at most {vocab} (e.g. 64)")  # fmt: skip
         key = (cfg.logit_cache.top_k, cfg.logit_cache.dir)
         if key not in self.logit_caches:
-            mode = f"{self.acc.device.type}/{self.recipe.mixed_precision}"
+            mode = f"{self.acc.device.type}/{self.precision.used}"
             self.logit_caches[key] = LogitCache(self.teacher, cfg.logit_cache.top_k, mode, cfg.logit_cache.dir, chunk_size=cfg.kl_chunk)
         cache = self.logit_caches[key]
         cache.stats = CacheStats()  # counted per stage
@@ -532,6 +537,7 @@ class Distiller:
         random.seed(self.recipe.seed)
         if self.is_main:
             atomic_write_text(self.out / "recipe.yaml", self.recipe.to_yaml())
+            print(self.precision.describe())
         self._load_teacher()
         self._load_data()
         state, payload = TrainerState(), None
@@ -582,7 +588,7 @@ class Distiller:
 
                 results = write_vision_report(self.out, self.recipe, self.teacher, student, self.images, seconds=round(time.perf_counter() - self.started, 1))
             else:
-                results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress)
+                results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress, precision=self.precision.to_dict())
         self.acc.wait_for_everyone()
         return results
 
