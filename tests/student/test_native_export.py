@@ -270,3 +270,37 @@ def test_refusal_through_the_cli_writes_nothing(tmp_path, capsys):
     assert err == ("error: layer 0 is a 'linear_attention' mixer; GraniteMoeHybridForCausalLM's layers are Mamba-2 (SSD) or attention "
                    "— distil with student.mixer: mamba2 and student.mixer_options: {norm: true, norm_eps: auto}")  # fmt: skip
     assert not (tmp_path / "native").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".native")]
+
+
+def test_probe_checks_short_long_and_real_text_inputs():
+    """The probe covers more than one input: short random batches, one past a 256-token scan chunk,
+    and real text; a native model that goes wrong only on one of them is caught by the maximum."""
+    from types import SimpleNamespace
+
+    from attn2ssm.student.native_export import probe_difference, probe_inputs
+
+    tok = make_tokenizer()
+    batches = probe_inputs(len(tok), 400, tok)
+    assert [b.shape[1] for b in batches[:2]] == [24, 300] and len(batches) == 3
+    assert batches[2].shape[1] > 50 and int(batches[2].max()) < len(tok)
+    assert [b.shape[1] for b in probe_inputs(len(tok), 64)] == [24, 64]  # capped at the model's positions
+
+    class Model(torch.nn.Module):
+        """Logits from a fixed embedding; ``wrong_after``: the positions past it are off by 1."""
+
+        def __init__(self, config, wrong_after=None):
+            super().__init__()
+            self.config, self.wrong_after = config, wrong_after
+            self.table = torch.nn.Embedding(len(tok), 8).requires_grad_(False)
+            torch.nn.init.normal_(self.table.weight, generator=torch.Generator().manual_seed(0))
+
+        def forward(self, input_ids, use_cache=False):
+            logits = self.table(input_ids).clone()
+            if self.wrong_after is not None:
+                logits[:, self.wrong_after :] += 1.0
+            return SimpleNamespace(logits=logits)
+
+    config = SimpleNamespace(base_config={"max_position_embeddings": 400})
+    student = Model(config)
+    assert probe_difference(student, Model(config), len(tok), tok)[0] == 0.0
+    assert probe_difference(student, Model(config, wrong_after=100), len(tok), tok)[0] == pytest.approx(1.0)  # only the long inputs reach it
