@@ -199,6 +199,14 @@ def test_missing_recipe_yaml(tmp_path):
     assert_one_line_error(r, "config file not found", str(path), "attn2ssm recipes")
 
 
+def test_malformed_recipe_yaml(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\nstages: [\n")
+    r = run_cli("distill", path, "--out", tmp_path / "run")
+    assert_one_line_error(r, str(path), "not valid YAML", "line 3")
+    assert not (tmp_path / "run").exists()
+
+
 def test_unknown_recipe_for_recipes_command():
     assert_one_line_error(run_cli("recipes", "nonexistent"), "no built-in recipe 'nonexistent'", "quickstart")
 

@@ -57,6 +57,26 @@ def test_mixed_precision_values(tmp_path):
     assert "unknown precision 'bf17'" in str(err.value) and "bf16" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [("name: x\nstages: [\n", ("not valid YAML", "line 3")), ("- a\n- b\n", ("must hold a mapping",)), ("a: 1\n\tb: 2\n", ("not valid YAML", "line 2"))],
+)
+def test_a_malformed_recipe_file_is_one_line(tmp_path, text, needles):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_recipe(str(path))
+    msg = str(err.value)
+    assert str(path) in msg and "\n" not in msg and " — " in msg
+    assert all(needle in msg for needle in needles), msg
+
+
+def test_a_malformed_override_value_is_one_line():
+    with pytest.raises(ConfigError, match=r"value '\[' is not valid YAML") as err:
+        load_recipe("quickstart", ["data.corpus=["])
+    assert "\n" not in str(err.value)
+
+
 def test_parse_value():
     assert parse_value("1e5") == 100000.0 and parse_value("12") == 12 and parse_value("true") is True
     assert parse_value("[1, 2]") == [1, 2] and parse_value("null") is None and parse_value("elu") == "elu"
