@@ -188,6 +188,12 @@ def test_malformed_overrides(override, needle):
     assert_one_line_error(run_cli("distill", "--set", override), needle)
 
 
+def test_negative_learning_rate_fails_before_the_teacher_loads(tmp_path):
+    r = run_cli("distill", "mamba2_pure", "--out", tmp_path / "run", "--set", "stages.0.optim.lr=-1")
+    assert_one_line_error(r, "optim.lr=-1.0 is out of range", "stages.0.optim.lr")
+    assert not (tmp_path / "run").exists()
+
+
 def test_unknown_recipe_name():
     r = run_cli("distill", "quikstart")
     assert_one_line_error(r, "no recipe 'quikstart'", "quickstart")

@@ -248,6 +248,7 @@ def validate(recipe: Recipe) -> None:
             raise ConfigError(f"{where}: batch_size {stage.batch_size} is not divisible by grad_accum {stage.grad_accum}", "make batch_size a multiple of grad_accum")
         if stage.epochs is not None and stage.epochs <= 0:
             raise ConfigError(f"{where}: epochs must be positive, got {stage.epochs}", "set epochs to e.g. 1, or leave it unset to use tokens")
+        _validate_stage_numbers(stage, i, where)
         _validate_stage_data(stage, STAGE_KINDS[stage.kind], i, where)
         if getattr(STAGE_KINDS[stage.kind], "image_task", False) != (recipe.images is not None):
             raise ConfigError(f"{where}: kind '{stage.kind}' {'needs' if recipe.images is None else 'cannot use'} the recipe's images",
@@ -278,6 +279,12 @@ def validate(recipe: Recipe) -> None:
         ratio = stage.attention_ratio
     if recipe.data.block_len < 2:
         raise ConfigError("data.block_len must be at least 2", "set data.block_len=256 for example")
+    e = recipe.eval
+    window = e.window or recipe.data.block_len
+    _check_ranges("eval", (("max_tokens", e.max_tokens, e.max_tokens >= 2, "at least 2 held-out tokens, e.g. 20000"),
+                           ("window", e.window, e.window is None or e.window >= 2, "at least 2 tokens, or null for data.block_len"),
+                           ("stride", e.stride, e.stride is None or 1 <= e.stride <= window, f"1..{window} (the window), or null for half the window"),
+                           ("batch_size", e.batch_size, e.batch_size >= 1, "a positive number of windows, e.g. 4")))  # fmt: skip
     _validate_data(recipe.data)
 
 
@@ -300,6 +307,39 @@ def _validate_data(d: DataConfig) -> None:
     for spec in (s.corpus for s in d.source_list()):
         if is_generated(spec):
             parse_generated_spec(spec)  # a bad spec fails here, before the teacher loads
+
+
+def _check_ranges(prefix: str, checks, where: str | None = None) -> None:
+    """``checks``: (key, value, in range, what to write instead); a value out of range (or NaN / inf) is a ConfigError."""
+    for key, value, ok, hint in checks:
+        if not ok or (isinstance(value, float) and not math.isfinite(value)):
+            raise ConfigError(f"{f'{where}: ' if where else f'{prefix}.'}{key}={value} is out of range", f"set {prefix}.{key} to {hint}")
+
+
+def _validate_stage_numbers(stage: StageConfig, i: int, where: str) -> None:
+    """Optimizer, schedule and loss numbers that torch would refuse mid-run, or take and misbehave with."""
+    o, sc = stage.optim, stage.schedule
+    _check_ranges(f"stages.{i}", (
+        ("optim.lr", o.lr, o.lr > 0, "a positive learning rate, e.g. 1e-3"),
+        ("optim.beta1", o.beta1, 0 <= o.beta1 < 1, "a value in [0, 1), e.g. 0.9"),
+        ("optim.beta2", o.beta2, 0 <= o.beta2 < 1, "a value in [0, 1), e.g. 0.95"),
+        ("optim.eps", o.eps, o.eps > 0, "a small positive number, e.g. 1e-8"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "0 or a positive number, e.g. 0.01"),
+        ("schedule.warmup", sc.warmup, sc.warmup >= 0, "a fraction of the steps (< 1) or a number of steps, e.g. 0.05"),
+        ("schedule.decay", sc.decay, sc.decay >= 0, "a fraction of the steps (< 1) or a number of steps, e.g. 0.2"),
+        ("schedule.min_lr_ratio", sc.min_lr_ratio, 0 <= sc.min_lr_ratio <= 1, "a fraction of the peak lr in [0, 1], e.g. 0.1"),
+        ("clip", stage.clip, stage.clip >= 0, "a gradient-norm limit, or 0 for no clipping, e.g. 1.0"),
+        ("temperature", stage.temperature, stage.temperature > 0, "a positive number, e.g. 1"),
+        ("kl_chunk", stage.kl_chunk, stage.kl_chunk >= 1, "a positive number of tokens, e.g. 64"),
+        ("eval_every", stage.eval_every, stage.eval_every >= 0, "a number of steps, or 0 to evaluate at the stage end only"),
+        ("eval_batches", stage.eval_batches, stage.eval_batches >= 1, "a positive number of batches, e.g. 4"),
+        ("save_every", stage.save_every, stage.save_every >= 0, "a number of steps, or 0 to save at the stage end only"),
+        ("keep_checkpoints", stage.keep_checkpoints, stage.keep_checkpoints >= 1, "a positive number of checkpoints, e.g. 2"),
+    ), where)  # fmt: skip
+    if stage.lora is not None:
+        lo = stage.lora
+        _check_ranges(f"stages.{i}", (("lora.r", lo.r, lo.r >= 1, "a positive rank, e.g. 8"), ("lora.alpha", lo.alpha, lo.alpha > 0, "a positive number, e.g. 16"),
+                                      ("lora.dropout", lo.dropout, 0 <= lo.dropout < 1, "a probability in [0, 1), e.g. 0")), where)  # fmt: skip
 
 
 def _validate_stage_data(stage: StageConfig, kind, i: int, where: str) -> None:
