@@ -89,7 +89,9 @@ def ws(tmp_path_factory):
     empty.write_text("  \n\n\t \n")
     one_paragraph = root / "one-paragraph.txt"  # one short paragraph: the held-out cut leaves only "\n"
     one_paragraph.write_text(" ".join(PARAGRAPHS) + "\n\n")
-    return SimpleNamespace(root=root, llama=llama, bert=bert, corpus=corpus, empty=empty, one_paragraph=one_paragraph)
+    truncated_gguf = root / "truncated.gguf"  # the magic bytes and a version, then the file ends
+    truncated_gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
+    return SimpleNamespace(root=root, llama=llama, bert=bert, corpus=corpus, empty=empty, one_paragraph=one_paragraph, truncated_gguf=truncated_gguf)
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +105,7 @@ def slow(ws):
                       "--set", f"data.corpus={ws.corpus}", "--set", "data.block_len=128"],
         "empty_corpus": ["distill", "--teacher", ws.llama, "--out", out / "run-empty", "--no-progress",
                          "--set", f"data.corpus={ws.empty}", "--set", "data.block_len=16"],
+        "truncated_gguf": ["convert", "--teacher", ws.truncated_gguf, "--out", out / "gguf-student"],
         "recipes": ["recipes"],
         "recipe_quickstart": ["recipes", "quickstart"],
     }  # fmt: skip
@@ -234,6 +237,11 @@ def test_unsupported_architecture_lists_supported_families(slow):
     line = assert_one_line_error(result_of(slow, "unsupported"), "model_type 'bert'", "supported families")
     for family in ("llama", "mistral", "qwen2", "gpt2"):
         assert family in line
+
+
+def test_truncated_gguf_teacher(slow, ws):
+    assert_one_line_error(result_of(slow, "truncated_gguf"), str(ws.truncated_gguf), "complete GGUF")
+    assert not (ws.root / "out" / "gguf-student").exists()
 
 
 def test_block_len_above_the_models_maximum(slow):

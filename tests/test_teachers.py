@@ -158,6 +158,19 @@ def test_not_a_gguf_file_is_one_line(tmp_path):
     assert_one_line(info, "fake.gguf", *BUILTIN_TEACHERS)
 
 
+@pytest.mark.parametrize(
+    "head",
+    [b"GGUF\x03\x00\x00\x00",  # the version, then nothing
+     b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little") + (20).to_bytes(8, "little") + b"general.arch"],  # a key cut short
+)  # fmt: skip
+def test_a_truncated_gguf_file_is_one_line(tmp_path, head):
+    (tmp_path / "cut.gguf").write_bytes(head)
+    for check_supported in (False, True):
+        with pytest.raises(CheckpointError) as info:
+            load_teacher(str(tmp_path / "cut.gguf"), check_supported=check_supported)
+        assert_one_line(info, str(tmp_path / "cut.gguf"), "complete GGUF")
+
+
 def test_first_line_squeezes_messages():
     assert first_line(ValueError("a\n  b\n\nc")) == "a b c"
     assert first_line(KeyError()) == "KeyError"

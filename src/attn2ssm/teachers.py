@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -256,7 +257,7 @@ def load_teacher(
             model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
     except Attn2SSMError:
         raise
-    except (OSError, ValueError, KeyError, ImportError) as exc:
+    except (OSError, ValueError, KeyError, ImportError, struct.error) as exc:  # struct.error: a GGUF cut short
         raise _load_error(step, where, exc, fix, config, attn_implementation) from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
