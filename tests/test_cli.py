@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -112,6 +113,7 @@ def slow(ws):
     after_convert = {
         "eval": ["eval", student, "--corpus", ws.corpus, "--window", "16", "--max-tokens", "200"],
         "generate": ["generate", student, "--prompt", "hello", "--max-new-tokens", "5"],
+        "eval_damaged": ["eval", out / "damaged-student", "--corpus", ws.corpus, "--window", "16", "--max-tokens", "200"],
         "generate_draft": ["generate", student, "--draft", ws.llama, "--prompt", "hello", "--max-new-tokens", "6", "--num-draft-tokens", "3"],
     }
     pool = ThreadPoolExecutor(max_workers=4)
@@ -125,6 +127,9 @@ def slow(ws):
 
     def convert_then_use():
         result = run_cli("convert", "--teacher", ws.llama, "--attention-ratio", "0.5", "--out", student)
+        if result.returncode == 0:  # a copy whose weights file was cut short, as by an interrupted download
+            shutil.copytree(student, out / "damaged-student")
+            os.truncate(out / "damaged-student" / "model.safetensors", 10_000)
         for name, args in after_convert.items():
             pool.submit(settle, futures[name], args)
         return result
@@ -295,6 +300,13 @@ def test_eval_prints_perplexity(slow):
     model_line = next(line for line in r.stdout.splitlines() if line.strip().startswith("model"))
     ppl = float(model_line.split()[1])
     assert ppl > 1.0 and math.isfinite(ppl)  # a random model scored on real held-out tokens
+
+
+def test_eval_of_a_student_with_a_truncated_weights_file(slow):
+    damaged = Path(slow["student_dir"]).parent / "damaged-student"
+    assert_one_line_error(result_of(slow, "eval_damaged"), str(damaged / "model.safetensors"), "damaged or incomplete")
+    assert sorted(p.name for p in damaged.iterdir()) == sorted(p.name for p in Path(slow["student_dir"]).iterdir())  # nothing added
+    assert (damaged / "model.safetensors").stat().st_size == 10_000
 
 
 def test_eval_refuses_a_corpus_without_held_out_text(slow, ws, capsys):

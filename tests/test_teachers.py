@@ -18,6 +18,7 @@ from attn2ssm.teachers import (
     DEFAULT_TEACHER,
     TeacherSource,
     first_line,
+    load_model_and_tokenizer,
     load_teacher,
     resolve_teacher,
 )
@@ -156,6 +157,39 @@ def test_not_a_gguf_file_is_one_line(tmp_path):
     with pytest.raises(CheckpointError) as info:
         load_teacher(str(tmp_path / "fake.gguf"))
     assert_one_line(info, "fake.gguf", *BUILTIN_TEACHERS)
+
+
+def _truncated_copy(src, dst, size: int = 10_000):
+    """``src`` copied to ``dst`` with its model.safetensors cut to ``size`` bytes (a download that stopped)."""
+    import os
+    import shutil
+
+    shutil.copytree(src, dst)
+    os.truncate(dst / "model.safetensors", size)
+    return dst
+
+
+@pytest.mark.parametrize("size", [0, 100, 10_000])
+def test_a_truncated_safetensors_teacher_is_one_line_naming_the_file(tmp_path, llama_dir, size):
+    damaged = _truncated_copy(llama_dir, tmp_path / "damaged", size)
+    for load in (load_teacher, load_model_and_tokenizer):
+        with pytest.raises(CheckpointError) as info:
+            load(str(damaged))
+        assert_one_line(info, str(damaged.resolve() / "model.safetensors"), "damaged or incomplete", "copy or download it again")
+
+
+def test_a_truncated_student_is_one_line_naming_the_file(tmp_path, llama_dir):
+    from attn2ssm.student.convert import convert
+    from attn2ssm.student.plans import make_plan
+
+    teacher, tokenizer, _ = load_teacher(str(llama_dir))
+    convert(teacher, make_plan(2, "mamba2")).save_pretrained(tmp_path / "student")
+    tokenizer.save_pretrained(tmp_path / "student")
+    damaged = _truncated_copy(tmp_path / "student", tmp_path / "damaged")
+    with pytest.raises(CheckpointError) as info:
+        load_model_and_tokenizer(str(damaged))
+    assert_one_line(info, str(damaged / "model.safetensors"), "damaged or incomplete", "rerun the convert / distill")
+    assert load_model_and_tokenizer(str(tmp_path / "student"))[0].config.layer_plan == ["mamba2", "mamba2"]  # the intact one loads
 
 
 @pytest.mark.parametrize(

@@ -156,6 +156,7 @@ def cmd_eval(args) -> int:
     check_weight_format(args.dtype, args.quantize)
     model, tokenizer = load_model_and_tokenizer(args.model)
     apply_weight_format(model, args.dtype, args.quantize)  # the forms generate --dtype / --quantize decode in
+    teacher = load_model_and_tokenizer(args.against)[0] if args.against else None  # before any scoring: a bad --against fails now
     corpus = prepare_corpus(args.corpus, tokenizer, max_heldout_tokens=args.max_tokens, max_train_tokens=0)
     if corpus.heldout_ids.numel() < 2:
         raise DataError(
@@ -163,8 +164,7 @@ def cmd_eval(args) -> int:
             "use a corpus with several documents or paragraphs (the last ~5% of a single document is held out)",
         )
     rows = [("model", args.model, perplexity(model, corpus.heldout_ids, window=args.window, stride=args.stride, max_tokens=args.max_tokens, progress=True))]
-    if args.against:
-        teacher, _ = load_model_and_tokenizer(args.against)
+    if teacher is not None:
         rows.append(("teacher", args.against, perplexity(teacher, corpus.heldout_ids, window=args.window, stride=args.stride, max_tokens=args.max_tokens, progress=True)))
     print(f"held-out perplexity on {args.corpus} ({rows[0][2]['tokens']} tokens, window {args.window})")
     for role, name, r in rows:

@@ -133,6 +133,20 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def check_weight_files(directory: str | Path) -> None:
+    """Read the header of every ``*.safetensors`` file in ``directory`` (no tensor loads) and check
+    it against the file's size: a truncated or damaged file is a one-line error naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="np"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"weights file {path} is damaged or incomplete ({first_line(exc)})",
+                                  "restore it: copy or download it again, or rerun the convert / distill / export that wrote it") from exc  # fmt: skip
+
+
 def _builtin_hf_dir(name: str) -> Path:
     """A built-in teacher converted once from GGUF to a plain HF directory (loads in ~1 s, not ~40 s)."""
     target = cache_dir() / "teachers" / name / "hf"
@@ -242,6 +256,8 @@ def load_teacher(
     else:
         where = f"directory {source.location}"
         fix = "point --teacher at a directory written by save_pretrained (config.json, weights and tokenizer files)"
+    if source.kind in ("dir", "builtin"):
+        check_weight_files(source.location)
     step, config = "config", None
     try:
         with quiet_loading():
@@ -284,6 +300,7 @@ def load_model_and_tokenizer(path: str):
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{p / 'config.json'} is not readable JSON ({first_line(exc)})", "restore the file or point at another model directory") from exc
         if cfg.get("model_type") == "attn2ssm":
+            check_weight_files(p)
             try:
                 with quiet_loading():
                     model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)

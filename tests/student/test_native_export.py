@@ -270,3 +270,16 @@ def test_refusal_through_the_cli_writes_nothing(tmp_path, capsys):
     assert err == ("error: layer 0 is a 'linear_attention' mixer; GraniteMoeHybridForCausalLM's layers are Mamba-2 (SSD) or attention "
                    "— distil with student.mixer: mamba2 and student.mixer_options: {norm: true, norm_eps: auto}")  # fmt: skip
     assert not (tmp_path / "native").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".native")]
+
+
+def test_a_truncated_student_is_one_line_and_writes_nothing(tmp_path, capsys):
+    import os
+
+    _save(_student(_teacher("llama", 2), [MAMBA2, MAMBA2]), tmp_path / "student")
+    os.truncate(tmp_path / "student" / "model.safetensors", 5000)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "student"), "--format", "native", "--out", str(tmp_path / "native")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: weights file ") and str(tmp_path / "student" / "model.safetensors") in err and " — " in err, err
+    assert len(err.splitlines()) == 1
+    assert not (tmp_path / "native").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".native")]
