@@ -358,6 +358,21 @@ def test_generate_bad_draft_count_is_one_line(capsys):
     assert len(err) == 1 and "--num-draft-tokens 0" in err[0], err
 
 
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [(["--max-new-tokens", "0"], "--max-new-tokens 0"), (["--max-new-tokens", "-5"], "--max-new-tokens -5"),
+     (["--temperature", "1", "--top-p", "2"], "--top-p 2.0 is outside (0, 1]"), (["--temperature", "1", "--top-p", "0"], "--top-p 0.0"),
+     (["--temperature", "-1"], "--temperature -1.0"), (["--temperature", "nan"], "--temperature nan"), (["--top-k", "-1"], "--top-k -1")],
+)  # fmt: skip
+def test_generate_settings_out_of_range_are_one_line(flags, needle, capsys):
+    """In-process: checked before the model is even looked for (no silent greedy for a negative temperature)."""
+    from attn2ssm.cli import main
+
+    assert main(["generate", "/nope/model", "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0] and " — " in err[0], err
+
+
 def test_convert_keep_auto_scores_layers_and_writes_the_plan(ws, tmp_path, capsys):
     """`convert --keep auto` (in-process): converts each layer alone on corpus blocks, keeps the most damaging."""
     from attn2ssm.cli import main

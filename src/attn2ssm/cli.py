@@ -208,10 +208,15 @@ def cmd_eval_report(args) -> int:
 
 # --------------------------------------------------------------------------------------------- generate
 def cmd_generate(args) -> int:
+    from attn2ssm.generation.sampling import check_sampling
+
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} generates nothing", "ask for at least 1 token, e.g. --max-new-tokens 64")
+    check_sampling(args.temperature, args.top_k, args.top_p, cli=True)  # 0 = greedy; a negative one is not
+    num_draft_tokens = _draft_tokens("--num-draft-tokens", args.num_draft_tokens)
     import torch
     from transformers import TextStreamer
 
-    num_draft_tokens = _draft_tokens("--num-draft-tokens", args.num_draft_tokens)
     from attn2ssm.decode.layout import cpu_decode_layout
     from attn2ssm.decode.quantize import apply_weight_format, check_weight_format
 
