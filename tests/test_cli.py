@@ -105,7 +105,9 @@ def slow(ws):
         "block_len": ["distill", "--teacher", ws.llama, "--out", out / "run-block", "--no-progress",
                       "--set", f"data.corpus={ws.corpus}", "--set", "data.block_len=128"],
         "empty_corpus": ["distill", "--teacher", ws.llama, "--out", out / "run-empty", "--no-progress",
-                         "--set", f"data.corpus={ws.empty}", "--set", "data.block_len=16"],
+                         "--set", f"data.corpus={ws.empty}", "--set", "data.block_len=16", "--set", "eval.window=16"],
+        "keep_attention": ["distill", "--teacher", ws.llama, "--out", out / "run-keep", "--no-progress", "--set", f"data.corpus={ws.corpus}",
+                           "--set", "data.block_len=16", "--set", "eval.window=16", "--set", "student.keep_attention=[5]"],
         "truncated_gguf": ["convert", "--teacher", ws.truncated_gguf, "--out", out / "gguf-student"],
         "recipes": ["recipes"],
         "recipe_quickstart": ["recipes", "quickstart"],
@@ -202,6 +204,16 @@ def test_negative_learning_rate_fails_before_the_teacher_loads(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("student.mixer=mamba3", "student.mixer='mamba3' is not a mixer"), ("student.attention_ratio=1.5", "student.attention_ratio=1.5 is outside [0, 1]")],
+)
+def test_student_plan_errors_fail_before_the_teacher_loads(tmp_path, override, needle):
+    r = run_cli("distill", "mamba2_pure", "--out", tmp_path / "run", "--set", override)
+    assert_one_line_error(r, needle)
+    assert not (tmp_path / "run").exists()
+
+
 def test_unknown_recipe_name():
     r = run_cli("distill", "quikstart")
     assert_one_line_error(r, "no recipe 'quikstart'", "quickstart")
@@ -249,12 +261,20 @@ def test_truncated_gguf_teacher(slow, ws):
     assert not (ws.root / "out" / "gguf-student").exists()
 
 
-def test_block_len_above_the_models_maximum(slow):
+def test_block_len_above_the_models_maximum(slow, ws):
+    """Found from the teacher's config.json before the teacher or the corpus loads: no run directory."""
     assert_one_line_error(result_of(slow, "block_len"), "block length 128", "maximum of 64", "data.block_len")
+    assert not (ws.root / "out" / "run-block").exists()
+
+
+def test_keep_attention_beyond_the_teachers_layers(slow, ws):
+    assert_one_line_error(result_of(slow, "keep_attention"), "keep_attention has layer indices [5] outside 0..1")
+    assert not (ws.root / "out" / "run-keep").exists()
 
 
 def test_empty_corpus(slow, ws):
     assert_one_line_error(result_of(slow, "empty_corpus"), "empty corpus", str(ws.empty))
+    assert not (ws.root / "out" / "run-empty").exists()  # a corpus that fails to load leaves no recipe.yaml behind
 
 
 # ----------------------------------------------------------------------------- 9. recipes

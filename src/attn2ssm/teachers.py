@@ -196,6 +196,21 @@ def resolve_teacher(spec: str | None) -> TeacherSource:
     return TeacherSource("hub", spec)
 
 
+def read_teacher_config(spec: str | None):
+    """The teacher's transformers config where it is on disk (a model directory, the built-in
+    teacher's converted copy), read without any weights; None for a GGUF (whose config loader reads
+    the tensors) or a hub id (the network), and for a config that does not parse (load_teacher says why)."""
+    source = resolve_teacher(spec)
+    if source.kind not in ("dir", "builtin"):
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source.location)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def _attention_implementations(model_class) -> list[str]:
     """The attention implementations a transformers model class declares it supports."""
     flags = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn", "flash_attention_2": "_supports_flash_attn"}

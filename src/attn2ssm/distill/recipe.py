@@ -229,6 +229,7 @@ def load_recipe(name_or_path: str | None = None, overrides: list[str] | None = N
 
 def validate(recipe: Recipe) -> None:
     from attn2ssm.distill.stages import STAGE_KINDS
+    from attn2ssm.mixers.registry import ENCODER_MIXERS, MIXERS, check_mixer_options
     from attn2ssm.student.plans import LAYER_MAPS
 
     if recipe.mixed_precision not in ("no", "bf16", "fp16"):
@@ -261,8 +262,21 @@ def validate(recipe: Recipe) -> None:
                                ("layer_map", s.layer_map, LAYER_MAPS)):
         if value not in valid:
             raise ConfigError(f"student.{name}={value!r} is not valid", f"use one of: {', '.join(valid)}")
+    mixers = ENCODER_MIXERS if recipe.images is not None else MIXERS
+    if s.mixer not in mixers:
+        raise ConfigError(f"student.mixer={s.mixer!r} is not a mixer{' for an image recipe' if recipe.images is not None else ''}", f"use one of: {', '.join(sorted(mixers))}")
+    if not isinstance(s.mixer_options, dict):
+        raise ConfigError(f"student.mixer_options must be a mapping, got {s.mixer_options!r}", "write e.g. student.mixer_options: {feature_map: elu}")
+    check_mixer_options(s.mixer, s.mixer_options)
+    if not 0.0 <= s.attention_ratio <= 1.0:
+        raise ConfigError(f"student.attention_ratio={s.attention_ratio} is outside [0, 1]", "set the fraction of layers that keep attention, e.g. student.attention_ratio=0.25")
     if isinstance(s.keep_attention, str) and s.keep_attention != "auto":
         raise ConfigError(f"student.keep_attention={s.keep_attention!r} is not valid", "use a list of layer indices or 'auto'")
+    if isinstance(s.keep_attention, list):
+        bad = [i for i in s.keep_attention if not isinstance(i, int) or isinstance(i, bool) or i < 0 or (s.depth is not None and i >= s.depth)]
+        if bad:
+            within = f"0..{s.depth - 1} (student.depth {s.depth})" if s.depth is not None else "0 and up"
+            raise ConfigError(f"student.keep_attention has entries {bad} that are not layer indices {within}", "list the layers that keep attention, e.g. student.keep_attention=[3, 7]")
     if s.depth is not None and s.depth < 1:
         raise ConfigError(f"student.depth={s.depth} is not a number of layers", "set student.depth to at least 1, or null for the teacher's depth")
     if s.depth is not None and s.keep_attention == "auto":
@@ -286,6 +300,31 @@ def validate(recipe: Recipe) -> None:
                            ("stride", e.stride, e.stride is None or 1 <= e.stride <= window, f"1..{window} (the window), or null for half the window"),
                            ("batch_size", e.batch_size, e.batch_size >= 1, "a positive number of windows, e.g. 4")))  # fmt: skip
     _validate_data(recipe.data)
+
+
+def validate_for_teacher(recipe: Recipe, config) -> None:
+    """Checks that need the teacher's transformers ``config`` but none of its weights: the family is
+    supported, blocks fit its positions, keep_attention indices are its (or student.depth's) layers,
+    and one mixer builds (on the meta device) with the recipe's options at the teacher's shapes."""
+    import torch
+
+    from attn2ssm.adapters import get_adapter
+    from attn2ssm.data import check_block_len
+    from attn2ssm.mixers.registry import build_mixer
+    from attn2ssm.mixers.ssm_common import resolve_norm_eps
+
+    adapter = get_adapter(config)
+    limit = getattr(config, "max_position_embeddings", None)
+    check_block_len(recipe.data.block_len, limit)
+    if limit is not None and (recipe.eval.window or 0) > limit:
+        raise ConfigError(f"eval.window {recipe.eval.window} exceeds the teacher's maximum of {limit} positions", f"set eval.window to at most {limit}, or null for data.block_len")
+    s = recipe.student
+    n = s.depth or config.num_hidden_layers
+    bad = [i for i in s.keep_attention if i >= n] if isinstance(s.keep_attention, list) else []
+    if bad:
+        raise ConfigError(f"student.keep_attention has layer indices {bad} outside 0..{n - 1} (the student has {n} layers)", "list valid layer indices")
+    with torch.device("meta"):  # the options' values, checked by the mixer itself; nothing is allocated
+        build_mixer(s.mixer, adapter.geometry(config, 0).to_dict(), 0, resolve_norm_eps(s.mixer, dict(s.mixer_options), config))
 
 
 def _validate_data(d: DataConfig) -> None:
