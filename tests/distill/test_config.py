@@ -47,7 +47,7 @@ def test_type_errors_are_reported():
 
 @pytest.mark.parametrize(
     "override",
-    ["stages.0.optim.lr=-1", "stages.0.optim.lr=0", "stages.0.optim.lr=.nan", "stages.0.optim.lr=.inf", "stages.0.optim.beta1=1",
+    ["stages.0.optim.lr=-1", "stages.0.optim.lr=.nan", "stages.0.optim.lr=.inf", "stages.0.optim.beta1=1",
      "stages.0.optim.beta2=-0.1", "stages.0.optim.eps=0", "stages.0.optim.weight_decay=-0.01", "stages.0.schedule.warmup=-1",
      "stages.0.schedule.decay=-0.5", "stages.0.schedule.min_lr_ratio=1.5", "stages.0.clip=-1", "stages.0.temperature=0",
      "stages.0.kl_chunk=0", "stages.0.eval_every=-1", "stages.0.eval_batches=0", "stages.0.save_every=-5", "stages.0.keep_checkpoints=0",
@@ -63,7 +63,7 @@ def test_numbers_out_of_range_fail_when_the_recipe_loads(override):
 
 
 def test_numbers_at_the_edges_of_their_ranges_are_fine():
-    r = load_recipe("quickstart", ["stages.0.optim.beta1=0", "stages.0.optim.weight_decay=0", "stages.0.schedule.warmup=0", "stages.0.schedule.min_lr_ratio=1",
+    r = load_recipe("quickstart", ["stages.0.optim.lr=0", "stages.0.optim.beta1=0", "stages.0.optim.weight_decay=0", "stages.0.schedule.warmup=0", "stages.0.schedule.min_lr_ratio=1",
                                    "stages.0.clip=0", "stages.0.save_every=0", "eval.window=2", "eval.stride=2"])  # fmt: skip
     assert r.stages[0].clip == 0 and r.eval.stride == 2
 

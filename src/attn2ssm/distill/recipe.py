@@ -359,7 +359,7 @@ def _validate_stage_numbers(stage: StageConfig, i: int, where: str) -> None:
     """Optimizer, schedule and loss numbers that torch would refuse mid-run, or take and misbehave with."""
     o, sc = stage.optim, stage.schedule
     _check_ranges(f"stages.{i}", (
-        ("optim.lr", o.lr, o.lr > 0, "a positive learning rate, e.g. 1e-3"),
+        ("optim.lr", o.lr, o.lr >= 0, "a positive learning rate, e.g. 1e-3 (0 leaves the weights as they are)"),
         ("optim.beta1", o.beta1, 0 <= o.beta1 < 1, "a value in [0, 1), e.g. 0.9"),
         ("optim.beta2", o.beta2, 0 <= o.beta2 < 1, "a value in [0, 1), e.g. 0.95"),
         ("optim.eps", o.eps, o.eps > 0, "a small positive number, e.g. 1e-8"),
