@@ -355,6 +355,28 @@ def test_eval_window_checks(flags, needle, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
 
 
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [(["generate", "STUDENT", "--prompt", "Call me Ishmael. " * 20, "--max-new-tokens", "5"], ("positions; ", "reads at most 64", "shorten the prompt to fewer than 64")),
+     (["generate", "STUDENT", "--prompt", "Call me", "--max-new-tokens", "100"], ("reads at most 64", "lower --max-new-tokens to")),
+     (["generate", "STUDENT", "--prompt", "Call me", "--draft", "LLAMA", "--max-new-tokens", "100"], ("reads at most 64",)),
+     (["eval", "STUDENT", "--window", "100"], ("--window 100 is longer than", "at most 64", "use --window 64 or less")),
+     (["eval", "STUDENT", "--against", "LLAMA", "--window", "100"], ("--window 100",))],
+)  # fmt: skip
+def test_lengths_past_the_models_positions_are_one_line(slow, ws, capsys, argv, needles):
+    """In-process: the converted hybrid keeps an attention layer, so it reads at most the teacher's 64 positions."""
+    from attn2ssm.cli import main
+
+    assert result_of(slow, "convert").returncode == 0
+    capsys.readouterr()
+    argv = [{"STUDENT": str(slow["student_dir"]), "LLAMA": str(ws.llama)}.get(a, a) for a in argv]
+    assert main([*argv, *(["--corpus", str(ws.corpus)] if argv[0] == "eval" else [])]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and " — " in err[0] and all(n in err[0] for n in needles), err
+    assert not captured.out  # nothing generated
+
+
 def test_generate_runs(slow):
     r = result_of(slow, "generate")
     assert r.returncode == 0, r.stderr

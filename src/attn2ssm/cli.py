@@ -157,6 +157,12 @@ def cmd_eval(args) -> int:
     model, tokenizer = load_model_and_tokenizer(args.model)
     apply_weight_format(model, args.dtype, args.quantize)  # the forms generate --dtype / --quantize decode in
     teacher = load_model_and_tokenizer(args.against)[0] if args.against else None  # before any scoring: a bad --against fails now
+    from attn2ssm.teachers import position_limit
+
+    for name, m in ((args.model, model), (args.against, teacher)):
+        limit = position_limit(m.config) if m is not None else None
+        if limit is not None and args.window > limit:
+            raise ConfigError(f"--window {args.window} is longer than {name} reads positions for (at most {limit})", f"use --window {limit} or less")
     corpus = prepare_corpus(args.corpus, tokenizer, max_heldout_tokens=args.max_tokens, max_train_tokens=0)
     if corpus.heldout_ids.numel() < 2:
         raise DataError(
@@ -230,7 +236,7 @@ def cmd_generate(args) -> int:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True)
     else:
         text = args.prompt
-    inputs = tokenizer(text, return_tensors="pt")
+    inputs = tokenizer(text, return_tensors="pt", verbose=False)  # (a prompt past the model's positions is refused below, in one line)
     if inputs["input_ids"].shape[1] == 0:  # an empty prompt, with a tokenizer that adds no BOS
         if tokenizer.bos_token_id is None:
             raise ConfigError(
@@ -239,6 +245,7 @@ def cmd_generate(args) -> int:
             )
         ids = torch.tensor([[tokenizer.bos_token_id]])  # start where a document starts
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    _check_positions(model, args.model, inputs["input_ids"].shape[1], args.max_new_tokens)
     sample = args.temperature > 0
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=not args.echo, skip_special_tokens=True)
@@ -260,6 +267,7 @@ def cmd_generate(args) -> int:
         draft = args.draft  # prompt lookup: no model
     else:
         draft, _ = load_model_and_tokenizer(args.draft)
+        _check_positions(draft, f"--draft {args.draft}", inputs["input_ids"].shape[1], args.max_new_tokens)
         cpu_decode_layout(draft)
     out = speculative_generate(
         model,
@@ -283,6 +291,18 @@ def cmd_generate(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _check_positions(model, name: str, prompt: int, new: int) -> None:
+    """Refuse a prompt + new tokens longer than ``model`` reads positions for (an attention model's
+    output past them is garbage; a student with no positions at all has no limit)."""
+    from attn2ssm.teachers import position_limit
+
+    limit = position_limit(model.config)
+    if limit is not None and prompt + new > limit:
+        fix = (f"lower --max-new-tokens to {limit - prompt} or less, or shorten the prompt" if prompt < limit else
+               f"shorten the prompt to fewer than {limit} tokens")  # fmt: skip
+        raise ConfigError(f"the prompt ({prompt} tokens) and --max-new-tokens {new} need {prompt + new} positions; {name} reads at most {limit}", fix)
 
 
 # --------------------------------------------------------------------------------------------- bench

@@ -298,6 +298,28 @@ def load_teacher(
     return model, tokenizer, source
 
 
+def position_limit(config) -> int | None:
+    """How many positions a model may read: its ``max_position_embeddings``, or None (no limit) for
+    an attn2ssm student that uses no positions at all: no attention layer kept, no mixer rotating
+    with RoPE (every mixer's ``rope`` option is "none"), no learned position table (GPT-2's wpe)."""
+    import inspect
+
+    limit = getattr(config, "max_position_embeddings", None)
+    plan = getattr(config, "layer_plan", None)
+    if getattr(config, "model_type", None) != "attn2ssm" or not plan or "attention" in plan:
+        return limit
+    from attn2ssm.adapters import get_adapter
+    from attn2ssm.mixers.registry import MIXERS
+
+    if get_adapter(config.build_base_config()).learned_positions:
+        return limit
+    for kind in set(plan):
+        rope = inspect.signature(MIXERS[kind].__init__).parameters.get("rope")
+        if rope is None or (config.mixer_options.get(kind) or {}).get("rope", rope.default) != "none":
+            return limit
+    return None
+
+
 def load_model_and_tokenizer(path: str):
     """A student directory (loaded with the installed attn2ssm code) or any teacher spec →
     (model in eval mode, tokenizer). Used by the CLI, evaluation and benchmarks."""
