@@ -109,6 +109,7 @@ def slow(ws):
         "keep_attention": ["distill", "--teacher", ws.llama, "--out", out / "run-keep", "--no-progress", "--set", f"data.corpus={ws.corpus}",
                            "--set", "data.block_len=16", "--set", "eval.window=16", "--set", "student.keep_attention=[5]"],
         "truncated_gguf": ["convert", "--teacher", ws.truncated_gguf, "--out", out / "gguf-student"],
+        "generate_no_folder": ["generate", "runs/no-such-run-attn2ssm-test", "--prompt", "hi"],  # relative, one slash: also a hub id
         "recipes": ["recipes"],
         "recipe_quickstart": ["recipes", "quickstart"],
     }  # fmt: skip
@@ -375,6 +376,22 @@ def test_lengths_past_the_models_positions_are_one_line(slow, ws, capsys, argv, 
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and " — " in err[0] and all(n in err[0] for n in needles), err
     assert not captured.out  # nothing generated
+
+
+def test_generate_from_a_folder_that_does_not_exist(slow):
+    """A relative path with one slash could be a hub id: the error says there is no such folder, and what a hub id needs."""
+    line = assert_one_line_error(result_of(slow, "generate_no_folder"), "there is no local folder 'runs/no-such-run-attn2ssm-test'", "a hub id needs the network")
+    assert not line.startswith("error: could not load the teacher's tokenizer")
+
+
+def test_eval_of_a_folder_without_a_model(tmp_path, capsys):
+    """In-process: eval / generate name what is missing, not --teacher."""
+    from attn2ssm.cli import main
+
+    assert main(["eval", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {tmp_path} holds no model: config.json is missing — pass a student directory"), err
+    assert "--teacher" not in err[0]
 
 
 def test_generate_runs(slow):

@@ -119,6 +119,23 @@ def test_hub_id_offline_is_one_line(monkeypatch):
     with pytest.raises(CheckpointError) as info:
         load_teacher("some-org/some-model")
     assert_one_line(info, "some-org/some-model", "hub", "network")
+    with pytest.raises(CheckpointError) as info:  # a mistyped local path reads as a hub id: both are said
+        load_model_and_tokenizer("runs/nonexistent")
+    assert_one_line(info, "there is no local folder 'runs/nonexistent'", "as a hub id failed", "check the path", "a hub id needs the network")
+
+
+def test_a_folder_without_config_json_holds_no_model(tmp_path, llama_dir):
+    """Not "point --teacher at": eval / generate take a model, and a run folder names its student/."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError) as info:
+        load_model_and_tokenizer(str(tmp_path / "empty"))
+    message = assert_one_line(info, f"{tmp_path / 'empty'} holds no model: config.json is missing", "student directory", "hub id")
+    assert "--teacher" not in message
+    (tmp_path / "run" / "student").mkdir(parents=True)
+    (tmp_path / "run" / "student" / "config.json").write_bytes((llama_dir / "config.json").read_bytes())
+    with pytest.raises(CheckpointError) as info:
+        load_model_and_tokenizer(str(tmp_path / "run"))
+    assert_one_line(info, "holds no model", f"pass {tmp_path / 'run' / 'student'}")
 
 
 def test_unsupported_architecture_fails_before_the_weights_load(tmp_path):

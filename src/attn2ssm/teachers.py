@@ -264,7 +264,7 @@ def load_teacher(
         kwargs["attn_implementation"] = attn_implementation
     if source.kind == "hub":
         where = f"hub id '{source.location}'"
-        fix = "check the id and your network, or pass a local directory / .gguf file"
+        fix = "check the path if you meant a local folder; a hub id needs the network (or a copy in the Hugging Face cache)"
     elif source.gguf_file:
         where = f"GGUF file {Path(source.location) / source.gguf_file}"
         fix = "check that the file is a complete GGUF model, or use a built-in teacher: " + ", ".join(BUILTIN_TEACHERS)
@@ -289,6 +289,8 @@ def load_teacher(
     except Attn2SSMError:
         raise
     except (OSError, ValueError, KeyError, ImportError, struct.error) as exc:  # struct.error: a GGUF cut short
+        if source.kind == "hub" and step != "model" and not isinstance(exc, ImportError):  # a mistyped local path reads as a hub id
+            raise CheckpointError(f"there is no local folder '{source.location}', and loading it as a hub id failed ({first_line(exc)})", fix) from exc
         raise _load_error(step, where, exc, fix, config, attn_implementation) from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -331,6 +333,10 @@ def load_model_and_tokenizer(path: str):
     import attn2ssm.student  # noqa: F401  (registers the Auto classes)
 
     p = Path(path)
+    if p.is_dir() and not (p / "config.json").exists():
+        fix = (f"pass {p / 'student'} (a distillation run keeps its student there)" if (p / "student" / "config.json").exists() else
+               "pass a student directory (written by 'attn2ssm convert', or a run's student/ folder), a model directory, a .gguf file or a hub id")  # fmt: skip
+        raise CheckpointError(f"{p} holds no model: config.json is missing", fix)
     if p.is_dir() and (p / "config.json").exists():
         try:
             cfg = json.loads((p / "config.json").read_text())
