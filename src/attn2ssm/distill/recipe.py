@@ -272,15 +272,15 @@ def validate(recipe: Recipe) -> None:
         raise ConfigError(f"student.attention_ratio={s.attention_ratio} is outside [0, 1]", "set the fraction of layers that keep attention, e.g. student.attention_ratio=0.25")
     if isinstance(s.keep_attention, str) and s.keep_attention != "auto":
         raise ConfigError(f"student.keep_attention={s.keep_attention!r} is not valid", "use a list of layer indices or 'auto'")
+    if s.depth is not None and s.depth < 1:
+        raise ConfigError(f"student.depth={s.depth} is not a number of layers", "set student.depth to at least 1, or null for the teacher's depth")
+    if s.depth is not None and s.keep_attention == "auto":
+        raise ConfigError("student.keep_attention=auto scores the teacher's own layers and cannot choose for student.depth", "list the attention layers of the student, or leave student.depth unset")
     if isinstance(s.keep_attention, list):
         bad = [i for i in s.keep_attention if not isinstance(i, int) or isinstance(i, bool) or i < 0 or (s.depth is not None and i >= s.depth)]
         if bad:
             within = f"0..{s.depth - 1} (student.depth {s.depth})" if s.depth is not None else "0 and up"
             raise ConfigError(f"student.keep_attention has entries {bad} that are not layer indices {within}", "list the layers that keep attention, e.g. student.keep_attention=[3, 7]")
-    if s.depth is not None and s.depth < 1:
-        raise ConfigError(f"student.depth={s.depth} is not a number of layers", "set student.depth to at least 1, or null for the teacher's depth")
-    if s.depth is not None and s.keep_attention == "auto":
-        raise ConfigError("student.keep_attention=auto scores the teacher's own layers and cannot choose for student.depth", "list the attention layers of the student, or leave student.depth unset")
     ratio = s.attention_ratio
     for i, stage in enumerate(recipe.stages):
         if stage.attention_ratio is None:
