@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -89,7 +90,9 @@ def ws(tmp_path_factory):
     empty.write_text("  \n\n\t \n")
     one_paragraph = root / "one-paragraph.txt"  # one short paragraph: the held-out cut leaves only "\n"
     one_paragraph.write_text(" ".join(PARAGRAPHS) + "\n\n")
-    return SimpleNamespace(root=root, llama=llama, bert=bert, corpus=corpus, empty=empty, one_paragraph=one_paragraph)
+    truncated_gguf = root / "truncated.gguf"  # the magic bytes and a version, then the file ends
+    truncated_gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
+    return SimpleNamespace(root=root, llama=llama, bert=bert, corpus=corpus, empty=empty, one_paragraph=one_paragraph, truncated_gguf=truncated_gguf)
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +105,18 @@ def slow(ws):
         "block_len": ["distill", "--teacher", ws.llama, "--out", out / "run-block", "--no-progress",
                       "--set", f"data.corpus={ws.corpus}", "--set", "data.block_len=128"],
         "empty_corpus": ["distill", "--teacher", ws.llama, "--out", out / "run-empty", "--no-progress",
-                         "--set", f"data.corpus={ws.empty}", "--set", "data.block_len=16"],
+                         "--set", f"data.corpus={ws.empty}", "--set", "data.block_len=16", "--set", "eval.window=16"],
+        "keep_attention": ["distill", "--teacher", ws.llama, "--out", out / "run-keep", "--no-progress", "--set", f"data.corpus={ws.corpus}",
+                           "--set", "data.block_len=16", "--set", "eval.window=16", "--set", "student.keep_attention=[5]"],
+        "truncated_gguf": ["convert", "--teacher", ws.truncated_gguf, "--out", out / "gguf-student"],
+        "generate_no_folder": ["generate", "runs/no-such-run-attn2ssm-test", "--prompt", "hi"],  # relative, one slash: also a hub id
         "recipes": ["recipes"],
         "recipe_quickstart": ["recipes", "quickstart"],
     }  # fmt: skip
     after_convert = {
         "eval": ["eval", student, "--corpus", ws.corpus, "--window", "16", "--max-tokens", "200"],
         "generate": ["generate", student, "--prompt", "hello", "--max-new-tokens", "5"],
+        "eval_damaged": ["eval", out / "damaged-student", "--corpus", ws.corpus, "--window", "16", "--max-tokens", "200"],
         "generate_draft": ["generate", student, "--draft", ws.llama, "--prompt", "hello", "--max-new-tokens", "6", "--num-draft-tokens", "3"],
     }
     pool = ThreadPoolExecutor(max_workers=4)
@@ -122,6 +130,9 @@ def slow(ws):
 
     def convert_then_use():
         result = run_cli("convert", "--teacher", ws.llama, "--attention-ratio", "0.5", "--out", student)
+        if result.returncode == 0:  # a copy whose weights file was cut short, as by an interrupted download
+            shutil.copytree(student, out / "damaged-student")
+            os.truncate(out / "damaged-student" / "model.safetensors", 10_000)
         for name, args in after_convert.items():
             pool.submit(settle, futures[name], args)
         return result
@@ -188,6 +199,22 @@ def test_malformed_overrides(override, needle):
     assert_one_line_error(run_cli("distill", "--set", override), needle)
 
 
+def test_negative_learning_rate_fails_before_the_teacher_loads(tmp_path):
+    r = run_cli("distill", "mamba2_pure", "--out", tmp_path / "run", "--set", "stages.0.optim.lr=-1")
+    assert_one_line_error(r, "optim.lr=-1.0 is out of range", "stages.0.optim.lr")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [("student.mixer=mamba3", "student.mixer='mamba3' is not a mixer"), ("student.attention_ratio=1.5", "student.attention_ratio=1.5 is outside [0, 1]")],
+)
+def test_student_plan_errors_fail_before_the_teacher_loads(tmp_path, override, needle):
+    r = run_cli("distill", "mamba2_pure", "--out", tmp_path / "run", "--set", override)
+    assert_one_line_error(r, needle)
+    assert not (tmp_path / "run").exists()
+
+
 def test_unknown_recipe_name():
     r = run_cli("distill", "quikstart")
     assert_one_line_error(r, "no recipe 'quikstart'", "quickstart")
@@ -197,6 +224,14 @@ def test_missing_recipe_yaml(tmp_path):
     path = tmp_path / "nope.yaml"
     r = run_cli("distill", path)
     assert_one_line_error(r, "config file not found", str(path), "attn2ssm recipes")
+
+
+def test_malformed_recipe_yaml(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\nstages: [\n")
+    r = run_cli("distill", path, "--out", tmp_path / "run")
+    assert_one_line_error(r, str(path), "not valid YAML", "line 3")
+    assert not (tmp_path / "run").exists()
 
 
 def test_unknown_recipe_for_recipes_command():
@@ -222,12 +257,25 @@ def test_unsupported_architecture_lists_supported_families(slow):
         assert family in line
 
 
-def test_block_len_above_the_models_maximum(slow):
+def test_truncated_gguf_teacher(slow, ws):
+    assert_one_line_error(result_of(slow, "truncated_gguf"), str(ws.truncated_gguf), "complete GGUF")
+    assert not (ws.root / "out" / "gguf-student").exists()
+
+
+def test_block_len_above_the_models_maximum(slow, ws):
+    """Found from the teacher's config.json before the teacher or the corpus loads: no run directory."""
     assert_one_line_error(result_of(slow, "block_len"), "block length 128", "maximum of 64", "data.block_len")
+    assert not (ws.root / "out" / "run-block").exists()
+
+
+def test_keep_attention_beyond_the_teachers_layers(slow, ws):
+    assert_one_line_error(result_of(slow, "keep_attention"), "keep_attention has layer indices [5] outside 0..1")
+    assert not (ws.root / "out" / "run-keep").exists()
 
 
 def test_empty_corpus(slow, ws):
     assert_one_line_error(result_of(slow, "empty_corpus"), "empty corpus", str(ws.empty))
+    assert not (ws.root / "out" / "run-empty").exists()  # a corpus that fails to load leaves no recipe.yaml behind
 
 
 # ----------------------------------------------------------------------------- 9. recipes
@@ -275,6 +323,13 @@ def test_eval_prints_perplexity(slow):
     assert ppl > 1.0 and math.isfinite(ppl)  # a random model scored on real held-out tokens
 
 
+def test_eval_of_a_student_with_a_truncated_weights_file(slow):
+    damaged = Path(slow["student_dir"]).parent / "damaged-student"
+    assert_one_line_error(result_of(slow, "eval_damaged"), str(damaged / "model.safetensors"), "damaged or incomplete")
+    assert sorted(p.name for p in damaged.iterdir()) == sorted(p.name for p in Path(slow["student_dir"]).iterdir())  # nothing added
+    assert (damaged / "model.safetensors").stat().st_size == 10_000
+
+
 def test_eval_refuses_a_corpus_without_held_out_text(slow, ws, capsys):
     """In-process (the model is already built): no held-out tokens is an error, not 'perplexity 1.00'."""
     from attn2ssm.cli import main
@@ -301,6 +356,44 @@ def test_eval_window_checks(flags, needle, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
 
 
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [(["generate", "STUDENT", "--prompt", "Call me Ishmael. " * 20, "--max-new-tokens", "5"], ("positions; ", "reads at most 64", "shorten the prompt to fewer than 64")),
+     (["generate", "STUDENT", "--prompt", "Call me", "--max-new-tokens", "100"], ("reads at most 64", "lower --max-new-tokens to")),
+     (["generate", "STUDENT", "--prompt", "Call me", "--draft", "LLAMA", "--max-new-tokens", "100"], ("reads at most 64",)),
+     (["eval", "STUDENT", "--window", "100"], ("--window 100 is longer than", "at most 64", "use --window 64 or less")),
+     (["eval", "STUDENT", "--against", "LLAMA", "--window", "100"], ("--window 100",))],
+)  # fmt: skip
+def test_lengths_past_the_models_positions_are_one_line(slow, ws, capsys, argv, needles):
+    """In-process: the converted hybrid keeps an attention layer, so it reads at most the teacher's 64 positions."""
+    from attn2ssm.cli import main
+
+    assert result_of(slow, "convert").returncode == 0
+    capsys.readouterr()
+    argv = [{"STUDENT": str(slow["student_dir"]), "LLAMA": str(ws.llama)}.get(a, a) for a in argv]
+    assert main([*argv, *(["--corpus", str(ws.corpus)] if argv[0] == "eval" else [])]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and " — " in err[0] and all(n in err[0] for n in needles), err
+    assert not captured.out  # nothing generated
+
+
+def test_generate_from_a_folder_that_does_not_exist(slow):
+    """A relative path with one slash could be a hub id: the error says there is no such folder, and what a hub id needs."""
+    line = assert_one_line_error(result_of(slow, "generate_no_folder"), "there is no local folder 'runs/no-such-run-attn2ssm-test'", "a hub id needs the network")
+    assert not line.startswith("error: could not load the teacher's tokenizer")
+
+
+def test_eval_of_a_folder_without_a_model(tmp_path, capsys):
+    """In-process: eval / generate name what is missing, not --teacher."""
+    from attn2ssm.cli import main
+
+    assert main(["eval", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {tmp_path} holds no model: config.json is missing — pass a student directory"), err
+    assert "--teacher" not in err[0]
+
+
 def test_generate_runs(slow):
     r = result_of(slow, "generate")
     assert r.returncode == 0, r.stderr
@@ -322,6 +415,21 @@ def test_generate_bad_draft_count_is_one_line(capsys):
     assert main(["generate", "/nope/model", "--draft", "/nope/draft", "--prompt", "x", "--num-draft-tokens", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--num-draft-tokens 0" in err[0], err
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [(["--max-new-tokens", "0"], "--max-new-tokens 0"), (["--max-new-tokens", "-5"], "--max-new-tokens -5"),
+     (["--temperature", "1", "--top-p", "2"], "--top-p 2.0 is outside (0, 1]"), (["--temperature", "1", "--top-p", "0"], "--top-p 0.0"),
+     (["--temperature", "-1"], "--temperature -1.0"), (["--temperature", "nan"], "--temperature nan"), (["--top-k", "-1"], "--top-k -1")],
+)  # fmt: skip
+def test_generate_settings_out_of_range_are_one_line(flags, needle, capsys):
+    """In-process: checked before the model is even looked for (no silent greedy for a negative temperature)."""
+    from attn2ssm.cli import main
+
+    assert main(["generate", "/nope/model", "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0] and " — " in err[0], err
 
 
 def test_convert_keep_auto_scores_layers_and_writes_the_plan(ws, tmp_path, capsys):

@@ -18,6 +18,7 @@ from attn2ssm.teachers import (
     DEFAULT_TEACHER,
     TeacherSource,
     first_line,
+    load_model_and_tokenizer,
     load_teacher,
     resolve_teacher,
 )
@@ -118,6 +119,23 @@ def test_hub_id_offline_is_one_line(monkeypatch):
     with pytest.raises(CheckpointError) as info:
         load_teacher("some-org/some-model")
     assert_one_line(info, "some-org/some-model", "hub", "network")
+    with pytest.raises(CheckpointError) as info:  # a mistyped local path reads as a hub id: both are said
+        load_model_and_tokenizer("runs/nonexistent")
+    assert_one_line(info, "there is no local folder 'runs/nonexistent'", "as a hub id failed", "check the path", "a hub id needs the network")
+
+
+def test_a_folder_without_config_json_holds_no_model(tmp_path, llama_dir):
+    """Not "point --teacher at": eval / generate take a model, and a run folder names its student/."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError) as info:
+        load_model_and_tokenizer(str(tmp_path / "empty"))
+    message = assert_one_line(info, f"{tmp_path / 'empty'} holds no model: config.json is missing", "student directory", "hub id")
+    assert "--teacher" not in message
+    (tmp_path / "run" / "student").mkdir(parents=True)
+    (tmp_path / "run" / "student" / "config.json").write_bytes((llama_dir / "config.json").read_bytes())
+    with pytest.raises(CheckpointError) as info:
+        load_model_and_tokenizer(str(tmp_path / "run"))
+    assert_one_line(info, "holds no model", f"pass {tmp_path / 'run' / 'student'}")
 
 
 def test_unsupported_architecture_fails_before_the_weights_load(tmp_path):
@@ -156,6 +174,52 @@ def test_not_a_gguf_file_is_one_line(tmp_path):
     with pytest.raises(CheckpointError) as info:
         load_teacher(str(tmp_path / "fake.gguf"))
     assert_one_line(info, "fake.gguf", *BUILTIN_TEACHERS)
+
+
+def _truncated_copy(src, dst, size: int = 10_000):
+    """``src`` copied to ``dst`` with its model.safetensors cut to ``size`` bytes (a download that stopped)."""
+    import os
+    import shutil
+
+    shutil.copytree(src, dst)
+    os.truncate(dst / "model.safetensors", size)
+    return dst
+
+
+@pytest.mark.parametrize("size", [0, 100, 10_000])
+def test_a_truncated_safetensors_teacher_is_one_line_naming_the_file(tmp_path, llama_dir, size):
+    damaged = _truncated_copy(llama_dir, tmp_path / "damaged", size)
+    for load in (load_teacher, load_model_and_tokenizer):
+        with pytest.raises(CheckpointError) as info:
+            load(str(damaged))
+        assert_one_line(info, str(damaged.resolve() / "model.safetensors"), "damaged or incomplete", "copy or download it again")
+
+
+def test_a_truncated_student_is_one_line_naming_the_file(tmp_path, llama_dir):
+    from attn2ssm.student.convert import convert
+    from attn2ssm.student.plans import make_plan
+
+    teacher, tokenizer, _ = load_teacher(str(llama_dir))
+    convert(teacher, make_plan(2, "mamba2")).save_pretrained(tmp_path / "student")
+    tokenizer.save_pretrained(tmp_path / "student")
+    damaged = _truncated_copy(tmp_path / "student", tmp_path / "damaged")
+    with pytest.raises(CheckpointError) as info:
+        load_model_and_tokenizer(str(damaged))
+    assert_one_line(info, str(damaged / "model.safetensors"), "damaged or incomplete", "rerun the convert / distill")
+    assert load_model_and_tokenizer(str(tmp_path / "student"))[0].config.layer_plan == ["mamba2", "mamba2"]  # the intact one loads
+
+
+@pytest.mark.parametrize(
+    "head",
+    [b"GGUF\x03\x00\x00\x00",  # the version, then nothing
+     b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little") + (20).to_bytes(8, "little") + b"general.arch"],  # a key cut short
+)  # fmt: skip
+def test_a_truncated_gguf_file_is_one_line(tmp_path, head):
+    (tmp_path / "cut.gguf").write_bytes(head)
+    for check_supported in (False, True):
+        with pytest.raises(CheckpointError) as info:
+            load_teacher(str(tmp_path / "cut.gguf"), check_supported=check_supported)
+        assert_one_line(info, str(tmp_path / "cut.gguf"), "complete GGUF")
 
 
 def test_first_line_squeezes_messages():

@@ -157,6 +157,13 @@ def cmd_eval(args) -> int:
     check_weight_format(args.dtype, args.quantize)
     model, tokenizer = load_model_and_tokenizer(args.model)
     apply_weight_format(model, args.dtype, args.quantize)  # the forms generate --dtype / --quantize decode in
+    teacher = load_model_and_tokenizer(args.against)[0] if args.against else None  # before any scoring: a bad --against fails now
+    from attn2ssm.teachers import position_limit
+
+    for name, m in ((args.model, model), (args.against, teacher)):
+        limit = position_limit(m.config) if m is not None else None
+        if limit is not None and args.window > limit:
+            raise ConfigError(f"--window {args.window} is longer than {name} reads positions for (at most {limit})", f"use --window {limit} or less")
     corpus = prepare_corpus(args.corpus, tokenizer, max_heldout_tokens=args.max_tokens, max_train_tokens=0)
     if corpus.heldout_ids.numel() < 2:
         raise DataError(
@@ -164,8 +171,7 @@ def cmd_eval(args) -> int:
             "use a corpus with several documents or paragraphs (the last ~5% of a single document is held out)",
         )
     rows = [("model", args.model, perplexity(model, corpus.heldout_ids, window=args.window, stride=args.stride, max_tokens=args.max_tokens, progress=True))]
-    if args.against:
-        teacher, _ = load_model_and_tokenizer(args.against)
+    if teacher is not None:
         rows.append(("teacher", args.against, perplexity(teacher, corpus.heldout_ids, window=args.window, stride=args.stride, max_tokens=args.max_tokens, progress=True)))
     print(f"held-out perplexity on {args.corpus} ({rows[0][2]['tokens']} tokens, window {args.window})")
     for role, name, r in rows:
@@ -209,10 +215,15 @@ def cmd_eval_report(args) -> int:
 
 # --------------------------------------------------------------------------------------------- generate
 def cmd_generate(args) -> int:
+    from attn2ssm.generation.sampling import check_sampling
+
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} generates nothing", "ask for at least 1 token, e.g. --max-new-tokens 64")
+    check_sampling(args.temperature, args.top_k, args.top_p, cli=True)  # 0 = greedy; a negative one is not
+    num_draft_tokens = _draft_tokens("--num-draft-tokens", args.num_draft_tokens)
     import torch
     from transformers import TextStreamer
 
-    num_draft_tokens = _draft_tokens("--num-draft-tokens", args.num_draft_tokens)
     from attn2ssm.decode.layout import cpu_decode_layout
     from attn2ssm.decode.quantize import apply_weight_format, check_weight_format
 
@@ -226,7 +237,7 @@ def cmd_generate(args) -> int:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True)
     else:
         text = args.prompt
-    inputs = tokenizer(text, return_tensors="pt")
+    inputs = tokenizer(text, return_tensors="pt", verbose=False)  # (a prompt past the model's positions is refused below, in one line)
     if inputs["input_ids"].shape[1] == 0:  # an empty prompt, with a tokenizer that adds no BOS
         if tokenizer.bos_token_id is None:
             raise ConfigError(
@@ -235,6 +246,7 @@ def cmd_generate(args) -> int:
             )
         ids = torch.tensor([[tokenizer.bos_token_id]])  # start where a document starts
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    _check_positions(model, args.model, inputs["input_ids"].shape[1], args.max_new_tokens)
     sample = args.temperature > 0
     torch.manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=not args.echo, skip_special_tokens=True)
@@ -256,6 +268,7 @@ def cmd_generate(args) -> int:
         draft = args.draft  # prompt lookup: no model
     else:
         draft, _ = load_model_and_tokenizer(args.draft)
+        _check_positions(draft, f"--draft {args.draft}", inputs["input_ids"].shape[1], args.max_new_tokens)
         cpu_decode_layout(draft)
     out = speculative_generate(
         model,
@@ -279,6 +292,18 @@ def cmd_generate(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _check_positions(model, name: str, prompt: int, new: int) -> None:
+    """Refuse a prompt + new tokens longer than ``model`` reads positions for (an attention model's
+    output past them is garbage; a student with no positions at all has no limit)."""
+    from attn2ssm.teachers import position_limit
+
+    limit = position_limit(model.config)
+    if limit is not None and prompt + new > limit:
+        fix = (f"lower --max-new-tokens to {limit - prompt} or less, or shorten the prompt" if prompt < limit else
+               f"shorten the prompt to fewer than {limit} tokens")  # fmt: skip
+        raise ConfigError(f"the prompt ({prompt} tokens) and --max-new-tokens {new} need {prompt + new} positions; {name} reads at most {limit}", fix)
 
 
 # --------------------------------------------------------------------------------------------- bench

@@ -19,7 +19,10 @@ from attn2ssm.errors import ConfigError
 
 def parse_value(text: str) -> Any:
     """A ``--set`` value as YAML would read it (numbers, bools, lists, null), ``1e5`` as a number."""
-    value = yaml.safe_load(text)
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"value {text!r} is not valid YAML ({_yaml_problem(exc)})", "write a number, true/false, null, a [list] or plain text (quote text with YAML syntax in it)") from None
     if isinstance(value, str):
         try:
             return float(value) if any(c in value for c in ".eE") else int(value)
@@ -104,7 +107,18 @@ def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}", "check the path or run 'attn2ssm recipes' to list built-in recipes")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        problem = f"not UTF-8 text ({exc.reason})" if isinstance(exc, UnicodeDecodeError) else f"not valid YAML: {_yaml_problem(exc)}"
+        raise ConfigError(f"{path} is {problem}", "fix the file (run 'attn2ssm recipes quickstart' to see a valid recipe)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping at the top level", "see recipes/quickstart.yaml for the layout")
     return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What PyYAML found wrong and where (line and column, 1-based), on one line."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else problem

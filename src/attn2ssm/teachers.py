@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -132,6 +133,20 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def check_weight_files(directory: str | Path) -> None:
+    """Read the header of every ``*.safetensors`` file in ``directory`` (no tensor loads) and check
+    it against the file's size: a truncated or damaged file is a one-line error naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="np"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"weights file {path} is damaged or incomplete ({first_line(exc)})",
+                                  "restore it: copy or download it again, or rerun the convert / distill / export that wrote it") from exc  # fmt: skip
+
+
 def _builtin_hf_dir(name: str) -> Path:
     """A built-in teacher converted once from GGUF to a plain HF directory (loads in ~1 s, not ~40 s)."""
     target = cache_dir() / "teachers" / name / "hf"
@@ -179,6 +194,21 @@ def resolve_teacher(spec: str | None) -> TeacherSource:
     if spec.startswith((".", "/", "~")) or os.sep in spec and spec.count("/") != 1:
         raise CheckpointError(f"teacher path not found: {spec}", "check the path, or give a hub id like 'org/name'")
     return TeacherSource("hub", spec)
+
+
+def read_teacher_config(spec: str | None):
+    """The teacher's transformers config where it is on disk (a model directory, the built-in
+    teacher's converted copy), read without any weights; None for a GGUF (whose config loader reads
+    the tensors) or a hub id (the network), and for a config that does not parse (load_teacher says why)."""
+    source = resolve_teacher(spec)
+    if source.kind not in ("dir", "builtin"):
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source.location)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _attention_implementations(model_class) -> list[str]:
@@ -234,13 +264,15 @@ def load_teacher(
         kwargs["attn_implementation"] = attn_implementation
     if source.kind == "hub":
         where = f"hub id '{source.location}'"
-        fix = "check the id and your network, or pass a local directory / .gguf file"
+        fix = "check the path if you meant a local folder; a hub id needs the network (or a copy in the Hugging Face cache)"
     elif source.gguf_file:
         where = f"GGUF file {Path(source.location) / source.gguf_file}"
         fix = "check that the file is a complete GGUF model, or use a built-in teacher: " + ", ".join(BUILTIN_TEACHERS)
     else:
         where = f"directory {source.location}"
         fix = "point --teacher at a directory written by save_pretrained (config.json, weights and tokenizer files)"
+    if source.kind in ("dir", "builtin"):
+        check_weight_files(source.location)
     step, config = "config", None
     try:
         with quiet_loading():
@@ -256,7 +288,9 @@ def load_teacher(
             model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
     except Attn2SSMError:
         raise
-    except (OSError, ValueError, KeyError, ImportError) as exc:
+    except (OSError, ValueError, KeyError, ImportError, struct.error) as exc:  # struct.error: a GGUF cut short
+        if source.kind == "hub" and step != "model" and not isinstance(exc, ImportError):  # a mistyped local path reads as a hub id
+            raise CheckpointError(f"there is no local folder '{source.location}', and loading it as a hub id failed ({first_line(exc)})", fix) from exc
         raise _load_error(step, where, exc, fix, config, attn_implementation) from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -264,6 +298,28 @@ def load_teacher(
     if device is not None:
         model.to(device)
     return model, tokenizer, source
+
+
+def position_limit(config) -> int | None:
+    """How many positions a model may read: its ``max_position_embeddings``, or None (no limit) for
+    an attn2ssm student that uses no positions at all: no attention layer kept, no mixer rotating
+    with RoPE (every mixer's ``rope`` option is "none"), no learned position table (GPT-2's wpe)."""
+    import inspect
+
+    limit = getattr(config, "max_position_embeddings", None)
+    plan = getattr(config, "layer_plan", None)
+    if getattr(config, "model_type", None) != "attn2ssm" or not plan or "attention" in plan:
+        return limit
+    from attn2ssm.adapters import get_adapter
+    from attn2ssm.mixers.registry import MIXERS
+
+    if get_adapter(config.build_base_config()).learned_positions:
+        return limit
+    for kind in set(plan):
+        rope = inspect.signature(MIXERS[kind].__init__).parameters.get("rope")
+        if rope is None or (config.mixer_options.get(kind) or {}).get("rope", rope.default) != "none":
+            return limit
+    return None
 
 
 def load_model_and_tokenizer(path: str):
@@ -277,12 +333,17 @@ def load_model_and_tokenizer(path: str):
     import attn2ssm.student  # noqa: F401  (registers the Auto classes)
 
     p = Path(path)
+    if p.is_dir() and not (p / "config.json").exists():
+        fix = (f"pass {p / 'student'} (a distillation run keeps its student there)" if (p / "student" / "config.json").exists() else
+               "pass a student directory (written by 'attn2ssm convert', or a run's student/ folder), a model directory, a .gguf file or a hub id")  # fmt: skip
+        raise CheckpointError(f"{p} holds no model: config.json is missing", fix)
     if p.is_dir() and (p / "config.json").exists():
         try:
             cfg = json.loads((p / "config.json").read_text())
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{p / 'config.json'} is not readable JSON ({first_line(exc)})", "restore the file or point at another model directory") from exc
         if cfg.get("model_type") == "attn2ssm":
+            check_weight_files(p)
             try:
                 with quiet_loading():
                     model = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)

@@ -91,3 +91,25 @@ def test_beam_search_with_the_cache_equals_beam_search_without(kind):
     assert cached.sequences.shape == (4, 16)
     assert cached.sequences.tolist() == uncached.sequences.tolist()
     torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("family", "kind", "ratio", "options", "limited"),
+    [("llama", "mamba2", 0.0, None, False), ("llama", "discrete_mamba2", 0.0, None, False), ("llama", "mamba", 0.0, None, False),
+     ("llama", "mamba2", 0.5, None, True),  # a kept attention layer
+     ("llama", "mamba2", 0.0, {"rope": "before"}, True), ("llama", "linear_attention", 0.0, None, True),  # mixers rotating with RoPE
+     ("llama", "linear_attention", 0.0, {"rope": "none"}, False), ("llama", "hedgemamba", 0.0, {"rope": "none"}, False),
+     ("gpt2", "mamba2", 0.0, None, True)],  # learned absolute positions (wpe)
+)  # fmt: skip
+def test_position_limit(family, kind, ratio, options, limited):
+    """A student bounded by positions reads at most its teacher's max_position_embeddings; one with
+    none (Mamba-style mixers only, no RoPE, no position table) has no limit, and decodes past it."""
+    from attn2ssm.teachers import position_limit
+
+    model = tiny_student(family, kind, ratio, options)
+    assert position_limit(model.config) == (model.config.max_position_embeddings if limited else None)
+    assert position_limit(model.base.config) == model.config.max_position_embeddings  # a plain transformers model: its own
+    if not limited:
+        prompt = torch.randint(3, 256, (1, model.config.max_position_embeddings + 4), generator=torch.Generator().manual_seed(0))
+        out = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert out[0, prompt.shape[1] :].tolist() == greedy_by_full_forwards(model, prompt, 4)[0, prompt.shape[1] :].tolist()

@@ -195,3 +195,17 @@ def test_bad_inputs_are_clear_errors():
     other.resize_token_embeddings(300)
     with pytest.raises(ConfigError, match="vocabulary"):
         speculative_generate(verifier, other, torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    ("opts", "needle"),
+    [(dict(temperature=-1.0), "temperature=-1.0"), (dict(temperature=0.0), "temperature=0 with do_sample=True"),
+     (dict(top_p=1.5), "top_p=1.5 is outside (0, 1]"), (dict(top_p=0.0), "top_p=0.0"), (dict(top_k=-2), "top_k=-2")],
+)  # fmt: skip
+def test_sampling_settings_out_of_range_are_clear_errors(opts, needle):
+    from attn2ssm.errors import ConfigError
+
+    _, verifier, draft = _models("mamba2")
+    with pytest.raises(ConfigError) as info:
+        speculative_generate(verifier, draft, torch.zeros(1, 4, dtype=torch.long), do_sample=True, **opts)
+    assert needle in str(info.value) and "\n" not in str(info.value)

@@ -154,6 +154,32 @@ def test_every_saved_student_has_a_model_card(tmp_path):
     assert "Not recorded with this folder" in card  # convert: no recipe, budget or ratio to show
 
 
+def test_the_cards_loading_code_runs_without_asking(tmp_path):
+    """The card's snippet, run as written in a fresh interpreter with stdin closed and attn2ssm
+    unimportable: transformers must not ask "Do you wish to run the custom code? [y/N]". It would
+    for the tokenizer without trust_remote_code: AutoTokenizer reads config.json first, whose
+    auto_map (the student's own modeling code) transformers may only run when allowed."""
+    import os
+    import subprocess
+    import sys
+
+    from tiny_models import make_tokenizer, tiny_config
+
+    tokenizer = make_tokenizer()
+    config = tiny_config("llama")
+    config.vocab_size = len(tokenizer)
+    convert(AutoModelForCausalLM.from_config(config), ["mamba2", "attention"]).save_pretrained(tmp_path / "student")
+    tokenizer.save_pretrained(tmp_path / "student")
+    card = (tmp_path / "student" / "README.md").read_text()
+    snippet = card.split("## How to load", 1)[1].split("```python\n", 1)[1].split("```", 1)[0].replace("PATH_OR_HUB_ID", str(tmp_path / "student"))
+    script = 'import sys\nsys.modules["attn2ssm"] = None\n' + snippet + '\nprint("ids", tokenizer("hello").input_ids)\n'
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=120)
+    assert "custom code" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"ids {tokenizer('hello').input_ids}" in proc.stdout
+
+
 def test_a_runs_card_gains_recipe_budget_and_ratio(tmp_path, monkeypatch):
     """``write_report`` (the end of every distill run) rewrites the student's card once
     results.json exists: recipe, stages with their tokens, total budget, perplexity ratio."""

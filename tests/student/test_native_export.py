@@ -304,3 +304,16 @@ def test_probe_checks_short_long_and_real_text_inputs():
     student = Model(config)
     assert probe_difference(student, Model(config), len(tok), tok)[0] == 0.0
     assert probe_difference(student, Model(config, wrong_after=100), len(tok), tok)[0] == pytest.approx(1.0)  # only the long inputs reach it
+
+
+def test_a_truncated_student_is_one_line_and_writes_nothing(tmp_path, capsys):
+    import os
+
+    _save(_student(_teacher("llama", 2), [MAMBA2, MAMBA2]), tmp_path / "student")
+    os.truncate(tmp_path / "student" / "model.safetensors", 5000)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "student"), "--format", "native", "--out", str(tmp_path / "native")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: weights file ") and str(tmp_path / "student" / "model.safetensors") in err and " — " in err, err
+    assert len(err.splitlines()) == 1
+    assert not (tmp_path / "native").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".native")]

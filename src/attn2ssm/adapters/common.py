@@ -82,6 +82,7 @@ class Adapter:
     q_attr, k_attr, v_attr, o_attr = "q_proj", "k_proj", "v_proj", "o_proj"
     qk_norm_attrs: ClassVar[tuple[str, str] | None] = None  # e.g. ("q_norm", "k_norm")
     uses_layer_types: ClassVar[bool] = False  # sliding layers chosen by config.layer_types
+    learned_positions: ClassVar[bool] = False  # a table of absolute position embeddings (no row past max_position_embeddings)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(family={self.family!r})"

@@ -29,6 +29,7 @@ class GPT2Adapter(Adapter):
     base_attr = "transformer"
     layers_attr = "h"
     attn_attr = "attn"
+    learned_positions = True  # wpe
 
     def head_dim(self, config) -> int:
         return config.hidden_size // config.num_attention_heads

@@ -232,6 +232,7 @@ def load_recipe(name_or_path: str | None = None, overrides: list[str] | None = N
 
 def validate(recipe: Recipe) -> None:
     from attn2ssm.distill.stages import STAGE_KINDS
+    from attn2ssm.mixers.registry import ENCODER_MIXERS, MIXERS, check_mixer_options
     from attn2ssm.student.plans import LAYER_MAPS
 
     if recipe.mixed_precision not in PRECISIONS:
@@ -251,6 +252,7 @@ def validate(recipe: Recipe) -> None:
             raise ConfigError(f"{where}: batch_size {stage.batch_size} is not divisible by grad_accum {stage.grad_accum}", "make batch_size a multiple of grad_accum")
         if stage.epochs is not None and stage.epochs <= 0:
             raise ConfigError(f"{where}: epochs must be positive, got {stage.epochs}", "set epochs to e.g. 1, or leave it unset to use tokens")
+        _validate_stage_numbers(stage, i, where)
         _validate_stage_data(stage, STAGE_KINDS[stage.kind], i, where)
         if getattr(STAGE_KINDS[stage.kind], "image_task", False) != (recipe.images is not None):
             raise ConfigError(f"{where}: kind '{stage.kind}' {'needs' if recipe.images is None else 'cannot use'} the recipe's images",
@@ -263,12 +265,25 @@ def validate(recipe: Recipe) -> None:
                                ("layer_map", s.layer_map, LAYER_MAPS)):
         if value not in valid:
             raise ConfigError(f"student.{name}={value!r} is not valid", f"use one of: {', '.join(valid)}")
+    mixers = ENCODER_MIXERS if recipe.images is not None else MIXERS
+    if s.mixer not in mixers:
+        raise ConfigError(f"student.mixer={s.mixer!r} is not a mixer{' for an image recipe' if recipe.images is not None else ''}", f"use one of: {', '.join(sorted(mixers))}")
+    if not isinstance(s.mixer_options, dict):
+        raise ConfigError(f"student.mixer_options must be a mapping, got {s.mixer_options!r}", "write e.g. student.mixer_options: {feature_map: elu}")
+    check_mixer_options(s.mixer, s.mixer_options)
+    if not 0.0 <= s.attention_ratio <= 1.0:
+        raise ConfigError(f"student.attention_ratio={s.attention_ratio} is outside [0, 1]", "set the fraction of layers that keep attention, e.g. student.attention_ratio=0.25")
     if isinstance(s.keep_attention, str) and s.keep_attention != "auto":
         raise ConfigError(f"student.keep_attention={s.keep_attention!r} is not valid", "use a list of layer indices or 'auto'")
     if s.depth is not None and s.depth < 1:
         raise ConfigError(f"student.depth={s.depth} is not a number of layers", "set student.depth to at least 1, or null for the teacher's depth")
     if s.depth is not None and s.keep_attention == "auto":
         raise ConfigError("student.keep_attention=auto scores the teacher's own layers and cannot choose for student.depth", "list the attention layers of the student, or leave student.depth unset")
+    if isinstance(s.keep_attention, list):
+        bad = [i for i in s.keep_attention if not isinstance(i, int) or isinstance(i, bool) or i < 0 or (s.depth is not None and i >= s.depth)]
+        if bad:
+            within = f"0..{s.depth - 1} (student.depth {s.depth})" if s.depth is not None else "0 and up"
+            raise ConfigError(f"student.keep_attention has entries {bad} that are not layer indices {within}", "list the layers that keep attention, e.g. student.keep_attention=[3, 7]")
     ratio = s.attention_ratio
     for i, stage in enumerate(recipe.stages):
         if stage.attention_ratio is None:
@@ -281,7 +296,38 @@ def validate(recipe: Recipe) -> None:
         ratio = stage.attention_ratio
     if recipe.data.block_len < 2:
         raise ConfigError("data.block_len must be at least 2", "set data.block_len=256 for example")
+    e = recipe.eval
+    window = e.window or recipe.data.block_len
+    _check_ranges("eval", (("max_tokens", e.max_tokens, e.max_tokens >= 2, "at least 2 held-out tokens, e.g. 20000"),
+                           ("window", e.window, e.window is None or e.window >= 2, "at least 2 tokens, or null for data.block_len"),
+                           ("stride", e.stride, e.stride is None or 1 <= e.stride <= window, f"1..{window} (the window), or null for half the window"),
+                           ("batch_size", e.batch_size, e.batch_size >= 1, "a positive number of windows, e.g. 4")))  # fmt: skip
     _validate_data(recipe.data)
+
+
+def validate_for_teacher(recipe: Recipe, config) -> None:
+    """Checks that need the teacher's transformers ``config`` but none of its weights: the family is
+    supported, blocks fit its positions, keep_attention indices are its (or student.depth's) layers,
+    and one mixer builds (on the meta device) with the recipe's options at the teacher's shapes."""
+    import torch
+
+    from attn2ssm.adapters import get_adapter
+    from attn2ssm.data import check_block_len
+    from attn2ssm.mixers.registry import build_mixer
+    from attn2ssm.mixers.ssm_common import resolve_norm_eps
+
+    adapter = get_adapter(config)
+    limit = getattr(config, "max_position_embeddings", None)
+    check_block_len(recipe.data.block_len, limit)
+    if limit is not None and (recipe.eval.window or 0) > limit:
+        raise ConfigError(f"eval.window {recipe.eval.window} exceeds the teacher's maximum of {limit} positions", f"set eval.window to at most {limit}, or null for data.block_len")
+    s = recipe.student
+    n = s.depth or config.num_hidden_layers
+    bad = [i for i in s.keep_attention if i >= n] if isinstance(s.keep_attention, list) else []
+    if bad:
+        raise ConfigError(f"student.keep_attention has layer indices {bad} outside 0..{n - 1} (the student has {n} layers)", "list valid layer indices")
+    with torch.device("meta"):  # the options' values, checked by the mixer itself; nothing is allocated
+        build_mixer(s.mixer, adapter.geometry(config, 0).to_dict(), 0, resolve_norm_eps(s.mixer, dict(s.mixer_options), config))
 
 
 def _validate_data(d: DataConfig) -> None:
@@ -303,6 +349,39 @@ def _validate_data(d: DataConfig) -> None:
     for spec in (s.corpus for s in d.source_list()):
         if is_generated(spec):
             parse_generated_spec(spec)  # a bad spec fails here, before the teacher loads
+
+
+def _check_ranges(prefix: str, checks, where: str | None = None) -> None:
+    """``checks``: (key, value, in range, what to write instead); a value out of range (or NaN / inf) is a ConfigError."""
+    for key, value, ok, hint in checks:
+        if not ok or (isinstance(value, float) and not math.isfinite(value)):
+            raise ConfigError(f"{f'{where}: ' if where else f'{prefix}.'}{key}={value} is out of range", f"set {prefix}.{key} to {hint}")
+
+
+def _validate_stage_numbers(stage: StageConfig, i: int, where: str) -> None:
+    """Optimizer, schedule and loss numbers that torch would refuse mid-run, or take and misbehave with."""
+    o, sc = stage.optim, stage.schedule
+    _check_ranges(f"stages.{i}", (
+        ("optim.lr", o.lr, o.lr >= 0, "a positive learning rate, e.g. 1e-3 (0 leaves the weights as they are)"),
+        ("optim.beta1", o.beta1, 0 <= o.beta1 < 1, "a value in [0, 1), e.g. 0.9"),
+        ("optim.beta2", o.beta2, 0 <= o.beta2 < 1, "a value in [0, 1), e.g. 0.95"),
+        ("optim.eps", o.eps, o.eps > 0, "a small positive number, e.g. 1e-8"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "0 or a positive number, e.g. 0.01"),
+        ("schedule.warmup", sc.warmup, sc.warmup >= 0, "a fraction of the steps (< 1) or a number of steps, e.g. 0.05"),
+        ("schedule.decay", sc.decay, sc.decay >= 0, "a fraction of the steps (< 1) or a number of steps, e.g. 0.2"),
+        ("schedule.min_lr_ratio", sc.min_lr_ratio, 0 <= sc.min_lr_ratio <= 1, "a fraction of the peak lr in [0, 1], e.g. 0.1"),
+        ("clip", stage.clip, stage.clip >= 0, "a gradient-norm limit, or 0 for no clipping, e.g. 1.0"),
+        ("temperature", stage.temperature, stage.temperature > 0, "a positive number, e.g. 1"),
+        ("kl_chunk", stage.kl_chunk, stage.kl_chunk >= 1, "a positive number of tokens, e.g. 64"),
+        ("eval_every", stage.eval_every, stage.eval_every >= 0, "a number of steps, or 0 to evaluate at the stage end only"),
+        ("eval_batches", stage.eval_batches, stage.eval_batches >= 1, "a positive number of batches, e.g. 4"),
+        ("save_every", stage.save_every, stage.save_every >= 0, "a number of steps, or 0 to save at the stage end only"),
+        ("keep_checkpoints", stage.keep_checkpoints, stage.keep_checkpoints >= 1, "a positive number of checkpoints, e.g. 2"),
+    ), where)  # fmt: skip
+    if stage.lora is not None:
+        lo = stage.lora
+        _check_ranges(f"stages.{i}", (("lora.r", lo.r, lo.r >= 1, "a positive rank, e.g. 8"), ("lora.alpha", lo.alpha, lo.alpha > 0, "a positive number, e.g. 16"),
+                                      ("lora.dropout", lo.dropout, 0 <= lo.dropout < 1, "a probability in [0, 1), e.g. 0")), where)  # fmt: skip
 
 
 def _validate_stage_data(stage: StageConfig, kind, i: int, where: str) -> None:

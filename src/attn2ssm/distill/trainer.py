@@ -62,7 +62,7 @@ from attn2ssm.distill.checkpoints import (
     truncate_metrics,
 )
 from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
-from attn2ssm.distill.recipe import Recipe, StageConfig, validate
+from attn2ssm.distill.recipe import Recipe, StageConfig, validate, validate_for_teacher
 from attn2ssm.distill.schedules import lr_multiplier
 from attn2ssm.distill.stages import STAGE_KINDS, StageKind, select_trainable
 from attn2ssm.errors import CheckpointError, ConfigError, TrainingError
@@ -136,6 +136,12 @@ class Distiller:
         elif self.out.exists() and ((self.out / "checkpoints").exists() or (self.out / "student").exists()):
             raise ConfigError(f"run directory {self.out} already holds a run", "pass --resume to continue it, or choose another --out")
         validate(recipe)
+        if self.resume_from is None and recipe.images is None:  # what needs only the teacher's config.json, before anything loads or is written
+            from attn2ssm.teachers import read_teacher_config
+
+            config = teacher.config if teacher is not None else read_teacher_config(recipe.teacher)
+            if config is not None:
+                validate_for_teacher(recipe, config)
         self.recipe = recipe
         cpu = recipe.device == "cpu" or (recipe.device == "auto" and not torch.cuda.is_available())
         # auto: bf16 only where it is fast (CUDA with bf16, a CPU with native bf16); explicit bf16 on a slow CPU warns
@@ -532,14 +538,19 @@ class Distiller:
         _drop_stage_modules(self.student)
 
     def run(self) -> dict:
-        self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(self.recipe.seed)
         random.seed(self.recipe.seed)
+<<<<<<< HEAD
         if self.is_main:
             atomic_write_text(self.out / "recipe.yaml", self.recipe.to_yaml())
             print(self.precision.describe())
+=======
+>>>>>>> fix32-inputs
         self._load_teacher()
         self._load_data()
+        self.out.mkdir(parents=True, exist_ok=True)  # only now: a teacher or corpus that fails to load leaves --out as it was
+        if self.is_main:
+            atomic_write_text(self.out / "recipe.yaml", self.recipe.to_yaml())
         state, payload = TrainerState(), None
         if self.resume_from is not None:
             state = from_dict(TrainerState, json.loads((self.resume_from / "state.json").read_text()), "state")

@@ -34,7 +34,7 @@ import torch
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.generation.drafters import Drafter, NgramDrafter, Runner, make_drafter
-from attn2ssm.generation.sampling import accept_greedy, accept_sampled, warp
+from attn2ssm.generation.sampling import accept_greedy, accept_sampled, check_sampling, warp
 from attn2ssm.student.cache import MixerStateLayer
 
 
@@ -209,6 +209,10 @@ def speculative_generate(
     auto = num_draft_tokens == AUTO
     if not auto and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1):
         raise ConfigError(f"num_draft_tokens={num_draft_tokens!r}", "draft at least 1 token per round (2-6 is typical), or pass 'auto'")
+    if do_sample:
+        check_sampling(temperature, top_k, top_p)
+        if temperature == 0:
+            raise ConfigError("temperature=0 with do_sample=True", "sample at a positive temperature, or pass do_sample=False for greedy decoding")
     drafter: Drafter = make_drafter(draft, target.config.get_text_config().vocab_size)
     policy = DraftLength(free=isinstance(drafter, NgramDrafter)) if auto else None
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))

@@ -23,14 +23,18 @@ ENCODER_MIXERS: dict[str, type[nn.Module]] = {BiMambaMixer.mixer_type: BiMambaMi
 ATTENTION = "attention"  # a layer-plan entry that keeps the teacher's attention
 
 
+def check_mixer_options(kind: str, options: dict | None) -> None:
+    """Every key of ``options`` is a constructor option of mixer ``kind`` (a known one)."""
+    valid = [n for n in inspect.signature({**MIXERS, **ENCODER_MIXERS}[kind].__init__).parameters if n not in ("self", "geometry", "layer_idx")]
+    unknown = sorted(set(options or {}) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for mixer '{kind}'", f"valid options: {', '.join(valid)}")
+
+
 def build_mixer(kind: str, geometry: dict, layer_idx: int, options: dict | None = None) -> nn.Module:
     known = {**MIXERS, **ENCODER_MIXERS}
     if kind not in known:
         valid = ", ".join(sorted([*known, ATTENTION]))
         raise ConfigError(f"unknown mixer '{kind}' in the layer plan", f"use one of: {valid}")
-    cls = known[kind]
-    valid = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "geometry", "layer_idx")]
-    unknown = sorted(set(options or {}) - set(valid))
-    if unknown:
-        raise ConfigError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for mixer '{kind}'", f"valid options: {', '.join(valid)}")
-    return cls(geometry, layer_idx, **(options or {}))
+    check_mixer_options(kind, options)
+    return known[kind](geometry, layer_idx, **(options or {}))

@@ -138,7 +138,7 @@ def student_card(config: dict, results: dict | None = None) -> str:
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
         'model = AutoModelForCausalLM.from_pretrained("PATH_OR_HUB_ID", trust_remote_code=True, dtype=torch.bfloat16)',
-        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_HUB_ID")',
+        'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_HUB_ID", trust_remote_code=True)  # it reads config.json, whose auto_map names this code',
         'ids = tokenizer("The", return_tensors="pt")',
         "print(tokenizer.decode(model.generate(**ids, max_new_tokens=32)[0]))",
         "```",

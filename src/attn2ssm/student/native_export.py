@@ -469,6 +469,7 @@ def export_native(student_dir: str | Path, out: str | Path, *, force: bool = Fal
     from attn2ssm.student.card import native_card, read_results
     from attn2ssm.student.configuration import Attn2SSMConfig
     from attn2ssm.student.modeling import Attn2SSMForCausalLM
+    from attn2ssm.teachers import check_weight_files
 
     student_dir, out = Path(student_dir), Path(out)
     try:
@@ -482,6 +483,7 @@ def export_native(student_dir: str | Path, out: str | Path, *, force: bool = Fal
     if (out / "config.json").is_file() and not force:
         raise ConfigError(f"--out {out} already holds a model (config.json)", "pass --force to replace it, or choose another --out")
     check_native(Attn2SSMConfig.from_dict(saved), llama_cpp)  # refuse before the weights load
+    check_weight_files(student_dir)
 
     dtype = getattr(torch, str(saved.get("dtype") or "float32"))
     student = Attn2SSMForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
