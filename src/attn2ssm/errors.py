@@ -36,3 +36,7 @@ class CheckpointError(Attn2SSMError):
 
 class ExportError(Attn2SSMError):
     """A student cannot be written in the requested format (the reason and the nearest setting that can)."""
+
+
+class OutputError(Attn2SSMError):
+    """An output or run folder cannot be written: read-only, full, or in use by another process."""
