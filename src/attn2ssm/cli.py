@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from attn2ssm.errors import Attn2SSMError, CheckpointError, ConfigError, DataError
+from attn2ssm.paths import check_writable, remove_stale_staging
 from attn2ssm.teachers import load_model_and_tokenizer  # noqa: F401  (light: torch loads lazily)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -30,16 +31,12 @@ def _held_model(out: Path) -> str:
 
 def _write_student(student, tokenizer, out: Path, replace: bool) -> None:
     """Save into a staging directory beside ``out``, then move it into place: a failed write
-    leaves what ``out`` held untouched. ``replace`` (--force over a model): the staged directory
+    leaves what ``out`` held untouched (and no staging), and one for want of space or permission
+    ends with one line naming ``out``. ``replace`` (--force over a model): the staged directory
     replaces ``out`` whole; otherwise ``out`` is new or empty, or its other files stay beside the student's."""
-    import shutil
-    import tempfile
+    from attn2ssm.paths import replace_dir, staging_beside, writing
 
-    from attn2ssm.paths import replace_dir
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.convert-"))
-    try:
+    with writing(out, "the student", "run the command again (what --out held is unchanged)"), staging_beside(out, "convert") as staging:
         student.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         if replace or not out.exists() or not any(out.iterdir()):
@@ -47,8 +44,6 @@ def _write_student(student, tokenizer, out: Path, replace: bool) -> None:
         else:
             for path in staging.iterdir():
                 os.replace(path, out / path.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def cmd_convert(args) -> int:
@@ -73,6 +68,8 @@ def cmd_convert(args) -> int:
     if held and not args.force:  # as distill never overwrites a run: a trained student is not replaced silently
         raise ConfigError(f"--out {out} already holds {held}", "pass --force to replace it, or choose another --out")
     resolve_teacher(args.teacher)  # a missing path fails here, before torch/transformers load
+    check_writable(out, beside=True)  # and so does an --out that cannot be written
+    remove_stale_staging(out.parent)  # what a killed convert / export left beside it
 
     from attn2ssm.student.convert import convert
     from attn2ssm.student.plans import make_plan
