@@ -16,8 +16,15 @@ is tokenized once when the stage starts, and get right-padded batches (``attenti
 optimizer step: the trainer passes ``mean_loss_tokens`` (loss tokens of the global batch ÷
 micro-batches ÷ processes), computed from the indices alone, so it is the same on every process.
 
+One run uses a run directory at a time: the main process holds an exclusive lock on its ``.lock``
+(released by the OS when the process dies) before writing anything, so a second run on the same
+``--out`` stops with one line naming the first's pid, and the hidden temporaries a killed run left
+there are removed. A write that fails for want of space or permission stops with one line naming
+the folder and ``--resume``; the checkpoints already written stay intact.
+
 Run directory::
 
+    .lock                  "pid N on HOST" of the run holding it (the lock itself is the flock)
     recipe.yaml            resolved recipe (what --resume reruns)
     metrics.jsonl          one JSON line per step / eval
     checkpoints/<name>/    HF student + optimizer.pt + state.json, written atomically
@@ -31,8 +38,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
+import shlex
 import shutil
 import sys
 import time
@@ -54,6 +61,7 @@ from attn2ssm.data.teacher_samples import build_teacher_sft_data, is_teacher_sou
 from attn2ssm.distill.checkpoints import (
     append_jsonl,
     checkpoint_name,
+    checkpoint_root,
     choose_checkpoint,
     latest_checkpoint,
     publish_checkpoint,
@@ -65,9 +73,9 @@ from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lo
 from attn2ssm.distill.recipe import Recipe, StageConfig, validate
 from attn2ssm.distill.schedules import lr_multiplier
 from attn2ssm.distill.stages import STAGE_KINDS, StageKind, select_trainable
-from attn2ssm.errors import CheckpointError, ConfigError, TrainingError
+from attn2ssm.errors import CheckpointError, ConfigError, OutputError, TrainingError
 from attn2ssm.mixers.registry import ATTENTION
-from attn2ssm.paths import atomic_write_text
+from attn2ssm.paths import atomic_write_text, check_writable, lock_dir, remove_stale_staging, replace_dir, writing
 from attn2ssm.student.plans import make_plan
 
 __all__ = ["Distiller", "TrainerState", "distill", "latest_checkpoint"]
@@ -125,20 +133,28 @@ class Distiller:
         self.out = Path(out)
         self.progress = progress
         self.resume_from: Path | None = None  # the intact checkpoint a resumed run continues from
+        self.resume_command = f"attn2ssm distill --out {shlex.quote(str(self.out))} --resume"
         if resume:
             saved = self.out / "recipe.yaml"
             if saved.exists():
                 import yaml
 
                 recipe = from_dict(Recipe, yaml.safe_load(saved.read_text()), "recipe")
-            self.resume_from = self._intact_checkpoint() if self.out.exists() else None
-        elif self.out.exists() and ((self.out / "checkpoints").exists() or (self.out / "student").exists()):
-            raise ConfigError(f"run directory {self.out} already holds a run", "pass --resume to continue it, or choose another --out")
         validate(recipe)
         self.recipe = recipe
         cpu = recipe.device == "cpu" or (recipe.device == "auto" and not torch.cuda.is_available())
         self.acc = Accelerator(cpu=cpu, mixed_precision=recipe.mixed_precision)
         self.is_main = self.acc.is_main_process
+        self._lock = None
+        self._hold_run_dir()
+        try:
+            if resume:
+                self.resume_from = self._intact_checkpoint()
+            elif (self.out / "checkpoints").exists() or (self.out / "student").exists():
+                raise ConfigError(f"run directory {self.out} already holds a run", "pass --resume to continue it, or choose another --out")
+        except BaseException:
+            self.close()
+            raise
         self.metrics_path = self.out / "metrics.jsonl"
         # filled by run(): the frozen teacher, the data, the student being trained
         self.teacher, self.tokenizer = teacher, tokenizer
@@ -151,6 +167,34 @@ class Distiller:
         self.images = None  # image recipes (recipe.images): data.images.ImageData, the stages' dataset
         self.started = time.perf_counter()
         self.logit_caches: dict[tuple, object] = {}  # (top_k, dir) → LogitCache, shared by the run's stages
+
+    def _hold_run_dir(self) -> None:
+        """The run directory's lock (the main process takes it before anything is written), or an
+        OutputError: not writable, or another run holds it. Every process raises alike."""
+        failure = None
+        if self.is_main:
+            try:
+                check_writable(self.out)
+                self._lock = lock_dir(self.out)
+            except OutputError as exc:
+                failure = exc
+        if self.acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            shared = broadcast_object_list([str(failure) if failure else None])
+            failure = failure or (OutputError(shared[0]) if shared[0] else None)
+        if failure is not None:
+            raise failure
+
+    def close(self) -> None:
+        """Release the run directory (``run`` does when it ends, however it ends)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def _writing(self, what: str, where: Path | None = None, note: str = ""):
+        """A write into the run directory: space or permission failures become one line naming it and the resume command."""
+        return writing(where or self.out, what, f"continue with: {self.resume_command}", note)
 
     def _intact_checkpoint(self) -> Path | None:
         """The newest checkpoint whose files match their manifest, with a one-line notice for each
@@ -236,7 +280,8 @@ class Distiller:
         if self.is_main:
             kept = [i for i, k in enumerate(plan) if k == ATTENTION]
             print(f"automatic layer selection: keeping attention in layers {kept}")
-            append_jsonl(self.metrics_path, {"event": "layer_selection", "stage_index": stage_idx, "step": 0, "scores": scores, "keep_attention": kept})
+            with self._writing("metrics.jsonl"):
+                append_jsonl(self.metrics_path, {"event": "layer_selection", "stage_index": stage_idx, "step": 0, "scores": scores, "keep_attention": kept})
 
     def _grow_for_stage(self, stage_idx: int, cfg) -> None:
         """Stepwise hybrids: convert more attention layers before a stage with its own attention_ratio."""
@@ -270,6 +315,10 @@ class Distiller:
         self.acc.wait_for_everyone()
         if self.is_main:
             student = self.acc.unwrap_model(self.student)
+            name = checkpoint_name(state.stage, state.step)
+            pointer = checkpoint_root(self.out) / "latest"
+            kept = pointer.read_text().strip() if pointer.exists() else None
+            note = f" ({kept}, the last complete checkpoint, is intact)" if kept else " (no checkpoint is complete yet)"
 
             def write(folder: Path) -> None:
                 plain = {k: v for k, v in state_dict_without_lora(student).items() if not k.startswith("stage_modules.")}
@@ -279,10 +328,12 @@ class Distiller:
                     payload["lora"] = student.lora.state_dict()
                 if hasattr(student, "stage_modules"):  # and so do a stage's training-only modules
                     payload["stage_modules"] = student.stage_modules.state_dict()
-                torch.save(payload, folder / "optimizer.pt")
+                with open(folder / "optimizer.pt", "wb") as fh:  # through a file object, a failed write keeps its OSError
+                    torch.save(payload, fh)
                 atomic_write_text(folder / "state.json", json.dumps(asdict(state), indent=1))
 
-            publish_checkpoint(self.out, checkpoint_name(state.stage, state.step), write, run.cfg.keep_checkpoints)
+            with self._writing(f"checkpoint {name}", checkpoint_root(self.out), note):
+                publish_checkpoint(self.out, name, write, run.cfg.keep_checkpoints)
         self.acc.wait_for_everyone()
 
     # -- evaluation --------------------------------------------------------------------------------
@@ -480,7 +531,8 @@ class Distiller:
             record["eval_loss"] = self._eval_loss(cfg)
             record["eval_ppl"] = math.exp(min(record["eval_loss"], 50))
         if self.is_main:
-            append_jsonl(self.metrics_path, record)
+            with self._writing("metrics.jsonl"):
+                append_jsonl(self.metrics_path, record)
 
     def _finish_stage(self, run: StageRun, state: TrainerState) -> None:
         """The stage's last step: LoRA merged and training-only modules dropped, so the stage-end
@@ -527,11 +579,21 @@ class Distiller:
         _drop_stage_modules(self.student)
 
     def run(self) -> dict:
+        """Train every stage still to run, write the student and the report; the run directory is released at the end."""
+        try:
+            return self._run()
+        finally:
+            self.close()
+
+    def _run(self) -> dict:
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(self.recipe.seed)
         random.seed(self.recipe.seed)
         if self.is_main:
-            atomic_write_text(self.out / "recipe.yaml", self.recipe.to_yaml())
+            for folder in (self.out, checkpoint_root(self.out)):  # a killed run's half-written checkpoint or student (the lock is ours)
+                remove_stale_staging(folder, locked=True)
+            with self._writing("recipe.yaml"):
+                atomic_write_text(self.out / "recipe.yaml", self.recipe.to_yaml())
         self._load_teacher()
         self._load_data()
         state, payload = TrainerState(), None
@@ -542,7 +604,8 @@ class Distiller:
         self._build_student()
         if self.resume_from is not None and self.is_main:  # only now that the checkpoint has loaded
             print(f"resuming from {self.resume_from.name}: stage {state.stage + 1}, step {state.step}")
-            truncate_metrics(self.metrics_path, state.stage, state.step)
+            with self._writing("metrics.jsonl"):
+                truncate_metrics(self.metrics_path, state.stage, state.step)
         for stage_idx in range(len(self.recipe.stages)):
             if stage_idx < state.stage:
                 continue
@@ -569,20 +632,24 @@ class Distiller:
         if self.is_main:
             student = self.acc.unwrap_model(self.student)
             student.eval()
-            final = self.out / "student"
             tmp = self.out / ".tmp-student"
-            shutil.rmtree(tmp, ignore_errors=True)
-            student.save_pretrained(tmp)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(tmp)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            if self.images is not None:
-                from attn2ssm.eval.classification import write_vision_report
+            with self._writing("the final student"):
+                try:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    student.save_pretrained(tmp)
+                    if self.tokenizer is not None:
+                        self.tokenizer.save_pretrained(tmp)
+                    replace_dir(tmp, self.out / "student")
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+            with self._writing("the report"):
+                if self.images is not None:
+                    from attn2ssm.eval.classification import write_vision_report
 
-                results = write_vision_report(self.out, self.recipe, self.teacher, student, self.images, seconds=round(time.perf_counter() - self.started, 1))
-            else:
-                results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress)
+                    results = write_vision_report(self.out, self.recipe, self.teacher, student, self.images, seconds=round(time.perf_counter() - self.started, 1))
+                else:
+                    results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress)
         self.acc.wait_for_everyone()
         return results
 
