@@ -1,4 +1,5 @@
-"""A run directory under stress: a full disk, a read-only folder, a second run on the same --out.
+"""A run directory under stress: a full disk, a read-only folder, a resume with nothing to resume
+from, a second run on the same --out.
 
 Each ends with one line saying what happened and what to do, keeps what was already written, and a
 resume afterwards gives the student an uninterrupted run gives (weights compared as in test_trainer).
@@ -45,6 +46,23 @@ def _steps(run: Path) -> list[tuple[int, int]]:
 
 def _no_space(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class Crash(Exception):
+    pass
+
+
+def _crash_after(monkeypatch, method: str, n: int) -> None:
+    """Distiller.<method> raises Crash after its n-th call (the run dies there, as if killed)."""
+    original, calls = getattr(T.Distiller, method), {"n": 0}
+
+    def then_crash(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise Crash
+
+    monkeypatch.setattr(T.Distiller, method, then_crash)
 
 
 # ------------------------------------------------------------------------------------ 6. a full disk
@@ -149,6 +167,20 @@ def test_an_unwritable_out_is_one_line_before_or_while_writing(run_overrides, tm
     err = capsys.readouterr().err.strip().splitlines()
     out = tmp_path / "run"
     assert len(err) == 1 and err[0].startswith(f"error: cannot write recipe.yaml to {out}: Permission denied — make {out} writable"), err
+
+
+# ------------------------------------------------------------- 10. a resume with no checkpoint to resume from
+def test_a_resume_without_a_checkpoint_starts_the_metrics_afresh(run_overrides, tmp_path, monkeypatch):
+    sets = run_overrides()
+    out = tmp_path / "run"
+    _crash_after(monkeypatch, "_log_step", 2)  # two metric lines, no checkpoint yet (save_every 3)
+    with pytest.raises(Crash):
+        distill(load_recipe(BASE_RECIPE, sets), out, progress=False)
+    monkeypatch.undo()
+    assert _steps(out) == [(0, 1), (0, 2)] and latest_checkpoint(out) is None
+    distill(load_recipe(BASE_RECIPE, sets), out, resume=True, progress=False)
+    steps = _steps(out)
+    assert len(steps) == len(set(steps)) == 21 and steps == sorted(steps)  # each step of each stage once
 
 
 # --------------------------------------------------------- 11, 12. another process, what a killed run left

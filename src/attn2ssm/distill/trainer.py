@@ -594,6 +594,8 @@ class Distiller:
                 remove_stale_staging(folder, locked=True)
             with self._writing("recipe.yaml"):
                 atomic_write_text(self.out / "recipe.yaml", self.recipe.to_yaml())
+                if self.resume_from is None:  # a run from scratch keeps no metric line of an earlier attempt
+                    self.metrics_path.unlink(missing_ok=True)
         self._load_teacher()
         self._load_data()
         state, payload = TrainerState(), None
