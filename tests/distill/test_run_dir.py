@@ -1,5 +1,5 @@
-"""A run directory under stress: a full disk, a read-only folder, a resume with nothing to resume
-from, a second run on the same --out.
+"""A run directory under stress: a full disk, a read-only folder, a resume with --set, a resume with
+nothing to resume from, a second run on the same --out.
 
 Each ends with one line saying what happened and what to do, keeps what was already written, and a
 resume afterwards gives the student an uninterrupted run gives (weights compared as in test_trainer).
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -24,7 +25,7 @@ from attn2ssm.cli import main
 from attn2ssm.distill.checkpoints import damage
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill, latest_checkpoint
-from attn2ssm.errors import OutputError
+from attn2ssm.errors import ConfigError, OutputError
 
 
 def _env():
@@ -167,6 +168,49 @@ def test_an_unwritable_out_is_one_line_before_or_while_writing(run_overrides, tm
     err = capsys.readouterr().err.strip().splitlines()
     out = tmp_path / "run"
     assert len(err) == 1 and err[0].startswith(f"error: cannot write recipe.yaml to {out}: Permission denied — make {out} writable"), err
+
+
+# ------------------------------------------------------------------ 9. --set on a resume: allowed or refused
+def test_resume_applies_settings_that_leave_the_trained_steps_alone(run_overrides, tmp_path, monkeypatch, capsys):
+    sets = run_overrides()
+    reference = tmp_path / "reference"
+    distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
+    out = tmp_path / "run"
+    _crash_after(monkeypatch, "_save_checkpoint", 2)  # after stage0-step000006
+    with pytest.raises(Crash):
+        distill(load_recipe(BASE_RECIPE, sets), out, progress=False)
+    monkeypatch.undo()
+    capsys.readouterr()
+    # the whole command typed again (unchanged values pass) with checkpoint and evaluation settings changed
+    changes = ["stages.1.save_every=1", "stages.1.keep_checkpoints=20", "stages.2.keep_checkpoints=20", "stages.0.eval_every=2", "eval.max_tokens=256"]
+    distill(load_recipe(BASE_RECIPE, sets), out, resume=True, overrides=[*sets, *changes], progress=False)
+    notice = [line for line in capsys.readouterr().err.splitlines() if line.startswith("--resume with --set")]
+    assert notice == ["--resume with --set: stages.0.eval_every 4 → 2, stages.1.save_every 3 → 1, stages.1.keep_checkpoints 2 → 20, "
+                      "stages.2.keep_checkpoints 2 → 20, eval.max_tokens 512 → 256"]
+    saved = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert saved["stages"][1]["save_every"] == 1 and saved["eval"]["max_tokens"] == 256  # what a later resume continues with
+    assert [p.name for p in sorted((out / "checkpoints").glob("stage1-*"))] == [f"stage1-step{i:06d}" for i in range(1, 7)]
+    evaluated = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["stage_index"] == 0 and "eval_loss" in r]
+    assert evaluated == [4, 8, 10, 12]  # every 4th step before the resume at 6, every 2nd after it
+    _assert_same_student(reference, out)  # none of it touched the math
+
+
+def test_resume_refuses_a_setting_that_would_change_the_training(run_overrides, tmp_path, monkeypatch, capsys):
+    sets = run_overrides()
+    out = tmp_path / "run"
+    _crash_after(monkeypatch, "_save_checkpoint", 1)
+    with pytest.raises(Crash):
+        distill(load_recipe(BASE_RECIPE, sets), out, progress=False)
+    monkeypatch.undo()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["distill", "--out", str(out), "--resume", "--no-progress", "--set", "stages.0.tokens=3072", "--set", "eval.max_tokens=256"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --set stages.0.tokens=3072 would change the recipe of the run being resumed (it has 1536) — "), err
+    assert "eval.*" in err[0] and "mixed_precision" in err[0]  # what may change
+    with pytest.raises(ConfigError, match="--set teacher="):
+        distill(load_recipe(BASE_RECIPE, sets), out, resume=True, overrides=["teacher=smollm2-135m"], progress=False)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing on disk changed
 
 
 # ------------------------------------------------------------- 10. a resume with no checkpoint to resume from

@@ -70,7 +70,7 @@ from attn2ssm.distill.checkpoints import (
     truncate_metrics,
 )
 from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
-from attn2ssm.distill.recipe import Recipe, StageConfig, validate
+from attn2ssm.distill.recipe import Recipe, StageConfig, resume_recipe, validate
 from attn2ssm.distill.schedules import lr_multiplier
 from attn2ssm.distill.stages import STAGE_KINDS, StageKind, select_trainable
 from attn2ssm.errors import CheckpointError, ConfigError, OutputError, TrainingError
@@ -127,19 +127,23 @@ def _drop_stage_modules(model) -> None:
 class Distiller:
     """Runs a recipe into a run directory. ``teacher``/``tokenizer`` may be passed in (tests, notebooks)."""
 
-    def __init__(self, recipe: Recipe, out: str | Path, *, resume: bool = False, progress: bool = True, teacher=None, tokenizer=None):
+    def __init__(self, recipe: Recipe, out: str | Path, *, resume: bool = False, overrides: list[str] | None = None, progress: bool = True,
+                 teacher=None, tokenizer=None):  # fmt: skip
+        """``resume``: continue the run in ``out`` with the recipe saved there (if any; else ``recipe``),
+        with ``overrides`` (a resume's ``--set`` strings) applied where ``resume_recipe`` allows."""
         from accelerate import Accelerator
 
         self.out = Path(out)
         self.progress = progress
         self.resume_from: Path | None = None  # the intact checkpoint a resumed run continues from
         self.resume_command = f"attn2ssm distill --out {shlex.quote(str(self.out))} --resume"
+        changes = []
         if resume:
             saved = self.out / "recipe.yaml"
             if saved.exists():
                 import yaml
 
-                recipe = from_dict(Recipe, yaml.safe_load(saved.read_text()), "recipe")
+                recipe, changes = resume_recipe(yaml.safe_load(saved.read_text()), overrides)
         validate(recipe)
         self.recipe = recipe
         cpu = recipe.device == "cpu" or (recipe.device == "auto" and not torch.cuda.is_available())
@@ -155,6 +159,10 @@ class Distiller:
         except BaseException:
             self.close()
             raise
+        if changes and self.is_main:
+            print("--resume with --set: " + ", ".join(f"{key} {old!r} → {new!r}" for key, old, new in changes)
+                  + ("; the remaining steps compute with it (no longer bitwise an uninterrupted run)" if any(k in ("device", "mixed_precision") for k, _, _ in changes) else ""),
+                  file=sys.stderr)  # fmt: skip
         self.metrics_path = self.out / "metrics.jsonl"
         # filled by run(): the frozen teacher, the data, the student being trained
         self.teacher, self.tokenizer = teacher, tokenizer
@@ -656,5 +664,6 @@ class Distiller:
         return results
 
 
-def distill(recipe: Recipe, out: str | Path, *, resume: bool = False, progress: bool = True, teacher=None, tokenizer=None) -> dict:
-    return Distiller(recipe, out, resume=resume, progress=progress, teacher=teacher, tokenizer=tokenizer).run()
+def distill(recipe: Recipe, out: str | Path, *, resume: bool = False, overrides: list[str] | None = None, progress: bool = True, teacher=None,
+            tokenizer=None) -> dict:  # fmt: skip
+    return Distiller(recipe, out, resume=resume, overrides=overrides, progress=progress, teacher=teacher, tokenizer=tokenizer).run()
