@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from attn2ssm.errors import Attn2SSMError, CheckpointError, ConfigError, DataError
+from attn2ssm.errors import Attn2SSMError, CheckpointError, ConfigError, DataError, Interrupted
 from attn2ssm.paths import check_writable, remove_stale_staging
 from attn2ssm.teachers import load_model_and_tokenizer  # noqa: F401  (light: torch loads lazily)
 
@@ -621,7 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint, with the recipe saved there; "
                    "--set may then change only what leaves the steps already taken as they were: eval.*, stages.N.save_every, "
                    "stages.N.keep_checkpoints, stages.N.eval_every, stages.N.eval_batches, device and mixed_precision (the last two for the "
-                   "remaining steps); any other changed key is refused, naming it")
+                   "remaining steps); any other changed key is refused, naming it. SIGTERM / Ctrl-C stop a run after the current step with "
+                   "a checkpoint and print this command to resume")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=cmd_distill)
 
@@ -778,6 +779,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # always one line
+        if isinstance(exc, Interrupted):  # a run stopped on a signal, its work saved: not an error
+            print(message, file=sys.stderr)
+            return exc.exit_code
         print(f"error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

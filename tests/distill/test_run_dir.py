@@ -1,5 +1,5 @@
 """A run directory under stress: a full disk, a read-only folder, a resume with --set, a resume with
-nothing to resume from, a second run on the same --out.
+nothing to resume from, a second run on the same --out, and SIGTERM / SIGINT.
 
 Each ends with one line saying what happened and what to do, keeps what was already written, and a
 resume afterwards gives the student an uninterrupted run gives (weights compared as in test_trainer).
@@ -8,6 +8,8 @@ resume afterwards gives the student an uninterrupted run gives (weights compared
 import errno
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -227,7 +229,7 @@ def test_a_resume_without_a_checkpoint_starts_the_metrics_afresh(run_overrides, 
     assert len(steps) == len(set(steps)) == 21 and steps == sorted(steps)  # each step of each stage once
 
 
-# --------------------------------------------------------- 11, 12. another process, what a killed run left
+# ------------------------------------------------- 11, 12, 13. another process, what a killed run left, signals
 SLOW_CLI = r"""
 import sys, time
 import attn2ssm.distill.trainer as T
@@ -284,3 +286,30 @@ def test_a_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_lock
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert len(_steps(out)) == len(set(_steps(out))) == 21
     assert not [p for p in [*out.iterdir(), *(out / "checkpoints").iterdir()] if p.name.startswith(".tmp-")]  # the resume removed them
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_command(signum, run_overrides, tmp_path):
+    sets = run_overrides()
+    reference = tmp_path / "reference"
+    distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
+
+    out = tmp_path / "run"
+    proc = _start_slow(out, sets)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signum, stderr[-2000:]  # 143 for SIGTERM, 130 for SIGINT
+    assert "Traceback" not in stderr
+    stage, step = _steps(out)[-1]
+    assert stage == 0 and step < 12  # mid-stage, the step it was in finished and logged
+    name = f"stage0-step{step:06d}"
+    assert latest_checkpoint(out).name == name and damage(latest_checkpoint(out)) is None
+    command = f"attn2ssm distill --out {out} --resume"
+    assert stderr.strip().splitlines()[-1] == (f"stopped by {signal.Signals(signum).name} at stage 1/3 step {step}: checkpoint "
+                                               f"{out / 'checkpoints' / name} — resume with: {command}")  # fmt: skip
+    assert not (out / "student").exists()
+
+    resumed = _run_cli(*shlex.split(command)[1:], "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    _assert_same_student(reference, out)
+    assert _steps(out) == _steps(reference)

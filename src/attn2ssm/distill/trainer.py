@@ -20,7 +20,10 @@ One run uses a run directory at a time: the main process holds an exclusive lock
 (released by the OS when the process dies) before writing anything, so a second run on the same
 ``--out`` stops with one line naming the first's pid, and the hidden temporaries a killed run left
 there are removed. A write that fails for want of space or permission stops with one line naming
-the folder and ``--resume``; the checkpoints already written stay intact.
+the folder and ``--resume``; the checkpoints already written stay intact. SIGTERM / SIGINT (a
+scheduler's notice, Ctrl-C) stop the loop after the current optimizer step: it is checkpointed, one
+line names the checkpoint and the resume command, and the process exits 143 / 130 (every process
+stops at the same step: they agree after each one).
 
 Run directory::
 
@@ -41,6 +44,7 @@ import math
 import random
 import shlex
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -73,7 +77,7 @@ from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lo
 from attn2ssm.distill.recipe import Recipe, StageConfig, resume_recipe, validate
 from attn2ssm.distill.schedules import lr_multiplier
 from attn2ssm.distill.stages import STAGE_KINDS, StageKind, select_trainable
-from attn2ssm.errors import CheckpointError, ConfigError, OutputError, TrainingError
+from attn2ssm.errors import CheckpointError, ConfigError, Interrupted, OutputError, TrainingError
 from attn2ssm.mixers.registry import ATTENTION
 from attn2ssm.paths import atomic_write_text, check_writable, lock_dir, remove_stale_staging, replace_dir, writing
 from attn2ssm.student.plans import make_plan
@@ -163,6 +167,7 @@ class Distiller:
             print("--resume with --set: " + ", ".join(f"{key} {old!r} → {new!r}" for key, old, new in changes)
                   + ("; the remaining steps compute with it (no longer bitwise an uninterrupted run)" if any(k in ("device", "mixed_precision") for k, _, _ in changes) else ""),
                   file=sys.stderr)  # fmt: skip
+        self._asked: set[int] = set()  # signals received (SIGTERM / SIGINT): stop after the current step
         self.metrics_path = self.out / "metrics.jsonl"
         # filled by run(): the frozen teacher, the data, the student being trained
         self.teacher, self.tokenizer = teacher, tokenizer
@@ -563,22 +568,27 @@ class Distiller:
             print(f"[stage {stage_idx + 1}/{len(self.recipe.stages)}] {cfg.name} ({cfg.kind}): {run.steps} steps × {shape}, "
                   f"{n_train / 1e6:.2f}M trainable params in {run.n_trainable_tensors} tensors")
         bar = tqdm(total=run.steps, initial=state.step, desc=f"{cfg.name}", disable=not (self.progress and self.is_main), dynamic_ncols=True)
-        clock = time.perf_counter()
-        while state.step < run.steps:
-            tokens, loss, metrics, grad_norm = self._train_step(run, state.step)
-            state.advance(tokens)
-            now = time.perf_counter()
-            tokens_per_s = tokens / max(now - clock, 1e-9)
-            clock = now
-            self._log_step(run, state, loss, metrics, grad_norm, tokens_per_s)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
-            bar.update(1)
-            last = state.step == run.steps
-            if last:
-                self._finish_stage(run, state)
-            if last or (cfg.save_every and state.step % cfg.save_every == 0):
-                self._save_checkpoint(state, run)
-        bar.close()
+        clock, unsaved = time.perf_counter(), False  # unsaved: steps taken since the last checkpoint
+        try:
+            while state.step < run.steps:
+                if signum := self._stop_asked():
+                    self._stop(signum, state, run if unsaved else None)
+                tokens, loss, metrics, grad_norm = self._train_step(run, state.step)
+                state.advance(tokens)
+                now = time.perf_counter()
+                tokens_per_s = tokens / max(now - clock, 1e-9)
+                clock = now
+                self._log_step(run, state, loss, metrics, grad_norm, tokens_per_s)
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
+                bar.update(1)
+                last, unsaved = state.step == run.steps, True
+                if last:
+                    self._finish_stage(run, state)
+                if last or (cfg.save_every and state.step % cfg.save_every == 0):
+                    self._save_checkpoint(state, run)
+                    unsaved = False
+        finally:
+            bar.close()
         if run.logit_cache is not None and self.is_main:
             st = run.logit_cache.stats
             print(f"[stage {stage_idx + 1}] teacher-logit cache: {st.hits} blocks read, {st.misses} computed and stored ({run.logit_cache.dir})")
@@ -586,10 +596,53 @@ class Distiller:
         merge_lora(self.student)
         _drop_stage_modules(self.student)
 
+    # -- stopping on a signal ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _signal_handlers(self):
+        """While the run runs, SIGTERM / SIGINT only ask it to stop (``_stop_asked``). Ctrl-C twice
+        interrupts at once (KeyboardInterrupt); a repeated SIGTERM is not hurried (torchrun sends
+        its workers more than one), the scheduler's SIGKILL is what ends a grace period."""
+        previous = {}
+
+        def ask(signum, frame):
+            if signum == signal.SIGINT and signum in self._asked:
+                signal.signal(signum, previous[signum])
+                signal.raise_signal(signum)
+            self._asked.add(signum)
+
+        try:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                previous[signum] = signal.getsignal(signum) or signal.SIG_DFL
+                signal.signal(signum, ask)
+        except ValueError:  # not the main thread: signals cannot be caught here
+            pass
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _stop_asked(self) -> int:
+        """The signal to stop on (0: none). Processes agree on it, so they all stop at the same step."""
+        signum = max(self._asked, default=0)
+        if self.acc.num_processes > 1:
+            signum = int(self.acc.gather(torch.tensor([signum], device=self.acc.device)).max())
+        return signum
+
+    def _stop(self, signum: int, state: TrainerState, run: StageRun | None = None) -> None:
+        """Checkpoint the steps not saved yet (``run`` given) and raise Interrupted naming the checkpoint."""
+        if run is not None:
+            self._save_checkpoint(state, run)
+        ckpt = latest_checkpoint(self.out)
+        saved = f"checkpoint {ckpt}" if ckpt else "nothing trained yet, no checkpoint"
+        raise Interrupted(f"stopped by {signal.Signals(signum).name} at stage {state.stage + 1}/{len(self.recipe.stages)} step {state.step}: {saved}",
+                          f"resume with: {self.resume_command}", exit_code=128 + signum)  # fmt: skip
+
     def run(self) -> dict:
         """Train every stage still to run, write the student and the report; the run directory is released at the end."""
         try:
-            return self._run()
+            with self._signal_handlers():
+                return self._run()
         finally:
             self.close()
 
@@ -632,6 +685,8 @@ class Distiller:
                 self._grow_for_stage(stage_idx, self.recipe.stages[stage_idx])
             self._run_stage(stage_idx, state, payload)
             payload = None
+        if signum := self._stop_asked():  # every stage is checkpointed: only the student and report are left
+            self._stop(signum, state)
         return self._finish()
 
     def _finish(self) -> dict:
