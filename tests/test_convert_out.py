@@ -2,8 +2,14 @@
 not overwritten without ``--force``, and with it the new student replaces the old one only once it
 is completely written."""
 
+import errno
 import hashlib
 import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,3 +96,77 @@ def test_a_new_or_empty_out_needs_no_force(teacher_dir, tmp_path):
     for out in (tmp_path / "empty", tmp_path / "a" / "b"):
         assert _convert(teacher_dir, out) == 0
         assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+
+
+# ------------------------------------------------------------------ a full disk, a read-only --out, a killed convert
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_old_student(teacher_dir, tmp_path, monkeypatch, capsys):
+    from attn2ssm.student.modeling import Attn2SSMForCausalLM
+
+    out = tmp_path / "out"
+    assert _convert(teacher_dir, out) == 0
+    before = _digest(out)
+
+    def fills_the_disk(self, directory, *args, **kwargs):
+        (Path(directory) / "model.safetensors").write_bytes(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Attn2SSMForCausalLM, "save_pretrained", fills_the_disk)
+    capsys.readouterr()
+    assert _convert(teacher_dir, out, "--mixer", "mamba2", "--force") == 2
+    assert _one_error_line(capsys) == (f"error: cannot write the student to {out}: No space left on device — free space on its disk, "
+                                       "then run the command again (what --out held is unchanged)")  # fmt: skip
+    assert _digest(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging left
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders: the chmod case cannot fail as root (the injected cases cover it)")
+def test_a_read_only_parent_is_refused(teacher_dir, tmp_path, capsys):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        assert _convert(teacher_dir, parent / "out") == 2
+    finally:
+        parent.chmod(0o755)
+    assert _one_error_line(capsys).startswith(f"error: --out {parent / 'out'}: {parent} is not writable")
+
+
+def test_an_unwritable_out_is_one_line_before_the_teacher_loads_or_while_writing(teacher_dir, tmp_path, monkeypatch, capsys):
+    import attn2ssm.teachers
+    from attn2ssm.student.modeling import Attn2SSMForCausalLM
+
+    out = tmp_path / "new" / "out"
+    real_access, real_load = os.access, attn2ssm.teachers.load_teacher
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode))  # as if tmp_path were read-only
+    monkeypatch.setattr(attn2ssm.teachers, "load_teacher", lambda *a, **k: pytest.fail("the teacher loaded for an --out that cannot be written"))
+    assert _convert(teacher_dir, out) == 2
+    assert _one_error_line(capsys) == f"error: --out {out}: {tmp_path} is not writable (permission denied) — choose another --out, or make {tmp_path} writable"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+    monkeypatch.setattr(os, "access", real_access)
+    monkeypatch.setattr(attn2ssm.teachers, "load_teacher", real_load)
+
+    def denied(self, directory, *args, **kwargs):  # access(2) said yes, the write says no (ACLs, NFS root squash, a race)
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(Path(directory) / "model.safetensors"))
+
+    monkeypatch.setattr(Attn2SSMForCausalLM, "save_pretrained", denied)
+    assert _convert(teacher_dir, out) == 2
+    assert _one_error_line(capsys).startswith(f"error: cannot write the student to {out}: Permission denied — make {out} writable")
+    assert sorted(p.name for p in out.parent.iterdir()) == []
+
+
+def test_a_killed_converts_staging_is_removed_and_a_live_ones_kept(teacher_dir, tmp_path):
+    host = socket.gethostname()
+    stale = tmp_path / f".out.convert-abc123.{_dead_pid()}@{host}"  # convert --force SIGKILLed while saving
+    live = tmp_path / f".out.convert-def456.{os.getpid()}@{host}"  # a convert still writing
+    for staging in (stale, live):
+        staging.mkdir()
+        (staging / "model.safetensors").write_bytes(b"\0" * 4096)
+    assert _convert(teacher_dir, tmp_path / "out") == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name])

@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from attn2ssm.errors import Attn2SSMError, CheckpointError, ConfigError, DataError
+from attn2ssm.errors import Attn2SSMError, CheckpointError, ConfigError, DataError, Interrupted
+from attn2ssm.paths import check_writable, remove_stale_staging
 from attn2ssm.precision import PRECISIONS
 from attn2ssm.teachers import load_model_and_tokenizer  # noqa: F401  (light: torch loads lazily)
 
@@ -31,16 +32,12 @@ def _held_model(out: Path) -> str:
 
 def _write_student(student, tokenizer, out: Path, replace: bool) -> None:
     """Save into a staging directory beside ``out``, then move it into place: a failed write
-    leaves what ``out`` held untouched. ``replace`` (--force over a model): the staged directory
+    leaves what ``out`` held untouched (and no staging), and one for want of space or permission
+    ends with one line naming ``out``. ``replace`` (--force over a model): the staged directory
     replaces ``out`` whole; otherwise ``out`` is new or empty, or its other files stay beside the student's."""
-    import shutil
-    import tempfile
+    from attn2ssm.paths import replace_dir, staging_beside, writing
 
-    from attn2ssm.paths import replace_dir
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.convert-"))
-    try:
+    with writing(out, "the student", "run the command again (what --out held is unchanged)"), staging_beside(out, "convert") as staging:
         student.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         if replace or not out.exists() or not any(out.iterdir()):
@@ -48,8 +45,6 @@ def _write_student(student, tokenizer, out: Path, replace: bool) -> None:
         else:
             for path in staging.iterdir():
                 os.replace(path, out / path.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def cmd_convert(args) -> int:
@@ -74,6 +69,8 @@ def cmd_convert(args) -> int:
     if held and not args.force:  # as distill never overwrites a run: a trained student is not replaced silently
         raise ConfigError(f"--out {out} already holds {held}", "pass --force to replace it, or choose another --out")
     resolve_teacher(args.teacher)  # a missing path fails here, before torch/transformers load
+    check_writable(out, beside=True)  # and so does an --out that cannot be written
+    remove_stale_staging(out.parent)  # what a killed convert / export left beside it
 
     from attn2ssm.student.convert import convert
     from attn2ssm.student.plans import make_plan
@@ -103,13 +100,16 @@ def cmd_distill(args) -> int:
     recipe = load_recipe(args.recipe, args.set)  # recipe errors fail before the trainer's heavy imports
     if args.teacher:
         recipe.teacher = args.teacher
+    # A resume continues the recipe saved in the run directory (when there is one): --set and --teacher
+    # are checked against it there, and may change only what distill.recipe.RESUMABLE lists.
+    overrides = [*(args.set or []), *([f"teacher={args.teacher}"] if args.teacher else [])] if args.resume else None
     if not args.resume and recipe.images is None:  # (a resumed run reads its teacher from the run directory)
         resolve_teacher(recipe.teacher)
 
     from attn2ssm.distill.trainer import distill
 
     out = Path(args.out or f"runs/{recipe.name}")
-    results = distill(recipe, out, resume=args.resume, progress=not args.no_progress)
+    results = distill(recipe, out, resume=args.resume, overrides=overrides, progress=not args.no_progress)
     if results and "student_top1" in results:  # an image recipe
         print(f"\n{'model':<10} {'top-1':>8}   ({results['test_images']} test images)")
         print(f"{'teacher':<10} {results['teacher_top1']:>8.4f}\n{'student':<10} {results['student_top1']:>8.4f}")
@@ -644,7 +644,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field, e.g. stages.0.tokens=20000")
     d.add_argument("--out", default=None, help="run directory (default runs/<recipe>)")
     d.add_argument("--teacher", default=None, help="override the recipe's teacher")
-    d.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    d.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint, with the recipe saved there; "
+                   "--set may then change only what leaves the steps already taken as they were: eval.*, stages.N.save_every, "
+                   "stages.N.keep_checkpoints, stages.N.eval_every, stages.N.eval_batches, device and mixed_precision (the last two for the "
+                   "remaining steps); any other changed key is refused, naming it. SIGTERM / Ctrl-C stop a run after the current step with "
+                   "a checkpoint and print this command to resume")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=cmd_distill)
 
@@ -801,6 +805,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())  # always one line
+        if isinstance(exc, Interrupted):  # a run stopped on a signal, its work saved: not an error
+            print(message, file=sys.stderr)
+            return exc.exit_code
         print(f"error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -36,3 +36,15 @@ class CheckpointError(Attn2SSMError):
 
 class ExportError(Attn2SSMError):
     """A student cannot be written in the requested format (the reason and the nearest setting that can)."""
+
+
+class OutputError(Attn2SSMError):
+    """An output or run folder cannot be written: read-only, full, or in use by another process."""
+
+
+class Interrupted(Attn2SSMError):
+    """A run stopped on a signal once its work was saved; the CLI exits with ``exit_code`` (128 + the signal)."""
+
+    def __init__(self, problem: str, fix: str | None = None, *, exit_code: int = 130):
+        super().__init__(problem, fix)
+        self.exit_code = exit_code

@@ -74,7 +74,7 @@ def save_then_die(self, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)  # mid-stage (stage 0, or the LoRA stage), after a complete checkpoint
 
 def die_while_writing(obj, path, *args, **kwargs):
-    if mode == "during" and str(path).endswith("optimizer.pt"):
+    if mode == "during" and str(getattr(path, "name", path)).endswith("optimizer.pt"):  # a path or an open file
         saves["writes"] += 1
         if saves["writes"] == 3:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-checkpoint: the model is written, the rest is not
@@ -104,6 +104,7 @@ def test_sigkill_then_resume_matches_uninterrupted(mode, run_overrides, tmp_path
 
     cli = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", "--out", str(killed), "--resume", "--no-progress"], env=_env(), capture_output=True, text=True, timeout=600)
     assert cli.returncode == 0, cli.stderr[-2000:]
+    assert not [p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith(".tmp-")]  # the resume removed the half-written one
     a, b = _weights(reference), _weights(killed)
     assert a.keys() == b.keys()
     for name in a:

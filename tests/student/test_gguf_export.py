@@ -11,7 +11,11 @@ hybrid, exported to f32 GGUF, give the HF student's greedy tokens and logits in 
 export (llama_model_quantize) keeps the hybrid's RoPE switch and runs.
 """
 
+import errno
 import os
+import socket
+import subprocess
+import sys
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -248,3 +252,31 @@ def test_q4_1_export_quantises_with_llama_cpp_and_keeps_the_rope_switch(builtin_
     model = GGUFModel(result.out, n_ctx=64, threads=2)
     assert len(model.greedy(tok(PROMPTS[0])["input_ids"], 8)) == 8
     model.close()
+
+
+def test_gguf_a_read_only_folder_or_a_full_disk_is_one_line_and_a_killed_exports_staging_goes(student_dir, tmp_path, monkeypatch, capsys):
+    import attn2ssm.student.gguf_export as G
+
+    monkeypatch.setattr(G, "converter_dir", lambda: tmp_path)  # as if 'make llama-cpp' had run
+    out, s = tmp_path / "m.gguf", str(student_dir)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode))  # as if tmp_path were read-only
+    err = one_line_error(capsys, ["export", s, "--format", "gguf", "--out", str(out)])
+    assert err == f"error: --out {out}: {tmp_path} is not writable (permission denied) — choose another --out, or make {tmp_path} writable"
+    monkeypatch.setattr(os, "access", real_access)
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    stale = tmp_path / f".m.gguf.export-abc123.{proc.pid}@{socket.gethostname()}"  # export --force SIGKILLed mid-way
+    (stale / "native").mkdir(parents=True)
+
+    def fills_the_disk(native_dir, gguf, outtype, work, threads):
+        Path(gguf).write_bytes(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(G, "to_gguf", fills_the_disk)
+    capsys.readouterr()
+    assert main(["export", s, "--format", "gguf", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' own progress bars
+    assert err == f"error: cannot write the GGUF file to {out}: No space left on device — free space on its disk, then run the command again (what --out held is unchanged)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["student"]

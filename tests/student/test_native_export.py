@@ -10,12 +10,18 @@ one of them (or mixed up x/B/C, the GQA repeat, the C scale, the gate) would sho
 Refusals: everything the class cannot express is one line naming the reason and a setting.
 """
 
+import errno
 import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from cache_forms import positions, run_remote
-from tiny_models import make_tokenizer, tiny_config
+from tiny_models import make_tokenizer, one_line_error, tiny_config
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.cli import main
@@ -317,3 +323,62 @@ def test_a_truncated_student_is_one_line_and_writes_nothing(tmp_path, capsys):
     assert err.startswith("error: weights file ") and str(tmp_path / "student" / "model.safetensors") in err and " — " in err, err
     assert len(err.splitlines()) == 1
     assert not (tmp_path / "native").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".native")]
+
+
+# ------------------------------------------------------------------ a read-only --out, a full disk, a killed export
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_an_unwritable_out_is_one_line_before_the_weights_load(tmp_path, monkeypatch, capsys):
+    from attn2ssm.student.modeling import Attn2SSMForCausalLM
+
+    _save(_student(_teacher("llama", 2), [MAMBA2, MAMBA2]), tmp_path / "student")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode))  # as if tmp_path were read-only
+    monkeypatch.setattr(Attn2SSMForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("the student loaded for an --out that cannot be written"))
+    out = tmp_path / "native"
+    err = one_line_error(capsys, ["export", str(tmp_path / "student"), "--format", "native", "--out", str(out)])
+    assert err == f"error: --out {out}: {tmp_path} is not writable (permission denied) — choose another --out, or make {tmp_path} writable"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders: the chmod case cannot fail as root (the injected cases cover it)")
+def test_a_read_only_parent_is_refused(tmp_path, capsys):
+    _save(_student(_teacher("llama", 2), [MAMBA2, MAMBA2]), tmp_path / "student")
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        err = one_line_error(capsys, ["export", str(tmp_path / "student"), "--format", "native", "--out", str(parent / "native")])
+    finally:
+        parent.chmod(0o755)
+    assert err.startswith(f"error: --out {parent / 'native'}: {parent} is not writable")
+
+
+def test_a_full_disk_keeps_the_old_export_and_a_killed_exports_staging_goes(tmp_path, monkeypatch, capsys):
+    from transformers import GraniteMoeHybridForCausalLM
+
+    _save(_student(_teacher("llama", 2), [MAMBA2, MAMBA2]), tmp_path / "student")
+    out, host = tmp_path / "native", socket.gethostname()
+    assert main(["export", str(tmp_path / "student"), "--format", "native", "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    stale = tmp_path / f".native.export-abc123.{_dead_pid()}@{host}"  # export --force SIGKILLed while saving
+    live = tmp_path / f".native.export-def456.{os.getpid()}@{host}"  # an export still writing
+    for staging in (stale, live):
+        staging.mkdir()
+        (staging / "model.safetensors").write_bytes(b"\0" * 4096)
+
+    def fills_the_disk(self, directory, *args, **kwargs):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "model.safetensors").write_bytes(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(GraniteMoeHybridForCausalLM, "save_pretrained", fills_the_disk)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "student"), "--format", "native", "--out", str(out), "--force"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' own progress bars
+    assert err == f"error: cannot write the exported model to {out}: No space left on device — free space on its disk, then run the command again (what --out held is unchanged)"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["student", "native", live.name])  # the stale staging and the failed one gone

@@ -141,17 +141,22 @@ def choose_checkpoint(out: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
 # -- writing -------------------------------------------------------------------------------------
 def publish_checkpoint(out: Path, name: str, write, keep: int) -> Path:
     """Build checkpoint ``name`` with ``write(folder)`` in a hidden folder, add its manifest,
-    rename it into place, move ``latest`` and prune all but the newest ``keep``."""
+    rename it into place, move ``latest`` and prune all but the newest ``keep``. A failed write
+    removes the hidden folder and leaves ``latest`` and the checkpoints before it as they were."""
     root = checkpoint_root(out)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    write(tmp)
-    write_manifest(tmp)
     final = root / name
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    try:
+        write(tmp)
+        write_manifest(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except BaseException:  # a full disk, a signal: no half-written folder stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     atomic_write_text(root / "latest", name)  # the pointer moves only once the checkpoint is whole
     for old in checkpoints(out)[: -max(1, keep)]:
         if old != final:

@@ -6,8 +6,10 @@ Every field has a default, so ``Recipe()`` is a valid (if short) run; built-in r
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -222,12 +224,47 @@ def load_recipe(name_or_path: str | None = None, overrides: list[str] | None = N
         raw = load_yaml(name_or_path)
     else:
         raise ConfigError(f"no recipe '{name_or_path}'", f"use a YAML path or one of: {', '.join(recipes)}")
-    raw = apply_overrides(raw, overrides)
+    return recipe_from_dict(raw, overrides)
+
+
+def recipe_from_dict(raw: dict, overrides: list[str] | None = None) -> Recipe:
+    """A validated recipe from its dict form (a YAML file's), with ``--set`` overrides applied."""
+    raw = apply_overrides(copy.deepcopy(raw), overrides)
     if raw.get("mixed_precision") is False:  # YAML 1.1 reads a bare `no` as false
         raw["mixed_precision"] = "no"
     recipe = from_dict(Recipe, raw, "recipe")
     validate(recipe)
     return recipe
+
+
+# What `--set` may change on `--resume`: settings that leave the steps already taken as they were.
+# Evaluation and checkpoint cadence touch no weight; device and mixed_precision change how the
+# remaining steps compute (a resume on another machine), not what the checkpoints hold. The rest
+# (budgets, data, losses, optimizer, plan, seed, teacher, ...) would make the run follow no recipe.
+RESUMABLE = ("eval.*", "stages.N.save_every", "stages.N.keep_checkpoints", "stages.N.eval_every", "stages.N.eval_batches", "device", "mixed_precision")
+_RESUMABLE = re.compile(r"^(eval\.\w+|stages\.\d+\.(save_every|keep_checkpoints|eval_every|eval_batches)|device|mixed_precision)$")
+
+
+def _leaves(value, prefix: str = "") -> dict:
+    """``{"stages.0.tokens": 1000, ...}``: every scalar of a nested dict / list by its --set path."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else None
+    if items is None:
+        return {prefix: value}
+    return {k: v for key, item in items for k, v in _leaves(item, f"{prefix}.{key}" if prefix else str(key)).items()}
+
+
+def resume_recipe(saved: dict, overrides: list[str] | None) -> tuple[Recipe, list[tuple[str, object, object]]]:
+    """The recipe a run saved, with the ``--set`` overrides of its resume applied, and what they
+    change, ``[(key, old, new)]``. An override that would change a key outside ``RESUMABLE`` is a
+    ConfigError naming it; one that repeats the saved value changes nothing and passes."""
+    before, after = recipe_from_dict(saved), recipe_from_dict(saved, overrides)
+    old, new = _leaves(before.to_dict()), _leaves(after.to_dict())
+    changed = [key for key in dict.fromkeys([*old, *new]) if old.get(key, "(none)") != new.get(key, "(none)")]
+    refused = [key for key in changed if not _RESUMABLE.match(key)]
+    if refused:
+        raise ConfigError(f"--set {refused[0]}={new.get(refused[0], '(none)')!r} would change the recipe of the run being resumed (it has {old.get(refused[0], '(none)')!r})",
+                          f"drop it to resume, or start a new run in another --out; a resume may change only {', '.join(RESUMABLE)}")  # fmt: skip
+    return after, [(key, old.get(key), new.get(key)) for key in changed]
 
 
 def validate(recipe: Recipe) -> None:

@@ -16,8 +16,18 @@ is tokenized once when the stage starts, and get right-padded batches (``attenti
 optimizer step: the trainer passes ``mean_loss_tokens`` (loss tokens of the global batch ÷
 micro-batches ÷ processes), computed from the indices alone, so it is the same on every process.
 
+One run uses a run directory at a time: the main process holds an exclusive lock on its ``.lock``
+(released by the OS when the process dies) before writing anything, so a second run on the same
+``--out`` stops with one line naming the first's pid, and the hidden temporaries a killed run left
+there are removed. A write that fails for want of space or permission stops with one line naming
+the folder and ``--resume``; the checkpoints already written stay intact. SIGTERM / SIGINT (a
+scheduler's notice, Ctrl-C) stop the loop after the current optimizer step: it is checkpointed, one
+line names the checkpoint and the resume command, and the process exits 143 / 130 (every process
+stops at the same step: they agree after each one).
+
 Run directory::
 
+    .lock                  "pid N on HOST" of the run holding it (the lock itself is the flock)
     recipe.yaml            resolved recipe (what --resume reruns)
     metrics.jsonl          one JSON line per step / eval
     checkpoints/<name>/    HF student + optimizer.pt + state.json, written atomically
@@ -31,9 +41,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
+import shlex
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,6 +65,7 @@ from attn2ssm.data.teacher_samples import build_teacher_sft_data, is_teacher_sou
 from attn2ssm.distill.checkpoints import (
     append_jsonl,
     checkpoint_name,
+    checkpoint_root,
     choose_checkpoint,
     latest_checkpoint,
     publish_checkpoint,
@@ -62,12 +74,12 @@ from attn2ssm.distill.checkpoints import (
     truncate_metrics,
 )
 from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
-from attn2ssm.distill.recipe import Recipe, StageConfig, validate, validate_for_teacher
+from attn2ssm.distill.recipe import Recipe, StageConfig, resume_recipe, validate, validate_for_teacher
 from attn2ssm.distill.schedules import lr_multiplier
 from attn2ssm.distill.stages import STAGE_KINDS, StageKind, select_trainable
-from attn2ssm.errors import CheckpointError, ConfigError, TrainingError
+from attn2ssm.errors import CheckpointError, ConfigError, Interrupted, OutputError, TrainingError
 from attn2ssm.mixers.registry import ATTENTION
-from attn2ssm.paths import atomic_write_text
+from attn2ssm.paths import LOCK, atomic_write_text, check_writable, lock_dir, remove_stale_staging, replace_dir, writing
 from attn2ssm.precision import choose_precision, warn_if_slow_bf16
 from attn2ssm.student.plans import make_plan
 
@@ -120,21 +132,23 @@ def _drop_stage_modules(model) -> None:
 class Distiller:
     """Runs a recipe into a run directory. ``teacher``/``tokenizer`` may be passed in (tests, notebooks)."""
 
-    def __init__(self, recipe: Recipe, out: str | Path, *, resume: bool = False, progress: bool = True, teacher=None, tokenizer=None):
+    def __init__(self, recipe: Recipe, out: str | Path, *, resume: bool = False, overrides: list[str] | None = None, progress: bool = True,
+                 teacher=None, tokenizer=None):  # fmt: skip
+        """``resume``: continue the run in ``out`` with the recipe saved there (if any; else ``recipe``),
+        with ``overrides`` (a resume's ``--set`` strings) applied where ``resume_recipe`` allows."""
         from accelerate import Accelerator
 
         self.out = Path(out)
         self.progress = progress
         self.resume_from: Path | None = None  # the intact checkpoint a resumed run continues from
+        self.resume_command = f"attn2ssm distill --out {shlex.quote(str(self.out))} --resume"
+        changes = []
         if resume:
             saved = self.out / "recipe.yaml"
             if saved.exists():
                 import yaml
 
-                recipe = from_dict(Recipe, yaml.safe_load(saved.read_text()), "recipe")
-            self.resume_from = self._intact_checkpoint() if self.out.exists() else None
-        elif self.out.exists() and ((self.out / "checkpoints").exists() or (self.out / "student").exists()):
-            raise ConfigError(f"run directory {self.out} already holds a run", "pass --resume to continue it, or choose another --out")
+                recipe, changes = resume_recipe(yaml.safe_load(saved.read_text()), overrides)
         validate(recipe)
         if self.resume_from is None and recipe.images is None:  # what needs only the teacher's config.json, before anything loads or is written
             from attn2ssm.teachers import read_teacher_config
@@ -150,6 +164,21 @@ class Distiller:
             warn_if_slow_bf16("cpu" if cpu else "cuda", "mixed_precision: bf16", "training will be that much slower: set mixed_precision: auto (or no)")
         self.acc = Accelerator(cpu=cpu, mixed_precision=self.precision.used)
         self.is_main = self.acc.is_main_process
+        self._lock, self._made_out = None, False
+        self._hold_run_dir()
+        try:
+            if resume:
+                self.resume_from = self._intact_checkpoint()
+            elif (self.out / "checkpoints").exists() or (self.out / "student").exists():
+                raise ConfigError(f"run directory {self.out} already holds a run", "pass --resume to continue it, or choose another --out")
+        except BaseException:
+            self.close()
+            raise
+        if changes and self.is_main:
+            print("--resume with --set: " + ", ".join(f"{key} {old!r} → {new!r}" for key, old, new in changes)
+                  + ("; the remaining steps compute with it (no longer bitwise an uninterrupted run)" if any(k in ("device", "mixed_precision") for k, _, _ in changes) else ""),
+                  file=sys.stderr)  # fmt: skip
+        self._asked: set[int] = set()  # signals received (SIGTERM / SIGINT): stop after the current step
         self.metrics_path = self.out / "metrics.jsonl"
         # filled by run(): the frozen teacher, the data, the student being trained
         self.teacher, self.tokenizer = teacher, tokenizer
@@ -162,6 +191,39 @@ class Distiller:
         self.images = None  # image recipes (recipe.images): data.images.ImageData, the stages' dataset
         self.started = time.perf_counter()
         self.logit_caches: dict[tuple, object] = {}  # (top_k, dir) → LogitCache, shared by the run's stages
+
+    def _hold_run_dir(self) -> None:
+        """The run directory's lock (the main process takes it before anything is written), or an
+        OutputError: not writable, or another run holds it. Every process raises alike."""
+        failure = None
+        if self.is_main:
+            try:
+                check_writable(self.out)
+                self._made_out = not self.out.exists()
+                self._lock = lock_dir(self.out)
+            except OutputError as exc:
+                failure = exc
+        if self.acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            shared = broadcast_object_list([str(failure) if failure else None])
+            failure = failure or (OutputError(shared[0]) if shared[0] else None)
+        if failure is not None:
+            raise failure
+
+    def close(self) -> None:
+        """Release the run directory (``run`` does when it ends, however it ends); a folder this run
+        created that holds nothing but its lock file (it failed before writing) is removed."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+            if self._made_out and [p.name for p in self.out.iterdir()] == [LOCK]:
+                (self.out / LOCK).unlink()
+                self.out.rmdir()
+
+    def _writing(self, what: str, where: Path | None = None, note: str = ""):
+        """A write into the run directory: space or permission failures become one line naming it and the resume command."""
+        return writing(where or self.out, what, f"continue with: {self.resume_command}", note)
 
     def _intact_checkpoint(self) -> Path | None:
         """The newest checkpoint whose files match their manifest, with a one-line notice for each
@@ -247,7 +309,8 @@ class Distiller:
         if self.is_main:
             kept = [i for i, k in enumerate(plan) if k == ATTENTION]
             print(f"automatic layer selection: keeping attention in layers {kept}")
-            append_jsonl(self.metrics_path, {"event": "layer_selection", "stage_index": stage_idx, "step": 0, "scores": scores, "keep_attention": kept})
+            with self._writing("metrics.jsonl"):
+                append_jsonl(self.metrics_path, {"event": "layer_selection", "stage_index": stage_idx, "step": 0, "scores": scores, "keep_attention": kept})
 
     def _grow_for_stage(self, stage_idx: int, cfg) -> None:
         """Stepwise hybrids: convert more attention layers before a stage with its own attention_ratio."""
@@ -281,6 +344,10 @@ class Distiller:
         self.acc.wait_for_everyone()
         if self.is_main:
             student = self.acc.unwrap_model(self.student)
+            name = checkpoint_name(state.stage, state.step)
+            pointer = checkpoint_root(self.out) / "latest"
+            kept = pointer.read_text().strip() if pointer.exists() else None
+            note = f" ({kept}, the last complete checkpoint, is intact)" if kept else " (no checkpoint is complete yet)"
 
             def write(folder: Path) -> None:
                 plain = {k: v for k, v in state_dict_without_lora(student).items() if not k.startswith("stage_modules.")}
@@ -290,10 +357,12 @@ class Distiller:
                     payload["lora"] = student.lora.state_dict()
                 if hasattr(student, "stage_modules"):  # and so do a stage's training-only modules
                     payload["stage_modules"] = student.stage_modules.state_dict()
-                torch.save(payload, folder / "optimizer.pt")
+                with open(folder / "optimizer.pt", "wb") as fh:  # through a file object, a failed write keeps its OSError
+                    torch.save(payload, fh)
                 atomic_write_text(folder / "state.json", json.dumps(asdict(state), indent=1))
 
-            publish_checkpoint(self.out, checkpoint_name(state.stage, state.step), write, run.cfg.keep_checkpoints)
+            with self._writing(f"checkpoint {name}", checkpoint_root(self.out), note):
+                publish_checkpoint(self.out, name, write, run.cfg.keep_checkpoints)
         self.acc.wait_for_everyone()
 
     # -- evaluation --------------------------------------------------------------------------------
@@ -491,7 +560,8 @@ class Distiller:
             record["eval_loss"] = self._eval_loss(cfg)
             record["eval_ppl"] = math.exp(min(record["eval_loss"], 50))
         if self.is_main:
-            append_jsonl(self.metrics_path, record)
+            with self._writing("metrics.jsonl"):
+                append_jsonl(self.metrics_path, record)
 
     def _finish_stage(self, run: StageRun, state: TrainerState) -> None:
         """The stage's last step: LoRA merged and training-only modules dropped, so the stage-end
@@ -514,22 +584,27 @@ class Distiller:
             print(f"[stage {stage_idx + 1}/{len(self.recipe.stages)}] {cfg.name} ({cfg.kind}): {run.steps} steps × {shape}, "
                   f"{n_train / 1e6:.2f}M trainable params in {run.n_trainable_tensors} tensors")
         bar = tqdm(total=run.steps, initial=state.step, desc=f"{cfg.name}", disable=not (self.progress and self.is_main), dynamic_ncols=True)
-        clock = time.perf_counter()
-        while state.step < run.steps:
-            tokens, loss, metrics, grad_norm = self._train_step(run, state.step)
-            state.advance(tokens)
-            now = time.perf_counter()
-            tokens_per_s = tokens / max(now - clock, 1e-9)
-            clock = now
-            self._log_step(run, state, loss, metrics, grad_norm, tokens_per_s)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
-            bar.update(1)
-            last = state.step == run.steps
-            if last:
-                self._finish_stage(run, state)
-            if last or (cfg.save_every and state.step % cfg.save_every == 0):
-                self._save_checkpoint(state, run)
-        bar.close()
+        clock, unsaved = time.perf_counter(), False  # unsaved: steps taken since the last checkpoint
+        try:
+            while state.step < run.steps:
+                if signum := self._stop_asked():
+                    self._stop(signum, state, run if unsaved else None)
+                tokens, loss, metrics, grad_norm = self._train_step(run, state.step)
+                state.advance(tokens)
+                now = time.perf_counter()
+                tokens_per_s = tokens / max(now - clock, 1e-9)
+                clock = now
+                self._log_step(run, state, loss, metrics, grad_norm, tokens_per_s)
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
+                bar.update(1)
+                last, unsaved = state.step == run.steps, True
+                if last:
+                    self._finish_stage(run, state)
+                if last or (cfg.save_every and state.step % cfg.save_every == 0):
+                    self._save_checkpoint(state, run)
+                    unsaved = False
+        finally:
+            bar.close()
         if run.logit_cache is not None and self.is_main:
             st = run.logit_cache.stats
             print(f"[stage {stage_idx + 1}] teacher-logit cache: {st.hits} blocks read, {st.misses} computed and stored ({run.logit_cache.dir})")
@@ -537,20 +612,72 @@ class Distiller:
         merge_lora(self.student)
         _drop_stage_modules(self.student)
 
+    # -- stopping on a signal ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _signal_handlers(self):
+        """While the run runs, SIGTERM / SIGINT only ask it to stop (``_stop_asked``). Ctrl-C twice
+        interrupts at once (KeyboardInterrupt); a repeated SIGTERM is not hurried (torchrun sends
+        its workers more than one), the scheduler's SIGKILL is what ends a grace period."""
+        previous = {}
+
+        def ask(signum, frame):
+            if signum == signal.SIGINT and signum in self._asked:
+                signal.signal(signum, previous[signum])
+                signal.raise_signal(signum)
+            self._asked.add(signum)
+
+        try:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                previous[signum] = signal.getsignal(signum) or signal.SIG_DFL
+                signal.signal(signum, ask)
+        except ValueError:  # not the main thread: signals cannot be caught here
+            pass
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _stop_asked(self) -> int:
+        """The signal to stop on (0: none). Processes agree on it, so they all stop at the same step."""
+        signum = max(self._asked, default=0)
+        if self.acc.num_processes > 1:
+            signum = int(self.acc.gather(torch.tensor([signum], device=self.acc.device)).max())
+        return signum
+
+    def _stop(self, signum: int, state: TrainerState, run: StageRun | None = None) -> None:
+        """Checkpoint the steps not saved yet (``run`` given) and raise Interrupted naming the checkpoint."""
+        if run is not None:
+            self._save_checkpoint(state, run)
+        ckpt = latest_checkpoint(self.out)
+        saved = f"checkpoint {ckpt}" if ckpt else "nothing trained yet, no checkpoint"
+        raise Interrupted(f"stopped by {signal.Signals(signum).name} at stage {state.stage + 1}/{len(self.recipe.stages)} step {state.step}: {saved}",
+                          f"resume with: {self.resume_command}", exit_code=128 + signum)  # fmt: skip
+
     def run(self) -> dict:
+        """Train every stage still to run, write the student and the report; the run directory is released at the end."""
+        try:
+            with self._signal_handlers():
+                return self._run()
+        finally:
+            self.close()
+
+    def _run(self) -> dict:
         torch.manual_seed(self.recipe.seed)
         random.seed(self.recipe.seed)
-<<<<<<< HEAD
         if self.is_main:
-            atomic_write_text(self.out / "recipe.yaml", self.recipe.to_yaml())
             print(self.precision.describe())
-=======
->>>>>>> fix32-inputs
         self._load_teacher()
         self._load_data()
-        self.out.mkdir(parents=True, exist_ok=True)  # only now: a teacher or corpus that fails to load leaves --out as it was
+        # Only now (a teacher or corpus that fails to load leaves --out as it was; close() removes a
+        # folder that holds nothing but the lock it made): a killed run's leftovers, the recipe, the metrics.
         if self.is_main:
-            atomic_write_text(self.out / "recipe.yaml", self.recipe.to_yaml())
+            for folder in (self.out, checkpoint_root(self.out)):  # a killed run's half-written checkpoint or student (the lock is ours)
+                remove_stale_staging(folder, locked=True)
+            with self._writing("recipe.yaml"):
+                atomic_write_text(self.out / "recipe.yaml", self.recipe.to_yaml())
+                if self.resume_from is None:  # a run from scratch keeps no metric line of an earlier attempt
+                    self.metrics_path.unlink(missing_ok=True)
         state, payload = TrainerState(), None
         if self.resume_from is not None:
             state = from_dict(TrainerState, json.loads((self.resume_from / "state.json").read_text()), "state")
@@ -559,7 +686,8 @@ class Distiller:
         self._build_student()
         if self.resume_from is not None and self.is_main:  # only now that the checkpoint has loaded
             print(f"resuming from {self.resume_from.name}: stage {state.stage + 1}, step {state.step}")
-            truncate_metrics(self.metrics_path, state.stage, state.step)
+            with self._writing("metrics.jsonl"):
+                truncate_metrics(self.metrics_path, state.stage, state.step)
         for stage_idx in range(len(self.recipe.stages)):
             if stage_idx < state.stage:
                 continue
@@ -576,6 +704,8 @@ class Distiller:
                 self._grow_for_stage(stage_idx, self.recipe.stages[stage_idx])
             self._run_stage(stage_idx, state, payload)
             payload = None
+        if signum := self._stop_asked():  # every stage is checkpointed: only the student and report are left
+            self._stop(signum, state)
         return self._finish()
 
     def _finish(self) -> dict:
@@ -586,23 +716,29 @@ class Distiller:
         if self.is_main:
             student = self.acc.unwrap_model(self.student)
             student.eval()
-            final = self.out / "student"
             tmp = self.out / ".tmp-student"
-            shutil.rmtree(tmp, ignore_errors=True)
-            student.save_pretrained(tmp)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(tmp)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            if self.images is not None:
-                from attn2ssm.eval.classification import write_vision_report
+            with self._writing("the final student"):
+                try:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    student.save_pretrained(tmp)
+                    if self.tokenizer is not None:
+                        self.tokenizer.save_pretrained(tmp)
+                    replace_dir(tmp, self.out / "student")
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+            with self._writing("the report"):
+                if self.images is not None:
+                    from attn2ssm.eval.classification import write_vision_report
 
-                results = write_vision_report(self.out, self.recipe, self.teacher, student, self.images, seconds=round(time.perf_counter() - self.started, 1))
-            else:
-                results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress, precision=self.precision.to_dict())
+                    results = write_vision_report(self.out, self.recipe, self.teacher, student, self.images, seconds=round(time.perf_counter() - self.started, 1))
+                else:
+                    results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress,
+                                           precision=self.precision.to_dict())  # fmt: skip
         self.acc.wait_for_everyone()
         return results
 
 
-def distill(recipe: Recipe, out: str | Path, *, resume: bool = False, progress: bool = True, teacher=None, tokenizer=None) -> dict:
-    return Distiller(recipe, out, resume=resume, progress=progress, teacher=teacher, tokenizer=tokenizer).run()
+def distill(recipe: Recipe, out: str | Path, *, resume: bool = False, overrides: list[str] | None = None, progress: bool = True, teacher=None,
+            tokenizer=None) -> dict:  # fmt: skip
+    return Distiller(recipe, out, resume=resume, overrides=overrides, progress=progress, teacher=teacher, tokenizer=tokenizer).run()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch
 
 from attn2ssm.errors import ConfigError, ExportError
 from attn2ssm.llamacpp import OUTTYPES, QUANTIZE_TYPES, converter_dir, load_runtime, logits_in_subprocess, read_metadata, set_metadata, to_gguf
+from attn2ssm.paths import check_writable, remove_stale_staging, staging_beside, writing
 from attn2ssm.student.native_export import export_native
 
 PROBE_LENGTH = 24
@@ -84,9 +84,9 @@ def export_gguf(student_dir: str | Path, out: str | Path, *, outtype: str = "f16
     converter_dir()  # the converter missing: one line naming make llama-cpp, before any work
     if outtype in QUANTIZE_TYPES:
         load_runtime()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.export-") as tmp:
-        tmp = Path(tmp)
+    check_writable(out)
+    remove_stale_staging(out.parent)  # what a killed export left beside it
+    with writing(out, "the GGUF file", "run the command again (what --out held is unchanged)"), staging_beside(out, "export") as tmp:
         native = export_native(student_dir, tmp / "native", llama_cpp=True)  # refuses what llama.cpp cannot run exactly
         staged = to_gguf(tmp / "native", tmp / "model.gguf", outtype, tmp, threads)
         notes = []

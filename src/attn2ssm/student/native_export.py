@@ -51,8 +51,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -465,7 +463,7 @@ def export_native(student_dir: str | Path, out: str | Path, *, force: bool = Fal
 
     import attn2ssm.student  # noqa: F401  (registers the Auto classes)
     from attn2ssm.errors import CheckpointError, ConfigError
-    from attn2ssm.paths import replace_dir
+    from attn2ssm.paths import check_writable, remove_stale_staging, replace_dir, staging_beside, writing
     from attn2ssm.student.card import native_card, read_results
     from attn2ssm.student.configuration import Attn2SSMConfig
     from attn2ssm.student.modeling import Attn2SSMForCausalLM
@@ -484,6 +482,8 @@ def export_native(student_dir: str | Path, out: str | Path, *, force: bool = Fal
         raise ConfigError(f"--out {out} already holds a model (config.json)", "pass --force to replace it, or choose another --out")
     check_native(Attn2SSMConfig.from_dict(saved), llama_cpp)  # refuse before the weights load
     check_weight_files(student_dir)
+    check_writable(out, beside=True)
+    remove_stale_staging(out.parent)  # what a killed export left beside it
 
     dtype = getattr(torch, str(saved.get("dtype") or "float32"))
     student = Attn2SSMForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
@@ -493,9 +493,7 @@ def export_native(student_dir: str | Path, out: str | Path, *, force: bool = Fal
     if not diff <= tolerance * max(1.0, scale):
         raise ExportError(f"the {NATIVE_CLASS} logits differ from the student's by {diff:.3g} on a probe (tolerance {tolerance * max(1.0, scale):.3g})",
                           "nothing was written; this is a bug in the map: report it with the student's config.json")  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
-    try:
+    with writing(out, "the exported model", "run the command again (what --out held is unchanged)"), staging_beside(out, "export") as staging:
         native.to(dtype).save_pretrained(staging)
         _fix_config_json(staging / "config.json")
         tokenizer.save_pretrained(staging)
@@ -508,8 +506,6 @@ def export_native(student_dir: str | Path, out: str | Path, *, force: bool = Fal
         notes = _notes(student.config)
         (staging / "README.md").write_text(native_card(saved, read_results(student_dir), NATIVE_CLASS, notes), encoding="utf-8")
         replace_dir(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     layer_types = [_LAYER_TYPE.get(kind, "mamba") for kind in student.config.layer_plan]
     identity = list(range(len(layer_types), native.config.num_hidden_layers))
     return NativeExport(out, NATIVE_CLASS, layer_types, diff, identity, notes)
