@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         run = Path(args.runs) / f"v{i}"
         shutil.rmtree(run, ignore_errors=True)
         overrides = [f"teacher={args.teacher}", f"data.corpus={args.corpus}", f"data.block_len={args.block_len}",
-                     f"data.max_heldout_tokens={args.eval_tokens}", f"eval.max_tokens={args.eval_tokens}",
+                     f"data.max_heldout_tokens={args.eval_tokens}", f"eval.max_tokens={args.eval_tokens}", f"eval.window={args.block_len}",
                      f"student.mixer={MIXER}", "student.mixer_options={}", f"stages={spec['stages']}"]  # fmt: skip
         overrides += [f"student.{k}={v}" for k, v in spec["student"].items()]
         recipe = load_recipe("quickstart", overrides)

@@ -179,15 +179,16 @@ def test_a_failed_write_leaves_no_entry_and_a_damaged_entry_is_recomputed(tmp_pa
     ids = _ids(0)
     real_replace = os.replace
 
-    def fail(src, dst):  # the process dies between writing the temporary file and renaming it
-        raise OSError("simulated crash")
+    def fail(src, dst):  # the rename fails after the temporary file was written
+        raise OSError("simulated failure")
 
     monkeypatch.setattr(paths.os, "replace", fail)
     with pytest.raises(OSError, match="simulated"):
         cache.targets(teacher, ids)
     monkeypatch.setattr(paths.os, "replace", real_replace)
     entry = cache.entry_path(block_digest(ids[0]))
-    assert not entry.exists() and list(entry.parent.glob(".*.tmp-*"))  # only the temporary file
+    assert not entry.exists() and not list(entry.parent.glob(".*.tmp-*"))  # a failed write leaves nothing
+    (entry.parent / f".{entry.name}.tmp-999999@elsewhere").write_bytes(b"half")  # what a writer killed before its rename leaves
     got = cache.targets(teacher, ids)
     assert cache.stats.misses == 4 and entry.exists()  # 2 from the failed call, then the same 2 again
     entry.write_bytes(entry.read_bytes()[:100])  # damaged on disk

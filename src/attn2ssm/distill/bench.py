@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from attn2ssm.distill.recipe import DataConfig, EvalConfig, LogitCacheConfig, LoRAConfig, OptimConfig, Recipe, StageConfig, StudentConfig
+from attn2ssm.distill.recipe import DataConfig, LogitCacheConfig, LoRAConfig, OptimConfig, Recipe, StageConfig, StudentConfig
 
 _LINEAR = StudentConfig(mixer="linear_attention", mixer_options={"feature_map": "hedgehog", "feature_map_options": {"activation": "softmax"}, "window": 64})
 _MAMBA2 = StudentConfig(mixer="mamba2")
@@ -65,7 +65,7 @@ def _recipe(settings: TrainBenchSettings, case: str, length: int, precision: str
     stage = replace(stage, tokens=steps * batch * length, batch_size=batch, save_every=0, eval_every=0, optim=OptimConfig(lr=1e-4))
     return Recipe(name=f"bench-{case}", teacher=settings.teacher or "smollm2-135m", device="cpu" if not torch.cuda.is_available() else "auto",
                   mixed_precision=precision, data=DataConfig(corpus=settings.corpus, block_len=length, max_heldout_tokens=2 * length),
-                  student=student, stages=[stage], eval=EvalConfig(max_tokens=0))  # fmt: skip
+                  student=student, stages=[stage])  # (no final evaluation runs: the bench never finishes the run)  # fmt: skip
 
 
 def _sync(device) -> None:
