@@ -100,7 +100,7 @@ lock:
 # has this version. The sdist is unpacked in a temporary folder and moved into place whole.
 llama-cpp: install
 	@set -e; \
-	src=$$($(PY) -c "from attn2ssm.llamacpp import llama_cpp_source_dir; print(llama_cpp_source_dir('$(LLAMA_CPP_PYTHON)'))"); \
+	src=$$($(PY) -c "from attn2ssm.export.llamacpp import llama_cpp_source_dir; print(llama_cpp_source_dir('$(LLAMA_CPP_PYTHON)'))"); \
 	if [ ! -f "$$src/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then \
 	  mkdir -p "$$(dirname "$$src")"; tmp=$$(mktemp -d "$$src.download-XXXXXX"); \
 	  echo "downloading the llama-cpp-python $(LLAMA_CPP_PYTHON) sdist (~75 MB) into $$src"; \

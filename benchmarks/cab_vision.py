@@ -107,7 +107,7 @@ def main(argv=None) -> int:
             table[f"{method}@{fraction:g}"] = {"mean": statistics.mean(accs), "std": statistics.stdev(accs) if len(accs) > 1 else 0.0, "n": len(accs)}
     import transformers
 
-    from attn2ssm.vision_teacher import load_vision_teacher
+    from attn2ssm.teachers.vision import load_vision_teacher
 
     teacher_info = load_vision_teacher("mnist-vit", progress=False)[2]
     payload = {

@@ -97,7 +97,7 @@ def measure_error(teacher, blocks: torch.Tensor) -> dict:
 
 
 def measure_speed(teacher, tokenizer, reps: int, step_tokens: int, precisions=("no", "bf16"), keep_rows=()) -> dict:
-    from attn2ssm.distill.bench import TrainBenchSettings, _measure
+    from attn2ssm.bench.train import TrainBenchSettings, _measure
 
     settings = TrainBenchSettings(lengths=(1024,), step_tokens=step_tokens, steps=2, profile=False, references=("teacher_forward",))
     rows = []

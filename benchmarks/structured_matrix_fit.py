@@ -187,7 +187,7 @@ def attention_matrices(teacher, ids: torch.Tensor, layers: list[int], heads_per_
     """The teacher's attention probabilities on ``ids`` (s, l): for each layer, ``heads_per_layer``
     heads drawn at random (seeded), every sample. Returns (M (m, l, l) float32, [(layer, head), …] per matrix)."""
     from attn2ssm.adapters import get_adapter
-    from attn2ssm.distill.teacher_forcing import capture_attention_io
+    from attn2ssm.adapters.capture import capture_attention_io
 
     adapter = get_adapter(teacher)
     io = capture_attention_io(teacher, ids, layers)

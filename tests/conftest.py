@@ -1,4 +1,5 @@
-"""Shared test setup: ``tests/`` on sys.path (for ``tiny_models``), fp32 and a private cache."""
+"""Shared test setup: ``tests/`` on sys.path (for ``tiny_models``), fp32, a private cache, and a tiny
+teacher directory + corpus for end-to-end distill and bench tests (real loading code paths)."""
 
 import os
 import sys
@@ -8,6 +9,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import make_tokenizer, tiny_config, tiny_overrides, write_corpus  # noqa: E402  (tests/ on sys.path first)
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -22,3 +25,28 @@ def _private_cache(tmp_path_factory):
     else:
         os.environ["ATTN2SSM_CACHE"] = str(tmp_path_factory.mktemp("attn2ssm-cache"))
     yield
+
+
+# ------------------------------------------------ a tiny teacher directory and corpus (distill and bench tests)
+@pytest.fixture(scope="session")
+def tiny_setup(tmp_path_factory):
+    """(teacher_dir, corpus_dir): a 2-layer Llama with GQA and its byte-level BPE tokenizer."""
+    from transformers import AutoModelForCausalLM  # after HF_HUB_OFFLINE is set above
+
+    root = tmp_path_factory.mktemp("tiny-setup")
+    tok = make_tokenizer(300)
+    cfg = tiny_config("llama")
+    cfg.vocab_size = len(tok)
+    cfg.max_position_embeddings = 128
+    cfg.eos_token_id = tok.eos_token_id
+    teacher = AutoModelForCausalLM.from_config(cfg)
+    teacher.save_pretrained(root / "teacher")
+    tok.save_pretrained(root / "teacher")
+    return root / "teacher", write_corpus(root / "corpus")
+
+
+@pytest.fixture(scope="session")
+def run_overrides(tiny_setup):
+    """A function: extra key → value overrides in, the full --set list for the tiny run out."""
+    teacher_dir, corpus_dir = tiny_setup
+    return lambda **extra: tiny_overrides(teacher_dir, corpus_dir, **extra)

@@ -1,13 +1,16 @@
-"""The package layering DESIGN.md states, checked on the source (imports anywhere in a file,
-lazy ones inside functions included): ops <- mixers <- student <- decode.
+"""The package layering docs/design.md states, checked on the source (imports anywhere in a file,
+lazy ones inside functions included).
 
-* ``ops/`` holds pure functions: no ``nn.Module`` (or any other) class swapping — no class
-  defined there subclasses a torch module, nothing there assigns ``__class__``, no
-  module-global state (``global``) — and it imports nothing from attn2ssm above it;
-* ``mixers/`` imports nothing from ``attn2ssm.decode`` (nor from student);
-* ``student/`` reaches ``attn2ssm.decode`` only in ``Attn2SSMForCausalLM.enable_decode_plan``,
-  the user's entry point that defers to ``decode.plan``;
-* ``decode/`` keeps no module-global state either.
+Every package (and every leaf module at the top of ``attn2ssm``) has a rank; a file may import
+attn2ssm code only from its own package or from a package of lower rank. So dependencies point
+one way and no two packages import each other:
+
+    leaf utilities (errors, config, paths, precision, hf_compat) < ops < mixers, adapters, data
+    < teachers < student < decode < generation < eval, export < distill < bench < cli
+
+plus the rules the ranks alone do not say: ``bench/`` is imported only by ``cli/``; ``export/``
+only by ``cli/`` and ``bench/``. And, as before: ``ops/`` holds pure functions (no module class,
+no class swapping, no module-global state); ``decode/`` keeps no module-global state.
 """
 
 import ast
@@ -22,9 +25,27 @@ import attn2ssm
 
 ROOT = Path(attn2ssm.__file__).parent
 
+RANKS = {
+    "errors": 0, "config": 0, "paths": 0, "precision": 0, "hf_compat": 0,
+    "ops": 1,
+    "mixers": 2, "adapters": 2, "data": 2,
+    "teachers": 3,
+    "student": 4,
+    "decode": 5,
+    "generation": 6,
+    "eval": 7, "export": 7,
+    "distill": 8,
+    "bench": 9,
+    "cli": 10,
+    "__main__": 11, "__init__": 11,  # the package root and `python -m attn2ssm`
+}  # fmt: skip
+# Leaf utilities may import one another (paths uses errors, precision uses paths): by these ranks.
+LEAF_RANKS = {"errors": 0, "config": 1, "paths": 1, "precision": 2, "hf_compat": 0}
+ONLY_IMPORTED_BY = {"bench": {"cli"}, "export": {"cli", "bench"}}
 
-def _files(package: str) -> list[Path]:
-    return sorted((ROOT / package).glob("*.py"))
+
+def _files(package: str = "") -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py") if package else ROOT.rglob("*.py"))
 
 
 def _imports(tree: ast.AST) -> list[tuple[str, ast.AST]]:
@@ -38,31 +59,68 @@ def _imports(tree: ast.AST) -> list[tuple[str, ast.AST]]:
     return found
 
 
-def _enclosing_functions(tree: ast.AST) -> dict[int, str]:
-    """id(node) → qualified name of the function it sits in."""
-    where: dict[int, str] = {}
-
-    def visit(node, scope):
-        for child in ast.iter_child_nodes(node):
-            name = scope
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                name = f"{scope}.{child.name}" if scope else child.name
-            where[id(child)] = name
-            visit(child, name)
-
-    visit(tree, "")
-    return where
-
-
 def _parse(path: Path) -> ast.AST:
     return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def package_of(path: Path) -> str:
+    """The first path component under attn2ssm/ (a leaf module's own name)."""
+    rel = path.relative_to(ROOT)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imported_package(module: str) -> str | None:
+    """``attn2ssm.student.cache`` → ``student``; not attn2ssm code → None."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "attn2ssm" and len(parts) > 1 else None
+
+
+def violations(path: Path, tree: ast.AST) -> list[str]:
+    """What in one file breaks the layering (empty: nothing)."""
+    mine, found = package_of(path), []
+    for module, node in _imports(tree):
+        theirs = imported_package(module)
+        if theirs is None or theirs == mine:
+            continue
+        where = f"{path.relative_to(ROOT)}:{node.lineno} imports {module}"
+        if theirs not in RANKS:
+            found.append(f"{where}: package '{theirs}' has no rank in tests/test_layering.py")
+        elif mine in LEAF_RANKS and theirs in LEAF_RANKS:
+            if LEAF_RANKS[theirs] >= LEAF_RANKS[mine]:
+                found.append(f"{where}: leaf utilities import only lower ones")
+        elif RANKS[theirs] >= RANKS[mine]:
+            found.append(f"{where}: '{mine}' (rank {RANKS[mine]}) may not import '{theirs}' (rank {RANKS[theirs]})")
+        if theirs in ONLY_IMPORTED_BY and mine not in ONLY_IMPORTED_BY[theirs]:
+            found.append(f"{where}: '{theirs}' is imported only by {sorted(ONLY_IMPORTED_BY[theirs])}")
+    return found
+
+
+@pytest.mark.parametrize("path", _files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_dependencies_point_one_way(path):
+    assert violations(path, _parse(path)) == []
+
+
+def test_every_package_has_a_rank():
+    for path in _files():
+        assert package_of(path) in RANKS, f"{path.relative_to(ROOT)}: add its package to RANKS (docs/design.md says where it sits)"
+
+
+def test_no_two_packages_import_each_other():
+    """Implied by the ranks; checked on its own so a wrong rank table cannot hide a cycle."""
+    edges = {}
+    for path in _files():
+        for module, _ in _imports(_parse(path)):
+            theirs = imported_package(module)
+            if theirs and theirs != package_of(path):
+                edges.setdefault(package_of(path), set()).add(theirs)
+    mutual = sorted((a, b) for a in edges for b in edges[a] if a < b and a in edges.get(b, ()))
+    assert mutual == []
 
 
 @pytest.mark.parametrize("path", _files("ops"), ids=lambda p: p.name)
 def test_ops_are_pure_functions(path):
     tree = _parse(path)
     for module, _ in _imports(tree):
-        assert not module.startswith(("attn2ssm.mixers", "attn2ssm.student", "attn2ssm.decode")), f"ops/{path.name} imports {module}"
         assert module not in ("torch.nn", "torch.nn.modules"), f"ops/{path.name} imports {module}: ops define no modules"
     for node in ast.walk(tree):
         assert not isinstance(node, ast.Global), f"ops/{path.name} keeps module-global state (line {node.lineno})"
@@ -75,31 +133,30 @@ def test_ops_are_pure_functions(path):
             assert not issubclass(obj, nn.Module), f"ops/{path.name} defines the module class {name}"
 
 
-@pytest.mark.parametrize("path", _files("mixers"), ids=lambda p: p.name)
-def test_mixers_import_nothing_from_decode_or_student(path):
-    for module, node in _imports(_parse(path)):
-        assert not module.startswith(("attn2ssm.decode", "attn2ssm.student")), f"mixers/{path.name}:{node.lineno} imports {module}"
-
-
-@pytest.mark.parametrize("path", _files("student"), ids=lambda p: p.name)
-def test_student_reaches_decode_only_through_enable_decode_plan(path):
-    tree = _parse(path)
-    where = _enclosing_functions(tree)
-    for module, node in _imports(tree):
-        if module.startswith("attn2ssm.decode"):
-            assert (path.name, where.get(id(node))) == ("modeling.py", "Attn2SSMForCausalLM.enable_decode_plan"), (
-                f"student/{path.name}:{node.lineno} imports {module}"
-            )
-
-
 @pytest.mark.parametrize("path", _files("decode"), ids=lambda p: p.name)
 def test_decode_keeps_no_module_global_state(path):
     for node in ast.walk(_parse(path)):
         assert not isinstance(node, ast.Global), f"decode/{path.name} keeps module-global state (line {node.lineno})"
 
 
-def test_the_checks_can_fail(tmp_path):
-    """The parsers see what they must: a module class, a global and a lazy decode import."""
-    tree = ast.parse("from torch import nn\nclass A(nn.Module): pass\ndef f():\n    global X\n    from attn2ssm.decode.plan import DecodePlan\n")
-    assert ("attn2ssm.decode.plan", "f") in [(m, _enclosing_functions(tree).get(id(n))) for m, n in _imports(tree)]
-    assert any(isinstance(n, ast.Global) for n in ast.walk(tree))
+@pytest.mark.parametrize(
+    "where, source, expect",
+    [
+        ("mixers/x.py", "from attn2ssm.decode.fusion import call_linear", "'mixers' (rank 2) may not import 'decode'"),
+        ("student/x.py", "def f():\n    from attn2ssm.decode.plan import DecodePlan", "'student' (rank 4) may not import 'decode'"),
+        ("eval/x.py", "import attn2ssm.distill.recipe", "'eval' (rank 7) may not import 'distill'"),
+        ("distill/x.py", "from attn2ssm.export.native import export_native", "'export' is imported only by"),
+        ("eval/x.py", "from attn2ssm.bench import quality", "'eval' (rank 7) may not import 'bench'"),
+        ("paths.py", "from attn2ssm.precision import PRECISIONS", "leaf utilities import only lower ones"),
+        ("ops/x.py", "from attn2ssm.mixers.base import HeadRMSNorm", "'ops' (rank 1) may not import 'mixers'"),
+        ("student/x.py", "from attn2ssm.mixers.base import HeadRMSNorm\nfrom attn2ssm.student.cache import Attn2SSMCache", None),
+    ],
+)
+def test_the_checks_can_fail(where, source, expect):
+    """The checker sees what it must: an upward import, a lazy one inside a function, an import of
+    bench/export from elsewhere, a leaf importing upward; and lets a downward one through."""
+    found = violations(ROOT / where, ast.parse(source))
+    if expect is None:
+        assert found == []
+    else:
+        assert any(expect in f for f in found), found

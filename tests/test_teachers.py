@@ -13,15 +13,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, BertConfig
 
 from attn2ssm.errors import CheckpointError, UnsupportedModelError
-from attn2ssm.teachers import (
-    BUILTIN_TEACHERS,
-    DEFAULT_TEACHER,
-    TeacherSource,
-    first_line,
-    load_model_and_tokenizer,
-    load_teacher,
-    resolve_teacher,
-)
+from attn2ssm.teachers.text import BUILTIN_TEACHERS, DEFAULT_TEACHER, TeacherSource, first_line, load_teacher, resolve_teacher
+from attn2ssm.student.loading import load_model_and_tokenizer
 from tiny_models import make_tokenizer, tiny_config
 
 

@@ -12,6 +12,7 @@ model's attention is almost uniform, and a wrong scale or mask would hide inside
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -246,3 +247,36 @@ def save_tiny_teacher_and_corpus(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" ".join(SENTENCES))
     return tmp_path / "teacher", corpus
+
+
+# ------------------------------------------------------------------- a tiny corpus and a distill run on it
+WORDS = (
+    "the union state people congress nation government year war peace law work children future "
+    "america world economy freedom trade tax health security jobs energy history hope country we our"
+).split()
+
+
+def write_corpus(root, n_docs=24, words_per_doc=400, seed=0):
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n_docs):
+        text = " ".join(rng.choice(WORDS) for _ in range(words_per_doc))
+        (root / f"doc{i:02d}.txt").write_text(text.capitalize() + ".\n")
+    return root
+
+
+def tiny_overrides(teacher_dir, corpus_dir, **extra):
+    """--set strings for a fast two-stage run on the tiny setup."""
+    sets = {
+        "teacher": str(teacher_dir),
+        "data.corpus": str(corpus_dir),
+        "data.block_len": 32,
+        "data.max_heldout_tokens": 2000,
+        "eval.max_tokens": 512,
+        "stages": "[{name: kd, kind: kd, tokens: 1536, batch_size: 4, save_every: 3, eval_every: 4, optim: {lr: 0.01}},"
+        " {name: ce, kind: ce, tokens: 768, batch_size: 4, grad_accum: 2, trainable: [all], save_every: 3, optim: {lr: 0.001},"
+        " schedule: {kind: wsd}},"
+        " {name: lora, kind: ce, tokens: 384, batch_size: 4, trainable: [lora], lora: {r: 4, alpha: 8}, save_every: 1, optim: {lr: 0.01}}]",
+    }
+    sets.update(extra)
+    return [f"{k}={v}" for k, v in sets.items()]

@@ -7,7 +7,7 @@ import torch
 from tiny_models import tiny_model
 from torch import nn
 
-from attn2ssm.mixers.fusion import FusedLinears
+from attn2ssm.decode.fusion import FusedLinears
 from attn2ssm.mixers.registry import MIXERS
 from attn2ssm.decode.layout import DecodeLinear, cpu_decode_layout, undo_cpu_decode_layout
 from attn2ssm.student.convert import convert
@@ -253,7 +253,7 @@ def test_a_fused_buffer_with_an_odd_row_count_is_padded_and_read_by_row_blocks(t
     the buffer gets zero rows to a multiple of lcm(8, threads), so the one-matmul read takes the
     row-block route (it keeps its block view) instead of the one-core fallback, and every layer's
     output is unchanged; the padding's columns never reach a caller."""
-    from attn2ssm.mixers.fusion import ROW_MULTIPLE
+    from attn2ssm.decode.fusion import ROW_MULTIPLE
     from attn2ssm.ops.rows import MEMO_KEY
 
     old = torch.get_num_threads()

@@ -12,7 +12,7 @@ from tiny_models import one_line_error, tiny_model
 from attn2ssm.decode.layout import cpu_decode_layout
 from attn2ssm.decode.quantize import Int8Linear, apply_weight_format, check_weight_format, format_name, step_weight_bytes
 from attn2ssm.errors import ConfigError
-from attn2ssm.generation.bench import build_models, measure_decode_interleaved, parse_format
+from attn2ssm.bench.generate import build_models, measure_decode_interleaved, parse_format
 from attn2ssm.hf_compat import CACHE_KWARG
 
 FORMATS = ["bfloat16", "int8", "bfloat16+int8"]

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from tiny_models import tiny_model
 
 from attn2ssm.adapters import get_adapter
-from attn2ssm.distill.cab import (
+from attn2ssm.distill.stages.cab import (
     BridgeAlignmentStage,
     Bridges,
     attention_bridge_loss,
@@ -24,7 +24,7 @@ from attn2ssm.distill.cab import (
 )
 from attn2ssm.distill.recipe import StageConfig, load_recipe
 from attn2ssm.distill.stages import STAGE_KINDS
-from attn2ssm.distill.teacher_forcing import capture_attention_io
+from attn2ssm.adapters.capture import capture_attention_io
 from attn2ssm.distill.trainer import distill, latest_checkpoint
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.convert import convert

@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForImageClassification, ViTConfig, ViTForImageClassification
 
-from attn2ssm.distill.cab import Bridges
-from attn2ssm.distill.cab_vision import bidirectional_bridge_loss, softened_kl, student_bc_and_logits, teacher_qk_and_logits
+from attn2ssm.distill.stages.cab import Bridges
+from attn2ssm.distill.stages.cab_vision import bidirectional_bridge_loss, softened_kl, student_bc_and_logits, teacher_qk_and_logits
 from attn2ssm.distill.recipe import ImageDataConfig, Recipe, StageConfig, StudentConfig, load_recipe, validate
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.convert_vision import build_vision_student
-from attn2ssm.vision_teacher import image_processor_for
+from attn2ssm.teachers.vision import image_processor_for
 
 
 def tiny_vit(seed=0, layers=2):

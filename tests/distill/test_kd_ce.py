@@ -8,7 +8,8 @@ from tiny_models import tiny_model
 
 from attn2ssm.distill.losses import kd_ce_loss
 from attn2ssm.distill.recipe import StageConfig
-from attn2ssm.distill.stages import STAGE_KINDS, parameter_groups, select_trainable
+from attn2ssm.distill.stages import STAGE_KINDS, select_trainable
+from attn2ssm.distill.stages.base import parameter_groups
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.convert import convert
 

@@ -11,7 +11,8 @@ from tiny_models import tiny_model
 
 from attn2ssm.distill.losses import hidden_distance, matrix_distance
 from attn2ssm.distill.recipe import StageConfig, load_recipe
-from attn2ssm.distill.stages import STAGE_KINDS, mixing_matrix, parameter_groups, select_trainable
+from attn2ssm.distill.stages import STAGE_KINDS, select_trainable
+from attn2ssm.distill.stages.base import mixing_matrix, parameter_groups
 from attn2ssm.distill.trainer import distill
 from attn2ssm.errors import ConfigError
 from attn2ssm.ops.conv import causal_conv1d

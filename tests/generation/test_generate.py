@@ -104,7 +104,7 @@ def test_beam_search_with_the_cache_equals_beam_search_without(kind):
 def test_position_limit(family, kind, ratio, options, limited):
     """A student bounded by positions reads at most its teacher's max_position_embeddings; one with
     none (Mamba-style mixers only, no RoPE, no position table) has no limit, and decodes past it."""
-    from attn2ssm.teachers import position_limit
+    from attn2ssm.student.loading import position_limit
 
     model = tiny_student(family, kind, ratio, options)
     assert position_limit(model.config) == (model.config.max_position_embeddings if limited else None)

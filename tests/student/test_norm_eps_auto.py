@@ -17,7 +17,7 @@ from attn2ssm.student.convert import (
     grow_student,
     resolve_options,
 )
-from attn2ssm.student.native_export import native_problem
+from attn2ssm.export.native import native_problem
 from attn2ssm.student.plans import make_plan
 
 SERVED = ["mamba_in_llama", "hybrid50", "hybrid25", "hybrid12", "mamba2_pure"]

@@ -33,7 +33,7 @@ import types
 import torch
 
 from attn2ssm.decode.plan import run_layer
-from attn2ssm.mixers.fusion import FUSION_KEYS
+from attn2ssm.decode.fusion import FUSION_KEYS
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.mixers.fusion import FusedLinears, call_linear, drop_fusions, is_plain_linear, release_fusions, standard_layout
+from attn2ssm.decode.fusion import FusedLinears, call_linear, drop_fusions, is_plain_linear, release_fusions, standard_layout
 from attn2ssm.ops.rows import MEMO_KEY, block_linear
 from attn2ssm.student.modeling import Attn2SSMForCausalLM
 

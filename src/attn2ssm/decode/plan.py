@@ -47,7 +47,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from attn2ssm.decode.layout import mlp_forward
 from attn2ssm.hf_compat import CACHE_KWARG
-from attn2ssm.mixers.fusion import call_linear
+from attn2ssm.decode.fusion import call_linear
 
 _PRE_NORM = ("input_layernorm", "post_attention_layernorm", "mlp")
 _SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm")

@@ -291,7 +291,7 @@ def validate(recipe: Recipe) -> None:
             raise ConfigError(f"{where}: epochs must be positive, got {stage.epochs}", "set epochs to e.g. 1, or leave it unset to use tokens")
         _validate_stage_numbers(stage, i, where)
         _validate_stage_data(stage, STAGE_KINDS[stage.kind], i, where)
-        if getattr(STAGE_KINDS[stage.kind], "image_task", False) != (recipe.images is not None):
+        if STAGE_KINDS[stage.kind].image_task != (recipe.images is not None):
             raise ConfigError(f"{where}: kind '{stage.kind}' {'needs' if recipe.images is None else 'cannot use'} the recipe's images",
                               "image recipes (with `images:`) use vision_ce, vision_kd or vision_cab stages; language recipes the others")  # fmt: skip
         if stage.logit_cache is not None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import shlex
 import shutil
@@ -126,6 +127,18 @@ def _drop_stage_modules(model) -> None:
         del model.stage_modules
 
 
+def _release_accelerate_state(mixed_precision: str) -> None:
+    """accelerate keeps one state per process and refuses an ``Accelerator`` with another precision;
+    a single process may run several recipes (a sweep, a notebook, bench train), so there the old
+    state is let go. Under a distributed launch the launcher's state stays."""
+    from accelerate.state import AcceleratorState
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or not AcceleratorState._shared_state:
+        return
+    if AcceleratorState._shared_state.get("_mixed_precision") != mixed_precision:
+        AcceleratorState._reset_state()
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -162,6 +175,7 @@ class Distiller:
         self.precision = choose_precision(recipe.mixed_precision, "cpu" if cpu else "cuda")
         if self.precision.used == "bf16":
             warn_if_slow_bf16("cpu" if cpu else "cuda", "mixed_precision: bf16", "training will be that much slower: set mixed_precision: auto (or no)")
+        _release_accelerate_state(self.precision.used)
         self.acc = Accelerator(cpu=cpu, mixed_precision=self.precision.used)
         self.is_main = self.acc.is_main_process
         self._lock, self._made_out = None, False
@@ -242,7 +256,7 @@ class Distiller:
         from attn2ssm.teachers import load_teacher
 
         if self.teacher is None and self.recipe.images is not None:  # an image classifier and its image processor
-            from attn2ssm.vision_teacher import load_vision_teacher
+            from attn2ssm.teachers.vision import load_vision_teacher
 
             self.teacher, self.tokenizer, self.teacher_info = load_vision_teacher(self.recipe.teacher, progress=self.progress and self.is_main)
         elif self.teacher is None:

@@ -341,7 +341,7 @@ def run_attention_eval(
     the first held-out block, cut to ``heatmap_tokens``) into ``out_dir`` (default MODEL/eval).
     The teacher is ``against``, else the built-in ``smollm2-135m``.
     """
-    from attn2ssm.teachers import load_model_and_tokenizer
+    from attn2ssm.student.loading import load_model_and_tokenizer
     from attn2ssm.errors import ConfigError, DataError
     from attn2ssm.eval.report import environment
 

@@ -6,26 +6,9 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from attn2ssm.paths import atomic_write_text
-
-
-@torch.no_grad()
-def evaluate_classifier(model, image_set, batch_size: int = 256, max_images: int | None = None) -> dict:
-    """Top-1 accuracy and mean cross-entropy of ``model`` on an ``ImageSet`` (data/images.py)."""
-    was_training = model.training
-    model.eval()
-    correct, loss, n = 0, 0.0, 0
-    limit = len(image_set) if max_images is None else min(max_images, len(image_set))
-    for s in range(0, limit, batch_size):
-        batch = image_set.collate(range(s, min(s + batch_size, limit)))
-        logits = model(pixel_values=batch["pixel_values"]).logits.float()
-        correct += int((logits.argmax(-1) == batch["labels"]).sum())
-        loss += float(F.cross_entropy(logits, batch["labels"], reduction="sum"))
-        n += len(batch["labels"])
-    model.train(was_training)
-    return {"top1": correct / max(1, n), "loss": loss / max(1, n), "images": n}
+from attn2ssm.teachers.vision import evaluate_classifier
 
 
 def write_vision_report(run_dir: Path, recipe, teacher, student, images, *, seconds: float | None = None) -> dict:

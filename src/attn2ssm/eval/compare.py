@@ -61,7 +61,7 @@ def _task_rows(teacher_record: dict, student_record: dict) -> list[dict]:
 
 
 def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, settings: ReportSettings, progress: bool = True) -> dict:
-    from attn2ssm.teachers import load_model_and_tokenizer
+    from attn2ssm.student.loading import load_model_and_tokenizer
     from attn2ssm.data import prepare_corpus
     from attn2ssm.eval.agreement import generation_agreement, heldout_prompts
     from attn2ssm.eval.perplexity import perplexity

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from attn2ssm.hf_compat import explicit_cache
-from attn2ssm.mixers.fusion import FusedLinears, call_linear, drop_fusions, is_plain_linear
+from attn2ssm.decode.fusion import FusedLinears, call_linear, drop_fusions, is_plain_linear
 from attn2ssm.ops.rope import apply_rotary, apply_rotary_full, signed_sin
 
 

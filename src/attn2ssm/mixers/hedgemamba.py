@@ -56,7 +56,7 @@ from torch import nn
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.feature_maps import build_feature_map
-from attn2ssm.mixers.fusion import call_linear
+from attn2ssm.decode.fusion import call_linear
 from attn2ssm.mixers.ssm_common import CausalConv, apply_conv, init_shared_parameters, store_states
 from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
 from attn2ssm.ops.rope import apply_rotary

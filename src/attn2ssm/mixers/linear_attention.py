@@ -15,7 +15,7 @@ import torch
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.feature_maps import HedgehogMap, build_feature_map, hedgehog_softmax_step
-from attn2ssm.mixers.fusion import ParamStack, call_linear
+from attn2ssm.decode.fusion import ParamStack, call_linear
 from attn2ssm.ops.linear_attention import (
     linear_attention_chunked,
     linear_attention_quadratic,

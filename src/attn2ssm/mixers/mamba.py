@@ -32,7 +32,7 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.mixers.fusion import call_linear
+from attn2ssm.decode.fusion import call_linear
 from attn2ssm.mixers.ssm_common import A_log_identity, CausalConv, apply_conv, check_activation, dt_bias_init, emit_bc, init_shared_parameters, store_states
 from attn2ssm.ops.conv import causal_conv1d_step
 from attn2ssm.ops.selective_scan import selective_scan_chunked, selective_scan_step

@@ -40,7 +40,7 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.mixers.fusion import call_linear
+from attn2ssm.decode.fusion import call_linear
 from attn2ssm.mixers.ssm_common import (
     A_log_identity,
     CausalConv,

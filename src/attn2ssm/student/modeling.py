@@ -121,9 +121,9 @@ class Attn2SSMPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """HF save (safetensors) plus the flattened modeling code, ``auto_map`` and a model card
         (README.md, see student/card.py)."""
-        from attn2ssm.mixers.fusion import standard_layout
+        from attn2ssm.decode.fusion import standard_layout
         from attn2ssm.student.card import write_student_card
-        from attn2ssm.student.export import auto_map, write_remote_code
+        from attn2ssm.student.remote_code import auto_map, write_remote_code
 
         self.config.auto_map = auto_map()
         with standard_layout(self):  # fused input projections written as independent tensors (see cpu_decode_layout)

@@ -51,7 +51,7 @@ class Attn2SSMForImageClassification(Attn2SSMPreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """HF save plus the flattened modeling code and an ``auto_map`` for image classification."""
-        from attn2ssm.student.export import flat_name, write_remote_code
+        from attn2ssm.student.remote_code import flat_name, write_remote_code
 
         self.config.auto_map = {
             "AutoConfig": f"{flat_name('attn2ssm.student.configuration')}.Attn2SSMConfig",

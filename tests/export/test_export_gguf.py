@@ -29,7 +29,7 @@ from attn2ssm.cli import main
 from attn2ssm.errors import ExportError
 from attn2ssm.mixers.mamba2 import Mamba2Mixer
 from attn2ssm.student.convert import convert
-from attn2ssm.student.native_export import check_native, llama_cpp_problem, mamba2_tensors, to_native
+from attn2ssm.export.native import check_native, llama_cpp_problem, mamba2_tensors, to_native
 
 MAMBA2 = "mamba2"
 
@@ -165,7 +165,7 @@ def _real_cache() -> Path:
 
 
 def _needs_llama_cpp():
-    from attn2ssm.llamacpp import LLAMA_CPP_PYTHON, runtime_version
+    from attn2ssm.export.llamacpp import LLAMA_CPP_PYTHON, runtime_version
 
     if find_spec("llama_cpp") is None:
         pytest.skip("llama_cpp is not importable: run 'make llama-cpp' (builds llama-cpp-python into the venv, ~8 min on 2 cores)")
@@ -213,8 +213,8 @@ def builtin_students(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["pure", "hybrid25"])
 def test_f32_gguf_decodes_the_students_greedy_tokens_in_llama_cpp(builtin_students, name, tmp_path, capsys):
-    from attn2ssm.llamacpp import GGUFModel, read_metadata
-    from attn2ssm.student.gguf_export import llama_cpp_tolerance
+    from attn2ssm.export.llamacpp import GGUFModel, read_metadata
+    from attn2ssm.export.gguf import llama_cpp_tolerance
 
     directory, student, tok = builtin_students[name]
     gguf = tmp_path / f"{name}.gguf"
@@ -241,8 +241,8 @@ def test_f32_gguf_decodes_the_students_greedy_tokens_in_llama_cpp(builtin_studen
 
 @pytest.mark.slow
 def test_q4_1_export_quantises_with_llama_cpp_and_keeps_the_rope_switch(builtin_students, tmp_path):
-    from attn2ssm.llamacpp import GGUFModel, read_metadata
-    from attn2ssm.student.gguf_export import export_gguf
+    from attn2ssm.export.llamacpp import GGUFModel, read_metadata
+    from attn2ssm.export.gguf import export_gguf
 
     directory, _, tok = builtin_students["hybrid25"]
     result = export_gguf(directory, tmp_path / "q41.gguf", outtype="q4_1")
@@ -255,7 +255,7 @@ def test_q4_1_export_quantises_with_llama_cpp_and_keeps_the_rope_switch(builtin_
 
 
 def test_gguf_a_read_only_folder_or_a_full_disk_is_one_line_and_a_killed_exports_staging_goes(student_dir, tmp_path, monkeypatch, capsys):
-    import attn2ssm.student.gguf_export as G
+    import attn2ssm.export.gguf as G
 
     monkeypatch.setattr(G, "converter_dir", lambda: tmp_path)  # as if 'make llama-cpp' had run
     out, s = tmp_path / "m.gguf", str(student_dir)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from attn2ssm.distill.losses import cross_entropy, forward_kl
+from attn2ssm.distill.stages.base import StageKind
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.plans import LAYER_MAPS, layer_map
 
@@ -223,14 +224,11 @@ def capture_student_bc(student, input_ids, layers: list[int], attention_mask=Non
 # the stage kind
 
 
-class BridgeAlignmentStage:
+class BridgeAlignmentStage(StageKind):
     """Stage kind ``bridge_alignment`` (paper 003, Alg. 2 stage 1): student and teacher each run
     their own forward; each student mixer's B and C are mapped by its bridges onto the K and Q of
     its paired teacher layer (Eq. 8). Typical: ``trainable: [mixers]`` or ``[all]`` (the paper
     updates the whole student; the bridges always train), then a ``kd`` stage.
-
-    Same interface as ``stages.StageKind`` but not a subclass: stages.py imports this module to
-    register the kind, so this one may not import stages at load time.
     """
 
     name = "bridge_alignment"
@@ -238,15 +236,12 @@ class BridgeAlignmentStage:
     # The bridges are used outside the student's forward: the trainer runs the stage unwrapped
     # and averages gradients across processes itself, as for layer-local kinds.
     through_model_forward = False
-    data_formats = None
     loss_defaults = {"b_weight": 1.0, "c_weight": 1.0, "kl_weight": 0.0, "ce_weight": 0.0, "hidden": 0,
                      "targets": "pre_rope", "bridges": "per_layer", "layer_map": "student"}  # fmt: skip
     loss_choices = {"targets": TARGETS, "bridges": SHARING, "layer_map": ("student", *LAYER_MAPS)}
 
     def options(self, cfg) -> dict:
-        from attn2ssm.distill.stages import StageKind
-
-        opts = StageKind.options(self, cfg)
+        opts = super().options(cfg)
         hidden = opts["hidden"]
         if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 0:
             raise ConfigError(f"stage '{cfg.name}' ({self.name}): losses.hidden is {hidden!r}", "set losses.hidden to a width such as 256, or 0 for each bridge's output width")

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from attn2ssm.errors import ConfigError, ExportError
-from attn2ssm.llamacpp import OUTTYPES, QUANTIZE_TYPES, converter_dir, load_runtime, logits_in_subprocess, read_metadata, set_metadata, to_gguf
+from attn2ssm.export.llamacpp import OUTTYPES, QUANTIZE_TYPES, converter_dir, load_runtime, logits_in_subprocess, read_metadata, set_metadata, to_gguf
 from attn2ssm.paths import check_writable, remove_stale_staging, staging_beside, writing
-from attn2ssm.student.native_export import export_native
+from attn2ssm.export.native import export_native
 
 PROBE_LENGTH = 24
 

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from attn2ssm.cli import main
 from attn2ssm.errors import ExportError
 from attn2ssm.student.convert import convert
-from attn2ssm.student.native_export import check_native, export_native, native_problem
+from attn2ssm.export.native import check_native, export_native, native_problem
 from attn2ssm.student.plans import make_plan
 
 MAMBA2 = "mamba2"
@@ -283,7 +283,7 @@ def test_probe_checks_short_long_and_real_text_inputs():
     and real text; a native model that goes wrong only on one of them is caught by the maximum."""
     from types import SimpleNamespace
 
-    from attn2ssm.student.native_export import probe_difference, probe_inputs
+    from attn2ssm.export.native import probe_difference, probe_inputs
 
     tok = make_tokenizer()
     batches = probe_inputs(len(tok), 400, tok)

@@ -28,7 +28,7 @@ from attn2ssm.cli import main
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.errors import ConfigError
 from attn2ssm.eval.perplexity import perplexity
-from attn2ssm.eval.scoreboard import (
+from attn2ssm.bench.quality import (
     FAMILIES,
     EvalSettings,
     GridSettings,
@@ -335,7 +335,7 @@ def test_a_run_dir_of_another_recipe_or_teacher_is_refused(setup, grid, tmp_path
 
 
 def test_family_scoped_overrides_apply_to_that_family_only():
-    from attn2ssm.eval.scoreboard import family_sets
+    from attn2ssm.bench.quality import family_sets
 
     table = {"a": "lolcats", "b": "lolcats"}
     sets = ["seed=1", "a:student.mixer_options.window=32", "b:data.corpus=hf:x:y"]
@@ -354,7 +354,7 @@ def _synthetic_result(budgets: list[int]) -> dict:
 
 @pytest.mark.parametrize("budgets, bars", [([65536], True), ([65536, 262144], False)])
 def test_plot_is_bars_for_a_one_budget_sweep_and_curves_for_a_grid(budgets, bars, tmp_path, monkeypatch):
-    import attn2ssm.eval.scoreboard as sb
+    import attn2ssm.bench.quality as sb
 
     called = []
     real = sb._plot_sweep
@@ -379,7 +379,7 @@ def test_a_key_added_to_recipes_since_does_not_orphan_a_cached_cell(setup, grid,
 
 
 def test_passkey_table_cells_show_accuracy_and_recall():
-    from attn2ssm.eval.scoreboard import _passkey_cell
+    from attn2ssm.bench.quality import _passkey_cell
 
     scored = {"accuracy": {"1024": 0.0, "2048": 0.5}, "recall": {"1024": 1.0, "2048": 0.5}}
     assert _passkey_cell(scored, "1024") == "0% · 100%" and _passkey_cell(scored, "2048") == "50% · 50%"

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from attn2ssm.cli import main
-from attn2ssm.distill.bench import CASES, TrainBenchSettings, run_train_bench
+from attn2ssm.bench.train import CASES, TrainBenchSettings, run_train_bench
 
 
 def test_every_case_is_measured_against_the_teacher(tiny_setup):

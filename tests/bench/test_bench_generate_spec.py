@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import SENTENCES, make_tokenizer, save_tiny_teacher_and_corpus, tiny_model
 
-from attn2ssm.generation.bench import COPY_PRIMER, copy_prompt, measure_speculative
+from attn2ssm.bench.generate import COPY_PRIMER, copy_prompt, measure_speculative
 from attn2ssm.student.convert import convert
 from attn2ssm.student.plans import make_plan
 

@@ -18,10 +18,7 @@ token (the mixer scans it in the middle, Vim-style, but reports B, C in the teac
 ``align_until`` (fraction of the stage's steps, 1.0 = throughout) stops the alignment term early:
 App. A.1 stops it at epoch 50 of 300 on full ImageNet, i.e. 0.17.
 
-Baselines (App. C.1, C.2): ``vision_kd`` — the softened-logit KL alone (Hinton), ``vision_ce`` —
-cross-entropy on the labels alone (training from scratch). Budgets of image stages count images:
-``tokens`` is the number of training images seen (the paper's equal sample budget across data
-fractions), or ``epochs`` over the stage's (fractional) training set.
+The baselines ``vision_kd`` and ``vision_ce`` are in vision.py.
 """
 
 from __future__ import annotations
@@ -29,8 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attn2ssm.distill.cab import SHARING, Bridges, aligned_layers, attention_bridge_loss
+from attn2ssm.distill.stages.cab import SHARING, Bridges, aligned_layers, attention_bridge_loss
 from attn2ssm.distill.losses import forward_kl
+from attn2ssm.distill.stages.vision import ImageStage, softened_kl
 from attn2ssm.errors import ConfigError
 
 ALIGN_TOKENS = ("all", "patches")
@@ -38,11 +36,6 @@ ALIGN_TOKENS = ("all", "patches")
 
 # --------------------------------------------------------------------------------------------
 # losses (pure functions)
-
-
-def softened_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """τ²·KL(softmax(t/τ) ‖ softmax(s/τ)) averaged over images; logits (b, classes)."""
-    return forward_kl(student_logits, teacher_logits, None, temperature=temperature)
 
 
 def bidirectional_bridge_loss(feats: dict, targets: dict, bridges: Bridges, mask: torch.Tensor | None = None,
@@ -146,56 +139,10 @@ def patch_mask(student, batch: int, length: int, device) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# stage kinds (the StageKind interface; not subclasses, as stages.py imports this module)
+# the stage kind
 
 
-class _ImageStage:
-    uses_teacher = True
-    through_model_forward = True
-    data_formats = None
-    image_task = True  # trains on the recipe's `images`, not on corpus blocks
-    loss_defaults: dict = {}
-    loss_choices: dict = {}
-
-    def options(self, cfg) -> dict:
-        from attn2ssm.distill.stages import StageKind
-
-        return StageKind.options(self, cfg)
-
-
-class VisionCrossEntropyStage(_ImageStage):
-    """``vision_ce``: cross-entropy on the labels, no teacher (the "vanilla" baseline)."""
-
-    name = "vision_ce"
-    uses_teacher = False
-
-    def loss(self, student, teacher, batch, cfg):
-        logits = student(pixel_values=batch["pixel_values"]).logits
-        loss = F.cross_entropy(logits.float(), batch["labels"])
-        return loss, {"ce": loss.item()}
-
-
-class VisionKDStage(_ImageStage):
-    """``vision_kd``: τ²·KL(teacher ‖ student) on softened logits (Hinton's soft distillation),
-    plus ``ce_weight``·CE on the labels (0 by default, as the paper's soft-KD baseline)."""
-
-    name = "vision_kd"
-    loss_defaults = {"kl_weight": 1.0, "ce_weight": 0.0}
-
-    def loss(self, student, teacher, batch, cfg):
-        opts = self.options(cfg)
-        with torch.no_grad():
-            t_logits = teacher(pixel_values=batch["pixel_values"]).logits
-        s_logits = student(pixel_values=batch["pixel_values"]).logits
-        kl = softened_kl(s_logits, t_logits, cfg.temperature)
-        loss, metrics = opts["kl_weight"] * kl, {"kl": kl.item()}
-        if opts["ce_weight"]:
-            ce = F.cross_entropy(s_logits.float(), batch["labels"])
-            loss, metrics["ce"] = loss + opts["ce_weight"] * ce, ce.item()
-        return loss, metrics
-
-
-class VisionCABStage(_ImageStage):
+class VisionCABStage(ImageStage):
     """``vision_cab``: attention-bridge alignment of both scan directions + softened-logit KL,
     jointly from step 0 (paper 003, Algorithm 1); see the module docstring for every option."""
 
@@ -253,4 +200,3 @@ class VisionCABStage(_ImageStage):
         return loss, metrics
 
 
-VISION_STAGE_KINDS = (VisionCrossEntropyStage, VisionKDStage, VisionCABStage)

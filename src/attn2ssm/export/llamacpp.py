@@ -166,7 +166,7 @@ def environment() -> dict:
 # ------------------------------------------------------------------------------------- runtime
 _LOGITS = """
 import sys, numpy as np
-from attn2ssm.llamacpp import GGUFModel
+from attn2ssm.export.llamacpp import GGUFModel
 tokens = [int(t) for t in sys.argv[2].split(",")]
 model = GGUFModel(sys.argv[1], n_ctx=max(32, len(tokens)), logits_all=True, flash_attn=False, kv_type="f32")
 model.feed(tokens)

@@ -15,7 +15,6 @@ from pathlib import Path
 from attn2ssm.errors import Attn2SSMError, CheckpointError, ConfigError, DataError, Interrupted
 from attn2ssm.paths import check_writable, remove_stale_staging
 from attn2ssm.precision import PRECISIONS
-from attn2ssm.teachers import load_model_and_tokenizer  # noqa: F401  (light: torch loads lazily)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -127,6 +126,8 @@ def cmd_distill(args) -> int:
 
 # --------------------------------------------------------------------------------------------- eval
 def cmd_eval(args) -> int:
+    from attn2ssm.student.loading import load_model_and_tokenizer  # heavy: torch + transformers
+
     from attn2ssm.data import prepare_corpus
     from attn2ssm.eval.perplexity import perplexity
 
@@ -158,7 +159,7 @@ def cmd_eval(args) -> int:
     model, tokenizer = load_model_and_tokenizer(args.model)
     apply_weight_format(model, args.dtype, args.quantize)  # the forms generate --dtype / --quantize decode in
     teacher = load_model_and_tokenizer(args.against)[0] if args.against else None  # before any scoring: a bad --against fails now
-    from attn2ssm.teachers import position_limit
+    from attn2ssm.student.loading import position_limit
 
     for name, m in ((args.model, model), (args.against, teacher)):
         limit = position_limit(m.config) if m is not None else None
@@ -215,6 +216,8 @@ def cmd_eval_report(args) -> int:
 
 # --------------------------------------------------------------------------------------------- generate
 def cmd_generate(args) -> int:
+    from attn2ssm.student.loading import load_model_and_tokenizer  # heavy: torch + transformers
+
     from attn2ssm.generation.sampling import check_sampling
 
     if args.max_new_tokens < 1:
@@ -297,7 +300,7 @@ def cmd_generate(args) -> int:
 def _check_positions(model, name: str, prompt: int, new: int) -> None:
     """Refuse a prompt + new tokens longer than ``model`` reads positions for (an attention model's
     output past them is garbage; a student with no positions at all has no limit)."""
-    from attn2ssm.teachers import position_limit
+    from attn2ssm.student.loading import position_limit
 
     limit = position_limit(model.config)
     if limit is not None and prompt + new > limit:
@@ -342,8 +345,8 @@ def _write_bench(result: dict, out: str, plot, fmt) -> int:
 
 def _llama_cpp_bench_args(args, models: tuple[str, ...]) -> tuple[str, ...]:
     """The llama.cpp backend's flags checked (before anything loads); returns the GGUF types."""
-    from attn2ssm.generation.bench import LLAMA_CPP_STUDENTS
-    from attn2ssm.llamacpp import OUTTYPES, converter_dir, load_runtime
+    from attn2ssm.bench.generate import LLAMA_CPP_STUDENTS
+    from attn2ssm.export.llamacpp import OUTTYPES, converter_dir, load_runtime
 
     if args.backend != "llama.cpp":
         if args.quant is not None or args.gguf_dir is not None or args.no_flash_attn:
@@ -366,7 +369,7 @@ def _llama_cpp_bench_args(args, models: tuple[str, ...]) -> tuple[str, ...]:
 
 def _spec_bench_args(args) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """--spec's targets (NAME or NAME=DIR) and drafters checked before anything loads."""
-    from attn2ssm.generation.bench import STUDENTS, BenchSettings
+    from attn2ssm.bench.generate import STUDENTS, BenchSettings
 
     if not args.spec:
         if args.draft or args.spec_targets or args.spec_drafters:
@@ -409,7 +412,7 @@ def _weight_formats(args) -> tuple[str, ...]:
 
 
 def cmd_bench_generate(args) -> int:
-    from attn2ssm.generation.bench import LLAMA_CPP_STUDENTS, STUDENTS, BenchSettings
+    from attn2ssm.bench.generate import LLAMA_CPP_STUDENTS, STUDENTS, BenchSettings
 
     if args.models is None:
         args.models = "teacher," + ",".join(LLAMA_CPP_STUDENTS) if args.backend == "llama.cpp" else "teacher,linear,mamba,mamba2,hybrid25"
@@ -446,7 +449,7 @@ def cmd_bench_generate(args) -> int:
     settings.plain_check = args.plain_check
     import shlex
 
-    from attn2ssm.generation.bench import plot_generate_bench, plot_spec_bench, run_generate_bench
+    from attn2ssm.bench.generate import plot_generate_bench, plot_spec_bench, run_generate_bench
 
     result = run_generate_bench(settings, progress=not args.no_progress)
     result["command"] = shlex.join(["attn2ssm", *sys.argv[1:]]) if sys.argv[0].endswith(("attn2ssm", "__main__.py")) else "attn2ssm bench generate"
@@ -458,7 +461,7 @@ def cmd_bench_generate(args) -> int:
 def cmd_bench_quality(args) -> int:
     import shlex
 
-    from attn2ssm.eval.scoreboard import DEFAULT_TEACHER, EvalSettings, GridSettings, format_markdown, parse_family_table, select_cells
+    from attn2ssm.bench.quality import DEFAULT_TEACHER, EvalSettings, GridSettings, format_markdown, parse_family_table, select_cells
 
     table = parse_family_table(args.family)
     cells = select_cells(table, args.families, args.budgets, args.only)
@@ -485,7 +488,7 @@ def cmd_bench_quality(args) -> int:
         eval=EvalSettings(corpora=corpora, windows=windows, eval_tokens=args.eval_tokens, agreement_prompts=args.agreement_prompts,
                           passkey_lengths=lengths, passkey_depths=depths, passkey_trials=args.passkey_trials),
     )  # fmt: skip
-    from attn2ssm.eval.scoreboard import format_plan, plan_cells, run_grid
+    from attn2ssm.bench.quality import format_plan, plan_cells, run_grid
     from attn2ssm.teachers import resolve_teacher
 
     planned = plan_cells(settings)  # a missing recipe, an unscalable stage, a budget too small: before anything loads
@@ -505,7 +508,7 @@ def cmd_bench_quality(args) -> int:
 def cmd_bench_train(args) -> int:
     import shlex
 
-    from attn2ssm.distill.bench import CASES, TrainBenchSettings
+    from attn2ssm.bench.train import CASES, TrainBenchSettings
 
     cases = tuple(c.strip() for c in args.cases.split(",") if c.strip())
     unknown = [c for c in cases if c not in CASES]
@@ -518,7 +521,7 @@ def cmd_bench_train(args) -> int:
         raise ConfigError("--steps and --step-tokens must be positive", "use e.g. --steps 3 --step-tokens 2048")
     settings = TrainBenchSettings(teacher=args.teacher, cases=cases, lengths=_int_list("--lengths", args.lengths), step_tokens=args.step_tokens,
                                   precisions=precisions, steps=args.steps, threads=args.threads, profile=not args.no_profile, corpus=args.corpus)  # fmt: skip
-    from attn2ssm.distill.bench import format_train_bench, plot_train_bench, run_train_bench
+    from attn2ssm.bench.train import format_train_bench, plot_train_bench, run_train_bench
 
     result = run_train_bench(settings, progress=not args.no_progress)
     result["command"] = shlex.join(["attn2ssm", *args.argv])
@@ -576,7 +579,7 @@ def cmd_recipes(args) -> int:
 # --------------------------------------------------------------------------------------------- upgrade
 def cmd_upgrade(args) -> int:
     from attn2ssm.hf_compat import TESTED_TRANSFORMERS
-    from attn2ssm.student.upgrade import upgrade_remote_code
+    from attn2ssm.export.upgrade import upgrade_remote_code
 
     for directory in args.dirs:
         written = upgrade_remote_code(directory)
@@ -591,7 +594,7 @@ def cmd_export(args) -> int:
         return _export_gguf(args)
     if args.outtype is not None:
         raise ConfigError("--outtype is for --format gguf", "drop --outtype (a native export keeps the student's dtype)")
-    from attn2ssm.student.native_export import export_native
+    from attn2ssm.export.native import export_native
 
     result = export_native(args.student, args.out, force=args.force)
     n_attn = result.layer_types.count("attention")
@@ -603,7 +606,7 @@ def cmd_export(args) -> int:
 
 
 def _export_gguf(args) -> int:
-    from attn2ssm.student.gguf_export import export_gguf, llama_cpp_tolerance
+    from attn2ssm.export.gguf import export_gguf, llama_cpp_tolerance
 
     result = export_gguf(args.student, args.out, outtype=args.outtype or "f16", force=args.force, threads=args.threads)
     n_attn = result.layer_types.count("attention")
@@ -760,7 +763,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt = bsub.add_parser("train", help="training tokens/s of each stage kind (the trainer's own step) against the teacher's forward "
                          "(the bound) and the teacher's own forward + backward, fp32 and bf16")
     bt.add_argument("--teacher", default=None, help="teacher spec (default: the built-in smollm2-135m)")
-    bt.add_argument("--cases", default="attention_transfer,hidden_alignment,kd_lora,kd_ce_mixers", help="stage cases (see attn2ssm.distill.bench.CASES)")
+    bt.add_argument("--cases", default="attention_transfer,hidden_alignment,kd_lora,kd_ce_mixers", help="stage cases (see attn2ssm.bench.train.CASES)")
     bt.add_argument("--lengths", default="1024", help="block lengths in tokens, comma-separated (e.g. 1024,4096,16384)")
     bt.add_argument("--step-tokens", type=int, default=2048, help="tokens per optimizer step (batch = step-tokens // length, at least 1)")
     bt.add_argument("--precisions", default="no,auto", help="mixed precision settings: no (fp32), auto (bf16 where it is fast), bf16 (autocast), fp16")
@@ -782,7 +785,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "of Llama / Mistral / Qwen2 teachers, pure or hybrid with global attention layers); gguf: that model through llama.cpp's own "
                    "converter (also needs gate_bias: false and no q/k/v biases; 'make llama-cpp' installs the converter)")
     x.add_argument("--out", required=True, help="directory for the exported model (native), or the .gguf file (gguf)")
-    from attn2ssm.llamacpp import OUTTYPES
+    from attn2ssm.export.llamacpp import OUTTYPES
 
     x.add_argument("--outtype", default=None, choices=OUTTYPES, help="gguf: the weights' type (default f16); f32/f16/bf16/q8_0 from llama.cpp's converter, "
                    "the others quantised from its f32 output with llama_model_quantize")

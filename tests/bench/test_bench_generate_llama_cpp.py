@@ -27,7 +27,7 @@ def test_bench_llama_cpp_flags_are_one_line_errors(capsys, monkeypatch):
 
 
 def test_reference_rows_pair_each_type():
-    from attn2ssm.generation.bench import reference_name
+    from attn2ssm.bench.generate import reference_name
 
     assert reference_name("mamba2") == "teacher" and reference_name("mamba2@q8_0") == "teacher@q8_0" and reference_name("teacher@f16") == "teacher@f16"
 
@@ -38,7 +38,7 @@ def _real_cache() -> Path:
 
 @pytest.mark.slow
 def test_llama_cpp_backend_on_the_builtin_teacher(tmp_path, monkeypatch):
-    from attn2ssm.llamacpp import LLAMA_CPP_PYTHON, runtime_version
+    from attn2ssm.export.llamacpp import LLAMA_CPP_PYTHON, runtime_version
 
     if find_spec("llama_cpp") is None:
         pytest.skip("llama_cpp is not importable: run 'make llama-cpp' (builds llama-cpp-python into the venv, ~8 min on 2 cores)")
@@ -66,8 +66,8 @@ def test_llama_cpp_backend_on_the_builtin_teacher(tmp_path, monkeypatch):
     assert result["gguf"]["mamba2@q8_0"]["identity_layers"] == [30] and result["gguf"]["hybrid25@q8_0"]["identity_layers"] == []
 
     # a round from the restored prefill state decodes the GGUF's own greedy continuation
-    from attn2ssm.generation.bench import LlamaCppBench, decode_round, prefill
-    from attn2ssm.llamacpp import GGUFModel
+    from attn2ssm.bench.generate import LlamaCppBench, decode_round, prefill
+    from attn2ssm.export.llamacpp import GGUFModel
 
     prompt = torch.randint(0, 49152, (1, 40), generator=torch.Generator().manual_seed(0))
     for name in ("teacher", "mamba2", "hybrid25"):

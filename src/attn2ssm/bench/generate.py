@@ -331,7 +331,7 @@ class LlamaCppBench:
         self.path, self.threads, self.new_tokens, self.flash_attn = Path(path), threads, new_tokens, flash_attn
 
     def prefill(self, prompt: torch.Tensor) -> dict:
-        from attn2ssm.llamacpp import GGUFModel
+        from attn2ssm.export.llamacpp import GGUFModel
 
         tokens = prompt[0].tolist()
         memory = _Memory(torch.device("cpu"))
@@ -370,9 +370,9 @@ class LlamaCppBench:
 def build_gguf_models(teacher, tokenizer, source, settings: "BenchSettings", work: Path, progress: bool = True) -> tuple[dict, dict]:
     """name@quant → ``LlamaCppBench`` for every model × type in ``settings``, and what each file is.
     GGUFs already in ``work`` (``--gguf-dir``) are used as they are."""
-    from attn2ssm.llamacpp import to_gguf
+    from attn2ssm.export.llamacpp import to_gguf
     from attn2ssm.student.convert import convert
-    from attn2ssm.student.gguf_export import export_gguf
+    from attn2ssm.export.gguf import export_gguf
     from attn2ssm.student.plans import make_plan
 
     work.mkdir(parents=True, exist_ok=True)
@@ -516,7 +516,7 @@ def copy_prompt(tokenizer, corpus: str, length: int, device) -> tuple[torch.Tens
 def _spec_targets(teacher, names: tuple[str, ...], device) -> dict:
     """name → target: ``NAME=DIR`` loads a trained student, a bare name converts an untrained
     one from ``STUDENTS``."""
-    from attn2ssm.teachers import load_model_and_tokenizer
+    from attn2ssm.student.loading import load_model_and_tokenizer
 
     targets, untrained = {}, [n for n in names if "=" not in n]
     targets.update(build_models(teacher, untrained, device))
@@ -535,7 +535,8 @@ def run_spec_bench(settings: "BenchSettings", progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
     from attn2ssm.eval.report import environment
-    from attn2ssm.teachers import load_model_and_tokenizer, load_teacher
+    from attn2ssm.teachers import load_teacher
+    from attn2ssm.student.loading import load_model_and_tokenizer
 
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if settings.threads:
@@ -828,8 +829,8 @@ def _run_llama_cpp_bench(settings: BenchSettings, progress: bool) -> dict:
     import tempfile
 
     from attn2ssm.eval.report import environment
-    from attn2ssm.llamacpp import environment as llama_cpp_environment
-    from attn2ssm.llamacpp import load_runtime
+    from attn2ssm.export.llamacpp import environment as llama_cpp_environment
+    from attn2ssm.export.llamacpp import load_runtime
     from attn2ssm.teachers import load_teacher
 
     load_runtime()  # missing: one line naming make llama-cpp, before the teacher loads

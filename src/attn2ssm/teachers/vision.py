@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from attn2ssm.errors import CheckpointError
 from attn2ssm.paths import atomic_write_text, cache_dir
@@ -61,6 +62,23 @@ def image_processor_for(config):
     return Processor(size={"height": config.image_size, "width": config.image_size}, image_mean=[0.5] * n, image_std=[0.5] * n)
 
 
+@torch.no_grad()
+def evaluate_classifier(model, image_set, batch_size: int = 256, max_images: int | None = None) -> dict:
+    """Top-1 accuracy and mean cross-entropy of ``model`` on an ``ImageSet`` (data/images.py)."""
+    was_training = model.training
+    model.eval()
+    correct, loss, n = 0, 0.0, 0
+    limit = len(image_set) if max_images is None else min(max_images, len(image_set))
+    for s in range(0, limit, batch_size):
+        batch = image_set.collate(range(s, min(s + batch_size, limit)))
+        logits = model(pixel_values=batch["pixel_values"]).logits.float()
+        correct += int((logits.argmax(-1) == batch["labels"]).sum())
+        loss += float(F.cross_entropy(logits, batch["labels"], reduction="sum"))
+        n += len(batch["labels"])
+    model.train(was_training)
+    return {"top1": correct / max(1, n), "loss": loss / max(1, n), "images": n}
+
+
 def _lr_at(step: int, steps: int, warmup: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -72,7 +90,6 @@ def train_vision_teacher(out: str | Path, name: str = "mnist-vit", progress: boo
     from transformers import ViTConfig, ViTForImageClassification
 
     from attn2ssm.data.images import ImageSet, load_image_source
-    from attn2ssm.eval.classification import evaluate_classifier
 
     spec = {**BUILTIN_VISION_TEACHERS[name], **overrides}
     torch.manual_seed(spec["seed"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from attn2ssm.errors import CheckpointError
 from attn2ssm.paths import atomic_write_text
-from attn2ssm.student.export import auto_map, write_remote_code
+from attn2ssm.student.remote_code import auto_map, write_remote_code
 
 
 def upgrade_remote_code(directory: str | Path) -> list[Path]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import save_tiny_teacher_and_corpus, tiny_model
 
-from attn2ssm.generation.bench import build_models, decode_round, measure_decode, measure_decode_interleaved, prefill
+from attn2ssm.bench.generate import build_models, decode_round, measure_decode, measure_decode_interleaved, prefill
 
 
 def test_measure_decode_memory_shape():
@@ -46,7 +46,7 @@ def test_interleaved_rounds_decode_the_same_tokens_as_plain_generate():
 def test_a_prefill_out_of_memory_skips_that_model_and_the_others_still_run(monkeypatch):
     """A GPU too small for one forward over the long prompt (the teacher's SDPA at 32k on an 80 GB
     card) is recorded as skipped with the reason; the other models are measured as usual."""
-    from attn2ssm.generation import bench
+    from attn2ssm.bench import generate as bench
 
     teacher = tiny_model("llama")
     models = build_models(teacher, ["teacher", "mamba2"], torch.device("cpu"))
@@ -67,7 +67,7 @@ def test_a_prefill_out_of_memory_skips_that_model_and_the_others_still_run(monke
 
 def test_cli_bench_skips_longer_contexts_after_an_out_of_memory_prefill(tmp_path, monkeypatch):
     from attn2ssm.cli import main
-    from attn2ssm.generation import bench
+    from attn2ssm.bench import generate as bench
 
     teacher, corpus = save_tiny_teacher_and_corpus(tmp_path)
     real = bench.prefill

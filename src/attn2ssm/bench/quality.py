@@ -382,7 +382,7 @@ class TeacherReference:
 
     def model(self):
         if self._model is None:
-            from attn2ssm.teachers import load_model_and_tokenizer
+            from attn2ssm.student.loading import load_model_and_tokenizer
 
             self._model, _ = load_model_and_tokenizer(self.spec)
         return self._model
@@ -487,7 +487,7 @@ def evaluate_student(student_dir: Path, reference: TeacherReference, progress: b
     from attn2ssm.eval.needle import passkey_grid
     from attn2ssm.eval.perplexity import perplexity
     from attn2ssm.errors import DataError
-    from attn2ssm.teachers import load_model_and_tokenizer
+    from attn2ssm.student.loading import load_model_and_tokenizer
 
     s = reference.settings
     start = time.time()

@@ -128,10 +128,7 @@ def _fill_cache(distiller, run) -> dict:
 def _measure(settings: TrainBenchSettings, case: str, length: int, precision: str, teacher, tokenizer, progress) -> dict:
     from attn2ssm.distill.trainer import Distiller
 
-    from accelerate.state import AcceleratorState
-
     recipe = _recipe(settings, case, length, precision)
-    AcceleratorState._reset_state()  # accelerate keeps one state per process; each point sets its own precision
     with tempfile.TemporaryDirectory(prefix="attn2ssm-bench-train-") as tmp:
         if recipe.stages[0].logit_cache is not None:  # a private cache: the point measures hits, and leaves nothing behind
             recipe.stages[0].logit_cache = replace(recipe.stages[0].logit_cache, dir=f"{tmp}/logit_cache")

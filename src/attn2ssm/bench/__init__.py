@@ -1,0 +1,1 @@
+"""The benchmarks users run: ``attn2ssm bench generate | quality | train``."""
