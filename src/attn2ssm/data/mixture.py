@@ -41,6 +41,7 @@ import torch
 from attn2ssm.errors import DataError
 
 from .packing import TokenizedCorpus, block_indices, pack_blocks, prepare_corpus
+from .shards import is_shards, read_shards
 from .sources import DEFAULT_TEXT_FIELD, can_stream, is_generated
 
 
@@ -97,6 +98,8 @@ def load_training_data(
         spec = sources[i].corpus
         if is_generated(spec):
             return _generated(spec, tokenizer, teacher, seed, cap, max_heldout_tokens, progress)
+        if is_shards(spec):  # ids written once (data/shards.py): nothing to tokenize
+            return read_shards(spec, tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens)
         return prepare_corpus(spec, tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens, text_field=field_)
 
     if len(sources) == 1:
