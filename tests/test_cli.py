@@ -238,6 +238,36 @@ def test_unknown_recipe_for_recipes_command():
     assert_one_line_error(run_cli("recipes", "nonexistent"), "no built-in recipe 'nonexistent'", "quickstart")
 
 
+# ------------------------------------------------------ cheap checks before the heavy imports (quick)
+
+BOTH = ("torch", "transformers")
+CHEAP_ERRORS = [  # argv (OUT: a path in tmp_path), a needle of the error line, modules not imported by then
+    (["convert", "--keep", "a", "--out", "OUT"], "--keep 'a'", BOTH),
+    (["convert", "--teacher", "/nope/dir", "--out", "OUT"], "teacher path not found", BOTH),
+    (["eval", "m", "--window", "1"], "--window 1 is too short", BOTH),
+    (["eval", "m", "--tasks", "x", "--attention"], "different evaluations", BOTH),
+    (["generate", "m", "--prompt", "x", "--max-new-tokens", "0"], "generates nothing", BOTH),
+    (["export", "m", "--format", "native", "--outtype", "f16", "--out", "OUT"], "--outtype is for --format gguf", BOTH),
+    (["bench", "quality", "--corpora", ","], "names no corpus", BOTH),
+    (["generate", "m", "--prompt", "x", "--temperature", "-1"], "--temperature", ("transformers",)),
+    (["distill", "quikstart"], "no recipe 'quikstart'", ("transformers",)),
+    (["bench", "train", "--precisions", "fp8"], "--precisions 'fp8'", ("transformers",)),
+]
+
+
+@pytest.mark.parametrize(("argv", "needle", "not_imported"), [pytest.param(*case, id=" ".join(case[0])) for case in CHEAP_ERRORS])
+def test_cheap_checks_fail_before_the_heavy_imports(tmp_path, argv, needle, not_imported):
+    """A bad flag is one line in a fraction of a second: torch / transformers are not even imported."""
+    code = ("import json, sys; from attn2ssm.cli import main; rc = main(sys.argv[1:]); "
+            "print(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules))); sys.exit(rc)")  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    argv = [str(tmp_path / "x") if a == "OUT" else a for a in argv]
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    assert_one_line_error(r, needle)
+    imported = json.loads(r.stdout.splitlines()[-1])
+    assert not set(imported) & set(not_imported), f"{' '.join(argv)} imported {imported} before failing"
+
+
 # ----------------------------------------------------------------------------- 8. --debug
 
 

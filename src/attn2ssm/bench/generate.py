@@ -617,6 +617,18 @@ def plot_spec_bench(result: dict, path: Path) -> Path:
     return _save_figure(fig, path)
 
 
+def format_spec_bench(result: dict) -> str:
+    """The speculative table ``bench generate --spec`` prints: per target, context and task, each drafter's K."""
+    lines = [f"speculative decoding ({result['device']}, {result['threads']} threads), the student as target; speedup over its plain greedy decode"]
+    for row in result["speculative"]:
+        lines.append(f"{row['target']} @ {row['context']} {row['task']} (plain {row['plain_tokens_per_second']:.2f} tok/s):")
+        for name, rows in row["by_drafter"].items():
+            for r in rows:
+                lines.append(f"  {name} K={r['k']}: {r['tokens_per_second']:.2f} tok/s ({r['speedup']:.2f}x), acceptance {r['acceptance_rate']:.1%}, "
+                             f"{r['tokens_per_target_forward']:.2f} tokens/forward, identical {r['identical_to_plain_greedy']}")  # fmt: skip
+    return "\n".join(lines)
+
+
 def _save_figure(fig, path) -> Path:
     import matplotlib.pyplot as plt
 
@@ -896,3 +908,23 @@ def plot_generate_bench(result: dict, path: Path) -> Path:
         formats = " / ".join(result["settings"].get("formats") or ["float32"])
         fig.suptitle(f"generation on {where}, weights {formats}{note}", fontsize=10)
     return _save_figure(fig, path)
+
+
+def format_generate_bench(result: dict) -> str:
+    """The table ``bench generate`` prints: per model, tokens/s | prefill s | cache MB at each context."""
+    engine = "llama.cpp, " if result.get("backend") == "llama.cpp" else ""
+    lines = [f"decode ({engine}{result['device']}, {result['threads']} threads): tokens/s | prefill s | cache MB, by context"]
+    for name, rows in result["decode"].items():
+        cells = []
+        for r in rows:
+            if "skipped" in r:
+                cells.append(f"{r['context']}: skipped")
+            else:
+                speedup = f" ({r['speedup_vs_teacher']:.2f}x teacher)" if "speedup_vs_teacher" in r else ""
+                if "benchmark_vs_plain_generate" in r:  # a user's plain generate beside the rounds
+                    speedup += f" [plain generate {r['plain_generate_tokens_per_second']:.2f}]"
+                if "fraction_of_bandwidth_bound" in r:
+                    speedup += f" [{r['fraction_of_bandwidth_bound']:.0%} of bound]"
+                cells.append(f"{r['context']}: {r['decode_tokens_per_second']:.2f}{speedup} | {r['prefill_seconds']:.1f} | {r['cache_mb']:.1f}")
+        lines.append(f"  {name:<{max(9, *map(len, result['decode']))}} " + "; ".join(cells))
+    return "\n".join(lines)
