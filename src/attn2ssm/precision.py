@@ -23,10 +23,12 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from functools import cache
-
-import torch
+from typing import TYPE_CHECKING
 
 from attn2ssm.paths import atomic_write_text, cache_dir
+
+if TYPE_CHECKING:
+    import torch
 
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 BF16_MIN_SPEEDUP = 1.2  # auto takes bf16 on a CPU only when its fwd+bwd is at least this much faster than fp32
@@ -61,6 +63,8 @@ class PrecisionChoice:
 
 def cpu_native_bf16() -> bool | None:
     """True/False where the CPU's flags tell (x86: AVX512-BF16 or AMX tiles), None where they cannot."""
+    import torch  # heavy: this module is imported by recipe validation, which must stay light
+
     if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
         return None
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
@@ -68,6 +72,8 @@ def cpu_native_bf16() -> bool | None:
 
 def _machine_key() -> str:
     """What the probe's answer depends on: the CPU, torch, and the ISA caps a user may set."""
+    import torch  # heavy: this module is imported by recipe validation, which must stay light
+
     model = platform.processor()
     try:
         with open("/proc/cpuinfo") as fh:
@@ -81,6 +87,8 @@ def _machine_key() -> str:
 
 def _measure_bf16(repeats: int = 3) -> Bf16Probe:
     """Min-of-``repeats`` time of a Linear(576 -> 1536) forward + backward on 256 tokens, fp32 and under bf16 autocast."""
+    import torch  # heavy: this module is imported by recipe validation, which must stay light
+
     gen = torch.Generator().manual_seed(0)
     layer = torch.nn.Linear(576, 1536)
     x = torch.randn(256, 576, generator=gen, requires_grad=True)
@@ -125,6 +133,8 @@ def cpu_bf16_probe() -> Bf16Probe:
 
 def choose_precision(requested: str, device: torch.device | str) -> PrecisionChoice:
     """Resolve ``requested`` (auto | no | bf16 | fp16) for ``device``; explicit values stay as asked."""
+    import torch  # heavy: this module is imported by recipe validation, which must stay light
+
     device = torch.device(device)
     if requested != "auto":
         return PrecisionChoice(requested, requested, "as requested")
@@ -150,6 +160,8 @@ _warned: set[str] = set()
 def warn_if_slow_bf16(device: torch.device | str, what: str, advice: str) -> Bf16Probe | None:
     """Warn once per ``what`` when bf16 was asked for on a CPU where its matrix products are slower
     than fp32, with the measured slowdown and ``advice``; return the probe then (else None)."""
+    import torch  # heavy: this module is imported by recipe validation, which must stay light
+
     if torch.device(device).type != "cpu" or what in _warned:
         return None
     probe = cpu_bf16_probe()
