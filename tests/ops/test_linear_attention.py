@@ -194,3 +194,30 @@ def test_window_covering_everything_is_softmax():
     out, _ = window_linear_attention(q, k, v, fq, fk, scaling=0.5, window=100, gamma=torch.ones(2), eps=0.0)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk, window", [(4, 4), (4, 3), (5, 2), (3, 5), (64, 4)])  # window > chunk: chunks of max(chunk, window)
+def test_loop_free_window_form_equals_the_definition_its_state_and_gradients(chunk, window):
+    from attn2ssm.ops.linear_attention import window_linear_attention_chunked
+
+    g = torch.Generator().manual_seed(5)
+    b, h, l, d, f = 2, 2, 13, 4, 6
+    q, k, v = (torch.randn(b, h, l, d, generator=g) for _ in range(3))
+    fq, fk = (F.elu(torch.randn(b, h, l, f, generator=g)) + 1 for _ in range(2))
+    gamma = torch.tensor([0.3, 0.8])
+    mask = torch.ones(b, l)
+    mask[1, :3] = 0
+    ref = _window_reference(q, k, v, fq, fk, 0.5, window, gamma, mask)
+    kw = dict(scaling=0.5, window=window, gamma=gamma, eps=0.0, mask=mask)
+    ins = [t.clone().requires_grad_() for t in (q, k, v, fq, fk)]
+    out, state = window_linear_attention_chunked(*ins, chunk_size=chunk, return_state=True, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    _, block_state = window_linear_attention(q, k, v, fq, fk, **kw)  # one block: the state a prefill leaves
+    for name in ("kv", "k_sum", "keys", "values", "fkeys", "valid"):
+        torch.testing.assert_close(getattr(state, name), getattr(block_state, name), atol=1e-5, rtol=1e-5)
+    twins = [t.clone().requires_grad_() for t in (q, k, v, fq, fk)]
+    w = torch.randn(b, h, l, d, generator=g)
+    (out * w).sum().backward()
+    (window_linear_attention(*twins, **kw)[0] * w).sum().backward()
+    for a, c in zip(ins, twins):
+        torch.testing.assert_close(a.grad, c.grad, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,119 @@
+"""attn2ssm's ops through flash-linear-attention's Triton kernels (CUDA; CPU only under Triton's
+interpreter, for tests). Each function takes and returns attn2ssm's layouts and states, so a
+mixer calls it exactly as it calls the PyTorch form it stands for; this module owns every
+difference: fla's [B, T, H, K] layout, its state orientation, scale, fp32 normalisers with our
+eps, padding (zeroed inputs), even K/V for 16-bit inputs.
+
+* ``linear_attention_fla`` — ``linear_attention_chunked``: the numerator Σ (φq·φk) v and the
+  state by ``chunk_simple_gla`` (no gate, scale 1); the normaliser φq·Σφk in fp32 here.
+* ``ssd_fla`` — ``ssd_chunked``: ``chunk_simple_gla`` with q = C, k = B, v = x, g = a (the
+  log-decay; exact at a = 0), D added here; fla's state is (K, V) = (n, p), ours (p, n).
+* ``causal_conv1d_fla`` — ``conv.causal_conv1d``: fla's ``causal_conv1d``; its state holds the
+  last W inputs, ours the last W − 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attn2ssm.ops.linear_attention import LinearAttentionState
+
+
+def _even(*tensors: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    """fla asserts even head dims for 16-bit inputs: pad the last dim of each to even (zeros); returns the pad."""
+    pad = tensors[0].shape[-1] % 2 if tensors[0].dtype in (torch.float16, torch.bfloat16) else 0
+    return pad, [F.pad(t, (0, pad)) if pad else t for t in tensors]
+
+
+def _bthk(t: torch.Tensor) -> torch.Tensor:
+    """(b, h, l, d) → (b, l, h, d) contiguous, fla's layout."""
+    return t.transpose(1, 2).contiguous()
+
+
+def linear_attention_fla(q, k, v, mask=None, state: LinearAttentionState | None = None, *, eps: float = 1e-6):
+    """``linear_attention_chunked`` (q, k (b, h, l, f) non-negative features, v (b, h, l, d)) through fla.
+    Returns (out (b, h, l, d) in v's dtype, final state (kv (b, h, f, d), k_sum (b, h, f)) float32)."""
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    dtype = v.dtype
+    b, h, l, f = q.shape
+    d = v.shape[-1]
+    if mask is not None:  # a padded token is neither a key nor a query
+        m = mask[:, None, :, None].to(q.dtype)
+        q, k, v = q * m, k * m, v * m
+    if state is None:
+        state = LinearAttentionState.zeros(b, h, f, d, device=q.device)
+    pad_f, (qp, kp) = _even(q, k)
+    pad_d, (vp,) = _even(v)
+    kv0 = F.pad(state.kv, (0, pad_d, 0, pad_f)).contiguous()
+    num, kv = chunk_simple_gla(_bthk(qp), _bthk(kp), _bthk(vp), g=None, scale=1.0, initial_state=kv0, output_final_state=True)
+    num = num[..., :d].transpose(1, 2).float()  # (b, h, l, d)
+    k_sum = state.k_sum[:, :, None] + k.float().cumsum(2)  # (b, h, l, f): Σ φk up to each token
+    den = (q.float() * k_sum).sum(-1, keepdim=True)
+    # a row without keys (padding) is 0 either way; a 1 there keeps the gradient into a 16-bit numerator finite
+    den = torch.where(den > 0, den, torch.ones_like(den))
+    out = num / (den + eps)
+    return out.to(dtype), LinearAttentionState(kv[:, :, :f, :d].float(), k_sum[:, :, -1] if l else state.k_sum)
+
+
+def ssd_fla(x, a, B, C, mask=None, D=None, state=None):
+    """``ssd_chunked`` (x (b, l, h, p), a (b, l, h) ≤ 0, B, C (b, l, h, n)) through fla.
+    Returns (y (b, l, h, p) in x's dtype, final state (b, h, p, n) float32)."""
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    dtype = x.dtype
+    b, l, h, p = x.shape
+    n = B.shape[-1]
+    if mask is not None:  # a padded token leaves the state alone: decay 1, no input
+        m = mask.to(x.dtype)[..., None, None]
+        x, B, C, a = x * m, B * m, C * m, a * mask.to(a.dtype)[..., None]
+    pad_n, (Bp, Cp) = _even(B, C)
+    pad_p, (xp,) = _even(x)
+    h0 = None if state is None else F.pad(state.float().transpose(-1, -2), (0, pad_p, 0, pad_n)).contiguous()
+    y, s = chunk_simple_gla(Cp.contiguous(), Bp.contiguous(), xp.contiguous(), g=a.float().contiguous(), scale=1.0,
+                            initial_state=h0, output_final_state=True)  # fmt: skip
+    y = y[..., :p].float()
+    if D is not None:
+        D = D.float()
+        y = y + (D[:, None] if D.dim() == 1 else D) * x.float()
+    if mask is not None:
+        y = y * mask.to(y.dtype)[..., None, None]
+    return y.to(dtype), s[:, :, :n, :p].transpose(-1, -2).float()
+
+
+def causal_conv1d_fla(x, weight, bias=None, state=None, mask=None, activation=None):
+    """``conv.causal_conv1d`` (x (b, l, c), weight (c, k), state (b, c, k-1)) through fla.
+    Returns (y (b, l, c) in x's dtype, new state (b, c, k-1) float32)."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    dtype = x.dtype
+    k = weight.shape[-1]
+    if mask is not None:
+        x = x * mask.to(x.dtype)[..., None]
+    h0 = None if state is None else F.pad(state.to(x.dtype), (1, 0)).contiguous()  # fla keeps k inputs, the oldest is never read
+    y, s = causal_conv1d(x.contiguous(), weight.to(x.dtype).contiguous(), None if bias is None else bias.to(x.dtype),
+                         initial_state=h0, output_final_state=True, activation=activation)  # fmt: skip
+    return y.to(dtype), s[..., 1:].float() if s.shape[-1] == k else s.float()
+
+
+def gated_delta_fla(q, k, v, g, beta, mask=None, state=None, *, scale: float | None = None):
+    """``gated_delta_chunked`` (q, k (b, l, h, d_k) L2-normalised, v (b, l, h, d_v), g, beta (b, l, h))
+    through fla's ``chunk_gated_delta_rule``. Returns (o in v's dtype, final state (b, h, d_k, d_v) float32)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    dtype = v.dtype
+    d_k, d_v = q.shape[-1], v.shape[-1]
+    if mask is not None:  # a padded token: no key, no write, no decay
+        m = mask.to(q.dtype)[..., None]
+        q, k = q * m[..., None], k * m[..., None]
+        g, beta = g * mask.to(g.dtype)[..., None], beta * mask.to(beta.dtype)[..., None]
+    pad_k, (qp, kp) = _even(q, k)
+    pad_v, (vp,) = _even(v)
+    h0 = None if state is None else F.pad(state.float(), (0, pad_v, 0, pad_k)).contiguous()
+    o, s = chunk_gated_delta_rule(qp.contiguous(), kp.contiguous(), vp.contiguous(), g.float().contiguous(), beta.to(q.dtype).contiguous(),
+                                  scale=d_k**-0.5 if scale is None else scale, initial_state=h0, output_final_state=True)  # fmt: skip
+    o = o[..., :d_v]
+    if mask is not None:
+        o = o * mask.to(o.dtype)[..., None, None]
+    return o.to(dtype), s[:, :, :d_k, :d_v].float()
