@@ -203,6 +203,23 @@ def test_the_compiled_step_is_not_used_with_another_thread_count():
         torch.set_num_threads(threads)
 
 
+def test_the_compiled_step_is_refused_while_a_stage_hooks_a_tap():
+    """CAB reads B and C through a hook on each mixer's tap: the hook runs outside any graph, so
+    the compiled step steps aside while it is there and the eager plan runs it, token by token."""
+    compiled, eager = _pair("mamba2", None, CountingBackend())
+    cache_c, token = _prefill(compiled, _ids())
+    cache_e, _ = _prefill(eager, _ids())
+    step = compiled.__dict__["_decode_plan"].compiled
+    assert step.ready(cache_c)
+    seen = []
+    handle = compiled.mixers()[0].bc_tap.register_forward_hook(lambda tap, args, out: seen.append(args[0].shape))
+    assert not step.ready(cache_c)
+    got = _steps(compiled, cache_c, token, 2)
+    handle.remove()
+    torch.testing.assert_close(got, _steps(eager, cache_e, token, 2), rtol=1e-5, atol=1e-5)
+    assert seen == [torch.Size([2, 1, 3, 8])] * 2 and not step.compiled_once and step.ready(cache_c)
+
+
 def test_compile_option_and_its_reasons():
     model = tiny_student("gqa_9x3", "mamba2")
     cpu_decode_layout(model, compile=True)

@@ -198,9 +198,10 @@ class AttentionLikeMixer(nn.Module):
         return False
 
     def can_trace_step(self, layer) -> bool:
-        """Can a compiled decode step trace ``step`` for this cache layer? (Not while a bridge stage
-        collects B/C: its sink is outside the graph.)"""
-        return self.can_step(layer) and getattr(self, "bc_sink", None) is None
+        """Can a compiled decode step trace ``step`` for this cache layer? (Not while a stage hooks
+        the mixer's tap, CAB reading B and C: the hook runs outside the graph.)"""
+        tap = getattr(self, "bc_tap", None)
+        return self.can_step(layer) and (tap is None or not (tap._forward_hooks or tap._forward_pre_hooks))
 
     def step_layer(self, hidden_states, position_embeddings, layer, mask=None):
         """``step`` against ``layer``'s states, then the new states stored and the token counted."""

@@ -33,7 +33,8 @@ from torch import nn
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.decode.fusion import call_linear
-from attn2ssm.mixers.ssm_common import A_log_identity, CausalConv, apply_conv, check_activation, dt_bias_init, emit_bc, init_shared_parameters, store_states
+from attn2ssm.mixers.ssm_common import A_log_identity, CausalConv, apply_conv, check_activation, dt_bias_init, init_shared_parameters, store_states
+from attn2ssm.mixers.taps import Tap
 from attn2ssm.ops.conv import causal_conv1d_step
 from attn2ssm.ops.selective_scan import selective_scan_chunked, selective_scan_step
 
@@ -64,7 +65,7 @@ class MambaMixer(AttentionLikeMixer):
         super().__init__(geometry, layer_idx)
         self.D_init = D_init
         self.A_log_init = A_log_identity("mamba", A_init)  # None: S4D-real
-        self.bc_sink = None  # set by CAB's bridge stage to read B and C (see ssm_common.emit_bc)
+        self.bc_tap = Tap()  # shows B and C to a stage that hooks it (CAB)
         d = self.head_dim
         d_state = min(d_state or d, d)  # capped at head_dim: a group never spans two heads
         if d % d_state:
@@ -124,13 +125,12 @@ class MambaMixer(AttentionLikeMixer):
         return xg, dt, -torch.exp(self.A_log.float()).to(x.dtype)
 
     def _bc(self, u, position_embeddings, inputs=None):
+        """u → x (b, l, d_inner) before the conv, B and C (b, l, G, d_state)."""
         q, k, v = self.project_heads(u, position_embeddings if self.use_rope else None, inputs)
-        if self.bc_sink is not None:  # per-token B (b, l, kv, d) and C (b, l, h, d) for CAB's bridges
-            emit_bc(self, k, q * self.scaling)
+        C = q * self.scaling
+        self.bc_tap(k, C)  # per-token B (b, l, kv, d) before the GQA repeat and C (b, l, h, d)
         x = self.repeat_kv(v, 2).flatten(2)  # (b, l, d_inner)
-        B = self._groups(self.repeat_kv(k, 2).flatten(2))
-        C = self._groups((q * self.scaling).flatten(2))
-        return x, B, C
+        return x, self._groups(self.repeat_kv(k, 2).flatten(2)), self._groups(C.flatten(2))
 
     def _output(self, y, x, u, inputs=None, traced_parts: int = 0):
         b, l = y.shape[:2]

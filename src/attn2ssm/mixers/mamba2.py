@@ -49,10 +49,10 @@ from attn2ssm.mixers.ssm_common import (
     check_activation,
     check_norm_eps,
     dt_bias_init,
-    emit_bc,
     init_shared_parameters,
     store_states,
 )
+from attn2ssm.mixers.taps import Tap
 from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_state, causal_conv1d_step
 from attn2ssm.ops.ssd import ssd_chunked, ssd_quadratic, ssd_state, ssd_step
 
@@ -86,7 +86,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         super().__init__(geometry, layer_idx)
         self.D_init = D_init
         self.A_log_init = A_log_identity(self.mixer_type, A_init)  # None: A drawn from A_init_range
-        self.bc_sink = None  # set by CAB's bridge stage to read B and C (see ssm_common.emit_bc)
+        self.bc_tap = Tap()  # shows B and C, as the scan reads them, to a stage that hooks it (CAB)
         if rope not in ("none", "before"):
             raise ConfigError(f"{self.mixer_type} option rope={rope!r} is not valid", "use rope: none (default, as paper 004) or before")
         self.use_rope, self.chunk_size, self.sanity = rope == "before", chunk_size, sanity
@@ -143,13 +143,12 @@ class Mamba2Mixer(AttentionLikeMixer):
         B = self.repeat_kv(B.reshape(b, l, self.num_kv_heads, d), 2)
         return x, B, C.reshape(b, l, self.num_heads, d)
 
-    def _emit_bc(self, xbc):
-        """Per-token B before the GQA repeat (b, l, kv, n) and C (b, l, h, n), as the scan reads them
-        (after the conv), to a bridge stage that asked for them."""
-        if self.bc_sink is not None:
-            b, l, _ = xbc.shape
-            kvw = self.num_kv_heads * self.head_dim
-            emit_bc(self, xbc[..., kvw : 2 * kvw].reshape(b, l, self.num_kv_heads, -1), xbc[..., 2 * kvw :].reshape(b, l, self.num_heads, -1))
+    def _show_bc(self, xbc):
+        """Hand the tap B before the GQA repeat (b, l, kv, n) and C (b, l, h, n), as the scan reads
+        them (after the conv)."""
+        b, l, _ = xbc.shape
+        kvw = self.num_kv_heads * self.head_dim
+        self.bc_tap(xbc[..., kvw : 2 * kvw].reshape(b, l, self.num_kv_heads, -1), xbc[..., 2 * kvw :].reshape(b, l, self.num_heads, -1))
 
     def _decay(self, u, inputs=None):
         """(log-decay a (b, l, h) ≤ 0, input scale Δ (b, l, h) or None)."""
@@ -202,7 +201,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         if self.conv is not None:
             xbc, new["conv"] = causal_conv1d_step(xbc[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation)
             xbc = xbc[:, None]
-        self._emit_bc(xbc)
+        self._show_bc(xbc)
         x, B, C = self._split(xbc)  # (b, 1, h, ·)
         a, dt = self._decay(u, inputs)
         x_in = x.float() if dt is None else x.float() * dt[..., None]
@@ -224,7 +223,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         inputs = self.project_inputs(hidden_states)
         pre_conv = self._xbc(hidden_states, position_embeddings, inputs)
         xbc, conv_state = apply_conv(self.conv, pre_conv, states, mask, self.conv_activation)
-        self._emit_bc(xbc)
+        self._show_bc(xbc)
         x, B, C = self._split(xbc)
         a, dt = self._decay(hidden_states, inputs)
         # the scan in float32 whatever the weights' dtype (as ``step`` and mamba_ssm's kernels): a

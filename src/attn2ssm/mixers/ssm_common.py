@@ -40,14 +40,6 @@ def A_log_identity(kind: str, A_init: float | None) -> float | None:
     return math.log(-A_init)
 
 
-def emit_bc(mixer, B: torch.Tensor, C: torch.Tensor) -> None:
-    """Hand this forward's per-token B (b, l, kv, n) and C (b, l, h, n) to whoever asked for them
-    (CAB's bridge stage sets ``mixer.bc_sink``); a no-op otherwise."""
-    sink = getattr(mixer, "bc_sink", None)
-    if sink is not None:
-        sink(B, C)
-
-
 @torch.no_grad()
 def init_identity_gate(gate: nn.Linear) -> None:
     """Make z = gate(u) the constant SiLU(z) = 1: zero weight, bias GATE_IDENTITY_BIAS."""
