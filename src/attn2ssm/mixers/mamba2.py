@@ -25,8 +25,8 @@ layer has no in_proj bias, so only such students export exactly to GGUF (student
 Without a bias the gate cannot start at the identity (SiLU(0·u) = 0 would silence the mixer): its
 weight starts as ``nn.Linear``'s default (Kaiming-uniform), as mamba_ssm's does.
 
-``DiscreteMamba2Mixer`` is paper 001's Phi-Mamba mixer: no Δ, the decay is an input projection
-a_t = −softplus(W_a u_t + b_a) per head, no activation after the conv, no norm, D skip.
+MOHAWK's Phi-Mamba mixer, ``DiscreteMamba2Mixer`` (discrete_mamba2.py), is this mixer with the
+decay read from the input instead of Δ and A.
 
 ``sanity=True`` turns every addition off (Δ = 1, A = 0, no conv / gate / D / norm) and the
 mixer computes linearised attention exactly: y_t = Σ_{s≤t} (q_t·k_s/√d) v_s (paper 004 §1.3).
@@ -59,8 +59,7 @@ from attn2ssm.ops.ssd import ssd_chunked, ssd_quadratic, ssd_state, ssd_step
 
 class Mamba2Mixer(AttentionLikeMixer):
     mixer_type = "mamba2"
-    discrete = False
-    input_linears = ("q_proj", "k_proj", "v_proj", "gate", "dt_proj", "a_proj")
+    input_linears = ("q_proj", "k_proj", "v_proj", "gate", "dt_proj")
 
     def __init__(
         self,
@@ -101,32 +100,33 @@ class Mamba2Mixer(AttentionLikeMixer):
         self.gate = nn.Linear(self.hidden_size, h * d, bias=bool(gate_bias)) if gate else None
         self.norm = GatedRMSNorm(h, d, check_norm_eps(self.mixer_type, norm_eps)) if norm else None
         self.D = nn.Parameter(torch.ones(h)) if D else None
-        if self.discrete:  # paper 001: the decay is an input projection, no Δ / A
-            self.a_proj = None if sanity else nn.Linear(self.hidden_size, h, bias=True)
-        else:
-            self.dt_proj = None if sanity else nn.Linear(self.hidden_size, h, bias=True)
-            self.A_log = None if sanity else nn.Parameter(torch.empty(h))
+        self.make_decay_parameters(sanity)
         self.init_new_parameters()
+
+    def make_decay_parameters(self, sanity: bool) -> None:
+        """Δ's projection and A (none in sanity mode: Δ = 1, A = 0)."""
+        self.dt_proj = None if sanity else nn.Linear(self.hidden_size, self.num_heads, bias=True)
+        self.A_log = None if sanity else nn.Parameter(torch.empty(self.num_heads))
 
     @torch.no_grad()
     def init_new_parameters(self) -> None:
         """(Re)initialise everything attention does not provide; q/k/v/o are left alone."""
         init_shared_parameters(self)
+        self.init_decay_parameters()
+
+    @torch.no_grad()
+    def init_decay_parameters(self) -> None:
+        if self.dt_proj is None:
+            return
         h = self.num_heads
-        if self.discrete and self.a_proj is not None:
-            # Little decay at init (α = exp(−softplus(b)) ≈ 0.9995): close to linear attention.
-            self.a_proj.weight.zero_()
-            lo, hi = self.a_init_range
-            self.a_proj.bias.copy_(torch.rand(h) * (hi - lo) + lo)
-        elif not self.discrete and self.dt_proj is not None:
-            bound = self.hidden_size**-0.5
-            self.dt_proj.weight.uniform_(-bound, bound)
-            self.dt_proj.bias.copy_(dt_bias_init(h, *self.dt_range))
-            if self.A_log_init is not None:  # A ≈ 0: every head starts without decay (paper 003)
-                self.A_log.fill_(self.A_log_init)
-            else:
-                lo, hi = self.A_init_range
-                self.A_log.copy_(torch.log(torch.rand(h) * (hi - lo) + lo))
+        bound = self.hidden_size**-0.5
+        self.dt_proj.weight.uniform_(-bound, bound)
+        self.dt_proj.bias.copy_(dt_bias_init(h, *self.dt_range))
+        if self.A_log_init is not None:  # A ≈ 0: every head starts without decay (as CAB)
+            self.A_log.fill_(self.A_log_init)
+        else:
+            lo, hi = self.A_init_range
+            self.A_log.copy_(torch.log(torch.rand(h) * (hi - lo) + lo))
 
     # -- the pieces ------------------------------------------------------------------------
     def _xbc(self, u, position_embeddings, inputs=None):
@@ -151,11 +151,9 @@ class Mamba2Mixer(AttentionLikeMixer):
         self.bc_tap(xbc[..., kvw : 2 * kvw].reshape(b, l, self.num_kv_heads, -1), xbc[..., 2 * kvw :].reshape(b, l, self.num_heads, -1))
 
     def _decay(self, u, inputs=None):
-        """(log-decay a (b, l, h) ≤ 0, input scale Δ (b, l, h) or None)."""
+        """(log-decay a (b, l, h) ≤ 0, input scale Δ (b, l, h) or None): a = Δ·A, Δ = softplus(W_Δ u + b_Δ)."""
         if self.sanity:
             return u.new_zeros(u.shape[0], u.shape[1], self.num_heads), None
-        if self.discrete:
-            return -F.softplus((self.a_proj(u) if inputs is None else inputs["a_proj"]).float()), None
         dt = F.softplus((self.dt_proj(u) if inputs is None else inputs["dt_proj"]).float())
         return dt * -torch.exp(self.A_log.float()), dt
 
@@ -245,31 +243,3 @@ class Mamba2Mixer(AttentionLikeMixer):
         if self.conv is not None:
             new["conv"] = causal_conv1d_state(pre_conv[:, :keep], self.conv.kernel, state=start.get("conv"), mask=m)
         return new
-
-
-class DiscreteMamba2Mixer(Mamba2Mixer):
-    """Paper 001's Phi-Mamba mixer: input-projected decay (no Δ, no A), identity conv without
-    activation, no norm, identity-initialised gate, D skip."""
-
-    mixer_type = "discrete_mamba2"
-    discrete = True
-
-    def __init__(
-        self,
-        geometry: dict,
-        layer_idx: int,
-        d_conv: int = 4,
-        conv_activation: str | None = "none",
-        gate: bool = True,
-        norm: bool = False,
-        norm_eps: float = 1e-6,
-        D: bool = True,
-        a_init_range: tuple[float, float] = (-8.0, -7.0),
-        rope: str = "none",
-        chunk_size: int = 64,
-        sanity: bool = False,
-        D_init: float = 0.0,
-    ):
-        super().__init__(geometry, layer_idx, d_conv=d_conv, conv_activation=conv_activation, gate=gate, norm=norm, norm_eps=norm_eps, D=D,
-                         a_init_range=a_init_range, rope=rope, chunk_size=chunk_size, sanity=sanity, D_init=D_init)
-
