@@ -1,16 +1,17 @@
-"""Mamba-2 (SSD) as a drop-in for a teacher attention module, initialised from it (paper 004).
+"""Mamba-2 (SSD) as a drop-in for a teacher attention module, initialised from it ("Mamba in the
+Llama").
 
-Attention → SSM weight mapping (paper 004, Fig. 1): C ← W_Q, B ← W_K, x ← W_V, out ← W_O, kept
+Attention → SSM weight mapping (Mamba in the Llama, Fig. 1): C ← W_Q, B ← W_K, x ← W_V, out ← W_O, kept
 under the teacher's names (``q_proj`` = C, ``k_proj`` = B, ``v_proj`` = x, ``o_proj`` = out) so
 LoRA targets and weight surgery read the same as for attention. C is also scaled by the
 teacher's 1/√d, so C·B is the teacher's attention logit. GQA: x and B keep the kv width and are
 repeated over each query group after the conv; C keeps the query width. One SSD head per query
 head with state (head_dim × head_dim) — the size of a linear-attention KV state. No RoPE by
-default (paper 004's mixers drop it; ``rope: before`` keeps it on B and C).
+default (Mamba in the Llama's mixers drop it; ``rope: before`` keeps it on B and C).
 
 Per token, with u the layer input (after the block's norm):
     x, B, C = conv([W_V u, W_K u, W_Q u / √d])          (depthwise causal, passes the token at init)
-    Δ = softplus(W_Δ u + b_Δ)  (one per head),  a = Δ·A,  A = −exp(A_log)   (A_init: A ≈ 0, paper 003)
+    Δ = softplus(W_Δ u + b_Δ)  (one per head),  a = Δ·A,  A = −exp(A_log)   (A_init: A ≈ 0, as CAB)
     h_t = exp(a_t)·h_{t−1} + (Δ_t x_t) ⊗ B_t,   y_t = h_t C_t + D ⊙ x_t
     out = W_O · norm(y ⊙ SiLU(W_z u + b_z))            (gated RMSNorm per head, optional)
 
@@ -29,7 +30,7 @@ MOHAWK's Phi-Mamba mixer, ``DiscreteMamba2Mixer`` (discrete_mamba2.py), is this 
 decay read from the input instead of Δ and A.
 
 ``sanity=True`` turns every addition off (Δ = 1, A = 0, no conv / gate / D / norm) and the
-mixer computes linearised attention exactly: y_t = Σ_{s≤t} (q_t·k_s/√d) v_s (paper 004 §1.3).
+mixer computes linearised attention exactly: y_t = Σ_{s≤t} (q_t·k_s/√d) v_s (Mamba in the Llama §1.3).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.decode.fusion import call_linear
 from attn2ssm.mixers.ssm_common import (
     A_log_identity,
     CausalConv,
@@ -87,7 +87,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         self.A_log_init = A_log_identity(self.mixer_type, A_init)  # None: A drawn from A_init_range
         self.bc_tap = Tap()  # shows B and C, as the scan reads them, to a stage that hooks it (CAB)
         if rope not in ("none", "before"):
-            raise ConfigError(f"{self.mixer_type} option rope={rope!r} is not valid", "use rope: none (default, as paper 004) or before")
+            raise ConfigError(f"{self.mixer_type} option rope={rope!r} is not valid", "use rope: none (default, as Mamba in the Llama) or before")
         self.use_rope, self.chunk_size, self.sanity = rope == "before", chunk_size, sanity
         self.scaling = geometry.get("scaling", self.head_dim**-0.5)
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -95,7 +95,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         self.dt_range, self.A_init_range, self.a_init_range = (dt_min, dt_max), tuple(A_init_range), tuple(a_init_range)
         if sanity:
             d_conv, gate, norm, D = 0, False, False, False
-        # conv over [x (kv·d), B (kv·d), C (h·d)] before the GQA repeat, as paper 004's Mamba-2.
+        # conv over [x (kv·d), B (kv·d), C (h·d)] before the GQA repeat, as Mamba in the Llama's Mamba-2.
         self.conv = CausalConv((2 * kv + h) * d, d_conv) if d_conv else None
         self.gate = nn.Linear(self.hidden_size, h * d, bias=bool(gate_bias)) if gate else None
         self.norm = GatedRMSNorm(h, d, check_norm_eps(self.mixer_type, norm_eps)) if norm else None
@@ -157,7 +157,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         dt = F.softplus((self.dt_proj(u) if inputs is None else inputs["dt_proj"]).float())
         return dt * -torch.exp(self.A_log.float()), dt
 
-    def _output(self, y, x, u, inputs=None, traced_parts: int = 0):
+    def _output(self, y, x, u, inputs=None):
         """y, x (b, l, h, p) → o_proj(gate/norm(y + D·x))."""
         if self.D is not None:
             y = y + self.D[:, None].to(y.dtype) * x
@@ -170,7 +170,7 @@ class Mamba2Mixer(AttentionLikeMixer):
             y = self.norm(y, z)
         elif z is not None:
             y = y * F.silu(z)
-        return call_linear(self.o_proj, y, traced_parts)
+        return self.o_proj(y)
 
     # -- forward forms ---------------------------------------------------------------------
     def forward_quadratic(self, hidden_states, position_embeddings=None, mask=None):
@@ -187,11 +187,11 @@ class Mamba2Mixer(AttentionLikeMixer):
             M = M * dt.transpose(1, 2)[:, :, None, :].to(M.dtype)
         return self._output(y, x, hidden_states), M
 
-    def step(self, u, position_embeddings, states: dict, mask=None, seen: int | None = None, traced_parts: int = 0):
-        """One token against the carried states (see ``AttentionLikeMixer``): (output, {state name:
-        new state}); the old states are kept (a rollback snapshot may hold them)."""
+    def step(self, u, position_embeddings, states: dict, mask=None, seen: int | None = None):
+        """One token against the carried states (see ``AttentionLikeMixer``), the recurrence of the
+        module docstring: (output, {"ssm": h_t, "conv": its window})."""
         new = {}
-        inputs = self.project_inputs(u, traced_parts)
+        inputs = self.project_inputs(u)
         xbc = self._xbc(u, position_embeddings, inputs)  # (b, 1, c)
         m = None if mask is None else mask.to(torch.float32).view(-1, 1, 1)
         if m is not None:  # a padded token enters the conv window as 0 (as the chunked form)
@@ -206,7 +206,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         if m is not None:  # and leaves the state alone: decay 1, no input
             a, x_in = a * m, x_in * m[..., None]
         y, new["ssm"] = ssd_step(x_in[:, 0], a[:, 0].float(), B[:, 0].float(), C[:, 0].float(), states["ssm"])
-        return self._output(y.to(x.dtype)[:, None], x, u, inputs, traced_parts), new
+        return self._output(y.to(x.dtype)[:, None], x, u, inputs), new
 
     def can_step(self, layer) -> bool:
         return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
