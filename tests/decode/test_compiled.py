@@ -11,10 +11,11 @@ import torch
 from tiny_models import tiny_student
 from torch import nn
 
-from attn2ssm.mixers.linear_attention import LinearAttentionMixer
-from attn2ssm.decode.layout import cpu_decode_layout, undo_cpu_decode_layout
-from attn2ssm.student.cache import _map_state
 from attn2ssm.decode.compiled import CompiledStep
+from attn2ssm.decode.layout import cpu_decode_layout, undo_cpu_decode_layout
+from attn2ssm.decode.mixers import LinearAttentionDecode
+from attn2ssm.decode.plan import enable_decode_plan
+from attn2ssm.student.cache import _map_state
 
 KINDS = [("linear_attention", {"feature_map": "hedgehog"}), ("linear_attention", None), ("mamba", None), ("mamba2", None), ("hedgemamba", None)]
 
@@ -106,7 +107,7 @@ def test_a_plan_compiled_without_the_decode_layout_gives_the_eager_tokens(kind, 
     eager = tiny_student("gqa_9x3", kind, options=options)
     eager.load_state_dict(compiled.state_dict())
     backend = CountingBackend()
-    assert compiled.enable_decode_plan(compile=False)
+    assert enable_decode_plan(compiled, compile=False)
     assert compiled.__dict__["_decode_plan"].compile_step(backend) == ""
     ids = _ids()
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
@@ -173,14 +174,14 @@ def test_a_failing_trace_turns_the_compiled_step_off_and_loses_no_token(monkeypa
     ids = _ids()
     cache_c, token = _prefill(compiled, ids)
     cache_e, _ = _prefill(eager, ids)
-    original = LinearAttentionMixer.step
+    original = LinearAttentionDecode.step  # the decode-mode step (decode/mixers.py)
 
     def untraceable(self, hidden_states, *args, **kwargs):
         if torch.compiler.is_compiling():
             torch._dynamo.graph_break()  # fullgraph=True: a break fails the trace
         return original(self, hidden_states, *args, **kwargs)
 
-    monkeypatch.setattr(LinearAttentionMixer, "step", untraceable)
+    monkeypatch.setattr(LinearAttentionDecode, "step", untraceable)
     got = _steps(compiled, cache_c, token, 3)
     want = _steps(eager, cache_e, token, 3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -201,6 +202,23 @@ def test_the_compiled_step_is_not_used_with_another_thread_count():
         assert not step.ready(cache)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_compiled_step_is_refused_while_a_stage_hooks_a_tap():
+    """CAB reads B and C through a hook on each mixer's tap: the hook runs outside any graph, so
+    the compiled step steps aside while it is there and the eager plan runs it, token by token."""
+    compiled, eager = _pair("mamba2", None, CountingBackend())
+    cache_c, token = _prefill(compiled, _ids())
+    cache_e, _ = _prefill(eager, _ids())
+    step = compiled.__dict__["_decode_plan"].compiled
+    assert step.ready(cache_c)
+    seen = []
+    handle = compiled.mixers()[0].bc_tap.register_forward_hook(lambda tap, args, out: seen.append(args[0].shape))
+    assert not step.ready(cache_c)
+    got = _steps(compiled, cache_c, token, 2)
+    handle.remove()
+    torch.testing.assert_close(got, _steps(eager, cache_e, token, 2), rtol=1e-5, atol=1e-5)
+    assert seen == [torch.Size([2, 1, 3, 8])] * 2 and not step.compiled_once and step.ready(cache_c)
 
 
 def test_compile_option_and_its_reasons():

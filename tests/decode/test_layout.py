@@ -2,8 +2,11 @@
 blocks of the weight), each mixer's input projections fused into one buffer; values, ties,
 outputs, generation, saving and training unchanged."""
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file
 from tiny_models import tiny_model
 from torch import nn
 
@@ -149,6 +152,13 @@ def test_models_in_decode_mode_save_load_and_train(tmp_path):
     ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(2))
     model.save_pretrained(tmp_path / "student")  # writes independent tensors, stays fused
     assert all(m.__dict__.get("_fused_inputs") is not None for m in model.mixers().values())
+    # the decode-mode class keeps the student's name (transformers writes it into the config), and
+    # nothing of attn2ssm.decode travels with the checkpoint
+    assert json.loads((tmp_path / "student" / "config.json").read_text())["architectures"] == ["Attn2SSMForCausalLM"]
+    assert not list((tmp_path / "student").glob("attn2ssm_decode*"))
+    saved, state = load_file(tmp_path / "student" / "model.safetensors"), model.state_dict()
+    assert any(".q_proj." in k for k in saved) and set(saved) <= set(state)  # (a tied head is saved once)
+    assert all(torch.equal(saved[k], state[k]) for k in saved)
     teacher.save_pretrained(tmp_path / "teacher")
     from transformers import AutoModelForCausalLM
 

@@ -64,8 +64,9 @@ def test_class_token_position_changes_the_output_and_bc_come_back_in_token_order
     u = torch.randn(1, 9, 8)
     assert not torch.allclose(middle(u)[0], first(u)[0])
     got = {}
-    middle.bc_sink = got.update
+    handle = middle.bc_tap.register_forward_hook(lambda tap, args, out: got.update(fw=args[:2], bw=args[2:]))
     middle(u)
+    handle.remove()
     # B/C are per-token functions of the conv output: token i's value comes from scan position order⁻¹(i)
     x, _ = middle.in_proj(u[:, [1, 2, 3, 4, 0, 5, 6, 7, 8]]).chunk(2, -1)
     xc, _ = causal_conv1d(x, middle.fw.conv.weight, middle.fw.conv.bias, activation="silu")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attn2ssm.errors import ConfigError
-from attn2ssm.mixers.feature_maps import FEATURE_MAPS, HedgehogMap, build_feature_map
+from attn2ssm.mixers.feature_maps import FEATURE_MAPS, build_feature_map
 from attn2ssm.ops.linear_attention import linear_attention_quadratic
 
 B, H, L, D = 2, 3, 7, 8
@@ -233,14 +233,3 @@ def test_bad_option_value_is_a_config_error(name, options):
 def test_unknown_map_name_lists_the_maps():
     with pytest.raises(ConfigError, match="choose one of: cosformer, elu, exp_t, hedgehog, performer, relu, t2r, taylor"):
         build_feature_map("hedgehogg", H, D)
-
-
-@pytest.mark.parametrize("activation", HedgehogMap.ACTIVATIONS)
-def test_hedgehog_one_token_step_equals_forward(activation):
-    torch.manual_seed(0)
-    fmap = HedgehogMap(3, 8, feature_dim=6, activation=activation)
-    with torch.no_grad():
-        fmap.weight.add_(0.3 * torch.randn_like(fmap.weight))
-        fmap.bias.add_(0.3 * torch.randn_like(fmap.bias))
-    x = torch.randn(2, 3, 8)
-    torch.testing.assert_close(fmap.step(x), fmap(x[:, :, None])[:, :, 0], atol=1e-6, rtol=1e-6)

@@ -1,4 +1,4 @@
-"""HedgeMamba (paper 000): at init it IS Hedgehog linear attention (GQA 9×3, RoPE, all three
+"""HedgeMamba (Attention-to-Mamba): at init it IS Hedgehog linear attention (GQA 9×3, RoPE, all three
 forms), off the init its quadratic / chunked / step forms agree with padding and a carried state,
 a converted student decodes and round-trips through save/load, and a hand-computed case."""
 

@@ -39,7 +39,7 @@ def _linearised_attention(attn, x):
 
 @pytest.mark.parametrize("kind,options", [("mamba2", {}), ("discrete_mamba2", {}), ("mamba", {"d_state": None})])
 def test_sanity_mode_is_linearised_attention(kind, options, gqa_teacher):
-    """Paper 004 §1.3: with A = 1, no discretisation and no conv/gate/D, the attention-initialised
+    """Mamba in the Llama §1.3: with A = 1, no discretisation and no conv/gate/D, the attention-initialised
     SSM reproduces y_t = q_t · Σ k_s v_sᵀ / √d exactly (GQA: 9 query heads over 3 kv heads)."""
     student = convert(gqa_teacher, [kind] * 2, {kind: {**options, "sanity": True}})
     x = torch.randn(2, 11, gqa_teacher.config.hidden_size, generator=torch.Generator().manual_seed(1))

@@ -29,7 +29,7 @@ def _ids(b=2, l=12, vocab=256, seed=0):
 def test_layer_map_hand_cases():
     # equal depth: the identity, in both forms
     assert layer_map(12, 12) == layer_map(12, 12, "paper") == list(range(12))
-    # deeper (paper 003's Vim 24 <- DeiT 12): two student layers per teacher layer
+    # deeper (CAB's Vim 24 <- DeiT 12): two student layers per teacher layer
     assert layer_map(24, 12) == layer_map(24, 12, "paper") == [i // 2 for i in range(24)]
     assert layer_map(4, 2) == [0, 0, 1, 1]
     # shallower: endpoints keeps first and last; the fixed paper form keeps the last, skips the first

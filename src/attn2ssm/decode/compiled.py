@@ -8,20 +8,23 @@ loops and the Python runs once at trace time; the matmuls stay the same row-bloc
 instead of ~45-60 (``benchmarks/results/generate_speed.json``, ``--compile``).
 
 What is traced is the plan's own code: the layers' norms and MLPs and each mixer's ``step``
-(the same function the eager step and the mixer's forward run; tests hold them equal), called
-with ``traced_parts`` = the thread count: an explicit argument telling it that the fusions were
-checked just before the call (their storage-pointer checks cannot be traced), how many row blocks
-the products use, and that states come back new (no in-place update inside a graph).
-The cache bookkeeping (new states stored, token counts) stays outside, in Python.
+(the same function the eager step and the mixer's forward run; tests hold them equal). No
+argument tells them they are traced: decode-mode code asks ``torch.compiler.is_compiling()``.
+Then the fusions are used unchecked (their storage-pointer checks cannot be traced: this step
+checks them just before each call), the products run as row blocks, as many as the thread count
+this step keeps on every module of the model (``_row_parts``, read by ``fusion.row_parts``), and
+states come back new (no in-place update inside a graph). The cache bookkeeping (new states
+stored, token counts) stays outside, in Python.
 
 Used by the plan only when everything the trace assumed still holds: every fusion valid (checked
-before each call), every mixer able to trace its step for the cache (``can_trace_step``), the
-thread count the trace was made for. Otherwise the plan runs its eager step. A first call traces
-and compiles (about a minute on the 2-core CPU; a few seconds once inductor's on-disk cache has
-it); dynamo re-traces if a module it read was replaced (e.g. fusions rebuilt after ``.to()``)
-and for each new batch size (shapes are static: one compiled graph per size, up to dynamo's cap).
-A trace or compile failure turns the compiled step off with the reason in
-``model.compiled_step_reason`` and the step runs eagerly: nothing is lost.
+before each call), every mixer able to step this cache in a trace (``traceable``: no position-
+aware feature map, whose step reads the token count; no hook on a mixer's tap, which a stage such
+as CAB's reads outside the graph), the thread count the trace was made for. Otherwise the plan
+runs its eager step. A first call traces and compiles (about a minute on the 2-core CPU; a few
+seconds once inductor's on-disk cache has it); dynamo re-traces if a module it read was replaced
+(e.g. fusions rebuilt after ``.to()``) and for each new batch size (shapes are static: one
+compiled graph per size, up to dynamo's cap). A trace or compile failure turns the compiled step
+off with the reason in ``model.compiled_step_reason`` and the step runs eagerly: nothing is lost.
 """
 
 from __future__ import annotations
@@ -40,12 +43,27 @@ logger = logging.getLogger(__name__)
 BACKEND = "inductor"  # the default torch.compile backend (tests swap in a tracing-only one)
 
 
+def traceable(mixer, layer) -> bool:
+    """Can a trace run ``mixer.step`` for this cache layer? Not with a position-aware feature map
+    (the trace must not read ``seen``), nor while a stage hooks the mixer's tap (the hook runs
+    outside the graph)."""
+    if not mixer.can_step(layer):
+        return False
+    maps = (getattr(mixer, "feature_map_q", None), getattr(mixer, "feature_map_k", None))
+    if any(getattr(m, "uses_positions", False) for m in maps):
+        return False
+    tap = getattr(mixer, "bc_tap", None)
+    return tap is None or not (tap._forward_hooks or tap._forward_pre_hooks)
+
+
 class CompiledStep:
     """See the module docstring. ``CompiledStep.build(plan)`` → (step or None, reason)."""
 
     def __init__(self, plan, backend=None):
         self.plan, self.backend = plan, backend or BACKEND
         self.parts = torch.get_num_threads()
+        for module in plan.model.modules():  # the row blocks of every product in the trace (see fusion.row_parts)
+            module.__dict__["_row_parts"] = self.parts
         # where fusions live (or may come back after standard_layout): checked before every call
         holders = {id(m): m for step in plan.steps for m in (step.mixer, step.mlp)}
         holders.update({id(m): m for m in plan.model.modules() if any(m.__dict__.get(k) is not None for k in FUSION_KEYS)})
@@ -61,7 +79,7 @@ class CompiledStep:
     def build(cls, plan, backend=None) -> tuple[CompiledStep | None, str]:
         if plan is None:
             return None, "no decode plan"
-        missing = [type(step.mixer).__name__ for step in plan.steps if type(step.mixer) not in plan.stepping]
+        missing = [type(step.mixer).__name__ for step in plan.steps if step.index not in plan.stepping]
         if missing:
             return None, f"{missing[0]} has no one-token step; it decodes eagerly"
         return cls(plan, backend), ""
@@ -71,13 +89,13 @@ class CompiledStep:
         new = []
         for step, layer_states in zip(self.plan.steps, states):
             pe = None if step.rope is None else pes[step.rope]
-            y, updated = step.mixer.step(step.norm_in.forward(x), pe, layer_states, traced_parts=self.parts)
+            y, updated = step.mixer.step(step.norm_in.forward(x), pe, layer_states)
             new.append(updated)
-            x = run_layer(step, x, y, self.parts)
+            x = run_layer(step, x, y)
         # contiguous states: the next call's inputs then match this trace's (a conv state comes out
         # of the step as a strided view of its window; the prefill's is contiguous)
         new = [{k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in d.items()} for d in new]
-        return self.plan.logits(x, self.parts), new
+        return self.plan.logits(x), new
 
     # -- running ---------------------------------------------------------------------------
     def ready(self, cache) -> bool:
@@ -89,7 +107,7 @@ class CompiledStep:
             if fusion is not None and not fusion.valid():
                 return False
         for step in self.plan.steps:
-            if not step.mixer.can_trace_step(cache.mixer_layer(step.index)):
+            if not traceable(step.mixer, cache.mixer_layer(step.index)):
                 return False
         return True
 

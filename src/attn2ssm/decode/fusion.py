@@ -2,20 +2,23 @@
 that an inference step reads several projections with ONE matmul (values unchanged, no extra
 memory, the layers keep their parameters, names, state dict and LoRA targets).
 
-A mixer reads its fused input projections itself (``AttentionLikeMixer.project_inputs``); when to
-fuse is decided by ``attn2ssm.decode`` (``cpu_decode_layout``), which also fuses the teacher
-family's gated MLPs with ``FusedLinears``. A fusion is used only while it still holds (``valid``:
-every layer still its owner's, of the class it had, hook-free, every parameter where it was put);
-a compiled decode step checks that before its call and passes ``trusted=True`` inside (storage
-pointers cannot be traced).
+``cpu_decode_layout`` (layout.py) fuses a student mixer's input projections (read by its
+decode-mode class, mixers.py) and the teacher family's gated MLPs. A fusion is used only while it
+still holds (``valid``: every layer still its owner's, of the class it had, hook-free, every
+parameter where it was put). Inside a compiled decode step's trace the check is skipped (storage
+pointers cannot be traced): the step checks every fusion just before its call, and the products
+then run as ``_row_parts`` row blocks, the number the step keeps on each decode-mode module
+(``row_parts``).
 
 Decode-mode classes that ``attn2ssm.decode`` swaps in name the class they stand for in
-``_decode_base`` (its ``DecodeLinear`` says ``nn.Linear``): that is how ``is_plain_linear`` knows
-one without importing it.
+``_decode_base`` (its ``DecodeLinear`` says ``nn.Linear``; ``decode_class`` makes the others): that
+is how ``is_plain_linear`` knows one without importing it, and how ``undo_cpu_decode_layout``
+puts every module's own class back.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 
@@ -33,6 +36,17 @@ FUSION_KEYS = ("_fused_inputs", "_fused_maps")
 ROW_MULTIPLE = 8
 
 
+@functools.cache  # one decode-mode class per (mixin, class): a memo of types
+def decode_class(mixin: type, cls: type, same_name: bool = False) -> type:
+    """``cls`` with ``mixin`` in front: the class a module of ``cls`` gets in decode mode.
+    ``same_name``: it keeps ``cls``'s name and module (a model's: transformers writes the class
+    name into a saved config's ``architectures``)."""
+    attrs = {"_decode_base": cls}
+    if same_name:
+        attrs.update(__module__=cls.__module__, __qualname__=cls.__qualname__)
+    return type(cls.__name__ if same_name else f"Decode{cls.__name__}", (mixin, cls), attrs)
+
+
 def is_plain_linear(module) -> bool:
     """An ``nn.Linear`` itself, or a decode-mode class standing for it (not a subclass someone
     wrapped it in)."""
@@ -40,15 +54,23 @@ def is_plain_linear(module) -> bool:
     return cls is nn.Linear or (cls.__mro__[1] is nn.Linear and getattr(cls, "_decode_base", None) is nn.Linear)
 
 
-def call_linear(module: nn.Module, x: torch.Tensor, traced_parts: int = 0) -> torch.Tensor:
-    """``module(x)``; for a hook-free plain linear its forward without the module call, and inside
-    a compiled step's trace (``traced_parts`` > 0) the row-block product with that block count."""
+def row_parts(module: nn.Module) -> int:
+    """Row blocks a compiled decode step's products use for ``module`` (0: a plain product)."""
+    return module.__dict__.get("_row_parts", 0)
+
+
+def call_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``; for a hook-free plain linear its forward without the module call (a decode
+    step makes ~150 of them: the call's bookkeeping is a cost)."""
     if is_plain_linear(module) and not (module._forward_hooks or module._forward_pre_hooks):
-        if traced_parts:
-            params = module._parameters
-            return rows_linear(x, params["weight"], params["bias"], traced_parts)
         return module.forward(x)
     return module(x)
+
+
+def fusion_holds(fusion) -> bool:
+    """Is ``fusion`` (None: none) there and valid? Inside a compiled step's trace, yes whenever
+    it is there: the step checked it just before its call."""
+    return fusion is not None and (torch.compiler.is_compiling() or fusion.valid())
 
 
 class FusedLinears:
@@ -86,10 +108,8 @@ class FusedLinears:
         self.classes = [lin.__class__ for lin in linears]
         self.pointers = [(lin.weight.data_ptr(), None if lin.bias is None else lin.bias.data_ptr()) for lin in linears]
 
-    def valid(self, trusted: bool = False) -> bool:
-        """Does the fusion still hold? ``trusted``: the caller checked it just before (a compiled step)."""
-        if trusted:
-            return True
+    def valid(self) -> bool:
+        """Does the fusion still hold?"""
         modules = self.owner._modules
         for name, lin, cls, (w, b) in zip(self.names, self.linears, self.classes, self.pointers):
             if modules.get(name) is not lin or lin.__class__ is not cls or lin._forward_hooks or lin._forward_pre_hooks:
@@ -99,16 +119,16 @@ class FusedLinears:
                 return False
         return True
 
-    def matmul(self, x: torch.Tensor, traced_parts: int = 0) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The layers' outputs side by side: (..., Σout) (a view: the padding's columns left out)."""
-        if traced_parts:
-            y = rows_linear(x, self.weight, self.bias, traced_parts)
+        if torch.compiler.is_compiling():
+            y = rows_linear(x, self.weight, self.bias, row_parts(self.owner))
         else:
             y = block_linear(x, self.weight, self.bias, self.__dict__)
         return y.narrow(-1, 0, self.rows)
 
-    def __call__(self, x: torch.Tensor, traced_parts: int = 0) -> tuple[torch.Tensor, ...]:
-        return self.matmul(x, traced_parts).split(self.sizes, dim=-1)
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.matmul(x).split(self.sizes, dim=-1)
 
     def release(self) -> None:
         """Each parameter gets its own storage back."""
@@ -137,8 +157,8 @@ class ParamStack:
                 start += p.shape[0]
         self.pointers = [p.data_ptr() for p in self.params]
 
-    def valid(self, trusted: bool = False) -> bool:
-        return trusted or all(p.data_ptr() == ptr for p, ptr in zip(self.params, self.pointers))
+    def valid(self) -> bool:
+        return all(p.data_ptr() == ptr for p, ptr in zip(self.params, self.pointers))
 
     def release(self) -> None:
         for p in self.params:

@@ -5,49 +5,51 @@
   dict) whose forward computes few-row products on CPU without autograd as a batched matmul over
   row blocks of the weight (``ops/rows.py``: one-row products otherwise run on one core), its
   row-block view kept between calls, and is ``F.linear`` otherwise (training, GPU, long prompts);
-- a student mixer's input projections (q/k/v and the SSM's gate/Δ projections) become row blocks
-  of one buffer (``AttentionLikeMixer.fuse_input_linears``, ``mixers/fusion.py``), read with one
-  matmul at inference; a linear-attention mixer's query and key Hedgehog maps are stacked the same way;
+- a student mixer gets its decode-mode class (mixers.py): its input projections (q/k/v and the
+  SSM's gate/Δ projections) become row blocks of one buffer read with one matmul at inference, and
+  a linear-attention mixer steps in a hand-fused form (its query and key Hedgehog maps stacked
+  the same way, q and k roped together, the state updated in place);
 - any model's gated MLPs (``down(act(gate(x)) * up(x))``) read gate and up with one matmul, and
   its RMSNorms run in four ops (float32, autograd off) — each only after a probe input
   showed the fused form computes what the module computes (Gemma's (1 + w) norm keeps its class);
-- a student whose layers allow it gets a one-token ``DecodePlan`` (``decode/plan.py``); with
-  ``compile=True`` the plan's layers also run as one ``torch.compile``d function (``decode/compiled.py``).
+- a student gets its decode-mode class (model.py: ``save_pretrained`` writes independent tensors)
+  and, where its layers allow it, a one-token ``DecodePlan`` (plan.py) that its decode-mode
+  ``forward`` hands one-token calls to; with ``compile=True`` the plan's layers also run as one
+  ``torch.compile``d function (compiled.py).
 A decode step is bound by weight streaming AND by per-op overhead (~3-8 us a small op on the
 2-core machine, ~40 small ops per layer): fewer ops per layer is as much of the gain as the
 matmul route.
-``undo_cpu_decode_layout(model)`` reverses all of it; a student's ``save_pretrained`` writes inside
-``standard_layout`` (independent tensors while writing, fused again after). A ``.to()`` drops
-the fused buffers (they would pin the old storage); call ``cpu_decode_layout`` again after it.
+``undo_cpu_decode_layout(model)`` reverses all of it: every module gets its own class back and
+its parameters their own storage. A ``.to()`` drops the fused buffers (they would pin the old
+storage); call ``cpu_decode_layout`` again after it.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from attn2ssm.decode import mixers as decode_mixers
+from attn2ssm.decode.fusion import FusedLinears, call_linear, decode_class, drop_fusions, fusion_holds, is_plain_linear, release_fusions, row_parts
+from attn2ssm.decode.model import attach_student
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.decode.fusion import FusedLinears, call_linear, drop_fusions, is_plain_linear, release_fusions, standard_layout
-from attn2ssm.ops.rows import MEMO_KEY, block_linear
-from attn2ssm.student.modeling import Attn2SSMForCausalLM
+from attn2ssm.ops.rows import MEMO_KEY, block_linear, rows_linear
+from attn2ssm.student.modeling import Attn2SSMForCausalLM, Attn2SSMPreTrainedModel
 
-__all__ = ["DecodeLinear", "cpu_decode_layout", "undo_cpu_decode_layout", "standard_layout", "mlp_forward"]
+__all__ = ["DecodeLinear", "cpu_decode_layout", "undo_cpu_decode_layout"]
 
 
 class DecodeLinear(nn.Linear):
     """``nn.Linear`` whose few-row products on CPU use every core (``ops.rows.block_linear``);
-    same parameters, state dict and results (to float rounding). Inside someone's
-    ``torch.compile`` trace it is ``F.linear`` (its kept view's storage checks cannot be traced;
-    the compiled decode step calls ``rows_linear`` itself, see ``mixers.fusion.call_linear``)."""
+    same parameters, state dict and results (to float rounding). Inside a ``torch.compile`` trace
+    (its kept view's storage checks cannot be traced) it is the row-block product with the block
+    count a compiled decode step keeps on it (compiled.py), else ``F.linear``."""
 
     _decode_base = nn.Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return F.linear(x, self.weight, self.bias)
+            return rows_linear(x, self.weight, self.bias, row_parts(self))
         return block_linear(x, self.weight, self.bias, self.__dict__)
 
     def _apply(self, fn, recurse=True):  # .to() / .half(): the kept block view would pin the old storage
@@ -65,17 +67,11 @@ class _GatedMLPDecode:
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mlp_forward(self, x)
-
-
-def mlp_forward(mlp: nn.Module, x: torch.Tensor, traced_parts: int = 0) -> torch.Tensor:
-    """``mlp.forward(x)``; for a decode-mode gated MLP whose fusion holds (``traced_parts`` > 0:
-    inside a compiled step's trace, the fusion checked by the caller), gate and up in one matmul."""
-    fused = mlp.__dict__.get("_fused_inputs")
-    if not isinstance(mlp, _GatedMLPDecode) or fused is None or torch.is_grad_enabled() or not fused.valid(trusted=traced_parts > 0):
-        return super(_GatedMLPDecode, mlp).forward(x) if isinstance(mlp, _GatedMLPDecode) else mlp.forward(x)
-    gate, up = fused(x, traced_parts)
-    return call_linear(mlp.down_proj, mlp.act_fn(gate).mul_(up), traced_parts)
+        fused = self.__dict__.get("_fused_inputs")
+        if torch.is_grad_enabled() or not fusion_holds(fused):
+            return super().forward(x)
+        gate, up = fused(x)
+        return call_linear(self.down_proj, self.act_fn(gate).mul_(up))
 
 
 class _RMSNormDecode:
@@ -88,11 +84,6 @@ class _RMSNormDecode:
         if torch.is_grad_enabled() or x.dtype != torch.float32 or w.dtype != torch.float32:
             return super().forward(x)
         return torch.mul(x, torch.mean(x * x, -1, keepdim=True).add_(self.__dict__["_rms_eps"]).rsqrt_()).mul_(w)
-
-
-@functools.cache  # one decode-mode class per (mixin, class): a memo of types
-def _decode_class(mixin: type, cls: type) -> type:
-    return type(f"Decode{cls.__name__}", (mixin, cls), {"_decode_base": cls})
 
 
 @torch.no_grad()
@@ -125,7 +116,7 @@ def _fuse_gated_mlp(module: nn.Module) -> bool:
         return False
     if not callable(getattr(module, "act_fn", None)) or gate.in_features != up.in_features or module.__dict__.get("_fused_inputs") is not None:
         return False
-    new_class = _decode_class(_GatedMLPDecode, type(module))
+    new_class = decode_class(_GatedMLPDecode, type(module))
     _fuse_gate_up(module)
     if _same_outputs(module, new_class, gate.in_features, gate.weight.dtype):
         module.__class__ = new_class
@@ -142,7 +133,7 @@ def _fast_rms_norm(module: nn.Module) -> bool:
     if not isinstance(eps, float) or any(True for _ in module.children()) or w.dtype != torch.float32:
         return False
     module.__dict__["_rms_eps"] = eps
-    new_class = _decode_class(_RMSNormDecode, type(module))
+    new_class = decode_class(_RMSNormDecode, type(module))
     if _same_outputs(module, new_class, w.shape[0], w.dtype):
         module.__class__ = new_class
         return True
@@ -155,11 +146,10 @@ def _on_cpu(model: nn.Module) -> bool:
 
 
 def _fuse(model: nn.Module) -> int:
-    count = 0
+    count, signed = 0, decode_mixers.SignedSin()  # one signed sin per token for all the model's mixers
     for module in model.modules():
-        if isinstance(module, AttentionLikeMixer):  # student mixers: the linears reading one input become one matmul
-            if module.__dict__.get("_fused_inputs") is None and module.fuse_input_linears():
-                count += 1
+        if isinstance(module, AttentionLikeMixer):  # student mixers: their decode-mode class and fusions
+            count += decode_mixers.attach(module, signed)
         elif isinstance(module, _GatedMLPDecode):  # fusions dropped by a .to(): fuse again
             if module.__dict__.get("_fused_inputs") is None:
                 _fuse_gate_up(module)
@@ -188,22 +178,27 @@ def cpu_decode_layout(model: nn.Module, compile: bool = False) -> int:
     if isinstance(model, Attn2SSMForCausalLM):  # a student: one-token steps without HF's plumbing
         from attn2ssm.decode.plan import enable_decode_plan
 
-        if enable_decode_plan(model, compile=compile):
-            count += 1
+        count += enable_decode_plan(model, compile=compile)
+    elif isinstance(model, Attn2SSMPreTrainedModel):
+        count += attach_student(model, causal_lm=False)
     return count
 
 
 def undo_cpu_decode_layout(model: nn.Module) -> int:
-    """Back to plain ``nn.Linear`` modules with independent weights. Returns how many modules changed."""
+    """Back to every module's own class (plain ``nn.Linear`` modules …) with independent weights.
+    Returns how many modules changed."""
+    from attn2ssm.decode.plan import disable_decode_plan
+
     count = len({id(module) for module, _, _ in release_fusions(model)})
-    if isinstance(model, Attn2SSMForCausalLM) and model.disable_decode_plan():
-        count += 1
+    count += disable_decode_plan(model)
     for module in model.modules():
+        module.__dict__.pop("_row_parts", None)
         if type(module) is DecodeLinear:
             module.__class__ = nn.Linear
             count += 1
         elif "_decode_base" in type(module).__dict__:
             module.__class__ = type(module)._decode_base
             module.__dict__.pop("_rms_eps", None)
+            decode_mixers.detach(module)
             count += 1
     return count

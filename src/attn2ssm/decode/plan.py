@@ -25,15 +25,16 @@ type's. The probe checks this too: it captures what HF's forward hands each laye
 position (at 0 every RoPE is the identity) and refuses a plan whose embeddings differ, with the
 reason; a rotary module the plan cannot call is a reason too, never an exception.
 
-A plan is used only where nothing could tell the difference: one new token per row, no padding
-in it, autograd off, the student's own cache with every layer's state present and no rollback
-recording, no hooks on the modules whose ``__call__`` it skips, every module still where it
-was (a LoRA wrap or a replaced layer turns it off), no outputs besides logits requested. Tests
+A plan is used only where nothing could tell the difference (``takes``): one new token per row,
+no padding in it, autograd off, the student's own cache with every layer's state present and no
+rollback recording, no hooks on the modules whose ``__call__`` it skips, every module still where
+it was (a LoRA wrap or a replaced layer turns it off), no outputs besides logits requested. Tests
 hold its logits equal to HF's forward for every mixer kind.
 
 Each mixer runs its one ``step`` (the same function its forward runs for a one-token call).
-Built by ``cpu_decode_layout`` (``enable_decode_plan`` below, also reachable as
-``Attn2SSMForCausalLM.enable_decode_plan``); dropped by ``undo_cpu_decode_layout``.
+Built by ``enable_decode_plan`` below (``cpu_decode_layout`` calls it), which also gives the model
+its decode-mode class (model.py), whose ``forward`` asks the plan; dropped by
+``disable_decode_plan`` / ``undo_cpu_decode_layout``.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from attn2ssm.decode.layout import mlp_forward
-from attn2ssm.hf_compat import CACHE_KWARG
 from attn2ssm.decode.fusion import call_linear
+from attn2ssm.decode.model import attach_student
+from attn2ssm.hf_compat import CACHE_KWARG
 
 _PRE_NORM = ("input_layernorm", "post_attention_layernorm", "mlp")
 _SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm")
@@ -103,11 +104,11 @@ class Step(NamedTuple):
     rope: int | None
 
 
-def run_layer(step: Step, x: torch.Tensor, y: torch.Tensor, traced_parts: int = 0) -> torch.Tensor:
+def run_layer(step: Step, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The rest of a layer once its mixer gave y for input x (the eager plan and the compiled step
-    share it; ``traced_parts``: see ``AttentionLikeMixer.step``)."""
+    share it)."""
     x = x + (y if step.mixer_norm is None else step.mixer_norm.forward(y))
-    h = mlp_forward(step.mlp, step.mlp_norm_in.forward(x), traced_parts)
+    h = step.mlp.forward(step.mlp_norm_in.forward(x))
     return x + (h if step.mlp_norm_out is None else step.mlp_norm_out.forward(h))
 
 
@@ -143,7 +144,9 @@ class DecodePlan:
             name = next((n for n, m in parent.named_children() if m is module), None)
             if name is not None:
                 self.placed.append((parent, name, module))
-        self.stepping = {type(m) for m in mixers.values() if callable(getattr(m, "step", None))}  # mixer kinds with a one-token step
+        self.stepping = {i for i, m in mixers.items() if callable(getattr(m, "step", None))}  # layers whose mixer has a one-token step
+        self.cache_class = type(model.new_cache())  # the student's own cache (its remote-code copy's, for one)
+        self.context = model.mixer_context
         # modules whose __call__ (and so whose hooks) the plan skips: they must have none
         self.skipped = [model, self.base, inner, *layers] + [m for _, _, m in self.placed if not isinstance(m, nn.ModuleList)]
         self.compiled = None  # a CompiledStep (opt-in: ``compile_step``)
@@ -276,14 +279,27 @@ class DecodePlan:
             return f"{type(self.base).__name__}'s logits are not lm_head(norm(embed_tokens(ids))) (soft-capped as its config says) around its layers"
         return None
 
-    def logits(self, x: torch.Tensor, traced_parts: int = 0) -> torch.Tensor:
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
         """lm_head(norm(x)), tanh soft-capped where the config asks for it (Gemma 2)."""
-        logits = call_linear(self.head, self.norm.forward(x), traced_parts)
+        logits = call_linear(self.head, self.norm.forward(x))
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
     # -- running ----------------------------------------------------------------------------
+    def takes(self, input_ids, attention_mask, cache, inputs_embeds, labels, use_cache, logits_to_keep, kwargs: dict) -> bool:
+        """Can the plan answer this call of the student's forward (its arguments; ``cache`` the
+        one it was given under either name, ``kwargs`` the rest)?"""
+        if input_ids is None or inputs_embeds is not None or labels is not None or input_ids.shape[1] != 1:
+            return False
+        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask[:, -1:].all()):
+            return False  # padding in the new token
+        if use_cache is None:
+            use_cache = getattr(self.base.config, "use_cache", True)
+        if not use_cache or not isinstance(logits_to_keep, int) or not isinstance(cache, self.cache_class):
+            return False
+        return self.usable(cache, kwargs)
+
     def usable(self, cache, kwargs: dict) -> bool:
         if any(k not in _ALLOWED_KWARGS for k in kwargs) or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
             return False
@@ -314,6 +330,7 @@ class DecodePlan:
                 cache_position = torch.arange(seen, seen + 1, device=x.device)
             position_ids = cache_position[None].expand(x.shape[0], -1)
         pes = self.position_embeddings(x, position_ids)
+        self.context.padding_mask = None  # (what the student's forward publishes for an unpadded token)
         compiled = self.compiled
         if compiled is not None and compiled.ready(cache):
             logits = compiled(x, pes, cache)
@@ -324,7 +341,7 @@ class DecodePlan:
             mixer = step.mixer
             h = step.norm_in.forward(x)
             pe = None if step.rope is None else pes[step.rope]
-            if mixer.__class__ in self.stepping and mixer.can_step(layer):
+            if step.index in self.stepping and mixer.can_step(layer):
                 y = mixer.step_layer(h, pe, layer)
             else:
                 y = mixer.forward(h, position_embeddings=pe, cache=cache)[0]
@@ -333,19 +350,26 @@ class DecodePlan:
 
 
 def enable_decode_plan(model, compile: bool = False) -> bool:
-    """Build ``model``'s ``DecodePlan`` (an ``Attn2SSMForCausalLM``; kept in its ``__dict__``, where
-    its forward looks for it). False, with the reason in ``model.decode_plan_reason``, when its
-    structure does not allow one. ``compile``: its layers also run as one ``torch.compile``d
-    function (decode/compiled.py; the reason it cannot, if so, in ``model.compiled_step_reason``).
-    True when something was added."""
-    plan, added = model.__dict__.get("_decode_plan"), False
+    """Give ``model`` (an ``Attn2SSMForCausalLM``, or one loaded as remote code) a ``DecodePlan``:
+    the plan kept in its ``__dict__`` and the decode-mode class whose forward asks it (model.py).
+    The one way to a plan (``cpu_decode_layout`` calls it). No plan, with the reason in
+    ``model.decode_plan_reason``, when the model's structure does not allow one. ``compile``: its
+    layers also run as one ``torch.compile``d function (decode/compiled.py; the reason it cannot,
+    if so, in ``model.compiled_step_reason``). True when something was added."""
+    added = attach_student(model, causal_lm=True)
+    plan = model.__dict__.get("_decode_plan")
     if plan is None:
         plan, model.decode_plan_reason = DecodePlan.build(model)
         model.__dict__["_decode_plan"] = plan
-        added = plan is not None
+        added = added or plan is not None
     if compile and plan is None:
         model.compiled_step_reason = f"no decode plan: {model.decode_plan_reason}"
     elif compile and plan.compiled is None:
         model.compiled_step_reason = plan.compile_step()
         added = added or plan.compiled is not None
     return added
+
+
+def disable_decode_plan(model) -> bool:
+    """Drop ``model``'s plan (its class is put back by ``undo_cpu_decode_layout``). True if it had one."""
+    return model.__dict__.pop("_decode_plan", None) is not None

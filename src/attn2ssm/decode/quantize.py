@@ -94,8 +94,9 @@ def apply_weight_format(model: nn.Module, dtype: str | None = "float32", quantiz
     how many linear layers were quantised and the bytes a one-token step reads (``weight_bytes``)."""
     torch_dtype, quantize = check_weight_format(dtype, quantize)
     if torch_dtype == torch.bfloat16:  # on a CPU without native bf16, prefill slows; one-token steps (memory-bound) do not
-        warn_if_slow_bf16(next(model.parameters()).device, "--dtype bfloat16",
-                          "prompts (prefill) and perplexity windows run that much slower; one-token decode steps read half the bytes and are not slowed")  # fmt: skip
+        with torch.enable_grad():  # (a first probe, not yet cached on disk, times a backward)
+            warn_if_slow_bf16(next(model.parameters()).device, "--dtype bfloat16",
+                              "prompts (prefill) and perplexity windows run that much slower; one-token decode steps read half the bytes and are not slowed")  # fmt: skip
     if torch_dtype != torch.float32:
         for module in model.modules():  # parameters only: buffers (RoPE's inv_freq) keep their float32
             for name, param in module.named_parameters(recurse=False):

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from attn2ssm.hf_compat import explicit_cache
-from attn2ssm.decode.fusion import FusedLinears, call_linear, drop_fusions, is_plain_linear
-from attn2ssm.ops.rope import apply_rotary, apply_rotary_full, signed_sin
+from attn2ssm.ops.rope import apply_rotary
 
 
 @dataclass
@@ -28,17 +27,6 @@ class MixerContext:
 
     padding_mask: torch.Tensor | None = None  # (b, l) 1 = real token, for the tokens of this forward
     cache: object | None = None  # the student cache of this forward (None: no cache)
-    _rope_sin: torch.Tensor | None = None  # the last step's sin and its signed copy (see rope_step)
-    _rope_signed: torch.Tensor | None = None
-
-    def rope_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, traced: bool = False) -> torch.Tensor:
-        """``apply_rotary_full`` with the signed sin made once per forward (every mixer of a
-        model gets the same sin tensor; not inside a compiled step, ``traced``, which fuses it anyway)."""
-        if traced:
-            return apply_rotary_full(x, cos, sin)
-        if self._rope_sin is not sin:
-            self._rope_sin, self._rope_signed = sin, signed_sin(sin)
-        return apply_rotary_full(x, cos, sin, self._rope_signed)
 
 
 class HeadRMSNorm(nn.Module):
@@ -66,7 +54,7 @@ def _record_inputs(mixer, args, kwargs):
 class AttentionLikeMixer(nn.Module):
     """Base class: holds q/k/v/o in the teacher's geometry and parses the HF call."""
 
-    # Linear layers that read the mixer's input; ``fuse_input_linears`` makes them one matmul.
+    # Linear layers that read the mixer's input (``project_inputs``)
     input_linears: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, geometry: dict, layer_idx: int):
@@ -109,32 +97,15 @@ class AttentionLikeMixer(nn.Module):
             if mine is not None and theirs is not None:
                 mine.weight.copy_(theirs.weight)
 
-    def _apply(self, fn, recurse=True):  # .to() / .half(): fused buffers would pin the old storage
-        drop_fusions(self)
-        return super()._apply(fn, recurse)
-
     # -- shared projections ------------------------------------------------------------------
-    def fuse_input_linears(self) -> bool:
-        """Make ``input_linears`` row blocks of one buffer (values unchanged, no extra memory);
-        inference steps then read them with one matmul. Called by ``cpu_decode_layout``."""
-        names = [n for n in self.input_linears if getattr(self, n, None) is not None]
-        linears = [getattr(self, n) for n in names]
-        if len(linears) < 2 or not all(is_plain_linear(lin) for lin in linears):
-            return False
-        self.__dict__["_fused_inputs"] = FusedLinears(self, names, linears)  # not a submodule: no state-dict entry
-        return True
-
-    def project_inputs(self, x: torch.Tensor, traced_parts: int = 0) -> dict:
-        """name → output of every ``input_linears`` layer on x (None for an absent one); one
-        fused matmul at inference when ``fuse_input_linears`` ran and still holds.
-        ``traced_parts``: see ``step``."""
-        fused = self.__dict__.get("_fused_inputs")
-        if fused is not None and not torch.is_grad_enabled() and fused.valid(trusted=traced_parts > 0):
-            return dict.fromkeys(self.input_linears) | dict(zip(fused.names, fused(x, traced_parts)))
+    def project_inputs(self, x: torch.Tensor) -> dict:
+        """name → output of every ``input_linears`` layer on x (None for an absent one). Each
+        layer reads x by itself here; CPU decode mode (``attn2ssm.decode``) reads them with one
+        matmul instead."""
         out = {}
-        for name in self.input_linears:  # (a loop, not a comprehension: a compiled step traces this)
+        for name in self.input_linears:
             linear = getattr(self, name, None)
-            out[name] = None if linear is None else call_linear(linear, x, traced_parts)
+            out[name] = None if linear is None else linear(x)
         return out
 
     def project_heads(self, x: torch.Tensor, position_embeddings=None, inputs: dict | None = None):
@@ -157,19 +128,11 @@ class AttentionLikeMixer(nn.Module):
             k = apply_rotary(k.transpose(1, 2), cos, sin, self.rotary_dim).transpose(1, 2)
         return q, k, v
 
-    def kv_index(self, device) -> torch.Tensor:
-        """(num_heads,) kv head of each query head (j // groups), cached per device."""
-        cached = self.__dict__.get("_kv_index")
-        if cached is None or cached.device != torch.device(device):
-            cached = torch.arange(self.num_heads, device=device) // (self.num_heads // self.num_kv_heads)
-            self.__dict__["_kv_index"] = cached
-        return cached
-
     def repeat_kv(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Repeat kv heads over their query group along ``dim`` (GQA: query head j reads kv head j // groups)."""
         if self.num_heads == self.num_kv_heads:
             return t
-        return t.index_select(dim, self.kv_index(t.device))
+        return t.repeat_interleave(self.num_heads // self.num_kv_heads, dim=dim)
 
     def project_qkv(self, x: torch.Tensor, position_embeddings=None, inputs: dict | None = None):
         """x (b, l, hidden) → q (b, h, l, d), k and v (b, h, l, d) with kv heads repeated (GQA)."""
@@ -184,23 +147,17 @@ class AttentionLikeMixer(nn.Module):
 
     # -- one token against the carried states -------------------------------------------------
     # A mixer with a recurrent step defines
-    #     step(u, position_embeddings, states, mask=None, seen=None, traced_parts=0) -> (y, new states)
-    # u (b, 1, hidden) → y (b, 1, hidden) and {state name: new state}. It is the mixer's ONE
-    # one-token path: its forward runs it for every one-token call with states (padded or not),
-    # and so do the decode plan and the compiled step (attn2ssm.decode). ``mask`` (b, 1): 1 where
-    # the row's token is real; a padded row's recurrent state is left as it was (its conv window
-    # takes a zero, as in the chunked form, ops/conv.py) and its output is whatever is cheapest.
-    # ``seen``: tokens before this one (read only by position-aware feature maps). ``traced_parts``
-    # > 0 only inside a compiled step's trace: products as that many row blocks, every fusion
-    # checked by the caller just before, states returned new rather than updated in place.
+    #     step(u, position_embeddings, states, mask=None, seen=None) -> (y, new states)
+    # u (b, 1, hidden) → y (b, 1, hidden) and {state name: new state}: its recurrence for one token,
+    # as its paper writes it. It is the mixer's ONE one-token path: its forward runs it for every
+    # one-token call with states (padded or not), and so do a cache rollback's replay and the decode
+    # plan. ``mask`` (b, 1): 1 where the row's token is real; a padded row's recurrent state is left
+    # as it was (its conv window takes a zero, as in the chunked form, ops/conv.py) and its output is
+    # whatever is cheapest. ``seen``: tokens before this one (read only by position-aware feature
+    # maps). The states passed in are left as they were.
     def can_step(self, layer) -> bool:
         """Can ``step`` take one token with this cache layer's states? (False: no step.)"""
         return False
-
-    def can_trace_step(self, layer) -> bool:
-        """Can a compiled decode step trace ``step`` for this cache layer? (Not while a bridge stage
-        collects B/C: its sink is outside the graph.)"""
-        return self.can_step(layer) and getattr(self, "bc_sink", None) is None
 
     def step_layer(self, hidden_states, position_embeddings, layer, mask=None):
         """``step`` against ``layer``'s states, then the new states stored and the token counted."""

@@ -1,5 +1,5 @@
 """Bidirectional Mamba (Vision Mamba, "Vim" v2 block) as a drop-in for a vision transformer's
-attention module (ViT / DeiT ``layer.attention``), for paper 003's vision half (CAB §3.3).
+attention module (ViT / DeiT ``layer.attention``), for CAB's vision half (CAB §3.3).
 
 Per layer, with u the (normed) layer input in the teacher's token order [prefix tokens, patches]:
 
@@ -11,18 +11,18 @@ Per layer, with u the (normed) layer input in the teacher's token order [prefix 
     y   = (scan_fw + flip(scan_bw(flip ·))) / 2 · SiLU(z)     (ops/bidirectional.py; Vim's if_divide_out)
     out = out_proj(y)
 
-Class token (CAB §3.3 leaves it open; paper 003 notes §1.5): DeiT keeps its prefix token(s) at
+Class token (CAB §3.3 leaves it open): DeiT keeps its prefix token(s) at
 index 0, Vim puts its class token in the middle of the patches. ``cls_position: middle`` moves
 the ``num_prefix_tokens`` prefix tokens to the middle of the scan order (Vim) and everything —
 output, and the B/C handed to CAB's bridges — back to the teacher's order afterwards, so the
 alignment is token to token, class token to class token. ``first`` scans in the teacher's order.
 
-``A_init`` (paper 003, Table 5): every A starts at that small negative value (Ā = exp(ΔA) ≈ I);
+``A_init`` (CAB, Table 5): every A starts at that small negative value (Ā = exp(ΔA) ≈ I);
 None is Vim's S4D-real init A = −(1, …, d_state) per channel.
 
-``bc_sink``: set by the vision CAB stage; called once per forward with
-``{"fw": (B, C), "bw": (B, C)}``, each (b, l, 1, d_state) in the teacher's token order (the
-backward ones flipped back), continuous-time (before Δ), as CAB aligns them (paper 003, L202).
+``bc_tap`` (mixers/taps.py): called once per forward with B_fw, C_fw, B_bw, C_bw, each
+(b, l, 1, d_state) in the teacher's token order (the backward ones flipped back), continuous-time
+(before Δ), as CAB aligns them (CAB, L202); the vision CAB stage hooks it.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.ssm_common import A_log_identity, CausalConv, dt_bias_init
+from attn2ssm.mixers.taps import Tap
 from attn2ssm.ops.bidirectional import bidirectional_scan_chunked
 from attn2ssm.ops.conv import causal_conv1d
 
 CLS_POSITIONS = ("middle", "first")
-DIRECTIONS = ("fw", "bw")
 
 
 class _Direction(nn.Module):
@@ -88,7 +88,7 @@ class BiMambaMixer(nn.Module):
         self.fw = _Direction(self.d_inner, d_state, self.dt_rank, d_conv)
         self.bw = _Direction(self.d_inner, d_state, self.dt_rank, d_conv)
         self.out_proj = nn.Linear(self.d_inner, self.hidden_size, bias=False)
-        self.bc_sink = None
+        self.bc_tap = Tap()  # shows B and C of both directions to a stage that hooks it (CAB)
         self.init_new_parameters()
 
     # the student calls this after the family's weight init (which would reset Δ, A, D, conv)
@@ -99,7 +99,7 @@ class BiMambaMixer(nn.Module):
             bound = self.dt_rank**-0.5
             d.dt_proj.weight.uniform_(-bound, bound)
             d.dt_proj.bias.copy_(dt_bias_init(self.d_inner, *self.dt_range))
-            if self.A_log_init is not None:  # A ≈ 0, Ā ≈ I (paper 003)
+            if self.A_log_init is not None:  # A ≈ 0, Ā ≈ I (as CAB)
                 d.A_log.fill_(self.A_log_init)
             else:  # S4D-real: A = −(1, …, N) for every channel (Vim's default)
                 d.A_log.copy_(torch.log(torch.arange(1, self.d_state + 1, dtype=torch.float32)).expand_as(d.A_log))
@@ -135,8 +135,7 @@ class BiMambaMixer(nn.Module):
         fw = self._direction(self.fw, x)
         flipped = self._direction(self.bw, x.flip(1))  # the backward branch in its own (flipped) order
         bw = tuple(t.flip(1) if i in (0, 1, 3, 4) else t for i, t in enumerate(flipped))  # back to scan order
-        if self.bc_sink is not None:
-            self.bc_sink({name: (self._to_teacher(d[3], order), self._to_teacher(d[4], order)) for name, d in zip(DIRECTIONS, (fw, bw))})
+        self.bc_tap(*(self._to_teacher(t, order) for d in (fw, bw) for t in (d[3], d[4])))  # B_fw, C_fw, B_bw, C_bw
         y = bidirectional_scan_chunked(fw, bw, chunk_size=self.chunk_size).reshape(b, l, self.d_inner)
         y = (0.5 * y).to(z.dtype) * F.silu(z)
         out = self.out_proj(y)

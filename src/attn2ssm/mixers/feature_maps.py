@@ -10,7 +10,7 @@ A_ij = K(q_i, k_j) / Σ_m K(q_i, k_m), so only the *kernel* has to be non-negati
 returns non-negative features except ``taylor``, whose features are signed but whose kernel
 1 + s + s²/2 is always > 0.
 
-Maps (see the Hedgehog notes, /work/shared/papers/notes/002.md §1.3–1.5):
+Maps (Hedgehog, Zhang et al. 2024, and the maps it compares against):
 
 ========= ============================================ ============= ===========
 name      φ(x)                                         f             trainable
@@ -29,8 +29,8 @@ Dtypes: the exp-family maps (``hedgehog``, ``performer``, ``exp_t``) compute in 
 float32 — their values span many orders of magnitude (fp16 overflows at e^11) and the
 linear-attention ops compute in float32 anyway. The other maps return the input dtype.
 
-This module is copied flat into exported checkpoints (``student/export.py``): import only torch,
-the standard library and ``from attn2ssm.… import …``.
+This module is copied flat into every saved student (``student/remote_code.py``): import only
+torch, the standard library and ``from attn2ssm.… import …``.
 """
 
 from __future__ import annotations
@@ -136,12 +136,12 @@ class HedgehogMap(nn.Module):
 
         * ``"softmax"`` — ONE joint softmax over the 2·feature_dim values [z, −z]
           (max-subtracted, so it never overflows). This is Eq. 5 ∘ Eq. 6 of the paper and the
-          notes' recommended default (fla's ``HedgehogFeatureMap`` is the same form on [2z, −2z]).
+          recommended default (fla's ``HedgehogFeatureMap`` is the same form on [2z, −2z]).
         * ``"exp"`` — raw [e^z, e^−z] as in the paper's Listing (Eq. 6), no normalisation.
           z is clamped to ±30 before exp to guard overflow (exact inside the clamp).
         * ``"softmax_half"`` — [softmax(z), softmax(−z)], one softmax per half (LoLCATs style).
 
-    Why they differ (notes §1.3): the joint softmax is exactly the raw-exp features divided by a
+    Why they differ: the joint softmax is exactly the raw-exp features divided by a
     per-token scalar Z(x) = Σe^z + Σe^−z. On *queries* Z cancels in the row normalisation of the
     attention weights (numerics only); on *keys* it reweights key j by 1/Z(k_j), so the attention
     weights change. The per-half softmax additionally rescales the two halves independently, which
@@ -172,27 +172,6 @@ class HedgehogMap(nn.Module):
             return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1)
         z = z.clamp(-_EXP_CLAMP, _EXP_CLAMP)
         return torch.cat([torch.exp(z), torch.exp(-z)], dim=-1)
-
-    def step(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` for one token in fewer ops (decode): x (b, h, d) → (b, h, f) float32."""
-        if self.activation != "softmax":
-            return self.forward(x[:, :, None])[:, :, 0]
-        return hedgehog_softmax_step(x, self.weight, self.bias)
-
-
-def hedgehog_softmax_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Softmax-Hedgehog features of one token: x (b, H, d), weight (H, d, p), bias (H, p) →
-    (b, H, 2p) float32. H may stack several maps' heads (a mixer's query and key maps at once)."""
-    b, heads, d = x.shape
-    if x.dtype != weight.dtype:  # (skipping no-op casts: a decode step is op-count bound)
-        x = x.to(weight.dtype)
-    if b == 1:  # views, no transposed (strided) operands: the common decode case
-        z = torch.baddbmm(bias.view(heads, 1, -1), x.reshape(heads, 1, d), weight).view(1, heads, -1)
-    else:
-        z = torch.baddbmm(bias[:, None, :], x.transpose(0, 1), weight).transpose(0, 1)  # (H, b, p) → (b, H, p)
-    if z.dtype != torch.float32:
-        z = z.float()
-    return torch.softmax(torch.cat([z, -z], dim=-1), dim=-1)
 
 
 class T2RMap(nn.Module):
@@ -243,7 +222,7 @@ class TaylorMap(nn.Module):
 
     The features are SIGNED (x' and x'_i x'_j can be negative); only the kernel is positive
     (1 + s + s²/2 ≥ 1/2), which is all normalised linear attention needs. The kernel is monotone in
-    s only for s > −1 (notes §1.4). f grows as d²: 4161 for d = 64, 16513 for d = 128.
+    s only for s > −1. f grows as d²: 4161 for d = 64, 16513 for d = 128.
     Returns the input dtype.
     """
 

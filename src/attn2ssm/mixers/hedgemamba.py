@@ -1,4 +1,4 @@
-"""HedgeMamba (paper 000, Eqs. 8–10, App. B): Hedgehog linear attention inside a Mamba block.
+"""HedgeMamba (Attention-to-Mamba, Eqs. 8–10, App. B): Hedgehog linear attention inside a Mamba block.
 
 B ← φ_k(W_K u), C ← φ_q(W_Q u), SSM input ← W_V u, plus Mamba's extras — a learned decay Λ,
 a causal depthwise conv and a SiLU output gate — each initialised to the identity, so at init
@@ -31,7 +31,7 @@ Identity init (``init_new_parameters``) and the choices behind it:
   * conv: last tap 1, other taps and bias 0 (``CausalConv``); gate: zero weight, bias SiLU⁻¹(1).
 All of them get non-zero gradients at init, so Stage 2 moves them off the identity.
 
-Where the paper is ambiguous (notes 000 §1.6) the choice is an option:
+Where the paper is ambiguous the choice is an option:
   * ``rope``: ``before_map`` (default; as ``LinearAttentionMixer``, Hedgehog, LoLCATs — needed for
     the exact match with a Stage-1 linear-attention student), ``after_map`` (the paper's Lst. 2:
     rotate the first ``rotary_dim`` *features*; the kernel can then turn negative and the
@@ -56,7 +56,6 @@ from torch import nn
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.feature_maps import build_feature_map
-from attn2ssm.decode.fusion import call_linear
 from attn2ssm.mixers.ssm_common import CausalConv, apply_conv, init_shared_parameters, store_states
 from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
 from attn2ssm.ops.rope import apply_rotary
@@ -70,7 +69,7 @@ ROPE_PLACEMENTS = ("before_map", "after_map", "none")
 
 class HedgeMambaMixer(AttentionLikeMixer):
     mixer_type = "hedgemamba"
-    # q/k/v and Δ read the conv output; the gate reads the layer input (not fused)
+    # q/k/v and Δ read the conv output; the gate reads the layer input, so it is not one of them
     input_linears = ("q_proj", "k_proj", "v_proj", "dt_proj")
     # forward_quadratic's matrix is normalised attention (rows sum to 1), like linear attention's
     normalized_weights = True
@@ -142,25 +141,25 @@ class HedgeMambaMixer(AttentionLikeMixer):
             fq, fk = apply_rotary(fq, cos, sin, self.rotary_dim), apply_rotary(fk, cos, sin, self.rotary_dim)
         return fq.transpose(1, 2), fk.transpose(1, 2), v.transpose(1, 2)
 
-    def _scan_inputs(self, x, v, inputs=None, traced_parts: int = 0):
+    def _scan_inputs(self, x, v, inputs=None):
         """(log-decay a (b, l, h) ≤ 0, scan input Δ·[v; 1] (b, l, h, d + 1) in float32, Δ or None)."""
         b, l, h, _ = v.shape
         ones = v.new_ones(b, l, h, 1, dtype=torch.float32)
         xv = torch.cat([v.float(), ones], dim=-1)  # Eq. 10: the ones channel carries the denominator
         if self.dt_proj is None:
             return xv.new_zeros(b, l, h), xv, None
-        dt = F.softplus((call_linear(self.dt_proj, x, traced_parts) if inputs is None else inputs["dt_proj"]).float())  # (b, l, h)
+        dt = F.softplus((self.dt_proj(x) if inputs is None else inputs["dt_proj"]).float())  # (b, l, h)
         A = self.A.float()
         A = A - A.detach().clamp_min(0.0)  # forward min(A, 0), straight-through gradient
         return dt * A, xv * dt[..., None], dt
 
-    def _output(self, y, u, traced_parts: int = 0):
+    def _output(self, y, u):
         """Scan output y (b, l, h, d + 1) → o_proj(normalised y ⊙ gate)."""
         y = y[..., :-1] / (y[..., -1:] + self.eps)  # Eq. 9, same eps convention as linear attention
         y = y.to(u.dtype).flatten(2)
         if self.gate is not None:
-            y = y * F.silu(call_linear(self.gate, u, traced_parts))
-        return call_linear(self.o_proj, y, traced_parts)
+            y = y * F.silu(self.gate(u))
+        return self.o_proj(y)
 
     # -- forward forms ---------------------------------------------------------------------
     def features(self, hidden_states, position_embeddings=None, offset: int = 0):
@@ -191,30 +190,25 @@ class HedgeMambaMixer(AttentionLikeMixer):
         weights = M / (y[..., -1].transpose(1, 2)[..., None] + self.eps)  # row sums = denominators
         return self._output(y, hidden_states), weights
 
-    def step(self, u, position_embeddings, states: dict, mask=None, seen: int | None = None, traced_parts: int = 0):
-        """One token against the carried states (see ``AttentionLikeMixer``): (output, {state name:
-        new state}); the old states are kept (a rollback snapshot may hold them)."""
+    def step(self, u, position_embeddings, states: dict, mask=None, seen: int | None = None):
+        """One token against the carried states (see ``AttentionLikeMixer``), the recurrence of the
+        module docstring: (output, {"ssm": S_t, "conv": its window})."""
         new = {}
         m = None if mask is None else mask.to(torch.float32).view(-1, 1, 1)
         x = u if m is None else u * m.to(u.dtype)  # a padded token enters the conv window as 0 (as the chunked form)
         if self.conv is not None:
             x, new["conv"] = causal_conv1d_step(x[:, 0], self.conv.weight, self.conv.bias, states["conv"])
             x = x[:, None]
-        inputs = self.project_inputs(x, traced_parts)
+        inputs = self.project_inputs(x)
         C, B, v = self._features(x, position_embeddings, seen, inputs)
-        a, xv, _ = self._scan_inputs(x, v, inputs, traced_parts)
+        a, xv, _ = self._scan_inputs(x, v, inputs)
         if m is not None:  # and leaves the state alone: decay 1, no input
             a, xv = a * m, xv * m[..., None]
         y, new["ssm"] = ssd_step(xv[:, 0], a[:, 0], B[:, 0].float(), C[:, 0].float(), states["ssm"])
-        return self._output(y[:, None], u, traced_parts), new
+        return self._output(y[:, None], u), new
 
     def can_step(self, layer) -> bool:
         return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
-
-    def can_trace_step(self, layer) -> bool:
-        """Not with a position-aware feature map: the trace must not read ``seen``."""
-        maps = (self.feature_map_q, self.feature_map_k)
-        return super().can_trace_step(layer) and not any(getattr(m, "uses_positions", False) for m in maps)
 
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape

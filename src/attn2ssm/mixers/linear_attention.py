@@ -14,43 +14,13 @@ import torch
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.mixers.feature_maps import HedgehogMap, build_feature_map, hedgehog_softmax_step
-from attn2ssm.decode.fusion import ParamStack, call_linear
+from attn2ssm.mixers.feature_maps import build_feature_map
 from attn2ssm.ops.linear_attention import (
     linear_attention_chunked,
     linear_attention_quadratic,
     linear_attention_step,
     window_linear_attention,
 )
-from attn2ssm.ops.rope import apply_rotary
-
-
-class StackedMaps:
-    """A mixer's query and key Hedgehog maps with their weights and biases stacked (one buffer
-    each, ``ParamStack``): a decode step computes both maps' features in one matmul. Used only
-    while both maps are still the mixer's, hook-free, and their parameters where they were put."""
-
-    def __init__(self, owner, maps):
-        self.owner, self.maps = owner, maps
-        self.weight, self.bias = ParamStack([m.weight for m in maps]), ParamStack([m.bias for m in maps])
-
-    def valid(self, trusted: bool = False) -> bool:
-        if trusted:  # a compiled step checked it just before the call
-            return True
-        modules = self.owner._modules
-        if modules.get("feature_map_q") is not self.maps[0] or modules.get("feature_map_k") is not self.maps[1]:
-            return False
-        if any(m._forward_hooks or m._forward_pre_hooks for m in self.maps):
-            return False
-        return self.weight.valid() and self.bias.valid()
-
-    def release(self) -> None:
-        self.weight.release()
-        self.bias.release()
-
-    def rebuild(self) -> None:
-        self.weight.rebuild()
-        self.bias.rebuild()
 
 
 class LinearAttentionMixer(AttentionLikeMixer):
@@ -119,81 +89,20 @@ class LinearAttentionMixer(AttentionLikeMixer):
         y, weights = linear_attention_quadratic(fq, fk, v, mask, eps=self.eps)
         return self.merge_heads(y), weights
 
-    def _step_features(self, fmap, x, seen: int):
-        step = getattr(fmap, "step", None)
-        if step is not None:
-            return step(x)
-        if seen is None and getattr(fmap, "uses_positions", False):
-            raise ValueError(f"{type(fmap).__name__} needs the token's position: pass step(..., seen=)")
-        positions = None if seen is None else torch.arange(seen, seen + 1, device=x.device)  # position-aware maps
-        return fmap(x[:, :, None], positions)[:, :, 0].float()
-
-    def fuse_input_linears(self) -> bool:
-        """Also stack the query and key Hedgehog maps' parameters (one buffer each for weights
-        and biases, values unchanged): a decode step then computes both maps' features in one
-        matmul and one softmax."""
-        fused = super().fuse_input_linears()
+    def step(self, hidden_states, position_embeddings, states: dict, mask=None, seen: int | None = None):
+        """One token against the carried state (see ``AttentionLikeMixer``):
+            S_t = S_{t−1} + φ(k_t) v_tᵀ,   z_t = z_{t−1} + φ(k_t),   y_t = φ(q_t)ᵀ S_t / (φ(q_t)ᵀ z_t + eps)
+        → (output, {"linear": new state}). ``seen`` is read only by a position-aware feature map."""
         maps = (self.feature_map_q, self.feature_map_k)
-        if self.__dict__.get("_fused_maps") is None and all(type(m) is HedgehogMap and m.activation == "softmax" for m in maps):
-            self.__dict__["_fused_maps"] = StackedMaps(self, maps)
-            fused = True
-        return fused
-
-    def _qk_index(self, device) -> torch.Tensor:
-        """(2h,) rows of the (h + kv) roped q/k heads: every query head, then each one's key head."""
-        cached = self.__dict__.get("_qk_rows")
-        if cached is None or cached.device != torch.device(device):
-            cached = torch.cat([torch.arange(self.num_heads, device=device), self.num_heads + self.kv_index(device)])
-            self.__dict__["_qk_rows"] = cached
-        return cached
-
-    def step(self, hidden_states, position_embeddings, states: dict, mask=None, seen: int | None = None, traced_parts: int = 0):
-        """One token against the carried state (see ``AttentionLikeMixer``) in as few ops as the
-        math allows — q and k roped together, both feature maps in one matmul when they are
-        stacked (``fuse_input_linears``): (output, {state name: new state}). An eager step updates
-        the state in place (the cache owns it: rollback snapshots and benchmark copies are
-        clones); a traced one returns a new one. ``seen`` is read only by a position-aware
-        feature map (see ``can_trace_step``)."""
-        b = hidden_states.shape[0]
-        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        traced = traced_parts > 0
-        fused = self.__dict__.get("_fused_inputs")
-        if fused is not None and fused.valid(trusted=traced):  # rows q | k | v (input_linears' order)
-            qkv = fused.matmul(hidden_states, traced_parts)
-        else:
-            qkv = torch.cat([call_linear(getattr(self, n), hidden_states, traced_parts) for n in ("q_proj", "k_proj", "v_proj")], -1)
-        qkv = qkv.view(b, h + 2 * kv, d)
-        qk, v = qkv[:, : h + kv], qkv[:, h + kv :]
-        if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], 1)
-        if self.use_rope and position_embeddings is not None and self.rotary_dim:
-            if self.rotary_dim == d:
-                qk = self.context.rope_step(qk, *position_embeddings, traced=traced)
-            else:  # partial rotary (Phi, GPT-NeoX): the general form over (b, heads, 1, d)
-                qk = apply_rotary(qk[:, :, None], *position_embeddings, self.rotary_dim)[:, :, 0]
-        heads = qk.index_select(1, self._qk_index(qk.device))  # (b, 2h, d): q heads, then k heads repeated
-        maps = self.__dict__.get("_fused_maps")
-        if maps is not None and maps.valid(trusted=traced):
-            features = hedgehog_softmax_step(heads, maps.weight.buffer, maps.bias.buffer)
-            fq, fk = features[:, :h], features[:, h:]
-        else:
-            fq = self._step_features(self.feature_map_q, heads[:, :h], seen)
-            fk = self._step_features(self.feature_map_k, heads[:, h:], seen)
-        v = self.repeat_kv(v, 1).float()
+        if seen is None and any(getattr(m, "uses_positions", False) for m in maps):
+            raise ValueError(f"{type(self.feature_map_q).__name__} needs the token's position: pass step(..., seen=)")
+        _, _, v, fq, fk = self._qkv_features(hidden_states, position_embeddings, offset=0 if seen is None else seen)
+        fq, fk, v = fq[:, :, 0], fk[:, :, 0], v[:, :, 0]  # (b, h, ·)
         if mask is not None:  # a padded token adds nothing to the state
-            m = mask.to(torch.float32).view(-1, 1, 1)
-            fk, v = fk * m, v * m
-        # in place in eager steps (no allocation); a traced step returns new states (no copy-back)
-        y, state = linear_attention_step(fq, fk, v, states["linear"], eps=self.eps, inplace=not traced)
-        if y.dtype != hidden_states.dtype:
-            y = y.to(hidden_states.dtype)
-        return call_linear(self.o_proj, y.view(b, 1, h * d), traced_parts), {"linear": state}
-
-    def can_trace_step(self, layer) -> bool:
-        """Can a compiled decode step trace ``step`` for this cache layer? (Not with a
-        position-aware feature map: the trace must not read ``seen``.)"""
-        maps = (self.feature_map_q, self.feature_map_k)
-        return super().can_trace_step(layer) and not any(getattr(m, "uses_positions", False) for m in maps)
+            m = mask.view(-1, 1, 1)
+            fk, v = fk * m.to(fk.dtype), v * m.to(v.dtype)
+        y, state = linear_attention_step(fq, fk, v, states["linear"], eps=self.eps)
+        return self.merge_heads(y[:, :, None]), {"linear": state}
 
     def can_step(self, layer) -> bool:
         return not self.window and "linear" in layer.states

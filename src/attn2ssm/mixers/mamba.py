@@ -1,5 +1,5 @@
 """Mamba (selective scan, per-channel decay) as a drop-in for a teacher attention module,
-initialised from it (paper 004, Algorithm 1 and its Mamba-1 release).
+initialised from it ("Mamba in the Llama", Algorithm 1 and its Mamba-1 release).
 
 Weights: C ← W_Q (scaled by the teacher's 1/√d), B ← W_K, x ← W_V, out ← W_O, kept under the
 teacher's names (q_proj = C, k_proj = B, v_proj = x, o_proj = out). GQA: x and B keep the kv
@@ -7,7 +7,7 @@ width and are repeated over each query group; C keeps the query width. The value
 (h·head_dim of them) are split into groups of ``d_state``; group g reads the g-th d_state-wide
 slice of its head's key and query as B and C (``d_state`` is capped at head_dim; None means
 head_dim). ``d_state = head_dim`` gives one group per head —
-full linearised attention at init; ``d_state = 16`` (the default) is paper 004's released
+full linearised attention at init; ``d_state = 16`` (the default) is Mamba in the Llama's released
 layout (state = channels × 16). ``expand`` (N' in the paper) runs N' copies of each group with
 their own Δ and A and sums them: the state grows N'-fold.
 
@@ -16,7 +16,7 @@ Per token, with u the layer input:
     Δ = softplus(W_up W_down u + b_Δ)    (one per channel and copy; low-rank, from the layer input)
     h_t = exp(Δ_t A) ⊙ h_{t−1} + Δ_t B_t x_t,   y_t = C_t h_t + D ⊙ x_t,   out = W_O (y ⊙ SiLU(W_z u + b_z))
 
-``A_init`` (paper 003): every A starts at that small negative value instead, so exp(Δ·A) ≈ 1.
+``A_init`` (as CAB): every A starts at that small negative value instead, so exp(Δ·A) ≈ 1.
 
 ``sanity=True`` (needs expand 1): Δ = 1, A = 0, no conv / gate / D: y_t = Σ_{s≤t} (C_t·B_s) x_s,
 which with ``d_state = head_dim`` is linearised attention exactly.
@@ -32,8 +32,8 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.decode.fusion import call_linear
-from attn2ssm.mixers.ssm_common import A_log_identity, CausalConv, apply_conv, check_activation, dt_bias_init, emit_bc, init_shared_parameters, store_states
+from attn2ssm.mixers.ssm_common import A_log_identity, CausalConv, apply_conv, check_activation, dt_bias_init, init_shared_parameters, store_states
+from attn2ssm.mixers.taps import Tap
 from attn2ssm.ops.conv import causal_conv1d_step
 from attn2ssm.ops.selective_scan import selective_scan_chunked, selective_scan_step
 
@@ -64,7 +64,7 @@ class MambaMixer(AttentionLikeMixer):
         super().__init__(geometry, layer_idx)
         self.D_init = D_init
         self.A_log_init = A_log_identity("mamba", A_init)  # None: S4D-real
-        self.bc_sink = None  # set by CAB's bridge stage to read B and C (see ssm_common.emit_bc)
+        self.bc_tap = Tap()  # shows B and C to a stage that hooks it (CAB)
         d = self.head_dim
         d_state = min(d_state or d, d)  # capped at head_dim: a group never spans two heads
         if d % d_state:
@@ -72,7 +72,7 @@ class MambaMixer(AttentionLikeMixer):
         if expand < 1 or (sanity and expand != 1):
             raise ConfigError(f"mamba expand={expand} is not valid{' in sanity mode' if sanity else ''}", "use expand >= 1 (expand: 1 with sanity: true)")
         if rope not in ("none", "before"):
-            raise ConfigError(f"mamba option rope={rope!r} is not valid", "use rope: none (default, as paper 004) or before")
+            raise ConfigError(f"mamba option rope={rope!r} is not valid", "use rope: none (default, as Mamba in the Llama) or before")
         self.d_state, self.expand, self.sanity = d_state, expand, sanity
         self.use_rope, self.chunk_size = rope == "before", chunk_size
         self.scaling = geometry.get("scaling", d**-0.5)
@@ -101,7 +101,7 @@ class MambaMixer(AttentionLikeMixer):
             bound = self.dt_rank**-0.5
             self.dt_up.weight.uniform_(-bound, bound)
             self.dt_up.bias.copy_(dt_bias_init(self.expand * self.d_inner, *self.dt_range))
-            if self.A_log_init is not None:  # A ≈ 0: no decay at the start (paper 003)
+            if self.A_log_init is not None:  # A ≈ 0: no decay at the start (as CAB)
                 self.A_log.fill_(self.A_log_init)
             else:  # S4D-real: A = −(1, 2, …, N) along the state for every channel.
                 self.A_log.copy_(torch.log(torch.arange(1, self.d_state + 1, dtype=torch.float32)).expand_as(self.A_log))
@@ -112,40 +112,39 @@ class MambaMixer(AttentionLikeMixer):
         t = t.reshape(b, l, self.groups, self.d_state)
         return t.repeat(1, 1, self.expand, 1) if self.expand > 1 else t
 
-    def _scan_inputs(self, u, x, inputs=None, traced_parts: int = 0):
+    def _scan_inputs(self, u, x, inputs=None):
         """x (b, l, d_inner) after the conv → (x, Δ, A) in the scan's (b, l, G, p) layout."""
         b, l, _ = u.shape
         xg = self._groups(x)
         if self.sanity:
             return xg, torch.ones_like(xg), xg.new_zeros(self.groups, self.d_state, self.d_state)
         low = self.dt_down(u) if inputs is None else inputs["dt_down"]
-        dt = F.softplus(call_linear(self.dt_up, low, traced_parts).float()).to(x.dtype)
+        dt = F.softplus(self.dt_up(low).float()).to(x.dtype)
         dt = dt.reshape(b, l, self.expand * self.groups, self.d_state)
         return xg, dt, -torch.exp(self.A_log.float()).to(x.dtype)
 
     def _bc(self, u, position_embeddings, inputs=None):
+        """u → x (b, l, d_inner) before the conv, B and C (b, l, G, d_state)."""
         q, k, v = self.project_heads(u, position_embeddings if self.use_rope else None, inputs)
-        if self.bc_sink is not None:  # per-token B (b, l, kv, d) and C (b, l, h, d) for CAB's bridges
-            emit_bc(self, k, q * self.scaling)
+        C = q * self.scaling
+        self.bc_tap(k, C)  # per-token B (b, l, kv, d) before the GQA repeat and C (b, l, h, d)
         x = self.repeat_kv(v, 2).flatten(2)  # (b, l, d_inner)
-        B = self._groups(self.repeat_kv(k, 2).flatten(2))
-        C = self._groups((q * self.scaling).flatten(2))
-        return x, B, C
+        return x, self._groups(self.repeat_kv(k, 2).flatten(2)), self._groups(C.flatten(2))
 
-    def _output(self, y, x, u, inputs=None, traced_parts: int = 0):
+    def _output(self, y, x, u, inputs=None):
         b, l = y.shape[:2]
         y = y.reshape(b, l, self.expand, self.d_inner).sum(2)
         if self.D is not None:
             y = y + self.D.to(y.dtype) * x
         if self.gate is not None:
             y = y * F.silu(self.gate(u) if inputs is None else inputs["gate"])
-        return call_linear(self.o_proj, y, traced_parts)
+        return self.o_proj(y)
 
-    def step(self, u, position_embeddings, states: dict, mask=None, seen: int | None = None, traced_parts: int = 0):
-        """One token against the carried states (see ``AttentionLikeMixer``): (output, {state name:
-        new state}); the old states are kept (a rollback snapshot may hold them)."""
+    def step(self, u, position_embeddings, states: dict, mask=None, seen: int | None = None):
+        """One token against the carried states (see ``AttentionLikeMixer``), the recurrence of the
+        module docstring: (output, {"ssm": h_t, "conv": its window})."""
         new = {}
-        inputs = self.project_inputs(u, traced_parts)
+        inputs = self.project_inputs(u)
         x, B, C = self._bc(u, position_embeddings, inputs)
         m = None if mask is None else mask.view(-1, 1, 1)
         if m is not None:  # a padded token enters the conv window as 0 (as the chunked form)
@@ -153,11 +152,11 @@ class MambaMixer(AttentionLikeMixer):
         if self.conv is not None:
             x, new["conv"] = causal_conv1d_step(x[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation)
             x = x[:, None]
-        xg, dt, A = self._scan_inputs(u, x, inputs, traced_parts)
+        xg, dt, A = self._scan_inputs(u, x, inputs)
         if m is not None:  # and leaves the state alone: Δ = 0 (decay 1, no input)
             dt = dt * m[..., None].to(dt.dtype)
         y, new["ssm"] = selective_scan_step(xg[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], states["ssm"])
-        return self._output(y[:, None], x, u, inputs, traced_parts), new
+        return self._output(y[:, None], x, u, inputs), new
 
     def can_step(self, layer) -> bool:
         return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)

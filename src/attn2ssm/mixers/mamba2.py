@@ -1,16 +1,17 @@
-"""Mamba-2 (SSD) as a drop-in for a teacher attention module, initialised from it (paper 004).
+"""Mamba-2 (SSD) as a drop-in for a teacher attention module, initialised from it ("Mamba in the
+Llama").
 
-Attention → SSM weight mapping (paper 004, Fig. 1): C ← W_Q, B ← W_K, x ← W_V, out ← W_O, kept
+Attention → SSM weight mapping (Mamba in the Llama, Fig. 1): C ← W_Q, B ← W_K, x ← W_V, out ← W_O, kept
 under the teacher's names (``q_proj`` = C, ``k_proj`` = B, ``v_proj`` = x, ``o_proj`` = out) so
 LoRA targets and weight surgery read the same as for attention. C is also scaled by the
 teacher's 1/√d, so C·B is the teacher's attention logit. GQA: x and B keep the kv width and are
 repeated over each query group after the conv; C keeps the query width. One SSD head per query
 head with state (head_dim × head_dim) — the size of a linear-attention KV state. No RoPE by
-default (paper 004's mixers drop it; ``rope: before`` keeps it on B and C).
+default (Mamba in the Llama's mixers drop it; ``rope: before`` keeps it on B and C).
 
 Per token, with u the layer input (after the block's norm):
     x, B, C = conv([W_V u, W_K u, W_Q u / √d])          (depthwise causal, passes the token at init)
-    Δ = softplus(W_Δ u + b_Δ)  (one per head),  a = Δ·A,  A = −exp(A_log)   (A_init: A ≈ 0, paper 003)
+    Δ = softplus(W_Δ u + b_Δ)  (one per head),  a = Δ·A,  A = −exp(A_log)   (A_init: A ≈ 0, as CAB)
     h_t = exp(a_t)·h_{t−1} + (Δ_t x_t) ⊗ B_t,   y_t = h_t C_t + D ⊙ x_t
     out = W_O · norm(y ⊙ SiLU(W_z u + b_z))            (gated RMSNorm per head, optional)
 
@@ -25,11 +26,11 @@ layer has no in_proj bias, so only such students export exactly to GGUF (student
 Without a bias the gate cannot start at the identity (SiLU(0·u) = 0 would silence the mixer): its
 weight starts as ``nn.Linear``'s default (Kaiming-uniform), as mamba_ssm's does.
 
-``DiscreteMamba2Mixer`` is paper 001's Phi-Mamba mixer: no Δ, the decay is an input projection
-a_t = −softplus(W_a u_t + b_a) per head, no activation after the conv, no norm, D skip.
+MOHAWK's Phi-Mamba mixer, ``DiscreteMamba2Mixer`` (discrete_mamba2.py), is this mixer with the
+decay read from the input instead of Δ and A.
 
 ``sanity=True`` turns every addition off (Δ = 1, A = 0, no conv / gate / D / norm) and the
-mixer computes linearised attention exactly: y_t = Σ_{s≤t} (q_t·k_s/√d) v_s (paper 004 §1.3).
+mixer computes linearised attention exactly: y_t = Σ_{s≤t} (q_t·k_s/√d) v_s (Mamba in the Llama §1.3).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.decode.fusion import call_linear
 from attn2ssm.mixers.ssm_common import (
     A_log_identity,
     CausalConv,
@@ -49,18 +49,17 @@ from attn2ssm.mixers.ssm_common import (
     check_activation,
     check_norm_eps,
     dt_bias_init,
-    emit_bc,
     init_shared_parameters,
     store_states,
 )
+from attn2ssm.mixers.taps import Tap
 from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_state, causal_conv1d_step
 from attn2ssm.ops.ssd import ssd_chunked, ssd_quadratic, ssd_state, ssd_step
 
 
 class Mamba2Mixer(AttentionLikeMixer):
     mixer_type = "mamba2"
-    discrete = False
-    input_linears = ("q_proj", "k_proj", "v_proj", "gate", "dt_proj", "a_proj")
+    input_linears = ("q_proj", "k_proj", "v_proj", "gate", "dt_proj")
 
     def __init__(
         self,
@@ -86,9 +85,9 @@ class Mamba2Mixer(AttentionLikeMixer):
         super().__init__(geometry, layer_idx)
         self.D_init = D_init
         self.A_log_init = A_log_identity(self.mixer_type, A_init)  # None: A drawn from A_init_range
-        self.bc_sink = None  # set by CAB's bridge stage to read B and C (see ssm_common.emit_bc)
+        self.bc_tap = Tap()  # shows B and C, as the scan reads them, to a stage that hooks it (CAB)
         if rope not in ("none", "before"):
-            raise ConfigError(f"{self.mixer_type} option rope={rope!r} is not valid", "use rope: none (default, as paper 004) or before")
+            raise ConfigError(f"{self.mixer_type} option rope={rope!r} is not valid", "use rope: none (default, as Mamba in the Llama) or before")
         self.use_rope, self.chunk_size, self.sanity = rope == "before", chunk_size, sanity
         self.scaling = geometry.get("scaling", self.head_dim**-0.5)
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -96,37 +95,38 @@ class Mamba2Mixer(AttentionLikeMixer):
         self.dt_range, self.A_init_range, self.a_init_range = (dt_min, dt_max), tuple(A_init_range), tuple(a_init_range)
         if sanity:
             d_conv, gate, norm, D = 0, False, False, False
-        # conv over [x (kv·d), B (kv·d), C (h·d)] before the GQA repeat, as paper 004's Mamba-2.
+        # conv over [x (kv·d), B (kv·d), C (h·d)] before the GQA repeat, as Mamba in the Llama's Mamba-2.
         self.conv = CausalConv((2 * kv + h) * d, d_conv) if d_conv else None
         self.gate = nn.Linear(self.hidden_size, h * d, bias=bool(gate_bias)) if gate else None
         self.norm = GatedRMSNorm(h, d, check_norm_eps(self.mixer_type, norm_eps)) if norm else None
         self.D = nn.Parameter(torch.ones(h)) if D else None
-        if self.discrete:  # paper 001: the decay is an input projection, no Δ / A
-            self.a_proj = None if sanity else nn.Linear(self.hidden_size, h, bias=True)
-        else:
-            self.dt_proj = None if sanity else nn.Linear(self.hidden_size, h, bias=True)
-            self.A_log = None if sanity else nn.Parameter(torch.empty(h))
+        self.make_decay_parameters(sanity)
         self.init_new_parameters()
+
+    def make_decay_parameters(self, sanity: bool) -> None:
+        """Δ's projection and A (none in sanity mode: Δ = 1, A = 0)."""
+        self.dt_proj = None if sanity else nn.Linear(self.hidden_size, self.num_heads, bias=True)
+        self.A_log = None if sanity else nn.Parameter(torch.empty(self.num_heads))
 
     @torch.no_grad()
     def init_new_parameters(self) -> None:
         """(Re)initialise everything attention does not provide; q/k/v/o are left alone."""
         init_shared_parameters(self)
+        self.init_decay_parameters()
+
+    @torch.no_grad()
+    def init_decay_parameters(self) -> None:
+        if self.dt_proj is None:
+            return
         h = self.num_heads
-        if self.discrete and self.a_proj is not None:
-            # Little decay at init (α = exp(−softplus(b)) ≈ 0.9995): close to linear attention.
-            self.a_proj.weight.zero_()
-            lo, hi = self.a_init_range
-            self.a_proj.bias.copy_(torch.rand(h) * (hi - lo) + lo)
-        elif not self.discrete and self.dt_proj is not None:
-            bound = self.hidden_size**-0.5
-            self.dt_proj.weight.uniform_(-bound, bound)
-            self.dt_proj.bias.copy_(dt_bias_init(h, *self.dt_range))
-            if self.A_log_init is not None:  # A ≈ 0: every head starts without decay (paper 003)
-                self.A_log.fill_(self.A_log_init)
-            else:
-                lo, hi = self.A_init_range
-                self.A_log.copy_(torch.log(torch.rand(h) * (hi - lo) + lo))
+        bound = self.hidden_size**-0.5
+        self.dt_proj.weight.uniform_(-bound, bound)
+        self.dt_proj.bias.copy_(dt_bias_init(h, *self.dt_range))
+        if self.A_log_init is not None:  # A ≈ 0: every head starts without decay (as CAB)
+            self.A_log.fill_(self.A_log_init)
+        else:
+            lo, hi = self.A_init_range
+            self.A_log.copy_(torch.log(torch.rand(h) * (hi - lo) + lo))
 
     # -- the pieces ------------------------------------------------------------------------
     def _xbc(self, u, position_embeddings, inputs=None):
@@ -143,24 +143,21 @@ class Mamba2Mixer(AttentionLikeMixer):
         B = self.repeat_kv(B.reshape(b, l, self.num_kv_heads, d), 2)
         return x, B, C.reshape(b, l, self.num_heads, d)
 
-    def _emit_bc(self, xbc):
-        """Per-token B before the GQA repeat (b, l, kv, n) and C (b, l, h, n), as the scan reads them
-        (after the conv), to a bridge stage that asked for them."""
-        if self.bc_sink is not None:
-            b, l, _ = xbc.shape
-            kvw = self.num_kv_heads * self.head_dim
-            emit_bc(self, xbc[..., kvw : 2 * kvw].reshape(b, l, self.num_kv_heads, -1), xbc[..., 2 * kvw :].reshape(b, l, self.num_heads, -1))
+    def _show_bc(self, xbc):
+        """Hand the tap B before the GQA repeat (b, l, kv, n) and C (b, l, h, n), as the scan reads
+        them (after the conv)."""
+        b, l, _ = xbc.shape
+        kvw = self.num_kv_heads * self.head_dim
+        self.bc_tap(xbc[..., kvw : 2 * kvw].reshape(b, l, self.num_kv_heads, -1), xbc[..., 2 * kvw :].reshape(b, l, self.num_heads, -1))
 
     def _decay(self, u, inputs=None):
-        """(log-decay a (b, l, h) ≤ 0, input scale Δ (b, l, h) or None)."""
+        """(log-decay a (b, l, h) ≤ 0, input scale Δ (b, l, h) or None): a = Δ·A, Δ = softplus(W_Δ u + b_Δ)."""
         if self.sanity:
             return u.new_zeros(u.shape[0], u.shape[1], self.num_heads), None
-        if self.discrete:
-            return -F.softplus((self.a_proj(u) if inputs is None else inputs["a_proj"]).float()), None
         dt = F.softplus((self.dt_proj(u) if inputs is None else inputs["dt_proj"]).float())
         return dt * -torch.exp(self.A_log.float()), dt
 
-    def _output(self, y, x, u, inputs=None, traced_parts: int = 0):
+    def _output(self, y, x, u, inputs=None):
         """y, x (b, l, h, p) → o_proj(gate/norm(y + D·x))."""
         if self.D is not None:
             y = y + self.D[:, None].to(y.dtype) * x
@@ -173,7 +170,7 @@ class Mamba2Mixer(AttentionLikeMixer):
             y = self.norm(y, z)
         elif z is not None:
             y = y * F.silu(z)
-        return call_linear(self.o_proj, y, traced_parts)
+        return self.o_proj(y)
 
     # -- forward forms ---------------------------------------------------------------------
     def forward_quadratic(self, hidden_states, position_embeddings=None, mask=None):
@@ -190,11 +187,11 @@ class Mamba2Mixer(AttentionLikeMixer):
             M = M * dt.transpose(1, 2)[:, :, None, :].to(M.dtype)
         return self._output(y, x, hidden_states), M
 
-    def step(self, u, position_embeddings, states: dict, mask=None, seen: int | None = None, traced_parts: int = 0):
-        """One token against the carried states (see ``AttentionLikeMixer``): (output, {state name:
-        new state}); the old states are kept (a rollback snapshot may hold them)."""
+    def step(self, u, position_embeddings, states: dict, mask=None, seen: int | None = None):
+        """One token against the carried states (see ``AttentionLikeMixer``), the recurrence of the
+        module docstring: (output, {"ssm": h_t, "conv": its window})."""
         new = {}
-        inputs = self.project_inputs(u, traced_parts)
+        inputs = self.project_inputs(u)
         xbc = self._xbc(u, position_embeddings, inputs)  # (b, 1, c)
         m = None if mask is None else mask.to(torch.float32).view(-1, 1, 1)
         if m is not None:  # a padded token enters the conv window as 0 (as the chunked form)
@@ -202,14 +199,14 @@ class Mamba2Mixer(AttentionLikeMixer):
         if self.conv is not None:
             xbc, new["conv"] = causal_conv1d_step(xbc[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation)
             xbc = xbc[:, None]
-        self._emit_bc(xbc)
+        self._show_bc(xbc)
         x, B, C = self._split(xbc)  # (b, 1, h, ·)
         a, dt = self._decay(u, inputs)
         x_in = x.float() if dt is None else x.float() * dt[..., None]
         if m is not None:  # and leaves the state alone: decay 1, no input
             a, x_in = a * m, x_in * m[..., None]
         y, new["ssm"] = ssd_step(x_in[:, 0], a[:, 0].float(), B[:, 0].float(), C[:, 0].float(), states["ssm"])
-        return self._output(y.to(x.dtype)[:, None], x, u, inputs, traced_parts), new
+        return self._output(y.to(x.dtype)[:, None], x, u, inputs), new
 
     def can_step(self, layer) -> bool:
         return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
@@ -224,7 +221,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         inputs = self.project_inputs(hidden_states)
         pre_conv = self._xbc(hidden_states, position_embeddings, inputs)
         xbc, conv_state = apply_conv(self.conv, pre_conv, states, mask, self.conv_activation)
-        self._emit_bc(xbc)
+        self._show_bc(xbc)
         x, B, C = self._split(xbc)
         a, dt = self._decay(hidden_states, inputs)
         # the scan in float32 whatever the weights' dtype (as ``step`` and mamba_ssm's kernels): a
@@ -246,31 +243,3 @@ class Mamba2Mixer(AttentionLikeMixer):
         if self.conv is not None:
             new["conv"] = causal_conv1d_state(pre_conv[:, :keep], self.conv.kernel, state=start.get("conv"), mask=m)
         return new
-
-
-class DiscreteMamba2Mixer(Mamba2Mixer):
-    """Paper 001's Phi-Mamba mixer: input-projected decay (no Δ, no A), identity conv without
-    activation, no norm, identity-initialised gate, D skip."""
-
-    mixer_type = "discrete_mamba2"
-    discrete = True
-
-    def __init__(
-        self,
-        geometry: dict,
-        layer_idx: int,
-        d_conv: int = 4,
-        conv_activation: str | None = "none",
-        gate: bool = True,
-        norm: bool = False,
-        norm_eps: float = 1e-6,
-        D: bool = True,
-        a_init_range: tuple[float, float] = (-8.0, -7.0),
-        rope: str = "none",
-        chunk_size: int = 64,
-        sanity: bool = False,
-        D_init: float = 0.0,
-    ):
-        super().__init__(geometry, layer_idx, d_conv=d_conv, conv_activation=conv_activation, gate=gate, norm=norm, norm_eps=norm_eps, D=D,
-                         a_init_range=a_init_range, rope=rope, chunk_size=chunk_size, sanity=sanity, D_init=D_init)
-

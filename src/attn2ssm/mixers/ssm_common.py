@@ -1,10 +1,10 @@
-"""Pieces the state-space mixers share: the parameters paper 004 adds to a converted attention
+"""Pieces the state-space mixers share: the parameters "Mamba in the Llama" adds to a converted attention
 layer (Δ, A, conv, gate, D, gated norm) and how each is initialised.
 
 Initialisations keep the converted layer close to its teacher: the conv passes the current
-token through, the gate starts at 1 (zero weight, bias b with SiLU(b) = 1, as paper 001 does),
+token through, the gate starts at 1 (zero weight, bias b with SiLU(b) = 1, as MOHAWK does),
 Δ starts in [dt_min, dt_max] (Mamba's inverse-softplus bias), A is log-parameterised so it
-stays negative; ``A_init`` (paper 003's A ≈ 0) starts every decay exp(Δ·A) at ≈ 1.
+stays negative; ``A_init`` (CAB's A ≈ 0) starts every decay exp(Δ·A) at ≈ 1.
 """
 
 from __future__ import annotations
@@ -31,21 +31,13 @@ def dt_bias_init(n: int, dt_min: float = 1e-3, dt_max: float = 0.1, floor: float
 
 
 def A_log_identity(kind: str, A_init: float | None) -> float | None:
-    """log(−A_init): the A_log that starts A at ``A_init`` (paper 003's A ≈ 0, so Ā = exp(Δ·A) ≈ 1
+    """log(−A_init): the A_log that starts A at ``A_init`` (CAB's A ≈ 0, so Ā = exp(Δ·A) ≈ 1
     and the scan is linear attention, Eq. 5); None keeps the mixer's default init."""
     if A_init is None:
         return None
     if isinstance(A_init, bool) or not isinstance(A_init, (int, float)) or not A_init < 0:
         raise ConfigError(f"{kind} option A_init={A_init!r} is not a negative number", "use a small negative A such as -1e-4 (A = −exp(A_log) cannot be 0), or null for the default")
     return math.log(-A_init)
-
-
-def emit_bc(mixer, B: torch.Tensor, C: torch.Tensor) -> None:
-    """Hand this forward's per-token B (b, l, kv, n) and C (b, l, h, n) to whoever asked for them
-    (CAB's bridge stage sets ``mixer.bc_sink``); a no-op otherwise."""
-    sink = getattr(mixer, "bc_sink", None)
-    if sink is not None:
-        sink(B, C)
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ snapshot and brings it forward over the tokens it keeps, in one of two ways:
   its pre-conv rows, "Mamba in the Llama" §4). The state at the kept position is then computed
   from the snapshot directly, in a few small products, with no mixer weights read again;
 * for any other mixer (or a round where one forward gave no rule) the mixer is replayed alone
-  over the inputs it keeps: paper 004's "cache the inputs, recompute from one snapshot", exact for
+  over the inputs it keeps: Mamba in the Llama's "cache the inputs, recompute from one snapshot", exact for
   every mixer kind. Both ways give the state of a cache that never saw the undone tokens.
 """
 

@@ -8,7 +8,7 @@ student records the number (``resolve_options``).
 ``layer_map(N, T)[i]`` (norms, MLP, attention or the mixer's init) — a proportional subset of the
 teacher's layers when shallower, some layers repeated when deeper.
 
-``grow_student`` continues a stepwise schedule (paper 004 §2.1): a trained student gets more
+``grow_student`` continues a stepwise schedule (Mamba in the Llama §2.1): a trained student gets more
 layers converted, keeping everything it has learnt. ``converted_layer`` swaps one attention
 layer for a fresh mixer for the length of a ``with`` block (cheap layer probing).
 """
@@ -122,7 +122,7 @@ def convert(
 ) -> Attn2SSMForCausalLM:
     """Return a student (same dtype/device as the teacher) initialised from the teacher's weights.
 
-    ``init="attention"`` (default) starts each mixer from its layer's q/k/v/o (paper 004's
+    ``init="attention"`` (default) starts each mixer from its layer's q/k/v/o (Mamba in the Llama's
     attention initialisation); ``init="random"`` leaves the mixers' projections at the family's
     default random init (the ablation baseline) — everything else is the teacher's either way.
     ``depth`` (default: the teacher's) sets the student's number of layers; layer i is built from

@@ -1,4 +1,4 @@
-"""Build a Vision Mamba student for a ViT/DeiT teacher (paper 003's vision half).
+"""Build a Vision Mamba student for a ViT/DeiT teacher (CAB's vision half).
 
 The student is the teacher's image classifier architecture (from its config) with every layer's
 attention replaced by a ``bimamba`` mixer, all weights drawn afresh (the paper's vision students

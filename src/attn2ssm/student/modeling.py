@@ -17,9 +17,11 @@ and follows the model's dtype, as mamba_ssm's ``dt_bias`` (made in the model's d
 itself is computed in float32.
 
 This file and everything it imports from attn2ssm are copied, flattened, next to every saved
-checkpoint (see ``student/export.py``), so ``AutoModelForCausalLM.from_pretrained(dir,
+checkpoint (see ``student/remote_code.py``), so ``AutoModelForCausalLM.from_pretrained(dir,
 trust_remote_code=True)`` works where attn2ssm is not installed. Keep its imports to torch,
-transformers and attn2ssm modules of the same kind.
+transformers and attn2ssm modules of the same kind. CPU decode mode (``attn2ssm.decode``) is
+not one of them: it attaches itself to a model (its own subclasses of these classes) and is never
+called from here.
 """
 
 from __future__ import annotations
@@ -121,13 +123,11 @@ class Attn2SSMPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """HF save (safetensors) plus the flattened modeling code, ``auto_map`` and a model card
         (README.md, see student/card.py)."""
-        from attn2ssm.decode.fusion import standard_layout
         from attn2ssm.student.card import write_student_card
         from attn2ssm.student.remote_code import auto_map, write_remote_code
 
         self.config.auto_map = auto_map()
-        with standard_layout(self):  # fused input projections written as independent tensors (see cpu_decode_layout)
-            super().save_pretrained(save_directory, *args, **kwargs)
+        super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             write_remote_code(save_directory)
             write_student_card(save_directory)
@@ -139,13 +139,12 @@ class Attn2SSMPreTrainedModel(PreTrainedModel):
     def _begin_forward(self, family_config, cache, past_key_values, input_ids, inputs_embeds, attention_mask, use_cache):
         """What every forward does first: the cache under either name, the sequence length, the
         padding mask published to the mixers, and ``use_cache`` defaulted from the family config.
-        Returns (cache, length, padding mask or None, use_cache)."""
+        Returns (cache, length, use_cache)."""
         cache = pick_cache(cache, past_key_values)
         length = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        pad = self._padding_of(attention_mask, length)
-        self.mixer_context.padding_mask = pad
+        self.mixer_context.padding_mask = self._padding_of(attention_mask, length)
         use_cache = getattr(family_config, "use_cache", True) if use_cache is None else use_cache
-        return cache, length, pad, use_cache
+        return cache, length, use_cache
 
     @staticmethod
     def _padding_of(attention_mask, length: int):
@@ -227,7 +226,7 @@ class Attn2SSMModel(Attn2SSMPreTrainedModel):
     ):
         """As the family's base model's ``forward`` (``last_hidden_state`` after the final norm)."""
         family = self._family_model()
-        cache, length, _, use_cache = self._begin_forward(family.config, cache, past_key_values, input_ids, inputs_embeds, attention_mask, use_cache)
+        cache, length, use_cache = self._begin_forward(family.config, cache, past_key_values, input_ids, inputs_embeds, attention_mask, use_cache)
         cache = self._student_cache(cache, use_cache)
         return self._run_family(family, cache, length, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)  # fmt: skip
@@ -262,19 +261,6 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
             return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
-    # -- one-token decode plan (CPU decode mode, attn2ssm.decode) ---------------------------------
-    # The plan is built by attn2ssm.decode and kept in this model's __dict__; forward only asks it
-    # ``usable`` and calls it. ``enable_decode_plan`` is the user's entry point, deferring to
-    # ``attn2ssm.decode.plan.enable_decode_plan`` (the one place student code reaches decode).
-    def enable_decode_plan(self, compile: bool = False) -> bool:
-        """Build a ``DecodePlan`` (see ``attn2ssm.decode.plan.enable_decode_plan``)."""
-        from attn2ssm.decode.plan import enable_decode_plan
-
-        return enable_decode_plan(self, compile=compile)
-
-    def disable_decode_plan(self) -> bool:
-        return self.__dict__.pop("_decode_plan", None) is not None
-
     # -- forward -----------------------------------------------------------------------------
     def forward(
         self,
@@ -291,21 +277,7 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
     ):
         """As the family's ``ForCausalLM.forward``; the cache is taken as ``cache=`` (transformers
         >= 5.24) or ``past_key_values=`` (earlier), whichever the caller uses."""
-        cache, length, pad, use_cache = self._begin_forward(self.base.config, cache, past_key_values, input_ids, inputs_embeds, attention_mask, use_cache)
-        plan = self.__dict__.get("_decode_plan")
-        if (
-            plan is not None
-            and length == 1
-            and pad is None
-            and use_cache
-            and input_ids is not None
-            and inputs_embeds is None
-            and labels is None
-            and isinstance(logits_to_keep, int)
-            and isinstance(cache, Attn2SSMCache)
-            and plan.usable(cache, kwargs)
-        ):
-            return plan(input_ids, position_ids, kwargs.get("cache_position"), cache)
+        cache, length, use_cache = self._begin_forward(self.base.config, cache, past_key_values, input_ids, inputs_embeds, attention_mask, use_cache)
         cache = self._student_cache(cache, use_cache)
         return self._run_family(self.base, cache, length, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)  # fmt: skip

@@ -3,9 +3,9 @@
 A plan is a list with one entry per layer: a mixer kind, or ``"attention"`` to keep the
 teacher's softmax attention. The kept layers are chosen by
 
-- ``interleaved_keep``: spread evenly over the depth (paper 004's hybrids; ``align`` picks the
+- ``interleaved_keep``: spread evenly over the depth (Mamba in the Llama's hybrids; ``align`` picks the
   first or the last layer of each group),
-- ``clustered_keep``: one contiguous block (paper 004's "−Interleave" ablation),
+- ``clustered_keep``: one contiguous block (Mamba in the Llama's "−Interleave" ablation),
 - ``nested_keep``: evenly spread *and* nested across a stepwise schedule (50 % → 25 % → …), so
   every later stage only converts more layers (what ``convert.grow_student`` needs),
 - measured on the teacher (``distill.layer_selection``: ``select_attention_layers`` /
@@ -51,7 +51,7 @@ def interleaved_keep(num_layers: int, ratio: float, align: str = "first") -> lis
 
     The depth is cut into n = round(ratio·L) near-equal groups and one layer of each is kept:
     ``align="first"`` keeps index (i·L)//n (0, 2, 4, … at 50 %), ``align="last"`` keeps
-    ((i+1)·L)//n − 1 (1, 3, …, L−1 at 50 %; always the top layer). Paper 004's released configs
+    ((i+1)·L)//n − 1 (1, 3, …, L−1 at 50 %; always the top layer). Mamba in the Llama's released configs
     use "last": for 32 layers {1,3,…,31}, {3,7,…,31}, {7,15,23,31}.
     """
     _check_choice("align", align, ALIGNS)
@@ -62,7 +62,7 @@ def interleaved_keep(num_layers: int, ratio: float, align: str = "first") -> lis
 def clustered_keep(num_layers: int, ratio: float, where: str = "last") -> list[int]:
     """``round(ratio·L)`` contiguous attention layers at the ``"first"``, ``"middle"`` or ``"last"`` end.
 
-    Paper 004's "−Interleave" ablation (not defined further there): the same number of kept layers
+    Mamba in the Llama's "−Interleave" ablation (not defined further there): the same number of kept layers
     as the interleaved layout, but in one block. "middle" centres the block (rounding down).
     """
     _check_choice("where", where, WHERES)
@@ -77,7 +77,7 @@ def nested_keep(num_layers: int, ratios: list[float], align: str = "first") -> l
     Stage 0 is ``interleaved_keep(L, ratios[0], align)``; each later stage keeps round(r·L) of
     the previous stage's layers, spread evenly by rank with the same ``align``. When L is a
     multiple of the group sizes this equals ``interleaved_keep`` per stage (32 layers, "last":
-    {1,3,…,31} → {3,7,…,31} → {7,15,23,31}, paper 004); otherwise plain ``interleaved_keep`` is
+    {1,3,…,31} → {3,7,…,31} → {7,15,23,31}, Mamba in the Llama); otherwise plain ``interleaved_keep`` is
     not nested (30 layers, "first": 50 % keeps 0,2,…,28 but 25 % keeps 3) and this is the
     schedule to use with ``grow_student``.
     """
@@ -128,7 +128,7 @@ def make_plan(
 def layer_map(n_student: int, n_teacher: int, mode: str = "endpoints") -> list[int]:
     """The teacher layer (0-based) paired with each student layer, proportional in depth.
 
-    Paper 003 (CAB, Eq. 7) writes g(l) = ⌊(l / L)·T⌋ for student layers l = 1..L and T teacher
+    CAB (Eq. 7) writes g(l) = ⌊(l / L)·T⌋ for student layers l = 1..L and T teacher
     layers, and never says whether teacher layers count from 0 or 1. Read 1-based, g(1) = 0 is no
     layer when the student is deeper (L = 24, T = 12); read 0-based, g(L) = T is one past the last
     layer; and the 0-based student form ⌊i·T/L⌋ (i = 0..L−1) never reaches the last teacher layer

@@ -1,5 +1,5 @@
 """``Attn2SSMForImageClassification``: a ViT/DeiT image classifier with its attention swapped for
-bidirectional Mamba mixers — paper 003's Vision Mamba (Vim) student, built the attn2ssm way.
+bidirectional Mamba mixers — CAB's Vision Mamba (Vim) student, built the attn2ssm way.
 
 As for language students, the wrapped model (``self.base``) is the teacher family's own
 ``ViTForImageClassification`` / ``DeiTForImageClassification`` built from ``config.base_config``

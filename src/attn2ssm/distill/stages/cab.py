@@ -1,6 +1,6 @@
-"""CAB (paper 003): attention bridges from a Mamba student's B and C to the teacher's K and Q.
+"""CAB: attention bridges from a Mamba student's B and C to the teacher's K and Q.
 
-With the decay Ā ≈ I a Mamba layer is linear attention (paper 003, Eq. 5): B writes into the
+With the decay Ā ≈ I a Mamba layer is linear attention (CAB, Eq. 5): B writes into the
 state as a key does and C reads it out as a query does. So instead of matching L×L attention
 matrices (MOHAWK), CAB aligns them per token through two small MLPs per student layer,
 φ_B, φ_C: Linear → SiLU → Linear, trained with the student and thrown away afterwards (Eq. 8):
@@ -38,6 +38,7 @@ from torch import nn
 from attn2ssm.distill.losses import cross_entropy, forward_kl
 from attn2ssm.distill.stages.base import StageKind
 from attn2ssm.errors import ConfigError
+from attn2ssm.mixers.taps import Tap
 from attn2ssm.student.plans import LAYER_MAPS, layer_map
 
 TARGETS = ("pre_rope", "post_rope")
@@ -66,7 +67,7 @@ def attention_bridge_loss(
     b_weight: float = 1.0,
     c_weight: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Paper 003's Eq. 8: the mean over aligned layers of b_weight·‖φ_B(B) − K‖² + c_weight·‖φ_C(C) − Q‖².
+    """CAB's Eq. 8: the mean over aligned layers of b_weight·‖φ_B(B) − K‖² + c_weight·‖φ_C(C) − Q‖².
 
     ``b_pairs[l]`` = (φ_B(B), K) and ``c_pairs[l]`` = (φ_C(C), Q) of layer l, each (b, l, heads, d).
     Returns ``(loss, mean B term, mean C term)`` (the terms unweighted).
@@ -83,7 +84,7 @@ def attention_bridge_loss(
 
 
 class Bridge(nn.Module):
-    """φ: Linear(d_in → hidden) → SiLU → Linear(hidden → d_out), per token (paper 003, L250)."""
+    """φ: Linear(d_in → hidden) → SiLU → Linear(hidden → d_out), per token (CAB, L250)."""
 
     def __init__(self, d_in: int, d_out: int, hidden: int):
         super().__init__()
@@ -146,7 +147,7 @@ def build_bridges(student, teacher, *, hidden: int = 0, sharing: str = "per_laye
     widths = {}
     for i, j in pairs.items():
         m = mixers[i]
-        if not hasattr(m, "bc_sink"):
+        if not isinstance(getattr(m, "bc_tap", None), Tap):
             raise ConfigError(f"layer {i} is a '{m.mixer_type}' mixer, which has no per-token B and C to align", "use mamba2, discrete_mamba2 or mamba for a bridge_alignment stage")
         g = adapter.geometry(teacher.config, j)
         widths[i] = (m.num_kv_heads * m.head_dim, g.num_kv_heads * g.head_dim, m.num_heads * m.head_dim, g.num_heads * g.head_dim)
@@ -187,32 +188,31 @@ def capture_teacher_qk(teacher, input_ids, layers: list[int], attention_mask=Non
 
 
 def capture_student_bc(student, input_ids, layers: list[int], attention_mask=None, *, logits: bool = False):
-    """Student layer → (B, C) per token (with gradients) for ``layers``, and the student's logits
-    if ``logits`` (otherwise the forward stops after the last of those layers' mixers)."""
+    """Student layer → (B, C) per token (with gradients) for ``layers``, read from each mixer's
+    ``bc_tap`` (mixers/taps.py) by a forward hook removed afterwards; and the student's logits if
+    ``logits`` (otherwise the forward stops after the last of those layers' mixers)."""
     mixers = student.mixers()
     last, captured = max(layers), {}
 
-    def sink_for(i: int):
-        def sink(B, C):
-            captured[i] = (B, C)
+    def hook_for(i: int):
+        def hook(tap, args, output):
+            captured[i] = args  # (B, C)
 
-        return sink
+        return hook
 
     def stop(module, args, output):
         raise _Stop
 
-    for i in layers:
-        mixers[i].bc_sink = sink_for(i)
-    handle = None if logits else mixers[last].register_forward_hook(stop)
+    handles = [mixers[i].bc_tap.register_forward_hook(hook_for(i)) for i in layers]
+    if not logits:
+        handles.append(mixers[last].register_forward_hook(stop))
     out = None
     try:
         out = student(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     except _Stop:
         pass
     finally:
-        for i in layers:
-            mixers[i].bc_sink = None
-        if handle is not None:
+        for handle in handles:
             handle.remove()
     missing = set(layers) - set(captured)
     if missing:
@@ -225,7 +225,7 @@ def capture_student_bc(student, input_ids, layers: list[int], attention_mask=Non
 
 
 class BridgeAlignmentStage(StageKind):
-    """Stage kind ``bridge_alignment`` (paper 003, Alg. 2 stage 1): student and teacher each run
+    """Stage kind ``bridge_alignment`` (CAB, Alg. 2 stage 1): student and teacher each run
     their own forward; each student mixer's B and C are mapped by its bridges onto the K and Q of
     its paired teacher layer (Eq. 8). Typical: ``trainable: [mixers]`` or ``[all]`` (the paper
     updates the whole student; the bridges always train), then a ``kd`` stage.

@@ -1,4 +1,4 @@
-"""Paper 003's vision half: the joint CAB stage for a ViT/DeiT teacher and a bidirectional
+"""CAB's vision half: the joint CAB stage for a ViT/DeiT teacher and a bidirectional
 Vision Mamba student, and the two vanilla baselines, as stage kinds of the one trainer.
 
 ``vision_cab`` (CAB Algorithm 1): from step 0, per student layer l and each scan direction,
@@ -40,7 +40,7 @@ ALIGN_TOKENS = ("all", "patches")
 
 def bidirectional_bridge_loss(feats: dict, targets: dict, bridges: Bridges, mask: torch.Tensor | None = None,
                               b_weight: float = 1.0, c_weight: float = 1.0) -> tuple[torch.Tensor, dict]:  # fmt: skip
-    """L_fw + L_bw (paper 003 §3.3). ``feats[i]`` = {"fw": (B, C), "bw": (B, C)} of student layer i,
+    """L_fw + L_bw (CAB §3.3). ``feats[i]`` = {"fw": (B, C), "bw": (B, C)} of student layer i,
     each (b, l, groups, n) in token order; ``targets[j]`` = (K, Q) of teacher layer j, (b, l, heads, d).
     Returns the loss and its unweighted terms per direction."""
     total, metrics = 0.0, {}
@@ -111,22 +111,22 @@ def teacher_qk_and_logits(teacher, pixel_values: torch.Tensor, layers: list[int]
 
 
 def student_bc_and_logits(student, pixel_values: torch.Tensor, layers: list[int]):
-    """({student layer: {"fw": (B, C), "bw": (B, C)}}, logits), with gradients."""
+    """({student layer: {"fw": (B, C), "bw": (B, C)}}, logits), with gradients: read from each
+    mixer's ``bc_tap`` (mixers/bimamba.py) by a forward hook removed afterwards."""
     mixers, captured = student.mixers(), {}
 
-    def sink_for(i):
-        def sink(bc):
-            captured[i] = bc
+    def hook_for(i):
+        def hook(tap, args, output):
+            captured[i] = {"fw": args[:2], "bw": args[2:]}  # (B_fw, C_fw, B_bw, C_bw)
 
-        return sink
+        return hook
 
-    for i in layers:
-        mixers[i].bc_sink = sink_for(i)
+    handles = [mixers[i].bc_tap.register_forward_hook(hook_for(i)) for i in layers]
     try:
         logits = student(pixel_values=pixel_values).logits
     finally:
-        for i in layers:
-            mixers[i].bc_sink = None
+        for handle in handles:
+            handle.remove()
     return captured, logits
 
 
@@ -144,7 +144,7 @@ def patch_mask(student, batch: int, length: int, device) -> torch.Tensor:
 
 class VisionCABStage(ImageStage):
     """``vision_cab``: attention-bridge alignment of both scan directions + softened-logit KL,
-    jointly from step 0 (paper 003, Algorithm 1); see the module docstring for every option."""
+    jointly from step 0 (CAB, Algorithm 1); see the module docstring for every option."""
 
     name = "vision_cab"
     through_model_forward = False  # the bridges live outside the student's forward (as in cab.py)
