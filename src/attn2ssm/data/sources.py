@@ -42,27 +42,19 @@ import itertools
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from attn2ssm.errors import DataError
 
 from . import builtin
+from .document import Document
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_TEXT_FIELD = "text"
 _NETWORK_MODULES = {"requests", "httpx", "httpcore", "urllib3", "aiohttp"}
 _SPLIT_NAMES = {"train", "validation", "valid", "test", "dev", "all"}
 GENERATED_PREFIX = "generated:"
-
-
-@dataclass
-class Document:
-    """One unit of text; ``id`` is stable and unique within its corpus."""
-
-    id: str
-    text: str
-    meta: dict = field(default_factory=dict)
 
 
 def load_documents(spec: str, *, text_field: str | None = None) -> list[Document]:
