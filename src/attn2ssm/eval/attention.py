@@ -6,7 +6,7 @@ every layer where the student has a mixer with a materialisable mixing matrix
 (``mixer.attention_weights``) both maps are computed from the *same* layer input — so a layer's
 numbers measure that layer's approximation alone, not errors accumulated in the layers below it.
 
-Per layer (notes/002.md §3, Zhang et al. "The Hedgehog & the Porcupine"):
+Per layer (the measures of Hedgehog, Zhang et al. "The Hedgehog & the Porcupine"):
 
 * ``kl`` — KL(A_t ‖ A_s) = Σ_j a^t_ij log((a^t_ij + ε) / (a^s_ij + ε)), ε = 1e-12, averaged over
   real (non-padded) query rows and heads (nats);

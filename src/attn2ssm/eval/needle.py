@@ -1,6 +1,6 @@
 """Passkey retrieval (needle in a haystack) over context length × needle depth.
 
-The classic passkey prompt (Mohtashami & Jaggi 2023, used by paper 004 for length
+The classic passkey prompt (Mohtashami & Jaggi 2023, used by Mamba in the Llama for length
 extrapolation): an instruction, filler sentences, "The pass key is 71432. Remember it. 71432 is
 the pass key." at a chosen depth, more filler, then "What is the pass key? The pass key is". A
 trial passes when the greedy continuation starts with the key's digits. Each (length, depth)

