@@ -1,7 +1,7 @@
-"""Paper 004's ablations at CPU scale on the built-in teacher (Mamba-2 hybrids, equal budgets).
+"""Mamba in the Llama's ablations at CPU scale on the built-in teacher (Mamba-2 hybrids, equal budgets).
 
 Every trained variant runs the real trainer (``attn2ssm.distill``) with one ``kd_ce`` stage
-(CE + 0.1·KL, paper 004's stage 1) of the same token budget on State of the Union blocks, and is
+(CE + 0.1·KL, Mamba in the Llama's stage 1) of the same token budget on State of the Union blocks, and is
 scored on the same held-out tokens. Variants:
 
 - init: attention-initialised vs randomly initialised mixers, 50 % attention, before and after training;
@@ -63,7 +63,7 @@ def plot(data: dict, path: Path) -> Path:
                      [{"values": values, "ylabel": "held-out perplexity (log)", "log": True, "fmt": "{:.1f}",
                        "title": f"Mamba-2 hybrids of {settings['teacher']}, {settings['tokens_per_variant']} kd_ce tokens each",
                        "hline": (teacher_ppl, f"teacher {teacher_ppl:.1f}")}],
-                     title="paper 004 ablations at CPU scale")  # fmt: skip
+                     title="Mamba in the Llama ablations at CPU scale")  # fmt: skip
 
 
 def main(argv=None) -> int:

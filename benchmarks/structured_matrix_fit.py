@@ -1,4 +1,4 @@
-"""Paper 001 appendix C at CPU scale: how closely structured matrix classes fit real attention matrices.
+"""MOHAWK appendix C at CPU scale: how closely structured matrix classes fit real attention matrices.
 
 Attention matrices M (l × l causal softmax probabilities, eager, with RoPE) of the built-in teacher
 on State of the Union text: ``--samples`` windows of ``--seq-len`` tokens, ``--heads-per-layer``
@@ -26,7 +26,7 @@ the defaults here keep N / l (l = 128, N ∈ {4, 8, 16}) and take 1,500 steps wi
 the lowest reached over the iterates (each iterate is a member of the class). Distances are
 Frobenius, mean ± std over matrices; the JSON also gives them relative to ‖M‖_F.
 
-Expected (paper 001 Tab. 6/9 prose; the table bodies are not in our copy): SSM best; SSD ≈ 2× SSM,
+Expected (MOHAWK Tab. 6/9 prose; the table bodies are not in our copy): SSM best; SSD ≈ 2× SSM,
 LR ≈ 3× SSM; D helps. Checked ordering, best to worst: ssm < ssd < ssd_no_d < retnet < lr < toeplitz
 (the retnet / ssd_no_d slots and toeplitz-last are the notes' expectation, not a printed number).
 The first five classes nest (LR is RetNet with γ = 1, RetNet is SSD with one decay, SSD without D
@@ -65,7 +65,7 @@ CLASSES = ("ssm", "ssd", "ssd_no_d", "retnet", "lr", "toeplitz")  # the expected
 LABELS = {"ssm": "SSM (semi-separable)", "ssd": "SSD", "ssd_no_d": "SSD without D", "retnet": "RetNet",
           "lr": "causal low-rank", "toeplitz": "Toeplitz"}  # fmt: skip
 GRADIENT_CLASSES = ("ssd", "ssd_no_d", "retnet", "lr")
-PAPER_RATIOS = {"ssd / ssm": 2.0, "lr / ssm": 3.0}  # paper 001 §5.7.1 prose
+PAPER_RATIOS = {"ssd / ssm": 2.0, "lr / ssm": 3.0}  # MOHAWK §5.7.1 prose
 
 
 # ------------------------------------------------------------------------ closed-form projections
@@ -239,7 +239,7 @@ def plot(data: dict, path: Path) -> Path:
     panels = [{"values": [data["results"][c][str(n)]["mean"] for c in CLASSES], "ylabel": "‖M − X‖_F, mean over matrices (log)",
                "title": f"N = {n}", "fmt": "{:.3f}", "log": True} for n in states]  # fmt: skip
     s = data["settings"]
-    title = (f"paper 001 App. C at CPU scale: {s['matrices']} attention matrices of {s['teacher']} "
+    title = (f"MOHAWK App. C at CPU scale: {s['matrices']} attention matrices of {s['teacher']} "
              f"(l = {s['seq_len']}), {s['steps']} AdamW steps")  # fmt: skip
     return bar_chart(path, [LABELS[c] for c in CLASSES], panels, title=title)
 
