@@ -271,11 +271,11 @@ def plot_attention_maps(
     scale, one per row of the grid) and, with ``log_scale``, ``<prefix>_log.png`` (log10 scale, floor
     1e-4) which shows how the tail of each row is spread. The text is cut to ``max_tokens``.
     """
-    import matplotlib
+    import matplotlib  # heavy: matplotlib, and the Agg backend is chosen only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
+    import matplotlib.pyplot as plt  # heavy: as above, once the backend is set
+    from matplotlib.colors import LogNorm  # heavy: as above
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

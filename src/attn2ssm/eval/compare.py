@@ -209,10 +209,10 @@ def format_markdown(report: dict) -> str:
 
 
 def plot_recovered(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # heavy: matplotlib, and the Agg backend is chosen only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: as above, once the backend is set
 
     shown = [r for r in rows if r["recovered"] is not None]
     if not shown:

@@ -123,10 +123,10 @@ def passkey_grid(model, tokenizer, lengths, depths, trials: int = 3, seed: int =
 
 def plot_passkey(results: dict[str, dict], path, title: str = "") -> None:
     """One heat-map per model (rows: context length, columns: needle depth)."""
-    import matplotlib
+    import matplotlib  # heavy: matplotlib, and the Agg backend is chosen only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: as above, once the backend is set
 
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
     for ax, (name, r) in zip(axes[0], results.items()):
