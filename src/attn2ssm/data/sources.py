@@ -278,7 +278,7 @@ def _read_jsonl(path: Path, rel: str, text_field: str) -> list[Document]:
 
 
 def _read_parquet(path: Path, rel: str, text_field: str) -> list[Document]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # heavy: pyarrow, only for .parquet files
 
     try:
         table = pq.read_table(path)
@@ -376,8 +376,8 @@ def open_hf_dataset(
     skip/take); a folder written by ``save_to_disk`` is opened with ``load_from_disk``.
     """
     name, config, split = parse_hf_spec(rest)
-    import datasets
-    from datasets.exceptions import DatasetNotFoundError
+    import datasets  # heavy: datasets, only for hf: specs
+    from datasets.exceptions import DatasetNotFoundError  # heavy: as above
 
     label = f"hf:{rest}"
     try:
@@ -415,7 +415,7 @@ def _is_saved_dataset(name: str) -> bool:
 
 
 def _open_saved(name: str, config, split: str, label: str, streaming: bool):
-    import datasets
+    import datasets  # heavy: datasets, only for hf: specs
 
     cut = row_slice(split)
     if config is not None or cut is None:
