@@ -14,10 +14,15 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import torch
 import yaml
 
+from attn2ssm.adapters import get_adapter
 from attn2ssm.config import apply_overrides, from_dict, load_yaml
+from attn2ssm.data import check_block_len
+from attn2ssm.data.sources import is_generated, parse_generated_spec
 from attn2ssm.errors import ConfigError
+from attn2ssm.mixers.ssm_common import resolve_norm_eps
 from attn2ssm.precision import PRECISIONS
 
 
@@ -268,9 +273,9 @@ def resume_recipe(saved: dict, overrides: list[str] | None) -> tuple[Recipe, lis
 
 
 def validate(recipe: Recipe) -> None:
-    from attn2ssm.distill.stages import STAGE_KINDS
-    from attn2ssm.mixers.registry import ENCODER_MIXERS, MIXERS, check_mixer_options
-    from attn2ssm.student.plans import LAYER_MAPS
+    from attn2ssm.distill.stages import STAGE_KINDS  # heavy: the stage kinds, mixers and plans import transformers
+    from attn2ssm.mixers.registry import ENCODER_MIXERS, MIXERS, check_mixer_options  # heavy: as above
+    from attn2ssm.student.plans import LAYER_MAPS  # heavy: as above
 
     if recipe.mixed_precision not in PRECISIONS:
         raise ConfigError(f"recipe.mixed_precision: unknown precision '{recipe.mixed_precision}'", f"use one of: {', '.join(PRECISIONS)}")
@@ -346,12 +351,7 @@ def validate_for_teacher(recipe: Recipe, config) -> None:
     """Checks that need the teacher's transformers ``config`` but none of its weights: the family is
     supported, blocks fit its positions, keep_attention indices are its (or student.depth's) layers,
     and one mixer builds (on the meta device) with the recipe's options at the teacher's shapes."""
-    import torch
-
-    from attn2ssm.adapters import get_adapter
-    from attn2ssm.data import check_block_len
-    from attn2ssm.mixers.registry import build_mixer
-    from attn2ssm.mixers.ssm_common import resolve_norm_eps
+    from attn2ssm.mixers.registry import build_mixer  # heavy: the mixers import transformers
 
     adapter = get_adapter(config)
     limit = getattr(config, "max_position_embeddings", None)
@@ -368,8 +368,6 @@ def validate_for_teacher(recipe: Recipe, config) -> None:
 
 
 def _validate_data(d: DataConfig) -> None:
-    from attn2ssm.data.sources import is_generated, parse_generated_spec
-
     if d.corpus is not None and d.sources:
         raise ConfigError("data.corpus and data.sources are both set", "keep data.sources for a mixture and set data.corpus: null, or drop data.sources")
     for name, value in (("max_train_tokens", d.max_train_tokens), ("max_heldout_tokens", d.max_heldout_tokens)):

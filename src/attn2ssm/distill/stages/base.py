@@ -8,6 +8,8 @@ import fnmatch
 import torch
 from torch import nn
 
+from attn2ssm.adapters import get_adapter
+from attn2ssm.adapters.capture import capture_attention_io
 from attn2ssm.errors import ConfigError
 
 
@@ -86,9 +88,6 @@ class TeacherForcedStage(StageKind):
         raise NotImplementedError
 
     def loss(self, student, teacher, batch, cfg):
-        from attn2ssm.adapters import get_adapter
-        from attn2ssm.adapters.capture import capture_attention_io
-
         opts = self.options(cfg)
         student = getattr(student, "module", student)
         mixers = student.mixers()
