@@ -51,7 +51,7 @@ def require_lm_eval():
     """The ``lm_eval`` module, or a one-line error saying how to install it."""
     try:
         import lm_eval  # optional: extra attn2ssm[eval]
-        from lm_eval.tasks import TaskManager  # noqa: F401  (fails on a broken install too)
+        from lm_eval.tasks import TaskManager  # noqa: F401  optional: as above (fails on a broken install too)
     except ImportError as exc:
         raise Attn2SSMError(f"lm-evaluation-harness is not installed ({exc})", INSTALL_FIX) from exc
     return lm_eval
