@@ -5,9 +5,9 @@ one process per variant, exactly as a user runs it), with every stage's budget m
 each comparison). Scored on the same held-out tokens; the validation perplexity logged during
 training (``eval_every``) gives the perplexity-vs-tokens curves. Comparisons (papers' orderings):
 
-- paper 000: HedgeMamba < Hedgehog (same two stages, mixer swapped);
-- paper 001: MOHAWK 1+2+3 < 2+3 < 3 (discrete Mamba-2; stage budgets moved to KD when dropped);
-- paper 003: CAB (bridge alignment + KD) < plain KD, beside weight reuse (paper 004's attention init).
+- HedgeMamba ("Attention to Mamba"): HedgeMamba < Hedgehog (same two stages, mixer swapped);
+- MOHAWK (Tab. 3): MOHAWK 1+2+3 < 2+3 < 3 (discrete Mamba-2; stage budgets moved to KD when dropped);
+- CAB: CAB (bridge alignment + KD) < plain KD, beside weight reuse (Mamba in the Llama's attention init).
 
     python benchmarks/alignment_comparison.py [--scale 0.5] [--only NAME,NAME] [--out-json PATH]
     python benchmarks/alignment_comparison.py --merge a.json b.json   # parts run in parallel
@@ -44,9 +44,9 @@ VARIANTS: dict[str, tuple[str, str, list[str]]] = {
     "weight reuse + KD": ("003 CAB vs KD", "cab_reuse", []),
 }
 ORDERINGS = [
-    ("HedgeMamba < Hedgehog (paper 000)", ["HedgeMamba", "Hedgehog"]),
-    ("MOHAWK 1+2+3 < 2+3 < 3 (paper 001)", ["MOHAWK 1+2+3", "MOHAWK 2+3", "MOHAWK 3"]),
-    ("CAB < plain KD (paper 003)", ["CAB", "plain KD"]),
+    ("HedgeMamba < Hedgehog (HedgeMamba paper)", ["HedgeMamba", "Hedgehog"]),
+    ("MOHAWK 1+2+3 < 2+3 < 3 (MOHAWK Tab. 3)", ["MOHAWK 1+2+3", "MOHAWK 2+3", "MOHAWK 3"]),
+    ("CAB < plain KD (CAB paper)", ["CAB", "plain KD"]),
 ]
 
 

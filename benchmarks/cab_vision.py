@@ -1,4 +1,4 @@
-"""Paper 003's Table 3 at CPU scale: CAB vs plain KD vs training from scratch, each at 1/5/10/20 %
+"""CAB's Table 3 at CPU scale: CAB vs plain KD vs training from scratch, each at 1/5/10/20 %
 of the training split (stratified per class), the same image budget, several seeds; top-1 on the
 full test split. Every cell is one `attn2ssm distill` run of a built-in recipe (cab_vision,
 cab_vision_kd, cab_vision_scratch) through the one trainer, in this process, one at a time.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-# method → (recipe, its overrides, the run folder's tag). "KD+A0" (KD from A ≈ 0) is the control paper 003 lacks
+# method → (recipe, its overrides, the run folder's tag). "KD+A0" (KD from A ≈ 0) is the control the CAB paper lacks
 # (its notes: Table 5 puts most of CAB's gain in the A ≈ 0 init): plain KD from CAB's A init.
 METHODS = {
     "CAB": ("cab_vision", (), ""),
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
 
     teacher_info = load_vision_teacher("mnist-vit", progress=False)[2]
     payload = {
-        "benchmark": "cab_vision (paper 003, Table 3 at CPU scale)", "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
+        "benchmark": "cab_vision (CAB Table 3 at CPU scale)", "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
         "teacher": teacher_info, "table": table, "runs": rows, "wall_seconds": round(time.perf_counter() - started, 1),
         "machine": {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},

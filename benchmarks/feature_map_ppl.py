@@ -1,6 +1,6 @@
 """Held-out perplexity of linear-attention students of the built-in teacher, equal token budgets.
 
-Paper 002's claim at our scale: Hedgehog (attention transfer, then finetune) beats T2R and 1+ELU
+Hedgehog's claim at our scale: Hedgehog (attention transfer, then finetune) beats T2R and 1+ELU
 (finetune only, the same total tokens) and lands far below the untrained conversions. Each
 student runs through the real CLI (`attn2ssm distill`) into its own run directory; the
 untrained conversions are scored with the same perplexity settings.

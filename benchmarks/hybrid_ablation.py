@@ -1,7 +1,7 @@
-"""Paper 004's ablations at CPU scale on the built-in teacher (Mamba-2 hybrids, equal budgets).
+"""Mamba in the Llama's ablations at CPU scale on the built-in teacher (Mamba-2 hybrids, equal budgets).
 
 Every trained variant runs the real trainer (``attn2ssm.distill``) with one ``kd_ce`` stage
-(CE + 0.1·KL, paper 004's stage 1) of the same token budget on State of the Union blocks, and is
+(CE + 0.1·KL, Mamba in the Llama's stage 1) of the same token budget on State of the Union blocks, and is
 scored on the same held-out tokens. Variants:
 
 - init: attention-initialised vs randomly initialised mixers, 50 % attention, before and after training;
@@ -63,10 +63,10 @@ def plot(data: dict, path: Path) -> Path:
                      [{"values": values, "ylabel": "held-out perplexity (log)", "log": True, "fmt": "{:.1f}",
                        "title": f"Mamba-2 hybrids of {settings['teacher']}, {settings['tokens_per_variant']} kd_ce tokens each",
                        "hline": (teacher_ppl, f"teacher {teacher_ppl:.1f}")}],
-                     title="paper 004 ablations at CPU scale")  # fmt: skip
+                     title="Mamba in the Llama ablations at CPU scale")  # fmt: skip
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=12288, help="training tokens per variant (kd_ce)")
     p.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens scored per model")
@@ -77,31 +77,17 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default="runs/hybrid_ablation", help="scratch run directories (deleted after scoring)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def untrained_ppl(teacher, ppl) -> dict:
+    """Held-out perplexity of the untrained 50 % hybrid, its mixers attention-initialised or random."""
     import torch
 
-    from attn2ssm.data import prepare_corpus
-    from attn2ssm.distill.recipe import load_recipe
-    from attn2ssm.distill.trainer import distill
-    from attn2ssm.eval.perplexity import perplexity
     from attn2ssm.student.convert import convert
     from attn2ssm.student.plans import make_plan
-    from attn2ssm.teachers import load_teacher
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    t0 = time.time()
-    teacher, tokenizer, _ = load_teacher(args.teacher)
-    corpus = prepare_corpus(args.corpus, tokenizer, max_heldout_tokens=args.eval_tokens)
-    heldout = corpus.heldout_ids[: args.eval_tokens]
-
-    def ppl(model) -> float:
-        return perplexity(model, heldout, window=args.block_len, progress=False)["ppl"]
 
     n_layers = teacher.config.num_hidden_layers
-    teacher_ppl = ppl(teacher)
-    print(f"teacher: {teacher_ppl:.2f}", flush=True)
     untrained = {}
     for label, init in (("attention init", "attention"), ("random init", "random")):
         torch.manual_seed(0)
@@ -109,6 +95,14 @@ def main(argv=None) -> int:
         untrained[label] = ppl(student)
         print(f"untrained 50% {label}: {untrained[label]:.2f}", flush=True)
         del student
+    return untrained
+
+
+def train_variants(args, teacher, tokenizer, teacher_ppl: float) -> dict:
+    """Each chosen variant trained through the real trainer in a scratch run directory (removed
+    after scoring): its held-out perplexity, ratio to the teacher, budget, time and settings."""
+    from attn2ssm.distill.recipe import load_recipe
+    from attn2ssm.distill.trainer import distill
 
     chosen = variants(args.tokens)
     if args.only:
@@ -130,6 +124,12 @@ def main(argv=None) -> int:
                          "stages": spec["stages"]}  # fmt: skip
         print(f"{name}: {out['student_ppl']:.2f} ({time.time() - start:.0f}s)", flush=True)
         shutil.rmtree(run, ignore_errors=True)
+    return results
+
+
+def orderings(untrained: dict, results: dict, teacher_ppl: float) -> dict:
+    """The paper's orderings checked on the measured perplexities (None where a variant did not run):
+    the report's ``comparisons``, ``attention_fraction`` and ``orderings_hold``."""
 
     def get(name):
         return results.get(name, {}).get("student_ppl")
@@ -147,6 +147,36 @@ def main(argv=None) -> int:
     ratios = [None if v is None else v / teacher_ppl for _, v in fractions]
     known = [r for r in ratios if r is not None]
     holds["ppl ratio rises as attention falls (50 > 25 > 12.5 > 0 %)"] = all(a < b for a, b in zip(known, known[1:])) if len(known) == 4 else None
+    return {
+        "comparisons": {k: {"values": v, "holds": holds[k]} for k, v in comparisons.items()},
+        "attention_fraction": {label: {"ppl": v, "ratio": r} for (label, v), r in zip(fractions, ratios)},
+        "orderings_hold": holds,
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    import torch
+
+    from attn2ssm.data import prepare_corpus
+    from attn2ssm.eval.perplexity import perplexity
+    from attn2ssm.teachers import load_teacher
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.time()
+    teacher, tokenizer, _ = load_teacher(args.teacher)
+    corpus = prepare_corpus(args.corpus, tokenizer, max_heldout_tokens=args.eval_tokens)
+    heldout = corpus.heldout_ids[: args.eval_tokens]
+
+    def ppl(model) -> float:
+        return perplexity(model, heldout, window=args.block_len, progress=False)["ppl"]
+
+    teacher_ppl = ppl(teacher)
+    print(f"teacher: {teacher_ppl:.2f}", flush=True)
+    untrained = untrained_ppl(teacher, ppl)
+    results = train_variants(args, teacher, tokenizer, teacher_ppl)
     data = {
         "benchmark": "hybrid_ablation",
         "description": __doc__.split("\n\n")[0],
@@ -155,9 +185,7 @@ def main(argv=None) -> int:
         "teacher_ppl": teacher_ppl,
         "untrained_50pct": untrained,
         "variants": results,
-        "comparisons": {k: {"values": v, "holds": holds[k]} for k, v in comparisons.items()},
-        "attention_fraction": {label: {"ppl": v, "ratio": r} for (label, v), r in zip(fractions, ratios)},
-        "orderings_hold": holds,
+        **orderings(untrained, results, teacher_ppl),
         "total_time_s": time.time() - t0,
         **run_info("benchmarks/hybrid_ablation.py", argv if argv is not None else sys.argv[1:]),
     }
@@ -165,11 +193,10 @@ def main(argv=None) -> int:
     write_json(out_dir / "hybrid_ablation.json", data)
     plot(data, out_dir / "hybrid_ablation.png")
     print("\norderings:")
-    for k, v in holds.items():
+    for k, v in data["orderings_hold"].items():
         print(f"  {'holds' if v else ('n/a' if v is None else 'DOES NOT hold')}: {k}")
     print(f"wrote {out_dir / 'hybrid_ablation.json'} ({time.time() - t0:.0f}s)")
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -405,6 +405,71 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def _over_budget(args, method: str, length: int, prev: dict | None, measured: list[dict], repeats: int, max_mem: float) -> str | None:
+    """Why the point at ``length`` is skipped, predicted from the last measured point (time) and
+    the analytic estimate (memory); None when it fits the budgets."""
+    t_pred, m_pred = 0.0, 0.0
+    if prev:
+        scale = length / prev["length"]
+        t_pred = prev["time_s"] * scale ** TIME_EXPONENT[method] * (repeats + 1)
+        m_pred = prev.get("peak_memory_bytes", 0) * scale ** memory_exponent(method, measured)
+    # An RSS reading can under-report (memory the allocator reuses, notably without
+    # subprocess isolation), so never predict less than the analytic estimate.
+    m_pred = max(m_pred, estimate_memory_bytes(method, length, args.heads, args.head_dim, args.chunk_size))
+    if t_pred > args.point_budget:
+        return f"predicted {t_pred:.0f} s > --point-budget {args.point_budget:.0f} s"
+    if m_pred > max_mem:
+        return f"predicted peak memory {m_pred / 2**30:.1f} GiB > limit {max_mem / 2**30:.1f} GiB"
+    return None
+
+
+def _measure_method(args, device: str, method: str, lengths: list[int], repeats: int, max_mem: float) -> list[dict]:
+    """One method on one device at every length, shortest first; once a point is over budget or
+    fails, every longer one is skipped."""
+    isolated = device == "cpu" and args.isolation == "subprocess"
+    records = []
+    prev = None  # last measured point of this method on this device
+    measured: list[dict] = []
+    stop_reason = None
+    for length in lengths:
+        base = {"method": method, "device": device, "length": length}
+        if stop_reason:
+            records.append({**base, "status": "skipped", "reason": stop_reason})
+            continue
+        reason = _over_budget(args, method, length, prev, measured, repeats, max_mem)
+        if reason:
+            records.append({**base, "status": "skipped", "reason": reason})
+            stop_reason = f"skipped at a shorter length ({reason})"
+            continue
+        spec = {**base, "heads": args.heads, "head_dim": args.head_dim, "chunk_size": args.chunk_size,
+                "repeats": repeats, "seed": args.seed, "point_budget": args.point_budget, "threads": args.threads}  # fmt: skip
+        rec = _run_isolated(spec, timeout=max(2 * args.point_budget, 60)) if isolated else run_point(spec)
+        records.append(rec)
+        shown = (
+            f"{rec['time_s'] * 1e3:10.1f} ms  {rec.get('peak_memory_bytes', 0) / 2**20:9.1f} MiB"
+            if rec.get("status") == "ok"
+            else f"{rec['status']}: {rec.get('reason')}"
+        )
+        print(f"{device:>5} {method:>9} L={length:>6}  {shown}", flush=True)
+        if rec.get("status") == "ok":
+            prev = rec
+            measured.append(rec)
+        else:
+            stop_reason = f"{rec['status']} at a shorter length ({rec.get('reason')})"
+        gc.collect()
+    return records
+
+
+def _print_crossovers(summary: dict) -> None:
+    for device, s in summary.items():
+        c = s["crossover_hedgehog_vs_sdpa"]
+        sp = s[f"speedup_hedgehog_vs_sdpa_at_{SPEEDUP_LENGTH}"]
+        print(f"{device}: Hedgehog faster than SDPA from L = {c.get('length')}"
+              + (f" (interpolated {c['interpolated']})" if c.get("interpolated") else "")
+              + (f"; {c['note']}" if c.get("note") else "")
+              + (f"; speedup at {SPEEDUP_LENGTH}: {sp:.2f}×" if sp else ""))  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict | int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -427,51 +492,7 @@ def main(argv: list[str] | None = None) -> dict | int:
     out = Path(args.out) if args.out else HERE / "results" / f"linear_attention_speed{'_quick' if args.quick else ''}.json"
 
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
-    records = []
-    for device in devices:
-        isolated = device == "cpu" and args.isolation == "subprocess"
-        for method in methods:
-            prev = None  # last measured point of this method on this device
-            measured: list[dict] = []
-            stop_reason = None
-            for length in lengths:
-                base = {"method": method, "device": device, "length": length}
-                if stop_reason:
-                    records.append({**base, "status": "skipped", "reason": stop_reason})
-                    continue
-                t_pred, m_pred = 0.0, 0.0
-                if prev:
-                    scale = length / prev["length"]
-                    t_pred = prev["time_s"] * scale ** TIME_EXPONENT[method] * (repeats + 1)
-                    m_pred = prev.get("peak_memory_bytes", 0) * scale ** memory_exponent(method, measured)
-                # An RSS reading can under-report (memory the allocator reuses, notably without
-                # subprocess isolation), so never predict less than the analytic estimate.
-                m_pred = max(m_pred, estimate_memory_bytes(method, length, args.heads, args.head_dim, args.chunk_size))
-                reason = None
-                if t_pred > args.point_budget:
-                    reason = f"predicted {t_pred:.0f} s > --point-budget {args.point_budget:.0f} s"
-                elif m_pred > max_mem:
-                    reason = f"predicted peak memory {m_pred / 2**30:.1f} GiB > limit {max_mem / 2**30:.1f} GiB"
-                if reason:
-                    records.append({**base, "status": "skipped", "reason": reason})
-                    stop_reason = f"skipped at a shorter length ({reason})"
-                    continue
-                spec = {**base, "heads": args.heads, "head_dim": args.head_dim, "chunk_size": args.chunk_size,
-                        "repeats": repeats, "seed": args.seed, "point_budget": args.point_budget, "threads": args.threads}  # fmt: skip
-                rec = _run_isolated(spec, timeout=max(2 * args.point_budget, 60)) if isolated else run_point(spec)
-                records.append(rec)
-                shown = (
-                    f"{rec['time_s'] * 1e3:10.1f} ms  {rec.get('peak_memory_bytes', 0) / 2**20:9.1f} MiB"
-                    if rec.get("status") == "ok"
-                    else f"{rec['status']}: {rec.get('reason')}"
-                )
-                print(f"{device:>5} {method:>9} L={length:>6}  {shown}", flush=True)
-                if rec.get("status") == "ok":
-                    prev = rec
-                    measured.append(rec)
-                else:
-                    stop_reason = f"{rec['status']} at a shorter length ({rec.get('reason')})"
-                gc.collect()
+    records = [rec for device in devices for method in methods for rec in _measure_method(args, device, method, lengths, repeats, max_mem)]
 
     summary = summarize(records)
     info = _run_info(argv)
@@ -502,13 +523,7 @@ def main(argv: list[str] | None = None) -> dict | int:
              f"{env.get('processor', '')} ({env.get('cpu_count')} CPUs, torch threads={result['config']['torch_threads']})"
              + (f", {env['cuda']}" if env.get("cuda") else "") + f", torch {env.get('torch')}")  # fmt: skip
     png = plot(records, out.with_suffix(".png"), title)
-    for device, s in summary.items():
-        c = s["crossover_hedgehog_vs_sdpa"]
-        sp = s[f"speedup_hedgehog_vs_sdpa_at_{SPEEDUP_LENGTH}"]
-        print(f"{device}: Hedgehog faster than SDPA from L = {c.get('length')}"
-              + (f" (interpolated {c['interpolated']})" if c.get("interpolated") else "")
-              + (f"; {c['note']}" if c.get("note") else "")
-              + (f"; speedup at {SPEEDUP_LENGTH}: {sp:.2f}×" if sp else ""))  # fmt: skip
+    _print_crossovers(summary)
     print(f"wrote {out} and {png}")
     return result
 

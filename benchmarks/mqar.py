@@ -14,7 +14,7 @@ softmax baseline, and one copy per feature map with every attention layer swappe
 random q/k/v/o and the same everything else). Reported per model: test accuracy, mean attention
 entropy (entropy of each query row of the attention weights, averaged over positions, heads,
 layers and samples; also over MQAR query positions only; linear maps through the mixer's
-quadratic weights), training time. Paper 002 (Hedgehog) expects softmax ≈ Taylor ≈ Hedgehog ≫
+quadratic weights), training time. Hedgehog expects softmax ≈ Taylor ≈ Hedgehog ≫
 1+ELU / Performer / cosFormer, the failing maps with high entropy.
 
 Defaults (chosen in CPU smoke runs; seed 0): vocab 32, 4 kv pairs, 4 queries, length 32; Llama

@@ -1,4 +1,4 @@
-"""Paper 001 appendix C at CPU scale: how closely structured matrix classes fit real attention matrices.
+"""MOHAWK appendix C at CPU scale: how closely structured matrix classes fit real attention matrices.
 
 Attention matrices M (l × l causal softmax probabilities, eager, with RoPE) of the built-in teacher
 on State of the Union text: ``--samples`` windows of ``--seq-len`` tokens, ``--heads-per-layer``
@@ -26,7 +26,7 @@ the defaults here keep N / l (l = 128, N ∈ {4, 8, 16}) and take 1,500 steps wi
 the lowest reached over the iterates (each iterate is a member of the class). Distances are
 Frobenius, mean ± std over matrices; the JSON also gives them relative to ‖M‖_F.
 
-Expected (paper 001 Tab. 6/9 prose; the table bodies are not in our copy): SSM best; SSD ≈ 2× SSM,
+Expected (MOHAWK Tab. 6/9 prose; the table bodies are not in our copy): SSM best; SSD ≈ 2× SSM,
 LR ≈ 3× SSM; D helps. Checked ordering, best to worst: ssm < ssd < ssd_no_d < retnet < lr < toeplitz
 (the retnet / ssd_no_d slots and toeplitz-last are the notes' expectation, not a printed number).
 The first five classes nest (LR is RetNet with γ = 1, RetNet is SSD with one decay, SSD without D
@@ -65,7 +65,7 @@ CLASSES = ("ssm", "ssd", "ssd_no_d", "retnet", "lr", "toeplitz")  # the expected
 LABELS = {"ssm": "SSM (semi-separable)", "ssd": "SSD", "ssd_no_d": "SSD without D", "retnet": "RetNet",
           "lr": "causal low-rank", "toeplitz": "Toeplitz"}  # fmt: skip
 GRADIENT_CLASSES = ("ssd", "ssd_no_d", "retnet", "lr")
-PAPER_RATIOS = {"ssd / ssm": 2.0, "lr / ssm": 3.0}  # paper 001 §5.7.1 prose
+PAPER_RATIOS = {"ssd / ssm": 2.0, "lr / ssm": 3.0}  # MOHAWK §5.7.1 prose
 
 
 # ------------------------------------------------------------------------ closed-form projections
@@ -239,7 +239,7 @@ def plot(data: dict, path: Path) -> Path:
     panels = [{"values": [data["results"][c][str(n)]["mean"] for c in CLASSES], "ylabel": "‖M − X‖_F, mean over matrices (log)",
                "title": f"N = {n}", "fmt": "{:.3f}", "log": True} for n in states]  # fmt: skip
     s = data["settings"]
-    title = (f"paper 001 App. C at CPU scale: {s['matrices']} attention matrices of {s['teacher']} "
+    title = (f"MOHAWK App. C at CPU scale: {s['matrices']} attention matrices of {s['teacher']} "
              f"(l = {s['seq_len']}), {s['steps']} AdamW steps")  # fmt: skip
     return bar_chart(path, [LABELS[c] for c in CLASSES], panels, title=title)
 
@@ -248,7 +248,7 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--teacher", default=None, help="teacher spec (default: the built-in smollm2-135m)")
     p.add_argument("--corpus", default="sotu")
@@ -267,24 +267,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.seq_len, args.samples, args.states, args.steps, args.lrs = 64, 2, "4,8", 300, "0.01"
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return args
 
-    from attn2ssm.teachers import load_teacher
 
-    t0 = time.time()
-    torch.manual_seed(args.seed)
-    teacher, tokenizer, _ = load_teacher(args.teacher)
-    n_layers = teacher.config.num_hidden_layers
-    layers = list(range(n_layers)) if args.layers == "all" else _ints(args.layers)
-    if args.quick and args.layers == "all":
-        layers = sorted({round(i * (n_layers - 1) / 5) for i in range(6)})
-    ids = text_windows(args.corpus, tokenizer, args.samples, args.seq_len)
-    M, where = attention_matrices(teacher, ids, layers, args.heads_per_layer, args.seed)
-    norms = torch.linalg.matrix_norm(M)
-    states, lrs = _ints(args.states), [float(x) for x in args.lrs.split(",")]
-    print(f"{M.shape[0]} attention matrices of {M.shape[-1]} tokens ({len(layers)} layers × {args.heads_per_layer} heads × {args.samples} samples)", flush=True)
-
+def fit_all(M: torch.Tensor, norms: torch.Tensor, states: list[int], lrs: list[float], args, t0: float) -> tuple[dict, dict]:
+    """Every class fitted to every matrix at every N (gradient classes: the best of ``lrs``):
+    (results by class and N, seconds by fit)."""
     results: dict = {c: {} for c in CLASSES}
     timing: dict = {}
     start = time.time()
@@ -308,6 +296,29 @@ def main(argv=None) -> int:
             timing[f"{kind} N={n}"] = time.time() - start
         fits = ", ".join(f"{c} {results[c][str(n)]['mean']:.4f} ± {results[c][str(n)]['std']:.4f}" for c in CLASSES)
         print(f"N={n}: {fits} ({time.time() - t0:.0f}s)", flush=True)
+    return results, timing
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from attn2ssm.teachers import load_teacher
+
+    t0 = time.time()
+    torch.manual_seed(args.seed)
+    teacher, tokenizer, _ = load_teacher(args.teacher)
+    n_layers = teacher.config.num_hidden_layers
+    layers = list(range(n_layers)) if args.layers == "all" else _ints(args.layers)
+    if args.quick and args.layers == "all":
+        layers = sorted({round(i * (n_layers - 1) / 5) for i in range(6)})
+    ids = text_windows(args.corpus, tokenizer, args.samples, args.seq_len)
+    M, where = attention_matrices(teacher, ids, layers, args.heads_per_layer, args.seed)
+    norms = torch.linalg.matrix_norm(M)
+    states, lrs = _ints(args.states), [float(x) for x in args.lrs.split(",")]
+    print(f"{M.shape[0]} attention matrices of {M.shape[-1]} tokens ({len(layers)} layers × {args.heads_per_layer} heads × {args.samples} samples)", flush=True)
+    results, timing = fit_all(M, norms, states, lrs, args, t0)
 
     checks = orderings(results, states)
     data = {

@@ -144,7 +144,7 @@ def lock_dir(folder: Path, then: str = "run the command again"):
     ``folder/.lock`` for as long as the returned file stays open. The OS drops it when the process
     dies, so a killed run never leaves a stale lock. Held elsewhere: OutputError naming the holder."""
     try:
-        import fcntl
+        import fcntl  # optional: POSIX only
     except ImportError:  # no flock (Windows): unlocked, as before
         return None
     folder = Path(folder)

@@ -46,8 +46,8 @@ def test_orderings_merge_and_plot(ac, tmp_path):
     b.write_text(json.dumps(part({"MOHAWK 1+2+3": 80.0, "MOHAWK 2+3": 70.0, "MOHAWK 3": 90.0, "plain KD": 800.0})))
     data = ac.summarize(ac.merge([str(a), str(b)]))
     o = data["orderings"]
-    assert o["HedgeMamba < Hedgehog (paper 000)"]["holds"] is True
-    assert o["MOHAWK 1+2+3 < 2+3 < 3 (paper 001)"]["holds"] is False
-    assert o["CAB < plain KD (paper 003)"]["holds"] is False
+    assert o["HedgeMamba < Hedgehog (HedgeMamba paper)"]["holds"] is True
+    assert o["MOHAWK 1+2+3 < 2+3 < 3 (MOHAWK Tab. 3)"]["holds"] is False
+    assert o["CAB < plain KD (CAB paper)"]["holds"] is False
     ac.plot(data, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0

@@ -1,4 +1,4 @@
-"""``benchmarks/structured_matrix_fit.py`` (paper 001, appendix C): every fitter reproduces a matrix
+"""``benchmarks/structured_matrix_fit.py`` (MOHAWK appendix C): every fitter reproduces a matrix
 of its own class, the classes nest as they should, and main() runs end to end on a tiny teacher."""
 
 from __future__ import annotations

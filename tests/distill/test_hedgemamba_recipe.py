@@ -1,4 +1,4 @@
-"""The hedgemamba recipe (paper 000): 10/90 Hedgehog transfer → CE finetune; stage 1 moves only
+"""The hedgemamba recipe ("Attention to Mamba"): 10/90 Hedgehog transfer → CE finetune; stage 1 moves only
 the feature maps of the HedgeMamba mixers, and the whole recipe gives a loadable student."""
 
 import json

@@ -1,4 +1,4 @@
-"""Hybrid students in the trainer: stepwise schedules (paper 004), automatic layer selection,
+"""Hybrid students in the trainer: stepwise schedules (Mamba in the Llama), automatic layer selection,
 random-init baselines, SSM mixers in layer-local stages, and SFT data sampled from the teacher."""
 
 import json

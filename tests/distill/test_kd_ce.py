@@ -1,4 +1,4 @@
-"""kd_ce (paper 004's stage 1 loss) by hand; named parameter groups and `frozen` across families."""
+"""kd_ce (Mamba in the Llama's stage 1 loss) by hand; named parameter groups and `frozen` across families."""
 
 import math
 
@@ -111,7 +111,7 @@ def test_frozen_applies_after_trainable():
     names = set(select_trainable(student, ["all"], ["mlps", "embeddings"]))
     assert names == groups["all"] - groups["mlps"] - groups["embeddings"]
     assert {n for n, p in student.named_parameters() if p.requires_grad} == names
-    # paper 004's stage 1: everything but the mixers frozen
+    # Mamba in the Llama's stage 1: everything but the mixers frozen
     names = set(select_trainable(student, ["all"], ["mlps", "embeddings", "norms", "attention"]))
     assert names == groups["mixers"]
     names = set(select_trainable(student, ["mixers", "norms"], ["*.layers.1.*"]))

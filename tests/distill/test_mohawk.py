@@ -1,4 +1,4 @@
-"""MOHAWK (paper 001): matrix-orientation and hidden-alignment losses against hand computations,
+"""MOHAWK: matrix-orientation and hidden-alignment losses against hand computations,
 the two layer-local stage kinds on a tiny teacher, discrete Mamba-2's full mixing matrix (with
 D) against its chunked and recurrent forms, and the recipes end to end."""
 

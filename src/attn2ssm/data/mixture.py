@@ -43,6 +43,7 @@ from attn2ssm.errors import DataError
 from .packing import TokenizedCorpus, block_indices, pack_blocks, prepare_corpus
 from .shards import is_shards, read_shards
 from .sources import DEFAULT_TEXT_FIELD, can_stream, is_generated
+from .teacher_samples import generate_corpus
 
 
 @dataclass
@@ -202,8 +203,6 @@ def _cap(source, share: float, max_train_tokens: int | None, budget_blocks: int 
 
 
 def _generated(spec: str, tokenizer, teacher, seed: int, cap: int | None, max_heldout: int | None, progress: bool) -> TokenizedCorpus:
-    from .teacher_samples import generate_corpus
-
     if teacher is None:
         raise DataError(f"{spec!r} is sampled from the teacher, and none was given", "pass teacher= (the trainer does)")
     corpus = generate_corpus(spec, teacher, tokenizer, seed=seed, progress=progress)

@@ -42,27 +42,19 @@ import itertools
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from attn2ssm.errors import DataError
 
 from . import builtin
+from .document import Document
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_TEXT_FIELD = "text"
 _NETWORK_MODULES = {"requests", "httpx", "httpcore", "urllib3", "aiohttp"}
 _SPLIT_NAMES = {"train", "validation", "valid", "test", "dev", "all"}
 GENERATED_PREFIX = "generated:"
-
-
-@dataclass
-class Document:
-    """One unit of text; ``id`` is stable and unique within its corpus."""
-
-    id: str
-    text: str
-    meta: dict = field(default_factory=dict)
 
 
 def load_documents(spec: str, *, text_field: str | None = None) -> list[Document]:
@@ -286,7 +278,7 @@ def _read_jsonl(path: Path, rel: str, text_field: str) -> list[Document]:
 
 
 def _read_parquet(path: Path, rel: str, text_field: str) -> list[Document]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # heavy: pyarrow, only for .parquet files
 
     try:
         table = pq.read_table(path)
@@ -384,8 +376,8 @@ def open_hf_dataset(
     skip/take); a folder written by ``save_to_disk`` is opened with ``load_from_disk``.
     """
     name, config, split = parse_hf_spec(rest)
-    import datasets
-    from datasets.exceptions import DatasetNotFoundError
+    import datasets  # heavy: datasets, only for hf: specs
+    from datasets.exceptions import DatasetNotFoundError  # heavy: as above
 
     label = f"hf:{rest}"
     try:
@@ -423,7 +415,7 @@ def _is_saved_dataset(name: str) -> bool:
 
 
 def _open_saved(name: str, config, split: str, label: str, streaming: bool):
-    import datasets
+    import datasets  # heavy: datasets, only for hf: specs
 
     cut = row_slice(split)
     if config is not None or cut is None:

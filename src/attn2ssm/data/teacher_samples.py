@@ -1,6 +1,6 @@
 """Text sampled from the teacher: chat pseudo-labels for SFT, and plain text as a training corpus.
 
-Paper 004 distils on the teacher's own replies to seed prompts (SeqKD). Offline, the seed
+Mamba in the Llama distils on the teacher's own replies to seed prompts (SeqKD). Offline, the seed
 prompts come from a corpus: ``data.source: teacher:<corpus>[:<n>]`` (e.g. ``teacher:sotu:128``)
 takes ``n`` passages from the corpus' *training* documents, wraps each in an instruction
 ("Summarize …", "What is the main argument …", …), lets the teacher answer through its chat

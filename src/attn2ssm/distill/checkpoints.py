@@ -108,7 +108,7 @@ def damage(folder: Path) -> str | None:
 
 
 def _legacy_damage(folder: Path) -> str | None:
-    from safetensors import safe_open
+    from safetensors import safe_open  # heavy: safetensors, only to diagnose a checkpoint without a manifest
 
     for path in sorted(folder.glob("*.safetensors")):
         try:

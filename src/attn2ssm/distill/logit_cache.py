@@ -91,7 +91,7 @@ class LogitCache:
         return self.dir / digest[:2] / f"{digest}.safetensors"
 
     def _load(self, digest: str, length: int) -> TopKTargets | None:
-        from safetensors.torch import load
+        from safetensors.torch import load  # heavy: safetensors, only once the cache is used
 
         path = self.entry_path(digest)
         try:
@@ -109,7 +109,7 @@ class LogitCache:
         return entry
 
     def _store(self, digest: str, entry: TopKTargets, vocab: int) -> None:
-        from safetensors.torch import save
+        from safetensors.torch import save  # heavy: safetensors, only once the cache is used
 
         idx = entry.indices.cpu()
         idx = (idx - 32768).to(torch.int16) if vocab <= 65536 else idx.to(torch.int32)

@@ -14,6 +14,8 @@ import math
 import torch
 from torch import nn
 
+from attn2ssm.errors import ConfigError
+
 
 class LoRAAdapter(nn.Module):
     def __init__(self, linear: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
@@ -38,8 +40,6 @@ def attach_lora(model: nn.Module, targets: list[str], r: int = 8, alpha: float =
         raise RuntimeError("the model already carries LoRA adapters")
     chosen = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.split(".")[-1] in targets]
     if not chosen:
-        from attn2ssm.errors import ConfigError
-
         raise ConfigError(f"LoRA targets {targets} match no linear layer", "use module names such as q_proj, k_proj, v_proj, o_proj")
     adapters = nn.ModuleDict()
     model._lora_hooks = []

@@ -53,7 +53,7 @@ def kd_ce_loss(
     temperature: float = 1.0,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Paper 004's stage-1 loss, Eq. 2: ``ce_weight·CE + kl_weight·KL(teacher ‖ student)``.
+    """Mamba in the Llama's stage-1 loss, Eq. 2: ``ce_weight·CE + kl_weight·KL(teacher ‖ student)``.
 
     ``labels="data"``: CE on the next token of the data (every real position with a real next
     token). ``labels="teacher"``: CE on the teacher's argmax next token at every real position —
@@ -100,7 +100,7 @@ def dpo_loss(
     ref_rejected_logps: torch.Tensor,
     beta: float = 0.01,
 ) -> torch.Tensor:
-    """DPO (Rafailov et al.), mean over pairs; with the teacher as reference it is paper 004's Eq. 4:
+    """DPO (Rafailov et al.), mean over pairs; with the teacher as reference it is Mamba in the Llama's Eq. 4:
     −log σ(β·[(log π_θ(y_w|x) − log π_T(y_w|x)) − (log π_θ(y_l|x) − log π_T(y_l|x))]).
 
     Sequence-level, so normalised per pair rather than per token. All inputs (pairs,) summed
@@ -258,7 +258,7 @@ def _row_weights(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 def attention_cross_entropy(target: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor | None = None, *, form: str = "soft_ce", eps: float = 1e-12) -> torch.Tensor:
-    """Hedgehog's attention distillation loss (paper 002, Eq. 4 as in its listing).
+    """Hedgehog's attention distillation loss (Hedgehog Eq. 4, as in its listing).
 
     target: teacher softmax weights, weights: student weights, both (b, h, l, l) with rows that
     sum to 1 over the visible keys. ``soft_ce`` = −Σ_j t_ij log w_ij; ``kl`` subtracts the
@@ -283,7 +283,7 @@ def output_mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor 
 
 
 def output_cosine(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """1 − cosine similarity of (b, l, hidden) outputs per token, averaged over real tokens (paper 000)."""
+    """1 − cosine similarity of (b, l, hidden) outputs per token, averaged over real tokens (HedgeMamba's stage 1)."""
     per_token = 1.0 - F.cosine_similarity(student.float(), teacher.float(), dim=-1, eps=1e-8)
     m = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
     return (per_token * m).sum() / m.sum().clamp_min(1)
@@ -299,7 +299,7 @@ MATRIX_NORMS = ("fro", "fro_squared", "row_squared")
 
 
 def matrix_distance(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None, *, norm: str = "fro") -> torch.Tensor:
-    """MOHAWK's matrix-orientation loss (paper 001, Eq. 3) between (b, h, l, l) mixing matrices,
+    """MOHAWK's matrix-orientation loss (MOHAWK Eq. 3) between (b, h, l, l) mixing matrices,
     e.g. a student mixer's materialised matrix and the teacher's attention probabilities.
 
     Entries in a padded query row or key column are ignored (the teacher's padded rows hold
@@ -332,7 +332,7 @@ HIDDEN_DISTANCES = ("l2", "l2_squared", "mse")
 
 
 def hidden_distance(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None, *, form: str = "l2") -> torch.Tensor:
-    """MOHAWK's hidden-state alignment loss (paper 001, Eq. 4): a per-token distance between
+    """MOHAWK's hidden-state alignment loss (MOHAWK Eq. 4): a per-token distance between
     (b, l, hidden) outputs, averaged over real tokens.
 
     ``l2``: ‖s − t‖₂, unsquared — the paper's Eq. 4 as its release computes it

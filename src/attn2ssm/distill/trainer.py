@@ -52,8 +52,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
+import attn2ssm.teachers as teachers  # called through the module: tests replace its load_teacher
 from attn2ssm.config import from_dict
 from attn2ssm.data import (
     block_indices,
@@ -62,6 +67,7 @@ from attn2ssm.data import (
     load_sft_dataset,
     load_training_data,
 )
+from attn2ssm.data.images import load_image_data
 from attn2ssm.data.teacher_samples import build_teacher_sft_data, is_teacher_source
 from attn2ssm.distill.checkpoints import (
     append_jsonl,
@@ -74,15 +80,25 @@ from attn2ssm.distill.checkpoints import (
     set_rng_state,
     truncate_metrics,
 )
+from attn2ssm.distill.layer_selection import auto_plan, select_attention_layers
+from attn2ssm.distill.logit_cache import CacheStats, LogitCache
 from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
+from attn2ssm.distill.losses import cross_entropy
 from attn2ssm.distill.recipe import Recipe, StageConfig, resume_recipe, validate, validate_for_teacher
 from attn2ssm.distill.schedules import lr_multiplier
 from attn2ssm.distill.stages import STAGE_KINDS, StageKind, select_trainable
 from attn2ssm.errors import CheckpointError, ConfigError, Interrupted, OutputError, TrainingError
+from attn2ssm.eval.classification import evaluate_classifier, write_vision_report
+from attn2ssm.eval.report import write_report
 from attn2ssm.mixers.registry import ATTENTION
 from attn2ssm.paths import LOCK, atomic_write_text, check_writable, lock_dir, remove_stale_staging, replace_dir, writing
 from attn2ssm.precision import choose_precision, warn_if_slow_bf16
-from attn2ssm.student.plans import make_plan
+from attn2ssm.student.convert import convert, grow_student
+from attn2ssm.student.convert_vision import build_vision_student
+from attn2ssm.student.modeling import Attn2SSMForCausalLM
+from attn2ssm.student.plans import interleaved_keep, make_plan
+from attn2ssm.student.vision import Attn2SSMForImageClassification
+from attn2ssm.teachers.vision import load_vision_teacher
 
 __all__ = ["Distiller", "TrainerState", "distill", "latest_checkpoint"]
 
@@ -131,8 +147,6 @@ def _release_accelerate_state(mixed_precision: str) -> None:
     """accelerate keeps one state per process and refuses an ``Accelerator`` with another precision;
     a single process may run several recipes (a sweep, a notebook, bench train), so there the old
     state is let go. Under a distributed launch the launcher's state stays."""
-    from accelerate.state import AcceleratorState
-
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or not AcceleratorState._shared_state:
         return
     if AcceleratorState._shared_state.get("_mixed_precision") != mixed_precision:
@@ -149,8 +163,6 @@ class Distiller:
                  teacher=None, tokenizer=None):  # fmt: skip
         """``resume``: continue the run in ``out`` with the recipe saved there (if any; else ``recipe``),
         with ``overrides`` (a resume's ``--set`` strings) applied where ``resume_recipe`` allows."""
-        from accelerate import Accelerator
-
         self.out = Path(out)
         self.progress = progress
         self.resume_from: Path | None = None  # the intact checkpoint a resumed run continues from
@@ -159,14 +171,10 @@ class Distiller:
         if resume:
             saved = self.out / "recipe.yaml"
             if saved.exists():
-                import yaml
-
                 recipe, changes = resume_recipe(yaml.safe_load(saved.read_text()), overrides)
         validate(recipe)
         if self.resume_from is None and recipe.images is None:  # what needs only the teacher's config.json, before anything loads or is written
-            from attn2ssm.teachers import read_teacher_config
-
-            config = teacher.config if teacher is not None else read_teacher_config(recipe.teacher)
+            config = teacher.config if teacher is not None else teachers.read_teacher_config(recipe.teacher)
             if config is not None:
                 validate_for_teacher(recipe, config)
         self.recipe = recipe
@@ -218,8 +226,6 @@ class Distiller:
             except OutputError as exc:
                 failure = exc
         if self.acc.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
             shared = broadcast_object_list([str(failure) if failure else None])
             failure = failure or (OutputError(shared[0]) if shared[0] else None)
         if failure is not None:
@@ -253,14 +259,10 @@ class Distiller:
 
     # -- setup ---------------------------------------------------------------------------------
     def _load_teacher(self):
-        from attn2ssm.teachers import load_teacher
-
         if self.teacher is None and self.recipe.images is not None:  # an image classifier and its image processor
-            from attn2ssm.teachers.vision import load_vision_teacher
-
             self.teacher, self.tokenizer, self.teacher_info = load_vision_teacher(self.recipe.teacher, progress=self.progress and self.is_main)
         elif self.teacher is None:
-            self.teacher, self.tokenizer, source = load_teacher(self.recipe.teacher, check_supported=True)
+            self.teacher, self.tokenizer, source = teachers.load_teacher(self.recipe.teacher, check_supported=True)
             self.teacher_info = {"source": source.describe()}
         else:
             self.teacher_info = {"source": {"kind": "object", "location": type(self.teacher).__name__}}
@@ -268,8 +270,6 @@ class Distiller:
 
     def _load_data(self):
         if self.recipe.images is not None:  # a stratified fraction of the training split + the full test split
-            from attn2ssm.data.images import load_image_data
-
             self.images = load_image_data(self.recipe.images, self.tokenizer, self.recipe.seed)
             if self.is_main:
                 print(self.images.describe())
@@ -287,13 +287,7 @@ class Distiller:
             print(data.describe())
 
     def _build_student(self):
-        from attn2ssm.student.convert import convert
-        from attn2ssm.student.modeling import Attn2SSMForCausalLM
-
         if self.images is not None:
-            from attn2ssm.student.convert_vision import build_vision_student
-            from attn2ssm.student.vision import Attn2SSMForImageClassification
-
             s = self.recipe.student
             student = (Attn2SSMForImageClassification.from_pretrained(self.resume_from, dtype=torch.float32) if self.resume_from is not None else
                        build_vision_student(self.teacher, s.mixer, dict(s.mixer_options), depth=s.depth, layer_map_mode=s.layer_map, teacher_info=self.teacher_info))  # fmt: skip
@@ -303,8 +297,6 @@ class Distiller:
             s = self.recipe.student
             n_layers = s.depth or self.teacher.config.num_hidden_layers
             if s.keep_attention == "auto":
-                from attn2ssm.distill.layer_selection import auto_plan
-
                 plan, scores = auto_plan(self.teacher, self._calibration_ids(), s.mixer, dict(s.mixer_options), s.attention_ratio, batch_size=2, progress=self.progress)
                 self._log_layer_scores(scores, plan)
             else:
@@ -330,10 +322,6 @@ class Distiller:
         """Stepwise hybrids: convert more attention layers before a stage with its own attention_ratio."""
         if cfg.attention_ratio is None:
             return
-        from attn2ssm.distill.layer_selection import select_attention_layers
-        from attn2ssm.student.convert import grow_student
-        from attn2ssm.student.plans import interleaved_keep
-
         s = self.recipe.student
         student = self.acc.unwrap_model(self.student)
         plan = list(student.config.layer_plan)
@@ -382,8 +370,6 @@ class Distiller:
     # -- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()
     def _eval_loss(self, stage_cfg) -> float:
-        from attn2ssm.distill.losses import cross_entropy
-
         model = self.acc.unwrap_model(self.student)
         model.eval()
         n = min(len(self.eval_blocks), stage_cfg.eval_batches * 4)
@@ -489,8 +475,6 @@ class Distiller:
         fingerprint per run: the teacher is frozen)."""
         if cfg.logit_cache is None:
             return None
-        from attn2ssm.distill.logit_cache import CacheStats, LogitCache
-
         vocab = self.teacher.get_output_embeddings().weight.shape[0]
         if cfg.logit_cache.top_k > vocab:
             raise ConfigError(f"stage '{cfg.name}': logit_cache.top_k={cfg.logit_cache.top_k} exceeds the teacher's vocabulary ({vocab})",
@@ -566,8 +550,6 @@ class Distiller:
             record["grad_norm"] = grad_norm
         due = (cfg.eval_every and state.step % cfg.eval_every == 0) or state.step == run.steps
         if self.is_main and due and self.images is not None:
-            from attn2ssm.eval.classification import evaluate_classifier
-
             scores = evaluate_classifier(self.acc.unwrap_model(self.student), self.images.test, max_images=self.recipe.images.eval_images)
             record["eval_loss"], record["eval_top1"] = scores["loss"], scores["top1"]
         elif self.is_main and due and len(self.eval_blocks):
@@ -723,8 +705,6 @@ class Distiller:
         return self._finish()
 
     def _finish(self) -> dict:
-        from attn2ssm.eval.report import write_report
-
         self.acc.wait_for_everyone()
         results = {}
         if self.is_main:
@@ -743,8 +723,6 @@ class Distiller:
                     raise
             with self._writing("the report"):
                 if self.images is not None:
-                    from attn2ssm.eval.classification import write_vision_report
-
                     results = write_vision_report(self.out, self.recipe, self.teacher, student, self.images, seconds=round(time.perf_counter() - self.started, 1))
                 else:
                     results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress,

@@ -6,7 +6,7 @@ every layer where the student has a mixer with a materialisable mixing matrix
 (``mixer.attention_weights``) both maps are computed from the *same* layer input — so a layer's
 numbers measure that layer's approximation alone, not errors accumulated in the layers below it.
 
-Per layer (notes/002.md §3, Zhang et al. "The Hedgehog & the Porcupine"):
+Per layer (the measures of Hedgehog, Zhang et al. "The Hedgehog & the Porcupine"):
 
 * ``kl`` — KL(A_t ‖ A_s) = Σ_j a^t_ij log((a^t_ij + ε) / (a^s_ij + ε)), ε = 1e-12, averaged over
   real (non-padded) query rows and heads (nats);
@@ -36,6 +36,9 @@ from torch import nn
 
 from attn2ssm.adapters import capture_attention_io, get_adapter
 from attn2ssm.adapters.masking import allowed_keys
+from attn2ssm.data import prepare_corpus
+from attn2ssm.errors import ConfigError, DataError
+from attn2ssm.eval.report import environment
 
 EPS = 1e-12
 MIN_KEYS = 3
@@ -268,11 +271,11 @@ def plot_attention_maps(
     scale, one per row of the grid) and, with ``log_scale``, ``<prefix>_log.png`` (log10 scale, floor
     1e-4) which shows how the tail of each row is spread. The text is cut to ``max_tokens``.
     """
-    import matplotlib
+    import matplotlib  # heavy: matplotlib, and the Agg backend is chosen only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
+    import matplotlib.pyplot as plt  # heavy: as above, once the backend is set
+    from matplotlib.colors import LogNorm  # heavy: as above
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -341,48 +344,20 @@ def run_attention_eval(
     the first held-out block, cut to ``heatmap_tokens``) into ``out_dir`` (default MODEL/eval).
     The teacher is ``against``, else the built-in ``smollm2-135m``.
     """
-    from attn2ssm.student.loading import load_model_and_tokenizer
-    from attn2ssm.errors import ConfigError, DataError
-    from attn2ssm.eval.report import environment
-
     if blocks < 0:
         raise ConfigError(f"--blocks {blocks} is negative", "use --blocks 0 (only --text) or more, e.g. --blocks 4")
     if blocks == 0 and not text:
         raise ConfigError("--attention with --blocks 0 has nothing to score", 'pass --text "..." or --blocks N')
-    student, tokenizer = load_model_and_tokenizer(model_path)
-    if getattr(student.config, "model_type", None) != "attn2ssm":
-        raise ConfigError(
-            f"{model_path} is not a student: --attention compares a student with its teacher",
-            "point at a student directory (from 'attn2ssm convert' or a run's student/)",
-        )
     teacher_spec = against or DEFAULT_TEACHER
-    teacher, _ = load_model_and_tokenizer(teacher_spec)
-    if not _matches(student, teacher):
-        raise ConfigError(
-            f"teacher {teacher_spec} ({teacher.config.num_hidden_layers} layers, hidden {teacher.config.hidden_size}) does not "
-            f"match the student ({len(student.config.layer_plan)} layers, hidden {_student_hidden(student)})",
-            "pass the student's own teacher with --against",
-        )
-    if not _mixer_layers(student):
-        raise ConfigError(f"{model_path} has no mixer with materialisable weights", "use a linear-attention student")
+    student, teacher, tokenizer = _load_student_and_teacher(model_path, teacher_spec)
     out_dir = Path(out_dir) if out_dir else Path(model_path) / "eval"
     report: dict = {"student": str(model_path), "teacher": teacher_spec, "metrics": list(METRICS), "eps": EPS}
     heatmap_text = text
     if blocks:
-        from attn2ssm.data import prepare_corpus
-
-        ids = prepare_corpus(corpus, tokenizer, max_heldout_tokens=max_tokens, max_train_tokens=0).heldout_ids
-        n = min(blocks, ids.numel() // window)
-        if n < 1:
-            raise DataError(
-                f"corpus {corpus!r} has {ids.numel()} held-out tokens, less than one --window {window} block",
-                "use a smaller --window, a larger --max-tokens, or --text",
-            )
-        step = ids.numel() // n  # blocks spread over the held-out stream
-        batch = torch.stack([ids[j * step : j * step + window] for j in range(n)])
+        batch = _heldout_blocks(tokenizer, corpus, window, max_tokens, blocks)
         result = attention_fidelity(student, teacher, batch)
-        report["heldout"] = {"corpus": corpus, "blocks": n, "window": window, **result}
-        print(f"attention fidelity, teacher-forced: {n} held-out block(s) of {window} tokens from {corpus} (teacher {teacher_spec})")
+        report["heldout"] = {"corpus": corpus, "blocks": len(batch), "window": window, **result}
+        print(f"attention fidelity, teacher-forced: {len(batch)} held-out block(s) of {window} tokens from {corpus} (teacher {teacher_spec})")
         print(format_table(result))
         if heatmap_text is None:
             heatmap_text = tokenizer.decode(batch[0][:heatmap_tokens])
@@ -395,14 +370,55 @@ def run_attention_eval(
     paths = plot_attention_maps(student, teacher, tokenizer, heatmap_text, out_dir, max_tokens=heatmap_tokens)
     report["heatmaps"] = [str(p) for p in paths]
     report["environment"] = environment()
+    _write_report(report, out_dir, json_path, paths)
+    return report
+
+
+def _load_student_and_teacher(model_path: str, teacher_spec: str):
+    """The student at ``model_path``, its teacher and the student's tokenizer; a model that is not a
+    student, a teacher of another shape, or a student without materialisable weights is an error."""
+    from attn2ssm.student.loading import load_model_and_tokenizer  # heavy: transformers
+
+    student, tokenizer = load_model_and_tokenizer(model_path)
+    if getattr(student.config, "model_type", None) != "attn2ssm":
+        raise ConfigError(
+            f"{model_path} is not a student: --attention compares a student with its teacher",
+            "point at a student directory (from 'attn2ssm convert' or a run's student/)",
+        )
+    teacher, _ = load_model_and_tokenizer(teacher_spec)
+    if not _matches(student, teacher):
+        raise ConfigError(
+            f"teacher {teacher_spec} ({teacher.config.num_hidden_layers} layers, hidden {teacher.config.hidden_size}) does not "
+            f"match the student ({len(student.config.layer_plan)} layers, hidden {_student_hidden(student)})",
+            "pass the student's own teacher with --against",
+        )
+    if not _mixer_layers(student):
+        raise ConfigError(f"{model_path} has no mixer with materialisable weights", "use a linear-attention student")
+    return student, teacher, tokenizer
+
+
+def _heldout_blocks(tokenizer, corpus: str, window: int, max_tokens: int | None, blocks: int) -> torch.Tensor:
+    """(n, window): up to ``blocks`` blocks spread evenly over the corpus' held-out stream."""
+    ids = prepare_corpus(corpus, tokenizer, max_heldout_tokens=max_tokens, max_train_tokens=0).heldout_ids
+    n = min(blocks, ids.numel() // window)
+    if n < 1:
+        raise DataError(
+            f"corpus {corpus!r} has {ids.numel()} held-out tokens, less than one --window {window} block",
+            "use a smaller --window, a larger --max-tokens, or --text",
+        )
+    step = ids.numel() // n  # blocks spread over the held-out stream
+    return torch.stack([ids[j * step : j * step + window] for j in range(n)])
+
+
+def _write_report(report: dict, out_dir: Path, json_path, heatmaps: list[Path]) -> None:
+    """``attention_fidelity.json`` in ``out_dir`` (and a copy at ``json_path``), and a line saying so."""
     body = json.dumps(_json_safe(report), indent=1) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "attention_fidelity.json").write_text(body)
     if json_path:
         Path(json_path).write_text(body)
-    shown = ", ".join(p.name for p in paths)
-    print(f"wrote {out_dir / 'attention_fidelity.json'}" + (f" and heat-maps {shown}" if paths else ""))
-    return report
+    shown = ", ".join(p.name for p in heatmaps)
+    print(f"wrote {out_dir / 'attention_fidelity.json'}" + (f" and heat-maps {shown}" if heatmaps else ""))
 
 
 def _json_safe(obj):

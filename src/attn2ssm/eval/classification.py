@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
+from attn2ssm.eval.report import environment, plot_losses, read_metrics
 from attn2ssm.paths import atomic_write_text
 from attn2ssm.teachers.vision import evaluate_classifier
 
 
 def write_vision_report(run_dir: Path, recipe, teacher, student, images, *, seconds: float | None = None) -> dict:
     """Score teacher and student on the full test split; write results.json and report.md."""
-    from attn2ssm.eval.report import environment, plot_losses, read_metrics
-
     run_dir = Path(run_dir)
     t, s = evaluate_classifier(teacher, images.test), evaluate_classifier(student, images.test)
     metrics = read_metrics(run_dir)

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attn2ssm.eval.harness import run_lm_eval
 from attn2ssm.paths import atomic_write_text
 
 
@@ -60,97 +61,121 @@ def _task_rows(teacher_record: dict, student_record: dict) -> list[dict]:
     return rows
 
 
+@dataclass
+class _Scores:
+    """What ``compare_report`` has measured so far: table rows and details, written after every part
+    (so a killed run keeps its finished parts)."""
+
+    student_path: str
+    teacher_spec: str
+    settings: ReportSettings
+    out_dir: Path
+    rows: list = field(default_factory=list)
+    details: dict = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+    def save(self) -> dict:
+        from attn2ssm.eval.report import environment  # heavy: torch
+
+        report = {
+            "student": str(self.student_path), "teacher": self.teacher_spec, "rows": self.rows, "details": self.details,
+            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.settings.__dict__.items()},
+            "seconds": time.time() - self.started, "environment": environment(),
+        }  # fmt: skip
+        atomic_write_text(self.out_dir / "report.json", json.dumps(report, indent=1, default=str))
+        atomic_write_text(self.out_dir / "report.md", format_markdown(report))
+        return report
+
+
 def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, settings: ReportSettings, progress: bool = True) -> dict:
-    from attn2ssm.student.loading import load_model_and_tokenizer
-    from attn2ssm.data import prepare_corpus
-    from attn2ssm.eval.agreement import generation_agreement, heldout_prompts
-    from attn2ssm.eval.perplexity import perplexity
-    from attn2ssm.eval.report import environment
+    """Score the student and its teacher on the same inputs (see the module docstring), part by part."""
+    from attn2ssm.student.loading import load_model_and_tokenizer  # heavy: transformers
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     teacher_spec = teacher_spec or "smollm2-135m"
     student, tokenizer = load_model_and_tokenizer(student_path)
     teacher, _ = load_model_and_tokenizer(teacher_spec)
-    rows: list[dict] = []
-    details: dict = {}
-    t0 = time.time()
+    scores = _Scores(student_path, teacher_spec, settings, out_dir)
+    corpora = _score_perplexity(scores, teacher, student, tokenizer, progress)
+    scores.save()
+    if settings.agreement_prompts:
+        _score_agreement(scores, teacher, student, tokenizer, corpora[settings.corpora[0]].heldout_ids, progress)
+    scores.save()
+    if settings.needle_lengths:
+        _score_passkey(scores, teacher, student, tokenizer, progress)
+    scores.save()
+    if settings.fidelity_blocks and hasattr(student, "mixers"):
+        _score_fidelity(scores, teacher, student, corpora[settings.corpora[0]].heldout_ids)
+    scores.save()
+    if settings.tasks:
+        _score_tasks(scores)
+    report = scores.save()
+    plot_recovered(scores.rows, out_dir / "report.png", f"{Path(str(student_path)).name} vs {report['teacher']}")
+    return report
 
-    def save() -> dict:
-        """Write what is measured so far (after every part: a killed run keeps its finished parts)."""
-        report = {
-            "student": str(student_path), "teacher": teacher_spec, "rows": rows, "details": details,
-            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
-            "seconds": time.time() - t0, "environment": environment(),
-        }  # fmt: skip
-        atomic_write_text(out_dir / "report.json", json.dumps(report, indent=1, default=str))
-        atomic_write_text(out_dir / "report.md", format_markdown(report))
-        return report
 
-    # 1. held-out perplexity on each corpus (same windows for both)
-    corpora = {}
+def _score_perplexity(scores: _Scores, teacher, student, tokenizer, progress: bool) -> dict:
+    """1. Held-out perplexity on each corpus (same windows for both); the prepared corpora by spec."""
+    from attn2ssm.data import prepare_corpus  # heavy: torch
+    from attn2ssm.eval.perplexity import perplexity  # heavy: torch
+
+    settings, corpora = scores.settings, {}
     for corpus_spec in settings.corpora:
         corpus = corpora[corpus_spec] = prepare_corpus(corpus_spec, tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0)
         kw = dict(window=settings.window, max_tokens=settings.max_tokens, progress=progress)
         t = perplexity(teacher, corpus.heldout_ids, desc=f"teacher {corpus_spec}", **kw)
         s = perplexity(student, corpus.heldout_ids, desc=f"student {corpus_spec}", **kw)
-        rows.append(_row(f"perplexity {corpus_spec}", f"ppl ({s['tokens']} tokens, window {settings.window})", t["ppl"], s["ppl"], higher_is_better=False))
+        scores.rows.append(_row(f"perplexity {corpus_spec}", f"ppl ({s['tokens']} tokens, window {settings.window})", t["ppl"], s["ppl"], higher_is_better=False))
+    return corpora
 
-    save()
 
-    # 2. generation agreement on held-out prompts of the first corpus
-    if settings.agreement_prompts:
-        corpus = corpora[settings.corpora[0]]
-        prompts = heldout_prompts(corpus.heldout_ids, settings.agreement_prompts, settings.agreement_prompt_len, settings.agreement_new_tokens)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        agree = generation_agreement(student, teacher, prompts, settings.agreement_new_tokens, pad_id=pad, progress=progress)
-        details["generation_agreement"] = agree
-        for key in ("token_agreement", "rouge_l", "forced_agreement"):
-            rows.append(_row("generation vs teacher", key, 1.0, agree[key]))
-        rows.append(_row("generation vs teacher", "prefix_match (tokens)", float(settings.agreement_new_tokens), agree["prefix_match"]))
+def _score_agreement(scores: _Scores, teacher, student, tokenizer, heldout_ids, progress: bool) -> None:
+    """2. Generation agreement with the teacher on held-out prompts of the first corpus."""
+    from attn2ssm.eval.agreement import generation_agreement, heldout_prompts  # heavy: torch
 
-    save()
+    settings = scores.settings
+    prompts = heldout_prompts(heldout_ids, settings.agreement_prompts, settings.agreement_prompt_len, settings.agreement_new_tokens)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    agree = generation_agreement(student, teacher, prompts, settings.agreement_new_tokens, pad_id=pad, progress=progress)
+    scores.details["generation_agreement"] = agree
+    for key in ("token_agreement", "rouge_l", "forced_agreement"):
+        scores.rows.append(_row("generation vs teacher", key, 1.0, agree[key]))
+    scores.rows.append(_row("generation vs teacher", "prefix_match (tokens)", float(settings.agreement_new_tokens), agree["prefix_match"]))
 
-    # 3. passkey retrieval: same keys and prompts for both
-    if settings.needle_lengths:
-        from attn2ssm.eval.needle import passkey_grid, plot_passkey
 
-        grids = {}
-        for name, model in (("teacher", teacher), ("student", student)):
-            grids[name] = passkey_grid(model, tokenizer, settings.needle_lengths, settings.needle_depths, settings.needle_trials, progress=progress, desc=f"passkey {name}")
-        details["passkey"] = grids
-        plot_passkey(grids, out_dir / "needle.png", "passkey retrieval (greedy, exact digits)")
-        rows.append(_row("passkey", f"accuracy (lengths {list(settings.needle_lengths)})", grids["teacher"]["mean_accuracy"], grids["student"]["mean_accuracy"]))
+def _score_passkey(scores: _Scores, teacher, student, tokenizer, progress: bool) -> None:
+    """3. Passkey retrieval: the same keys and prompts for both; plots needle.png."""
+    from attn2ssm.eval.needle import passkey_grid, plot_passkey  # heavy: torch
 
-    save()
+    settings, grids = scores.settings, {}
+    for name, model in (("teacher", teacher), ("student", student)):
+        grids[name] = passkey_grid(model, tokenizer, settings.needle_lengths, settings.needle_depths, settings.needle_trials, progress=progress, desc=f"passkey {name}")
+    scores.details["passkey"] = grids
+    plot_passkey(grids, scores.out_dir / "needle.png", "passkey retrieval (greedy, exact digits)")
+    scores.rows.append(_row("passkey", f"accuracy (lengths {list(settings.needle_lengths)})", grids["teacher"]["mean_accuracy"], grids["student"]["mean_accuracy"]))
 
-    # 4. attention fidelity (student mixers that expose weights; the teacher is the reference)
-    if settings.fidelity_blocks and hasattr(student, "mixers"):
-        from attn2ssm.eval.attention import attention_fidelity
 
-        corpus = corpora[settings.corpora[0]]
-        n = settings.fidelity_blocks * settings.window
-        if corpus.heldout_ids.numel() >= n and any(callable(getattr(m, "attention_weights", None)) for m in student.mixers().values()):
-            ids = corpus.heldout_ids[:n].view(settings.fidelity_blocks, settings.window)
-            fid = attention_fidelity(student, teacher, ids)
-            details["attention_fidelity"] = fid["mean"]
-            rows.append(_row("attention fidelity", "KL(teacher‖student) per query row", 0.0, fid["mean"]["kl"], higher_is_better=False))
+def _score_fidelity(scores: _Scores, teacher, student, heldout_ids) -> None:
+    """4. Attention fidelity, where the student's mixers expose weights (the teacher is the reference)."""
+    from attn2ssm.eval.attention import attention_fidelity  # heavy: torch
 
-    save()
+    settings = scores.settings
+    n = settings.fidelity_blocks * settings.window
+    if heldout_ids.numel() >= n and any(callable(getattr(m, "attention_weights", None)) for m in student.mixers().values()):
+        ids = heldout_ids[:n].view(settings.fidelity_blocks, settings.window)
+        fid = attention_fidelity(student, teacher, ids)
+        scores.details["attention_fidelity"] = fid["mean"]
+        scores.rows.append(_row("attention fidelity", "KL(teacher‖student) per query row", 0.0, fid["mean"]["kl"], higher_is_better=False))
 
-    # 5. lm-eval tasks from the offline pack
-    if settings.tasks:
-        from attn2ssm.eval.harness import run_lm_eval
 
-        records = {}
-        for name, path in (("teacher", teacher_spec), ("student", student_path)):
-            records[name] = run_lm_eval(path, list(settings.tasks), limit=settings.limit, output_path=out_dir / f"lm_eval_{name}.json")
-        rows += _task_rows(records["teacher"], records["student"])
-        details["lm_eval_limit"] = settings.limit
-
-    report = save()
-    plot_recovered(rows, out_dir / "report.png", f"{Path(str(student_path)).name} vs {report['teacher']}")
-    return report
+def _score_tasks(scores: _Scores) -> None:
+    """5. lm-eval tasks from the offline pack (each model loaded by lm-eval)."""
+    settings, records = scores.settings, {}
+    for name, path in (("teacher", scores.teacher_spec), ("student", scores.student_path)):
+        records[name] = run_lm_eval(path, list(settings.tasks), limit=settings.limit, output_path=scores.out_dir / f"lm_eval_{name}.json")
+    scores.rows += _task_rows(records["teacher"], records["student"])
+    scores.details["lm_eval_limit"] = settings.limit
 
 
 def _fmt(v) -> str:
@@ -184,10 +209,10 @@ def format_markdown(report: dict) -> str:
 
 
 def plot_recovered(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # heavy: matplotlib, and the Agg backend is chosen only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: as above, once the backend is set
 
     shown = [r for r in rows if r["recovered"] is not None]
     if not shown:

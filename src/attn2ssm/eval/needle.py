@@ -1,6 +1,6 @@
 """Passkey retrieval (needle in a haystack) over context length × needle depth.
 
-The classic passkey prompt (Mohtashami & Jaggi 2023, used by paper 004 for length
+The classic passkey prompt (Mohtashami & Jaggi 2023, used by Mamba in the Llama for length
 extrapolation): an instruction, filler sentences, "The pass key is 71432. Remember it. 71432 is
 the pass key." at a chosen depth, more filler, then "What is the pass key? The pass key is". A
 trial passes when the greedy continuation starts with the key's digits. Each (length, depth)
@@ -123,10 +123,10 @@ def passkey_grid(model, tokenizer, lengths, depths, trials: int = 3, seed: int =
 
 def plot_passkey(results: dict[str, dict], path, title: str = "") -> None:
     """One heat-map per model (rows: context length, columns: needle depth)."""
-    import matplotlib
+    import matplotlib  # heavy: matplotlib, and the Agg backend is chosen only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: as above, once the backend is set
 
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
     for ax, (name, r) in zip(axes[0], results.items()):

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 from pathlib import Path
 
 import torch
 
+import attn2ssm
 from attn2ssm.eval.perplexity import perplexity
 from attn2ssm.paths import atomic_write_text
 
 
 def environment() -> dict:
-    import transformers
-
-    import attn2ssm
+    import transformers  # heavy: this module imports torch only
 
     return {
         "attn2ssm": attn2ssm.__version__,
@@ -24,7 +24,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
-        "cpu_count": __import__("os").cpu_count(),
+        "cpu_count": os.cpu_count(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
@@ -48,10 +48,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def plot_losses(metrics: list[dict], path: Path, title: str = "") -> Path | None:
     if not metrics:
         return None
-    import matplotlib
+    import matplotlib  # heavy: matplotlib, and the Agg backend is chosen only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: as above, once the backend is set
 
     fig, ax = plt.subplots(figsize=(7, 4))
     stages = []
@@ -104,7 +104,7 @@ def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: b
     }
     atomic_write_text(run_dir / "results.json", json.dumps(results, indent=1))
     if (run_dir / "student" / "config.json").is_file():  # its card, written before these results existed, gains them
-        from attn2ssm.student.card import write_student_card
+        from attn2ssm.student.card import write_student_card  # heavy: transformers
 
         write_student_card(run_dir / "student")
     lines = [

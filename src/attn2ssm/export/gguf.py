@@ -20,6 +20,7 @@ types report their difference.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -70,7 +71,7 @@ def export_gguf(student_dir: str | Path, out: str | Path, *, outtype: str = "f16
     """Write the student in ``student_dir`` as one GGUF file ``out`` of ``outtype`` (``OUTTYPES``).
     Refused before anything runs when the student does not map exactly onto llama.cpp's
     GraniteHybrid; staged beside ``out`` and moved into place only when every step passed."""
-    from attn2ssm.student.modeling import Attn2SSMForCausalLM
+    from attn2ssm.student.modeling import Attn2SSMForCausalLM  # heavy: transformers (this module imports torch only)
 
     out = Path(out)
     if outtype not in OUTTYPES:
@@ -117,6 +118,4 @@ def export_gguf(student_dir: str | Path, out: str | Path, *, outtype: str = "f16
 
 
 def _runtime_available() -> bool:
-    from importlib.util import find_spec
-
-    return find_spec("llama_cpp") is not None
+    return importlib.util.find_spec("llama_cpp") is not None

@@ -13,10 +13,15 @@ Import-light: ``llama_cpp`` and torch load only when a function needs them.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
+from importlib import metadata
 from pathlib import Path
+
+import numpy as np
 
 from attn2ssm.errors import Attn2SSMError
 from attn2ssm.paths import cache_dir
@@ -40,11 +45,9 @@ def llama_cpp_source_dir(version: str = LLAMA_CPP_PYTHON) -> Path:
 
 def runtime_version() -> str | None:
     """The installed ``llama_cpp``'s version, or None (without importing its shared library)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
-        return version("llama_cpp_python")
-    except PackageNotFoundError:
+        return metadata.version("llama_cpp_python")
+    except metadata.PackageNotFoundError:
         return None
 
 
@@ -68,7 +71,7 @@ def converter_dir() -> Path:
 def load_runtime():
     """``import llama_cpp``, or a one-line ``LlamaCppMissing`` naming ``make llama-cpp``."""
     try:
-        import llama_cpp
+        import llama_cpp  # optional: llama-cpp-python ('make llama-cpp')
     except ImportError as exc:
         raise LlamaCppMissing(f"llama-cpp-python is not importable ({exc.__class__.__name__}: {exc})", _MAKE) from None
     return llama_cpp
@@ -114,8 +117,6 @@ def read_metadata(path: str | Path) -> dict:
         "        out[k] = v if isinstance(v, (int, float, str, bool)) else str(v)\n"
         "print(json.dumps(out))"
     )
-    import json
-
     result = subprocess.run([sys.executable, "-c", code, str(root / "gguf-py"), str(path)], capture_output=True, text=True)
     if result.returncode != 0:
         raise Attn2SSMError(f"could not read {path}'s GGUF metadata: {(result.stderr.strip().splitlines() or ['?'])[-1]}", "check that it is a GGUF file")
@@ -179,10 +180,6 @@ def logits_in_subprocess(path: str | Path, tokens: list[int]):
     """(len(tokens), n_vocab) float32 logits of ``tokens`` from the GGUF in llama.cpp, run in a child
     process (an f32 KV cache, no flash attention: only the weights' type differs from float32 math)
     so that a llama.cpp abort (GGML_ASSERT) is a one-line error here, not the end of this process."""
-    import tempfile
-
-    import numpy as np
-
     load_runtime()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.npy"
@@ -218,8 +215,6 @@ class GGUFModel:
 
     def last_logits(self):
         """The float32 logits (numpy, n_vocab) after the last token fed."""
-        import numpy as np
-
         ptr = self._lib.llama_get_logits_ith(self.llm.ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 

@@ -56,8 +56,11 @@ from pathlib import Path
 
 import torch
 
-from attn2ssm.errors import ExportError
+from attn2ssm.adapters import get_adapter
+from attn2ssm.errors import CheckpointError, ConfigError, ExportError
 from attn2ssm.mixers.ssm_common import GATE_IDENTITY_BIAS
+from attn2ssm.paths import check_writable, remove_stale_staging, replace_dir, staging_beside, writing
+from attn2ssm.teachers import check_weight_files
 
 NATIVE_CLASS = "GraniteMoeHybridForCausalLM"
 FAMILIES = ("llama", "mistral", "qwen2")
@@ -78,7 +81,7 @@ _LAYER_TYPE = {"mamba2": "mamba", "attention": "attention"}
 # ------------------------------------------------------------------------------------ what exports
 def _mamba2_options(config) -> dict:
     """The student's effective mamba2 options (its saved ones over the mixer's defaults)."""
-    from attn2ssm.mixers.mamba2 import Mamba2Mixer
+    from attn2ssm.mixers.mamba2 import Mamba2Mixer  # heavy: the mixers import transformers
 
     defaults = {n: p.default for n, p in inspect.signature(Mamba2Mixer.__init__).parameters.items() if p.default is not inspect.Parameter.empty}
     return {**defaults, **((config.mixer_options or {}).get("mamba2") or {})}
@@ -174,7 +177,7 @@ def check_native(config, llama_cpp: bool = False) -> None:
 def native_config(config, llama_cpp: bool = False):
     """The ``GraniteMoeHybridConfig`` of a student that ``check_native`` passed; ``llama_cpp``:
     twice the Mamba heads (expand 2, the second half zero) and no in_proj / out_proj biases."""
-    from transformers import GraniteMoeHybridConfig
+    from transformers import GraniteMoeHybridConfig  # heavy: transformers (this module imports torch only)
 
     base = config.base_config
     g0 = config.layer_geometry[0]
@@ -331,8 +334,6 @@ def identity_layer_tensors(cfg, prefix: str) -> dict[str, torch.Tensor]:
 def native_state_dict(student, native_cfg) -> dict[str, torch.Tensor]:
     """Every tensor of the ``GraniteMoeHybridForCausalLM`` for ``student`` (fp32), by name. Each of
     the student's own tensors is used exactly once (anything left over is an error, not dropped)."""
-    from attn2ssm.adapters import get_adapter
-
     config = student.config
     adapter = get_adapter(student.base)
     state = {k: v.detach().float() for k, v in student.base.state_dict().items()}
@@ -371,7 +372,7 @@ def native_state_dict(student, native_cfg) -> dict[str, torch.Tensor]:
 def to_native(student, llama_cpp: bool = False):
     """The student as a ``GraniteMoeHybridForCausalLM`` in fp32 (``check_native`` first);
     ``llama_cpp``: in the form llama.cpp's converter and loader take (see the module docstring)."""
-    from transformers import GraniteMoeHybridForCausalLM
+    from transformers import GraniteMoeHybridForCausalLM  # heavy: transformers (this module imports torch only)
 
     check_native(student.config, llama_cpp)
     cfg = native_config(student.config, llama_cpp)
@@ -459,15 +460,12 @@ def export_native(student_dir: str | Path, out: str | Path, *, force: bool = Fal
     no Python files. Refused (``ExportError``, nothing written) when the map would not be exact;
     ``out`` holding a model is kept unless ``force``. Staged beside ``out``, then moved into place.
     ``llama_cpp``: the form llama.cpp's converter takes (the GGUF route; see the module docstring)."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig  # heavy: transformers (this module imports torch only)
 
-    import attn2ssm.student  # noqa: F401  (registers the Auto classes)
-    from attn2ssm.errors import CheckpointError, ConfigError
-    from attn2ssm.paths import check_writable, remove_stale_staging, replace_dir, staging_beside, writing
-    from attn2ssm.student.card import native_card, read_results
-    from attn2ssm.student.configuration import Attn2SSMConfig
-    from attn2ssm.student.modeling import Attn2SSMForCausalLM
-    from attn2ssm.teachers import check_weight_files
+    import attn2ssm.student  # noqa: F401  heavy: transformers; registers the Auto classes
+    from attn2ssm.student.card import native_card, read_results  # heavy: as above
+    from attn2ssm.student.configuration import Attn2SSMConfig  # heavy: as above
+    from attn2ssm.student.modeling import Attn2SSMForCausalLM  # heavy: as above
 
     student_dir, out = Path(student_dir), Path(out)
     try:

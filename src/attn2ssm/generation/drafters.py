@@ -11,7 +11,7 @@ Two kinds, behind one small interface (``start`` once per prompt, ``propose`` ea
   nothing proposes none, and the round verifies one token: plain decoding. It costs a few
   dictionary lookups per round.
 - ``ModelDrafter``: any attn2ssm student or HF decoder sharing the target's tokenizer drafts k
-  tokens one forward each (paper 004 §4: a much cheaper model than the target, e.g. a shallow
+  tokens one forward each (Mamba in the Llama §4: a much cheaper model than the target, e.g. a shallow
   student, ``recipes/draft_shallow.yaml``), rolled back like the target where drafts are rejected.
 
 A proposal is the drafted tokens and, when sampling, the distribution each was drawn from (for

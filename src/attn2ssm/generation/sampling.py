@@ -3,7 +3,7 @@
 ``warp`` applies temperature, then top-k, then top-p, in the order transformers' sampling uses,
 so a speculative run and ``model.generate(do_sample=True, ...)`` sample from the same distribution.
 
-Acceptance (paper 004 §4 / Leviathan et al. 2023). The draft proposes d_1..d_K, sampled from its
+Acceptance (Mamba in the Llama §4 / Leviathan et al. 2023). The draft proposes d_1..d_K, sampled from its
 warped distributions q_1..q_K; the verifier scores all of them in one forward, giving p_1..p_{K+1}.
 - greedy: accept while d_i == argmax p_i; the next token is argmax p at the first mismatch (or
   p_{K+1} if every draft matched), so the output is exactly the verifier's greedy output.

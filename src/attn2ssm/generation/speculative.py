@@ -57,6 +57,14 @@ class SpeculativeStats:
     def tokens_per_round(self) -> float:
         return self.generated / self.rounds if self.rounds else 0.0
 
+    def add_round(self, drafted: int, accepted: int, generated: int) -> None:
+        """Count one round: ``drafted`` drafts verified, ``accepted`` of them kept, ``generated`` tokens emitted."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.generated += generated
+        self.draft_lengths[drafted] = self.draft_lengths.get(drafted, 0) + 1
+
     def as_dict(self) -> dict:
         return {
             **{k: getattr(self, k) for k in self.__dataclass_fields__},
@@ -179,6 +187,67 @@ def _stop_recording(cache) -> None:
             layer.record_past = False
 
 
+def _check_request(input_ids: torch.LongTensor, num_draft_tokens, do_sample: bool, temperature: float, top_k, top_p) -> None:
+    """One prompt; at least 1 draft per round (or ``"auto"``); sampling settings that can sample."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ConfigError(f"speculative decoding takes one prompt (input_ids of shape (1, l)), got {tuple(input_ids.shape)}", "run prompts one at a time")
+    if num_draft_tokens != AUTO and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1):
+        raise ConfigError(f"num_draft_tokens={num_draft_tokens!r}", "draft at least 1 token per round (2-6 is typical), or pass 'auto'")
+    if do_sample:
+        check_sampling(temperature, top_k, top_p)
+        if temperature == 0:
+            raise ConfigError("temperature=0 with do_sample=True", "sample at a positive temperature, or pass do_sample=False for greedy decoding")
+
+
+def _target_runner(target, input_ids: torch.LongTensor, cache) -> Runner:
+    """The target's runner; given a prefilled ``cache``, one that has consumed all but the last prompt token."""
+    ver = Runner(target)
+    if cache is not None:
+        if cache.get_seq_length() != input_ids.shape[1] - 1:
+            raise ConfigError(f"a prefilled cache holds {cache.get_seq_length()} tokens, not the prompt's {input_ids.shape[1] - 1} (all but the last)", "prefill both models on input_ids[:, :-1]")
+        ver.cache, ver.consumed = cache, input_ids.shape[1] - 1
+    return ver
+
+
+def _prefill(ver: Runner, drafter: Drafter, input_ids: torch.LongTensor, caches: tuple) -> float:
+    """The target (unless its cache is prefilled) and a draft model consume all but the last prompt
+    token, which opens the first round; the seconds it took."""
+    t0 = time.perf_counter()
+    if input_ids.shape[1] > 1 and caches[0] is None:
+        ver.feed(input_ids[:, :-1], keep=1)
+    drafter.start(input_ids, caches[1])
+    return time.perf_counter() - t0
+
+
+def _verify(ver: Runner, text: list[int], drafts: list[int], q: list, sampling: dict | None, generator, device) -> tuple[int, int]:
+    """One target forward over [pending; drafts] scores all k drafts and one token beyond: how many
+    drafts the target keeps, and its own next token."""
+    k = len(drafts)
+    if k:
+        ver.start_round()
+    pending = torch.tensor([text[ver.consumed :] + drafts], dtype=torch.long, device=device)
+    v_logits = ver.feed(pending, keep=k + 1)
+    d = torch.tensor(drafts, dtype=torch.long, device=v_logits.device)
+    if sampling is not None:
+        p = warp(v_logits, sampling["temperature"], sampling["top_k"], sampling["top_p"])
+        return accept_sampled(p, torch.stack(q).to(p.device) if q else p[:0], d, generator)
+    return accept_greedy(v_logits, d)
+
+
+def _until_eos(emitted: list[int], eos: set) -> tuple[list[int], bool]:
+    """``emitted`` up to and including its first end-of-sequence token, and whether it had one."""
+    for j, t in enumerate(emitted):
+        if t in eos:
+            return emitted[: j + 1], True
+    return emitted, False
+
+
+def _forget(ver: Runner, keep: int) -> None:
+    """The target forgets what it consumed past ``keep`` tokens of the text, and stops recording."""
+    ver.rollback(min(ver.consumed, keep))
+    _stop_recording(ver.cache)
+
+
 @torch.no_grad()
 def speculative_generate(
     target,
@@ -204,76 +273,41 @@ def speculative_generate(
     ``past_key_values=(target_cache, draft_cache)``: caches that already hold every prompt token
     but the last (e.g. copies of one long prefill, to compare settings from one state); the
     draft's is None for a drafter without a model."""
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ConfigError(f"speculative decoding takes one prompt (input_ids of shape (1, l)), got {tuple(input_ids.shape)}", "run prompts one at a time")
-    auto = num_draft_tokens == AUTO
-    if not auto and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1):
-        raise ConfigError(f"num_draft_tokens={num_draft_tokens!r}", "draft at least 1 token per round (2-6 is typical), or pass 'auto'")
-    if do_sample:
-        check_sampling(temperature, top_k, top_p)
-        if temperature == 0:
-            raise ConfigError("temperature=0 with do_sample=True", "sample at a positive temperature, or pass do_sample=False for greedy decoding")
+    _check_request(input_ids, num_draft_tokens, do_sample, temperature, top_k, top_p)
     drafter: Drafter = make_drafter(draft, target.config.get_text_config().vocab_size)
-    policy = DraftLength(free=isinstance(drafter, NgramDrafter)) if auto else None
+    policy = DraftLength(free=isinstance(drafter, NgramDrafter)) if num_draft_tokens == AUTO else None
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p) if do_sample else None
     stats = SpeculativeStats()
-    ver = Runner(target)
     caches = past_key_values or (None, None)
-    if caches[0] is not None:
-        if caches[0].get_seq_length() != input_ids.shape[1] - 1:
-            raise ConfigError(f"a prefilled cache holds {caches[0].get_seq_length()} tokens, not the prompt's {input_ids.shape[1] - 1} (all but the last)", "prefill both models on input_ids[:, :-1]")
-        ver.cache, ver.consumed = caches[0], input_ids.shape[1] - 1
+    ver = _target_runner(target, input_ids, caches[0])
     text = input_ids[0].tolist()
     device = input_ids.device
     if streamer is not None:
         streamer.put(input_ids.cpu())
-
-    # prefill: the target and a draft model consume all but the last prompt token, which opens the first round
-    t0 = time.perf_counter()
-    if len(text) > 1 and caches[0] is None:
-        ver.feed(input_ids[:, :-1], keep=1)
-    drafter.start(input_ids, caches[1])
-    stats.prefill_seconds = time.perf_counter() - t0
+    stats.prefill_seconds = _prefill(ver, drafter, input_ids, caches)
 
     new, done = 0, False
     while new < max_new_tokens and not done:
         room = max_new_tokens - new - 1  # leave room for the target's token
-        k = policy.choose(room) if auto else min(num_draft_tokens, room)
+        k = policy.choose(room) if policy is not None else min(num_draft_tokens, room)
         start = len(text)
 
         # 1. draft up to k tokens (a free drafter is asked for one even when k = 0: a probe of α)
         t0 = time.perf_counter()
         drafts, q = drafter.propose(text, k, sampling, generator) if k else ([], [])
-        probe = drafter.propose(text, 1, None, None)[0] if auto and not k and policy.free and room > 0 else []
+        probe = drafter.propose(text, 1, None, None)[0] if policy is not None and not k and policy.free and room > 0 else []
         k = len(drafts)
         t1 = time.perf_counter()
 
-        # 2. verify: one forward over [pending; drafts] scores all k drafts and one token beyond
-        if k:
-            ver.start_round()
-        pending = torch.tensor([text[ver.consumed :] + drafts], dtype=torch.long, device=device)
-        v_logits = ver.feed(pending, keep=k + 1)
-        d = torch.tensor(drafts, dtype=torch.long, device=v_logits.device)
-        if do_sample:
-            p = warp(v_logits, temperature, top_k, top_p)
-            n, token = accept_sampled(p, torch.stack(q).to(p.device) if q else p[:0], d, generator)
-        else:
-            n, token = accept_greedy(v_logits, d)
+        # 2. verify, and emit the accepted drafts and the target's token (up to an end of sequence)
+        n, token = _verify(ver, text, drafts, q, sampling, generator, device)
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += time.perf_counter() - t1
-
-        emitted = drafts[:n] + [token]
-        for j, t in enumerate(emitted):  # stop at the first end-of-sequence token
-            if t in eos:
-                emitted, done = emitted[: j + 1], True
-                break
+        emitted, done = _until_eos(drafts[:n] + [token], eos)
         text.extend(emitted)
         new += len(emitted)
-        stats.rounds += 1
-        stats.drafted += k
-        stats.accepted += n
-        stats.generated += len(emitted)
+        stats.add_round(k, n, len(emitted))
         if streamer is not None:
             streamer.put(torch.tensor(emitted))
 
@@ -282,15 +316,13 @@ def speculative_generate(
         keep = start + min(n, len(emitted) - 1)
         if k:
             t2 = time.perf_counter()
-            ver.rollback(min(ver.consumed, keep))
-            _stop_recording(ver.cache)
+            _forget(ver, keep)
             stats.verify_seconds += time.perf_counter() - t2
         drafter.accept(keep)
-        if auto:
+        if policy is not None:
             policy.observe(k, n, time.perf_counter() - t1, t1 - t0)
             if probe:
                 policy.observe_probe(probe[0] == token)
-        stats.draft_lengths[k] = stats.draft_lengths.get(k, 0) + 1
     if streamer is not None:
         streamer.end()
     return SpeculativeOutput(torch.tensor([text], device=device), stats)

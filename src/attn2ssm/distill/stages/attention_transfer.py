@@ -14,8 +14,8 @@ from attn2ssm.errors import ConfigError
 
 class AttentionTransferStage(TeacherForcedStage):
     """Teacher-forced per layer: the mixer sees the teacher's layer input and learns to reproduce
-    its attention weights (soft cross-entropy or KL per head, paper 002), its attention output
-    (MSE, LoLCATs) and/or the output's direction (cosine, paper 000). Losses are averaged over
+    its attention weights (soft cross-entropy or KL per head, Hedgehog), its attention output
+    (MSE, LoLCATs) and/or the output's direction (cosine, HedgeMamba). Losses are averaged over
     layers. Typically only the feature maps train (``trainable: [feature_maps]``). The weight loss
     needs a mixer whose materialised weights are normalised attention (``normalized_weights``)."""
 

@@ -8,6 +8,8 @@ import fnmatch
 import torch
 from torch import nn
 
+from attn2ssm.adapters import get_adapter
+from attn2ssm.adapters.capture import capture_attention_io
 from attn2ssm.errors import ConfigError
 
 
@@ -59,7 +61,7 @@ def mixing_matrix(mixer, hidden_states, position_embeddings=None, mask=None, *, 
 
     With ``skip``, the mixer's D skip (one per head) is added on the diagonal, so the matrix is the
     whole map from the mixer's (post-conv) values to its pre-gate output, y = (M + D·I) x — what
-    paper 001's release orients (its ``materialize_mixer`` puts D into T). Padded rows and columns are 0.
+    MOHAWK's release orients (its ``materialize_mixer`` puts D into T). Padded rows and columns are 0.
     """
     out, M = mixer.forward_quadratic(hidden_states, position_embeddings, mask)
     D = getattr(mixer, "D", None)
@@ -86,9 +88,6 @@ class TeacherForcedStage(StageKind):
         raise NotImplementedError
 
     def loss(self, student, teacher, batch, cfg):
-        from attn2ssm.adapters import get_adapter
-        from attn2ssm.adapters.capture import capture_attention_io
-
         opts = self.options(cfg)
         student = getattr(student, "module", student)
         mixers = student.mixers()

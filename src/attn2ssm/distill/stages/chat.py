@@ -22,7 +22,7 @@ def _token_scale(batch: dict, count: torch.Tensor) -> torch.Tensor:
 class SFTStage(StageKind):
     """Supervised finetuning on chat data: next-token CE on the assistant tokens only (the stage's
     ``data``, rendered with the teacher's chat template), per assistant token; plus
-    ``kl_weight``·KL(teacher ‖ student) on the same positions (paper 004's "with_distill" SFT)."""
+    ``kl_weight``·KL(teacher ‖ student) on the same positions (Mamba in the Llama's "with_distill" SFT)."""
 
     name = "sft"
     uses_teacher = True  # for the optional KL term
@@ -49,7 +49,7 @@ class SFTStage(StageKind):
 
 
 class DPOStage(StageKind):
-    """Distilled DPO (paper 004, Eq. 4): preference pairs, the frozen teacher as the reference
+    """Distilled DPO (Mamba in the Llama, Eq. 4): preference pairs, the frozen teacher as the reference
     policy. Sequence log-probs are summed over reply tokens only; β = 0.01 by default. Metrics:
     implicit rewards β·(log π_θ − log π_T) of chosen and rejected replies, their margin, and the
     reward accuracy (share of pairs with chosen reward > rejected reward)."""

