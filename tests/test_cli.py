@@ -336,7 +336,7 @@ def test_convert_writes_a_loadable_hybrid(slow):
 
     r = result_of(slow, "convert")
     assert r.returncode == 0, r.stderr
-    assert "attention kept at [1]" in r.stdout  # the last layer of each group (paper 004)
+    assert "attention kept at [1]" in r.stdout  # the last layer of each group (Mamba in the Llama)
     out = Path(slow["student_dir"])
     plan = json.loads((out / "config.json").read_text())["layer_plan"]
     assert len(plan) == 2 and plan.count("attention") == 1 and plan.count("linear_attention") == 1
