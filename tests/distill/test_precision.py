@@ -151,7 +151,10 @@ def test_the_distiller_uses_and_reports_the_choice(fake_cpu, run_overrides, tmp_
     assert distiller.acc.mixed_precision == "no"
     results = distiller.run()
     assert results["mixed_precision"] == {"requested": "auto", "used": "no", "reason": choose_precision("auto", "cpu").reason}
-    assert json.loads((tmp_path / "run" / "results.json").read_text())["mixed_precision"]["used"] == "no"
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert saved["mixed_precision"]["used"] == "no" and saved["kernels"]["used"] == "torch" and saved["device"] == "cpu"
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps and all(r["kernels"] == "torch" for r in steps)  # every step says which kernels ran
 
 
 def test_the_real_probe_measures_something(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ from attn2ssm.ops.linear_attention import (
     linear_attention_chunked,
     linear_attention_noncausal,
     linear_attention_quadratic,
-    linear_attention_recurrent,
+    linear_attention_sequential,
     linear_attention_step,
 )
 
@@ -36,7 +36,7 @@ def test_three_forms_agree(chunk, padded):
     mask = _left_padding(2, 37, [0, 5]) if padded else None
     out_q, weights = linear_attention_quadratic(q, k, v, mask)
     out_c, state_c = linear_attention_chunked(q, k, v, mask, chunk_size=chunk)
-    out_r, state_r = linear_attention_recurrent(q, k, v, mask)
+    out_r, state_r = linear_attention_sequential(q, k, v, mask)
     torch.testing.assert_close(out_c, out_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out_r, out_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state_c.kv, state_r.kv, atol=1e-4, rtol=1e-5)

@@ -50,6 +50,7 @@ class TrainBenchSettings:
     lengths: tuple[int, ...] = (1024,)
     step_tokens: int = 2048  # tokens per optimizer step (batch = step_tokens // length, at least 1)
     precisions: tuple[str, ...] = ("no", "bf16")
+    kernels: tuple[str, ...] = ("auto",)  # ops/kernels.py: each point runs under each
     steps: int = 3  # timed steps per point (after one warm-up step)
     threads: int | None = None
     profile: bool = True
@@ -58,13 +59,13 @@ class TrainBenchSettings:
     extra: dict = field(default_factory=dict)
 
 
-def _recipe(settings: TrainBenchSettings, case: str, length: int, precision: str) -> Recipe:
+def _recipe(settings: TrainBenchSettings, case: str, length: int, precision: str, kernels: str = "auto") -> Recipe:
     student, stage = CASES[case]
     batch = max(1, settings.step_tokens // length)
     steps = settings.steps + 1 + int(settings.profile)
     stage = replace(stage, tokens=steps * batch * length, batch_size=batch, save_every=0, eval_every=0, optim=OptimConfig(lr=1e-4))
     return Recipe(name=f"bench-{case}", teacher=settings.teacher or "smollm2-135m", device="cpu" if not torch.cuda.is_available() else "auto",
-                  mixed_precision=precision, data=DataConfig(corpus=settings.corpus, block_len=length, max_heldout_tokens=2 * length),
+                  mixed_precision=precision, kernels=kernels, data=DataConfig(corpus=settings.corpus, block_len=length, max_heldout_tokens=2 * length),
                   student=student, stages=[stage])  # (no final evaluation runs: the bench never finishes the run)  # fmt: skip
 
 
@@ -125,15 +126,15 @@ def _fill_cache(distiller, run) -> dict:
     return {"top_k": cache.top_k, "fill_tokens_per_s": tokens / seconds, "bytes_per_token": sum(f.stat().st_size for f in files) / (len(files) * run.seq_len)}
 
 
-def _measure(settings: TrainBenchSettings, case: str, length: int, precision: str, teacher, tokenizer, progress) -> dict:
+def _measure(settings: TrainBenchSettings, case: str, length: int, precision: str, kernels: str, teacher, tokenizer, progress) -> dict:
     from attn2ssm.distill.trainer import Distiller
 
-    recipe = _recipe(settings, case, length, precision)
+    recipe = _recipe(settings, case, length, precision, kernels)
     with tempfile.TemporaryDirectory(prefix="attn2ssm-bench-train-") as tmp:
         if recipe.stages[0].logit_cache is not None:  # a private cache: the point measures hits, and leaves nothing behind
             recipe.stages[0].logit_cache = replace(recipe.stages[0].logit_cache, dir=f"{tmp}/logit_cache")
         distiller = Distiller(recipe, f"{tmp}/run", progress=False, teacher=teacher, tokenizer=tokenizer)
-        used = distiller.precision.used  # auto resolved for this machine
+        used, kernels_used = distiller.precision.used, distiller.kernels.used  # auto resolved for this machine
         distiller._load_teacher()
         distiller._load_data()
         distiller._build_student()
@@ -167,7 +168,7 @@ def _measure(settings: TrainBenchSettings, case: str, length: int, precision: st
     rate = tokens / statistics.median(times)
     row = {
         "case": case, "kind": CASES[case][1].kind, "mixer": CASES[case][0].mixer, "length": length, "batch": batch, "precision": used,
-        "precision_requested": precision,
+        "precision_requested": precision, "kernels": kernels_used, "kernels_requested": kernels,
         "tokens_per_s": rate, "step_seconds": [round(t, 4) for t in times], "trainable_params": trainable, **teacher_rates, "top_ops": ops,
     }  # fmt: skip
     for name, key in (("teacher_forward", "fraction_of_forward_bound"), ("teacher_fwd_bwd", "vs_teacher_fwd_bwd")):
@@ -192,12 +193,12 @@ def run_train_bench(settings: TrainBenchSettings, progress: bool = True) -> dict
 
         raise ConfigError(f"unknown stage case(s) {unknown}", f"choose from {', '.join(CASES)}")
     teacher, tokenizer, source = load_teacher(settings.teacher)
-    points = [(c, n, p) for c in settings.cases for n in settings.lengths for p in settings.precisions]
+    points = [(c, n, p, k) for c in settings.cases for n in settings.lengths for p in settings.precisions for k in settings.kernels]
     bar = tqdm(total=len(points) * (settings.steps + 1), desc="bench train", disable=not progress)
     rows = []
-    for case, length, precision in points:
-        bar.set_postfix(case=case, length=length, precision=precision)
-        rows.append(_measure(settings, case, length, precision, teacher, tokenizer, lambda: bar.update(1)))
+    for case, length, precision, kernels in points:
+        bar.set_postfix(case=case, length=length, precision=precision, kernels=kernels)
+        rows.append(_measure(settings, case, length, precision, kernels, teacher, tokenizer, lambda: bar.update(1)))
     bar.close()
     return {"environment": environment(), "threads": torch.get_num_threads(), "teacher": source.describe(), "step_tokens": settings.step_tokens,
             "timed_steps": settings.steps, "rows": rows}  # fmt: skip
@@ -205,9 +206,9 @@ def run_train_bench(settings: TrainBenchSettings, progress: bool = True) -> dict
 
 def format_train_bench(result: dict) -> str:
     lines = [f"training tokens/s ({result['threads']} threads; bound = teacher forward on the same batch)",
-             f"{'case':<20} {'len':>5} {'prec':>5} {'tok/s':>8} {'bound':>8} {'of bound':>9} {'teacher f+b':>12}"]  # fmt: skip
+             f"{'case':<20} {'len':>5} {'prec/kern':>11} {'tok/s':>8} {'bound':>8} {'of bound':>9} {'teacher f+b':>12}"]  # fmt: skip
     for r in result["rows"]:
-        lines.append(f"{r['case']:<20} {r['length']:>5} {r['precision']:>5} {r['tokens_per_s']:>8.0f} {r['teacher_forward']:>8.0f} "
+        lines.append(f"{r['case']:<20} {r['length']:>5} {r['precision'] + '/' + r.get('kernels', 'torch'):>11} {r['tokens_per_s']:>8.0f} {r['teacher_forward']:>8.0f} "
                      f"{r['fraction_of_forward_bound']:>8.0%} {r['teacher_fwd_bwd']:>12.0f}")  # fmt: skip
     return "\n".join(lines)
 
@@ -219,7 +220,7 @@ def plot_train_bench(result: dict, path) -> str:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    labels = [f"{r['case']}\n{r['length']} {r['precision']}" for r in rows]
+    labels = [f"{r['case']}\n{r['length']} {r['precision']} {r.get('kernels', 'torch')}" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
     ax.bar([i - 0.2 for i in x], [r["tokens_per_s"] for r in rows], width=0.4, label="stage step")

@@ -14,6 +14,7 @@ from attn2ssm.bench.results import write_result
 from attn2ssm.cli.parsing import draft_tokens, int_list
 from attn2ssm.errors import CheckpointError, ConfigError
 from attn2ssm.export.llamacpp import OUTTYPES, converter_dir, load_runtime
+from attn2ssm.ops.kernels import KERNELS
 from attn2ssm.teachers import resolve_teacher
 
 
@@ -96,6 +97,7 @@ def _add_train(bsub) -> None:
     bt.add_argument("--lengths", default="1024", help="block lengths in tokens, comma-separated (e.g. 1024,4096,16384)")
     bt.add_argument("--step-tokens", type=int, default=2048, help="tokens per optimizer step (batch = step-tokens // length, at least 1)")
     bt.add_argument("--precisions", default="no,auto", help="mixed precision settings: no (fp32), auto (bf16 where it is fast), bf16 (autocast), fp16")
+    bt.add_argument("--kernels", default="auto", help="comma-separated kernel choices, each point run under each: auto, torch, fla (fla: CUDA)")
     bt.add_argument("--steps", type=int, default=3, help="timed steps per point, after one warm-up")
     bt.add_argument("--threads", type=int, default=None)
     bt.add_argument("--corpus", default="sotu", help="text the blocks are cut from")
@@ -273,10 +275,13 @@ def run_train(args) -> int:
     precisions = tuple(p.strip() for p in args.precisions.split(",") if p.strip())
     if not precisions or any(p not in PRECISIONS for p in precisions):
         raise ConfigError(f"--precisions {args.precisions!r} is not a list of {' / '.join(PRECISIONS)}", "write e.g. --precisions no,auto")
+    kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
+    if not kernels or any(k not in KERNELS for k in kernels):
+        raise ConfigError(f"--kernels {args.kernels!r} is not a list of {' / '.join(KERNELS)}", "write e.g. --kernels torch,fla")
     if args.steps < 1 or args.step_tokens < 1:
         raise ConfigError("--steps and --step-tokens must be positive", "use e.g. --steps 3 --step-tokens 2048")
     settings = TrainBenchSettings(teacher=args.teacher, cases=cases, lengths=int_list("--lengths", args.lengths), step_tokens=args.step_tokens,
-                                  precisions=precisions, steps=args.steps, threads=args.threads, profile=not args.no_profile, corpus=args.corpus)  # fmt: skip
+                                  precisions=precisions, kernels=kernels, steps=args.steps, threads=args.threads, profile=not args.no_profile, corpus=args.corpus)  # fmt: skip
     result = run_train_bench(settings, progress=not args.no_progress)
     result["command"] = shlex.join(["attn2ssm", *args.argv])
     write_result(result, args.out, plot_train_bench, format_train_bench)

@@ -13,10 +13,12 @@ def add_parser(subparsers) -> None:
     d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field, e.g. stages.0.tokens=20000")
     d.add_argument("--out", default=None, help="run directory (default runs/<recipe>)")
     d.add_argument("--teacher", default=None, help="override the recipe's teacher")
+    d.add_argument("--kernels", choices=("auto", "torch", "fla"), default=None,
+                   help="what the mixers' chunked forms run (overrides the recipe's kernels): auto (fla on CUDA when it imports), torch, fla")
     d.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint, with the recipe saved there; "
                    "--set may then change only what leaves the steps already taken as they were: eval.*, stages.N.save_every, "
-                   "stages.N.keep_checkpoints, stages.N.eval_every, stages.N.eval_batches, device and mixed_precision (the last two for the "
-                   "remaining steps); any other changed key is refused, naming it. SIGTERM / Ctrl-C stop a run after the current step with "
+                   "stages.N.keep_checkpoints, stages.N.eval_every, stages.N.eval_batches, device, mixed_precision and kernels (the "
+                   "last three for the remaining steps); any other changed key is refused, naming it. SIGTERM / Ctrl-C stop a run after the current step with "
                    "a checkpoint and print this command to resume")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=run)
@@ -28,9 +30,12 @@ def run(args) -> int:
     recipe = load_recipe(args.recipe, args.set)  # recipe errors fail before the trainer's heavy imports
     if args.teacher:
         recipe.teacher = args.teacher
+    if args.kernels:
+        recipe.kernels = args.kernels
     # A resume continues the recipe saved in the run directory (when there is one): --set and --teacher
     # are checked against it there, and may change only what distill.recipe.RESUMABLE lists.
-    overrides = [*(args.set or []), *([f"teacher={args.teacher}"] if args.teacher else [])] if args.resume else None
+    extra = [*([f"teacher={args.teacher}"] if args.teacher else []), *([f"kernels={args.kernels}"] if args.kernels else [])]
+    overrides = [*(args.set or []), *extra] if args.resume else None
     if not args.resume and recipe.images is None:  # (a resumed run reads its teacher from the run directory)
         resolve_teacher(recipe.teacher)
 

@@ -23,6 +23,7 @@ from attn2ssm.data import check_block_len
 from attn2ssm.data.sources import is_generated, parse_generated_spec
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.ssm_common import resolve_norm_eps
+from attn2ssm.ops.kernels import check_kernels
 from attn2ssm.precision import PRECISIONS
 
 
@@ -192,7 +193,10 @@ class Recipe:
     description: str = ""
     teacher: str = "smollm2-135m"
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (one process; under accelerate launch each process takes its own GPU)
+    # what the mixers' chunked forms run: auto (fla's Triton kernels on CUDA when they import, else
+    # PyTorch) | torch | fla (attn2ssm/ops/kernels.py); ATTN2SSM_KERNELS in the environment wins
+    kernels: str = "auto"
     # no (fp32) | auto (bf16 where it is fast: CUDA with bf16, a CPU with native bf16; else fp32; the built-in
     # recipes' setting — attn2ssm/precision.py) | bf16 | fp16 (accelerate's autocast)
     mixed_precision: str = "no"
@@ -246,8 +250,9 @@ def recipe_from_dict(raw: dict, overrides: list[str] | None = None) -> Recipe:
 # Evaluation and checkpoint cadence touch no weight; device and mixed_precision change how the
 # remaining steps compute (a resume on another machine), not what the checkpoints hold. The rest
 # (budgets, data, losses, optimizer, plan, seed, teacher, ...) would make the run follow no recipe.
-RESUMABLE = ("eval.*", "stages.N.save_every", "stages.N.keep_checkpoints", "stages.N.eval_every", "stages.N.eval_batches", "device", "mixed_precision")
-_RESUMABLE = re.compile(r"^(eval\.\w+|stages\.\d+\.(save_every|keep_checkpoints|eval_every|eval_batches)|device|mixed_precision)$")
+RESUMABLE = ("eval.*", "stages.N.save_every", "stages.N.keep_checkpoints", "stages.N.eval_every", "stages.N.eval_batches", "device", "mixed_precision",
+             "kernels")  # fmt: skip
+_RESUMABLE = re.compile(r"^(eval\.\w+|stages\.\d+\.(save_every|keep_checkpoints|eval_every|eval_batches)|device|mixed_precision|kernels)$")
 
 
 def _leaves(value, prefix: str = "") -> dict:
@@ -277,6 +282,9 @@ def validate(recipe: Recipe) -> None:
     from attn2ssm.mixers.registry import ENCODER_MIXERS, MIXERS, check_mixer_options  # heavy: as above
     from attn2ssm.student.plans import LAYER_MAPS  # heavy: as above
 
+    check_kernels(recipe.kernels, "recipe.kernels")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", recipe.device):
+        raise ConfigError(f"recipe.device={recipe.device!r} is not a device", "use auto, cpu, cuda or cuda:N (e.g. cuda:1)")
     if recipe.mixed_precision not in PRECISIONS:
         raise ConfigError(f"recipe.mixed_precision: unknown precision '{recipe.mixed_precision}'", f"use one of: {', '.join(PRECISIONS)}")
     if not recipe.stages:

@@ -92,6 +92,7 @@ from attn2ssm.eval.classification import evaluate_classifier, write_vision_repor
 from attn2ssm.eval.report import write_report
 from attn2ssm.mixers.registry import ATTENTION
 from attn2ssm.paths import LOCK, atomic_write_text, check_writable, lock_dir, remove_stale_staging, replace_dir, writing
+from attn2ssm.ops.kernels import choose_kernels
 from attn2ssm.precision import choose_precision, warn_if_slow_bf16
 from attn2ssm.student.convert import convert, grow_student
 from attn2ssm.student.convert_vision import build_vision_student
@@ -143,6 +144,20 @@ def _drop_stage_modules(model) -> None:
         del model.stage_modules
 
 
+def _select_gpu(device: str) -> None:
+    """``device: cuda:N`` in one process: make GPU N the current one before accelerate picks it (under
+    ``accelerate launch`` each process takes the GPU of its local rank, and cuda:N is refused)."""
+    if not device.startswith("cuda:"):
+        return
+    index = int(device.split(":")[1])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"device={device} names one GPU, and this run has several processes", "use device: cuda (each process takes its own GPU)")
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        raise ConfigError(f"device={device}: this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices",
+                          "use device: auto, or an index below the device count")  # fmt: skip
+    torch.cuda.set_device(index)
+
+
 def _release_accelerate_state(mixed_precision: str) -> None:
     """accelerate keeps one state per process and refuses an ``Accelerator`` with another precision;
     a single process may run several recipes (a sweep, a notebook, bench train), so there the old
@@ -179,6 +194,8 @@ class Distiller:
                 validate_for_teacher(recipe, config)
         self.recipe = recipe
         cpu = recipe.device == "cpu" or (recipe.device == "auto" and not torch.cuda.is_available())
+        _select_gpu(recipe.device)
+        self.kernels = choose_kernels(recipe.kernels, "cpu" if cpu else "cuda")  # once per run (ops/kernels.py)
         # auto: bf16 only where it is fast (CUDA with bf16, a CPU with native bf16); explicit bf16 on a slow CPU warns
         self.precision = choose_precision(recipe.mixed_precision, "cpu" if cpu else "cuda")
         if self.precision.used == "bf16":
@@ -305,6 +322,7 @@ class Distiller:
             student = convert(self.teacher, plan, {s.mixer: dict(s.mixer_options)}, teacher_info=self.teacher_info, init=s.init,
                               depth=s.depth, depth_map=s.layer_map)  # fmt: skip
         self.student = student.to(self.acc.device)
+        student.mixer_context.kernels = self.kernels.used
 
     def _calibration_ids(self) -> torch.Tensor:
         """The first training blocks in the run's block order: what automatic layer selection scores on."""
@@ -340,6 +358,7 @@ class Distiller:
             print(f"[stage {stage_idx + 1}] {cfg.name}: converting layers {[i for i in kept if i not in new_kept]} "
                   f"(attention kept in {new_kept}, {n_keep}/{len(plan)})")
         self.student = grow_student(student, self.teacher, new_plan).to(self.acc.device)
+        self.student.mixer_context.kernels = self.kernels.used
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _save_checkpoint(self, state: TrainerState, run: StageRun) -> None:
@@ -544,7 +563,7 @@ class Distiller:
         """One metrics line (with a held-out evaluation every ``eval_every`` steps and at the end)."""
         cfg = run.cfg
         record = {"stage": cfg.name, "stage_index": run.index, "step": state.step, "tokens": state.tokens, "total_tokens": state.total_tokens,
-                  "loss": loss, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "processes": self.acc.num_processes,
+                  "loss": loss, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "processes": self.acc.num_processes, "kernels": self.kernels.used,
                   **{f"train_{k}": v for k, v in metrics.items()}}  # fmt: skip
         if grad_norm is not None:
             record["grad_norm"] = grad_norm
@@ -663,6 +682,7 @@ class Distiller:
         random.seed(self.recipe.seed)
         if self.is_main:
             print(self.precision.describe())
+            print(self.kernels.describe())
         self._load_teacher()
         self._load_data()
         # Only now (a teacher or corpus that fails to load leaves --out as it was; close() removes a
@@ -704,6 +724,11 @@ class Distiller:
             self._stop(signum, state)
         return self._finish()
 
+    def run_settings(self) -> dict:
+        """How this run computed, as results.json and the metrics log record it."""
+        return {"device": str(self.acc.device), "mixed_precision": self.precision.to_dict(), "kernels": self.kernels.to_dict(),
+                "processes": self.acc.num_processes}  # fmt: skip
+
     def _finish(self) -> dict:
         self.acc.wait_for_everyone()
         results = {}
@@ -726,7 +751,7 @@ class Distiller:
                     results = write_vision_report(self.out, self.recipe, self.teacher, student, self.images, seconds=round(time.perf_counter() - self.started, 1))
                 else:
                     results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress,
-                                           precision=self.precision.to_dict())  # fmt: skip
+                                           settings=self.run_settings())  # fmt: skip
         self.acc.wait_for_everyone()
         return results
 

@@ -76,7 +76,9 @@ def plot_losses(metrics: list[dict], path: Path, title: str = "") -> Path | None
     return path
 
 
-def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: bool = True, precision: dict | None = None) -> dict:
+def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: bool = True, settings: dict | None = None) -> dict:
+    """Score teacher and student on the held-out text; write results.json (with ``settings``: how the
+    run computed — device, mixed precision, kernels), report.md and loss.png."""
     run_dir = Path(run_dir)
     e = recipe.eval
     window = e.window or recipe.data.block_len
@@ -99,7 +101,8 @@ def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: b
         "attention_layers": [i for i, k in enumerate(plan) if k == "attention"],
         "train_tokens": metrics[-1]["total_tokens"] if metrics else 0,
         "stages": [{"name": st.name, "kind": st.kind, "tokens": st.tokens} for st in recipe.stages],
-        "mixed_precision": precision or {"requested": recipe.mixed_precision, "used": recipe.mixed_precision},
+        "mixed_precision": {"requested": recipe.mixed_precision, "used": recipe.mixed_precision},
+        **(settings or {}),
         "environment": environment(),
     }
     atomic_write_text(run_dir / "results.json", json.dumps(results, indent=1))

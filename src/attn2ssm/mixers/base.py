@@ -12,7 +12,8 @@ in 5.24, see hf_compat.py), the context has not.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ class MixerContext:
 
     padding_mask: torch.Tensor | None = None  # (b, l) 1 = real token, for the tokens of this forward
     cache: object | None = None  # the student cache of this forward (None: no cache)
+    # what the chunked forms run: auto | torch | fla (ops/kernels.py); a run sets it once, and
+    # ATTN2SSM_KERNELS, where set, is the default of a model loaded outside a run
+    kernels: str = field(default_factory=lambda: os.environ.get("ATTN2SSM_KERNELS", "auto"))
 
 
 class HeadRMSNorm(nn.Module):

@@ -217,10 +217,10 @@ class HedgeMambaMixer(AttentionLikeMixer):
             return self.step_layer(hidden_states, position_embeddings, layer, self.padding_mask(1)), None
         states = {} if layer is None else layer.states
         mask = self.padding_mask(l)
-        x, conv_state = apply_conv(self.conv, hidden_states, states, mask, None)
+        x, conv_state = apply_conv(self.conv, hidden_states, states, mask, None, self.context.kernels)
         inputs = self.project_inputs(x)
         C, B, v = self._features(x, position_embeddings, 0 if layer is None else layer.seen, inputs)
         a, xv, _ = self._scan_inputs(x, v, inputs)
-        y, ssm = ssd_chunked(xv, a, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
+        y, ssm = ssd_chunked(xv, a, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size, backend=self.context.kernels)
         store_states(layer, ssm, conv_state, l)
         return self._output(y, hidden_states), None

@@ -170,8 +170,9 @@ class MambaMixer(AttentionLikeMixer):
         mask = self.padding_mask(l)
         inputs = self.project_inputs(hidden_states)
         x, B, C = self._bc(hidden_states, position_embeddings, inputs)
-        x, conv_state = apply_conv(self.conv, x, states, mask, self.conv_activation)
+        x, conv_state = apply_conv(self.conv, x, states, mask, self.conv_activation, self.context.kernels)
         xg, dt, A = self._scan_inputs(hidden_states, x, inputs)
-        y, ssm = selective_scan_chunked(xg, dt, A, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
+        y, ssm = selective_scan_chunked(xg, dt, A, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size,
+                                        backend=self.context.kernels)  # fmt: skip
         store_states(layer, ssm, conv_state, l)
         return self._output(y, x, hidden_states, inputs), None

@@ -220,14 +220,15 @@ class Mamba2Mixer(AttentionLikeMixer):
         mask = self.padding_mask(l)
         inputs = self.project_inputs(hidden_states)
         pre_conv = self._xbc(hidden_states, position_embeddings, inputs)
-        xbc, conv_state = apply_conv(self.conv, pre_conv, states, mask, self.conv_activation)
+        xbc, conv_state = apply_conv(self.conv, pre_conv, states, mask, self.conv_activation, self.context.kernels)
         self._show_bc(xbc)
         x, B, C = self._split(xbc)
         a, dt = self._decay(hidden_states, inputs)
         # the scan in float32 whatever the weights' dtype (as ``step`` and mamba_ssm's kernels): a
         # bfloat16 cumulative decay drifts, and the carried state stays float32 for the steps after
         x_in = x.float() if dt is None else x.float() * dt[..., None]
-        y, ssm = ssd_chunked(x_in, a.float(), B.float(), C.float(), mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size)
+        y, ssm = ssd_chunked(x_in, a.float(), B.float(), C.float(), mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size,
+                             backend=self.context.kernels)  # fmt: skip
         if layer is not None and layer.record_past:  # a speculative verify: say how to stop after any prefix
             layer.set_rollback(lambda start, keep: self._states_after(start, keep, pre_conv, x_in, a, B, mask))
         store_states(layer, ssm, conv_state, l)

@@ -161,13 +161,13 @@ def init_shared_parameters(mixer) -> None:
         mixer.D.fill_(mixer.D_init)
 
 
-def apply_conv(conv: CausalConv | None, x, states: dict, mask, activation):
+def apply_conv(conv: CausalConv | None, x, states: dict, mask, activation, backend: str = "torch"):
     """x (b, l, c) through the mixer's causal conv, continuing from ``states["conv"]`` if there is
     one. Returns (x, new conv state or None without a conv). (A one-token ``step`` calls
-    ``causal_conv1d_step`` itself.)"""
+    ``causal_conv1d_step`` itself.) ``backend``: the kernels (ops/kernels.py)."""
     if conv is None:
         return x, None
-    return causal_conv1d(x, conv.weight, conv.bias, state=states.get("conv"), mask=mask, activation=activation)
+    return causal_conv1d(x, conv.weight, conv.bias, state=states.get("conv"), mask=mask, activation=activation, backend=backend)
 
 
 def store_states(layer, ssm, conv_state, length: int) -> None:

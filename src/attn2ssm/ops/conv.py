@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from attn2ssm.ops.kernels import resolve_backend
+
 _ACTIVATIONS = (None, "silu")
 # Up to this many tokens (a speculative verify forward, a short prompt piece) the conv is a weighted
 # sum over unfolded windows, as the one-token step computes it: oneDNN's depthwise conv costs
@@ -28,33 +30,30 @@ def _check_activation(activation):
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")
 
 
-def causal_conv1d(x, weight, bias=None, state=None, mask=None, activation=None, backend: str = "auto"):
+def causal_conv1d(x, weight, bias=None, state=None, mask=None, activation=None, backend: str = "torch"):
     """x (b, l, c) → (y (b, l, c), new state (b, c, k-1) = the last k-1 inputs after masking).
 
-    ``state`` None means zeros (start of sequence). ``backend``: "auto" uses the ``causal_conv1d``
-    package's kernel for CUDA tensors when it imports and k ∈ {2, 3, 4}; "torch" never.
+    ``state`` None means zeros (start of sequence). ``backend`` (ops/kernels.py): "fla" / "auto"
+    run fla's ``causal_conv1d`` kernel where it can, "torch" this.
     """
     _check_activation(activation)
-    if backend not in ("auto", "torch"):
-        raise ValueError(f"backend must be 'auto' or 'torch', got {backend!r}")
+    if resolve_backend(backend, x) == "fla":
+        from attn2ssm.ops.fla import causal_conv1d_fla  # optional: attn2ssm[gpu]
+
+        return causal_conv1d_fla(x, weight, bias, state, mask, activation)
     dtype = x.dtype
     k = weight.shape[-1]
     full = _window(x, k, state, mask)
     new_state = full[..., full.shape[-1] - (k - 1) :].clone()  # also right when l < k-1 (old state shifts)
     w = weight.float()
-    fn = _causal_conv1d_fn() if backend == "auto" and x.is_cuda and 2 <= k <= 4 else None
-    if fn is not None:
-        y = fn(full.contiguous(), w.contiguous(), None if bias is None else bias.float(), activation=activation)
-        y = y[..., k - 1 :]
+    if full.shape[-1] - (k - 1) <= SHORT:
+        y = (full.unfold(-1, k, 1) * w[:, None, :]).sum(-1)  # (b, c, l): window t is x_{t-k+1..t}
+        if bias is not None:
+            y = y + bias.float()[:, None]
     else:
-        if full.shape[-1] - (k - 1) <= SHORT:
-            y = (full.unfold(-1, k, 1) * w[:, None, :]).sum(-1)  # (b, c, l): window t is x_{t-k+1..t}
-            if bias is not None:
-                y = y + bias.float()[:, None]
-        else:
-            y = F.conv1d(full, w[:, None, :], None if bias is None else bias.float(), groups=full.shape[1])  # (b, c, l)
-        if activation == "silu":
-            y = F.silu(y)
+        y = F.conv1d(full, w[:, None, :], None if bias is None else bias.float(), groups=full.shape[1])  # (b, c, l)
+    if activation == "silu":
+        y = F.silu(y)
     return y.transpose(1, 2).to(dtype), new_state
 
 
@@ -91,12 +90,3 @@ def causal_conv1d_step(x, weight, bias, state, activation=None):
     if activation == "silu":
         y = F.silu(y)
     return y.to(dtype), window[..., 1:]
-
-
-def _causal_conv1d_fn():
-    """The ``causal_conv1d`` package's ``causal_conv1d_fn`` if it imports, else None (lazily)."""
-    try:
-        from causal_conv1d import causal_conv1d_fn
-    except Exception:  # not installed, or built without its CUDA extension
-        return None
-    return causal_conv1d_fn

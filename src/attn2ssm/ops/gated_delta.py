@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from attn2ssm.ops.kernels import resolve_backend
 from attn2ssm.ops.ssd import segsum
 
 
@@ -73,9 +74,14 @@ def _heads_first(*ts):
     return [t.transpose(1, 2) for t in ts]  # (b, l, h, …) → (b, h, l, …)
 
 
-def gated_delta_chunked(q, k, v, g, beta, mask=None, state=None, *, scale: float | None = None, chunk_size: int = 64):
+def gated_delta_chunked(q, k, v, g, beta, mask=None, state=None, *, scale: float | None = None, chunk_size: int = 64, backend: str = "torch"):
     """Training and prefill: blocks of ``chunk_size`` tokens (loop-free inside each), the state
-    carried across them. Returns (o (b, l, h, d_v) in v's dtype, final state (b, h, d_k, d_v) float32)."""
+    carried across them. Returns (o (b, l, h, d_v) in v's dtype, final state (b, h, d_k, d_v) float32).
+    ``backend`` (ops/kernels.py): "fla" / "auto" run fla's ``chunk_gated_delta_rule`` where it can."""
+    if resolve_backend(backend, q) == "fla":
+        from attn2ssm.ops.fla import gated_delta_fla  # optional: attn2ssm[gpu]
+
+        return gated_delta_fla(q, k, v, g, beta, mask, state, scale=scale)
     dtype = v.dtype
     q, k, v, g, beta, m = _prepare(q, k, v, g, beta, mask)
     b, l, h, d_k = q.shape

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attn2ssm.ops.kernels import resolve_backend
+
 
 @dataclass
 class LinearAttentionState:
@@ -80,11 +82,15 @@ def _exclusive_cumsum(t: torch.Tensor, dim: int, shift: int = 1) -> torch.Tensor
 
 
 def linear_attention_chunked(
-    q, k, v, mask=None, state: LinearAttentionState | None = None, *, chunk_size: int = 64, eps: float = 1e-6
+    q, k, v, mask=None, state: LinearAttentionState | None = None, *, chunk_size: int = 64, eps: float = 1e-6, backend: str = "torch"
 ):
     """Causal form for training and prefill, loop-free: quadratic inside (C × C) chunks, every
     chunk's incoming state an exclusive cumulative sum of the chunks' φkᵀv before it (all chunks
     at once: a few large batched matmuls, not a loop of small ones). Returns (out (b, h, l, d), final state)."""
+    if resolve_backend(backend, q) == "fla":  # the kernels' dispatch (ops/kernels.py)
+        from attn2ssm.ops.fla import linear_attention_fla  # optional: attn2ssm[gpu]
+
+        return linear_attention_fla(q, k, v, mask, state, eps=eps)
     dtype = v.dtype
     b, h, l, f = q.shape
     d = v.shape[-1]
@@ -132,7 +138,7 @@ def linear_attention_step(q, k, v, state: LinearAttentionState, *, eps: float = 
     return (out if dtype == torch.float32 else out.to(dtype)), (state if inplace else LinearAttentionState(kv.view(b, h, f, d), k_sum))
 
 
-def linear_attention_recurrent(q, k, v, mask=None, state: LinearAttentionState | None = None, *, eps: float = 1e-6):
+def linear_attention_sequential(q, k, v, mask=None, state: LinearAttentionState | None = None, *, eps: float = 1e-6):
     """Token-by-token loop over ``linear_attention_step`` — the reference the others are tested against."""
     b, h, l, f = q.shape
     q, k, v = _apply_mask(q.float(), k.float(), v.float(), mask)

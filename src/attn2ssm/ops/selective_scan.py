@@ -10,7 +10,8 @@ state (b, g, p, n). With dt ≡ 1 and A ≡ 0 this is unnormalised causal linear
 y_t = Σ_{s≤t} (C_t · B_s) x_s. Four forms that tests hold equal (fp32, 1e-5):
 
 * ``selective_scan_quadratic`` materialises the per-channel (l × l) mixing matrices — tests/plots;
-* ``selective_scan_chunked`` training and prefill (below); ``mamba_ssm.selective_scan_fn`` on CUDA;
+* ``selective_scan_chunked`` training and prefill (below); ``mamba_ssm.selective_scan_fn`` on CUDA
+  where it imports (fla has no kernel for a per-channel decay);
 * ``selective_scan_step`` one token against the state — decode;
 * ``selective_scan_sequential`` the per-token loop over ``selective_scan_step`` — the reference.
 
@@ -150,16 +151,17 @@ class _ChunkedScan(torch.autograd.Function):
         return dx, ddt, dA, dB, dC, g_next, None
 
 
-def selective_scan_chunked(x, dt, A, B, C, mask=None, D=None, state=None, chunk_size: int = 64, backend: str = "auto"):
+def selective_scan_chunked(x, dt, A, B, C, mask=None, D=None, state=None, chunk_size: int = 64, backend: str = "torch"):
     """Training / prefill form; any length. Returns (y (b, l, g, p), final state (b, g, p, n)).
 
-    ``state``: initial state (b, g, p, n) or None (zeros). ``backend``: "auto" uses
-    ``mamba_ssm.selective_scan_fn`` for CUDA tensors when it imports and ``state`` is None (the
-    kernel takes no initial state), "torch" never. See the module docstring for the algorithm.
+    ``state``: initial state (b, g, p, n) or None (zeros). ``backend`` (ops/kernels.py): fla has no
+    kernel for Mamba-1's per-channel decay, so "fla" / "auto" use ``mamba_ssm.selective_scan_fn`` for
+    CUDA tensors when it imports and ``state`` is None (the kernel takes no initial state), else
+    this; "torch" always this. See the module docstring for the algorithm.
     """
-    if backend not in ("auto", "torch"):
-        raise ValueError(f"backend must be 'auto' or 'torch', got {backend!r}")
-    if backend == "auto" and x.is_cuda and state is None and _selective_scan_fn() is not None:
+    if backend not in ("auto", "torch", "fla"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'fla', got {backend!r}")
+    if backend != "torch" and x.is_cuda and state is None and _selective_scan_fn() is not None:
         return _selective_scan_cuda(x, dt, A, B, C, mask, D)
     dtype = x.dtype
     x, dt, B, C, m = _prepare(x, dt, B, C, mask)
@@ -202,7 +204,6 @@ def selective_scan_sequential(x, dt, A, B, C, mask=None, D=None, state=None):
     return _finish(y, x, D, m, dtype), state
 
 
-selective_scan_recurrent = selective_scan_sequential
 
 
 # ------------------------------------------------------------------------------------ CUDA path

@@ -10,7 +10,7 @@ equal (fp32, 1e-5):
 
 * ``ssd_quadratic`` materialises M (b, h, l, l) — for distillation losses against attention maps;
 * ``ssd_chunked`` the SSD algorithm (quadratic inside chunks, states carried across them) —
-  training and prefill, O(l·C·(n + p) + l·n·p); dispatches to ``mamba_ssm`` on CUDA;
+  training and prefill, O(l·C·(n + p) + l·n·p); fla's kernel through ``backend`` (ops/kernels.py);
 * ``ssd_step`` one token against the state — decode (every mixer's one-token step);
 * ``ssd_sequential`` the per-token loop over ``ssd_step`` — the plain reference.
 
@@ -27,10 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# The Mamba-2 kernel scales its input by dt, so a zero log-decay (no decay) cannot be expressed
-# exactly; it becomes dt = _MIN_DT, i.e. a decay of exp(-1e-6) per token (see _ssd_chunked_cuda).
-_MIN_DT = 1e-6
-
+from attn2ssm.ops.kernels import resolve_backend
 
 def segsum(x: torch.Tensor) -> torch.Tensor:
     """(..., T) → (..., T, T): out[i, j] = x_{j+1} + … + x_i for i ≥ j (0 on the diagonal), -inf above.
@@ -81,17 +78,16 @@ def ssd_quadratic(x, a, B, C, mask=None, D=None, return_matrix: bool = False):
     return (y, M) if return_matrix else y
 
 
-def ssd_chunked(x, a, B, C, mask=None, D=None, state=None, chunk_size: int = 64, backend: str = "auto"):
+def ssd_chunked(x, a, B, C, mask=None, D=None, state=None, chunk_size: int = 64, backend: str = "torch"):
     """The chunked SSD algorithm; any length l. Returns (y (b, l, h, p), final state (b, h, p, n)).
 
-    ``state``: initial state (b, h, p, n) or None (zeros). ``backend``: "auto" uses
-    ``mamba_ssm.mamba_chunk_scan_combined`` for CUDA tensors when it imports (there a log-decay of
-    exactly 0 becomes -1e-6, see ``_ssd_chunked_cuda``), "torch" never.
+    ``state``: initial state (b, h, p, n) or None (zeros). ``backend`` (ops/kernels.py): "fla" /
+    "auto" run fla's ``chunk_simple_gla`` where it can (exact, a log-decay of 0 included), "torch" this.
     """
-    if backend not in ("auto", "torch"):
-        raise ValueError(f"backend must be 'auto' or 'torch', got {backend!r}")
-    if backend == "auto" and x.is_cuda and _mamba_chunk_scan() is not None:
-        return _ssd_chunked_cuda(x, a, B, C, mask, D, state, chunk_size)
+    if resolve_backend(backend, x) == "fla":
+        from attn2ssm.ops.fla import ssd_fla  # optional: attn2ssm[gpu]
+
+        return ssd_fla(x, a, B, C, mask, D, state)
     dtype = x.dtype
     x, a, B, C, m = _prepare(x, a, B, C, mask)
     b, l, h, p = x.shape
@@ -191,32 +187,3 @@ def ssd_sequential(x, a, B, C, mask=None, D=None, state=None):
     return _finish(y, x, D, m, dtype), state
 
 
-ssd_recurrent = ssd_sequential
-
-
-# ------------------------------------------------------------------------------------ CUDA path
-def _mamba_chunk_scan():
-    """``mamba_chunk_scan_combined`` if mamba_ssm imports, else None (imported lazily)."""
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except Exception:  # not installed, or installed without working kernels
-        return None
-    return mamba_chunk_scan_combined
-
-
-def _ssd_chunked_cuda(x, a, B, C, mask, D, state, chunk_size):
-    """Map onto the Mamba-2 kernel h_t = exp(dt_t·A) h_{t-1} + dt_t·x_t ⊗ B_t with A = -1 per
-    head, dt = -a and input x / dt, so decay = exp(a) and input = x. dt = 0 (no decay, padding)
-    is clamped to _MIN_DT; padded tokens have x = 0, so they still add nothing."""
-    dtype = x.dtype
-    x, a, B, C, m = _prepare(x, a, B, C, mask)
-    h = x.shape[2]
-    dt = (-a).clamp_min(_MIN_DT)
-    A = -torch.ones(h, device=x.device, dtype=torch.float32)
-    chunk = max(16, 1 << (max(int(chunk_size), 1) - 1).bit_length())  # the kernel wants a power of 2
-    init = None if state is None else state.float().contiguous()
-    y, final = _mamba_chunk_scan()(
-        (x / dt[..., None]).contiguous(), dt.contiguous(), A, B.contiguous(), C.contiguous(), chunk,
-        initial_states=init, return_final_states=True,
-    )  # fmt: skip
-    return _finish(y.float(), x, D, m, dtype), final.float()
