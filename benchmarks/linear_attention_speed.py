@@ -68,15 +68,24 @@ sys.path.insert(0, str(HERE))
 import common  # noqa: E402  (benchmarks/common.py: run metadata and JSON output shared by the scripts)
 DEFAULT_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_LENGTHS = [128, 256]
-METHODS = ("sdpa", "hedgehog", "taylor", "elu")
+METHODS = ("sdpa", "hedgehog", "taylor", "elu", "hedgehog_fla", "lolcats_loop", "lolcats", "ssd", "ssd_fla", "gdn", "gdn_fla")
+DEFAULT_METHODS = ("sdpa", "hedgehog", "taylor", "elu")
 LABELS = {
     "sdpa": "softmax (SDPA, causal)",
     "hedgehog": "Hedgehog map + chunked",
     "taylor": "Taylor map + chunked",
     "elu": "1+ELU map + chunked",
+    "hedgehog_fla": "Hedgehog map + fla chunk_simple_gla",
+    "lolcats_loop": "LoLCATs window 64 + linear, block loop",
+    "lolcats": "LoLCATs window 64 + linear, loop-free",
+    "ssd": "Mamba-2 SSD, chunked",
+    "ssd_fla": "Mamba-2 SSD, fla chunk_simple_gla",
+    "gdn": "gated delta rule, chunked (WY)",
+    "gdn_fla": "gated delta rule, fla chunk_gated_delta_rule",
 }
-FEATURE_MAP = {"hedgehog": "hedgehog", "taylor": "taylor", "elu": "elu"}
-TIME_EXPONENT = {"sdpa": 2.0, "hedgehog": 1.0, "taylor": 1.0, "elu": 1.0}
+FEATURE_MAP = {"hedgehog": "hedgehog", "taylor": "taylor", "elu": "elu", "hedgehog_fla": "hedgehog", "lolcats_loop": "hedgehog", "lolcats": "hedgehog"}
+TIME_EXPONENT = {m: 2.0 if m == "sdpa" else 1.0 for m in METHODS}
+WINDOW = 64
 MMAP_THRESHOLD = 64 * 1024
 SPEEDUP_LENGTH = 16384
 RESULT_TAG = "RESULT "
@@ -116,36 +125,80 @@ def _maxrss_bytes() -> int:
 
 
 # ------------------------------------------------------------------------------------ one point
-def _build(method: str, heads: int, head_dim: int, length: int, device, chunk_size: int, seed: int):
+def _scan_forward(method: str, q, k, v, heads: int, length: int, device, chunk_size: int, leaves: list):
+    """The forward of a state-space / delta-rule method on (1, h, l, d) q, k, v (their layout
+    (b, l, h, d) inside), with its decay (and write strength) as extra leaves."""
+    import torch
+    import torch.nn.functional as F
+
+    from attn2ssm.ops.gated_delta import gated_delta_chunked
+    from attn2ssm.ops.ssd import ssd_chunked
+
+    backend = "fla" if method.endswith("_fla") else "torch"
+    decay = (-0.1 * torch.rand(1, length, heads, device=device)).requires_grad_()
+    leaves.append(decay)
+    x, B, C = v.transpose(1, 2), k.transpose(1, 2), q.transpose(1, 2)
+    if method.startswith("ssd"):
+        return lambda: ssd_chunked(x, decay, B, C, chunk_size=chunk_size, backend=backend)[0].transpose(1, 2)
+    beta = torch.rand(1, length, heads, device=device).requires_grad_()
+    leaves.append(beta)
+    return lambda: gated_delta_chunked(F.normalize(C, dim=-1), F.normalize(B, dim=-1), x, decay, beta, chunk_size=chunk_size,
+                                       backend=backend)[0].transpose(1, 2)  # fmt: skip
+
+
+def _map_forward(method: str, q, k, v, heads: int, head_dim: int, device, chunk_size: int, leaves: list):
+    """The forward of a feature-map method: phi(q), phi(k) through the linear (or window + linear) form."""
+    import torch
+
+    from attn2ssm.mixers.feature_maps import build_feature_map
+    from attn2ssm.ops.linear_attention import linear_attention_chunked, window_linear_attention, window_linear_attention_chunked
+
+    phi_q = build_feature_map(FEATURE_MAP[method], heads, head_dim).to(device, q.dtype)
+    phi_k = build_feature_map(FEATURE_MAP[method], heads, head_dim).to(device, q.dtype)
+    leaves += [p for p in (*phi_q.parameters(), *phi_k.parameters()) if p.requires_grad]
+    if not method.startswith("lolcats"):
+        backend = "fla" if method.endswith("_fla") else "torch"
+        return lambda: linear_attention_chunked(phi_q(q), phi_k(k), v, chunk_size=chunk_size, backend=backend)[0]
+    opts = {"scaling": head_dim**-0.5, "window": WINDOW, "gamma": torch.full((heads,), 0.5, device=device)}
+    if method == "lolcats":
+        return lambda: window_linear_attention_chunked(q, k, v, phi_q(q), phi_k(k), chunk_size=chunk_size, **opts)[0]
+
+    def block_loop():  # what the mixer runs on a CPU: blocks of chunk_size queries against [window cache; block]
+        state, outs = None, []
+        pieces = [t.split(chunk_size, dim=2) for t in (q, k, v, phi_q(q), phi_k(k))]
+        for qc, kc, vc, fqc, fkc in zip(*pieces):
+            o, state = window_linear_attention(qc, kc, vc, fqc, fkc, state=state, **opts)
+            outs.append(o)
+        return torch.cat(outs, 2)
+
+    return block_loop
+
+
+def _build(method: str, heads: int, head_dim: int, length: int, device, chunk_size: int, seed: int, dtype: str = "float32"):
     """(step function, inputs) for one method; the step runs forward + backward once."""
     import torch
     import torch.nn.functional as F
 
     torch.manual_seed(seed)
     shape = (1, heads, length, head_dim)
-    q, k, v = (torch.randn(shape, device=device, requires_grad=True) for _ in range(3))
-    grad_out = torch.randn(shape, device=device)
+    dt = getattr(torch, dtype)
+    q, k, v = (torch.randn(shape, device=device, dtype=dt, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(shape, device=device, dtype=dt)
     leaves = [q, k, v]
     if method == "sdpa":
 
         def forward():
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    elif method.startswith(("ssd", "gdn")):
+        forward = _scan_forward(method, q, k, v, heads, length, device, chunk_size, leaves)
     else:
-        from attn2ssm.mixers.feature_maps import build_feature_map
-        from attn2ssm.ops.linear_attention import linear_attention_chunked
-
-        phi_q = build_feature_map(FEATURE_MAP[method], heads, head_dim).to(device)
-        phi_k = build_feature_map(FEATURE_MAP[method], heads, head_dim).to(device)
-        leaves += [p for p in (*phi_q.parameters(), *phi_k.parameters()) if p.requires_grad]
-
-        def forward():
-            return linear_attention_chunked(phi_q(q), phi_k(k), v, chunk_size=chunk_size)[0]
+        forward = _map_forward(method, q, k, v, heads, head_dim, device, chunk_size, leaves)
 
     def step():
         for t in leaves:
             t.grad = None
-        forward().backward(grad_out)
+        forward().to(grad_out.dtype).backward(grad_out)
 
     return step, leaves
 
@@ -167,7 +220,7 @@ def run_point(spec: dict) -> dict:
             torch.cuda.synchronize()
 
     try:
-        step, leaves = _build(method, spec["heads"], spec["head_dim"], length, device, spec["chunk_size"], spec["seed"])
+        step, leaves = _build(method, spec["heads"], spec["head_dim"], length, device, spec["chunk_size"], spec["seed"], spec.get("dtype", "float32"))
     except Exception as exc:  # e.g. a feature map this attn2ssm does not have
         return {**rec, "status": "failed", "reason": f"{type(exc).__name__}: {exc}".splitlines()[0]}
     try:
@@ -255,7 +308,10 @@ def _run_isolated(spec: dict, timeout: float) -> dict:
 
 # ------------------------------------------------------------------------------------ planning
 def feature_dim(method: str, head_dim: int) -> int | None:
-    return {"sdpa": None, "hedgehog": 2 * head_dim, "taylor": 1 + head_dim + head_dim**2, "elu": head_dim}[method]
+    """The state's key width: the feature map's output, or head_dim for SSD / the delta rule (None: softmax)."""
+    if method == "sdpa":
+        return None
+    return {"hedgehog": 2 * head_dim, "taylor": 1 + head_dim + head_dim**2, "elu": head_dim}.get(FEATURE_MAP.get(method), head_dim)
 
 
 def estimate_memory_bytes(method: str, length: int, heads: int, head_dim: int, chunk_size: int) -> float:
@@ -390,7 +446,8 @@ def parse_args(argv):
     p.add_argument("--lengths", default=None, help="comma-separated (default 512,1024,2048,4096,8192,16384)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per point after one warm-up (default 3)")
     p.add_argument("--quick", action="store_true", help="smoke run: lengths 128,256, 1 repeat, results to *_quick.json")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"subset of {','.join(METHODS)} (*_fla: CUDA, attn2ssm[gpu])")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="inputs' dtype (the forms compute their scans in fp32)")
     p.add_argument("--devices", default="auto", help="cpu, cuda or cpu,cuda; auto = cpu plus cuda if available")
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--head-dim", type=int, default=64)
@@ -441,7 +498,7 @@ def _measure_method(args, device: str, method: str, lengths: list[int], repeats:
             records.append({**base, "status": "skipped", "reason": reason})
             stop_reason = f"skipped at a shorter length ({reason})"
             continue
-        spec = {**base, "heads": args.heads, "head_dim": args.head_dim, "chunk_size": args.chunk_size,
+        spec = {**base, "heads": args.heads, "head_dim": args.head_dim, "chunk_size": args.chunk_size, "dtype": args.dtype,
                 "repeats": repeats, "seed": args.seed, "point_budget": args.point_budget, "threads": args.threads}  # fmt: skip
         rec = _run_isolated(spec, timeout=max(2 * args.point_budget, 60)) if isolated else run_point(spec)
         records.append(rec)
@@ -450,7 +507,7 @@ def _measure_method(args, device: str, method: str, lengths: list[int], repeats:
             if rec.get("status") == "ok"
             else f"{rec['status']}: {rec.get('reason')}"
         )
-        print(f"{device:>5} {method:>9} L={length:>6}  {shown}", flush=True)
+        print(f"{device:>5} {method:>12} L={length:>6}  {shown}", flush=True)
         if rec.get("status") == "ok":
             prev = rec
             measured.append(rec)
@@ -500,7 +557,7 @@ def main(argv: list[str] | None = None) -> dict | int:
         "benchmark": "linear_attention_speed",
         "description": "forward+backward of one causal attention layer's token mixing (no projections), batch 1",
         "config": {
-            "batch": 1, "heads": args.heads, "head_dim": args.head_dim, "dtype": "float32", "chunk_size": args.chunk_size,
+            "batch": 1, "heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype, "chunk_size": args.chunk_size,
             "lengths": lengths, "repeats": repeats, "warmup_steps": 1, "methods": methods, "devices": devices,
             "feature_dims": {m: feature_dim(m, args.head_dim) for m in methods}, "labels": {m: LABELS[m] for m in methods},
             "isolation": args.isolation, "point_budget_s": args.point_budget, "max_memory_bytes": max_mem,
@@ -519,7 +576,7 @@ def main(argv: list[str] | None = None) -> dict | int:
     }
     _write_json(out, result)
     env = info.get("environment", {})
-    title = (f"causal attention fwd+bwd, batch 1, {args.heads} heads × {args.head_dim}, fp32 — "
+    title = (f"causal attention fwd+bwd, batch 1, {args.heads} heads × {args.head_dim}, {args.dtype} — "
              f"{env.get('processor', '')} ({env.get('cpu_count')} CPUs, torch threads={result['config']['torch_threads']})"
              + (f", {env['cuda']}" if env.get("cuda") else "") + f", torch {env.get('torch')}")  # fmt: skip
     png = plot(records, out.with_suffix(".png"), title)
