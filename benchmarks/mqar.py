@@ -38,6 +38,7 @@ On a busy 2-core machine a full default run was estimated at ~13 min; expect ~10
     python benchmarks/mqar.py --quick                # smoke config, seconds
     python benchmarks/mqar.py --steps 500 --maps hedgehog,elu --out /tmp/mqar
     python benchmarks/mqar.py --lr 1e-3,3e-3 --map-option hedgehog:activation=exp
+    python benchmarks/mqar.py --maps gated_delta,mamba2 --no-softmax   # other mixers as rows (MIXER_ROWS)
 """
 
 from __future__ import annotations
@@ -158,14 +159,23 @@ def build_base(data: MQARConfig, mcfg: ModelConfig, seed: int):
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
+# Rows that are other mixers than a feature map's linear attention (every layer converted to it;
+# the gated delta rule starts from its plain per-head decay: there is no trained teacher to calibrate on).
+MIXER_ROWS = {"gated_delta": {"decay_init": "plain"}, "mamba2": {}}
+
+
 def build_model(name: str, base_state: dict, data: MQARConfig, mcfg: ModelConfig, seed: int, map_options: dict | None):
-    """``softmax`` → the base model itself; a feature-map name → the base converted to linear attention."""
+    """``softmax`` → the base model itself; a feature-map name → the base converted to linear attention;
+    a name of ``MIXER_ROWS`` → the base converted to that mixer."""
     base = build_base(data, mcfg, seed)
     base.load_state_dict(base_state)
     if name == SOFTMAX:
         return base
     from attn2ssm.student.convert import convert
 
+    if name in MIXER_ROWS:
+        torch.manual_seed(seed + 1)
+        return convert(base, [name] * mcfg.num_layers, {name: {**MIXER_ROWS[name], **(map_options or {})}})
     options = {"feature_map": name}
     if map_options:
         options["feature_map_options"] = dict(map_options)
@@ -446,8 +456,8 @@ def _run(args, argv, data, mcfg, tc, lrs, maps, map_options) -> dict:
 
     results: dict[str, dict] = {}
     for name in names:
-        entry: dict = {"kind": "softmax_attention" if name == SOFTMAX else "linear_attention"}
-        if name != SOFTMAX:
+        entry: dict = {"kind": "softmax_attention" if name == SOFTMAX else name if name in MIXER_ROWS else "linear_attention"}
+        if name != SOFTMAX and name not in MIXER_ROWS:
             entry["feature_map"] = name
             entry["feature_map_options"] = map_options.get(name, {})
         try:

@@ -9,13 +9,14 @@ from torch import nn
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.bimamba import BiMambaMixer
 from attn2ssm.mixers.discrete_mamba2 import DiscreteMamba2Mixer
+from attn2ssm.mixers.gated_delta import GatedDeltaMixer
 from attn2ssm.mixers.hedgemamba import HedgeMambaMixer
 from attn2ssm.mixers.linear_attention import LinearAttentionMixer
 from attn2ssm.mixers.mamba import MambaMixer
 from attn2ssm.mixers.mamba2 import Mamba2Mixer
 
 MIXERS: dict[str, type[nn.Module]] = {
-    cls.mixer_type: cls for cls in (LinearAttentionMixer, MambaMixer, Mamba2Mixer, DiscreteMamba2Mixer, HedgeMambaMixer)
+    cls.mixer_type: cls for cls in (LinearAttentionMixer, MambaMixer, Mamba2Mixer, DiscreteMamba2Mixer, HedgeMambaMixer, GatedDeltaMixer)
 }
 
 # Non-causal mixers for encoders (vision transformers): never in a causal LM's plan.
