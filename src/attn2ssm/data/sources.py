@@ -30,8 +30,10 @@ with a prompt corpus, from ``prompt_len`` tokens cut from that corpus' training 
 teacher, so it is read by :func:`attn2ssm.data.teacher_samples.generate_corpus` (the trainer does
 this for ``data.corpus`` / ``data.sources``), not by :func:`load_documents`. Options (defaults):
 ``temperature`` (1.0), ``top_p`` (1.0: plain sampling), ``length`` (256 new tokens per sample, cut
-to the teacher's context), ``prompt_len`` (16), ``batch`` (16 samples per ``generate`` call; part of
-the cache key, since the random draws depend on it) and ``field`` (the prompt corpus' text field).
+to the teacher's context), ``prompt_len`` (16), ``batch`` (samples per ``generate`` call: 16 on a CPU; on a GPU, when not given,
+as many as a quarter of its memory holds, up to 1024 — see
+:func:`attn2ssm.data.teacher_samples.sampling_batch`; part of the cache key, since the random draws
+depend on it) and ``field`` (the prompt corpus' text field).
 Example: ``generated:1000000:sotu?top_p=0.95&batch=64``.
 """
 
@@ -128,6 +130,7 @@ class GeneratedSpec:
     prompt_len: int = 16
     batch: int = 16
     field: str | None = None
+    given: frozenset = frozenset()  # the options the spec set itself (a batch not given is chosen per device)
 
 
 _GENERATED_OPTIONS = {"temperature": float, "top_p": float, "length": int, "prompt_len": int, "batch": int, "field": str}
@@ -156,7 +159,7 @@ def parse_generated_spec(spec: str) -> GeneratedSpec:
             options[key] = _GENERATED_OPTIONS[key](value)
         except ValueError:
             raise DataError(f"option {key}={value!r} in {spec!r} is not a {_GENERATED_OPTIONS[key].__name__}", _GENERATED_FORM) from None
-    g = GeneratedSpec(n_tokens, prompts or None, **options)
+    g = GeneratedSpec(n_tokens, prompts or None, **options, given=frozenset(options))
     for name, ok in (("n_tokens", g.n_tokens >= 1), ("temperature", g.temperature > 0), ("top_p", 0 < g.top_p <= 1),
                      ("length", g.length >= 1), ("prompt_len", g.prompt_len >= 1), ("batch", g.batch >= 1)):  # fmt: skip
         if not ok:
