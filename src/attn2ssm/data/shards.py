@@ -31,12 +31,12 @@ from attn2ssm.errors import DataError
 from attn2ssm.paths import atomic_write_text, staging_dir
 
 from .packing import TokenizedCorpus, _eos_id, _Joiner, stream_into, tokenize_into, tokenizer_fingerprint
-from .sources import can_stream, is_generated, load_documents, parse_spec
+from .sources import SHARDS_PREFIX, can_stream, is_generated, load_documents, parse_spec
 from .splits import split_documents
 
 SHARD_FORMAT = 1
 SIDES = ("train", "heldout")
-PREFIX = "shards:"
+PREFIX = SHARDS_PREFIX
 DEFAULT_SHARD_TOKENS = 1 << 25  # 64 MiB a file at 16 bits
 
 

@@ -170,6 +170,34 @@ def parse_generated_spec(spec: str) -> GeneratedSpec:
     return g
 
 
+SHARDS_PREFIX = "shards:"  # a token shard folder (data/shards.py)
+
+
+def check_spec(spec: str) -> None:
+    """Refuse, without reading any text (and without importing torch), a spec that cannot name a
+    corpus: a ``generated:`` spec that does not parse, a malformed ``hf:`` spec, a ``shards:`` folder
+    without a manifest, a local path that does not exist or is a file of another format."""
+    if is_generated(spec):
+        parse_generated_spec(spec)
+        return
+    base, _ = parse_spec(spec)
+    if base.startswith(SHARDS_PREFIX):
+        folder = Path(base[len(SHARDS_PREFIX) :]).expanduser()
+        if not (folder / "manifest.json").is_file():
+            raise DataError(f"{folder} holds no token shards (manifest.json missing)", "write them with 'attn2ssm data shards', or check the path")
+        return
+    if builtin.is_builtin(base):
+        return
+    if base.startswith("hf:"):
+        parse_hf_spec(base[3:])
+        return
+    root = Path(base).expanduser()
+    if not root.exists():
+        raise DataError(f"corpus path {str(root)!r} does not exist", "check the path, or use a built-in corpus (sotu, moby-dick), hf:<dataset> or shards:<folder>")
+    if root.is_file() and not root.name.endswith(FILE_SUFFIXES):
+        raise DataError(f"cannot read corpus file {str(root)!r}: unsupported format", f"use one of {', '.join(FILE_SUFFIXES)} or a directory of such files")
+
+
 def corpus_stamp(spec: str) -> str:
     """A short string that changes when the text behind ``spec`` changes.
 
