@@ -231,8 +231,9 @@ class TeacherSampler:
     state is untouched and the same spec, seed, teacher and kind of device give the same samples.
     """
 
-    def __init__(self, spec: str, teacher, tokenizer, *, seed: int = 0, progress: bool = True):
+    def __init__(self, spec: str, teacher, tokenizer, *, seed: int = 0, progress: bool = True, goal: int | None = None):
         self.spec, self.teacher, self.tokenizer, self.seed, self.progress = spec, teacher, tokenizer, seed, progress
+        self.goal = goal  # what the progress bar counts up to (default n_tokens; a caller that stops early says where)
         self.g = g = parse_generated_spec(spec)
         self.eos = tokenizer.eos_token_id
         if self.eos is None:
@@ -269,7 +270,7 @@ class TeacherSampler:
         was_training, device = self.teacher.training, next(self.teacher.parameters()).device
         self.teacher.eval()
         started = time.perf_counter()
-        bar = tqdm(total=n, desc=f"sampling {self.spec}", unit="tok", unit_scale=True, disable=not self.progress)
+        bar = tqdm(total=min(n, self.goal or n), desc=f"sampling {self.spec}", unit="tok", unit_scale=True, disable=not self.progress)
         try:
             batch_i = 0
             while sum(self.tokens.values()) < n:
@@ -287,7 +288,7 @@ class TeacherSampler:
                     self.tokens[side] += ids.numel() + sep
                     self.docs[side] += 1
                     self.n_samples += 1
-                    bar.update(sum(self.tokens.values()) - bar.n)
+                    bar.update(min(sum(self.tokens.values()), bar.total) - bar.n)
                     yield Sample(self.n_samples - 1, side, ids)
                     self.seconds = time.perf_counter() - started
                 batch_i += 1
@@ -351,7 +352,8 @@ def generate_shards(spec: str, teacher, tokenizer, out, *, seed: int = 0, max_tr
     they cut a cached corpus, and sampling stops once both sides are full. The manifest's ``meta``
     records the settings and the sampling rate (``tokens_per_second``, wall time with the writes).
     A failure or an interrupt leaves no folder at ``out``. Returns the manifest."""
-    sampler = TeacherSampler(spec, teacher, tokenizer, seed=seed, progress=progress)
+    goal = max_train_tokens + max_heldout_tokens if max_train_tokens is not None and max_heldout_tokens is not None else None
+    sampler = TeacherSampler(spec, teacher, tokenizer, seed=seed, progress=progress, goal=goal)
     with ShardWriter(out, tokenizer, source=spec, shard_tokens=shard_tokens, meta={"spec": spec, "generated": True}) as writer:
         sides = {"train": DocumentStream(writer, "train", sampler.eos, max_train_tokens),
                  "heldout": DocumentStream(writer, "heldout", sampler.eos, max_heldout_tokens)}  # fmt: skip
@@ -361,7 +363,7 @@ def generate_shards(spec: str, teacher, tokenizer, out, *, seed: int = 0, max_tr
                 if all(side.full for side in sides.values()):
                     break
         device = next(teacher.parameters()).device
-        writer.meta.update(settings=sampler.settings, **sampler.stats(), device=str(device), teacher_dtype=str(next(teacher.parameters()).dtype),
+        writer.meta.update(settings=sampler.settings, **sampler.stats(), device=str(device), teacher_dtype=str(next(teacher.parameters()).dtype).removeprefix("torch."),
                            max_train_tokens=max_train_tokens, max_heldout_tokens=max_heldout_tokens)  # fmt: skip
     return writer.manifest
 
