@@ -513,6 +513,11 @@ def test_data_shards_and_info(tiny_setup, tmp_path, capsys):
     assert "verified: all 2 files match their size and SHA-256" in printed and "the ids belong to" in printed
     assert main(["data", "shards", "sotu", "--out", str(tmp_path / "gen"), "--teacher", str(teacher)]) == 2
     assert "already holds token shards" in capsys.readouterr().err
+    assert main(["data", "shards", str(tmp_path / "gen"), "--out", str(tmp_path / "again"), "--teacher", str(teacher)]) == 2
+    assert f"holds token shards, not text files — name it shards:{tmp_path / 'gen'}" in capsys.readouterr().err
+    assert main(["data", "shards", f"shards:{tmp_path / 'gen'}", "--out", str(tmp_path / "cut"), "--teacher", str(teacher), "--fit-mib", "0.07"]) == 0
+    assert "train            2,000 tokens" in capsys.readouterr().out  # room for 3,932 ids, 122 held out: all 2,000 training ones fit
+    assert sum(f.stat().st_size for f in (tmp_path / "cut").iterdir()) <= 0.07 * 2**20
 
 
 def test_data_shards_interrupted_leaves_nothing(tiny_setup, tmp_path):

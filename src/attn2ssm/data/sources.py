@@ -196,6 +196,14 @@ def check_spec(spec: str) -> None:
         raise DataError(f"corpus path {str(root)!r} does not exist", "check the path, or use a built-in corpus (sotu, moby-dick), hf:<dataset> or shards:<folder>")
     if root.is_file() and not root.name.endswith(FILE_SUFFIXES):
         raise DataError(f"cannot read corpus file {str(root)!r}: unsupported format", f"use one of {', '.join(FILE_SUFFIXES)} or a directory of such files")
+    if root.is_dir() and not _local_files(root):
+        _no_text_files(root)
+
+
+def _no_text_files(root: Path):
+    if (root / "manifest.json").is_file():  # a token shard folder named without its prefix
+        raise DataError(f"directory {str(root)!r} holds token shards, not text files", f"name it shards:{root}")
+    raise DataError(f"directory {str(root)!r} holds no {', '.join(FILE_SUFFIXES)} files", "point data.corpus at a folder with text files")
 
 
 def corpus_stamp(spec: str) -> str:
@@ -250,10 +258,7 @@ def _load_local(base: str, text_field: str) -> list[Document]:
         )
     files = _local_files(root)
     if not files:
-        raise DataError(
-            f"directory {str(root)!r} holds no {', '.join(FILE_SUFFIXES)} files",
-            "point data.corpus at a folder with text files",
-        )
+        _no_text_files(root)
     docs: list[Document] = []
     for path in files:
         rel = path.name if root.is_file() else path.relative_to(root).as_posix()
