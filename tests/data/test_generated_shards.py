@@ -86,7 +86,7 @@ def test_an_interrupt_leaves_no_folder_and_the_teacher_as_it_was(teacher, tokeni
     assert list(tmp_path.iterdir()) == []  # neither the folder nor its staging copy
 
 
-def test_batch_size_the_spec_given_or_chosen_by_gpu_memory(teacher):
+def test_batch_size_the_spec_given_or_chosen_by_gpu_memory(teacher, monkeypatch):
     assert sampling_batch(parse_generated_spec("generated:10"), teacher, 272) == 16  # a CPU: the default
     assert sampling_batch(parse_generated_spec("generated:10?batch=3"), teacher, 272) == 3
     gib = 1 << 30
@@ -95,3 +95,15 @@ def test_batch_size_the_spec_given_or_chosen_by_gpu_memory(teacher):
     assert auto_batch(24 * gib, 540 << 20, smollm2) == 256  # a quarter of 23.5 GiB / 13.3 MB = 474
     assert auto_batch(80 * gib, 28 * gib, 272 * 512 * 1024 * 2) == 32  # a 7B teacher in fp32: 13 GiB / 285 MB = 47
     assert auto_batch(gib, 2 * gib, 1) == 1
+
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576, vocab_size=49152)
+    config.get_text_config = lambda: config
+    weight = SimpleNamespace(device=torch.device("cuda"), numel=lambda: 135_000_000, element_size=lambda: 2)  # SmolLM2-135M, bf16, on a GPU
+    gpu_teacher = SimpleNamespace(parameters=lambda: iter([weight]), config=config)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
+    assert sampling_batch(parse_generated_spec("generated:100000000"), gpu_teacher, 272, 256) == 1024
+    assert sampling_batch(parse_generated_spec("generated:100000000?batch=64"), gpu_teacher, 272, 256) == 64  # given: kept
+    assert sampling_batch(parse_generated_spec("generated:40000"), gpu_teacher, 272, 256) == 256  # 157 samples' worth: no more rows
+    assert sampling_batch(parse_generated_spec("generated:3000"), gpu_teacher, 272, 256) == 16  # never below the default

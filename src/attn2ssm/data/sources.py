@@ -31,7 +31,7 @@ teacher, so it is read by :func:`attn2ssm.data.teacher_samples.generate_corpus` 
 this for ``data.corpus`` / ``data.sources``), not by :func:`load_documents`. Options (defaults):
 ``temperature`` (1.0), ``top_p`` (1.0: plain sampling), ``length`` (256 new tokens per sample, cut
 to the teacher's context), ``prompt_len`` (16), ``batch`` (samples per ``generate`` call: 16 on a CPU; on a GPU, when not given,
-as many as a quarter of its memory holds, up to 1024 — see
+as many as a quarter of its memory holds and the corpus needs, up to 1024 — see
 :func:`attn2ssm.data.teacher_samples.sampling_batch`; part of the cache key, since the random draws
 depend on it) and ``field`` (the prompt corpus' text field).
 Example: ``generated:1000000:sotu?top_p=0.95&batch=64``.

@@ -189,18 +189,22 @@ class Sample:
     ids: torch.Tensor  # 1-D int64 on the CPU: prompt (if any) + new tokens, cut so the corpus ends at n_tokens
 
 
-def sampling_batch(g, teacher, positions: int) -> int:
+def sampling_batch(g, teacher, positions: int, length: int | None = None) -> int:
     """Samples per ``generate`` call for spec ``g``: its ``batch=`` when it set one, and on a CPU (16,
     the spec's default); on a GPU, when not set, the largest power of two up to ``MAX_AUTO_BATCH``
     whose KV cache (``positions`` per sample) and last-position logits fit a quarter of the memory the
     teacher's weights leave — from the device's total memory and the teacher's config, not from what
-    is free now, so the same teacher on the same kind of GPU always samples (and caches) the same batches."""
+    is free now, so the same teacher on the same kind of GPU always samples (and caches) the same
+    batches — and no larger than a corpus of ``n_tokens`` needs at ``length`` new tokens a sample
+    (a small corpus is not sampled 1024 rows at a time); never below the default 16."""
     device = next(teacher.parameters()).device
     if "batch" in g.given or device.type != "cuda":
         return g.batch
     weights = sum(p.numel() * p.element_size() for p in teacher.parameters())
     per_sample = positions * _kv_bytes_per_position(teacher) + 16 * teacher.config.get_text_config().vocab_size  # logits, softmax, top-p sort
-    return max(g.batch, auto_batch(torch.cuda.get_device_properties(device).total_memory, weights, per_sample))
+    batch = auto_batch(torch.cuda.get_device_properties(device).total_memory, weights, per_sample)
+    needed = -(-g.n_tokens // (length or g.length))  # samples the corpus needs if none ends early
+    return max(g.batch, min(batch, 1 << (needed - 1).bit_length()))
 
 
 def auto_batch(total_memory: int, weight_bytes: int, per_sample_bytes: int) -> int:
@@ -244,7 +248,7 @@ class TeacherSampler:
         self.length = min(g.length, context - self.prompt_len)
         if self.length < 1:
             raise DataError(f"{spec!r}: prompts of {self.prompt_len} tokens leave no room in the teacher's {context} positions", "lower prompt_len")
-        self.batch = sampling_batch(g, teacher, self.prompt_len + self.length)
+        self.batch = sampling_batch(g, teacher, self.prompt_len + self.length, self.length)
         self.settings = {
             "format": GENERATED_FORMAT, "teacher": _teacher_key(teacher, tokenizer), "tokenizer": tokenizer_fingerprint(tokenizer), "seed": seed,
             "n_tokens": g.n_tokens, "prompts": g.prompts, "prompts_stamp": corpus_stamp(g.prompts) if g.prompts else None,
