@@ -494,8 +494,13 @@ def test_data_shards_and_info(tiny_setup, tmp_path, capsys):
     from attn2ssm.cli import main
     from attn2ssm.data.shards import read_manifest
 
+    import socket
+
     teacher, corpus = tiny_setup
+    killed = tmp_path / f".text.shards-abcd1234.{2**22 + 7}@{socket.gethostname()}"  # what a SIGKILLed writer left (no such pid)
+    killed.mkdir()
     assert main(["data", "shards", str(corpus), "--out", str(tmp_path / "text"), "--teacher", str(teacher), "--heldout-tokens", "300"]) == 0
+    assert not killed.exists()
     printed = capsys.readouterr().out.splitlines()
     manifest = read_manifest(tmp_path / "text")
     n_train = sum(f["tokens"] for f in manifest["sides"]["train"])
