@@ -103,6 +103,29 @@ def test_load_tiny_dir(llama_dir):
     assert model.config.vocab_size == len(tokenizer)
 
 
+def test_a_teachers_tokenizer_alone(llama_dir, tmp_path, monkeypatch):
+    """load_teacher_tokenizer: the tokenizer load_teacher gives (same fingerprint), without the weights; a
+    built-in teacher not yet converted reads it from its GGUF instead of converting."""
+    import transformers
+
+    import attn2ssm.teachers.text as text
+    from attn2ssm.data.packing import tokenizer_fingerprint
+
+    _, full, _ = load_teacher(str(llama_dir))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    alone = text.load_teacher_tokenizer(str(llama_dir))
+    assert tokenizer_fingerprint(alone) == tokenizer_fingerprint(full) and alone.pad_token == full.pad_token
+    asked = []
+    monkeypatch.setenv("ATTN2SSM_CACHE", str(tmp_path / "cache"))  # no converted built-in here
+    monkeypatch.setattr(text, "builtin_gguf_path", lambda name: asked.append(name) or llama_dir / "model.gguf")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda location, **kw: asked.append((location, kw)) or full)
+    assert text.load_teacher_tokenizer(None) is full
+    assert asked == [DEFAULT_TEACHER, (str(llama_dir), {"gguf_file": "model.gguf"})]
+    with pytest.raises(CheckpointError) as info:
+        text.load_teacher_tokenizer(str(tmp_path / "nope"))
+    assert_one_line(info, "teacher path not found")
+
+
 def test_hub_id_offline_is_one_line(monkeypatch):
     import huggingface_hub.constants
 

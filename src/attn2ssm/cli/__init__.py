@@ -1,7 +1,7 @@
-"""``attn2ssm convert | distill | eval | generate | bench (generate | quality | train) | export | recipes | upgrade``.
+"""``attn2ssm convert | distill | eval | generate | bench (generate | quality | train) | data (shards | info) | export | recipes | upgrade``.
 
-One module per command group (``convert``, ``distill``, ``eval``, ``generate``, ``bench``, ``export``
-(export and upgrade), ``recipes``), each with ``add_parser(subparsers)`` and its ``run`` function(s);
+One module per command group (``convert``, ``distill``, ``eval``, ``generate``, ``bench``, ``data``,
+``export`` (export and upgrade), ``recipes``), each with ``add_parser(subparsers)`` and its ``run`` function(s);
 this module puts their parsers together and runs the command. Every user-facing failure is an
 ``Attn2SSMError``: printed as one line, no traceback (``--debug`` shows it).
 """
@@ -12,13 +12,13 @@ import argparse
 import os
 import sys
 
-from attn2ssm.cli import bench, convert, distill, export, generate, recipes
+from attn2ssm.cli import bench, convert, data, distill, export, generate, recipes
 from attn2ssm.cli import eval as evaluate
 from attn2ssm.errors import Attn2SSMError, Interrupted
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-GROUPS = (convert, distill, evaluate, generate, bench, export, recipes)  # in the order `attn2ssm --help` lists them
+GROUPS = (convert, distill, evaluate, generate, bench, data, export, recipes)  # in the order `attn2ssm --help` lists them
 
 
 def build_parser() -> argparse.ArgumentParser:

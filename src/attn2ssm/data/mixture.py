@@ -28,6 +28,12 @@ source, packed into blocks; these are interleaved by weight without repetition, 
 (the trainer scores the first ``eval_batches × 4``; the report's perplexity reads the first
 ``eval.max_tokens`` tokens of them laid end to end) follow the weights until a source runs out.
 A source with less than one held-out block adds none.
+
+Memory: by default the blocks are int64 tensors (8 bytes a token) and a mixture is one materialised
+copy of every drawn block. ``compact=True`` keeps the same blocks in the same order as
+:class:`TokenBlocks`: each source's stream at its narrowest width (2 bytes a token for a vocabulary of
+at most 65,536 ids; shard folders are read at that width straight from their files) and a mixture as
+a ``(source, row)`` index of 16 bytes a block, widened to int64 only for the batch drawn.
 """
 
 from __future__ import annotations
@@ -41,17 +47,72 @@ import torch
 from attn2ssm.errors import DataError
 
 from .packing import TokenizedCorpus, block_indices, pack_blocks, prepare_corpus
-from .shards import is_shards, read_shards
+from .shards import compact_dtype, is_shards, read_shards
 from .sources import DEFAULT_TEXT_FIELD, can_stream, is_generated
 from .teacher_samples import generate_corpus
+
+
+class TokenBlocks:
+    """Training (or held-out) blocks kept compact: each source's ids at their narrowest width
+    (``torch.uint16`` for a vocabulary of at most 65,536 ids, else ``torch.int32``) as
+    ``(n_s, block_len)`` views of its stream, and a mixture as ``(source, row)`` per block into them,
+    never one materialised copy (a source drawn twice costs its index, not its tokens).
+
+    It stands in for the ``(n, block_len)`` int64 tensor of the default form wherever the trainer
+    reads blocks: ``len(blocks)``, ``blocks.shape``, and indexing by an int, a slice, an index tensor
+    or a boolean mask return int64 ids (on the CPU; the caller moves them), so only the drawn batch is
+    ever widened. ``tensor()`` materialises all of it (tests, small data)."""
+
+    def __init__(self, parts: list[torch.Tensor], source: torch.Tensor | None = None, row: torch.Tensor | None = None):
+        if source is None and len(parts) != 1:
+            raise ValueError("several parts need source and row indices")
+        self.parts, self.source, self.row = parts, source, row
+        self.block_len = parts[0].shape[1]
+
+    def __len__(self) -> int:
+        return len(self.parts[0]) if self.source is None else len(self.source)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self), self.block_len))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.long  # what indexing gives
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held: the sources' ids and the mixture's index."""
+        index = 0 if self.source is None else self.source.numel() * self.source.element_size() + self.row.numel() * self.row.element_size()
+        return sum(p.numel() * p.element_size() for p in self.parts) + index
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        if self.source is None:
+            return self.parts[0][idx].long()
+        source, row = self.source[idx], self.row[idx]
+        if source.dim() == 0:
+            return self.parts[int(source)][int(row)].long()
+        out = torch.empty((len(source), self.block_len), dtype=torch.long)
+        for s in source.unique().tolist():
+            pick = source == s
+            out[pick] = self.parts[s][row[pick]].long()
+        return out
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def tensor(self) -> torch.Tensor:
+        """All blocks as one ``(n, block_len)`` int64 tensor."""
+        return self[:]
 
 
 @dataclass
 class TrainingData:
     """What the trainer trains and evaluates on (see the module docstring)."""
 
-    blocks: torch.Tensor  # (n, block_len) training blocks, drawn by position
-    eval_blocks: torch.Tensor  # (m, block_len) held-out blocks, in evaluation order
+    blocks: torch.Tensor | TokenBlocks  # (n, block_len) training blocks, drawn by position
+    eval_blocks: torch.Tensor | TokenBlocks  # (m, block_len) held-out blocks, in evaluation order
     corpus: TokenizedCorpus  # heldout_ids: the held-out stream the report scores
     source_of: torch.Tensor  # (n,) index into ``sources`` of each training block
     eval_source_of: torch.Tensor  # (m,)
@@ -79,12 +140,19 @@ def load_training_data(
     budget_blocks: int | None = None,
     teacher=None,
     progress: bool = True,
+    compact: bool = False,
 ) -> TrainingData:
     """Prepare every source and build the training and held-out blocks.
 
     ``sources`` are objects with ``corpus``, ``weight`` and ``max_tokens`` (the recipe's
     ``SourceConfig``); ``budget_blocks`` is the most blocks one stage will draw (None: unknown);
     ``teacher`` is needed for ``generated:`` sources. Raises :class:`DataError`.
+
+    ``compact=True`` keeps the same blocks, in the same order, as :class:`TokenBlocks` (2 bytes a
+    token for a vocabulary of at most 65,536 ids, 4 above, instead of 8, and a mixture as an index
+    instead of a copy); shard folders are read at their files' width, other sources narrowed once
+    prepared. ``corpus.heldout_ids`` stays int64 (the report scores it), and ``corpus.train_ids`` is
+    then empty: the training ids live in ``blocks`` only.
     """
     sources = list(sources)
     if not sources:
@@ -97,11 +165,16 @@ def load_training_data(
 
     def prepare(i: int, cap: int | None) -> TokenizedCorpus:
         spec = sources[i].corpus
-        if is_generated(spec):
-            return _generated(spec, tokenizer, teacher, seed, cap, max_heldout_tokens, progress)
         if is_shards(spec):  # ids written once (data/shards.py): nothing to tokenize
-            return read_shards(spec, tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens)
-        return prepare_corpus(spec, tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens, text_field=field_)
+            return read_shards(spec, tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens, compact=compact)
+        if is_generated(spec):
+            corpus = _generated(spec, tokenizer, teacher, seed, cap, max_heldout_tokens, progress)
+        else:
+            corpus = prepare_corpus(spec, tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens, text_field=field_)
+        if compact:
+            narrow = compact_dtype(len(tokenizer))
+            corpus = TokenizedCorpus(corpus.train_ids.to(narrow), corpus.heldout_ids.to(narrow), corpus.tokenizer_fingerprint, corpus.meta)
+        return corpus
 
     if len(sources) == 1:
         cap = _cap(sources[0], 1.0, max_train_tokens, budget_blocks, block_len)
@@ -109,6 +182,9 @@ def load_training_data(
         blocks, eval_blocks = pack_blocks(corpus.train_ids, block_len), pack_blocks(corpus.heldout_ids, block_len)
         info = _info(sources[0], 1.0, corpus, len(blocks), len(blocks), len(eval_blocks), cap)
         only = torch.zeros(len(blocks), dtype=torch.long), torch.zeros(len(eval_blocks), dtype=torch.long)  # all from source 0
+        if compact:
+            blocks, eval_blocks = TokenBlocks([blocks]), TokenBlocks([eval_blocks])
+            corpus = TokenizedCorpus(_NO_IDS, corpus.heldout_ids.long(), corpus.tokenizer_fingerprint, {**corpus.meta, "compact": True})
         return TrainingData(blocks, eval_blocks, corpus, *only, [info])
 
     counts = apportion(shares, budget_blocks) if budget_blocks else None
@@ -122,18 +198,29 @@ def load_training_data(
         parts.append(pack_blocks(corpus.train_ids, block_len))
     if counts is None:
         counts = apportion(shares, sum(len(p) for p in parts))
-    blocks, source_of = mix_blocks(parts, counts, seed)
+    if compact:  # an index into the sources' blocks, not a copy of them
+        source_of, row = mix_rows([len(p) for p in parts], counts, seed)
+        blocks = TokenBlocks(parts, source_of, row)
+    else:
+        blocks, source_of = mix_blocks(parts, counts, seed)
 
     held = [c.heldout_ids[: c.heldout_ids.numel() // block_len * block_len].view(-1, block_len) for c in corpora]
     src, pos = interleave([len(h) for h in held], shares)
     if not len(src):
         raise DataError(f"no source has {block_len} held-out tokens for one evaluation block",
                         "raise data.max_heldout_tokens, add a source with more documents, or lower data.block_len")  # fmt: skip
-    eval_blocks = torch.stack([held[s][p] for s, p in zip(src.tolist(), pos.tolist())])
     infos = [_info(s, shares[i], c, len(parts[i]), counts[i], len(held[i]), caps[i]) for i, (s, c) in enumerate(zip(sources, corpora))]
     meta = {"spec": " + ".join(f"{i['share']:.3g}×{i['spec']}" for i in infos), "sources": infos}
-    corpus = TokenizedCorpus(blocks.reshape(-1), eval_blocks.reshape(-1), corpora[0].tokenizer_fingerprint, meta)
+    if compact:
+        eval_blocks = TokenBlocks(held, src, pos)
+        corpus = TokenizedCorpus(_NO_IDS, eval_blocks.tensor().reshape(-1), corpora[0].tokenizer_fingerprint, {**meta, "compact": True})
+    else:
+        eval_blocks = torch.stack([held[s][p] for s, p in zip(src.tolist(), pos.tolist())])
+        corpus = TokenizedCorpus(blocks.reshape(-1), eval_blocks.reshape(-1), corpora[0].tokenizer_fingerprint, meta)
     return TrainingData(blocks, eval_blocks, corpus, source_of, src, infos)
+
+
+_NO_IDS = torch.zeros(0, dtype=torch.long)  # compact: the training ids live in the blocks only
 
 
 # ----------------------------------------------------------------------------------- mixing
@@ -171,15 +258,27 @@ def mix_blocks(parts: list[torch.Tensor], counts: list[int], seed: int) -> tuple
     Source ``s`` gives its blocks in the order ``block_indices(n_s, seed_s, 0, counts[s])``: a seeded
     permutation, repeated with a fresh one only when exhausted. Returns ``(blocks, source_of)``.
     """
-    source, index = interleave(counts, [float(c) for c in counts])
+    source, row = mix_rows([len(p) for p in parts], counts, seed)
     out = torch.empty((len(source), parts[0].shape[1]), dtype=parts[0].dtype)
-    for s, (part, count) in enumerate(zip(parts, counts)):
+    for s, part in enumerate(parts):
+        pick = source == s
+        if pick.any():
+            out[pick] = part[row[pick]]
+    return out, source
+
+
+def mix_rows(n_blocks: list[int], counts: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which block of which source each position of :func:`mix_blocks`' tensor holds, for sources of
+    ``n_blocks[s]`` blocks: ``(source, row)`` (the index a :class:`TokenBlocks` keeps instead of the copy)."""
+    source, index = interleave(counts, [float(c) for c in counts])
+    row = torch.zeros_like(index)
+    for s, (n, count) in enumerate(zip(n_blocks, counts)):
         if not count:
             continue
-        picks = block_indices(len(part), _source_seed(seed, s), 0, count)
-        rows = source == s
-        out[rows] = part[picks[index[rows]]]
-    return out, source
+        picks = block_indices(n, _source_seed(seed, s), 0, count)
+        pick = source == s
+        row[pick] = picks[index[pick]]
+    return source, row
 
 
 def _source_seed(seed: int, s: int) -> int:

@@ -242,6 +242,13 @@ def _tokenize(
 ) -> torch.Tensor:
     """Ids of ``docs`` joined by ``eos``, no special tokens per document, at most ``limit``."""
     out = _Joiner(eos, limit, label)
+    tokenize_into(out, docs, tokenizer, label)
+    return out.ids()
+
+
+def tokenize_into(out: _Joiner, docs: list[Document], tokenizer, label: str) -> None:
+    """Tokenize ``docs`` in order into ``out`` (a ``_Joiner``, or a shard side that writes as it
+    goes), batch by batch, until it is full."""
     with _long_documents_allowed(tokenizer), tqdm(
         total=len(docs),
         desc=f"tokenizing {label}",
@@ -255,22 +262,28 @@ def _tokenize(
             for ids in tokenizer([d.text for d in batch], add_special_tokens=False)["input_ids"]:
                 out.add(ids)
             bar.update(len(batch))
-    return out.ids()
 
 
 def _tokenize_stream(
     spec: str, text_field: str, tokenizer, eos: int, train_limit: int, heldout_limit: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Both streams of a streamed hub corpus. Each row goes to its side of the hash split; reading
-    stops once the training side holds ``train_limit`` tokens and the held-out side ``heldout_limit``
-    (when unset, as soon as the training side is full). The tokens a full download gives when both fill."""
+    """Both streams of a streamed hub corpus (:func:`stream_into`)."""
     train = _Joiner(eos, train_limit, "train")
     held = _Joiner(eos, heldout_limit, "held-out")
+    counts = stream_into(train, held, spec, text_field, tokenizer)
+    return train.ids(), held.ids(), counts
+
+
+def stream_into(train: _Joiner, held: _Joiner, spec: str, text_field: str, tokenizer) -> dict:
+    """Stream hub corpus ``spec`` into ``train`` and ``held`` (joiners with their limits). Each row goes
+    to its side of the hash split; reading stops once the training side is full and the held-out side
+    too (when it has no limit, as soon as the training side is full; when neither has one, at the end
+    of the split). The tokens a full download gives when both fill. Returns the counts for ``meta``."""
     rows = 0
     docs = iter_hf_documents(spec, text_field=text_field)
-    goal = train_limit + (heldout_limit or 0)
+    goal = None if train.limit is None else train.limit + (held.limit or 0)
     with _long_documents_allowed(tokenizer), tqdm(desc=f"streaming {spec}", unit="tok", total=goal) as bar:
-        while not (train.full and (held.full or heldout_limit is None)):
+        while not (train.full and (held.full or held.limit is None)):
             batch = list(itertools.islice(docs, _BATCH_DOCS))
             if not batch:
                 break
@@ -281,9 +294,9 @@ def _tokenize_stream(
             for (_, side), ids in zip(wanted, encoded):
                 if not side.full:  # a batch may fill its side part-way
                     side.add(ids)
-            bar.update(min(train.total, train_limit) + min(held.total, heldout_limit or 0) - bar.n)
-    counts = {"n_train_docs": train.docs, "n_heldout_docs": held.docs, "streamed": True, "rows_read": rows}
-    return train.ids(), held.ids(), counts
+            done = train.total + held.total if goal is None else min(train.total, train.limit) + min(held.total, held.limit or 0)
+            bar.update(done - bar.n)
+    return {"n_train_docs": train.docs, "n_heldout_docs": held.docs, "streamed": True, "rows_read": rows}
 
 
 def check_block_len(block_len: int, max_positions: int | None) -> None:

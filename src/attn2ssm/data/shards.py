@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +30,13 @@ import torch
 from attn2ssm.errors import DataError
 from attn2ssm.paths import atomic_write_text, staging_dir
 
-from .packing import TokenizedCorpus, tokenizer_fingerprint
+from .packing import TokenizedCorpus, _eos_id, _Joiner, stream_into, tokenize_into, tokenizer_fingerprint
+from .sources import SHARDS_PREFIX, can_stream, is_generated, load_documents, parse_spec
+from .splits import split_documents
 
 SHARD_FORMAT = 1
 SIDES = ("train", "heldout")
-PREFIX = "shards:"
+PREFIX = SHARDS_PREFIX
 DEFAULT_SHARD_TOKENS = 1 << 25  # 64 MiB a file at 16 bits
 
 
@@ -82,6 +85,11 @@ class ShardWriter:
             if count + take == self.shard_tokens:
                 self._seal(side)
 
+    @property
+    def meta(self) -> dict:
+        """What the manifest's ``meta`` will hold (update it before ``close``)."""
+        return self.manifest["meta"]
+
     def tokens(self, side: str) -> int:
         return sum(f["tokens"] for f in self.manifest["sides"][side]) + (self._open[side][2] if side in self._open else 0)
 
@@ -122,6 +130,28 @@ class ShardWriter:
             self.abort()
 
 
+class DocumentStream(_Joiner):
+    """Documents joined by EOS into one side of a :class:`ShardWriter`, cut at ``limit`` tokens: the
+    stream a cached corpus holds (``packing._Joiner``), written as it comes instead of kept."""
+
+    def __init__(self, writer: ShardWriter, side: str, eos: int, limit: int | None = None):
+        super().__init__(eos, limit, side)
+        self.writer, self.side = writer, side
+
+    def add(self, ids) -> None:
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        piece = torch.cat([self.sep.long(), ids]) if self.docs else ids
+        if self.limit is not None:
+            piece = piece[: max(self.limit - min(self.total, self.limit), 0)]
+        if piece.numel():
+            self.writer.add(self.side, piece)
+        self.total += ids.numel() + bool(self.docs)
+        self.docs += 1
+
+    def ids(self) -> torch.Tensor:
+        raise TypeError("a DocumentStream writes its ids to shards and keeps none")
+
+
 def write_shards(out, corpus: TokenizedCorpus, tokenizer, *, source: str, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> Path:
     """A tokenized corpus (train and held-out streams) as a shard folder."""
     if corpus.tokenizer_fingerprint != tokenizer_fingerprint(tokenizer):
@@ -145,36 +175,157 @@ def read_manifest(path) -> dict:
     return manifest
 
 
-def read_shards(path, tokenizer, *, verify: bool = False, max_train_tokens: int | None = None, max_heldout_tokens: int | None = None) -> TokenizedCorpus:
-    """The shard folder ``path`` as a ``TokenizedCorpus`` (ids as int64 tensors), refused when its
-    ids belong to another tokenizer or a file's size does not match the manifest (``verify``: the
-    hash too). ``max_*_tokens`` read only the first that many ids of a side."""
+def read_shards(path, tokenizer, *, verify: bool = False, max_train_tokens: int | None = None, max_heldout_tokens: int | None = None,
+                compact: bool = False) -> TokenizedCorpus:  # fmt: skip
+    """The shard folder ``path`` as a ``TokenizedCorpus``, refused when its ids belong to another
+    tokenizer or a file's size does not match the manifest (``verify``: the hash too). ``max_*_tokens``
+    read only the first that many ids of a side. Ids are int64 tensors, or with ``compact`` the files'
+    own width (``torch.uint16``; ``torch.int32`` for 32-bit files), a quarter or half of the memory:
+    what :func:`attn2ssm.data.mixture.load_training_data` keeps with ``compact=True``."""
     path = Path(path[len(PREFIX) :] if is_shards(path) else path)
     manifest = read_manifest(path)
     if manifest["tokenizer_fingerprint"] != tokenizer_fingerprint(tokenizer):
         raise DataError(f"the token shards in {path} were made with another tokenizer ({manifest['tokenizer_class']})",
                         "use the teacher whose tokenizer wrote them, or write the shards again")  # fmt: skip
     dtype = np.dtype(manifest["dtype"])
-    sides = {side: _read_side(path, manifest["sides"][side], dtype, limit, verify)
+    sides = {side: _read_side(path, manifest["sides"][side], dtype, limit, verify, compact)
              for side, limit in (("train", max_train_tokens), ("heldout", max_heldout_tokens))}  # fmt: skip
     meta = {**manifest.get("meta", {}), "spec": f"{PREFIX}{path}", "shards": str(path), "source": manifest["source"],
             "n_train_tokens": int(sides["train"].numel()), "n_heldout_tokens": int(sides["heldout"].numel()), "from_cache": True}  # fmt: skip
     return TokenizedCorpus(sides["train"], sides["heldout"], manifest["tokenizer_fingerprint"], meta)
 
 
-def _read_side(path: Path, files: list[dict], dtype: np.dtype, limit: int | None, verify: bool) -> torch.Tensor:
-    parts, left = [], limit
+def compact_dtype(vocab_size: int) -> torch.dtype:
+    """The in-memory width of compact ids: ``torch.uint16`` when the vocabulary fits, else ``torch.int32``."""
+    return torch.uint16 if id_dtype(vocab_size).itemsize == 2 else torch.int32
+
+
+def _memory_dtype(dtype: np.dtype) -> np.dtype:
+    return dtype if dtype.itemsize == 2 else np.dtype("<i4")  # ids < 2^31: a uint32 file reads as int32, which torch fully supports
+
+
+def _check_file(file: Path, entry: dict, dtype: np.dtype, verify: bool) -> None:
+    size = file.stat().st_size if file.is_file() else -1
+    if size != entry["tokens"] * dtype.itemsize:
+        raise DataError(f"token shard {file} holds {max(size, 0)} bytes, the manifest says {entry['tokens'] * dtype.itemsize}",
+                        "copy the shard folder again (a transfer was cut short?)")  # fmt: skip
+    if verify:
+        with open(file, "rb") as fh:
+            digest = hashlib.file_digest(fh, "sha256").hexdigest()
+        if digest != entry["sha256"]:
+            raise DataError(f"token shard {file} does not match its SHA-256 in the manifest", "copy the shard folder again")
+
+
+def _read_side(path: Path, files: list[dict], dtype: np.dtype, limit: int | None, verify: bool, compact: bool = False) -> torch.Tensor:
+    """One side's ids in one preallocated array, read file by file (never two copies of the side)."""
+    counts, left = [], limit
     for entry in files:
         if left is not None and left <= 0:
             break
-        file = path / entry["file"]
-        size = file.stat().st_size if file.is_file() else -1
-        if size != entry["tokens"] * dtype.itemsize:
-            raise DataError(f"token shard {file} holds {max(size, 0)} bytes, the manifest says {entry['tokens'] * dtype.itemsize}",
-                            "copy the shard folder again (a transfer was cut short?)")  # fmt: skip
-        if verify and hashlib.sha256(file.read_bytes()).hexdigest() != entry["sha256"]:
-            raise DataError(f"token shard {file} does not match its SHA-256 in the manifest", "copy the shard folder again")
-        count = entry["tokens"] if left is None else min(left, entry["tokens"])
-        parts.append(np.fromfile(file, dtype=dtype, count=count).astype(np.int64))
-        left = None if left is None else left - count
-    return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.long)
+        _check_file(path / entry["file"], entry, dtype, verify)
+        counts.append(entry["tokens"] if left is None else min(left, entry["tokens"]))
+        left = None if left is None else left - counts[-1]
+    memory = _memory_dtype(dtype) if compact else np.dtype(np.int64)
+    out, pos = np.empty(sum(counts), dtype=memory), 0
+    for entry, count in zip(files, counts):
+        if memory.itemsize == dtype.itemsize:  # the file's own width: read straight into place
+            with open(path / entry["file"], "rb") as fh:
+                fh.readinto(memoryview(out[pos : pos + count]).cast("B"))
+        else:
+            out[pos : pos + count] = np.fromfile(path / entry["file"], dtype=dtype, count=count)
+        pos += count
+    return torch.from_numpy(out)
+
+
+def verify_shards(path) -> dict:
+    """Check every file of the shard folder ``path`` against its manifest (size and SHA-256), without
+    a tokenizer; returns the manifest. Raises :class:`DataError` naming the first file that differs."""
+    path = Path(path[len(PREFIX) :] if is_shards(path) else path)
+    manifest = read_manifest(path)
+    dtype = np.dtype(manifest["dtype"])
+    for side in SIDES:
+        for entry in manifest["sides"][side]:
+            _check_file(path / entry["file"], entry, dtype, verify=True)
+    return manifest
+
+
+def shard_bytes(manifest: dict, side: str | None = None) -> int:
+    """Bytes of the id files of ``side`` (or both sides) a manifest lists."""
+    item = np.dtype(manifest["dtype"]).itemsize
+    return sum(f["tokens"] * item for s in ([side] if side else SIDES) for f in manifest["sides"][s])
+
+
+def side_tokens(manifest: dict, side: str) -> int:
+    return sum(f["tokens"] for f in manifest["sides"][side])
+
+
+# ----------------------------------------------------------------------------- writing a corpus
+
+
+def write_corpus_shards(spec: str, out, tokenizer, *, teacher=None, seed: int = 0, max_train_tokens: int | None = None,
+                        max_heldout_tokens: int | None = None, text_field: str | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
+                        progress: bool = True) -> dict:  # fmt: skip
+    """Any corpus spec as a token shard folder ``out``, streamed (memory: a batch, not the corpus); returns the manifest.
+
+    * ``generated:...`` is sampled from ``teacher`` (:func:`.teacher_samples.generate_shards`);
+    * ``shards:DIR`` is copied, cut to the limits (e.g. a large folder cut to what fits a transfer);
+    * anything else (built-in name, files, ``hf:``) is tokenized document by document with the
+      train / held-out split of :func:`.packing.prepare_corpus` and the same ids: a hub dataset is
+      streamed row by row (read only as far as the limits need, the whole split without them), local
+      and built-in corpora are read, split and tokenized in order.
+
+    ``max_*_tokens`` cut each side as ``prepare_corpus`` does. A failure or an interrupt leaves no
+    folder at ``out`` (:class:`ShardWriter`)."""
+    for name, value in (("max_train_tokens", max_train_tokens), ("max_heldout_tokens", max_heldout_tokens)):
+        if value is not None and value < 0:
+            raise DataError(f"{name}={value} is negative", "give a number of tokens >= 0, or none for all of them")
+    if is_generated(spec):
+        if teacher is None:
+            raise DataError(f"{spec!r} is sampled from the teacher, and none was given", "pass teacher=")
+        from .teacher_samples import generate_shards  # (teacher_samples imports this module)
+
+        return generate_shards(spec, teacher, tokenizer, out, seed=seed, max_train_tokens=max_train_tokens, max_heldout_tokens=max_heldout_tokens,
+                               shard_tokens=shard_tokens, progress=progress)  # fmt: skip
+    if is_shards(spec):
+        return _copy_shards(spec, out, tokenizer, max_train_tokens, max_heldout_tokens, shard_tokens)
+    return _tokenize_shards(spec, out, tokenizer, max_train_tokens, max_heldout_tokens, text_field, shard_tokens)
+
+
+def _tokenize_shards(spec: str, out, tokenizer, max_train: int | None, max_heldout: int | None, text_field: str | None, shard_tokens: int) -> dict:
+    base, text_field = parse_spec(spec, text_field)
+    eos, started = _eos_id(tokenizer), time.perf_counter()
+    with ShardWriter(out, tokenizer, source=base, shard_tokens=shard_tokens, meta={"spec": base, "text_field": text_field}) as writer:
+        train, held = DocumentStream(writer, "train", eos, max_train), DocumentStream(writer, "heldout", eos, max_heldout)
+        if can_stream(base):
+            counts = stream_into(train, held, base, text_field, tokenizer)
+        else:
+            train_docs, heldout_docs = split_documents(load_documents(base, text_field=text_field), base)
+            tokenize_into(train, train_docs, tokenizer, "train")
+            tokenize_into(held, heldout_docs, tokenizer, "held-out")
+            counts = {"n_train_docs": len(train_docs), "n_heldout_docs": len(heldout_docs)}
+        seconds = time.perf_counter() - started
+        written = writer.tokens("train") + writer.tokens("heldout")
+        writer.meta.update(**counts, max_train_tokens=max_train, max_heldout_tokens=max_heldout, seconds=round(seconds, 3),
+                           tokens_per_second=round(written / seconds, 1) if seconds else 0.0)  # fmt: skip
+    return writer.manifest
+
+
+def _copy_shards(spec: str, out, tokenizer, max_train: int | None, max_heldout: int | None, shard_tokens: int, chunk: int = 1 << 24) -> dict:
+    src = Path(spec[len(PREFIX) :])
+    manifest = read_manifest(src)
+    if manifest["tokenizer_fingerprint"] != tokenizer_fingerprint(tokenizer):
+        raise DataError(f"the token shards in {src} were made with another tokenizer ({manifest['tokenizer_class']})",
+                        "use the teacher whose tokenizer wrote them")  # fmt: skip
+    dtype = np.dtype(manifest["dtype"])
+    meta = {**manifest.get("meta", {}), "copied_from": str(src), "max_train_tokens": max_train, "max_heldout_tokens": max_heldout}
+    with ShardWriter(out, tokenizer, source=manifest["source"], shard_tokens=shard_tokens, meta=meta) as writer:
+        for side, limit in (("train", max_train), ("heldout", max_heldout)):
+            for entry in manifest["sides"][side]:
+                _check_file(src / entry["file"], entry, dtype, verify=False)
+                with open(src / entry["file"], "rb") as fh:
+                    for start in range(0, entry["tokens"], chunk):
+                        left = entry["tokens"] - start if limit is None else min(entry["tokens"] - start, limit - writer.tokens(side))
+                        if left <= 0:
+                            break
+                        writer.add(side, np.frombuffer(fh.read(min(chunk, left) * dtype.itemsize), dtype=dtype))
+    return writer.manifest

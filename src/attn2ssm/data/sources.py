@@ -30,8 +30,10 @@ with a prompt corpus, from ``prompt_len`` tokens cut from that corpus' training 
 teacher, so it is read by :func:`attn2ssm.data.teacher_samples.generate_corpus` (the trainer does
 this for ``data.corpus`` / ``data.sources``), not by :func:`load_documents`. Options (defaults):
 ``temperature`` (1.0), ``top_p`` (1.0: plain sampling), ``length`` (256 new tokens per sample, cut
-to the teacher's context), ``prompt_len`` (16), ``batch`` (16 samples per ``generate`` call; part of
-the cache key, since the random draws depend on it) and ``field`` (the prompt corpus' text field).
+to the teacher's context), ``prompt_len`` (16), ``batch`` (samples per ``generate`` call: 16 on a CPU; on a GPU, when not given,
+as many as a quarter of its memory holds and the corpus needs, up to 1024 — see
+:func:`attn2ssm.data.teacher_samples.sampling_batch`; part of the cache key, since the random draws
+depend on it) and ``field`` (the prompt corpus' text field).
 Example: ``generated:1000000:sotu?top_p=0.95&batch=64``.
 """
 
@@ -128,6 +130,7 @@ class GeneratedSpec:
     prompt_len: int = 16
     batch: int = 16
     field: str | None = None
+    given: frozenset = frozenset()  # the options the spec set itself (a batch not given is chosen per device)
 
 
 _GENERATED_OPTIONS = {"temperature": float, "top_p": float, "length": int, "prompt_len": int, "batch": int, "field": str}
@@ -156,7 +159,7 @@ def parse_generated_spec(spec: str) -> GeneratedSpec:
             options[key] = _GENERATED_OPTIONS[key](value)
         except ValueError:
             raise DataError(f"option {key}={value!r} in {spec!r} is not a {_GENERATED_OPTIONS[key].__name__}", _GENERATED_FORM) from None
-    g = GeneratedSpec(n_tokens, prompts or None, **options)
+    g = GeneratedSpec(n_tokens, prompts or None, **options, given=frozenset(options))
     for name, ok in (("n_tokens", g.n_tokens >= 1), ("temperature", g.temperature > 0), ("top_p", 0 < g.top_p <= 1),
                      ("length", g.length >= 1), ("prompt_len", g.prompt_len >= 1), ("batch", g.batch >= 1)):  # fmt: skip
         if not ok:
@@ -165,6 +168,42 @@ def parse_generated_spec(spec: str) -> GeneratedSpec:
     if g.field is not None and g.prompts is None:
         raise DataError(f"{spec!r} sets field= but has no prompt corpus", "name the corpus: generated:<n_tokens>:<corpus>?field=NAME")
     return g
+
+
+SHARDS_PREFIX = "shards:"  # a token shard folder (data/shards.py)
+
+
+def check_spec(spec: str) -> None:
+    """Refuse, without reading any text (and without importing torch), a spec that cannot name a
+    corpus: a ``generated:`` spec that does not parse, a malformed ``hf:`` spec, a ``shards:`` folder
+    without a manifest, a local path that does not exist or is a file of another format."""
+    if is_generated(spec):
+        parse_generated_spec(spec)
+        return
+    base, _ = parse_spec(spec)
+    if base.startswith(SHARDS_PREFIX):
+        folder = Path(base[len(SHARDS_PREFIX) :]).expanduser()
+        if not (folder / "manifest.json").is_file():
+            raise DataError(f"{folder} holds no token shards (manifest.json missing)", "write them with 'attn2ssm data shards', or check the path")
+        return
+    if builtin.is_builtin(base):
+        return
+    if base.startswith("hf:"):
+        parse_hf_spec(base[3:])
+        return
+    root = Path(base).expanduser()
+    if not root.exists():
+        raise DataError(f"corpus path {str(root)!r} does not exist", "check the path, or use a built-in corpus (sotu, moby-dick), hf:<dataset> or shards:<folder>")
+    if root.is_file() and not root.name.endswith(FILE_SUFFIXES):
+        raise DataError(f"cannot read corpus file {str(root)!r}: unsupported format", f"use one of {', '.join(FILE_SUFFIXES)} or a directory of such files")
+    if root.is_dir() and not _local_files(root):
+        _no_text_files(root)
+
+
+def _no_text_files(root: Path):
+    if (root / "manifest.json").is_file():  # a token shard folder named without its prefix
+        raise DataError(f"directory {str(root)!r} holds token shards, not text files", f"name it shards:{root}")
+    raise DataError(f"directory {str(root)!r} holds no {', '.join(FILE_SUFFIXES)} files", "point data.corpus at a folder with text files")
 
 
 def corpus_stamp(spec: str) -> str:
@@ -219,10 +258,7 @@ def _load_local(base: str, text_field: str) -> list[Document]:
         )
     files = _local_files(root)
     if not files:
-        raise DataError(
-            f"directory {str(root)!r} holds no {', '.join(FILE_SUFFIXES)} files",
-            "point data.corpus at a folder with text files",
-        )
+        _no_text_files(root)
     docs: list[Document] = []
     for path in files:
         rel = path.name if root.is_file() else path.relative_to(root).as_posix()

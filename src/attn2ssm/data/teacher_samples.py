@@ -25,6 +25,8 @@ import contextlib
 import hashlib
 import json
 import random
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +43,7 @@ from .packing import (
     save_tokenized,
     tokenizer_fingerprint,
 )
+from .shards import DEFAULT_SHARD_TOKENS, DocumentStream, ShardWriter
 from .sources import can_stream, corpus_stamp, load_documents, parse_generated_spec
 from .splits import is_heldout_id, split_documents
 
@@ -173,32 +176,156 @@ def _stream_seed(*parts) -> int:
 
 # ------------------------------------------------------------------------ generated corpora
 
+MAX_AUTO_BATCH = 1024  # samples per generate call, at most, when a GPU's memory chooses
+_AUTO_BATCH_MEMORY_SHARE = 0.25  # of the GPU memory the teacher's weights leave
+
+
+@dataclass
+class Sample:
+    """One sample of a ``generated:`` corpus: a document of its train or held-out side."""
+
+    index: int  # the n-th sample (its document id is ``generated:<index>``)
+    side: str  # "train" or "heldout" (the hash rule on its id)
+    ids: torch.Tensor  # 1-D int64 on the CPU: prompt (if any) + new tokens, cut so the corpus ends at n_tokens
+
+
+def sampling_batch(g, teacher, positions: int, length: int | None = None) -> int:
+    """Samples per ``generate`` call for spec ``g``: its ``batch=`` when it set one, and on a CPU (16,
+    the spec's default); on a GPU, when not set, the largest power of two up to ``MAX_AUTO_BATCH``
+    whose KV cache (``positions`` per sample) and last-position logits fit a quarter of the memory the
+    teacher's weights leave — from the device's total memory and the teacher's config, not from what
+    is free now, so the same teacher on the same kind of GPU always samples (and caches) the same
+    batches — and no larger than a corpus of ``n_tokens`` needs at ``length`` new tokens a sample
+    (a small corpus is not sampled 1024 rows at a time); never below the default 16."""
+    device = next(teacher.parameters()).device
+    if "batch" in g.given or device.type != "cuda":
+        return g.batch
+    weights = sum(p.numel() * p.element_size() for p in teacher.parameters())
+    per_sample = positions * _kv_bytes_per_position(teacher) + 16 * teacher.config.get_text_config().vocab_size  # logits, softmax, top-p sort
+    batch = auto_batch(torch.cuda.get_device_properties(device).total_memory, weights, per_sample)
+    needed = -(-g.n_tokens // (length or g.length))  # samples the corpus needs if none ends early
+    return max(g.batch, min(batch, 1 << (needed - 1).bit_length()))
+
+
+def auto_batch(total_memory: int, weight_bytes: int, per_sample_bytes: int) -> int:
+    """The largest power of two, 1 to ``MAX_AUTO_BATCH``, of samples whose memory fits a quarter of
+    what the weights leave of ``total_memory``."""
+    fits = int(_AUTO_BATCH_MEMORY_SHARE * max(total_memory - weight_bytes, 0)) // max(per_sample_bytes, 1)
+    return min(1 << (max(fits, 1).bit_length() - 1), MAX_AUTO_BATCH)
+
+
+def _kv_bytes_per_position(teacher) -> int:
+    """Keys and values of one position in every layer (the KV cache ``generate`` keeps)."""
+    cfg = teacher.config.get_text_config()
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 1)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", 1)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 1)
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return 2 * layers * kv_heads * head_dim * next(teacher.parameters()).element_size()
+
+
+class TeacherSampler:
+    """The samples of a ``generated:`` spec, drawn ``batch`` at a time with the teacher's ``generate``
+    and handed out one by one (iterate it), so a caller can write them away as they come and no corpus
+    ever sits in memory. ``settings`` and ``key`` identify the corpus before anything is sampled (the
+    cache key of :func:`generate_corpus`); after (or during) iteration ``n_samples``, ``tokens``,
+    ``seconds`` and ``tokens_per_second`` say what it did. Each batch is sampled under
+    ``torch.random.fork_rng`` seeded from the spec's seed and the batch's index, so the caller's random
+    state is untouched and the same spec, seed, teacher and kind of device give the same samples.
+    """
+
+    def __init__(self, spec: str, teacher, tokenizer, *, seed: int = 0, progress: bool = True, goal: int | None = None):
+        self.spec, self.teacher, self.tokenizer, self.seed, self.progress = spec, teacher, tokenizer, seed, progress
+        self.goal = goal  # what the progress bar counts up to (default n_tokens; a caller that stops early says where)
+        self.g = g = parse_generated_spec(spec)
+        self.eos = tokenizer.eos_token_id
+        if self.eos is None:
+            raise DataError(f"tokenizer {type(tokenizer).__name__} has no EOS token to end generated samples", "set tokenizer.eos_token before sampling")
+        self.start_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.eos
+        self.prompt_len = g.prompt_len if g.prompts else 1
+        context = getattr(teacher.config, "max_position_embeddings", None) or 4096
+        self.length = min(g.length, context - self.prompt_len)
+        if self.length < 1:
+            raise DataError(f"{spec!r}: prompts of {self.prompt_len} tokens leave no room in the teacher's {context} positions", "lower prompt_len")
+        self.batch = sampling_batch(g, teacher, self.prompt_len + self.length, self.length)
+        self.settings = {
+            "format": GENERATED_FORMAT, "teacher": _teacher_key(teacher, tokenizer), "tokenizer": tokenizer_fingerprint(tokenizer), "seed": seed,
+            "n_tokens": g.n_tokens, "prompts": g.prompts, "prompts_stamp": corpus_stamp(g.prompts) if g.prompts else None,
+            "field": g.field, "prompt_len": self.prompt_len, "start": self.start_id, "length": self.length, "temperature": g.temperature,
+            "top_p": g.top_p, "batch": self.batch,
+        }  # fmt: skip
+        self.key = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:24]
+        self.n_samples, self.tokens, self.docs, self.seconds = 0, {"train": 0, "heldout": 0}, {"train": 0, "heldout": 0}, 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Corpus tokens (EOS joins included) per second of wall time, sampling and the caller's writes together."""
+        return sum(self.tokens.values()) / self.seconds if self.seconds else 0.0
+
+    def stats(self) -> dict:
+        return {"n_samples": self.n_samples, "n_train_docs": self.docs["train"], "n_heldout_docs": self.docs["heldout"],
+                "n_train_tokens": self.tokens["train"], "n_heldout_tokens": self.tokens["heldout"], "batch": self.batch,
+                "seconds": round(self.seconds, 3), "tokens_per_second": round(self.tokens_per_second, 1)}  # fmt: skip
+
+    def __iter__(self):
+        g, n = self.g, self.g.n_tokens
+        prompt_ids = _prompt_source(g, self.tokenizer) if g.prompts else None
+        was_training, device = self.teacher.training, next(self.teacher.parameters()).device
+        self.teacher.eval()
+        started = time.perf_counter()
+        bar = tqdm(total=min(n, self.goal or n), desc=f"sampling {self.spec}", unit="tok", unit_scale=True, disable=not self.progress)
+        try:
+            batch_i = 0
+            while sum(self.tokens.values()) < n:
+                out = self._sample(batch_i, prompt_ids, device)
+                for row in out:
+                    if sum(self.tokens.values()) >= n:
+                        break
+                    new = row[self.prompt_len if prompt_ids is not None else 1 :]
+                    ends = (new == self.eos).nonzero()
+                    new = new[: int(ends[0])] if len(ends) else new  # a sample ends at the teacher's EOS (padding after it)
+                    sample = new if prompt_ids is None else torch.cat([row[: self.prompt_len], new])  # BOS is not text; a prompt is
+                    side = "heldout" if is_heldout_id(f"generated:{self.n_samples}") else "train"
+                    sep = 1 if self.docs[side] else 0  # the EOS joining it to its side counts
+                    ids = sample[: n - sum(self.tokens.values()) - sep]
+                    self.tokens[side] += ids.numel() + sep
+                    self.docs[side] += 1
+                    self.n_samples += 1
+                    bar.update(min(sum(self.tokens.values()), bar.total) - bar.n)
+                    yield Sample(self.n_samples - 1, side, ids)
+                    self.seconds = time.perf_counter() - started
+                batch_i += 1
+        finally:
+            self.seconds = time.perf_counter() - started
+            bar.close()
+            self.teacher.train(was_training)
+
+    def _sample(self, batch_i: int, prompt_ids: torch.Tensor | None, device) -> torch.Tensor:
+        """Batch ``batch_i``: ``(batch, prompt + length)`` ids on the CPU, its random draws seeded by its index."""
+        g = self.g
+        if prompt_ids is None:
+            inputs = torch.full((self.batch, 1), self.start_id, dtype=torch.long)
+        else:
+            gen = torch.Generator().manual_seed(_stream_seed(self.seed, "prompts", batch_i))
+            offsets = torch.randint(0, prompt_ids.numel() - self.prompt_len + 1, (self.batch,), generator=gen)
+            inputs = torch.stack([prompt_ids[o : o + self.prompt_len] for o in offsets.tolist()])
+        with torch.random.fork_rng(devices=_cuda_index(device)), torch.no_grad():
+            torch.manual_seed(_stream_seed(self.seed, "sample", batch_i))
+            return self.teacher.generate(input_ids=inputs.to(device), attention_mask=torch.ones_like(inputs, device=device), do_sample=True,
+                                         temperature=g.temperature, top_p=g.top_p, top_k=0, max_new_tokens=self.length, min_new_tokens=1,
+                                         eos_token_id=self.eos, pad_token_id=_pad_id(self.tokenizer)).cpu()  # fmt: skip
+
 
 def generate_corpus(spec: str, teacher, tokenizer, *, seed: int = 0, progress: bool = True) -> TokenizedCorpus:
     """The ``generated:`` corpus ``spec`` names (see :mod:`.sources`): sampled once, then read from the cache.
 
     ``train_ids`` and ``heldout_ids`` hold ``n_tokens`` tokens together; ``meta["from_cache"]`` tells
     whether the cache answered. Raises :class:`DataError` for a bad spec or a tokenizer without EOS.
+    For corpora too large to hold in memory, :func:`generate_shards` writes the same samples to disk.
     """
-    g = parse_generated_spec(spec)
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise DataError(f"tokenizer {type(tokenizer).__name__} has no EOS token to end generated samples", "set tokenizer.eos_token before sampling")
-    start_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
-    prompt_len = g.prompt_len if g.prompts else 1
-    context = getattr(teacher.config, "max_position_embeddings", None) or 4096
-    length = min(g.length, context - prompt_len)
-    if length < 1:
-        raise DataError(f"{spec!r}: prompts of {prompt_len} tokens leave no room in the teacher's {context} positions", "lower prompt_len")
-    fingerprint = tokenizer_fingerprint(tokenizer)
-    key_fields = {
-        "format": GENERATED_FORMAT, "teacher": _teacher_key(teacher, tokenizer), "tokenizer": fingerprint, "seed": seed,
-        "n_tokens": g.n_tokens, "prompts": g.prompts, "prompts_stamp": corpus_stamp(g.prompts) if g.prompts else None,
-        "field": g.field, "prompt_len": prompt_len, "start": start_id, "length": length, "temperature": g.temperature,
-        "top_p": g.top_p, "batch": g.batch,
-    }  # fmt: skip
-    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:24]
-    path = cache_dir() / "generated" / f"{key}.pt"
+    sampler = TeacherSampler(spec, teacher, tokenizer, seed=seed, progress=progress)
+    path = cache_dir() / "generated" / f"{sampler.key}.pt"
     if path.is_file():
         try:
             corpus = load_tokenized(path, tokenizer)
@@ -208,43 +335,41 @@ def generate_corpus(spec: str, teacher, tokenizer, *, seed: int = 0, progress: b
             corpus.meta.update(from_cache=True, cache_path=str(path))
             return corpus
 
-    prompt_ids = _prompt_source(g, tokenizer) if g.prompts else None
-    train, held = _Joiner(eos, None, "train"), _Joiner(eos, None, "held-out")
-    n_samples = 0
-    with _sampling(teacher) as device, torch.random.fork_rng(devices=_cuda_index(device)), \
-            tqdm(total=g.n_tokens, desc=f"sampling {spec}", unit="tok", disable=not progress) as bar:  # fmt: skip
-        batch_i = 0
-        while train.total + held.total < g.n_tokens:
-            if prompt_ids is None:
-                inputs = torch.full((g.batch, 1), start_id, dtype=torch.long)
-            else:
-                gen = torch.Generator().manual_seed(_stream_seed(seed, "prompts", batch_i))
-                offsets = torch.randint(0, prompt_ids.numel() - prompt_len + 1, (g.batch,), generator=gen)
-                inputs = torch.stack([prompt_ids[o : o + prompt_len] for o in offsets.tolist()])
-            torch.manual_seed(_stream_seed(seed, "sample", batch_i))
-            out = teacher.generate(input_ids=inputs.to(device), attention_mask=torch.ones_like(inputs, device=device), do_sample=True,
-                                   temperature=g.temperature, top_p=g.top_p, top_k=0, max_new_tokens=length, min_new_tokens=1,
-                                   eos_token_id=eos, pad_token_id=_pad_id(tokenizer)).cpu()  # fmt: skip
-            for row in out:
-                if train.total + held.total >= g.n_tokens:
-                    break
-                new = row[prompt_len if prompt_ids is not None else 1 :]
-                ends = (new == eos).nonzero()
-                new = new[: int(ends[0])] if len(ends) else new  # a sample ends at the teacher's EOS (padding after it)
-                sample = new if prompt_ids is None else torch.cat([row[:prompt_len], new])  # BOS is not text; a prompt is
-                side = held if is_heldout_id(f"generated:{n_samples}") else train
-                room = g.n_tokens - train.total - held.total - bool(side.pieces)  # the EOS joining it to its side counts
-                side.add(sample[:room].tolist())
-                n_samples += 1
-                bar.update(train.total + held.total - bar.n)
-            batch_i += 1
-    meta = {"spec": spec, "generated": True, "n_samples": n_samples, "n_train_docs": train.docs, "n_heldout_docs": held.docs,
-            "n_train_tokens": train.total, "n_heldout_tokens": held.total, "settings": key_fields}  # fmt: skip
-    corpus = TokenizedCorpus(train.ids(), held.ids(), fingerprint, meta)
+    sides = {"train": _Joiner(sampler.eos, None, "train"), "heldout": _Joiner(sampler.eos, None, "held-out")}
+    for sample in sampler:
+        sides[sample.side].add(sample.ids.tolist())
+    stats = sampler.stats()
+    meta = {"spec": spec, "generated": True, **{k: stats[k] for k in ("n_samples", "n_train_docs", "n_heldout_docs", "n_train_tokens", "n_heldout_tokens")},
+            "settings": sampler.settings, "tokens_per_second": stats["tokens_per_second"]}  # fmt: skip
+    corpus = TokenizedCorpus(sides["train"].ids(), sides["heldout"].ids(), sampler.settings["tokenizer"], meta)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_tokenized(corpus, path)
     corpus.meta.update(from_cache=False, cache_path=str(path))
     return corpus
+
+
+def generate_shards(spec: str, teacher, tokenizer, out, *, seed: int = 0, max_train_tokens: int | None = None, max_heldout_tokens: int | None = None,
+                    shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: bool = True) -> dict:  # fmt: skip
+    """The ``generated:`` corpus ``spec`` sampled straight into a token shard folder ``out``
+    (:mod:`.shards`): the samples :func:`generate_corpus` would cache, in the same order and with the
+    same split, written as each batch arrives (memory: one batch). ``max_*_tokens`` cut each side as
+    they cut a cached corpus, and sampling stops once both sides are full. The manifest's ``meta``
+    records the settings and the sampling rate (``tokens_per_second``, wall time with the writes).
+    A failure or an interrupt leaves no folder at ``out``. Returns the manifest."""
+    goal = max_train_tokens + max_heldout_tokens if max_train_tokens is not None and max_heldout_tokens is not None else None
+    sampler = TeacherSampler(spec, teacher, tokenizer, seed=seed, progress=progress, goal=goal)
+    with ShardWriter(out, tokenizer, source=spec, shard_tokens=shard_tokens, meta={"spec": spec, "generated": True}) as writer:
+        sides = {"train": DocumentStream(writer, "train", sampler.eos, max_train_tokens),
+                 "heldout": DocumentStream(writer, "heldout", sampler.eos, max_heldout_tokens)}  # fmt: skip
+        with contextlib.closing(iter(sampler)) as samples:
+            for sample in samples:
+                sides[sample.side].add(sample.ids)
+                if all(side.full for side in sides.values()):
+                    break
+        device = next(teacher.parameters()).device
+        writer.meta.update(settings=sampler.settings, **sampler.stats(), device=str(device), teacher_dtype=str(next(teacher.parameters()).dtype).removeprefix("torch."),
+                           max_train_tokens=max_train_tokens, max_heldout_tokens=max_heldout_tokens)  # fmt: skip
+    return writer.manifest
 
 
 def _prompt_source(g, tokenizer) -> torch.Tensor:

@@ -195,6 +195,32 @@ def resolve_teacher(spec: str | None) -> TeacherSource:
     return TeacherSource("hub", spec)
 
 
+def load_teacher_tokenizer(spec: str | None):
+    """The tokenizer ``load_teacher(spec)`` would return, without loading the weights: a model
+    directory's (or a hub id's) tokenizer files; a built-in teacher's from its converted directory
+    when the cache has it, else from the GGUF's metadata (the same vocabulary and fingerprint; no
+    conversion, no dequantisation). A failure is a one-line CheckpointError."""
+    from transformers import AutoTokenizer  # heavy: transformers (resolving a spec stays instant)
+
+    name = spec or DEFAULT_TEACHER
+    if name in BUILTIN_TEACHERS and not (cache_dir() / "teachers" / name / "hf" / "config.json").exists():
+        gguf = builtin_gguf_path(name)
+        location, kwargs, where = str(gguf.parent), {"gguf_file": gguf.name}, f"GGUF file {gguf}"
+    else:
+        source = resolve_teacher(name)
+        location, kwargs = source.location, ({"gguf_file": source.gguf_file} if source.gguf_file else {})
+        where = f"hub id '{source.location}'" if source.kind == "hub" else f"{Path(source.location) / (source.gguf_file or '')}".rstrip("/")
+    try:
+        with quiet_loading():
+            tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+    except (OSError, ValueError, KeyError, ImportError, struct.error) as exc:
+        raise CheckpointError(f"could not load the teacher's tokenizer from {where} ({first_line(exc)})",
+                              "point --teacher at a model directory with tokenizer files, a .gguf file, a hub id, or a built-in name") from exc  # fmt: skip
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def read_teacher_config(spec: str | None):
     """The teacher's transformers config where it is on disk (a model directory, the built-in
     teacher's converted copy), read without any weights; None for a GGUF (whose config loader reads
