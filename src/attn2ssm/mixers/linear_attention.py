@@ -41,6 +41,7 @@ class LinearAttentionMixer(AttentionLikeMixer):
         rope: str = "before_map",
         window: int = 0,
         window_gamma: float = 0.5,
+        window_dropout: float = 0.0,
     ):
         super().__init__(geometry, layer_idx)
         opts = feature_map_options or {}
@@ -59,6 +60,15 @@ class LinearAttentionMixer(AttentionLikeMixer):
             # γ = sigmoid(factor) starts at window_gamma. Plain floats: __init__ runs on the meta
             # device when transformers loads a model, where a tensor has no value to read back.
             self.window_factor = torch.nn.Parameter(torch.full((self.num_heads,), math.log(window_gamma / (1.0 - window_gamma))))
+        # Scheduled sliding-window dropout ("Paying Attention to Hybrid Attention"): a window + linear
+        # student learns to bypass its linear branch; with probability window_dropout a training
+        # forward runs the linear branch alone, so it has to carry the sequence.
+        if isinstance(window_dropout, bool) or not isinstance(window_dropout, (int, float)) or not 0.0 <= window_dropout < 1.0:
+            raise ConfigError(f"linear_attention option window_dropout={window_dropout!r} is not in [0, 1)", "use e.g. window_dropout: 0.25, or 0")
+        self.window_dropout = float(window_dropout)
+        # Which branch runs (an evaluation-time ablation, not saved): both | window (the softmax window
+        # alone) | linear (every key through the feature maps: linear attention without the window).
+        self.branch = "both"
 
     def _qkv_features(self, hidden_states, position_embeddings=None, offset: int = 0):
         inputs = self.project_inputs(hidden_states)
@@ -106,7 +116,13 @@ class LinearAttentionMixer(AttentionLikeMixer):
         return self.merge_heads(y[:, :, None]), {"linear": state}
 
     def can_step(self, layer) -> bool:
-        return not self.window and "linear" in layer.states
+        return (not self.window or self.branch == "linear") and "linear" in layer.states
+
+    def _branch(self) -> str:
+        """The branch this forward runs: ``branch``, or the linear one alone for a window-dropout draw."""
+        if self.window and self.training and self.window_dropout and float(torch.rand(())) < self.window_dropout:
+            return "linear"
+        return self.branch if self.window else "both"
 
     def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
         b, l, _ = hidden_states.shape
@@ -115,7 +131,10 @@ class LinearAttentionMixer(AttentionLikeMixer):
             return self.step_layer(hidden_states, position_embeddings, layer, self.padding_mask(1)), None
         q, k, v, fq, fk = self._qkv_features(hidden_states, position_embeddings, offset=0 if layer is None else layer.seen)
         mask = self.padding_mask(l)
-        if self.window:
+        branch = self._branch()
+        if branch == "window":  # features zeroed: the window's softmax alone (renormalised within it)
+            fk = torch.zeros_like(fk)
+        if self.window and branch != "linear":
             return self._window_forward(q, k, v, fq, fk, mask, layer), None
         state = None if layer is None else layer.states.get("linear")
         y, state = linear_attention_chunked(fq, fk, v, mask, state, chunk_size=self.chunk_size, eps=self.eps, backend=self.context.kernels)
