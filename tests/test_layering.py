@@ -160,3 +160,16 @@ def test_the_checks_can_fail(where, source, expect):
         assert found == []
     else:
         assert any(expect in f for f in found), found
+
+
+def test_test_modules_have_unique_names():
+    """tests/ has no __init__.py files (pytest's default rootdir import), so two test modules with one
+    basename in different folders stop collection of the whole suite."""
+    tests = Path(__file__).parent
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted(tests.rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(tests)} and {path.relative_to(tests)}")
+        seen[path.name] = path
+    assert not clashes, "test modules share a basename: " + "; ".join(clashes)
