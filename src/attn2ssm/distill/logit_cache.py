@@ -75,8 +75,8 @@ class LogitCache:
     (b, l) batch (right-padded rows are keyed by their real tokens), running the teacher only on the
     rows it has not seen and storing those."""
 
-    def __init__(self, teacher: torch.nn.Module, top_k: int, mode: str, root: str | Path | None = None, chunk_size: int = 64):
-        self.top_k, self.chunk_size = int(top_k), int(chunk_size)
+    def __init__(self, teacher: torch.nn.Module, top_k: int, mode: str, root: str | Path | None = None, chunk_size: int | str = 64):
+        self.top_k, self.chunk_size = int(top_k), chunk_size if chunk_size == "auto" else int(chunk_size)
         self.fingerprint = teacher_fingerprint(teacher, mode)
         base = Path(root).expanduser() if root else cache_dir() / "teacher_logits"
         self.dir = base / f"{self.fingerprint[:24]}-k{self.top_k}"

@@ -48,8 +48,9 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import yaml
@@ -83,8 +84,8 @@ from attn2ssm.distill.checkpoints import (
 from attn2ssm.distill.layer_selection import auto_plan, select_attention_layers
 from attn2ssm.distill.logit_cache import CacheStats, LogitCache
 from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
-from attn2ssm.distill.losses import cross_entropy
-from attn2ssm.distill.recipe import Recipe, StageConfig, resume_recipe, validate, validate_for_teacher
+from attn2ssm.distill.losses import cross_entropy, resolve_kl_chunk
+from attn2ssm.distill.recipe import RECOMPUTING, Recipe, StageConfig, resume_recipe, validate, validate_for_teacher
 from attn2ssm.distill.schedules import lr_multiplier
 from attn2ssm.distill.stages import STAGE_KINDS, StageKind, select_trainable
 from attn2ssm.errors import CheckpointError, ConfigError, Interrupted, OutputError, TrainingError
@@ -101,7 +102,24 @@ from attn2ssm.student.plans import interleaved_keep, make_plan
 from attn2ssm.student.vision import Attn2SSMForImageClassification
 from attn2ssm.teachers.vision import load_vision_teacher
 
-__all__ = ["Distiller", "TrainerState", "distill", "latest_checkpoint"]
+__all__ = ["Distiller", "StepResult", "TrainerState", "distill", "latest_checkpoint", "resolve_kl_chunk", "resolve_teacher_dtype"]
+
+def resolve_teacher_dtype(requested: str, device_type: str, precision_used: str) -> torch.dtype:
+    """``teacher_dtype``: auto = the mixed precision's dtype on CUDA (float32 under ``no``), float32 elsewhere."""
+    if requested == "auto":
+        requested = {"bf16": "bfloat16", "fp16": "float16"}.get(precision_used, "float32") if device_type == "cuda" else "float32"
+    return getattr(torch, requested)
+
+
+class StepResult(NamedTuple):
+    """What one optimizer step reports (``Distiller._train_step``)."""
+
+    tokens: int  # tokens of the global batch
+    loss: float  # averaged over micro-batches and processes
+    metrics: dict  # the stage kind's metrics, averaged the same way
+    grad_norm: float | None  # before clipping (None: the stage does not clip)
+    skipped: bool = False  # fp16: the gradients overflowed, so neither the optimizer nor the schedule stepped
+    stop: int | None = None  # several processes: the signal they agreed to stop on after this step (0: none)
 
 
 @dataclass
@@ -133,8 +151,8 @@ class StageRun:
     unwrapped: torch.nn.Module
     params: list
     n_trainable_tensors: int
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    optimizer: torch.optim.Optimizer  # accelerate's AcceleratedOptimizer (fp16: with the GradScaler)
+    scheduler: torch.optim.lr_scheduler.LambdaLR  # on the plain optimizer, stepped only when it stepped
     logit_cache: object | None = None  # the stage's LogitCache (its `logit_cache` option), else None
 
 
@@ -156,6 +174,40 @@ def _select_gpu(device: str) -> None:
         raise ConfigError(f"device={device}: this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices",
                           "use device: auto, or an index below the device count")  # fmt: skip
     torch.cuda.set_device(index)
+
+
+def _cpu_fp16(acc: Accelerator) -> None:
+    """accelerate gives fp16 on a CPU neither autocast nor a GradScaler: the run would be fp32 while
+    saying fp16. torch has both for the CPU, so they are installed where accelerate installs them on
+    CUDA: the same loss scaling, unscaling before clipping and skipped overflow steps run on a CPU
+    (slowly: it is there to check the fp16 path, e.g. in the tests)."""
+    if acc.mixed_precision == "fp16" and acc.device.type == "cpu" and acc.scaler is None:
+        acc.scaler = torch.amp.GradScaler("cpu")
+        acc.native_amp = True  # accelerate's autocast() and unscale_gradients() follow this flag
+
+
+def _activation_checkpointing(model, enable: bool) -> None:
+    """HF activation checkpointing of ``model``'s decoder layers, non-reentrant: each layer's forward
+    (the mixer inside it too) is recomputed in the backward instead of keeping its activations."""
+    if enable:
+        on = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x; older: gradient_checkpointing_enable
+        if on is not None:
+            on(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if getattr(model, "_require_grads_hook", None) is not None:  # for reentrant checkpoints only: not needed here
+            model.disable_input_require_grads()
+    else:
+        off = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        off()
+
+
+def _metric(value, device) -> torch.Tensor:
+    """A metric as a float64 0-d tensor on ``device`` (a kind's detached tensor; a Python number from
+    an older kind), without a copy that would wait for the device."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64)
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 def _release_accelerate_state(mixed_precision: str) -> None:
@@ -202,6 +254,10 @@ class Distiller:
             warn_if_slow_bf16("cpu" if cpu else "cuda", "mixed_precision: bf16", "training will be that much slower: set mixed_precision: auto (or no)")
         _release_accelerate_state(self.precision.used)
         self.acc = Accelerator(cpu=cpu, mixed_precision=self.precision.used)
+        _cpu_fp16(self.acc)
+        # a teacher passed in keeps the dtype its caller gave it (bench train reuses one across precisions)
+        self.teacher_dtype = resolve_teacher_dtype(recipe.teacher_dtype, "cpu" if cpu else "cuda", self.precision.used) if teacher is None else None
+        self._check_teacher_dtype()
         self.is_main = self.acc.is_main_process
         self._lock, self._made_out = None, False
         self._hold_run_dir()
@@ -215,7 +271,7 @@ class Distiller:
             raise
         if changes and self.is_main:
             print("--resume with --set: " + ", ".join(f"{key} {old!r} → {new!r}" for key, old, new in changes)
-                  + ("; the remaining steps compute with it (no longer bitwise an uninterrupted run)" if any(k in ("device", "mixed_precision") for k, _, _ in changes) else ""),
+                  + ("; the remaining steps compute with it (no longer bitwise an uninterrupted run)" if any(k.split(".")[-1] in RECOMPUTING for k, _, _ in changes) else ""),
                   file=sys.stderr)  # fmt: skip
         self._asked: set[int] = set()  # signals received (SIGTERM / SIGINT): stop after the current step
         self.metrics_path = self.out / "metrics.jsonl"
@@ -230,6 +286,17 @@ class Distiller:
         self.images = None  # image recipes (recipe.images): data.images.ImageData, the stages' dataset
         self.started = time.perf_counter()
         self.logit_caches: dict[tuple, object] = {}  # (top_k, dir) → LogitCache, shared by the run's stages
+
+    def _check_teacher_dtype(self) -> None:
+        """Layer-local kinds and CAB's bridges feed the teacher's activations to fp32 student modules:
+        a teacher in a reduced dtype needs autocast (mixed precision) to meet them there."""
+        if self.teacher_dtype in (None, torch.float32) or self.precision.used != "no":
+            return
+        name = str(self.teacher_dtype).removeprefix("torch.")
+        for i, cfg in enumerate(self.recipe.stages):
+            if not STAGE_KINDS[cfg.kind].through_model_forward:
+                raise ConfigError(f"stages[{i}] ({cfg.name}): a {name} teacher without mixed precision hands its {name} activations to the fp32 student modules of kind '{cfg.kind}'",
+                                  "set mixed_precision: bf16 (autocast meets them), or teacher_dtype: float32")  # fmt: skip
 
     def _hold_run_dir(self) -> None:
         """The run directory's lock (the main process takes it before anything is written), or an
@@ -278,8 +345,9 @@ class Distiller:
     def _load_teacher(self):
         if self.teacher is None and self.recipe.images is not None:  # an image classifier and its image processor
             self.teacher, self.tokenizer, self.teacher_info = load_vision_teacher(self.recipe.teacher, progress=self.progress and self.is_main)
+            self.teacher.to(dtype=self.teacher_dtype)
         elif self.teacher is None:
-            self.teacher, self.tokenizer, source = teachers.load_teacher(self.recipe.teacher, check_supported=True)
+            self.teacher, self.tokenizer, source = teachers.load_teacher(self.recipe.teacher, check_supported=True, dtype=self.teacher_dtype)
             self.teacher_info = {"source": source.describe()}
         else:
             self.teacher_info = {"source": {"kind": "object", "location": type(self.teacher).__name__}}
@@ -321,7 +389,8 @@ class Distiller:
                                  placement=s.placement, align=s.align, where=s.where)  # fmt: skip
             student = convert(self.teacher, plan, {s.mixer: dict(s.mixer_options)}, teacher_info=self.teacher_info, init=s.init,
                               depth=s.depth, depth_map=s.layer_map)  # fmt: skip
-        self.student = student.to(self.acc.device)
+        # fp32 master weights whatever the teacher's dtype (convert builds the student in the teacher's)
+        self.student = student.to(device=self.acc.device, dtype=torch.float32)
         student.mixer_context.kernels = self.kernels.used
 
     def _calibration_ids(self) -> torch.Tensor:
@@ -374,6 +443,8 @@ class Distiller:
                 plain = {k: v for k, v in state_dict_without_lora(student).items() if not k.startswith("stage_modules.")}
                 student.save_pretrained(folder, state_dict=plain)
                 payload = {"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), "rng": rng_state()}
+                if self.acc.scaler is not None:  # fp16: the loss scale and its growth count, for an exact resume
+                    payload["scaler"] = self.acc.scaler.state_dict()
                 if hasattr(student, "lora"):  # a LoRA stage in progress: adapters travel beside the plain student
                     payload["lora"] = student.lora.state_dict()
                 if hasattr(student, "stage_modules"):  # and so do a stage's training-only modules
@@ -476,25 +547,45 @@ class Distiller:
         optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
         steps = self._stage_steps(cfg, n_items, seq_len)
         lam = lr_multiplier(cfg.schedule.kind, steps, cfg.schedule.warmup, cfg.schedule.decay, cfg.schedule.min_lr_ratio)
+        # On the plain optimizer, stepped by _train_step only when the optimizer stepped (accelerate's
+        # scheduler wrapper would also step it once per process under a multi-process launch).
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
         if resume_payload is not None:
             optimizer.load_state_dict(resume_payload["optimizer"])
             scheduler.load_state_dict(resume_payload["scheduler"])
             set_rng_state(resume_payload["rng"])
-        # DDP wrap under accelerate launch (identity otherwise); layer-local kinds never call the
-        # model's forward, so they are not wrapped and their gradients are averaged in _train_step.
-        model = self.acc.prepare_model(unwrapped) if kind.through_model_forward else unwrapped
+            if self.acc.scaler is not None and "scaler" in resume_payload:  # fp16: the loss scale and its growth count
+                self.acc.scaler.load_state_dict(resume_payload["scaler"])
+        cfg = replace(cfg, kl_chunk=resolve_kl_chunk(cfg.kl_chunk, self.acc.device.type, self._vocab(unwrapped)))
+        # accelerate holds every model and optimizer it prepared until told otherwise, and its
+        # clip_grad_norm_ unscales (fp16) the gradients of each optimizer it holds: the last stage's
+        # share parameters with this one's, which would be unscaled twice.
+        self.acc.free_memory()
+        if kind.through_model_forward:
+            # DDP wrap under accelerate launch (identity otherwise), with the optimizer: the GradScaler (fp16)
+            # rides on it. Layer-local kinds never call the model's forward, so the model is not wrapped
+            # and their gradients are averaged in _train_step.
+            _activation_checkpointing(unwrapped, cfg.gradient_checkpointing)
+            model, optimizer = self.acc.prepare(unwrapped, optimizer)
+        else:
+            model, optimizer = unwrapped, self.acc.prepare_optimizer(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         self.student = model
         model.train()
         return StageRun(stage_idx, cfg, kind, dataset, seq_len, n_items, steps, model, unwrapped, params, len(names), optimizer, scheduler,
-                        self._logit_cache(cfg))  # fmt: skip
+                        self._logit_cache(cfg, self._vocab(unwrapped)))  # fmt: skip
 
-    def _logit_cache(self, cfg):
+    @staticmethod
+    def _vocab(student) -> int:
+        """The width of the student's logits (its teacher's vocabulary; classes for an image student)."""
+        head = student.get_output_embeddings() if hasattr(student, "get_output_embeddings") else None
+        return head.weight.shape[0] if head is not None else getattr(student.config, "num_labels", 1)
+
+    def _logit_cache(self, cfg, vocab: int):
         """The stage's teacher-logit cache, keyed by the teacher and this run's compute mode (one
         fingerprint per run: the teacher is frozen)."""
         if cfg.logit_cache is None:
             return None
-        vocab = self.teacher.get_output_embeddings().weight.shape[0]
         if cfg.logit_cache.top_k > vocab:
             raise ConfigError(f"stage '{cfg.name}': logit_cache.top_k={cfg.logit_cache.top_k} exceeds the teacher's vocabulary ({vocab})",
                               f"set logit_cache.top_k to at most {vocab} (e.g. 64)")  # fmt: skip
@@ -525,12 +616,16 @@ class Distiller:
 
         return run.dataset.tokens(global_idx), (collate(a) for a in range(cfg.grad_accum))
 
-    def _train_step(self, run: StageRun, step: int) -> tuple[int, float, dict, float | None]:
-        """One optimizer step: (tokens, loss averaged over processes, metrics, grad norm)."""
+    def _train_step(self, run: StageRun, step: int) -> StepResult:
+        """One optimizer step. What it reads back from the device — loss and metrics summed over
+        micro-batches (and processes), the grad norm, the processes' stop signals — travels in one
+        tensor: one host sync per step, after the backward and before the optimizer steps, so a
+        non-finite loss stops the run before it reaches the weights."""
         cfg, model = run.cfg, run.model
         tokens, batches = self._micro_batches(run, step)
-        step_metrics: dict[str, float] = {}
-        step_loss = torch.zeros((), device=self.acc.device)
+        device, world = self.acc.device, self.acc.num_processes
+        step_loss = torch.zeros((), device=device)
+        sums: dict[str, torch.Tensor] = {}
         for a, batch in enumerate(batches):
             if run.logit_cache is not None:
                 batch["logit_cache"] = run.logit_cache
@@ -538,35 +633,56 @@ class Distiller:
             sync = self.acc.no_sync(model) if wrapped and a < cfg.grad_accum - 1 else contextlib.nullcontext()
             with sync, self.acc.autocast():
                 loss, metrics = run.kind.loss(model, self.teacher, batch, cfg)
-                if not torch.isfinite(loss):
-                    ckpt = latest_checkpoint(self.out)
-                    raise TrainingError(
-                        f"non-finite loss ({loss.item()}) at stage '{cfg.name}' step {step + 1}",
-                        f"lower stages.{run.index}.optim.lr or the clip value; the last good checkpoint is {ckpt or 'none (nothing saved yet)'}",
-                    )
-                self.acc.backward(loss / cfg.grad_accum)
+                self.acc.backward(loss / cfg.grad_accum)  # fp16: scaled by the GradScaler
             step_loss += loss.detach() / cfg.grad_accum
-            for k, v in metrics.items():
-                step_metrics[k] = step_metrics.get(k, 0.0) + v / cfg.grad_accum
-        if self.acc.num_processes > 1 and not run.kind.through_model_forward:
+            for k, v in metrics.items():  # float64, as the Python floats they were summed in before
+                sums[k] = sums.get(k, 0.0) + _metric(v, device) / cfg.grad_accum
+        if world > 1 and not run.kind.through_model_forward:
             for p in run.params:
                 if p.grad is not None:
                     p.grad = self.acc.reduce(p.grad, "mean")
-        grad_norm = self.acc.clip_grad_norm_(run.params, cfg.clip) if cfg.clip else None
-        run.optimizer.step()
-        run.scheduler.step()
+        grad_norm = self.acc.clip_grad_norm_(run.params, cfg.clip) if cfg.clip else None  # fp16: unscales first
+        names = list(sums)
+        values = torch.stack([step_loss.double(), *(sums[k] for k in names)])
+        if world > 1:  # summed over processes, with the signals each was sent (so all stop after the same step)
+            asked = [torch.full((), float(signum in self._asked), dtype=torch.float64, device=device) for signum in (signal.SIGTERM, signal.SIGINT)]
+            values = self.acc.reduce(torch.cat([values, torch.stack(asked)]), "sum")
+        if grad_norm is not None:
+            full = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # a DTensor under FSDP2
+            values = torch.cat([values, full.detach().double().reshape(1)])
+        host = values.tolist()  # the step's one host sync
+        loss_value = host[0] / world
+        if not math.isfinite(loss_value):
+            ckpt = latest_checkpoint(self.out)
+            raise TrainingError(
+                f"non-finite loss ({loss_value}) at stage '{cfg.name}' step {step + 1}",
+                f"lower stages.{run.index}.optim.lr or the clip value; the last good checkpoint is {ckpt or 'none (nothing saved yet)'}",
+            )
+        run.optimizer.step()  # fp16: skipped by the GradScaler when a gradient overflowed
+        skipped = run.optimizer.step_was_skipped
+        if not skipped:
+            run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
-        loss_value = self.acc.reduce(step_loss, "mean").item()
-        return tokens, loss_value, step_metrics, None if grad_norm is None else float(grad_norm)
+        metrics = {k: host[1 + i] / world for i, k in enumerate(names)}
+        stop = None
+        if world > 1:
+            term, interrupt = host[1 + len(names)], host[2 + len(names)]
+            stop = signal.SIGTERM if term else signal.SIGINT if interrupt else 0
+        return StepResult(tokens, loss_value, metrics, host[-1] if grad_norm is not None else None, skipped, stop)
 
-    def _log_step(self, run: StageRun, state: TrainerState, loss: float, metrics: dict, grad_norm: float | None, tokens_per_s: float) -> None:
-        """One metrics line (with a held-out evaluation every ``eval_every`` steps and at the end)."""
+    def _log_step(self, run: StageRun, state: TrainerState, result: StepResult, tokens_per_s: float) -> None:
+        """One metrics line (with a held-out evaluation every ``eval_every`` steps and at the end). A
+        step the GradScaler skipped (fp16 overflow) counts like any other — its blocks were drawn, so
+        the data order stays a function of the step — and says ``"skipped": true``; its lr is the
+        one the schedule still holds (a skipped step does not advance it)."""
         cfg = run.cfg
         record = {"stage": cfg.name, "stage_index": run.index, "step": state.step, "tokens": state.tokens, "total_tokens": state.total_tokens,
-                  "loss": loss, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "processes": self.acc.num_processes, "kernels": self.kernels.used,
-                  **{f"train_{k}": v for k, v in metrics.items()}}  # fmt: skip
-        if grad_norm is not None:
-            record["grad_norm"] = grad_norm
+                  "loss": result.loss, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "processes": self.acc.num_processes,
+                  "kernels": self.kernels.used, **{f"train_{k}": v for k, v in result.metrics.items()}}  # fmt: skip
+        if result.grad_norm is not None:
+            record["grad_norm"] = result.grad_norm
+        if result.skipped:
+            record["skipped"] = True
         due = (cfg.eval_every and state.step % cfg.eval_every == 0) or state.step == run.steps
         if self.is_main and due and self.images is not None:
             scores = evaluate_classifier(self.acc.unwrap_model(self.student), self.images.test, max_images=self.recipe.images.eval_images)
@@ -582,6 +698,8 @@ class Distiller:
         """The stage's last step: LoRA merged and training-only modules dropped, so the stage-end
         checkpoint (and the next stage) hold the plain student."""
         state.finished.append(run.index)
+        if run.cfg.gradient_checkpointing:
+            _activation_checkpointing(run.unwrapped, False)
         merge_lora(self.acc.unwrap_model(run.model))
         _drop_stage_modules(self.acc.unwrap_model(run.model))
 
@@ -600,17 +718,19 @@ class Distiller:
                   f"{n_train / 1e6:.2f}M trainable params in {run.n_trainable_tensors} tensors")
         bar = tqdm(total=run.steps, initial=state.step, desc=f"{cfg.name}", disable=not (self.progress and self.is_main), dynamic_ncols=True)
         clock, unsaved = time.perf_counter(), False  # unsaved: steps taken since the last checkpoint
+        agreed = None  # several processes: the stop signal they agreed on in the last step's reduction
         try:
             while state.step < run.steps:
-                if signum := self._stop_asked():
+                if signum := self._stop_asked() if agreed is None else agreed:
                     self._stop(signum, state, run if unsaved else None)
-                tokens, loss, metrics, grad_norm = self._train_step(run, state.step)
-                state.advance(tokens)
+                result = self._train_step(run, state.step)
+                agreed = result.stop
+                state.advance(result.tokens)
                 now = time.perf_counter()
-                tokens_per_s = tokens / max(now - clock, 1e-9)
+                tokens_per_s = result.tokens / max(now - clock, 1e-9)
                 clock = now
-                self._log_step(run, state, loss, metrics, grad_norm, tokens_per_s)
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
+                self._log_step(run, state, result, tokens_per_s)
+                bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
                 bar.update(1)
                 last, unsaved = state.step == run.steps, True
                 if last:
