@@ -39,6 +39,7 @@ Run directory::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -69,6 +70,7 @@ from attn2ssm.data import (
     load_training_data,
 )
 from attn2ssm.data.images import load_image_data
+from attn2ssm.data.sources import is_generated
 from attn2ssm.data.teacher_samples import build_teacher_sft_data, is_teacher_source
 from attn2ssm.distill.checkpoints import (
     append_jsonl,
@@ -82,7 +84,7 @@ from attn2ssm.distill.checkpoints import (
     truncate_metrics,
 )
 from attn2ssm.distill.layer_selection import auto_plan, select_attention_layers
-from attn2ssm.distill.logit_cache import CacheStats, LogitCache
+from attn2ssm.distill.logit_cache import CacheStats, LogitCache, find_cache_dir, teacher_source_key
 from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
 from attn2ssm.distill.losses import cross_entropy, resolve_kl_chunk
 from attn2ssm.distill.recipe import RECOMPUTING, Recipe, StageConfig, resume_recipe, validate, validate_for_teacher
@@ -277,7 +279,11 @@ class Distiller:
         self.metrics_path = self.out / "metrics.jsonl"
         # filled by run(): the frozen teacher, the data, the student being trained
         self.teacher, self.tokenizer = teacher, tokenizer
+        self.teacher_config = None if teacher is None else teacher.config  # set without the weights by a teacherless run
         self.teacher_info: dict = {}
+        # a teacherless run (_plan_teacherless): (top_k, dir) → (cache folder, fingerprint) of each remaining stage's logit cache
+        self.cached_teacher: dict[tuple, tuple[Path, str]] | None = None
+        self._source_key: str | None = None  # the teacher spec's files, recorded in the logit caches this run fills
         self.corpus = None
         self.blocks: torch.Tensor | None = None  # training blocks (n, block_len)
         self.eval_blocks: torch.Tensor | None = None
@@ -342,7 +348,24 @@ class Distiller:
         return chosen
 
     # -- setup ---------------------------------------------------------------------------------
-    def _load_teacher(self):
+    def _load_teacher(self, state: TrainerState | None = None):
+        """The frozen teacher (and its tokenizer), or — when ``_plan_teacherless`` finds every remaining
+        stage served by a complete logit cache — its tokenizer and config only."""
+        if self.teacher is None and state is not None and self._plan_teacherless(state):
+            source = teachers.resolve_teacher(self.recipe.teacher)
+            gguf = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+            from transformers import AutoConfig, AutoTokenizer  # heavy: transformers
+
+            with teachers.quiet_loading():
+                self.teacher_config = AutoConfig.from_pretrained(source.location, **gguf)
+                self.tokenizer = AutoTokenizer.from_pretrained(source.location, **gguf)
+            if self.tokenizer.pad_token is None:
+                self.tokenizer.pad_token = self.tokenizer.eos_token
+            self.teacher_info = {"source": source.describe()}
+            return
+        self.cached_teacher = None
+        if self.teacher is None and self.recipe.images is None:  # loaded here from its spec: the caches it fills can say so
+            self._source_key = teacher_source_key(self.recipe.teacher, self.teacher_dtype, self._mode())
         if self.teacher is None and self.recipe.images is not None:  # an image classifier and its image processor
             self.teacher, self.tokenizer, self.teacher_info = load_vision_teacher(self.recipe.teacher, progress=self.progress and self.is_main)
             self.teacher.to(dtype=self.teacher_dtype)
@@ -352,6 +375,66 @@ class Distiller:
         else:
             self.teacher_info = {"source": {"kind": "object", "location": type(self.teacher).__name__}}
         self.teacher.to(self.acc.device).eval().requires_grad_(False)
+        self.teacher_config = self.teacher.config
+
+    def _mode(self) -> str:
+        """The compute mode a logit cache is keyed by (device type / mixed precision)."""
+        return f"{self.acc.device.type}/{self.precision.used}"
+
+    def _remaining(self, state: TrainerState) -> list[int]:
+        return [i for i in range(state.stage, len(self.recipe.stages)) if i not in state.finished]
+
+    def _plan_teacherless(self, state: TrainerState) -> bool:
+        """Whether this run can go without the teacher's weights: it resumes (the student exists), every
+        stage still to run is kd / kd_ce with a logit_cache and no attention_ratio (no layer to
+        convert), no data source samples the teacher, and each of those caches records this teacher
+        spec's files (same files, dtype and mode: ``logit_cache.teacher_source_key``). Whether the
+        caches hold every block is checked once the data is loaded (``_check_teacherless``)."""
+        r = self.recipe
+        if self.resume_from is None or r.images is not None or any(is_generated(src.corpus) for src in r.data.source_list()):
+            return False
+        stages = [r.stages[i] for i in self._remaining(state)]
+        if not stages or any(c.kind not in ("kd", "kd_ce") or c.logit_cache is None or c.attention_ratio is not None for c in stages):
+            return False
+        key = teacher_source_key(r.teacher, self.teacher_dtype, self._mode())
+        if key is None:  # a hub id: its files are not on this disk to compare
+            return False
+        found = {}
+        for c in stages:
+            hit = find_cache_dir(c.logit_cache.dir, c.logit_cache.top_k, key)
+            if hit is None:
+                return False
+            found[(c.logit_cache.top_k, c.logit_cache.dir)] = hit
+        self.cached_teacher = found
+        return True
+
+    def _check_teacherless(self, state: TrainerState) -> None:
+        """A teacherless run needs every block its remaining steps draw in the caches; when one is
+        missing, the teacher loads after all (and fills it), with a line saying why."""
+        if self.cached_teacher is None:
+            return
+        need: dict[tuple, set[int]] = {}
+        for i in self._remaining(state):
+            cfg = self.recipe.stages[i]
+            steps = self._stage_steps(cfg, len(self.blocks), self.recipe.data.block_len)
+            first = state.step if i == state.stage else 0  # every process's blocks of steps first..steps-1, in one draw
+            drawn = block_indices(len(self.blocks), self.recipe.seed + 1000 * i, first * cfg.batch_size, (steps - first) * cfg.batch_size)
+            need.setdefault((cfg.logit_cache.top_k, cfg.logit_cache.dir), set()).update(drawn.tolist())
+        total = sum(len(b) for b in need.values())
+        missing = 0
+        for key, blocks in need.items():
+            folder, fingerprint = self.cached_teacher[key]
+            cache = LogitCache(None, key[0], self._mode(), key[1], fingerprint=fingerprint)
+            missing += sum(not cache.has(self.blocks[b]) for b in sorted(blocks))
+        if self.is_main:
+            folders = ", ".join(str(f) for f, _ in self.cached_teacher.values())
+            if missing:
+                print(f"teacher-logit cache {folders} lacks {missing} of the {total} blocks the remaining steps draw: loading the teacher")
+            else:
+                print(f"teacher weights not loaded: every remaining stage reads the teacher's top-k from {folders} "
+                      f"(all {total} blocks there); tokenizer and config from {self.recipe.teacher}")  # fmt: skip
+        if missing:
+            self._load_teacher()
 
     def _load_data(self):
         if self.recipe.images is not None:  # a stratified fraction of the training split + the full test split
@@ -360,7 +443,7 @@ class Distiller:
                 print(self.images.describe())
             return
         d = self.recipe.data
-        check_block_len(d.block_len, getattr(self.teacher.config, "max_position_embeddings", None))
+        check_block_len(d.block_len, getattr(self.teacher_config, "max_position_embeddings", None))
         # The most blocks one LM stage draws: a mixture's size, and how far a hub source streams (None: epochs budgets only).
         budget = max((math.ceil(s.tokens / (s.batch_size * d.block_len)) * s.batch_size for s in self.recipe.stages if s.data is None and s.epochs is None), default=None)
         with self.acc.main_process_first():  # one process tokenizes (or samples the teacher), the others read its cache
@@ -591,8 +674,12 @@ class Distiller:
                               f"set logit_cache.top_k to at most {vocab} (e.g. 64)")  # fmt: skip
         key = (cfg.logit_cache.top_k, cfg.logit_cache.dir)
         if key not in self.logit_caches:
-            mode = f"{self.acc.device.type}/{self.precision.used}"
-            self.logit_caches[key] = LogitCache(self.teacher, cfg.logit_cache.top_k, mode, cfg.logit_cache.dir, chunk_size=cfg.kl_chunk)
+            if self.teacher is None:  # a teacherless run: the cache the teacher's spec filled, by its fingerprint
+                self.logit_caches[key] = LogitCache(None, cfg.logit_cache.top_k, self._mode(), cfg.logit_cache.dir, chunk_size=cfg.kl_chunk,
+                                                    fingerprint=self.cached_teacher[key][1])  # fmt: skip
+            else:
+                source = {"key": self._source_key, "teacher": self.recipe.teacher, "dtype": str(self.teacher_dtype), "mode": self._mode()} if self._source_key else None
+                self.logit_caches[key] = LogitCache(self.teacher, cfg.logit_cache.top_k, self._mode(), cfg.logit_cache.dir, chunk_size=cfg.kl_chunk, source=source)
         cache = self.logit_caches[key]
         cache.stats = CacheStats()  # counted per stage
         return cache
@@ -803,8 +890,12 @@ class Distiller:
         if self.is_main:
             print(self.precision.describe())
             print(self.kernels.describe())
-        self._load_teacher()
+        state = TrainerState()
+        if self.resume_from is not None:
+            state = from_dict(TrainerState, json.loads((self.resume_from / "state.json").read_text()), "state")
+        self._load_teacher(state)
         self._load_data()
+        self._check_teacherless(state)
         # Only now (a teacher or corpus that fails to load leaves --out as it was; close() removes a
         # folder that holds nothing but the lock it made): a killed run's leftovers, the recipe, the metrics.
         if self.is_main:
@@ -814,9 +905,8 @@ class Distiller:
                 atomic_write_text(self.out / "recipe.yaml", self.recipe.to_yaml())
                 if self.resume_from is None:  # a run from scratch keeps no metric line of an earlier attempt
                     self.metrics_path.unlink(missing_ok=True)
-        state, payload = TrainerState(), None
+        payload = None
         if self.resume_from is not None:
-            state = from_dict(TrainerState, json.loads((self.resume_from / "state.json").read_text()), "state")
             payload = torch.load(self.resume_from / "optimizer.pt", weights_only=False)
         self._prepare_stage_data(state.stage)
         self._build_student()
@@ -870,9 +960,26 @@ class Distiller:
                 if self.images is not None:
                     results = write_vision_report(self.out, self.recipe, self.teacher, student, self.images, seconds=round(time.perf_counter() - self.started, 1))
                 else:
-                    results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress,
-                                           settings=self.run_settings())  # fmt: skip
+                    results = self._write_report(student)
         self.acc.wait_for_everyone()
+        return results
+
+    def _write_report(self, student) -> dict:
+        """The language report. The teacher's held-out perplexity is kept beside the run's logit caches
+        (keyed by the held-out tokens and eval settings), so a teacherless run reports the value an
+        earlier run measured on the same teacher and held-out text, or says it did not measure it."""
+        caches = list(self.logit_caches.values())
+        e = self.recipe.eval
+        window = e.window or self.recipe.data.block_len
+        h = hashlib.sha256(self.corpus.heldout_ids.to("cpu", torch.int64).numpy().tobytes())
+        h.update(f"|{window}|{e.stride or window // 2}|{e.max_tokens}|{e.batch_size}".encode())
+        key = h.hexdigest()
+        known = next((p for p in (c.teacher_perplexity(key) for c in caches) if p is not None), None) if self.teacher is None else None
+        results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress, settings=self.run_settings(),
+                               teacher_ppl=known)  # fmt: skip
+        if self.teacher is not None:
+            for cache in caches:
+                cache.record_perplexity(key, results["teacher_ppl"])
         return results
 
 
