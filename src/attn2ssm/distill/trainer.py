@@ -57,7 +57,7 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import DistributedType, broadcast_object_list
 from tqdm.auto import tqdm
 
 import attn2ssm.teachers as teachers  # called through the module: tests replace its load_teacher
@@ -149,13 +149,41 @@ class StageRun:
     seq_len: int
     n_items: int  # blocks or dataset examples the stage draws from
     steps: int
-    model: torch.nn.Module  # DDP-wrapped when the kind runs through the model's forward
+    model: torch.nn.Module  # DDP-wrapped (FSDP: sharded in place) when the kind runs through the model's forward
     unwrapped: torch.nn.Module
     params: list
     n_trainable_tensors: int
     optimizer: torch.optim.Optimizer  # accelerate's AcceleratedOptimizer (fp16: with the GradScaler)
     scheduler: torch.optim.lr_scheduler.LambdaLR  # on the plain optimizer, stepped only when it stepped
     logit_cache: object | None = None  # the stage's LogitCache (its `logit_cache` option), else None
+    param_names: list[str] = field(default_factory=list)  # the trainable parameters' names, in the optimizer's order
+    sharded: bool = False  # FSDP: the student is sharded across processes for this stage
+
+
+def _index_keyed(state: dict, names: list[str]) -> dict:
+    """An optimizer state dict keyed by parameter names (torch.distributed.checkpoint's full form)
+    in the usual form, keyed by the parameters' positions: what ``optimizer.pt`` holds in every run."""
+    index = {n: i for i, n in enumerate(names)}
+    return {"state": {index[n]: v for n, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}  # fmt: skip
+
+
+def _name_keyed(state: dict, names: list[str]) -> dict:
+    """``_index_keyed`` undone."""
+    return {"state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}  # fmt: skip
+
+
+@torch.no_grad()
+def _fold_lora(model_state: dict, scale: float) -> dict:
+    """A full state dict with its LoRA adapters (``lora.<module path with __>.A/B``) folded into the
+    adapted weights, W ← W + scale·B·A, as ``merge_lora`` does in a module; the adapters dropped."""
+    out = {k: v for k, v in model_state.items() if not k.startswith("lora.")}
+    for key in {k[len("lora."):].rsplit(".", 1)[0] for k in model_state if k.startswith("lora.")}:
+        weight = f"{key.replace('__', '.')}.weight"
+        A, B = model_state[f"lora.{key}.A"], model_state[f"lora.{key}.B"]
+        out[weight] = out[weight] + (B @ A * scale).to(out[weight].dtype)
+    return out
 
 
 def _drop_stage_modules(model) -> None:
@@ -261,6 +289,11 @@ class Distiller:
         self.teacher_dtype = resolve_teacher_dtype(recipe.teacher_dtype, "cpu" if cpu else "cuda", self.precision.used) if teacher is None else None
         self._check_teacher_dtype()
         self.is_main = self.acc.is_main_process
+        if self.acc.distributed_type == DistributedType.FSDP:
+            if self.precision.used == "fp16":  # accelerate's FSDP clip unscales a trainable subset twice
+                raise ConfigError("mixed_precision fp16 under FSDP is not supported by this trainer", "use mixed_precision: bf16 (or auto) with configs/accelerate/fsdp.yaml")
+            if recipe.images is not None:
+                raise ConfigError("image recipes do not run under FSDP", "launch them without --config_file configs/accelerate/fsdp.yaml (their students are small)")
         self._lock, self._made_out = None, False
         self._hold_run_dir()
         try:
@@ -513,8 +546,24 @@ class Distiller:
         self.student.mixer_context.kernels = self.kernels.used
 
     # -- checkpoints -----------------------------------------------------------------------------
+    def _gather(self, run: StageRun, stage_end: bool) -> tuple[dict, dict]:
+        """FSDP: the full student and optimizer state on the main process (CPU), every process taking
+        part; at the stage end LoRA is folded into the weights. Elsewhere: ({}, {})."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # only the main process receives them
+        model_state = get_model_state_dict(run.model, options=options)
+        optim_state = get_optimizer_state_dict(run.model, run.optimizer.optimizer, options=options)
+        if not self.is_main:
+            return {}, {}
+        if stage_end and run.cfg.lora is not None:
+            model_state = _fold_lora(model_state, run.cfg.lora.alpha / run.cfg.lora.r)
+        return model_state, _index_keyed(optim_state, run.param_names)
+
     def _save_checkpoint(self, state: TrainerState, run: StageRun) -> None:
         self.acc.wait_for_everyone()
+        if run.sharded:  # a collective: every process, before the main one writes
+            full_model, full_optim = self._gather(run, run.index in state.finished)
         if self.is_main:
             student = self.acc.unwrap_model(self.student)
             name = checkpoint_name(state.stage, state.step)
@@ -523,12 +572,16 @@ class Distiller:
             note = f" ({kept}, the last complete checkpoint, is intact)" if kept else " (no checkpoint is complete yet)"
 
             def write(folder: Path) -> None:
-                plain = {k: v for k, v in state_dict_without_lora(student).items() if not k.startswith("stage_modules.")}
+                everything = full_model if run.sharded else state_dict_without_lora(student)
+                plain = {k: v for k, v in everything.items() if not k.startswith(("lora.", "stage_modules."))}
                 student.save_pretrained(folder, state_dict=plain)
-                payload = {"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), "rng": rng_state()}
+                optim = full_optim if run.sharded else run.optimizer.state_dict()
+                payload = {"optimizer": optim, "scheduler": run.scheduler.state_dict(), "rng": rng_state()}
                 if self.acc.scaler is not None:  # fp16: the loss scale and its growth count, for an exact resume
                     payload["scaler"] = self.acc.scaler.state_dict()
-                if hasattr(student, "lora"):  # a LoRA stage in progress: adapters travel beside the plain student
+                if run.sharded and any(k.startswith("lora.") for k in everything):
+                    payload["lora"] = {k[len("lora."):]: v for k, v in everything.items() if k.startswith("lora.")}
+                elif not run.sharded and hasattr(student, "lora"):  # a LoRA stage in progress: adapters travel beside the plain student
                     payload["lora"] = student.lora.state_dict()
                 if hasattr(student, "stage_modules"):  # and so do a stage's training-only modules
                     payload["stage_modules"] = student.stage_modules.state_dict()
@@ -627,6 +680,8 @@ class Distiller:
         if hasattr(unwrapped, "stage_modules"):  # they exist only to be trained, whatever the patterns say
             unwrapped.stage_modules.requires_grad_(True)
         params = [p for p in unwrapped.parameters() if p.requires_grad]
+        param_names = [n for n, p in unwrapped.named_parameters() if p.requires_grad]  # the same order as params
+        sharded = kind.through_model_forward and self.acc.distributed_type == DistributedType.FSDP
         optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
         steps = self._stage_steps(cfg, n_items, seq_len)
         lam = lr_multiplier(cfg.schedule.kind, steps, cfg.schedule.warmup, cfg.schedule.decay, cfg.schedule.min_lr_ratio)
@@ -634,7 +689,8 @@ class Distiller:
         # scheduler wrapper would also step it once per process under a multi-process launch).
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
         if resume_payload is not None:
-            optimizer.load_state_dict(resume_payload["optimizer"])
+            if not sharded:  # FSDP: once the parameters are sharded (below)
+                optimizer.load_state_dict(resume_payload["optimizer"])
             scheduler.load_state_dict(resume_payload["scheduler"])
             set_rng_state(resume_payload["rng"])
             if self.acc.scaler is not None and "scaler" in resume_payload:  # fp16: the loss scale and its growth count
@@ -649,14 +705,19 @@ class Distiller:
             # rides on it. Layer-local kinds never call the model's forward, so the model is not wrapped
             # and their gradients are averaged in _train_step.
             _activation_checkpointing(unwrapped, cfg.gradient_checkpointing)
-            model, optimizer = self.acc.prepare(unwrapped, optimizer)
+            model, optimizer = self.acc.prepare(unwrapped, optimizer)  # FSDP2: shards the student in place, remaps the optimizer
         else:
             model, optimizer = unwrapped, self.acc.prepare_optimizer(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if sharded and resume_payload is not None:  # the full (unsharded) state, each process keeping its shards
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(model, optimizer.optimizer, _name_keyed(resume_payload["optimizer"], param_names),
+                                     options=StateDictOptions(full_state_dict=True))  # fmt: skip
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # FSDP: the sharded ones
         self.student = model
         model.train()
         return StageRun(stage_idx, cfg, kind, dataset, seq_len, n_items, steps, model, unwrapped, params, len(names), optimizer, scheduler,
-                        self._logit_cache(cfg, self._vocab(unwrapped)))  # fmt: skip
+                        self._logit_cache(cfg, self._vocab(unwrapped)), param_names, sharded)  # fmt: skip
 
     @staticmethod
     def _vocab(student) -> int:
@@ -716,7 +777,7 @@ class Distiller:
         for a, batch in enumerate(batches):
             if run.logit_cache is not None:
                 batch["logit_cache"] = run.logit_cache
-            wrapped = model is not run.unwrapped
+            wrapped = model is not run.unwrapped or run.sharded  # FSDP2 shards in place
             sync = self.acc.no_sync(model) if wrapped and a < cfg.grad_accum - 1 else contextlib.nullcontext()
             with sync, self.acc.autocast():
                 loss, metrics = run.kind.loss(model, self.teacher, batch, cfg)
@@ -774,7 +835,7 @@ class Distiller:
         if self.is_main and due and self.images is not None:
             scores = evaluate_classifier(self.acc.unwrap_model(self.student), self.images.test, max_images=self.recipe.images.eval_images)
             record["eval_loss"], record["eval_top1"] = scores["loss"], scores["top1"]
-        elif self.is_main and due and len(self.eval_blocks):
+        elif (self.is_main or run.sharded) and due and len(self.eval_blocks):  # FSDP: every process takes part in the forward
             record["eval_loss"] = self._eval_loss(cfg)
             record["eval_ppl"] = math.exp(min(record["eval_loss"], 50))
         if self.is_main:
@@ -787,6 +848,8 @@ class Distiller:
         state.finished.append(run.index)
         if run.cfg.gradient_checkpointing:
             _activation_checkpointing(run.unwrapped, False)
+        if run.sharded:  # the stage-end checkpoint folds LoRA into its full state dict, and every process reloads it
+            return
         merge_lora(self.acc.unwrap_model(run.model))
         _drop_stage_modules(self.acc.unwrap_model(run.model))
 
@@ -830,9 +893,17 @@ class Distiller:
         if run.logit_cache is not None and self.is_main:
             st = run.logit_cache.stats
             print(f"[stage {stage_idx + 1}] teacher-logit cache: {st.hits} blocks read, {st.misses} computed and stored ({run.logit_cache.dir})")
+        if run.sharded:  # every process goes on from the stage-end checkpoint's full student, unsharded
+            self.student = self._plain_student(latest_checkpoint(self.out))
+            return
         self.student = self.acc.unwrap_model(run.model)
         merge_lora(self.student)
         _drop_stage_modules(self.student)
+
+    def _plain_student(self, folder: Path):
+        student = Attn2SSMForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.acc.device)
+        student.mixer_context.kernels = self.kernels.used
+        return student
 
     # -- stopping on a signal ---------------------------------------------------------------------
     @contextlib.contextmanager
