@@ -236,7 +236,7 @@ def _metric(value, device) -> torch.Tensor:
     """A metric as a float64 0-d tensor on ``device`` (a kind's detached tensor; a Python number from
     an older kind), without a copy that would wait for the device."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to(torch.float64)
+        return value.detach().to(device=device, dtype=torch.float64)
     return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
