@@ -25,8 +25,8 @@ from attn2ssm.errors import ConfigError, TrainingError
 KD = "[{name: kd, kind: kd, tokens: 1536, batch_size: 4, save_every: 3, trainable: [all], optim: {lr: 0.01}}]"
 
 
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     return env
 
@@ -400,3 +400,36 @@ def test_gradient_checkpointing_on_a_layer_local_kind_is_refused(kind):
         load_recipe(BASE_RECIPE, [f"stages=[{{name: s, kind: {kind}, gradient_checkpointing: true}}]"])
     text = str(err.value)
     assert "gradient_checkpointing" in text and "remove stages.0.gradient_checkpointing" in text and "\n" not in text
+
+
+# ------------------------------------------------------------------------------ stopping, several processes
+
+SIGNAL_ONE_RANK = r"""
+import os, runpy, signal, sys
+import attn2ssm.distill.trainer as T
+
+original_step = T.Distiller._train_step
+
+def step(self, run, index):
+    if self.acc.process_index == 1 and index == 1:  # only rank 1 is asked to stop, during its second step
+        os.kill(os.getpid(), signal.SIGTERM)
+    return original_step(self, run, index)
+
+T.Distiller._train_step = step
+sys.argv = ["attn2ssm", *sys.argv[1:]]
+runpy.run_module("attn2ssm", run_name="__main__")
+"""
+
+
+def test_a_signal_to_one_process_stops_every_process_after_the_same_step(run_overrides, tmp_path):
+    """The processes agree on the stop signal through the step's own reduction (no extra sync): rank 1
+    is sent SIGTERM during step 2; both finish step 2, checkpoint it and stop."""
+    script = tmp_path / "signal_one_rank.py"
+    script.write_text(SIGNAL_ONE_RANK)
+    out = tmp_path / "run"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no", str(script), "distill", BASE_RECIPE, "--out", str(out), "--no-progress", *[a for s in run_overrides() for a in ("--set", s)]]  # fmt: skip
+    proc = subprocess.run(launch, env=_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=900)
+    assert proc.returncode != 0 and "stopped by SIGTERM at stage 1/3 step 2" in proc.stderr, proc.stderr[-3000:]
+    assert latest_checkpoint(out).name == "stage0-step000002"  # not a save_every step: the stop's own checkpoint
+    assert [r["step"] for r in _records(out)] == [1, 2]
