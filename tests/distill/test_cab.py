@@ -221,7 +221,7 @@ def test_stage_adds_kl_and_ce_when_asked():
         s, t = student(input_ids=ids, use_cache=False).logits, teacher(input_ids=ids, use_cache=False).logits
     kl, ce = forward_kl(s, t), cross_entropy(s, ids)
     torch.testing.assert_close(total, m0["align_C"] + 0.5 * kl + 0.25 * ce, atol=1e-4, rtol=1e-5)
-    assert m1["kl"] == pytest.approx(kl.item(), rel=1e-5) and m1["ce"] == pytest.approx(ce.item(), rel=1e-5)
+    assert float(m1["kl"]) == pytest.approx(kl.item(), rel=1e-5) and float(m1["ce"]) == pytest.approx(ce.item(), rel=1e-5)
 
 
 def test_stage_option_and_mixer_errors():

@@ -77,8 +77,8 @@ def test_kd_ce_stage_options_and_identical_models():
     teacher = tiny_model("llama")
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     loss, metrics = kind.loss(teacher, teacher, {"input_ids": ids}, StageConfig(kind="kd_ce"))
-    assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)
-    assert loss.item() == pytest.approx(metrics["ce"], rel=1e-6)
+    assert float(metrics["kl"]) == pytest.approx(0.0, abs=1e-6)
+    assert loss.item() == pytest.approx(float(metrics["ce"]), rel=1e-6)
 
 
 # ------------------------------------------------------------------------------ parameter groups

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file
 
 from tiny_models import BASE_RECIPE, tiny_model
-from attn2ssm.distill.logit_cache import LogitCache, block_digest, teacher_fingerprint
+from attn2ssm.distill.logit_cache import LogitCache, block_digest, find_cache_dir, teacher_fingerprint, teacher_source_key
 from attn2ssm.distill.losses import TopKTargets, forward_kl, kd_ce_loss, topk_targets
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill
-from attn2ssm.errors import ConfigError
+from attn2ssm.errors import ConfigError, TrainingError
 
 V = 7
 
@@ -315,3 +315,120 @@ def test_top_k_above_the_vocabulary_is_refused(tiny_setup, run_overrides, tmp_pa
     recipe = load_recipe(BASE_RECIPE, run_overrides(stages=_stages(_vocab(tiny_setup) + 1)))
     with pytest.raises(ConfigError, match="exceeds the teacher's vocabulary"):
         distill(recipe, tmp_path / "run", progress=False)
+
+
+# ------------------------------------------------------------------- KD from a complete cache, no teacher
+
+
+def _two_cached_stages():
+    """Stage 0 fills the cache with every block (one epoch); stage 1 draws them again."""
+    return ("[{name: fill, kind: kd, epochs: 1, batch_size: 4, save_every: 2, optim: {lr: 0.01}, logit_cache: {top_k: 16}},"
+            " {name: reuse, kind: kd_ce, epochs: 1, batch_size: 4, save_every: 2, optim: {lr: 0.01}, logit_cache: {top_k: 16}}]")  # fmt: skip
+
+
+def _crash_after(monkeypatch, saves: int):
+    """The run dies (like a kill) right after its ``saves``-th checkpoint."""
+    import attn2ssm.distill.trainer as T
+
+    original, done = T.Distiller._save_checkpoint, {"n": 0}
+
+    def save_then_crash(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        done["n"] += 1
+        if done["n"] == saves:
+            raise KeyboardInterrupt("simulated kill")
+
+    monkeypatch.setattr(T.Distiller, "_save_checkpoint", save_then_crash)
+
+
+def _no_teacher_weights(monkeypatch):
+    import attn2ssm.teachers as teachers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the teacher's weights were loaded")
+
+    monkeypatch.setattr(teachers, "load_teacher", refuse)
+
+
+def test_a_resume_served_by_a_complete_cache_needs_no_teacher(tiny_setup, run_overrides, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ATTN2SSM_CACHE", str(tmp_path / "cache"))
+    sets = run_overrides(stages=_two_cached_stages(), **{"data.max_train_tokens": 512})
+    reference = distill(load_recipe(BASE_RECIPE, sets), tmp_path / "reference", progress=False)
+    info = json.loads(next((tmp_path / "cache/teacher_logits").glob("*-k16/teacher.json")).read_text())
+    assert len(info["sources"]) == 1 and next(iter(info["sources"].values()))["teacher"] == str(tiny_setup[0])
+    with monkeypatch.context() as m:
+        _crash_after(m, 3)  # stage 0 saves at steps 2, 4 (its end); stage 1 at 2: the kill lands inside stage 1
+        with pytest.raises(KeyboardInterrupt):
+            distill(load_recipe(BASE_RECIPE, sets), tmp_path / "killed", progress=False)
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        _no_teacher_weights(m)
+        results = distill(load_recipe(BASE_RECIPE, sets), tmp_path / "killed", resume=True, progress=False)
+    out = capsys.readouterr().out
+    assert "teacher weights not loaded" in out and "(all 8 blocks there)" in out  # stage 1, steps 3 and 4
+    a, b = load_file(tmp_path / "reference/student/model.safetensors"), load_file(tmp_path / "killed/student/model.safetensors")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)
+    # the teacher's perplexity: the value the reference measured on the same teacher and held-out text
+    assert results["teacher_ppl"] == reference["teacher_ppl"] and "earlier run" in results["teacher_ppl_source"]
+    assert results["student_ppl"] == pytest.approx(reference["student_ppl"], rel=1e-6)
+    assert (tmp_path / "killed/student/tokenizer.json").exists()
+
+
+def test_without_a_recorded_perplexity_the_report_says_so(run_overrides, tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTN2SSM_CACHE", str(tmp_path / "cache"))
+    sets = run_overrides(stages=_two_cached_stages(), **{"data.max_train_tokens": 512})
+    with monkeypatch.context() as m:
+        _crash_after(m, 3)
+        with pytest.raises(KeyboardInterrupt):
+            distill(load_recipe(BASE_RECIPE, sets), tmp_path / "killed", progress=False)
+    with monkeypatch.context() as m:
+        _no_teacher_weights(m)
+        results = distill(load_recipe(BASE_RECIPE, sets), tmp_path / "killed", resume=True, progress=False)
+    assert results["teacher_ppl"] is None and results["ppl_ratio"] is None and "never loaded the teacher" in results["teacher_ppl_source"]
+    assert "| teacher | – (not measured" in (tmp_path / "killed/report.md").read_text()
+
+
+def test_a_missing_block_or_changed_teacher_files_load_the_teacher(tiny_setup, run_overrides, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ATTN2SSM_CACHE", str(tmp_path / "cache"))
+    sets = run_overrides(stages=_two_cached_stages(), **{"data.max_train_tokens": 512})
+    with monkeypatch.context() as m:
+        _crash_after(m, 3)
+        with pytest.raises(KeyboardInterrupt):
+            distill(load_recipe(BASE_RECIPE, sets), tmp_path / "killed", progress=False)
+    entries = sorted((tmp_path / "cache/teacher_logits").rglob("*.safetensors"))
+    assert len(entries) == 16
+    for entry in entries[:3]:
+        entry.unlink()
+    capsys.readouterr()
+    distill(load_recipe(BASE_RECIPE, sets), tmp_path / "killed", resume=True, progress=False)
+    out = capsys.readouterr().out
+    assert "lacks" in out and "loading the teacher" in out and "teacher weights not loaded" not in out
+    # touching the teacher's weights changes its source key: the run loads it (and records the new key)
+    before = json.loads(next((tmp_path / "cache/teacher_logits").glob("*-k16/teacher.json")).read_text())["sources"]
+    weights = tiny_setup[0] / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    try:
+        assert teacher_source_key(str(tiny_setup[0]), torch.float32, "cpu/no") not in before
+        assert teacher_source_key(str(tiny_setup[0]), torch.bfloat16, "cpu/no") != teacher_source_key(str(tiny_setup[0]), torch.float32, "cpu/no")
+        assert teacher_source_key(str(tiny_setup[0]), torch.float32, "cpu/bf16") != teacher_source_key(str(tiny_setup[0]), torch.float32, "cpu/no")
+        assert teacher_source_key("someorg/some-model", torch.float32, "cpu/no") is None  # a hub id: nothing on disk to compare
+    finally:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_teacherless_cache_refuses_a_missing_block_in_one_line(tmp_path):
+    teacher = CountingTeacher()
+    filled = LogitCache(teacher, 16, "cpu/no", tmp_path)
+    ids = _ids(0)
+    filled.targets(teacher, ids)
+    found = find_cache_dir(tmp_path, 16, "no-such-key")
+    assert found is None
+    blind = LogitCache(None, 16, "cpu/no", tmp_path, fingerprint=filled.fingerprint)
+    assert blind.dir == filled.dir and blind.has(ids[0]) and not blind.has(_ids(5)[0])
+    torch.testing.assert_close(blind.targets(None, ids).logprobs, filled.targets(teacher, ids).logprobs)
+    with pytest.raises(TrainingError) as err:
+        blind.targets(None, torch.stack([ids[0], _ids(5)[0]]))
+    text = str(err.value)
+    assert "1 of this batch's 2 blocks are missing" in text and "did not load the teacher" in text and "\n" not in text

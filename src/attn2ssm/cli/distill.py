@@ -50,7 +50,7 @@ def run(args) -> int:
     elif results:
         print()
         print(f"{'model':<10} {'held-out ppl':>14}")
-        print(f"{'teacher':<10} {results['teacher_ppl']:>14.2f}")
+        print(f"{'teacher':<10} {results['teacher_ppl']:>14.2f}" if results["teacher_ppl"] is not None else f"{'teacher':<10} {'–':>14} (not loaded: logit cache)")
         print(f"{'student':<10} {results['student_ppl']:>14.2f}")
         print(f"\nstudent:    {out / 'student'}")
         print(f"report:     {out / 'report.md'} (loss curve {out / 'loss.png'})")

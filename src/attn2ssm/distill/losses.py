@@ -3,7 +3,8 @@
 ``mask`` marks real tokens (1) and padding (0); a loss is the sum over real tokens divided by
 their count. The forward KL to a teacher over a large vocabulary is computed in row chunks with
 its gradient formed analytically, so peak extra memory is one (tokens × vocab) tensor instead of
-the several that log-softmax autograd keeps.
+the several that log-softmax autograd keeps. ``chunk_size="auto"`` sizes the chunks by device
+(``resolve_kl_chunk``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,25 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+KL_CHUNK_CPU = 64  # tokens: a CPU's KL chunk, whose (64 × vocabulary) rows stay in its caches
+# CUDA: the fp32 (chunk × vocabulary) slab of one chunk. The chunked KL holds about seven such slabs at
+# its peak (student and teacher rows in fp32, their log-softmaxes, p, and the gradient's terms), so
+# 256 MiB keeps a chunk's working set under 2 GiB while each kernel still fills the GPU (e.g. 512
+# tokens × 128k vocabulary is 65M elements an operation; launch costs are then a few percent).
+KL_SLAB_BYTES = 256 << 20
+KL_CHUNK_MAX = 8192
+
+
+def resolve_kl_chunk(kl_chunk: int | str, device_type: str, vocab: int) -> int:
+    """A stage's ``kl_chunk``: an integer as given; ``auto`` = 64 tokens off CUDA, and on CUDA the
+    largest power of two (64..8192) whose fp32 (chunk × vocab) slab fits ``KL_SLAB_BYTES``."""
+    if kl_chunk != "auto":
+        return int(kl_chunk)
+    if device_type != "cuda":
+        return KL_CHUNK_CPU
+    rows = max(1, KL_SLAB_BYTES // (4 * max(1, vocab)))
+    return max(KL_CHUNK_CPU, min(KL_CHUNK_MAX, 1 << (rows.bit_length() - 1)))
 
 
 def shift_for_next_token(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None = None):
@@ -51,7 +71,7 @@ def kd_ce_loss(
     kl_weight: float = 0.1,
     labels: str = "data",
     temperature: float = 1.0,
-    chunk_size: int = 64,
+    chunk_size: int | str = 64,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mamba in the Llama's stage-1 loss, Eq. 2: ``ce_weight·CE + kl_weight·KL(teacher ‖ student)``.
 
@@ -158,11 +178,12 @@ class TopKTargets:
 
 
 @torch.no_grad()
-def topk_targets(logits: torch.Tensor, k: int, chunk_size: int = 64) -> TopKTargets:
+def topk_targets(logits: torch.Tensor, k: int, chunk_size: int | str = 64) -> TopKTargets:
     """The top-k log-probabilities of ``logits`` (..., V) at temperature 1 and the tail's log-mass,
     in row chunks. The tail is a log-sum-exp over the other V − k log-probabilities (not
     log(1 − Σ top-k), which cancels to 0 or below when the top-k holds nearly all the mass)."""
     V = logits.shape[-1]
+    chunk_size = resolve_kl_chunk(chunk_size, logits.device.type, V)
     if not 1 <= k <= V:
         raise ValueError(f"top_k {k} is outside 1..{V} (the vocabulary)")
     flat = logits.reshape(-1, V)
@@ -217,7 +238,7 @@ def forward_kl(
     mask: torch.Tensor | None = None,
     *,
     temperature: float = 1.0,
-    chunk_size: int = 64,
+    chunk_size: int | str = 64,
 ) -> torch.Tensor:
     """KL(teacher ‖ student) per real token, scaled by T² (Hinton et al.), in row chunks.
 
@@ -236,6 +257,7 @@ def forward_kl(
     mass spread as the student spreads its own), so it sums to zero like the full KL's q − p.
     """
     V = student_logits.shape[-1]
+    chunk_size = resolve_kl_chunk(chunk_size, student_logits.device.type, V)
     s = student_logits.reshape(-1, V)
     m = torch.ones(s.shape[0], device=s.device) if mask is None else mask.reshape(-1).float()
     weights = m / m.sum().clamp_min(1)

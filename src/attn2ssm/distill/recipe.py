@@ -169,7 +169,14 @@ class StageConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     clip: float = 1.0
     temperature: float = 1.0  # kd
-    kl_chunk: int = 64  # kd: tokens per chunk of the vocabulary-wide KL (small chunks stay in cache)
+    # Tokens per chunk of the vocabulary-wide KL and of the logit cache's top-k: auto = 64 on a CPU
+    # (a chunk's rows stay in cache), on CUDA as many as keep one fp32 (chunk × vocabulary) slab
+    # near 1 GiB (trainer.resolve_kl_chunk); an integer forces it.
+    kl_chunk: int | str = "auto"
+    # Recompute each decoder layer's activations in the backward instead of keeping them (HF's
+    # activation checkpointing, non-reentrant): kinds through the student's forward (ce, kd, kd_ce,
+    # sft, dpo); layer-local kinds hold one layer's activations at a time and refuse it.
+    gradient_checkpointing: bool = False
     logit_cache: LogitCacheConfig | None = None  # kd / kd_ce / sft with kl_weight: reuse cached teacher top-k (temperature 1)
     lora: LoRAConfig | None = None  # adapters on `targets`, trained via the 'lora' pattern, merged at the stage end
     losses: dict = field(default_factory=dict)  # kind-specific loss weights/options (see the stage kind)
@@ -200,6 +207,10 @@ class Recipe:
     # no (fp32) | auto (bf16 where it is fast: CUDA with bf16, a CPU with native bf16; else fp32; the built-in
     # recipes' setting — attn2ssm/precision.py) | bf16 | fp16 (accelerate's autocast)
     mixed_precision: str = "no"
+    # The frozen teacher's weights: auto (CUDA: the mixed precision's dtype — bf16 / fp16, float32
+    # under `no`; a CPU: float32) | float32 | bfloat16 | float16. A reduced dtype halves the
+    # teacher's memory (an 8B teacher beside its fp32 student); the student always trains in fp32.
+    teacher_dtype: str = "auto"
     data: DataConfig = field(default_factory=DataConfig)
     student: StudentConfig = field(default_factory=StudentConfig)
     stages: list[StageConfig] = field(default_factory=lambda: [StageConfig()])
@@ -247,12 +258,17 @@ def recipe_from_dict(raw: dict, overrides: list[str] | None = None) -> Recipe:
 
 
 # What `--set` may change on `--resume`: settings that leave the steps already taken as they were.
-# Evaluation and checkpoint cadence touch no weight; device and mixed_precision change how the
-# remaining steps compute (a resume on another machine), not what the checkpoints hold. The rest
-# (budgets, data, losses, optimizer, plan, seed, teacher, ...) would make the run follow no recipe.
-RESUMABLE = ("eval.*", "stages.N.save_every", "stages.N.keep_checkpoints", "stages.N.eval_every", "stages.N.eval_batches", "device", "mixed_precision",
-             "kernels")  # fmt: skip
-_RESUMABLE = re.compile(r"^(eval\.\w+|stages\.\d+\.(save_every|keep_checkpoints|eval_every|eval_batches)|device|mixed_precision|kernels)$")
+# Evaluation and checkpoint cadence touch no weight; device, mixed_precision, teacher_dtype and
+# kl_chunk change how the remaining steps compute (a resume on another machine), not what the
+# checkpoints hold; gradient_checkpointing only trades memory for time. The rest (budgets, data,
+# losses, optimizer, plan, seed, teacher, ...) would make the run follow no recipe.
+RESUMABLE = ("eval.*", "stages.N.save_every", "stages.N.keep_checkpoints", "stages.N.eval_every", "stages.N.eval_batches", "stages.N.kl_chunk",
+             "stages.N.gradient_checkpointing", "device", "mixed_precision", "teacher_dtype", "kernels")  # fmt: skip
+_RESUMABLE = re.compile(r"^(eval\.\w+|stages\.\d+\.(save_every|keep_checkpoints|eval_every|eval_batches|kl_chunk|gradient_checkpointing)"
+                        r"|device|mixed_precision|teacher_dtype|kernels)$")  # fmt: skip
+# Resume settings after which the remaining steps are no longer bitwise those of an uninterrupted run.
+RECOMPUTING = ("device", "mixed_precision", "teacher_dtype", "kl_chunk")
+TEACHER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _leaves(value, prefix: str = "") -> dict:
@@ -287,6 +303,8 @@ def validate(recipe: Recipe) -> None:
         raise ConfigError(f"recipe.device={recipe.device!r} is not a device", "use auto, cpu, cuda or cuda:N (e.g. cuda:1)")
     if recipe.mixed_precision not in PRECISIONS:
         raise ConfigError(f"recipe.mixed_precision: unknown precision '{recipe.mixed_precision}'", f"use one of: {', '.join(PRECISIONS)}")
+    if recipe.teacher_dtype not in TEACHER_DTYPES:
+        raise ConfigError(f"recipe.teacher_dtype={recipe.teacher_dtype!r} is not a dtype", f"use one of: {', '.join(TEACHER_DTYPES)}")
     if not recipe.stages:
         raise ConfigError("the recipe has no stages", "add at least one entry under 'stages'")
     for i, stage in enumerate(recipe.stages):
@@ -309,6 +327,8 @@ def validate(recipe: Recipe) -> None:
                               "image recipes (with `images:`) use vision_ce, vision_kd or vision_cab stages; language recipes the others")  # fmt: skip
         if stage.logit_cache is not None:
             _validate_logit_cache(stage, STAGE_KINDS[stage.kind], i, where)
+        if stage.gradient_checkpointing:
+            _validate_checkpointing(stage, STAGE_KINDS[stage.kind], i, where)
     s = recipe.student
     for name, value, valid in (("placement", s.placement, ("interleaved", "clustered")), ("align", s.align, ("first", "last")),
                                ("where", s.where, ("first", "middle", "last")), ("init", s.init, ("attention", "random")),
@@ -415,7 +435,9 @@ def _validate_stage_numbers(stage: StageConfig, i: int, where: str) -> None:
         ("schedule.min_lr_ratio", sc.min_lr_ratio, 0 <= sc.min_lr_ratio <= 1, "a fraction of the peak lr in [0, 1], e.g. 0.1"),
         ("clip", stage.clip, stage.clip >= 0, "a gradient-norm limit, or 0 for no clipping, e.g. 1.0"),
         ("temperature", stage.temperature, stage.temperature > 0, "a positive number, e.g. 1"),
-        ("kl_chunk", stage.kl_chunk, stage.kl_chunk >= 1, "a positive number of tokens, e.g. 64"),
+        ("kl_chunk", stage.kl_chunk, stage.kl_chunk == "auto" or (type(stage.kl_chunk) is int and stage.kl_chunk >= 1),
+         "auto (by device) or a positive number of tokens, e.g. 64"),
+        ("gradient_checkpointing", stage.gradient_checkpointing, isinstance(stage.gradient_checkpointing, bool), "true or false"),
         ("eval_every", stage.eval_every, stage.eval_every >= 0, "a number of steps, or 0 to evaluate at the stage end only"),
         ("eval_batches", stage.eval_batches, stage.eval_batches >= 1, "a positive number of batches, e.g. 4"),
         ("save_every", stage.save_every, stage.save_every >= 0, "a number of steps, or 0 to save at the stage end only"),
@@ -457,3 +479,17 @@ def _validate_logit_cache(stage: StageConfig, kind, i: int, where: str) -> None:
     if stage.temperature != 1.0:
         raise ConfigError(f"{where}: logit_cache stores the teacher at temperature 1, but temperature is {stage.temperature}",
                           f"set stages.{i}.temperature: 1, or remove stages.{i}.logit_cache")  # fmt: skip
+
+
+def _validate_checkpointing(stage: StageConfig, kind, i: int, where: str) -> None:
+    from attn2ssm.distill.stages.base import TeacherForcedStage  # heavy: as in validate
+
+    if not kind.through_model_forward or kind.image_task:
+        if isinstance(kind, TeacherForcedStage):
+            why = "is layer-local: each mixer runs alone on its layer's input, so only one layer's activations are held"
+        elif kind.image_task:
+            why = "trains an image student, whose layers are not checkpointed"
+        else:
+            why = "runs the student's forward under its own hooks (its bridges live outside the model)"
+        raise ConfigError(f"{where}: gradient_checkpointing applies to stages through the student's forward, and kind '{stage.kind}' {why}",
+                          f"remove stages.{i}.gradient_checkpointing (it applies to ce, kd, kd_ce, sft and dpo)")  # fmt: skip

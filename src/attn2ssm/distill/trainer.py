@@ -39,6 +39,7 @@ Run directory::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -48,14 +49,15 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import DistributedType, broadcast_object_list
 from tqdm.auto import tqdm
 
 import attn2ssm.teachers as teachers  # called through the module: tests replace its load_teacher
@@ -68,6 +70,7 @@ from attn2ssm.data import (
     load_training_data,
 )
 from attn2ssm.data.images import load_image_data
+from attn2ssm.data.sources import is_generated
 from attn2ssm.data.teacher_samples import build_teacher_sft_data, is_teacher_source
 from attn2ssm.distill.checkpoints import (
     append_jsonl,
@@ -81,10 +84,10 @@ from attn2ssm.distill.checkpoints import (
     truncate_metrics,
 )
 from attn2ssm.distill.layer_selection import auto_plan, select_attention_layers
-from attn2ssm.distill.logit_cache import CacheStats, LogitCache
+from attn2ssm.distill.logit_cache import CacheStats, LogitCache, find_cache_dir, teacher_source_key
 from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
-from attn2ssm.distill.losses import cross_entropy
-from attn2ssm.distill.recipe import Recipe, StageConfig, resume_recipe, validate, validate_for_teacher
+from attn2ssm.distill.losses import cross_entropy, resolve_kl_chunk
+from attn2ssm.distill.recipe import RECOMPUTING, Recipe, StageConfig, resume_recipe, validate, validate_for_teacher
 from attn2ssm.distill.schedules import lr_multiplier
 from attn2ssm.distill.stages import STAGE_KINDS, StageKind, select_trainable
 from attn2ssm.errors import CheckpointError, ConfigError, Interrupted, OutputError, TrainingError
@@ -101,7 +104,24 @@ from attn2ssm.student.plans import interleaved_keep, make_plan
 from attn2ssm.student.vision import Attn2SSMForImageClassification
 from attn2ssm.teachers.vision import load_vision_teacher
 
-__all__ = ["Distiller", "TrainerState", "distill", "latest_checkpoint"]
+__all__ = ["Distiller", "StepResult", "TrainerState", "distill", "latest_checkpoint", "resolve_kl_chunk", "resolve_teacher_dtype"]
+
+def resolve_teacher_dtype(requested: str, device_type: str, precision_used: str) -> torch.dtype:
+    """``teacher_dtype``: auto = the mixed precision's dtype on CUDA (float32 under ``no``), float32 elsewhere."""
+    if requested == "auto":
+        requested = {"bf16": "bfloat16", "fp16": "float16"}.get(precision_used, "float32") if device_type == "cuda" else "float32"
+    return getattr(torch, requested)
+
+
+class StepResult(NamedTuple):
+    """What one optimizer step reports (``Distiller._train_step``)."""
+
+    tokens: int  # tokens of the global batch
+    loss: float  # averaged over micro-batches and processes
+    metrics: dict  # the stage kind's metrics, averaged the same way
+    grad_norm: float | None  # before clipping (None: the stage does not clip)
+    skipped: bool = False  # fp16: the gradients overflowed, so neither the optimizer nor the schedule stepped
+    stop: int | None = None  # several processes: the signal they agreed to stop on after this step (0: none)
 
 
 @dataclass
@@ -129,13 +149,41 @@ class StageRun:
     seq_len: int
     n_items: int  # blocks or dataset examples the stage draws from
     steps: int
-    model: torch.nn.Module  # DDP-wrapped when the kind runs through the model's forward
+    model: torch.nn.Module  # DDP-wrapped (FSDP: sharded in place) when the kind runs through the model's forward
     unwrapped: torch.nn.Module
     params: list
     n_trainable_tensors: int
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    optimizer: torch.optim.Optimizer  # accelerate's AcceleratedOptimizer (fp16: with the GradScaler)
+    scheduler: torch.optim.lr_scheduler.LambdaLR  # on the plain optimizer, stepped only when it stepped
     logit_cache: object | None = None  # the stage's LogitCache (its `logit_cache` option), else None
+    param_names: list[str] = field(default_factory=list)  # the trainable parameters' names, in the optimizer's order
+    sharded: bool = False  # FSDP: the student is sharded across processes for this stage
+
+
+def _index_keyed(state: dict, names: list[str]) -> dict:
+    """An optimizer state dict keyed by parameter names (torch.distributed.checkpoint's full form)
+    in the usual form, keyed by the parameters' positions: what ``optimizer.pt`` holds in every run."""
+    index = {n: i for i, n in enumerate(names)}
+    return {"state": {index[n]: v for n, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}  # fmt: skip
+
+
+def _name_keyed(state: dict, names: list[str]) -> dict:
+    """``_index_keyed`` undone."""
+    return {"state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}  # fmt: skip
+
+
+@torch.no_grad()
+def _fold_lora(model_state: dict, scale: float) -> dict:
+    """A full state dict with its LoRA adapters (``lora.<module path with __>.A/B``) folded into the
+    adapted weights, W ← W + scale·B·A, as ``merge_lora`` does in a module; the adapters dropped."""
+    out = {k: v for k, v in model_state.items() if not k.startswith("lora.")}
+    for key in {k[len("lora."):].rsplit(".", 1)[0] for k in model_state if k.startswith("lora.")}:
+        weight = f"{key.replace('__', '.')}.weight"
+        A, B = model_state[f"lora.{key}.A"], model_state[f"lora.{key}.B"]
+        out[weight] = out[weight] + (B @ A * scale).to(out[weight].dtype)
+    return out
 
 
 def _drop_stage_modules(model) -> None:
@@ -156,6 +204,40 @@ def _select_gpu(device: str) -> None:
         raise ConfigError(f"device={device}: this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices",
                           "use device: auto, or an index below the device count")  # fmt: skip
     torch.cuda.set_device(index)
+
+
+def _cpu_fp16(acc: Accelerator) -> None:
+    """accelerate gives fp16 on a CPU neither autocast nor a GradScaler: the run would be fp32 while
+    saying fp16. torch has both for the CPU, so they are installed where accelerate installs them on
+    CUDA: the same loss scaling, unscaling before clipping and skipped overflow steps run on a CPU
+    (slowly: it is there to check the fp16 path, e.g. in the tests)."""
+    if acc.mixed_precision == "fp16" and acc.device.type == "cpu" and acc.scaler is None:
+        acc.scaler = torch.amp.GradScaler("cpu")
+        acc.native_amp = True  # accelerate's autocast() and unscale_gradients() follow this flag
+
+
+def _activation_checkpointing(model, enable: bool) -> None:
+    """HF activation checkpointing of ``model``'s decoder layers, non-reentrant: each layer's forward
+    (the mixer inside it too) is recomputed in the backward instead of keeping its activations."""
+    if enable:
+        on = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x; older: gradient_checkpointing_enable
+        if on is not None:
+            on(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if getattr(model, "_require_grads_hook", None) is not None:  # for reentrant checkpoints only: not needed here
+            model.disable_input_require_grads()
+    else:
+        off = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        off()
+
+
+def _metric(value, device) -> torch.Tensor:
+    """A metric as a float64 0-d tensor on ``device`` (a kind's detached tensor; a Python number from
+    an older kind), without a copy that would wait for the device."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float64)
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 def _release_accelerate_state(mixed_precision: str) -> None:
@@ -202,7 +284,16 @@ class Distiller:
             warn_if_slow_bf16("cpu" if cpu else "cuda", "mixed_precision: bf16", "training will be that much slower: set mixed_precision: auto (or no)")
         _release_accelerate_state(self.precision.used)
         self.acc = Accelerator(cpu=cpu, mixed_precision=self.precision.used)
+        _cpu_fp16(self.acc)
+        # a teacher passed in keeps the dtype its caller gave it (bench train reuses one across precisions)
+        self.teacher_dtype = resolve_teacher_dtype(recipe.teacher_dtype, "cpu" if cpu else "cuda", self.precision.used) if teacher is None else None
+        self._check_teacher_dtype()
         self.is_main = self.acc.is_main_process
+        if self.acc.distributed_type == DistributedType.FSDP:
+            if self.precision.used == "fp16":  # accelerate's FSDP clip unscales a trainable subset twice
+                raise ConfigError("mixed_precision fp16 under FSDP is not supported by this trainer", "use mixed_precision: bf16 (or auto) with configs/accelerate/fsdp.yaml")
+            if recipe.images is not None:
+                raise ConfigError("image recipes do not run under FSDP", "launch them without --config_file configs/accelerate/fsdp.yaml (their students are small)")
         self._lock, self._made_out = None, False
         self._hold_run_dir()
         try:
@@ -215,13 +306,17 @@ class Distiller:
             raise
         if changes and self.is_main:
             print("--resume with --set: " + ", ".join(f"{key} {old!r} → {new!r}" for key, old, new in changes)
-                  + ("; the remaining steps compute with it (no longer bitwise an uninterrupted run)" if any(k in ("device", "mixed_precision") for k, _, _ in changes) else ""),
+                  + ("; the remaining steps compute with it (no longer bitwise an uninterrupted run)" if any(k.split(".")[-1] in RECOMPUTING for k, _, _ in changes) else ""),
                   file=sys.stderr)  # fmt: skip
         self._asked: set[int] = set()  # signals received (SIGTERM / SIGINT): stop after the current step
         self.metrics_path = self.out / "metrics.jsonl"
         # filled by run(): the frozen teacher, the data, the student being trained
         self.teacher, self.tokenizer = teacher, tokenizer
+        self.teacher_config = None if teacher is None else teacher.config  # set without the weights by a teacherless run
         self.teacher_info: dict = {}
+        # a teacherless run (_plan_teacherless): (top_k, dir) → (cache folder, fingerprint) of each remaining stage's logit cache
+        self.cached_teacher: dict[tuple, tuple[Path, str]] | None = None
+        self._source_key: str | None = None  # the teacher spec's files, recorded in the logit caches this run fills
         self.corpus = None
         self.blocks: torch.Tensor | None = None  # training blocks (n, block_len)
         self.eval_blocks: torch.Tensor | None = None
@@ -230,6 +325,17 @@ class Distiller:
         self.images = None  # image recipes (recipe.images): data.images.ImageData, the stages' dataset
         self.started = time.perf_counter()
         self.logit_caches: dict[tuple, object] = {}  # (top_k, dir) → LogitCache, shared by the run's stages
+
+    def _check_teacher_dtype(self) -> None:
+        """Layer-local kinds and CAB's bridges feed the teacher's activations to fp32 student modules:
+        a teacher in a reduced dtype needs autocast (mixed precision) to meet them there."""
+        if self.teacher_dtype in (None, torch.float32) or self.precision.used != "no":
+            return
+        name = str(self.teacher_dtype).removeprefix("torch.")
+        for i, cfg in enumerate(self.recipe.stages):
+            if not STAGE_KINDS[cfg.kind].through_model_forward:
+                raise ConfigError(f"stages[{i}] ({cfg.name}): a {name} teacher without mixed precision hands its {name} activations to the fp32 student modules of kind '{cfg.kind}'",
+                                  "set mixed_precision: bf16 (autocast meets them), or teacher_dtype: float32")  # fmt: skip
 
     def _hold_run_dir(self) -> None:
         """The run directory's lock (the main process takes it before anything is written), or an
@@ -275,15 +381,93 @@ class Distiller:
         return chosen
 
     # -- setup ---------------------------------------------------------------------------------
-    def _load_teacher(self):
+    def _load_teacher(self, state: TrainerState | None = None):
+        """The frozen teacher (and its tokenizer), or — when ``_plan_teacherless`` finds every remaining
+        stage served by a complete logit cache — its tokenizer and config only."""
+        if self.teacher is None and state is not None and self._plan_teacherless(state):
+            source = teachers.resolve_teacher(self.recipe.teacher)
+            gguf = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+            from transformers import AutoConfig, AutoTokenizer  # heavy: transformers
+
+            with teachers.quiet_loading():
+                self.teacher_config = AutoConfig.from_pretrained(source.location, **gguf)
+                self.tokenizer = AutoTokenizer.from_pretrained(source.location, **gguf)
+            if self.tokenizer.pad_token is None:
+                self.tokenizer.pad_token = self.tokenizer.eos_token
+            self.teacher_info = {"source": source.describe()}
+            return
+        self.cached_teacher = None
+        if self.teacher is None and self.recipe.images is None:  # loaded here from its spec: the caches it fills can say so
+            self._source_key = teacher_source_key(self.recipe.teacher, self.teacher_dtype, self._mode())
         if self.teacher is None and self.recipe.images is not None:  # an image classifier and its image processor
             self.teacher, self.tokenizer, self.teacher_info = load_vision_teacher(self.recipe.teacher, progress=self.progress and self.is_main)
+            self.teacher.to(dtype=self.teacher_dtype)
         elif self.teacher is None:
-            self.teacher, self.tokenizer, source = teachers.load_teacher(self.recipe.teacher, check_supported=True)
+            self.teacher, self.tokenizer, source = teachers.load_teacher(self.recipe.teacher, check_supported=True, dtype=self.teacher_dtype)
             self.teacher_info = {"source": source.describe()}
         else:
             self.teacher_info = {"source": {"kind": "object", "location": type(self.teacher).__name__}}
         self.teacher.to(self.acc.device).eval().requires_grad_(False)
+        self.teacher_config = self.teacher.config
+
+    def _mode(self) -> str:
+        """The compute mode a logit cache is keyed by (device type / mixed precision)."""
+        return f"{self.acc.device.type}/{self.precision.used}"
+
+    def _remaining(self, state: TrainerState) -> list[int]:
+        return [i for i in range(state.stage, len(self.recipe.stages)) if i not in state.finished]
+
+    def _plan_teacherless(self, state: TrainerState) -> bool:
+        """Whether this run can go without the teacher's weights: it resumes (the student exists), every
+        stage still to run is kd / kd_ce with a logit_cache and no attention_ratio (no layer to
+        convert), no data source samples the teacher, and each of those caches records this teacher
+        spec's files (same files, dtype and mode: ``logit_cache.teacher_source_key``). Whether the
+        caches hold every block is checked once the data is loaded (``_check_teacherless``)."""
+        r = self.recipe
+        if self.resume_from is None or r.images is not None or any(is_generated(src.corpus) for src in r.data.source_list()):
+            return False
+        stages = [r.stages[i] for i in self._remaining(state)]
+        if not stages or any(c.kind not in ("kd", "kd_ce") or c.logit_cache is None or c.attention_ratio is not None for c in stages):
+            return False
+        key = teacher_source_key(r.teacher, self.teacher_dtype, self._mode())
+        if key is None:  # a hub id: its files are not on this disk to compare
+            return False
+        found = {}
+        for c in stages:
+            hit = find_cache_dir(c.logit_cache.dir, c.logit_cache.top_k, key)
+            if hit is None:
+                return False
+            found[(c.logit_cache.top_k, c.logit_cache.dir)] = hit
+        self.cached_teacher = found
+        return True
+
+    def _check_teacherless(self, state: TrainerState) -> None:
+        """A teacherless run needs every block its remaining steps draw in the caches; when one is
+        missing, the teacher loads after all (and fills it), with a line saying why."""
+        if self.cached_teacher is None:
+            return
+        need: dict[tuple, set[int]] = {}
+        for i in self._remaining(state):
+            cfg = self.recipe.stages[i]
+            steps = self._stage_steps(cfg, len(self.blocks), self.recipe.data.block_len)
+            first = state.step if i == state.stage else 0  # every process's blocks of steps first..steps-1, in one draw
+            drawn = block_indices(len(self.blocks), self.recipe.seed + 1000 * i, first * cfg.batch_size, (steps - first) * cfg.batch_size)
+            need.setdefault((cfg.logit_cache.top_k, cfg.logit_cache.dir), set()).update(drawn.tolist())
+        total = sum(len(b) for b in need.values())
+        missing = 0
+        for key, blocks in need.items():
+            folder, fingerprint = self.cached_teacher[key]
+            cache = LogitCache(None, key[0], self._mode(), key[1], fingerprint=fingerprint)
+            missing += sum(not cache.has(self.blocks[b]) for b in sorted(blocks))
+        if self.is_main:
+            folders = ", ".join(str(f) for f, _ in self.cached_teacher.values())
+            if missing:
+                print(f"teacher-logit cache {folders} lacks {missing} of the {total} blocks the remaining steps draw: loading the teacher")
+            else:
+                print(f"teacher weights not loaded: every remaining stage reads the teacher's top-k from {folders} "
+                      f"(all {total} blocks there); tokenizer and config from {self.recipe.teacher}")  # fmt: skip
+        if missing:
+            self._load_teacher()
 
     def _load_data(self):
         if self.recipe.images is not None:  # a stratified fraction of the training split + the full test split
@@ -292,7 +476,7 @@ class Distiller:
                 print(self.images.describe())
             return
         d = self.recipe.data
-        check_block_len(d.block_len, getattr(self.teacher.config, "max_position_embeddings", None))
+        check_block_len(d.block_len, getattr(self.teacher_config, "max_position_embeddings", None))
         # The most blocks one LM stage draws: a mixture's size, and how far a hub source streams (None: epochs budgets only).
         budget = max((math.ceil(s.tokens / (s.batch_size * d.block_len)) * s.batch_size for s in self.recipe.stages if s.data is None and s.epochs is None), default=None)
         with self.acc.main_process_first():  # one process tokenizes (or samples the teacher), the others read its cache
@@ -321,7 +505,8 @@ class Distiller:
                                  placement=s.placement, align=s.align, where=s.where)  # fmt: skip
             student = convert(self.teacher, plan, {s.mixer: dict(s.mixer_options)}, teacher_info=self.teacher_info, init=s.init,
                               depth=s.depth, depth_map=s.layer_map)  # fmt: skip
-        self.student = student.to(self.acc.device)
+        # fp32 master weights whatever the teacher's dtype (convert builds the student in the teacher's)
+        self.student = student.to(device=self.acc.device, dtype=torch.float32)
         student.mixer_context.kernels = self.kernels.used
 
     def _calibration_ids(self) -> torch.Tensor:
@@ -361,8 +546,24 @@ class Distiller:
         self.student.mixer_context.kernels = self.kernels.used
 
     # -- checkpoints -----------------------------------------------------------------------------
+    def _gather(self, run: StageRun, stage_end: bool) -> tuple[dict, dict]:
+        """FSDP: the full student and optimizer state on the main process (CPU), every process taking
+        part; at the stage end LoRA is folded into the weights. Elsewhere: ({}, {})."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # only the main process receives them
+        model_state = get_model_state_dict(run.model, options=options)
+        optim_state = get_optimizer_state_dict(run.model, run.optimizer.optimizer, options=options)
+        if not self.is_main:
+            return {}, {}
+        if stage_end and run.cfg.lora is not None:
+            model_state = _fold_lora(model_state, run.cfg.lora.alpha / run.cfg.lora.r)
+        return model_state, _index_keyed(optim_state, run.param_names)
+
     def _save_checkpoint(self, state: TrainerState, run: StageRun) -> None:
         self.acc.wait_for_everyone()
+        if run.sharded:  # a collective: every process, before the main one writes
+            full_model, full_optim = self._gather(run, run.index in state.finished)
         if self.is_main:
             student = self.acc.unwrap_model(self.student)
             name = checkpoint_name(state.stage, state.step)
@@ -371,10 +572,16 @@ class Distiller:
             note = f" ({kept}, the last complete checkpoint, is intact)" if kept else " (no checkpoint is complete yet)"
 
             def write(folder: Path) -> None:
-                plain = {k: v for k, v in state_dict_without_lora(student).items() if not k.startswith("stage_modules.")}
+                everything = full_model if run.sharded else state_dict_without_lora(student)
+                plain = {k: v for k, v in everything.items() if not k.startswith(("lora.", "stage_modules."))}
                 student.save_pretrained(folder, state_dict=plain)
-                payload = {"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), "rng": rng_state()}
-                if hasattr(student, "lora"):  # a LoRA stage in progress: adapters travel beside the plain student
+                optim = full_optim if run.sharded else run.optimizer.state_dict()
+                payload = {"optimizer": optim, "scheduler": run.scheduler.state_dict(), "rng": rng_state()}
+                if self.acc.scaler is not None:  # fp16: the loss scale and its growth count, for an exact resume
+                    payload["scaler"] = self.acc.scaler.state_dict()
+                if run.sharded and any(k.startswith("lora.") for k in everything):
+                    payload["lora"] = {k[len("lora."):]: v for k, v in everything.items() if k.startswith("lora.")}
+                elif not run.sharded and hasattr(student, "lora"):  # a LoRA stage in progress: adapters travel beside the plain student
                     payload["lora"] = student.lora.state_dict()
                 if hasattr(student, "stage_modules"):  # and so do a stage's training-only modules
                     payload["stage_modules"] = student.stage_modules.state_dict()
@@ -473,35 +680,67 @@ class Distiller:
         if hasattr(unwrapped, "stage_modules"):  # they exist only to be trained, whatever the patterns say
             unwrapped.stage_modules.requires_grad_(True)
         params = [p for p in unwrapped.parameters() if p.requires_grad]
+        param_names = [n for n, p in unwrapped.named_parameters() if p.requires_grad]  # the same order as params
+        sharded = kind.through_model_forward and self.acc.distributed_type == DistributedType.FSDP
         optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
         steps = self._stage_steps(cfg, n_items, seq_len)
         lam = lr_multiplier(cfg.schedule.kind, steps, cfg.schedule.warmup, cfg.schedule.decay, cfg.schedule.min_lr_ratio)
+        # On the plain optimizer, stepped by _train_step only when the optimizer stepped (accelerate's
+        # scheduler wrapper would also step it once per process under a multi-process launch).
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
         if resume_payload is not None:
-            optimizer.load_state_dict(resume_payload["optimizer"])
+            if not sharded:  # FSDP: once the parameters are sharded (below)
+                optimizer.load_state_dict(resume_payload["optimizer"])
             scheduler.load_state_dict(resume_payload["scheduler"])
             set_rng_state(resume_payload["rng"])
-        # DDP wrap under accelerate launch (identity otherwise); layer-local kinds never call the
-        # model's forward, so they are not wrapped and their gradients are averaged in _train_step.
-        model = self.acc.prepare_model(unwrapped) if kind.through_model_forward else unwrapped
+            if self.acc.scaler is not None and "scaler" in resume_payload:  # fp16: the loss scale and its growth count
+                self.acc.scaler.load_state_dict(resume_payload["scaler"])
+        cfg = replace(cfg, kl_chunk=resolve_kl_chunk(cfg.kl_chunk, self.acc.device.type, self._vocab(unwrapped)))
+        # accelerate holds every model and optimizer it prepared until told otherwise, and its
+        # clip_grad_norm_ unscales (fp16) the gradients of each optimizer it holds: the last stage's
+        # share parameters with this one's, which would be unscaled twice.
+        self.acc.free_memory()
+        if kind.through_model_forward:
+            # DDP wrap under accelerate launch (identity otherwise), with the optimizer: the GradScaler (fp16)
+            # rides on it. Layer-local kinds never call the model's forward, so the model is not wrapped
+            # and their gradients are averaged in _train_step.
+            _activation_checkpointing(unwrapped, cfg.gradient_checkpointing)
+            model, optimizer = self.acc.prepare(unwrapped, optimizer)  # FSDP2: shards the student in place, remaps the optimizer
+        else:
+            model, optimizer = unwrapped, self.acc.prepare_optimizer(optimizer)
+        if sharded and resume_payload is not None:  # the full (unsharded) state, each process keeping its shards
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(model, optimizer.optimizer, _name_keyed(resume_payload["optimizer"], param_names),
+                                     options=StateDictOptions(full_state_dict=True))  # fmt: skip
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # FSDP: the sharded ones
         self.student = model
         model.train()
         return StageRun(stage_idx, cfg, kind, dataset, seq_len, n_items, steps, model, unwrapped, params, len(names), optimizer, scheduler,
-                        self._logit_cache(cfg))  # fmt: skip
+                        self._logit_cache(cfg, self._vocab(unwrapped)), param_names, sharded)  # fmt: skip
 
-    def _logit_cache(self, cfg):
+    @staticmethod
+    def _vocab(student) -> int:
+        """The width of the student's logits (its teacher's vocabulary; classes for an image student)."""
+        head = student.get_output_embeddings() if hasattr(student, "get_output_embeddings") else None
+        return head.weight.shape[0] if head is not None else getattr(student.config, "num_labels", 1)
+
+    def _logit_cache(self, cfg, vocab: int):
         """The stage's teacher-logit cache, keyed by the teacher and this run's compute mode (one
         fingerprint per run: the teacher is frozen)."""
         if cfg.logit_cache is None:
             return None
-        vocab = self.teacher.get_output_embeddings().weight.shape[0]
         if cfg.logit_cache.top_k > vocab:
             raise ConfigError(f"stage '{cfg.name}': logit_cache.top_k={cfg.logit_cache.top_k} exceeds the teacher's vocabulary ({vocab})",
                               f"set logit_cache.top_k to at most {vocab} (e.g. 64)")  # fmt: skip
         key = (cfg.logit_cache.top_k, cfg.logit_cache.dir)
         if key not in self.logit_caches:
-            mode = f"{self.acc.device.type}/{self.precision.used}"
-            self.logit_caches[key] = LogitCache(self.teacher, cfg.logit_cache.top_k, mode, cfg.logit_cache.dir, chunk_size=cfg.kl_chunk)
+            if self.teacher is None:  # a teacherless run: the cache the teacher's spec filled, by its fingerprint
+                self.logit_caches[key] = LogitCache(None, cfg.logit_cache.top_k, self._mode(), cfg.logit_cache.dir, chunk_size=cfg.kl_chunk,
+                                                    fingerprint=self.cached_teacher[key][1])  # fmt: skip
+            else:
+                source = {"key": self._source_key, "teacher": self.recipe.teacher, "dtype": str(self.teacher_dtype), "mode": self._mode()} if self._source_key else None
+                self.logit_caches[key] = LogitCache(self.teacher, cfg.logit_cache.top_k, self._mode(), cfg.logit_cache.dir, chunk_size=cfg.kl_chunk, source=source)
         cache = self.logit_caches[key]
         cache.stats = CacheStats()  # counted per stage
         return cache
@@ -525,53 +764,78 @@ class Distiller:
 
         return run.dataset.tokens(global_idx), (collate(a) for a in range(cfg.grad_accum))
 
-    def _train_step(self, run: StageRun, step: int) -> tuple[int, float, dict, float | None]:
-        """One optimizer step: (tokens, loss averaged over processes, metrics, grad norm)."""
+    def _train_step(self, run: StageRun, step: int) -> StepResult:
+        """One optimizer step. What it reads back from the device — loss and metrics summed over
+        micro-batches (and processes), the grad norm, the processes' stop signals — travels in one
+        tensor: one host sync per step, after the backward and before the optimizer steps, so a
+        non-finite loss stops the run before it reaches the weights."""
         cfg, model = run.cfg, run.model
         tokens, batches = self._micro_batches(run, step)
-        step_metrics: dict[str, float] = {}
-        step_loss = torch.zeros((), device=self.acc.device)
+        device, world = self.acc.device, self.acc.num_processes
+        step_loss = torch.zeros((), device=device)
+        sums: dict[str, torch.Tensor] = {}
         for a, batch in enumerate(batches):
             if run.logit_cache is not None:
                 batch["logit_cache"] = run.logit_cache
-            wrapped = model is not run.unwrapped
+            wrapped = model is not run.unwrapped or run.sharded  # FSDP2 shards in place
             sync = self.acc.no_sync(model) if wrapped and a < cfg.grad_accum - 1 else contextlib.nullcontext()
             with sync, self.acc.autocast():
                 loss, metrics = run.kind.loss(model, self.teacher, batch, cfg)
-                if not torch.isfinite(loss):
-                    ckpt = latest_checkpoint(self.out)
-                    raise TrainingError(
-                        f"non-finite loss ({loss.item()}) at stage '{cfg.name}' step {step + 1}",
-                        f"lower stages.{run.index}.optim.lr or the clip value; the last good checkpoint is {ckpt or 'none (nothing saved yet)'}",
-                    )
-                self.acc.backward(loss / cfg.grad_accum)
+                self.acc.backward(loss / cfg.grad_accum)  # fp16: scaled by the GradScaler
             step_loss += loss.detach() / cfg.grad_accum
-            for k, v in metrics.items():
-                step_metrics[k] = step_metrics.get(k, 0.0) + v / cfg.grad_accum
-        if self.acc.num_processes > 1 and not run.kind.through_model_forward:
+            for k, v in metrics.items():  # float64, as the Python floats they were summed in before
+                sums[k] = sums.get(k, 0.0) + _metric(v, device) / cfg.grad_accum
+        if world > 1 and not run.kind.through_model_forward:
             for p in run.params:
                 if p.grad is not None:
                     p.grad = self.acc.reduce(p.grad, "mean")
-        grad_norm = self.acc.clip_grad_norm_(run.params, cfg.clip) if cfg.clip else None
-        run.optimizer.step()
-        run.scheduler.step()
+        grad_norm = self.acc.clip_grad_norm_(run.params, cfg.clip) if cfg.clip else None  # fp16: unscales first
+        names = list(sums)
+        values = torch.stack([step_loss.double(), *(sums[k] for k in names)])
+        if world > 1:  # summed over processes, with the signals each was sent (so all stop after the same step)
+            asked = [torch.full((), float(signum in self._asked), dtype=torch.float64, device=device) for signum in (signal.SIGTERM, signal.SIGINT)]
+            values = self.acc.reduce(torch.cat([values, torch.stack(asked)]), "sum")
+        if grad_norm is not None:
+            full = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # a DTensor under FSDP2
+            values = torch.cat([values, full.detach().double().reshape(1)])
+        host = values.tolist()  # the step's one host sync
+        loss_value = host[0] / world
+        if not math.isfinite(loss_value):
+            ckpt = latest_checkpoint(self.out)
+            raise TrainingError(
+                f"non-finite loss ({loss_value}) at stage '{cfg.name}' step {step + 1}",
+                f"lower stages.{run.index}.optim.lr or the clip value; the last good checkpoint is {ckpt or 'none (nothing saved yet)'}",
+            )
+        run.optimizer.step()  # fp16: skipped by the GradScaler when a gradient overflowed
+        skipped = run.optimizer.step_was_skipped
+        if not skipped:
+            run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
-        loss_value = self.acc.reduce(step_loss, "mean").item()
-        return tokens, loss_value, step_metrics, None if grad_norm is None else float(grad_norm)
+        metrics = {k: host[1 + i] / world for i, k in enumerate(names)}
+        stop = None
+        if world > 1:
+            term, interrupt = host[1 + len(names)], host[2 + len(names)]
+            stop = signal.SIGTERM if term else signal.SIGINT if interrupt else 0
+        return StepResult(tokens, loss_value, metrics, host[-1] if grad_norm is not None else None, skipped, stop)
 
-    def _log_step(self, run: StageRun, state: TrainerState, loss: float, metrics: dict, grad_norm: float | None, tokens_per_s: float) -> None:
-        """One metrics line (with a held-out evaluation every ``eval_every`` steps and at the end)."""
+    def _log_step(self, run: StageRun, state: TrainerState, result: StepResult, tokens_per_s: float) -> None:
+        """One metrics line (with a held-out evaluation every ``eval_every`` steps and at the end). A
+        step the GradScaler skipped (fp16 overflow) counts like any other — its blocks were drawn, so
+        the data order stays a function of the step — and says ``"skipped": true``; its lr is the
+        one the schedule still holds (a skipped step does not advance it)."""
         cfg = run.cfg
         record = {"stage": cfg.name, "stage_index": run.index, "step": state.step, "tokens": state.tokens, "total_tokens": state.total_tokens,
-                  "loss": loss, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "processes": self.acc.num_processes, "kernels": self.kernels.used,
-                  **{f"train_{k}": v for k, v in metrics.items()}}  # fmt: skip
-        if grad_norm is not None:
-            record["grad_norm"] = grad_norm
+                  "loss": result.loss, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "processes": self.acc.num_processes,
+                  "kernels": self.kernels.used, **{f"train_{k}": v for k, v in result.metrics.items()}}  # fmt: skip
+        if result.grad_norm is not None:
+            record["grad_norm"] = result.grad_norm
+        if result.skipped:
+            record["skipped"] = True
         due = (cfg.eval_every and state.step % cfg.eval_every == 0) or state.step == run.steps
         if self.is_main and due and self.images is not None:
             scores = evaluate_classifier(self.acc.unwrap_model(self.student), self.images.test, max_images=self.recipe.images.eval_images)
             record["eval_loss"], record["eval_top1"] = scores["loss"], scores["top1"]
-        elif self.is_main and due and len(self.eval_blocks):
+        elif (self.is_main or run.sharded) and due and len(self.eval_blocks):  # FSDP: every process takes part in the forward
             record["eval_loss"] = self._eval_loss(cfg)
             record["eval_ppl"] = math.exp(min(record["eval_loss"], 50))
         if self.is_main:
@@ -582,6 +846,10 @@ class Distiller:
         """The stage's last step: LoRA merged and training-only modules dropped, so the stage-end
         checkpoint (and the next stage) hold the plain student."""
         state.finished.append(run.index)
+        if run.cfg.gradient_checkpointing:
+            _activation_checkpointing(run.unwrapped, False)
+        if run.sharded:  # the stage-end checkpoint folds LoRA into its full state dict, and every process reloads it
+            return
         merge_lora(self.acc.unwrap_model(run.model))
         _drop_stage_modules(self.acc.unwrap_model(run.model))
 
@@ -600,17 +868,19 @@ class Distiller:
                   f"{n_train / 1e6:.2f}M trainable params in {run.n_trainable_tensors} tensors")
         bar = tqdm(total=run.steps, initial=state.step, desc=f"{cfg.name}", disable=not (self.progress and self.is_main), dynamic_ncols=True)
         clock, unsaved = time.perf_counter(), False  # unsaved: steps taken since the last checkpoint
+        agreed = None  # several processes: the stop signal they agreed on in the last step's reduction
         try:
             while state.step < run.steps:
-                if signum := self._stop_asked():
+                if signum := self._stop_asked() if agreed is None else agreed:
                     self._stop(signum, state, run if unsaved else None)
-                tokens, loss, metrics, grad_norm = self._train_step(run, state.step)
-                state.advance(tokens)
+                result = self._train_step(run, state.step)
+                agreed = result.stop
+                state.advance(result.tokens)
                 now = time.perf_counter()
-                tokens_per_s = tokens / max(now - clock, 1e-9)
+                tokens_per_s = result.tokens / max(now - clock, 1e-9)
                 clock = now
-                self._log_step(run, state, loss, metrics, grad_norm, tokens_per_s)
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
+                self._log_step(run, state, result, tokens_per_s)
+                bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
                 bar.update(1)
                 last, unsaved = state.step == run.steps, True
                 if last:
@@ -623,9 +893,17 @@ class Distiller:
         if run.logit_cache is not None and self.is_main:
             st = run.logit_cache.stats
             print(f"[stage {stage_idx + 1}] teacher-logit cache: {st.hits} blocks read, {st.misses} computed and stored ({run.logit_cache.dir})")
+        if run.sharded:  # every process goes on from the stage-end checkpoint's full student, unsharded
+            self.student = self._plain_student(latest_checkpoint(self.out))
+            return
         self.student = self.acc.unwrap_model(run.model)
         merge_lora(self.student)
         _drop_stage_modules(self.student)
+
+    def _plain_student(self, folder: Path):
+        student = Attn2SSMForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.acc.device)
+        student.mixer_context.kernels = self.kernels.used
+        return student
 
     # -- stopping on a signal ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -683,8 +961,12 @@ class Distiller:
         if self.is_main:
             print(self.precision.describe())
             print(self.kernels.describe())
-        self._load_teacher()
+        state = TrainerState()
+        if self.resume_from is not None:
+            state = from_dict(TrainerState, json.loads((self.resume_from / "state.json").read_text()), "state")
+        self._load_teacher(state)
         self._load_data()
+        self._check_teacherless(state)
         # Only now (a teacher or corpus that fails to load leaves --out as it was; close() removes a
         # folder that holds nothing but the lock it made): a killed run's leftovers, the recipe, the metrics.
         if self.is_main:
@@ -694,9 +976,8 @@ class Distiller:
                 atomic_write_text(self.out / "recipe.yaml", self.recipe.to_yaml())
                 if self.resume_from is None:  # a run from scratch keeps no metric line of an earlier attempt
                     self.metrics_path.unlink(missing_ok=True)
-        state, payload = TrainerState(), None
+        payload = None
         if self.resume_from is not None:
-            state = from_dict(TrainerState, json.loads((self.resume_from / "state.json").read_text()), "state")
             payload = torch.load(self.resume_from / "optimizer.pt", weights_only=False)
         self._prepare_stage_data(state.stage)
         self._build_student()
@@ -750,9 +1031,26 @@ class Distiller:
                 if self.images is not None:
                     results = write_vision_report(self.out, self.recipe, self.teacher, student, self.images, seconds=round(time.perf_counter() - self.started, 1))
                 else:
-                    results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress,
-                                           settings=self.run_settings())  # fmt: skip
+                    results = self._write_report(student)
         self.acc.wait_for_everyone()
+        return results
+
+    def _write_report(self, student) -> dict:
+        """The language report. The teacher's held-out perplexity is kept beside the run's logit caches
+        (keyed by the held-out tokens and eval settings), so a teacherless run reports the value an
+        earlier run measured on the same teacher and held-out text, or says it did not measure it."""
+        caches = list(self.logit_caches.values())
+        e = self.recipe.eval
+        window = e.window or self.recipe.data.block_len
+        h = hashlib.sha256(self.corpus.heldout_ids.to("cpu", torch.int64).numpy().tobytes())
+        h.update(f"|{window}|{e.stride or window // 2}|{e.max_tokens}|{e.batch_size}".encode())
+        key = h.hexdigest()
+        known = next((p for p in (c.teacher_perplexity(key) for c in caches) if p is not None), None) if self.teacher is None else None
+        results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress, settings=self.run_settings(),
+                               teacher_ppl=known)  # fmt: skip
+        if self.teacher is not None:
+            for cache in caches:
+                cache.record_perplexity(key, results["teacher_ppl"])
         return results
 
 

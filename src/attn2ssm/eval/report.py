@@ -76,15 +76,20 @@ def plot_losses(metrics: list[dict], path: Path, title: str = "") -> Path | None
     return path
 
 
-def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: bool = True, settings: dict | None = None) -> dict:
+def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: bool = True, settings: dict | None = None,
+                 teacher_ppl: float | None = None) -> dict:  # fmt: skip
     """Score teacher and student on the held-out text; write results.json (with ``settings``: how the
-    run computed — device, mixed precision, kernels), report.md and loss.png."""
+    run computed — device, mixed precision, kernels), report.md and loss.png.
+
+    ``teacher`` None: a run that never loaded the teacher (distillation from a complete logit cache)
+    reports ``teacher_ppl`` (the value an earlier run measured on the same teacher and held-out text)
+    or, without one, no teacher perplexity and a note saying why."""
     run_dir = Path(run_dir)
     e = recipe.eval
     window = e.window or recipe.data.block_len
     stride = e.stride or window // 2
     kwargs = dict(window=window, stride=stride, batch_size=e.batch_size, max_tokens=e.max_tokens, progress=progress)
-    t = perplexity(teacher, corpus.heldout_ids, desc="teacher perplexity", **kwargs)
+    t = {"ppl": teacher_ppl} if teacher is None else perplexity(teacher, corpus.heldout_ids, desc="teacher perplexity", **kwargs)
     s = perplexity(student, corpus.heldout_ids, desc="student perplexity", **kwargs)
     metrics = read_metrics(run_dir)
     plot = plot_losses(metrics, run_dir / "loss.png", f"{recipe.name}: {recipe.student.mixer}")
@@ -96,7 +101,7 @@ def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: b
         "heldout": {"window": window, "stride": stride, "tokens": s["tokens"]},
         "teacher_ppl": t["ppl"],
         "student_ppl": s["ppl"],
-        "ppl_ratio": s["ppl"] / t["ppl"],
+        "ppl_ratio": s["ppl"] / t["ppl"] if t["ppl"] else None,
         "layer_plan": plan,
         "attention_layers": [i for i, k in enumerate(plan) if k == "attention"],
         "train_tokens": metrics[-1]["total_tokens"] if metrics else 0,
@@ -105,6 +110,10 @@ def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: b
         **(settings or {}),
         "environment": environment(),
     }
+    if teacher is None:
+        results["teacher_ppl_source"] = ("measured by an earlier run on the same teacher and held-out text (this run read the teacher from its logit cache)"
+                                         if t["ppl"] is not None else "not measured: this run read every teacher distribution from its logit cache "
+                                         "and never loaded the teacher")  # fmt: skip
     atomic_write_text(run_dir / "results.json", json.dumps(results, indent=1))
     if (run_dir / "student" / "config.json").is_file():  # its card, written before these results existed, gains them
         from attn2ssm.student.card import write_student_card  # heavy: transformers
@@ -121,7 +130,7 @@ def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: b
         "",
         "| model | held-out perplexity |",
         "|---|---|",
-        f"| teacher | {t['ppl']:.2f} |",
+        f"| teacher | {t['ppl']:.2f} |" if t["ppl"] is not None else f"| teacher | – ({results['teacher_ppl_source']}) |",
         f"| student | {s['ppl']:.2f} |",
         "",
         "| stage | kind | tokens |",

@@ -40,15 +40,15 @@ class AttentionTransferStage(TeacherForcedStage):
                 target = adapter.attention_probs(io.module, io.hidden_states, io.position_embeddings, mask)
             attn = attention_cross_entropy(target, weights, mask, form=opts["attention_form"])
             layer = layer + opts["attention"] * attn
-            metrics["attn"] = attn.item()
+            metrics["attn"] = attn.detach()
         if opts["output_mse"]:
             mse = output_mse(out, io.output, mask)
             layer = layer + opts["output_mse"] * mse
-            metrics["mse"] = mse.item()
+            metrics["mse"] = mse.detach()
         if opts["output_cosine"]:
             cos = output_cosine(out, io.output, mask)
             layer = layer + opts["output_cosine"] * cos
-            metrics["cos"] = cos.item()
+            metrics["cos"] = cos.detach()
         return layer, metrics
 
 

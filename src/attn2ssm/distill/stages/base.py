@@ -43,6 +43,8 @@ class StageKind:
         return opts
 
     def loss(self, student, teacher, batch: dict, cfg) -> tuple[torch.Tensor, dict]:
+        """(loss, metrics): metrics are detached 0-d tensors (``x.detach()``, never ``x.item()``: the
+        trainer sums them over a step's micro-batches and reads them with the loss in one host sync)."""
         raise NotImplementedError
 
 
@@ -84,7 +86,7 @@ class TeacherForcedStage(StageKind):
     def check_mixer(self, i: int, mixer, opts: dict, cfg) -> None:
         """Raise a ConfigError, before any compute, if layer ``i``'s mixer cannot take this loss."""
 
-    def layer_loss(self, mixer, io, adapter, mask, opts: dict) -> tuple[torch.Tensor, dict[str, float]]:
+    def layer_loss(self, mixer, io, adapter, mask, opts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
     def loss(self, student, teacher, batch, cfg):
@@ -102,8 +104,8 @@ class TeacherForcedStage(StageKind):
         for i, mixer in mixers.items():
             layer, metrics = self.layer_loss(mixer, io[i], adapter, mask, opts)
             total = total + layer
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
+            for k, v in metrics.items():  # in float64, as the Python floats of before summed
+                sums[k] = sums.get(k, 0.0) + v.double()
         n = len(mixers)
         return total / n, {k: v / n for k, v in sums.items()}
 

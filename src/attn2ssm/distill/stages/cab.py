@@ -269,13 +269,13 @@ class BridgeAlignmentStage(StageKind):
             b_pairs.append((phi_B(B).unflatten(-1, K.shape[-2:]), K))
             c_pairs.append((phi_C(C).unflatten(-1, Q.shape[-2:]), Q))
         loss, b, c = attention_bridge_loss(b_pairs, c_pairs, mask, b_weight=opts["b_weight"], c_weight=opts["c_weight"])
-        metrics = {"align_B": b.item(), "align_C": c.item()}
+        metrics = {"align_B": b.detach(), "align_C": c.detach()}
         if opts["kl_weight"]:
             kl = forward_kl(s_logits, t_logits, mask, temperature=cfg.temperature, chunk_size=cfg.kl_chunk)
             loss = loss + opts["kl_weight"] * kl
-            metrics["kl"] = kl.item()
+            metrics["kl"] = kl.detach()
         if opts["ce_weight"]:
             ce = cross_entropy(s_logits, ids, mask)
             loss = loss + opts["ce_weight"] * ce
-            metrics["ce"] = ce.item()
+            metrics["ce"] = ce.detach()
         return loss, metrics

@@ -53,7 +53,7 @@ def bidirectional_bridge_loss(feats: dict, targets: dict, bridges: Bridges, mask
             c_pairs.append((phi_C(C).unflatten(-1, Q.shape[-2:]), Q))
         loss, b, c = attention_bridge_loss(b_pairs, c_pairs, mask, b_weight=b_weight, c_weight=c_weight)
         total = total + loss
-        metrics[f"align_B_{direction}"], metrics[f"align_C_{direction}"] = b.item(), c.item()
+        metrics[f"align_B_{direction}"], metrics[f"align_C_{direction}"] = b.detach(), c.detach()
     return total, metrics
 
 
@@ -188,15 +188,15 @@ class VisionCABStage(ImageStage):
             mask = patch_mask(student, some_k.shape[0], some_k.shape[1], pixels.device) if opts["align_tokens"] == "patches" else None
             attn, metrics = bidirectional_bridge_loss(feats, targets, bridges, mask, opts["b_weight"], opts["c_weight"])
             loss = loss + opts["align_weight"] * attn
-            metrics["align"] = attn.item()
+            metrics["align"] = attn.detach()
         else:  # keep the bridges in the graph so every process reduces the same parameters
             loss = loss + 0.0 * sum(p.sum() for p in bridges.parameters())
         if opts["kl_weight"]:
             kl = softened_kl(s_logits, t_logits, cfg.temperature)
-            loss, metrics["kl"] = loss + opts["kl_weight"] * kl, kl.item()
+            loss, metrics["kl"] = loss + opts["kl_weight"] * kl, kl.detach()
         if opts["ce_weight"]:
             ce = F.cross_entropy(s_logits.float(), batch["labels"])
-            loss, metrics["ce"] = loss + opts["ce_weight"] * ce, ce.item()
+            loss, metrics["ce"] = loss + opts["ce_weight"] * ce, ce.detach()
         return loss, metrics
 
 

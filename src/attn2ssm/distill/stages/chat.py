@@ -37,14 +37,14 @@ class SFTStage(StageKind):
         ce_sum, count = response_cross_entropy(s_logits, ids, loss_mask)
         norm = _token_scale(batch, count)
         loss = ce_sum / norm
-        metrics = {"ce": loss.item()}
+        metrics = {"ce": loss.detach()}
         if opts["kl_weight"]:
             t_logits = teacher_targets(teacher, ids, mask, batch)
             # position t predicts token t+1: score the positions whose next token is the assistant's
             kl = forward_kl(s_logits[:, :-1], t_logits[:, :-1], loss_mask[:, 1:], temperature=cfg.temperature, chunk_size=cfg.kl_chunk)
             kl = kl * (count.clamp_min(1) / norm)  # forward_kl normalises by this batch's count
             loss = loss + opts["kl_weight"] * kl
-            metrics["kl"] = kl.item()
+            metrics["kl"] = kl.detach()
         return loss, metrics
 
 
@@ -71,12 +71,12 @@ class DPOStage(StageKind):
             rewards = opts["beta"] * (policy - ref)
             chosen, rejected = rewards[:n], rewards[n:]
             metrics = {
-                "reward_chosen": chosen.mean().item(),
-                "reward_rejected": rejected.mean().item(),
-                "reward_margin": (chosen - rejected).mean().item(),
-                "reward_accuracy": (chosen > rejected).float().mean().item(),
-                "logp_chosen": policy[:n].mean().item(),
-                "logp_rejected": policy[n:].mean().item(),
+                "reward_chosen": chosen.mean().detach(),
+                "reward_rejected": rejected.mean().detach(),
+                "reward_margin": (chosen - rejected).mean().detach(),
+                "reward_accuracy": (chosen > rejected).float().mean().detach(),
+                "logp_chosen": policy[:n].mean().detach(),
+                "logp_rejected": policy[n:].mean().detach(),
             }
         return loss, metrics
 

@@ -15,7 +15,7 @@ class CrossEntropyStage(StageKind):
     def loss(self, student, teacher, batch, cfg):
         logits = student(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False).logits
         loss = cross_entropy(logits, batch["input_ids"], batch.get("attention_mask"))
-        return loss, {"ce": loss.item()}
+        return loss, {"ce": loss.detach()}
 
 
 def teacher_targets(teacher, ids, mask, batch):
@@ -41,7 +41,7 @@ class KnowledgeDistillationStage(StageKind):
         loss = forward_kl(s_logits, t_logits, mask, temperature=cfg.temperature, chunk_size=cfg.kl_chunk)
         with torch.no_grad():
             ce = cross_entropy(s_logits, ids, mask)
-        return loss, {"kl": loss.item(), "ce": ce.item()}
+        return loss, {"kl": loss.detach(), "ce": ce.detach()}
 
 
 class KDCrossEntropyStage(StageKind):
@@ -66,6 +66,6 @@ class KDCrossEntropyStage(StageKind):
         s_logits = student(input_ids=ids, attention_mask=mask, use_cache=False).logits
         loss, ce, kl = kd_ce_loss(s_logits, t_logits, ids, mask, ce_weight=opts["ce_weight"], kl_weight=opts["kl_weight"],
                                   labels=opts["labels"], temperature=cfg.temperature, chunk_size=cfg.kl_chunk)
-        return loss, {"ce": ce.item(), "kl": kl.item()}
+        return loss, {"ce": ce.detach(), "kl": kl.detach()}
 
 

@@ -37,7 +37,7 @@ class MatrixOrientationStage(TeacherForcedStage):
         with torch.no_grad():
             target = adapter.attention_probs(io.module, io.hidden_states, io.position_embeddings, mask)
         dist = matrix_distance(M, target, mask, norm=opts["matrix_norm"])
-        return dist, {"matrix": dist.item()}
+        return dist, {"matrix": dist.detach()}
 
 
 class HiddenAlignmentStage(TeacherForcedStage):
@@ -55,6 +55,6 @@ class HiddenAlignmentStage(TeacherForcedStage):
 
     def layer_loss(self, mixer, io, adapter, mask, opts):
         dist = hidden_distance(teacher_forced_output(mixer, io, mask), io.output, mask, form=opts["distance"])
-        return dist, {"hidden": dist.item()}
+        return dist, {"hidden": dist.detach()}
 
 

@@ -34,7 +34,7 @@ class VisionCrossEntropyStage(ImageStage):
     def loss(self, student, teacher, batch, cfg):
         logits = student(pixel_values=batch["pixel_values"]).logits
         loss = F.cross_entropy(logits.float(), batch["labels"])
-        return loss, {"ce": loss.item()}
+        return loss, {"ce": loss.detach()}
 
 
 class VisionKDStage(ImageStage):
@@ -50,10 +50,10 @@ class VisionKDStage(ImageStage):
             t_logits = teacher(pixel_values=batch["pixel_values"]).logits
         s_logits = student(pixel_values=batch["pixel_values"]).logits
         kl = softened_kl(s_logits, t_logits, cfg.temperature)
-        loss, metrics = opts["kl_weight"] * kl, {"kl": kl.item()}
+        loss, metrics = opts["kl_weight"] * kl, {"kl": kl.detach()}
         if opts["ce_weight"]:
             ce = F.cross_entropy(s_logits.float(), batch["labels"])
-            loss, metrics["ce"] = loss + opts["ce_weight"] * ce, ce.item()
+            loss, metrics["ce"] = loss + opts["ce_weight"] * ce, ce.detach()
         return loss, metrics
 
 
