@@ -290,14 +290,17 @@ def score_unit(unit: Unit, model, tokenizer, settings: SuiteSettings, inputs: di
 
 
 def score_side(model, tokenizer, settings: SuiteSettings, inputs: dict, cache: SideCache | None = None, progress: bool = True,
-               on_unit=None) -> dict:  # fmt: skip
+               on_unit=None, loader=None) -> dict:  # fmt: skip
     """Every unit of the suite for one model (from ``cache`` where it holds the unit); ``on_unit``
-    is called after each unit with the scores so far (a killed run keeps its finished units)."""
+    is called after each unit with the scores so far (a killed run keeps its finished units).
+    ``model`` may be None with a ``loader`` that returns it: it is called only if a unit is not cached."""
     scores: dict = {}
     for unit in plan_units(settings):
         key = unit_key(unit, settings, inputs) if cache is not None else None
         found = cache.get(key) if cache is not None else None
         if found is None:
+            if model is None:
+                model = loader()
             found = score_unit(unit, model, tokenizer, settings, inputs, progress)
             if cache is not None:
                 cache.put(key, found)
@@ -376,6 +379,44 @@ def anchors_table(rows: list[dict], settings: SuiteSettings) -> list[str]:
         rec.append("–" if t is None or s is None or t <= 0 else f"{100 * s / t:.0f} %")
     lines.append("| recovered | " + " | ".join(rec) + " |")
     return lines
+
+
+IN_DOMAIN = ("sotu", "moby-dick")
+
+
+def summary(rows: list[dict], settings: SuiteSettings) -> list[tuple[str, float | None, float | None]]:
+    """A few numbers per model for a scoreboard: (label, teacher, student) of the core-task mean
+    accuracy, MMLU 0/5-shot, the generation task, the needles' mean greedy match at the longest
+    length, and the perplexity ratio (student / teacher, geometric mean) on the corpora of other
+    domains at the longest window."""
+    by_id = {r["id"]: r for r in rows}
+
+    def mean(ids, side, geometric=False):
+        values = [by_id[i][side] for i in ids if i in by_id and by_id[i][side] is not None]
+        if not values or len(values) < len(ids):
+            return None
+        return math.exp(sum(map(math.log, values)) / len(values)) if geometric else sum(values) / len(values)
+
+    core = [f"task/{t.task}/0" for t in settings.tasks if t.shots == 0 and t.task != "mmlu"]
+    out = [("core avg", mean(core, "teacher"), mean(core, "student"))]
+    for t in settings.tasks:
+        if t.task == "mmlu":
+            rid = f"task/mmlu/{t.shots}"
+            out.append((t.label or t.name, mean([rid], "teacher"), mean([rid], "student")))
+    if settings.generation is not None:
+        rid = f"task/{settings.generation.task}/{settings.generation.shots}"
+        out.append((settings.generation.label or settings.generation.name, mean([rid], "teacher"), mean([rid], "student")))
+    if settings.niah_lengths:
+        longest = max(settings.niah_lengths)
+        ids = [f"niah/{f}/{longest}" for f in settings.niah_forms]
+        out.append((f"NIAH @{longest}", mean(ids, "teacher"), mean(ids, "student")))
+    other = [c for c in settings.corpora if c not in IN_DOMAIN]
+    if other and settings.windows:
+        w = max(settings.windows)
+        ids = [f"ppl/{c}/{w}" for c in other]
+        t, st = mean(ids, "teacher", True), mean(ids, "student", True)
+        out.append((f"ppl ratio, other domains @{w}", 1.0 if t else None, None if t is None or st is None else st / t))
+    return out
 
 
 def format_suite_markdown(report: dict) -> str:
