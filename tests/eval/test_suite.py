@@ -151,7 +151,9 @@ def test_run_suite_writes_the_table_and_caches_the_teacher(pair, tmp_path):
     for name in ("suite.json", "suite.md", "suite.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
     md = (tmp_path / "out" / "suite.md").read_text()
-    assert "| model | ARC-e | avg (core) | MMLU | TQA | NIAH-1 @400 | NIAH-3 @400 |" in md and "± " in md and "CPU s (teacher / student)" in md
+    assert "| model | ARC-e | avg (core) | MMLU | TQA | NIAH-1 @400 | NIAH-3 @400 |" in md and "CPU s (teacher / student)" in md
+    arc = by["task/arc_easy/0"]
+    assert f"| {100 * arc['teacher']:.1f} ± {100 * arc['teacher_se']:.1f} |" in md  # accuracies in %, ± SE in points
     assert json.loads((tmp_path / "out" / "suite.json").read_text())["rows"] == json.loads(json.dumps(report["rows"]))
     # the teacher again: every unit from the cache, the same numbers
     again = run_suite(str(root / "student"), str(root / "teacher"), tmp_path / "out2", settings, cache_dir=tmp_path / "cache", progress=False)

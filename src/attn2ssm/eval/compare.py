@@ -198,7 +198,8 @@ def _fmt(v) -> str:
 
 
 def _with_se(value, se) -> str:
-    return _fmt(value) if se is None or value is None else f"{_fmt(value)} ± {se:.3f}"
+    """A score with a standard error is a fraction of items: shown in %, ± its SE in points."""
+    return _fmt(value) if se is None or value is None else f"{100 * value:.1f} ± {100 * se:.1f}"
 
 
 def _cpu(seconds: dict | None) -> str:
@@ -208,7 +209,8 @@ def _cpu(seconds: dict | None) -> str:
 
 
 def format_table(rows: list[dict]) -> list[str]:
-    """The teacher-vs-student table; with the suite's columns (± SE, n, CPU s) where rows have them."""
+    """The teacher-vs-student table; with the suite's columns (n, CPU s) where rows have them. A score
+    with a standard error (a mean over items) is written in % ± its SE in points."""
     full = any("n" in r for r in rows)
     head = ["group", "metric", "teacher", "student", "recovered"] + (["n", "CPU s (teacher / student)"] if full else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

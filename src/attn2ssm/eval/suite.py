@@ -432,7 +432,7 @@ def format_suite_markdown(report: dict) -> str:
         "",
         *anchors_table(rows, settings),
         "",
-        "Every row: the score ± its standard error where the score is a mean over items (binomial: sqrt(p (1 - p) / n)); "
+        "Every row: the score, and where it is a mean over items (an accuracy, in %) ± its standard error in points (binomial: sqrt(p (1 - p) / n)); "
         "n = items (documents, trials), or scored tokens for perplexity; recovered = student / teacher (teacher / student for "
         "perplexity); CPU s = process CPU seconds each side cost on this machine (\"cached\": the teacher's unit came from the cache; "
         "a needle's recall is computed with its greedy run).",
