@@ -167,3 +167,20 @@ def test_suite_flags_are_one_line_errors(capsys, tmp_path):
     assert "--quick is a form of the suite" in one_line_error(capsys, ["eval", str(tmp_path), "--quick"])
     assert "unknown suite 'huge'" in one_line_error(capsys, ["eval", str(tmp_path), "--suite", "huge"])
     assert "different evaluations" in one_line_error(capsys, ["eval", str(tmp_path), "--suite", "standard", "--report"])
+
+
+@pytest.mark.slow
+def test_the_real_teacher_against_itself_recovers_everything(tmp_path):
+    """The built-in teacher as its own student on a shrunk suite (the real corpora, tasks and needle
+    prompts): every row recovers 100 %, and the teacher's scores are what a teacher of its size scores."""
+    pytest.importorskip("lm_eval", reason="needs lm_eval (pip install -e '.[eval]')")
+    settings = with_overrides(suite_settings("standard", quick=True), corpora=("kjv", "pydoc", "emails"), windows=(1024,), max_tokens=2048,
+                              tasks=(TaskSpec("arc_easy", "acc", 0, 40, "ARC-e"),), generation=TaskSpec("triviaqa", "exact_match", 0, 8, "TQA"),
+                              niah_forms=("niah_single_1", "niah_single_2"), niah_lengths=(1024,), niah_trials=2)  # fmt: skip
+    report = run_suite("smollm2-135m", "smollm2-135m", tmp_path / "out", settings, cache_dir=tmp_path / "cache", progress=False)
+    for r in report["rows"]:
+        if r["teacher"]:
+            assert r["recovered"] == pytest.approx(1.0, rel=1e-3), r
+    by = {r["id"]: r for r in report["rows"]}
+    assert 5 < by["ppl/kjv/1024"]["teacher"] < 200 and by["ppl/pydoc/1024"]["n"] == 2047
+    assert 0.3 < by["task/arc_easy/0"]["teacher"] < 0.8  # 0.516 on all 2376 questions

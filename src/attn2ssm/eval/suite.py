@@ -319,7 +319,7 @@ def row_labels(settings: SuiteSettings) -> list[tuple[str, str, str, bool]]:
     for unit in plan_units(settings):
         if unit.kind == "ppl":
             corpus, window = unit.params
-            rows.append((unit.id, f"perplexity {corpus} ({DOMAINS.get(corpus, 'held-out')})", f"ppl @{window}", False))
+            rows.append((unit.id, f"perplexity {corpus}", f"ppl @{window}", False))
         elif unit.kind == "task":
             spec = unit.params[0]
             kind = "generation, greedy" if spec == settings.generation else f"{spec.shots}-shot"
@@ -341,7 +341,7 @@ def pair_rows(settings: SuiteSettings, teacher: dict, student: dict) -> list[dic
         if t is None and s is None:
             continue
         cpu = {side: (None if (x is None or x.get("cached")) else x.get("cpu_seconds")) for side, x in (("teacher", t), ("student", s))}
-        extra = {"id": rid, "teacher_se": (t or {}).get("se"), "student_se": (s or {}).get("se"), "n": (s or t)["n"], "cpu_seconds": cpu}
+        extra = {"id": rid, **({"domain": DOMAINS[rid.split("/")[1]]} if rid.startswith("ppl/") and rid.split("/")[1] in DOMAINS else {}), "teacher_se": (t or {}).get("se"), "student_se": (s or {}).get("se"), "n": (s or t)["n"], "cpu_seconds": cpu}
         row = _row(group, metric, None if t is None else t["value"], None if s is None else s["value"], higher, **extra)
         if rid.startswith("ppl/") and t and s:
             row["ratio"] = s["value"] / t["value"]  # student / teacher perplexity, the papers' form
