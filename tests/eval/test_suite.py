@@ -184,3 +184,22 @@ def test_the_real_teacher_against_itself_recovers_everything(tmp_path):
     by = {r["id"]: r for r in report["rows"]}
     assert 5 < by["ppl/kjv/1024"]["teacher"] < 200 and by["ppl/pydoc/1024"]["n"] == 2047
     assert 0.3 < by["task/arc_easy/0"]["teacher"] < 0.8  # 0.516 on all 2376 questions
+
+
+def test_eval_suite_command_prints_and_writes(pair, tmp_path, monkeypatch, capsys):
+    """``attn2ssm eval STUDENT --suite standard --quick --against T --out DIR`` (the suite shrunk to tiny sizes)."""
+    import attn2ssm.eval.suite as suite
+    from attn2ssm.cli import main
+
+    root, corpus = pair
+    asked = []
+    tiny = SuiteSettings(name="standard --quick", corpora=(str(corpus),), windows=(32,), max_tokens=200, tasks=(TaskSpec("piqa", "acc", 0, 2, "PIQA"),),
+                         generation=None, niah_forms=("niah_single_1",), niah_lengths=(400,), niah_trials=1, batch_size=2)  # fmt: skip
+    monkeypatch.setattr(suite, "suite_settings", lambda name, quick=False: asked.append((name, quick)) or tiny)
+    out = tmp_path / "suite"
+    assert main(["eval", str(root / "student"), "--suite", "standard", "--quick", "--against", str(root / "teacher"), "--out", str(out),
+                 "--suite-cache", str(tmp_path / "cache")]) == 0  # fmt: skip
+    assert asked == [("standard", True)]
+    printed = capsys.readouterr().out
+    assert "| model | PIQA | avg (core) | NIAH-1 @400 |" in printed and f"wrote {out / 'suite.md'}" in printed
+    assert json.loads((out / "suite.json").read_text())["suite"] == "standard --quick"
