@@ -55,12 +55,33 @@ def test_standard_and_quick_settings_meet_their_standard_errors():
 def test_task_samples_are_a_fixed_random_subset(monkeypatch):
     import attn2ssm.eval.harness as harness
 
+    import attn2ssm.eval.suite as suite
+
     monkeypatch.setattr(harness, "doc_counts", lambda name: {"x_1": 10, "x_2": 3})
+    suite._doc_counts.cache_clear()
     a = task_samples(TaskSpec("x", items=4), seed=1)
     assert a == task_samples(TaskSpec("x", items=4), seed=1) and a != task_samples(TaskSpec("x", items=4), seed=2)
     assert len(a["x_1"]) == 4 and a["x_1"] == sorted(set(a["x_1"])) and all(0 <= i < 10 for i in a["x_1"])
     assert a["x_2"] == [0, 1, 2]  # fewer documents than items: all of them
     assert task_samples(TaskSpec("x"), seed=1) is None
+    suite._doc_counts.cache_clear()
+
+
+def test_model_identity_changes_with_the_weights_not_with_eval_outputs(tmp_path):
+    import os
+
+    from attn2ssm.eval.suite import model_identity
+
+    assert model_identity("smollm2-135m") == "smollm2-135m"
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    first = model_identity(str(tmp_path))
+    (tmp_path / "eval" / "suite").mkdir(parents=True)
+    (tmp_path / "eval" / "suite" / "suite.json").write_text("{}")
+    assert model_identity(str(tmp_path)) == first
+    (tmp_path / "model.safetensors").write_bytes(b"xy")
+    os.utime(tmp_path / "model.safetensors", ns=(1, 1))
+    assert model_identity(str(tmp_path)) != first
 
 
 def _settings(**kw) -> SuiteSettings:

@@ -26,6 +26,7 @@ so a teacher is scored once for every student set against it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -172,9 +173,11 @@ def unit_key(unit: Unit, settings: SuiteSettings, inputs: dict) -> dict:
     if unit.kind == "ppl":
         key.update(corpus=corpus_stamp(unit.params[0]), ids=inputs["ids_sha"][unit.params[0]], window=unit.params[1])
     elif unit.kind == "task":
+        from importlib.metadata import version
+
         from attn2ssm.eval.harness import _data_versions
 
-        key.update(task=asdict(unit.params[0]), seed=settings.seed, data=_data_versions(), max_gen_toks=settings.max_gen_toks)
+        key.update(task=asdict(unit.params[0]), seed=settings.seed, data=_data_versions(), lm_eval=version("lm_eval"), max_gen_toks=settings.max_gen_toks)
         key["task"].pop("label")
     else:
         key.update(trials=settings.niah_trials, seed=settings.seed, essay=inputs["essay_sha"] if unit.params[0] != "niah_single_1" else None)
@@ -186,13 +189,18 @@ def task_samples(spec: TaskSpec, seed: int) -> dict[str, list[int]] | None:
     ``seed`` and the task's name (all of them where a task has no more)."""
     if spec.items is None:
         return None
-    from attn2ssm.eval.harness import doc_counts
-
     out = {}
-    for task, count in doc_counts(spec.task).items():
+    for task, count in _doc_counts(spec.task).items():
         k = min(spec.items, count)
         out[task] = sorted(random.Random(f"{seed}/{task}").sample(range(count), k))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _doc_counts(name: str) -> dict[str, int]:
+    from attn2ssm.eval import harness
+
+    return harness.doc_counts(name)
 
 
 class SideCache:
@@ -221,11 +229,12 @@ class SideCache:
 
 def model_identity(spec: str) -> str:
     """What names a model's weights for the cache: a built-in name or hub id as given, a directory
-    with the sizes and modification times of its weight files."""
+    with the sizes and modification times of its weight and config files (its own files only: an
+    ``eval/`` folder beside them does not count)."""
     path = Path(spec).expanduser()
     if not path.exists():
         return spec
-    files = sorted(p for p in path.rglob("*") if p.suffix in (".safetensors", ".bin", ".gguf", ".json"))
+    files = sorted(p for p in path.glob("*") if p.is_file() and p.suffix in (".safetensors", ".bin", ".gguf", ".json"))
     stamp = [f"{p.relative_to(path)}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in files] if path.is_dir() else [f"{path.stat().st_size}|{path.stat().st_mtime_ns}"]
     return f"{path.resolve()}#" + hashlib.sha256("\n".join(stamp).encode()).hexdigest()[:16]
 
