@@ -119,7 +119,7 @@ def test_pydoc_is_local_and_pinned_by_python():
     assert len(docs) > 100 and all(d.id.startswith("pydoc/") for d in docs)
     assert any(d.text.startswith('The "with" statement') for d in docs)
     assert corpus_stamp("pydoc") == f"pydoc_data.topics@python-{platform.python_version()}"
-    train, held = split_documents(docs, "pydoc")
+    _, held = split_documents(docs, "pydoc")
     assert 5 <= len(held) <= 20
 
 

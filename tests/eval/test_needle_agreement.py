@@ -5,7 +5,10 @@ import torch
 from tiny_models import make_tokenizer, tiny_model
 
 from attn2ssm.eval.agreement import generation_agreement, heldout_prompts, lcs_length, prefix_match, rouge_l
-from attn2ssm.eval.needle import FILLER, build_prompt, key_recalled, needle_text, passkey_grid, plot_passkey
+from attn2ssm.eval.needle import (
+    FILLER, NIAH_FORMS, build_prompt, essay_sentences, key_recalled, needle_text, niah_depths, niah_grid, niah_key_value, niah_prompt, niah_text,
+    passkey_grid, plot_passkey,
+)  # fmt: skip
 
 
 def test_lcs_and_rouge_hand_cases():
@@ -88,9 +91,6 @@ def test_generation_agreement_self_is_perfect_and_other_is_not():
 
 
 # ------------------------------------------------------------------------------ RULER niah_single
-from attn2ssm.eval.needle import (  # noqa: E402
-    NIAH_FORMS, essay_sentences, niah_depths, niah_grid, niah_key_value, niah_prompt, niah_text,
-)  # fmt: skip
 
 
 def test_niah_text_is_rulers_single_needle_prompt():

@@ -53,9 +53,7 @@ def test_standard_and_quick_settings_meet_their_standard_errors():
 
 
 def test_task_samples_are_a_fixed_random_subset(monkeypatch):
-    import attn2ssm.eval.harness as harness
-
-    import attn2ssm.eval.suite as suite
+    from attn2ssm.eval import harness, suite
 
     monkeypatch.setattr(harness, "doc_counts", lambda name: {"x_1": 10, "x_2": 3})
     suite._doc_counts.cache_clear()
@@ -209,8 +207,8 @@ def test_the_real_teacher_against_itself_recovers_everything(tmp_path):
 
 def test_eval_suite_command_prints_and_writes(pair, tmp_path, monkeypatch, capsys):
     """``attn2ssm eval STUDENT --suite standard --quick --against T --out DIR`` (the suite shrunk to tiny sizes)."""
-    import attn2ssm.eval.suite as suite
     from attn2ssm.cli import main
+    from attn2ssm.eval import suite
 
     root, corpus = pair
     asked = []

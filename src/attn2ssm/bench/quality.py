@@ -39,9 +39,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from attn2ssm.errors import ConfigError, TrainingError
 from attn2ssm.paths import atomic_write_bytes, atomic_write_text
+
+if TYPE_CHECKING:
+    from attn2ssm.eval.suite import SuiteSettings
 
 # family name → recipe (built-in name or YAML path)
 FAMILIES = {"lolcats": "lolcats", "mamba2": "mamba2_pure", "hybrid50": "hybrid50", "hybrid25": "hybrid25", "hybrid12": "hybrid12", "linear_hybrid25": "linear_hybrid25"}
@@ -63,7 +67,7 @@ class EvalSettings:
     passkey_depths: tuple[float, ...] = (0.0, 0.5, 1.0)
     passkey_trials: int = 2
     passkey_seed: int = 0
-    suite: "SuiteSettings | None" = None  # noqa: F821  the evaluation suite every cell is also scored on (None: not scored)
+    suite: SuiteSettings | None = None  # the evaluation suite every cell is also scored on (None: not scored)
 
     def as_dict(self) -> dict:
         """The settings of the perplexity / agreement / passkey metrics (the suite's are kept apart,
@@ -567,7 +571,7 @@ def suite_record(student, tokenizer, reference: TeacherReference, progress: bool
     return {"settings": suite.as_dict(), "rows": pair_rows(suite, teacher, mine), "scores": mine, "cpu_seconds": time.process_time() - start}
 
 
-def rescore_suite(cell: "Cell", reference: TeacherReference, progress: bool = True) -> dict:
+def rescore_suite(cell: Cell, reference: TeacherReference, progress: bool = True) -> dict:
     """Add (or replace) the suite's rows of a cell already scored on everything else: the student is
     loaded and scored on the suite alone; nothing is retrained, the cell's other numbers are kept."""
     from attn2ssm.student.loading import load_model_and_tokenizer

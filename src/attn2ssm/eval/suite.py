@@ -196,7 +196,7 @@ def task_samples(spec: TaskSpec, seed: int) -> dict[str, list[int]] | None:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _doc_counts(name: str) -> dict[str, int]:
     from attn2ssm.eval import harness
 
@@ -441,15 +441,19 @@ def format_suite_markdown(report: dict) -> str:
         "",
         *anchors_table(rows, settings),
         "",
-        "Every row: the score, and where it is a mean over items (an accuracy, in %) ± its standard error in points (binomial: sqrt(p (1 - p) / n)); "
-        "n = items (documents, trials), or scored tokens for perplexity; recovered = student / teacher (teacher / student for "
-        "perplexity); CPU s = process CPU seconds each side cost on this machine (\"cached\": the teacher's unit came from the cache; "
-        "a needle's recall is computed with its greedy run).",
+        (
+            "Every row: the score, and where it is a mean over items (an accuracy, in %) ± its standard error in points (binomial: sqrt(p (1 - p) / n)); "
+            "n = items (documents, trials), or scored tokens for perplexity; recovered = student / teacher (teacher / student for "
+            "perplexity); CPU s = process CPU seconds each side cost on this machine (\"cached\": the teacher's unit came from the cache; "
+            "a needle's recall is computed with its greedy run)."
+        ),
         "",
         *format_table(rows),
         "",
-        f"CPU seconds in all: teacher {cost.get('teacher', 0):,.0f} (of units computed now), student {cost.get('student', 0):,.0f}; "
-        f"{report['environment'].get('cpu_count')} CPUs, torch threads {report.get('threads')}.",
+        (
+            f"CPU seconds in all: teacher {cost.get('teacher', 0):,.0f} (of units computed now), student {cost.get('student', 0):,.0f}; "
+            f"{report['environment'].get('cpu_count')} CPUs, torch threads {report.get('threads')}."
+        ),
         "",
         "![recovered fraction](suite.png)",
         "",
