@@ -124,6 +124,7 @@ def _cli(*args) -> subprocess.CompletedProcess:
     (["--family", "qs=quickstart", "--families", "qs", "--budgets", "512"], "a budget of 512 tokens is less than one optimizer step per stage"),
     (["--family", "qs=quickstart", "--only", "qs-4096"], "is not FAMILY@TOKENS"),
     (["--family", "a/b=quickstart"], "is not NAME=RECIPE with a plain name"),
+    (["--family", "qs=quickstart", "--families", "qs", "--suite", "huge"], "--suite 'huge' is not a suite"),
 ])  # fmt: skip
 def test_bad_input_is_one_line(args, needle, tmp_path):
     r = _cli(*args, "--out-dir", tmp_path / "grid", "--json", tmp_path / "q.json")

@@ -105,6 +105,10 @@ def test_pair_rows_and_the_anchors_table_by_hand():
     assert ppl["cpu_seconds"] == {"teacher": None, "student": 3.0}  # the teacher's came from the cache
     assert by["task/arc_easy/0"]["recovered"] == pytest.approx(0.5) and by["task/arc_easy/0"]["teacher_se"] == 0.25
     assert [r["id"] for r in rows] == list(teacher)  # table order: perplexity, tasks, generation, needles
+    from attn2ssm.eval.compare import format_table
+
+    assert "| perplexity c | ppl @8 | 10 | 12.5 | 80.0 % (1.25×) | 50 | cached / 3 |" in format_table(rows)
+    assert "| arc_easy (0-shot) | acc | 50.0 ± 25.0 | 25.0 ± 25.0 | 50.0 % | 4 | 1 / 1 |" in format_table(rows)
     table = anchors_table(rows, s)
     assert table[0] == "| model | ARC-e | avg (core) | MMLU 5-shot | TQA | NIAH-1 @100 |"
     assert table[2] == "| teacher | 50.0 | 50.0 | 25.0 | 50.0 | 100.0 |"

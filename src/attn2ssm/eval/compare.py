@@ -216,6 +216,8 @@ def format_table(rows: list[dict]) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         rec = "–" if r["recovered"] is None else f"{100 * r['recovered']:.1f} %"
+        if r.get("ratio") is not None:  # perplexity: also the papers' student / teacher ratio
+            rec += f" ({r['ratio']:.2f}×)"
         cells = [r["group"], r["metric"], _with_se(r["teacher"], r.get("teacher_se")), _with_se(r["student"], r.get("student_se")), rec]
         if full:
             cells += ["–" if r.get("n") is None else f"{r['n']:,}", _cpu(r.get("cpu_seconds"))]
