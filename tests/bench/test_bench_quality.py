@@ -124,6 +124,7 @@ def _cli(*args) -> subprocess.CompletedProcess:
     (["--family", "qs=quickstart", "--families", "qs", "--budgets", "512"], "a budget of 512 tokens is less than one optimizer step per stage"),
     (["--family", "qs=quickstart", "--only", "qs-4096"], "is not FAMILY@TOKENS"),
     (["--family", "a/b=quickstart"], "is not NAME=RECIPE with a plain name"),
+    (["--family", "qs=quickstart", "--families", "qs", "--suite", "huge"], "--suite 'huge' is not a suite"),
 ])  # fmt: skip
 def test_bad_input_is_one_line(args, needle, tmp_path):
     r = _cli(*args, "--out-dir", tmp_path / "grid", "--json", tmp_path / "q.json")
@@ -155,7 +156,7 @@ def setup(tmp_path_factory):
 def _args(setup, grid: Path, *extra) -> list[str]:
     return ["bench", "quality", "--no-progress", "--teacher", str(setup.teacher), "--family", f"tiny={setup.recipe}", "--out-dir", str(grid),
             "--json", str(grid.parent / "results" / "quality.json"), "--corpora", setup.corpora, "--windows", "32,64", "--eval-tokens", "256",
-            "--agreement-prompts", "2", "--passkey-lengths", "200,300", "--passkey-depths", "0,1", "--passkey-trials", "1", *extra]  # fmt: skip
+            "--agreement-prompts", "2", "--passkey-lengths", "200,300", "--passkey-depths", "0,1", "--passkey-trials", "1", "--suite", "none", *extra]  # fmt: skip
 
 
 def _settings(setup, grid: Path, cells) -> GridSettings:
@@ -385,3 +386,65 @@ def test_passkey_table_cells_show_accuracy_and_recall():
     assert _passkey_cell(scored, "1024") == "0% · 100%" and _passkey_cell(scored, "2048") == "50% · 50%"
     assert _passkey_cell({"accuracy": {"1024": 1 / 3}}, "1024") == "33%"  # a cell scored before recall existed
     assert _passkey_cell({}, "1024") == "–"
+
+
+# ------------------------------------------------------------------------------------- the evaluation suite
+def _tiny_suite(setup):
+    from attn2ssm.eval.suite import SuiteSettings, TaskSpec
+
+    return SuiteSettings(name="tiny", corpora=(str(setup.root / "corpus"),), windows=(32,), max_tokens=256, tasks=(TaskSpec("arc_easy", "acc", 0, 2, "ARC-e"),),
+                         generation=None, niah_forms=("niah_single_1",), niah_lengths=(400,), niah_trials=2, batch_size=2)  # fmt: skip
+
+
+def test_the_suite_is_added_to_a_cached_cell_without_retraining(setup, grid, tmp_path):
+    pytest.importorskip("lm_eval", reason="needs lm_eval (pip install -e '.[eval]')")
+    grid = _copy(grid, tmp_path)
+    settings = _settings(setup, grid, [("tiny", 384)])
+    settings.eval = dataclasses.replace(settings.eval, suite=_tiny_suite(setup))
+    cell = plan_cells(settings)[0]
+    assert cell.status(settings.eval) == "suite"  # scored on everything but the suite
+    before = json.loads((grid / "tiny-384" / "cell.json").read_text())
+    result = run_grid(settings, progress=False)
+    after = json.loads((grid / "tiny-384" / "cell.json").read_text())
+    assert len(_runs(grid / "tiny-384")) == 1  # no distill run
+    assert after["perplexity"] == before["perplexity"] and after["passkey"] == before["passkey"]  # the cached numbers kept
+    assert after["suite"]["settings"] == settings.eval.suite.as_dict()
+    ids = [r["id"] for r in after["suite"]["rows"]]
+    assert ids == [f"ppl/{setup.root / 'corpus'}/32", "task/arc_easy/0", "niah/niah_single_1/400", "niah/niah_single_1/400/recall"]
+    assert all(r["teacher"] is not None and r["student"] is not None for r in after["suite"]["rows"])
+    assert list((grid / "teacher").glob("suite-*.json"))  # the teacher's units, cached once per grid
+    assert result["suite"] == settings.eval.suite.as_dict() and result["cells"][0]["suite"]["rows"] == after["suite"]["rows"]
+    md = (grid.parent / "results" / "quality.md").read_text()
+    assert "Suite tiny" in md and "| family | tokens | core avg | NIAH @400 | ppl ratio, other domains @32 | suite CPU s |" in md
+    assert cell.status(settings.eval) == "done"
+    # another student-side change only: the teacher's rows come from the cache, numbers unchanged
+    (grid / "tiny-384" / "cell.json").write_text(json.dumps({**after, "suite": {"settings": "old"}}))
+    run_grid(settings, progress=False)
+    again = json.loads((grid / "tiny-384" / "cell.json").read_text())
+    assert [r["teacher"] for r in again["suite"]["rows"]] == [r["teacher"] for r in after["suite"]["rows"]]
+    assert all(r["cpu_seconds"]["teacher"] is None for r in again["suite"]["rows"])
+
+
+def test_suite_columns_and_panels_of_a_grid():
+    import attn2ssm.bench.quality as sb
+    from attn2ssm.eval.suite import SuiteSettings, TaskSpec, pair_rows
+
+    suite = SuiteSettings(name="s", corpora=("kjv",), windows=(64,), tasks=(TaskSpec("arc_easy", "acc", 0, 4, "ARC-e"), TaskSpec("mmlu", "acc", 5, 1, "MMLU 5-shot")),
+                          generation=TaskSpec("triviaqa", "exact_match", 0, 4, "TQA"), niah_forms=("niah_single_1",), niah_lengths=(100,), niah_trials=4)  # fmt: skip
+    teacher = {"ppl/kjv/64": {"value": 10.0, "n": 9}, "task/arc_easy/0": {"value": 0.5, "n": 4}, "task/mmlu/5": {"value": 0.25, "n": 57},
+               "task/triviaqa/0": {"value": 0.5, "n": 4}, "niah/niah_single_1/100": {"value": 1.0, "n": 4}, "niah/niah_single_1/100/recall": {"value": 1.0, "n": 4}}  # fmt: skip
+    result = _synthetic_result([65536, 262144])
+    result["suite"] = suite.as_dict()
+    for i, cell in enumerate(result["cells"]):
+        student = {k: {**v, "value": v["value"] * (0.5 + 0.1 * i)} for k, v in teacher.items()}
+        student["ppl/kjv/64"]["value"] = 20.0
+        cell["suite"] = {"settings": suite.as_dict(), "rows": pair_rows(suite, teacher, student), "cpu_seconds": 90.0}
+    result["cells"][-1]["suite"] = None  # a cell scored before the suite: dashes
+    lines = sb.format_suite_columns(result)
+    assert lines[2] == "| family | tokens | core avg | MMLU 5-shot | TQA | NIAH @100 | ppl ratio, other domains @64 | suite CPU s |"
+    assert lines[4] == "| teacher | – | 50.0 | 25.0 | 50.0 | 100.0 | 1.00× | – |"
+    assert lines[5] == "| a | 65,536 | 25.0 · 50% | 12.5 · 50% | 25.0 · 50% | 50.0 · 50% | 2.00× | 1.5 min |"
+    assert lines[-1].startswith("| b | 262,144 | – |")
+    path = sb.plot_quality(result, Path(os.environ.get("TMPDIR", "/tmp")) / f"suite-panels-{os.getpid()}.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    path.unlink()

@@ -15,7 +15,11 @@ a half-run continues from its checkpoint. After the run the student is evaluated
 student in memory at a time, against references the teacher computes once per grid
 (``GRID/teacher/``): held-out perplexity at every window (stride = window / 2) on each corpus,
 the teacher's, their ratio and teacher-forced top-1 agreement on the same windows; greedy
-continuation agreement on held-out prompts of the first corpus; passkey accuracy per length.
+continuation agreement on held-out prompts of the first corpus; passkey accuracy per length; and,
+with ``--suite`` (default ``quick``), every row of the evaluation suite (:mod:`attn2ssm.eval.suite`:
+perplexity on five corpora, core tasks, MMLU 0/5-shot, RULER-form needles, TriviaQA), the teacher's
+units cached once per grid in ``GRID/teacher/suite-*.json``. A cell scored before the suite existed
+(or with another suite) keeps its numbers and is rescored for the suite alone, without retraining.
 ``cell.json`` (atomic) keeps the cell's command and results; the grid JSON, the plot and the
 markdown table are rebuilt from every cached cell of the grid on each invocation, plus the cells
 of the grid JSON already there that this grid directory lacks (same teacher and evaluation
@@ -35,9 +39,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from attn2ssm.errors import ConfigError, TrainingError
 from attn2ssm.paths import atomic_write_bytes, atomic_write_text
+
+if TYPE_CHECKING:
+    from attn2ssm.eval.suite import SuiteSettings
 
 # family name → recipe (built-in name or YAML path)
 FAMILIES = {"lolcats": "lolcats", "mamba2": "mamba2_pure", "hybrid50": "hybrid50", "hybrid25": "hybrid25", "hybrid12": "hybrid12", "linear_hybrid25": "linear_hybrid25"}
@@ -59,9 +67,15 @@ class EvalSettings:
     passkey_depths: tuple[float, ...] = (0.0, 0.5, 1.0)
     passkey_trials: int = 2
     passkey_seed: int = 0
+    suite: SuiteSettings | None = None  # the evaluation suite every cell is also scored on (None: not scored)
 
     def as_dict(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        """The settings of the perplexity / agreement / passkey metrics (the suite's are kept apart,
+        so the cells scored before the suite existed stay current for these)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k != "suite"}
+
+    def suite_dict(self) -> dict | None:
+        return None if self.suite is None else self.suite.as_dict()
 
 
 @dataclass
@@ -241,9 +255,12 @@ class Cell:
         return (self.run_dir / "student" / "config.json").exists() and (self.run_dir / "results.json").exists()
 
     def status(self, settings: EvalSettings) -> str:
-        """done (cached for these settings) | trained (to evaluate) | partial (to resume) | todo."""
+        """done (cached for these settings) | suite (cached but for the suite: to score with it, not
+        retrain) | trained (to evaluate) | partial (to resume) | todo."""
         cached = read_cell(self.run_dir)
         if cached and cached.get("eval_settings") == settings.as_dict() and _same_recipe(self) and _has_every_metric(cached, settings):
+            if settings.suite is not None and (cached.get("suite") or {}).get("settings") != settings.suite_dict():
+                return "suite" if self.finished() else "trained"
             return "done"
         if self.finished():
             return "trained"
@@ -450,6 +467,18 @@ class TeacherReference:
         atomic_write_text(path, json.dumps(grid))
         return grid
 
+    def suite_cache(self):
+        from attn2ssm.eval.suite import SideCache, model_identity
+
+        return SideCache(self.dir, model_identity(self.spec))
+
+    def suite_scores(self, tokenizer, inputs: dict) -> dict:
+        """The teacher's rows of the suite: each unit from GRID/teacher/suite-*.json, or scored once
+        (the teacher loads only then)."""
+        from attn2ssm.eval.suite import score_side
+
+        return score_side(None, tokenizer, self.settings.suite, inputs, self.suite_cache(), self.progress, loader=self.model)
+
     def cached_summary(self) -> dict:
         """The teacher's numbers for the current settings that are on disk (no model loads)."""
         import torch
@@ -522,8 +551,38 @@ def evaluate_student(student_dir: Path, reference: TeacherReference, progress: b
         record["passkey"] = {"accuracy": _passkey_by_length(grid), "teacher_accuracy": _passkey_by_length(teacher_grid), "mean_accuracy": grid["mean_accuracy"],
                              "recall": _passkey_by_length(grid, "recall"), "teacher_recall": _passkey_by_length(teacher_grid, "recall"),
                              "depths": list(s.passkey_depths), "trials": s.passkey_trials}  # fmt: skip
+    if s.suite is not None:
+        record["suite"] = suite_record(student, tokenizer, reference, progress)
     del student
     record["eval_seconds"] = time.time() - start
+    return record
+
+
+def suite_record(student, tokenizer, reference: TeacherReference, progress: bool = True) -> dict:
+    """A cell's suite: the student's scores of every unit and the table rows beside the teacher's."""
+    from attn2ssm.eval.suite import pair_rows, prepare_inputs, score_side
+
+    suite = reference.settings.suite
+    inputs = prepare_inputs(suite, tokenizer)
+    teacher = reference.suite_scores(tokenizer, inputs)
+    reference.release()
+    start = time.process_time()
+    mine = score_side(student, tokenizer, suite, inputs, None, progress)
+    return {"settings": suite.as_dict(), "rows": pair_rows(suite, teacher, mine), "scores": mine, "cpu_seconds": time.process_time() - start}
+
+
+def rescore_suite(cell: Cell, reference: TeacherReference, progress: bool = True) -> dict:
+    """Add (or replace) the suite's rows of a cell already scored on everything else: the student is
+    loaded and scored on the suite alone; nothing is retrained, the cell's other numbers are kept."""
+    from attn2ssm.student.loading import load_model_and_tokenizer
+
+    record = read_cell(cell.run_dir)
+    student, tokenizer = load_model_and_tokenizer(str(cell.run_dir / "student"))
+    try:
+        record["suite"] = suite_record(student, tokenizer, reference, progress)
+    finally:
+        reference.release()
+    atomic_write_text(cell.run_dir / "cell.json", json.dumps(record, indent=1) + "\n")
     return record
 
 
@@ -546,6 +605,8 @@ def fill_cell(cell: Cell, reference: TeacherReference, progress: bool = True) ->
     status = cell.status(reference.settings)
     if status == "done":
         return read_cell(cell.run_dir)
+    if status == "suite":
+        return rescore_suite(cell, reference, progress)
     _check_run_dir(cell)
     if status != "trained":
         run_cell(cell, progress)
@@ -573,8 +634,8 @@ def run_grid(settings: GridSettings, command: str = "attn2ssm bench quality", pr
     reference = TeacherReference(settings.teacher, settings.grid_dir, settings.eval, progress)
     for i, cell in enumerate(cells, 1):
         status = cell.status(settings.eval)
-        out(f"[{i}/{len(cells)}] {cell.name}: " + {"done": "cached", "trained": "trained, evaluating", "partial": "resuming", "todo": "distilling"}[status]
-            + ("" if status in ("done", "trained") else f" ({cell.command})"))  # fmt: skip
+        out(f"[{i}/{len(cells)}] {cell.name}: " + {"done": "cached", "suite": "cached, scoring the suite", "trained": "trained, evaluating", "partial": "resuming",
+                                                   "todo": "distilling"}[status] + ("" if status in ("done", "suite", "trained") else f" ({cell.command})"))  # fmt: skip
         fill_cell(cell, reference, progress)
     return write_outputs(settings, reference, command, selected=[c.name for c in cells])
 
@@ -623,6 +684,7 @@ def write_outputs(settings: GridSettings, reference: TeacherReference, command: 
         "grid_dir": str(settings.grid_dir),
         "families": {r["family"]: r["recipe"] for r in records},
         "settings": settings.eval.as_dict(),
+        "suite": settings.eval.suite_dict(),
         "teacher_reference": reference.cached_summary(),
         "cells": [{k: v for k, v in r.items() if k not in ("eval_settings", "recipe_sha")} for r in records],
         "stale_cells": stale,
@@ -697,7 +759,52 @@ def format_markdown(result: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
     if result["stale_cells"]:
         lines += ["", f"Not shown (scored with other settings; rerun them with --only): {', '.join(result['stale_cells'])}."]
+    if result.get("suite"):
+        lines += ["", *format_suite_columns(result)]
     return "\n".join(lines)
+
+
+def _suite_cells(result: dict) -> list[dict]:
+    """The cells scored with the grid's suite (cells scored before it keep "–")."""
+    return [r for r in result["cells"] if (r.get("suite") or {}).get("settings") == result.get("suite")]
+
+
+def format_suite_columns(result: dict) -> list[str]:
+    """The suite's summary per cell: student score · recovered (ppl ratio: student / teacher)."""
+    from attn2ssm.eval.suite import settings_from_dict, summary
+
+    suite = settings_from_dict(result["suite"])
+    scored = {(r["family"], r["tokens"]): r for r in _suite_cells(result)}
+    if not scored:
+        return [f"Suite {suite.name}: no cell scored with it yet (rerun: cached cells are scored on the suite alone, not retrained)."]
+    first = next(iter(scored.values()))
+    labels = [label for label, _, _ in summary(first["suite"]["rows"], suite)]
+    teacher = {label: t for label, t, _ in summary(first["suite"]["rows"], suite)}
+    head = ["family", "tokens", *labels, "suite CPU s"]
+    lines = [
+        f"Suite {suite.name} ({len(suite.tasks)} tasks, needles {len(suite.niah_forms)} forms × {suite.niah_trials} trials per length; "
+        f"rows, SEs and n in each cell's cell.json): accuracies in %, student · recovered (student / teacher); the perplexity ratio is "
+        f"student / teacher (geometric mean over {', '.join(c for c in suite.corpora if c not in ('sotu', 'moby-dick'))}).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+        "| teacher | – | " + " | ".join("–" if teacher[lb] is None else ("1.00×" if lb.startswith("ppl") else f"{100 * teacher[lb]:.1f}") for lb in labels) + " | – |",
+    ]
+    for r in result["cells"]:
+        rec = scored.get((r["family"], r["tokens"]))
+        if rec is None:
+            lines.append("| " + " | ".join([r["family"], f"{r['tokens']:,}", *["–"] * len(labels), "–"]) + " |")
+            continue
+        cells = []
+        for label, t, st in summary(rec["suite"]["rows"], suite):
+            if st is None:
+                cells.append("–")
+            elif label.startswith("ppl"):
+                cells.append(f"{st:.2f}×")
+            else:
+                cells.append(f"{100 * st:.1f} · " + ("–" if not t else f"{100 * st / t:.0f}%"))
+        lines.append("| " + " | ".join([r["family"], f"{r['tokens']:,}", *cells, _secs(rec["suite"].get("cpu_seconds"))]) + " |")
+    return lines
 
 
 def plot_quality(result: dict, path: Path) -> Path:
@@ -714,7 +821,11 @@ def plot_quality(result: dict, path: Path) -> Path:
     families = list(dict.fromkeys(r["family"] for r in result["cells"]))
     if len({r["tokens"] for r in result["cells"]}) == 1:  # a sweep at one budget: bars, not a curve
         return _plot_sweep(result, families, windows, Path(path), plt)
-    fig, axes = plt.subplots(1, len(windows), figsize=(5.6 * len(windows), 4.3), squeeze=False)
+    suite_cells = _suite_cells(result) if result.get("suite") else []
+    panels = len(windows) + (2 if suite_cells else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(5.6 * panels, 4.3), squeeze=False)
+    if suite_cells:
+        _plot_suite_panels(result, suite_cells, families, axes[0][len(windows) :])
     for ax, window in zip(axes[0], windows):
         for ci, corpus in enumerate(s["corpora"]):
             for fi, family in enumerate(families):
@@ -747,6 +858,44 @@ def plot_quality(result: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_suite_panels(result: dict, cells: list[dict], families: list[str], axes) -> None:
+    """Two panels of the suite against training tokens: the core-task mean and MMLU 5-shot as the
+    fraction of the teacher recovered; the needles' mean greedy match at the longest length."""
+    from attn2ssm.eval.suite import settings_from_dict, summary
+
+    suite = settings_from_dict(result["suite"])
+    budgets = sorted({r["tokens"] for r in result["cells"]})
+    styles = {"core avg": "-", "MMLU 5-shot": ":", (suite.generation.label if suite.generation else ""): "--"}
+    needle_label, teacher_needle = None, None
+    for fi, family in enumerate(families):
+        points: dict = {}
+        for r in sorted((c for c in cells if c["family"] == family), key=lambda c: c["tokens"]):
+            for label, t, st in summary(r["suite"]["rows"], suite):
+                if label in styles and t and st is not None:
+                    points.setdefault(label, []).append((r["tokens"], st / t))
+                elif label.startswith("NIAH") and st is not None:
+                    needle_label, teacher_needle = label, t
+                    points.setdefault(label, []).append((r["tokens"], st))
+        for label, pts in points.items():
+            ax = axes[1] if label.startswith("NIAH") else axes[0]
+            ax.plot(*zip(*pts), marker="o", color=f"C{fi}", linestyle=styles.get(label, "-"), label=f"{family}: {label}" if not label.startswith("NIAH") else family)
+    axes[0].axhline(1.0, color="gray", linewidth=1)
+    axes[0].set_ylabel("student / teacher")
+    axes[0].set_title("tasks recovered: " + ", ".join(f"{k} ({v})" for k, v in styles.items() if k), fontsize=8)
+    if teacher_needle is not None:
+        axes[1].axhline(teacher_needle, color="gray", linestyle="--", linewidth=1, label="teacher")
+    axes[1].set_ylim(-0.05, 1.05)
+    axes[1].set_ylabel("greedy match")
+    axes[1].set_title(f"{needle_label or 'NIAH'}: mean of {', '.join(suite.niah_forms)}", fontsize=8)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        if budgets:
+            ax.set_xticks(budgets, [_tokens_label(t) for t in budgets])
+        ax.set_xlabel("training tokens")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
 
 
 def _plot_sweep(result: dict, families: list[str], windows: list[str], path: Path, plt) -> Path:

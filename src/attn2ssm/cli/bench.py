@@ -67,7 +67,7 @@ def _add_generate(bsub) -> None:
 
 def _add_quality(bsub) -> None:
     bq = bsub.add_parser("quality", help="quality scoreboard: student families × token budgets distilled from one teacher, "
-                         "each cell scored against it (perplexity ratio, top-1 and greedy agreement, passkey)")
+                         "each cell scored against it (perplexity ratio, top-1 and greedy agreement, passkey, and the evaluation suite)")
     bq.add_argument("--teacher", default=None, help="teacher spec for every cell (default: the built-in smollm2-135m)")
     bq.add_argument("--families", default=None, help="comma-separated families (default: every family in the table)")
     bq.add_argument("--budgets", default=None, help="training tokens per cell, comma-separated (default 65536,262144,1048576; 2^16 works too)")
@@ -84,6 +84,8 @@ def _add_quality(bsub) -> None:
     bq.add_argument("--passkey-lengths", default="1024,2048", help="passkey context lengths in tokens ('none' = skip)")
     bq.add_argument("--passkey-depths", default="0,0.5,1")
     bq.add_argument("--passkey-trials", type=int, default=2, help="keys per length and depth")
+    bq.add_argument("--suite", default="quick", help="also score every cell on the evaluation suite (docs/evaluation.md): quick (default), standard "
+                    "(400 items a task, 20 needle trials; hours of CPU a cell), or none; cached cells are scored on it without retraining")
     bq.add_argument("--plan", action="store_true", help="list the cells, their status (done / trained / partial / todo) and commands; run nothing")
     bq.add_argument("--no-progress", action="store_true")
     bq.set_defaults(func=run_quality)
@@ -260,7 +262,18 @@ def _quality_eval(args) -> EvalSettings:
         raise ConfigError(f"--passkey-depths {args.passkey_depths!r} is not a list of fractions in 0..1", "write e.g. --passkey-depths 0,0.5,1")
     lengths = () if args.passkey_lengths in ("", "0", "none") else int_list("--passkey-lengths", args.passkey_lengths)
     return EvalSettings(corpora=corpora, windows=windows, eval_tokens=args.eval_tokens, agreement_prompts=args.agreement_prompts,
-                        passkey_lengths=lengths, passkey_depths=depths, passkey_trials=args.passkey_trials)  # fmt: skip
+                        passkey_lengths=lengths, passkey_depths=depths, passkey_trials=args.passkey_trials, suite=_quality_suite(args.suite))  # fmt: skip
+
+
+def _quality_suite(name: str):
+    """--suite quick | standard | none: the evaluation suite every cell is also scored on."""
+    from attn2ssm.eval.suite import suite_settings
+
+    if name == "none":
+        return None
+    if name not in ("quick", "standard"):
+        raise ConfigError(f"--suite {name!r} is not a suite", "use --suite quick (the default), standard, or none")
+    return suite_settings("standard", quick=name == "quick")
 
 
 # --------------------------------------------------------------------------------------------- train

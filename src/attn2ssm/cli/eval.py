@@ -1,5 +1,5 @@
 """``attn2ssm eval``: held-out perplexity, attention fidelity (--attention), lm-eval tasks (--tasks),
-or the teacher-vs-student report (--report)."""
+the teacher-vs-student report (--report), or the evaluation suite (--suite standard [--quick])."""
 
 from __future__ import annotations
 
@@ -25,22 +25,31 @@ def add_parser(subparsers) -> None:
     e.add_argument("--attention", action="store_true", help="instead of perplexity: per-layer attention fidelity of a student to its teacher (KL, entropy, monotonicity) and heat-maps")
     e.add_argument("--text", default=None, help="with --attention: also score this text, and draw the heat-maps from it")
     e.add_argument("--blocks", type=int, default=4, help="with --attention: held-out blocks of --window tokens to score (0 = only --text)")
-    e.add_argument("--out-dir", default=None, help="with --attention: where attention_fidelity.json and the PNGs go (default MODEL/eval); "
-                   "with --report: where the report goes (default MODEL/eval/report)")
+    e.add_argument("--out-dir", "--out", dest="out_dir", default=None, help="with --attention: where attention_fidelity.json and the PNGs go (default MODEL/eval); "
+                   "with --report: where the report goes (default MODEL/eval/report); with --suite: where suite.{json,md,png} go (default MODEL/eval/suite)")
     e.add_argument("--report", action="store_true", help="teacher-vs-student report against --against (default: the built-in teacher): perplexity on "
                    "each --corpus (comma-separated), generation agreement, passkey retrieval (--needle-lengths), attention fidelity, --tasks")
     e.add_argument("--needle-lengths", default=None, help="with --report: passkey context lengths in tokens, e.g. 256,512,1024")
     e.add_argument("--needle-depths", default="0,0.25,0.5,0.75,1", help="with --report: needle depths (fractions of the filler)")
     e.add_argument("--needle-trials", type=int, default=3)
     e.add_argument("--agreement-prompts", type=int, default=16, help="with --report: held-out prompts for generation agreement (0 = skip)")
+    e.add_argument("--suite", default=None, metavar="standard", help="the evaluation suite against --against (default: the built-in teacher): perplexity at "
+                   "windows 1024 and 2048 on five corpora, 0-shot core tasks, MMLU 0- and 5-shot, RULER-form needles at 1k-4k, TriviaQA exact match; "
+                   "per row teacher, student, recovered, standard errors, n and CPU seconds (docs/evaluation.md)")
+    e.add_argument("--quick", action="store_true", help="with --suite: fewer items, trials and tokens (larger standard errors; the table says them)")
+    e.add_argument("--suite-cache", default=None, help="with --suite: where the teacher's scores are cached (default <attn2ssm cache>/suite)")
     add_eval_task_args(e)
     e.set_defaults(func=run)
 
 
 def run(args) -> int:
-    modes = [flag for flag, on in (("--tasks", args.tasks), ("--attention", args.attention), ("--report", args.report)) if on]
+    if args.quick and not args.suite:
+        raise ConfigError("--quick is a form of the suite", "add --suite standard")
+    modes = [flag for flag, on in (("--tasks", args.tasks), ("--attention", args.attention), ("--report", args.report), ("--suite", args.suite)) if on]
     if len(modes) > 1 and not (set(modes) == {"--tasks", "--report"}):
         raise ConfigError(f"{' and '.join(modes)} are different evaluations", "run them one at a time (--report takes --tasks to include lm-eval tasks)")
+    if args.suite:
+        return run_suite_command(args)
     if args.report:
         return run_report(args)
     if args.tasks:
@@ -109,6 +118,20 @@ def run_report(args) -> int:
     report = compare_report(args.model, args.against, out, settings)
     print(format_markdown(report))
     print(f"wrote {out / 'report.md'}, report.json and report.png")
+    return 0
+
+
+def run_suite_command(args) -> int:
+    """``eval --suite standard [--quick]``: the suite's table (printed; suite.json / .md / .png written)."""
+    from attn2ssm.eval.suite import format_suite_markdown, run_suite, suite_settings  # heavy: torch (when run)
+    from attn2ssm.teachers import resolve_teacher
+
+    settings = suite_settings(args.suite, quick=args.quick)  # an unknown suite: one line, before anything loads
+    resolve_teacher(args.against or "smollm2-135m")  # a missing teacher path fails before the student loads
+    out = Path(args.out_dir) if args.out_dir else Path(args.model) / "eval" / "suite"
+    report = run_suite(args.model, args.against, out, settings, cache_dir=args.suite_cache)
+    print(format_suite_markdown(report))
+    print(f"wrote {out / 'suite.md'}, suite.json and suite.png")
     return 0
 
 

@@ -3,7 +3,8 @@
 A *spec* is the one string a recipe uses to name its training text, so every way of
 naming text lives here:
 
-* ``"sotu"`` / ``"moby-dick"`` — built-in corpora, fetched once (see :mod:`.builtin`).
+* ``"sotu"`` / ``"moby-dick"`` — built-in corpora, fetched once (see :mod:`.builtin`); also the
+  evaluation corpora ``"emails"``, ``"kjv"`` and ``"pydoc"``, which no built-in recipe trains on.
   A built-in name wins over a local folder of the same name; write ``./sotu`` for the folder.
 * a path to a ``.txt`` file (one document), a ``.jsonl`` file (one document per line,
   text in field ``text``) or a ``.parquet`` file (one document per row, column ``text``);
@@ -249,7 +250,7 @@ def _load_local(base: str, text_field: str) -> list[Document]:
     if not root.exists():
         raise DataError(
             f"corpus path {str(root)!r} does not exist",
-            "check the path, or use a built-in corpus (sotu, moby-dick) or hf:<dataset>",
+            f"check the path, or use a built-in corpus ({', '.join(builtin.names())}) or hf:<dataset>",
         )
     if root.is_file() and not root.name.endswith(FILE_SUFFIXES):
         raise DataError(

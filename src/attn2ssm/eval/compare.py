@@ -38,26 +38,37 @@ class ReportSettings:
     extra: dict = field(default_factory=dict)
 
 
-def _row(group: str, metric: str, teacher: float | None, student: float | None, higher_is_better: bool = True) -> dict:
+def _row(group: str, metric: str, teacher: float | None, student: float | None, higher_is_better: bool = True, **extra) -> dict:
+    """One table row. ``extra`` (the suite's rows): ``teacher_se`` / ``student_se`` (the standard error
+    of a score that is a mean over items), ``n`` (items, or scored tokens), ``cpu_seconds``
+    ({"teacher", "student"}: process CPU time each side cost, None where it came from a cache)."""
     recovered = None
     if teacher is not None and student is not None and math.isfinite(teacher) and math.isfinite(student):
         if higher_is_better and teacher > 0:
             recovered = student / teacher
         elif not higher_is_better and student > 0 and teacher > 0:  # a reference of 0 (KL) has no ratio
             recovered = teacher / student
-    return {"group": group, "metric": metric, "teacher": teacher, "student": student, "recovered": recovered, "higher_is_better": higher_is_better}
+    return {"group": group, "metric": metric, "teacher": teacher, "student": student, "recovered": recovered, "higher_is_better": higher_is_better, **extra}
 
 
 def _task_rows(teacher_record: dict, student_record: dict) -> list[dict]:
-    """acc / acc_norm (higher better) and perplexity (lower better) of every scored task."""
+    """acc / acc_norm / exact_match (higher better, with the binomial SE and n of each side) and
+    perplexity (lower better) of every scored task."""
+    from attn2ssm.eval.suite import binomial_se, items_scored  # (suite imports this module)
+
     rows = []
     for task, metrics in sorted(student_record.get("results", {}).items()):
         other = teacher_record.get("results", {}).get(task, {})
+        n = items_scored(student_record, task)
         for key, value in metrics.items():
             name, _, _ = key.partition(",")
-            if name not in ("acc", "acc_norm", "perplexity", "word_perplexity") or not isinstance(value, (int, float)):
+            if name not in ("acc", "acc_norm", "exact_match", "perplexity", "word_perplexity") or not isinstance(value, (int, float)):
                 continue
-            rows.append(_row(f"lm-eval {task}", name, other.get(key), float(value), higher_is_better="perplexity" not in name))
+            teacher = other.get(key)
+            extra = {"n": n}
+            if "perplexity" not in name and n:
+                extra.update(teacher_se=None if teacher is None else binomial_se(teacher, items_scored(teacher_record, task)), student_se=binomial_se(float(value), n))
+            rows.append(_row(f"lm-eval {task}", name, teacher, float(value), higher_is_better="perplexity" not in name, **extra))
     return rows
 
 
@@ -186,18 +197,42 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def _with_se(value, se) -> str:
+    """A score with a standard error is a fraction of items: shown in %, ± its SE in points."""
+    return _fmt(value) if se is None or value is None else f"{100 * value:.1f} ± {100 * se:.1f}"
+
+
+def _cpu(seconds: dict | None) -> str:
+    if not seconds:
+        return "–"
+    return " / ".join("cached" if seconds.get(side) is None else f"{seconds[side]:,.0f}" for side in ("teacher", "student"))
+
+
+def format_table(rows: list[dict]) -> list[str]:
+    """The teacher-vs-student table; with the suite's columns (n, CPU s) where rows have them. A score
+    with a standard error (a mean over items) is written in % ± its SE in points."""
+    full = any("n" in r for r in rows)
+    head = ["group", "metric", "teacher", "student", "recovered"] + (["n", "CPU s (teacher / student)"] if full else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        rec = "–" if r["recovered"] is None else f"{100 * r['recovered']:.1f} %"
+        if r.get("ratio") is not None:  # perplexity: also the papers' student / teacher ratio
+            rec += f" ({r['ratio']:.2f}×)"
+        cells = [r["group"], r["metric"], _with_se(r["teacher"], r.get("teacher_se")), _with_se(r["student"], r.get("student_se")), rec]
+        if full:
+            cells += ["–" if r.get("n") is None else f"{r['n']:,}", _cpu(r.get("cpu_seconds"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def format_markdown(report: dict) -> str:
     lines = [
         f"# {report['student']} vs teacher {report['teacher']}",
         "",
         "Recovered = student / teacher (higher is better) or teacher / student (perplexity, KL): 100 % = the teacher's level.",
         "",
-        "| group | metric | teacher | student | recovered |",
-        "|---|---|---|---|---|",
+        *format_table(report["rows"]),
     ]
-    for r in report["rows"]:
-        rec = "–" if r["recovered"] is None else f"{100 * r['recovered']:.1f} %"
-        lines.append(f"| {r['group']} | {r['metric']} | {_fmt(r['teacher'])} | {_fmt(r['student'])} | {rec} |")
     ex = report["details"].get("generation_agreement", {}).get("examples", [])
     if ex:
         lines += ["", f"Generation agreement: {report['details']['generation_agreement']['prompts']} held-out prompts, "

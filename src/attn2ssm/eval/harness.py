@@ -121,6 +121,26 @@ def model_location(model: str | os.PathLike) -> dict:
     return args
 
 
+def doc_counts(name: str, manager=None) -> dict[str, int]:
+    """How many documents each task under ``name`` (a task, or every subtask of a group) scores."""
+    from lm_eval.tasks import get_task_dict  # optional: lm_eval (extra attn2ssm[eval])
+
+    manager = manager or task_manager()
+    resolve_tasks([name], manager)
+    counts: dict[str, int] = {}
+
+    def walk(tree) -> None:
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                walk(value)
+            else:
+                counts[value.config.task] = len(value.eval_docs)
+
+    with _quiet_pack_hint():
+        walk(get_task_dict([name], manager))
+    return counts
+
+
 def _model_args_string(args: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in args.items())
 
@@ -140,13 +160,17 @@ def run_lm_eval(
     bootstrap_iters: int = DEFAULT_BOOTSTRAP_ITERS,
     log_samples: bool = False,
     command: str | None = None,
+    samples: dict[str, list[int]] | None = None,
+    max_gen_toks: int | None = None,
 ) -> dict:
     """Evaluate ``model`` on offline-pack ``tasks`` with ``lm_eval.simple_evaluate``.
 
     ``model``: a student/teacher directory, a built-in teacher name, a .gguf path or hub id — loaded
     by lm-eval's ``hf`` wrapper with ``trust_remote_code=True`` — or an already loaded
     ``PreTrainedModel`` (then pass ``tokenizer`` unless the model's ``name_or_path`` has one).
-    ``limit``: documents per task (None = all; lm-eval takes the first ones in split order).
+    ``limit``: documents per task (None = all; lm-eval takes the first ones in split order);
+    ``samples`` instead: the documents to score, by index, per (sub)task (see :func:`doc_counts`).
+    ``max_gen_toks``: most tokens a generative task may generate (lm-eval's default 256) for a loaded model.
     ``device`` defaults to cuda when available, else cpu. Returns the record that is also written
     (atomically) to ``output_path``: lm-eval's results plus the settings, the equivalent
     ``lm_eval`` command, and the versions of everything that scored it.
@@ -158,10 +182,12 @@ def run_lm_eval(
     names = resolve_tasks(tasks, manager)  # fail on a typo before any model loads
     if limit is not None and limit <= 0:
         raise ConfigError(f"limit {limit} leaves nothing to score", "use a positive number of documents per task, or none for all")
+    if limit is not None and samples is not None:
+        raise ConfigError("limit and samples both choose the documents to score", "give one of them")
     if num_fewshot < 0:
         raise ConfigError(f"num_fewshot {num_fewshot} is negative", "use 0 (zero-shot) or more")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    lm, model_args, wrapper_args, model_desc = _lm_for(model, tokenizer, dtype, batch_size, device)
+    lm, model_args, wrapper_args, model_desc = _lm_for(model, tokenizer, dtype, batch_size, device, max_gen_toks)
     started = time.time()
     with _quiet_pack_hint():
         results = lm_eval.simple_evaluate(
@@ -172,6 +198,7 @@ def run_lm_eval(
             batch_size=batch_size,
             device=device,
             limit=limit,
+            samples=samples,
             task_manager=manager,
             bootstrap_iters=bootstrap_iters,
             log_samples=log_samples,
@@ -180,6 +207,7 @@ def run_lm_eval(
         return {}
     settings = {
         "limit": limit,
+        "samples": None if samples is None else {k: len(v) for k, v in samples.items()},
         "num_fewshot": num_fewshot,
         "batch_size": batch_size,
         "device": device,
@@ -195,7 +223,7 @@ def run_lm_eval(
     return record
 
 
-def _lm_for(model, tokenizer, dtype: str | None, batch_size, device: str) -> tuple:
+def _lm_for(model, tokenizer, dtype: str | None, batch_size, device: str, max_gen_toks: int | None = None) -> tuple:
     """What ``simple_evaluate`` is given for ``model``: ``(model, model_args, the args of the equivalent
     CLI command, a description)``; a loaded model is wrapped in lm-eval's ``HFLM`` here."""
     if isinstance(model, (str, os.PathLike)):
@@ -205,7 +233,8 @@ def _lm_for(model, tokenizer, dtype: str | None, batch_size, device: str) -> tup
 
     model_desc = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
     tok = tokenizer if tokenizer is not None else model_desc or None
-    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size, device=device, trust_remote_code=True)
+    extra = {} if max_gen_toks is None else {"max_gen_toks": max_gen_toks}
+    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size, device=device, trust_remote_code=True, **extra)
     return lm, None, {"pretrained": model_desc, "trust_remote_code": True}, model_desc
 
 

@@ -12,12 +12,26 @@ Each trial also records **recall**, which separates memory from answer format: t
 that carries a digit is the model's argmax there. A model that retrieved the key but prefers to
 answer "a secret code ..." fails the greedy test and passes recall (with SmolLM2's tokenizer the
 answer's first token is a bare space, the format choice, and the five digits are checked).
+
+**RULER's single-needle forms** (Hsieh et al. 2024, ``niah_single_1..3``; lm-eval's ``ruler`` task
+needs hub data, so the prompts are built here the way its ``prepare_niah.py`` builds them):
+"A special magic number is hidden within the following text. …", a haystack with one needle
+"One of the special magic numbers for {key} is: {value}." at a chosen depth, the question "What
+is the special magic number for {key} mentioned in the provided text?" and the answer prefix
+"The special magic number for {key} mentioned in the provided text is". Keys are adjective-noun
+words; values 7-digit numbers (``niah_single_1``: in the repeated filler "The grass is green. …",
+one per line; ``niah_single_2``: in essay-like prose, sentence by sentence) or UUIDs
+(``niah_single_3``: "magic uuid", in the prose). A trial is greedy: RULER's ``string_match_all``
+(the value appears in the continuation, case-insensitive) on a continuation only a few tokens longer
+than the value, so it is an exact match in all but name; recall is teacher-forced as for the passkey.
 """
 
 from __future__ import annotations
 
 import random
 import re
+import time
+import uuid
 
 import torch
 from tqdm.auto import tqdm
@@ -80,11 +94,12 @@ def passkey_trial(model, tokenizer, length: int, depth: float, key: str, max_new
 @torch.no_grad()
 def key_recalled(model, tokenizer, prompt_ids: list[int], key: str) -> bool:
     """Teacher-forced recall: with " KEY" appended to the prompt, is every answer token that
-    carries a digit the model's argmax at its position? (Only those positions' logits are made.)"""
+    carries a letter or digit of the key the model's argmax at its position? (Only those positions'
+    logits are made; a bare-space token, the answer's form, is not checked.)"""
     answer = tokenizer(" " + key, add_special_tokens=False)["input_ids"]
-    checked = [i for i, t in enumerate(answer) if any(c.isdigit() for c in tokenizer.decode([t]))]
+    checked = [i for i, t in enumerate(answer) if any(c.isalnum() for c in tokenizer.decode([t]))]
     if not checked:
-        raise ValueError(f"the tokenizer encodes the key {key!r} without digits; passkey recall needs a tokenizer that keeps digits")
+        raise ValueError(f"the tokenizer encodes the key {key!r} without letters or digits; recall needs a tokenizer that keeps them")
     ids = torch.tensor([prompt_ids + answer], device=_device(model))
     logits = model(input_ids=ids, logits_to_keep=len(answer) + 1).logits[0, :-1]  # predictions of answer[0..n-1]
     pred = logits.argmax(-1).tolist()
@@ -119,6 +134,130 @@ def passkey_grid(model, tokenizer, lengths, depths, trials: int = 3, seed: int =
     return {"lengths": list(lengths), "depths": list(depths), "trials": trials, "seed": seed, "accuracy": acc,
             "mean_accuracy": sum(map(sum, acc)) / cells, "recall": recall, "mean_recall": sum(map(sum, recall)) / cells,
             "examples": examples}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ RULER niah_single
+NIAH_FORMS = ("niah_single_1", "niah_single_2", "niah_single_3")
+NIAH_TEMPLATE = ("A special magic {kind} is hidden within the following text. Make sure to memorize it. I will quiz you about the {kind} afterwards.\n"
+                 "{context}\nWhat is the special magic {kind} for {key} mentioned in the provided text?")  # fmt: skip
+NIAH_NEEDLE = "One of the special magic {kind}s for {key} is: {value}."
+NIAH_ANSWER_PREFIX = "The special magic {kind} for {key} mentioned in the provided text is"
+NIAH_EXTRA_TOKENS = 4  # greedy tokens beyond the value's own
+NIAH_REPEAT = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+# RULER draws keys from wonderwords' adjective-noun pairs; a fixed list keeps the prompts reproducible offline
+_ADJECTIVES = ("ancient", "bitter", "calm", "curious", "dusty", "eager", "fancy", "gentle", "hollow", "icy", "jolly", "lazy",
+               "mighty", "nervous", "odd", "quiet", "rapid", "shiny", "tame", "upbeat", "vivid", "wary", "young", "zesty")  # fmt: skip
+_NOUNS = ("anchor", "badger", "candle", "dolphin", "engine", "falcon", "garden", "harbor", "island", "jacket", "kettle", "lantern",
+          "meadow", "needle", "orchard", "pebble", "quarry", "river", "saddle", "teapot", "umbrella", "violin", "walnut", "yacht")  # fmt: skip
+
+
+def niah_form(form: str) -> tuple[str, str]:
+    """(haystack kind, value kind) of a RULER single-needle form."""
+    forms = {"niah_single_1": ("repeat", "number"), "niah_single_2": ("essay", "number"), "niah_single_3": ("essay", "uuid")}
+    if form not in forms:
+        raise ValueError(f"unknown needle form {form!r}; choose from {', '.join(forms)}")
+    return forms[form]
+
+
+def niah_key_value(form: str, rng: random.Random) -> tuple[str, str]:
+    """A RULER key (adjective-noun) and value (7-digit number, or a version-4 UUID) drawn from ``rng``."""
+    key = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+    value = str(uuid.UUID(int=rng.getrandbits(128), version=4)) if niah_form(form)[1] == "uuid" else str(rng.randint(10**6, 10**7 - 1))
+    return key, value
+
+
+def essay_sentences(text: str) -> list[str]:
+    """Prose cut into sentences (after . ! or ? and white space), white space runs made single spaces."""
+    return [s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s]
+
+
+def niah_text(form: str, key: str, value: str, n: int, depth: float, essay: list[str] | None = None) -> str:
+    """The prompt of ``n`` haystack units (filler repeats, or essay sentences) with the needle after
+    ``round(n * depth)`` of them, ending in RULER's answer prefix."""
+    haystack, kind = niah_form(form)
+    needle = NIAH_NEEDLE.format(kind=kind, key=key, value=value)
+    if haystack == "repeat":
+        units = [NIAH_REPEAT] * n
+    else:
+        if not essay:
+            raise ValueError(f"{form} needs essay sentences for its haystack")
+        units = [essay[i % len(essay)] for i in range(n)]
+    at = round(n * depth)
+    context = ("\n" if haystack == "repeat" else " ").join([*units[:at], needle, *units[at:]])
+    question = NIAH_TEMPLATE.format(kind=kind, context=context, key=key)
+    return question + " " + NIAH_ANSWER_PREFIX.format(kind=kind, key=key)
+
+
+def niah_prompt(tokenizer, form: str, length: int, depth: float, key: str, value: str, essay: list[str] | None = None) -> list[int]:
+    """Token ids of the longest prompt of ``form`` that fits in ``length`` tokens (its haystack grown
+    unit by unit: a bisection over the number of units), the needle at ``depth`` ∈ [0, 1]."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth {depth} is outside [0, 1]")
+
+    def encode(n: int) -> list[int]:
+        return tokenizer(niah_text(form, key, value, n, depth, essay), add_special_tokens=False)["input_ids"]
+
+    lo, hi = 0, 1
+    if len(encode(0)) > length:
+        raise ValueError(f"a {form} prompt needs more than {length} tokens without any haystack; use a longer length")
+    while len(encode(hi)) <= length:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # encode(lo) fits, encode(hi) does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if len(encode(mid)) <= length else (lo, mid)
+    return encode(lo)
+
+
+@torch.no_grad()
+def niah_trial(model, tokenizer, prompt_ids: list[int], value: str, extra_tokens: int = NIAH_EXTRA_TOKENS) -> dict:
+    """Greedy continuation of ``extra_tokens`` more tokens than " VALUE" has; correct when the value
+    appears in it (RULER's string match); recall teacher-forced (skipped, as true, when the greedy
+    tokens begin with the answer's: the argmax already was the answer at every position)."""
+    answer = tokenizer(" " + value, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([prompt_ids], device=_device(model))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(answer) + extra_tokens, do_sample=False, pad_token_id=pad)
+    new = out[0, ids.shape[1] :].tolist()
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    recalled = new[: len(answer)] == answer or key_recalled(model, tokenizer, prompt_ids, value)
+    return {"prompt_tokens": len(prompt_ids), "answer": text, "correct": value.lower() in text.lower(), "recalled": bool(recalled)}
+
+
+def niah_depths(trials: int) -> list[float]:
+    """Needle depths of a length's trials, evenly spread over [0, 1] (RULER samples them from 40 even steps)."""
+    return [0.5] if trials == 1 else [t / (trials - 1) for t in range(trials)]
+
+
+def niah_grid(model, tokenizer, form: str, lengths, trials: int = 20, seed: int = 0, essay: list[str] | None = None,
+              progress: bool = True, desc: str = "niah") -> dict:  # fmt: skip
+    """Greedy accuracy and recall of ``form`` at each length over ``trials`` keys (depths evenly
+    spread); keys, values and depths depend only on (form, length, seed), so every model evaluated
+    with the same seed sees the same prompts; prompt + answer fit in the length. Per length also n
+    and the CPU seconds it cost."""
+    niah_form(form)
+    if trials < 1:
+        raise ValueError(f"trials {trials} must be at least 1")
+    out = {"form": form, "lengths": list(lengths), "trials": trials, "seed": seed, "accuracy": {}, "recall": {}, "n": {}, "cpu_seconds": {}, "examples": []}
+    bar = tqdm(total=len(lengths) * trials, desc=desc, disable=not progress, leave=False)
+    for length in lengths:
+        rng = random.Random(f"{form}/{length}/{seed}")
+        cpu, hits, recalled = time.process_time(), 0, 0
+        for t, depth in enumerate(niah_depths(trials)):
+            key, value = niah_key_value(form, rng)
+            room = len(tokenizer(" " + value, add_special_tokens=False)["input_ids"]) + NIAH_EXTRA_TOKENS  # prompt + answer fit in length
+            ids = niah_prompt(tokenizer, form, length - room, depth, key, value, essay)
+            r = niah_trial(model, tokenizer, ids, value, NIAH_EXTRA_TOKENS)
+            hits += r["correct"]
+            recalled += r["recalled"]
+            if t == 0:
+                out["examples"].append({"length": length, "depth": depth, "key": key, "value": value, **r})
+            bar.update(1)
+        out["accuracy"][str(length)] = hits / trials
+        out["recall"][str(length)] = recalled / trials
+        out["n"][str(length)] = trials
+        out["cpu_seconds"][str(length)] = time.process_time() - cpu
+    bar.close()
+    return out
 
 
 def plot_passkey(results: dict[str, dict], path, title: str = "") -> None:

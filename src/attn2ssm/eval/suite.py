@@ -1,0 +1,526 @@
+"""The evaluation suite: a student judged the way the distillation papers judge one, beside its teacher.
+
+``attn2ssm eval STUDENT --suite standard --against TEACHER [--quick]`` scores both models on the same
+inputs and writes one table (``suite.json``, ``suite.md``, ``suite.png``): per row the teacher's and
+the student's score, recovered (student / teacher; teacher / student for perplexity), the standard
+error of each score that is a mean over items, the number of items, and the CPU seconds each side
+cost. The rows (docs/evaluation.md has the settings and the costs):
+
+- **perplexity** at windows 1024 and 2048 (stride = window / 2) on the held-out split of five
+  built-in corpora, three of domains no built-in recipe trains on (``emails``, ``kjv``, ``pydoc``)
+  and the two training corpora's held-out text as the in-domain reference (``sotu`` addresses from
+  2000 on, the last chapters of ``moby-dick``), at most ``max_tokens`` tokens each;
+- **0-shot core tasks** (lm-eval, offline pack) and **MMLU 0-shot and 5-shot**, each on a seeded
+  random subset of its documents (the same for every model), chosen so that the binomial standard
+  error sqrt(p (1 - p) / n) is at most ~2.5 points at p = 0.5;
+- **needle in a haystack** in RULER's three single-needle forms at 1k, 2k and 4k tokens
+  (:mod:`attn2ssm.eval.needle`): greedy match and teacher-forced recall;
+- one **generation-scored** task: TriviaQA exact match on greedy short answers ("When Perplexity
+  Lies": log-likelihood scoring hides what a student loses when it has to generate).
+
+A *unit* is what one computation yields (a perplexity, a task, a needle form at one length) and is
+cached on its own: the teacher's units in a cache directory keyed by the teacher and the unit's
+settings (``cache_dir()/suite`` for ``eval``, the grid's ``teacher/`` folder for ``bench quality``),
+so a teacher is scored once for every student set against it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from attn2ssm.errors import ConfigError, DataError
+from attn2ssm.paths import atomic_write_text
+
+SUITE_VERSION = 1  # part of every cache key: bump when a unit computes differently
+DOMAINS = {"emails": "email (mailing lists, 2002)", "kjv": "archaic English (KJV Bible)", "pydoc": "technical prose (Python reference)",
+           "sotu": "in-domain: SOTU addresses 2000-2021", "moby-dick": "in-domain: Moby Dick, last chapters"}  # fmt: skip
+
+
+def binomial_se(p: float, n: int) -> float:
+    """Standard error of an accuracy ``p`` measured on ``n`` items: sqrt(p (1 - p) / n)."""
+    if n < 1 or not 0.0 <= p <= 1.0:
+        raise ValueError(f"a binomial standard error needs n >= 1 and 0 <= p <= 1, got p={p}, n={n}")
+    return math.sqrt(p * (1.0 - p) / n)
+
+
+def items_scored(record: dict, task: str) -> int | None:
+    """Documents lm-eval scored for ``task`` (a task, or a group: the sum over its subtasks)."""
+    counts = record.get("n-samples", {})
+    if task in counts:
+        return counts[task]["effective"]
+    subtasks = record.get("group_subtasks", {}).get(task)
+    if subtasks:
+        found = [items_scored(record, t) for t in subtasks]
+        return sum(n for n in found if n) or None
+    return None
+
+
+def pooled_accuracy(record: dict, metric: str) -> tuple[float, int]:
+    """(accuracy, items) over every task lm-eval scored: the item-weighted mean of ``metric``."""
+    total, n = 0.0, 0
+    for task, counts in record.get("n-samples", {}).items():
+        value = record["results"].get(task, {}).get(f"{metric},none")
+        if value is None:
+            value = next((v for k, v in record["results"].get(task, {}).items() if k.startswith(f"{metric},") and "stderr" not in k), None)
+        if value is None:
+            raise ConfigError(f"lm-eval gave no {metric} for {task}", f"choose a metric the task reports (it has {', '.join(record['results'].get(task, {}))})")
+        total += float(value) * counts["effective"]
+        n += counts["effective"]
+    if n == 0:
+        raise ConfigError("lm-eval scored no documents", "check the task and the number of items")
+    return total / n, n
+
+
+# ------------------------------------------------------------------------------------------------ settings
+@dataclass(frozen=True)
+class TaskSpec:
+    """An lm-eval task (or group) of the offline pack, its metric, shots and items scored."""
+
+    task: str
+    metric: str = "acc"
+    shots: int = 0
+    items: int | None = None  # a seeded random subset of this many documents (per subtask of a group); None: all
+    label: str = ""  # its column in the anchors table
+
+    @property
+    def name(self) -> str:
+        return f"{self.task} {self.shots}-shot" if self.shots else self.task
+
+
+CORE = (("arc_easy", "acc", "ARC-e"), ("arc_challenge", "acc_norm", "ARC-c"), ("hellaswag", "acc_norm", "HS"), ("piqa", "acc", "PIQA"),
+        ("winogrande", "acc", "WG"), ("boolq", "acc", "BoolQ"), ("lambada_openai", "acc", "LAMBADA"), ("openbookqa", "acc_norm", "OBQA"))  # fmt: skip
+
+
+@dataclass
+class SuiteSettings:
+    name: str = "standard"
+    corpora: tuple[str, ...] = ("emails", "kjv", "pydoc", "sotu", "moby-dick")
+    windows: tuple[int, ...] = (1024, 2048)
+    max_tokens: int = 16384  # held-out tokens per corpus, at most
+    tasks: tuple[TaskSpec, ...] = ()
+    generation: TaskSpec | None = None
+    max_gen_toks: int = 32  # a generated answer's length cap (lm-eval's default is 256)
+    niah_forms: tuple[str, ...] = ("niah_single_1", "niah_single_2", "niah_single_3")
+    niah_lengths: tuple[int, ...] = (1024, 2048, 4096)
+    niah_trials: int = 20
+    niah_essay: str = "sotu"  # whose held-out prose is the essay haystack
+    seed: int = 1234
+    batch_size: int = 8
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return json.loads(json.dumps(asdict(self)))
+
+
+def standard_tasks(items: int, mmlu_per_subject: int) -> tuple[TaskSpec, ...]:
+    core = tuple(TaskSpec(task, metric, 0, items, label) for task, metric, label in CORE)
+    return core + (TaskSpec("mmlu", "acc", 0, mmlu_per_subject, "MMLU 0-shot"), TaskSpec("mmlu", "acc", 5, mmlu_per_subject, "MMLU 5-shot"))
+
+
+def suite_settings(name: str = "standard", quick: bool = False) -> SuiteSettings:
+    """The standard suite, or its quick form (fewer items, trials and tokens; larger standard errors).
+
+    standard: 400 documents per core task (SE <= 2.5 points), MMLU 7 per subject (399; SE <= 2.5),
+    TriviaQA 400, needles 20 trials per form and length, 16,384 held-out tokens per corpus.
+    quick: 100 per task (SE <= 5 points), MMLU 2 per subject (114; SE <= 4.7), TriviaQA 100,
+    5 trials (SE <= 22 points), 4,096 tokens per corpus.
+    """
+    if name != "standard":
+        raise ConfigError(f"unknown suite {name!r}", "use --suite standard (with --quick for its cheap form)")
+    if quick:
+        return SuiteSettings(name="standard --quick", max_tokens=4096, tasks=standard_tasks(100, 2), generation=TaskSpec("triviaqa", "exact_match", 0, 100, "TriviaQA EM"),
+                             niah_trials=5)  # fmt: skip
+    return SuiteSettings(tasks=standard_tasks(400, 7), generation=TaskSpec("triviaqa", "exact_match", 0, 400, "TriviaQA EM"))
+
+
+# ------------------------------------------------------------------------------------------------ units
+@dataclass(frozen=True)
+class Unit:
+    """One computation of the suite and the rows it yields: ``kind`` ppl | task | niah."""
+
+    kind: str
+    params: tuple  # ppl: (corpus, window); task: (TaskSpec,); niah: (form, length)
+
+    @property
+    def id(self) -> str:
+        if self.kind == "task":
+            spec = self.params[0]
+            return f"task/{spec.task}/{spec.shots}"
+        return "/".join([self.kind, *map(str, self.params)])
+
+
+def plan_units(settings: SuiteSettings) -> list[Unit]:
+    units = [Unit("ppl", (c, w)) for c in settings.corpora for w in settings.windows]
+    units += [Unit("task", (t,)) for t in settings.tasks]
+    if settings.generation is not None:
+        units.append(Unit("task", (settings.generation,)))
+    units += [Unit("niah", (f, L)) for f in settings.niah_forms for L in settings.niah_lengths]
+    return units
+
+
+def unit_key(unit: Unit, settings: SuiteSettings, inputs: dict) -> dict:
+    """Everything a unit's numbers depend on (with the teacher's identity, the cache key)."""
+    from attn2ssm.data.sources import corpus_stamp
+
+    key = {"suite_version": SUITE_VERSION, "unit": unit.id}
+    if unit.kind == "ppl":
+        key.update(corpus=corpus_stamp(unit.params[0]), ids=inputs["ids_sha"][unit.params[0]], window=unit.params[1])
+    elif unit.kind == "task":
+        from importlib.metadata import version
+
+        from attn2ssm.eval.harness import _data_versions
+
+        key.update(task=asdict(unit.params[0]), seed=settings.seed, data=_data_versions(), lm_eval=version("lm_eval"), max_gen_toks=settings.max_gen_toks)
+        key["task"].pop("label")
+    else:
+        key.update(trials=settings.niah_trials, seed=settings.seed, essay=inputs["essay_sha"] if unit.params[0] != "niah_single_1" else None)
+    return key
+
+
+def task_samples(spec: TaskSpec, seed: int) -> dict[str, list[int]] | None:
+    """The documents a task scores: ``spec.items`` of each (sub)task's, a random subset fixed by
+    ``seed`` and the task's name (all of them where a task has no more)."""
+    if spec.items is None:
+        return None
+    out = {}
+    for task, count in _doc_counts(spec.task).items():
+        k = min(spec.items, count)
+        out[task] = sorted(random.Random(f"{seed}/{task}").sample(range(count), k))
+    return out
+
+
+@functools.cache
+def _doc_counts(name: str) -> dict[str, int]:
+    from attn2ssm.eval import harness
+
+    return harness.doc_counts(name)
+
+
+class SideCache:
+    """Units of one model (the teacher) on disk: ``DIR/suite-<model>.json``, {key hash: scores}."""
+
+    def __init__(self, directory: Path, model_id: str):
+        self.path = Path(directory) / f"suite-{hashlib.sha256(model_id.encode()).hexdigest()[:12]}.json"
+        self.model_id = model_id
+        try:
+            self.entries = json.loads(self.path.read_text())["units"]
+        except (OSError, ValueError, KeyError):
+            self.entries = {}
+
+    @staticmethod
+    def _hash(key: dict) -> str:
+        return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def get(self, key: dict) -> dict | None:
+        return self.entries.get(self._hash(key))
+
+    def put(self, key: dict, scores: dict) -> None:
+        self.entries[self._hash(key)] = scores
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.path, json.dumps({"model": self.model_id, "units": self.entries}, indent=1) + "\n")
+
+
+def model_identity(spec: str) -> str:
+    """What names a model's weights for the cache: a built-in name or hub id as given, a directory
+    with the sizes and modification times of its weight and config files (its own files only: an
+    ``eval/`` folder beside them does not count)."""
+    path = Path(spec).expanduser()
+    if not path.exists():
+        return spec
+    files = sorted(p for p in path.glob("*") if p.is_file() and p.suffix in (".safetensors", ".bin", ".gguf", ".json"))
+    stamp = [f"{p.relative_to(path)}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in files] if path.is_dir() else [f"{path.stat().st_size}|{path.stat().st_mtime_ns}"]
+    return f"{path.resolve()}#" + hashlib.sha256("\n".join(stamp).encode()).hexdigest()[:16]
+
+
+def prepare_inputs(settings: SuiteSettings, tokenizer) -> dict:
+    """What both models are scored on: each corpus's held-out ids, the needle essay's sentences."""
+    import torch
+
+    from attn2ssm.data import load_documents, prepare_corpus, split_documents
+    from attn2ssm.eval.needle import essay_sentences
+
+    ids, sha = {}, {}
+    for corpus in settings.corpora:
+        held = prepare_corpus(corpus, tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0).heldout_ids[: settings.max_tokens]
+        need = max(settings.windows) // 2 + 2
+        if held.numel() < need:
+            raise DataError(f"corpus {corpus!r} has {held.numel()} held-out tokens, too few for windows up to {max(settings.windows)}",
+                            f"use corpora with at least {need} held-out tokens, or smaller windows")  # fmt: skip
+        ids[corpus] = held
+        sha[corpus] = hashlib.sha256(held.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
+    essay, essay_sha = None, None
+    if any(f != "niah_single_1" for f in settings.niah_forms):
+        _, held_docs = split_documents(load_documents(settings.niah_essay), settings.niah_essay)
+        essay = essay_sentences(" ".join(d.text for d in held_docs))
+        essay_sha = hashlib.sha256("\n".join(essay).encode()).hexdigest()[:16]
+    return {"ids": ids, "ids_sha": sha, "essay": essay, "essay_sha": essay_sha}
+
+
+def _device(model):
+    return str(next(model.parameters()).device)
+
+
+def score_unit(unit: Unit, model, tokenizer, settings: SuiteSettings, inputs: dict, progress: bool = True) -> dict:
+    """One model's scores of one unit: {row id: {value, se, n, cpu_seconds, wall_seconds, ...}}."""
+    cpu, wall = time.process_time(), time.time()
+    if unit.kind == "ppl":
+        from attn2ssm.eval.perplexity import perplexity
+
+        corpus, window = unit.params
+        r = perplexity(model, inputs["ids"][corpus], window=window, stride=window // 2, batch_size=max(1, 4096 // window), progress=progress, desc=f"{corpus} @{window}")
+        out = {unit.id: {"value": r["ppl"], "se": None, "n": r["tokens"], "nll": r["nll"]}}
+    elif unit.kind == "task":
+        from attn2ssm.eval.harness import run_lm_eval
+
+        spec = unit.params[0]
+        record = run_lm_eval(model, [spec.task], samples=task_samples(spec, settings.seed), num_fewshot=spec.shots, tokenizer=tokenizer,
+                             batch_size=settings.batch_size, device=_device(model), bootstrap_iters=0, max_gen_toks=settings.max_gen_toks)  # fmt: skip
+        value, n = pooled_accuracy(record, spec.metric)
+        out = {unit.id: {"value": value, "se": binomial_se(value, n), "n": n}}
+    else:
+        from attn2ssm.eval.needle import niah_grid
+
+        form, length = unit.params
+        g = niah_grid(model, tokenizer, form, [length], settings.niah_trials, seed=settings.seed, essay=inputs["essay"], progress=progress, desc=f"{form} @{length}")
+        n, acc, rec = settings.niah_trials, g["accuracy"][str(length)], g["recall"][str(length)]
+        out = {unit.id: {"value": acc, "se": binomial_se(acc, n), "n": n, "example": g["examples"][0]},
+               f"{unit.id}/recall": {"value": rec, "se": binomial_se(rec, n), "n": n}}  # fmt: skip
+    cost = {"cpu_seconds": time.process_time() - cpu, "wall_seconds": time.time() - wall}
+    for i, scores in enumerate(out.values()):  # the unit's cost goes to its first row (recall comes with the greedy run)
+        scores.update(cost if i == 0 else {"cpu_seconds": 0.0, "wall_seconds": 0.0})
+    return out
+
+
+def score_side(model, tokenizer, settings: SuiteSettings, inputs: dict, cache: SideCache | None = None, progress: bool = True,
+               on_unit=None, loader=None) -> dict:  # fmt: skip
+    """Every unit of the suite for one model (from ``cache`` where it holds the unit); ``on_unit``
+    is called after each unit with the scores so far (a killed run keeps its finished units).
+    ``model`` may be None with a ``loader`` that returns it: it is called only if a unit is not cached."""
+    scores: dict = {}
+    for unit in plan_units(settings):
+        key = unit_key(unit, settings, inputs) if cache is not None else None
+        found = cache.get(key) if cache is not None else None
+        if found is None:
+            if model is None:
+                model = loader()
+            found = score_unit(unit, model, tokenizer, settings, inputs, progress)
+            if cache is not None:
+                cache.put(key, found)
+        else:
+            found = {rid: {**s, "cached": True} for rid, s in found.items()}
+        scores.update(found)
+        if on_unit is not None:
+            on_unit(scores)
+    return scores
+
+
+# ------------------------------------------------------------------------------------------------ rows
+def row_labels(settings: SuiteSettings) -> list[tuple[str, str, str, bool]]:
+    """(row id, group, metric, higher is better) of every row, in table order."""
+    rows = []
+    for unit in plan_units(settings):
+        if unit.kind == "ppl":
+            corpus, window = unit.params
+            rows.append((unit.id, f"perplexity {corpus}", f"ppl @{window}", False))
+        elif unit.kind == "task":
+            spec = unit.params[0]
+            kind = "generation, greedy" if spec == settings.generation else f"{spec.shots}-shot"
+            rows.append((unit.id, f"{spec.task} ({kind})", spec.metric, True))
+        else:
+            form, length = unit.params
+            rows.append((unit.id, f"{form} @{length}", "greedy match", True))
+            rows.append((f"{unit.id}/recall", f"{form} @{length}", "recall (teacher-forced)", True))
+    return rows
+
+
+def pair_rows(settings: SuiteSettings, teacher: dict, student: dict) -> list[dict]:
+    """The table: one row per suite row with both sides' scores, SEs, n and CPU seconds."""
+    from attn2ssm.eval.compare import _row
+
+    rows = []
+    for rid, group, metric, higher in row_labels(settings):
+        t, s = teacher.get(rid), student.get(rid)
+        if t is None and s is None:
+            continue
+        cpu = {side: (None if (x is None or x.get("cached")) else x.get("cpu_seconds")) for side, x in (("teacher", t), ("student", s))}
+        extra = {"id": rid, **({"domain": DOMAINS[rid.split("/")[1]]} if rid.startswith("ppl/") and rid.split("/")[1] in DOMAINS else {}), "teacher_se": (t or {}).get("se"), "student_se": (s or {}).get("se"), "n": (s or t)["n"], "cpu_seconds": cpu}
+        row = _row(group, metric, None if t is None else t["value"], None if s is None else s["value"], higher, **extra)
+        if rid.startswith("ppl/") and t and s:
+            row["ratio"] = s["value"] / t["value"]  # student / teacher perplexity, the papers' form
+        rows.append(row)
+    return rows
+
+
+def anchors_table(rows: list[dict], settings: SuiteSettings) -> list[str]:
+    """The tasks in the anchors' format: task columns; teacher, student and recovered rows."""
+    by_id = {r["id"]: r for r in rows}
+    cols = [(t.label or t.name, f"task/{t.task}/{t.shots}") for t in settings.tasks if t.shots == 0 and t.task != "mmlu"]
+    core = [rid for _, rid in cols if rid in by_id]
+    cols.append(("avg (core)", None))
+    cols += [(t.label or t.name, f"task/{t.task}/{t.shots}") for t in settings.tasks if t.task == "mmlu" or t.shots]
+    if settings.generation is not None:
+        cols.append((settings.generation.label or settings.generation.name, f"task/{settings.generation.task}/{settings.generation.shots}"))
+    longest = max(settings.niah_lengths) if settings.niah_lengths else None
+    cols += [(f"{f.replace('niah_single_', 'NIAH-')} @{longest}", f"niah/{f}/{longest}") for f in settings.niah_forms]
+
+    def cell(side: str, rid: str | None) -> float | None:
+        if rid is None:  # the core average, over the core tasks scored
+            values = [by_id[r][side] for r in core if by_id[r][side] is not None]
+            return sum(values) / len(values) if values and len(values) == len(core) else None
+        return by_id[rid][side] if rid in by_id else None
+
+    def pct(v) -> str:
+        return "–" if v is None else f"{100 * v:.1f}"
+
+    lines = ["| model | " + " | ".join(c for c, _ in cols) + " |", "|---|" + "---|" * len(cols)]
+    lines.append("| teacher | " + " | ".join(pct(cell("teacher", rid)) for _, rid in cols) + " |")
+    lines.append("| student | " + " | ".join(pct(cell("student", rid)) for _, rid in cols) + " |")
+    rec = []
+    for _, rid in cols:
+        t, s = cell("teacher", rid), cell("student", rid)
+        rec.append("–" if t is None or s is None or t <= 0 else f"{100 * s / t:.0f} %")
+    lines.append("| recovered | " + " | ".join(rec) + " |")
+    return lines
+
+
+IN_DOMAIN = ("sotu", "moby-dick")
+
+
+def summary(rows: list[dict], settings: SuiteSettings) -> list[tuple[str, float | None, float | None]]:
+    """A few numbers per model for a scoreboard: (label, teacher, student) of the core-task mean
+    accuracy, MMLU 0/5-shot, the generation task, the needles' mean greedy match at the longest
+    length, and the perplexity ratio (student / teacher, geometric mean) on the corpora of other
+    domains at the longest window."""
+    by_id = {r["id"]: r for r in rows}
+
+    def mean(ids, side, geometric=False):
+        values = [by_id[i][side] for i in ids if i in by_id and by_id[i][side] is not None]
+        if not values or len(values) < len(ids):
+            return None
+        return math.exp(sum(map(math.log, values)) / len(values)) if geometric else sum(values) / len(values)
+
+    core = [f"task/{t.task}/0" for t in settings.tasks if t.shots == 0 and t.task != "mmlu"]
+    out = [("core avg", mean(core, "teacher"), mean(core, "student"))]
+    for t in settings.tasks:
+        if t.task == "mmlu":
+            rid = f"task/mmlu/{t.shots}"
+            out.append((t.label or t.name, mean([rid], "teacher"), mean([rid], "student")))
+    if settings.generation is not None:
+        rid = f"task/{settings.generation.task}/{settings.generation.shots}"
+        out.append((settings.generation.label or settings.generation.name, mean([rid], "teacher"), mean([rid], "student")))
+    if settings.niah_lengths:
+        longest = max(settings.niah_lengths)
+        ids = [f"niah/{f}/{longest}" for f in settings.niah_forms]
+        out.append((f"NIAH @{longest}", mean(ids, "teacher"), mean(ids, "student")))
+    other = [c for c in settings.corpora if c not in IN_DOMAIN]
+    if other and settings.windows:
+        w = max(settings.windows)
+        ids = [f"ppl/{c}/{w}" for c in other]
+        t, st = mean(ids, "teacher", True), mean(ids, "student", True)
+        out.append((f"ppl ratio, other domains @{w}", 1.0 if t else None, None if t is None or st is None else st / t))
+    return out
+
+
+def format_suite_markdown(report: dict) -> str:
+    from attn2ssm.eval.compare import format_table
+
+    settings = settings_from_dict(report["settings"])
+    rows = report["rows"]
+    cost = report.get("cpu_seconds", {})
+    lines = [
+        f"# {report['student']} vs teacher {report['teacher']}: suite {settings.name}",
+        "",
+        "Accuracies in %, teacher / student / recovered (student / teacher):",
+        "",
+        *anchors_table(rows, settings),
+        "",
+        (
+            "Every row: the score, and where it is a mean over items (an accuracy, in %) ± its standard error in points (binomial: sqrt(p (1 - p) / n)); "
+            "n = items (documents, trials), or scored tokens for perplexity; recovered = student / teacher (teacher / student for "
+            "perplexity); CPU s = process CPU seconds each side cost on this machine (\"cached\": the teacher's unit came from the cache; "
+            "a needle's recall is computed with its greedy run)."
+        ),
+        "",
+        *format_table(rows),
+        "",
+        (
+            f"CPU seconds in all: teacher {cost.get('teacher', 0):,.0f} (of units computed now), student {cost.get('student', 0):,.0f}; "
+            f"{report['environment'].get('cpu_count')} CPUs, torch threads {report.get('threads')}."
+        ),
+        "",
+        "![recovered fraction](suite.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def settings_from_dict(d: dict) -> SuiteSettings:
+    d = dict(d)
+    d["tasks"] = tuple(TaskSpec(**t) for t in d.get("tasks", ()))
+    d["generation"] = TaskSpec(**d["generation"]) if d.get("generation") else None
+    for k in ("corpora", "windows", "niah_forms", "niah_lengths"):
+        d[k] = tuple(d.get(k, ()))
+    return SuiteSettings(**d)
+
+
+def suite_report(settings: SuiteSettings, teacher_spec: str, student_path: str, teacher_scores: dict, student_scores: dict) -> dict:
+    import torch
+
+    from attn2ssm.eval.report import environment
+
+    rows = pair_rows(settings, teacher_scores, student_scores)
+    cost = {side: sum(s.get("cpu_seconds", 0.0) for s in scores.values() if not s.get("cached")) for side, scores in (("teacher", teacher_scores), ("student", student_scores))}
+    return {"student": str(student_path), "teacher": teacher_spec, "suite": settings.name, "rows": rows, "settings": settings.as_dict(),
+            "cpu_seconds": cost, "threads": torch.get_num_threads(), "environment": environment(),
+            "teacher_scores": teacher_scores, "student_scores": student_scores}  # fmt: skip
+
+
+def write_suite_report(report: dict, out_dir: Path) -> None:
+    from attn2ssm.eval.compare import plot_recovered
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / "suite.json", json.dumps(report, indent=1, default=str) + "\n")
+    atomic_write_text(out_dir / "suite.md", format_suite_markdown(report))
+    plot_recovered(report["rows"], out_dir / "suite.png", f"{Path(str(report['student'])).name} vs {report['teacher']} (suite {report['suite']})")
+
+
+def run_suite(student_path: str, teacher_spec: str | None, out_dir: Path, settings: SuiteSettings, cache_dir: Path | None = None,
+              progress: bool = True) -> dict:  # fmt: skip
+    """Score teacher (cached per unit in ``cache_dir``, default ``<attn2ssm cache>/suite``) and
+    student on the suite; write suite.json / suite.md / suite.png to ``out_dir`` after every unit."""
+    from attn2ssm.paths import cache_dir as default_cache
+    from attn2ssm.student.loading import load_model_and_tokenizer, position_limit
+
+    teacher_spec = teacher_spec or "smollm2-135m"
+    student, tokenizer = load_model_and_tokenizer(student_path)
+    teacher, _ = load_model_and_tokenizer(teacher_spec)
+    longest = max([*settings.windows, *settings.niah_lengths])
+    for name, m in ((student_path, student), (teacher_spec, teacher)):
+        limit = position_limit(m.config)
+        if limit is not None and longest > limit:
+            raise ConfigError(f"{name} reads at most {limit} positions, and the suite needs {longest}", "evaluate a model with a longer context")
+    inputs = prepare_inputs(settings, tokenizer)
+    cache = SideCache(Path(cache_dir) if cache_dir else default_cache() / "suite", model_identity(teacher_spec))
+    teacher_scores = score_side(teacher, tokenizer, settings, inputs, cache, progress)
+    del teacher
+
+    def save(student_scores: dict) -> dict:
+        report = suite_report(settings, teacher_spec, student_path, teacher_scores, student_scores)
+        write_suite_report(report, out_dir)
+        return report
+
+    student_scores = score_side(student, tokenizer, settings, inputs, None, progress, on_unit=save)
+    return save(student_scores)
+
+
+def with_overrides(settings: SuiteSettings, **changes) -> SuiteSettings:
+    """``settings`` with some fields replaced (tests and benchmarks shrink a suite this way)."""
+    return replace(settings, **changes)
