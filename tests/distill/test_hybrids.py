@@ -196,3 +196,22 @@ def test_stepwise_resume_matches_uninterrupted(run_overrides, tmp_path, monkeypa
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
     assert Attn2SSMForCausalLM.from_pretrained(crashed / "student").config.layer_plan == ["mamba2", "mamba2"]
     assert [r["loss"] for r in _records(crashed) if "loss" in r] == pytest.approx([r["loss"] for r in _records(reference) if "loss" in r], rel=1e-6)
+
+
+def test_gated_delta_decays_calibrated_on_a_fresh_student_and_on_grown_layers_only(run_overrides, tmp_path):
+    """decay_init: calibrated (gated_delta's default) is applied by the trainer: layer 0 when the
+    student is built, layer 1 when a stepwise schedule converts it — the grown student keeps layer 0's
+    trained decays. Each calibration is one metrics event with the per-head α, β it set."""
+    out = tmp_path / "run"
+    stages = "[" + KD_CE % ("half", "") + ", " + KD_CE % ("none", ", attention_ratio: 0.0") + "]"
+    overrides = run_overrides(**{"stages": stages, "student.mixer": "gated_delta", "student.mixer_options": "{}", "student.attention_ratio": 0.5})
+    distill(load_recipe(BASE_RECIPE, overrides), out, progress=False)
+    events = [r for r in _records(out) if r.get("event") == "decay_calibration"]
+    assert [sorted(e["layers"]) for e in events] == [["0"], ["1"]]
+    final = load_file(out / "student" / "model.safetensors")
+    alpha1 = torch.tensor(events[1]["layers"]["1"]["alpha"])
+    assert alpha1.min() > 0 and alpha1.max() < 1 and alpha1.std() > 0  # per head, from the teacher
+    # layer 1 trained for one stage after its calibration; layer 0 trained over both: neither back at a constant
+    for layer in (0, 1):
+        (dt_bias,) = [v for k, v in final.items() if f"layers.{layer}." in k and k.endswith("dt_bias")]
+        assert dt_bias.std() > 0

@@ -55,10 +55,12 @@ def decays_from(distance: torch.Tensor, crowding: torch.Tensor) -> tuple[torch.T
 
 
 @torch.no_grad()
-def calibrate_gated_delta(student, teacher, ids: torch.Tensor) -> dict[int, dict]:
-    """Set every ``gated_delta`` mixer with ``decay_init: calibrated`` from its teacher layer's
+def calibrate_gated_delta(student, teacher, ids: torch.Tensor, layers=None) -> dict[int, dict]:
+    """Set every ``gated_delta`` mixer with ``decay_init: calibrated`` (of ``layers`` only, when given:
+    the ones a stepwise hybrid just converted, never a trained one) from its teacher layer's
     statistics on ``ids`` (b, l). Returns {layer: {"distance", "crowding", "alpha", "beta"}} (lists)."""
-    mixers = {i: m for i, m in student.mixers().items() if isinstance(m, GatedDeltaMixer) and m.decay_init == "calibrated"}
+    mixers = {i: m for i, m in student.mixers().items()
+              if isinstance(m, GatedDeltaMixer) and m.decay_init == "calibrated" and (layers is None or i in layers)}  # fmt: skip
     if not mixers:
         return {}
     io = capture_attention_io(teacher, ids, sorted(mixers))

@@ -72,6 +72,7 @@ from attn2ssm.data import (
 from attn2ssm.data.images import load_image_data
 from attn2ssm.data.sources import is_generated
 from attn2ssm.data.teacher_samples import build_teacher_sft_data, is_teacher_source
+from attn2ssm.distill.calibration import calibrate_gated_delta
 from attn2ssm.distill.checkpoints import (
     append_jsonl,
     checkpoint_name,
@@ -482,7 +483,7 @@ class Distiller:
         with self.acc.main_process_first():  # one process tokenizes (or samples the teacher), the others read its cache
             data = load_training_data(d.source_list(), self.tokenizer, d.block_len, seed=self.recipe.seed, max_train_tokens=d.max_train_tokens,
                                       max_heldout_tokens=d.max_heldout_tokens, text_field=d.text_field, budget_blocks=budget, teacher=self.teacher,
-                                      progress=self.progress and self.is_main)  # fmt: skip
+                                      progress=self.progress and self.is_main, compact=True)  # fmt: skip
         self.corpus, self.blocks, self.eval_blocks = data.corpus, data.blocks, data.eval_blocks
         if self.is_main and len(data.sources) > 1:
             print(data.describe())
@@ -505,9 +506,22 @@ class Distiller:
                                  placement=s.placement, align=s.align, where=s.where)  # fmt: skip
             student = convert(self.teacher, plan, {s.mixer: dict(s.mixer_options)}, teacher_info=self.teacher_info, init=s.init,
                               depth=s.depth, depth_map=s.layer_map)  # fmt: skip
+            self._calibrate(student)
         # fp32 master weights whatever the teacher's dtype (convert builds the student in the teacher's)
         self.student = student.to(device=self.acc.device, dtype=torch.float32)
         student.mixer_context.kernels = self.kernels.used
+
+    def _calibrate(self, student, layers=None) -> None:
+        """A fresh student's (or only ``layers`` of it) gated delta-rule mixers with ``decay_init:
+        calibrated``: decays and write strengths per head from the teacher's attention on the
+        calibration blocks (logged)."""
+        report = calibrate_gated_delta(student, self.teacher, self._calibration_ids(), layers)
+        if report and self.is_main:
+            alphas = [a for r in report.values() for a in r["alpha"]]
+            print(f"gated delta-rule decays calibrated on the teacher's attention in {len(report)} layers "
+                  f"(per-head decay {min(alphas):.3f}..{max(alphas):.3f})")  # fmt: skip
+            with self._writing("metrics.jsonl"):
+                append_jsonl(self.metrics_path, {"event": "decay_calibration", "step": 0, "layers": {str(i): r for i, r in report.items()}})
 
     def _calibration_ids(self) -> torch.Tensor:
         """The first training blocks in the run's block order: what automatic layer selection scores on."""
@@ -542,7 +556,9 @@ class Distiller:
         if self.is_main:
             print(f"[stage {stage_idx + 1}] {cfg.name}: converting layers {[i for i in kept if i not in new_kept]} "
                   f"(attention kept in {new_kept}, {n_keep}/{len(plan)})")
-        self.student = grow_student(student, self.teacher, new_plan).to(self.acc.device)
+        grown = grow_student(student, self.teacher, new_plan)
+        self._calibrate(grown, layers={i for i in kept if i not in new_kept})
+        self.student = grown.to(self.acc.device)
         self.student.mixer_context.kernels = self.kernels.used
 
     # -- checkpoints -----------------------------------------------------------------------------
