@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from attn2ssm.eval.suite import SuiteSettings
 
 # family name → recipe (built-in name or YAML path)
-FAMILIES = {"lolcats": "lolcats", "mamba2": "mamba2_pure", "hybrid50": "hybrid50", "hybrid25": "hybrid25", "hybrid12": "hybrid12", "linear_hybrid25": "linear_hybrid25"}
+FAMILIES = {"lolcats": "lolcats", "mamba2": "mamba2_pure", "hybrid50": "hybrid50", "hybrid25": "hybrid25", "hybrid12": "hybrid12", "linear_hybrid25": "linear_hybrid25",
+            "gdn": "gdn_pure", "gdn_hybrid25": "gdn_hybrid25"}
 DEFAULT_BUDGETS = (2**16, 2**18, 2**20)
 DEFAULT_TEACHER = "smollm2-135m"
 
