@@ -20,7 +20,7 @@ import yaml
 from attn2ssm.adapters import get_adapter
 from attn2ssm.config import apply_overrides, from_dict, load_yaml
 from attn2ssm.data import check_block_len
-from attn2ssm.data.sources import is_generated, parse_generated_spec
+from attn2ssm.data.sources import expand_mixture, is_chat, is_generated, is_mixture, parse_chat_spec, parse_generated_spec
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.ssm_common import resolve_norm_eps
 from attn2ssm.ops.kernels import check_kernels
@@ -40,8 +40,10 @@ class SourceConfig:
 
 @dataclass
 class DataConfig:
-    # One source: built-in name, local file/dir, hf:<name>[:<config>][:<split>], or generated:<n_tokens>[:<prompt corpus>]
-    # (teacher samples; data/sources.py). Null when `sources` is given; sotu when neither is.
+    # One source: built-in name, local file/dir, hf:<name>[:<config>][:<split>], generated:<n_tokens>[:<prompt corpus>]
+    # (teacher samples), chat:<corpus>[:<n>] (the teacher's chat answers), recall:<n>[:<prose>] (key-value recall
+    # passages) — or a built-in mixture of several, mix:general / mix:corpora (data/sources.py). Null when
+    # `sources` is given; sotu when neither is.
     corpus: str | None = None
     sources: list[SourceConfig] = field(default_factory=list)  # a weighted mixture instead of `corpus`
     block_len: int = 256
@@ -55,10 +57,16 @@ class DataConfig:
 
     def source_list(self) -> list[SourceConfig]:
         """The sources to train on: ``sources``, or ``corpus`` as the one source."""
-        return list(self.sources) if self.sources else [SourceConfig(corpus=self.corpus)]
+        if self.sources:
+            return list(self.sources)
+        if is_mixture(self.corpus):  # a built-in mixture: its sources, as if listed under data.sources
+            return [SourceConfig(corpus=spec, weight=weight) for spec, weight in expand_mixture(self.corpus)]
+        return [SourceConfig(corpus=self.corpus)]
 
     def describe(self) -> str:
-        return self.corpus if not self.sources else " + ".join(f"{s.weight:g}×{s.corpus}" for s in self.sources)
+        if not self.sources and not is_mixture(self.corpus):
+            return self.corpus
+        return " + ".join(f"{s.weight:g}×{s.corpus}" for s in self.source_list())
 
 
 @dataclass
@@ -409,9 +417,13 @@ def _validate_data(d: DataConfig) -> None:
             raise ConfigError(f"{where} ({s.corpus}): weight {s.weight} is not a positive number", "weights are relative shares, e.g. 0.5, 0.2, 0.3")
         if s.max_tokens is not None and s.max_tokens < 1:
             raise ConfigError(f"{where} ({s.corpus}): max_tokens={s.max_tokens} is not positive", f"set {where}.max_tokens to a token count, or null")
+    if d.corpus is not None and is_mixture(d.corpus):
+        expand_mixture(d.corpus)  # an unknown name fails here
     for spec in (s.corpus for s in d.source_list()):
         if is_generated(spec):
             parse_generated_spec(spec)  # a bad spec fails here, before the teacher loads
+        elif is_chat(spec):
+            parse_chat_spec(spec)
 
 
 def _check_ranges(prefix: str, checks, where: str | None = None) -> None:

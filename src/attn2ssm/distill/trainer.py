@@ -70,7 +70,7 @@ from attn2ssm.data import (
     load_training_data,
 )
 from attn2ssm.data.images import load_image_data
-from attn2ssm.data.sources import is_generated
+from attn2ssm.data.sources import needs_teacher
 from attn2ssm.data.teacher_samples import build_teacher_sft_data, is_teacher_source
 from attn2ssm.distill.calibration import calibrate_gated_delta
 from attn2ssm.distill.checkpoints import (
@@ -425,7 +425,7 @@ class Distiller:
         spec's files (same files, dtype and mode: ``logit_cache.teacher_source_key``). Whether the
         caches hold every block is checked once the data is loaded (``_check_teacherless``)."""
         r = self.recipe
-        if self.resume_from is None or r.images is not None or any(is_generated(src.corpus) for src in r.data.source_list()):
+        if self.resume_from is None or r.images is not None or any(needs_teacher(src.corpus) for src in r.data.source_list()):
             return False
         stages = [r.stages[i] for i in self._remaining(state)]
         if not stages or any(c.kind not in ("kd", "kd_ce") or c.logit_cache is None or c.attention_ratio is not None for c in stages):
