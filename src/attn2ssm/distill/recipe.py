@@ -155,12 +155,18 @@ class LogitCacheConfig:
 class StageConfig:
     name: str = "stage"
     kind: str = "kd"
-    # Budget. LM stages: steps = ceil(tokens / (batch_size * data.block_len)). Stages with `data`:
+    # Budget. LM stages: steps = ceil(tokens / (batch_size * block_len)). Stages with `data`:
     # steps = ceil(tokens / (batch_size * data.max_len)), i.e. `tokens` counts padded positions.
     # `epochs`, when set, wins: steps = ceil(epochs * items / batch_size), items = corpus blocks or
     # dataset examples (e.g. `epochs: 1` for one pass over an SFT or preference set).
+    # tokens: 0 (and no epochs) skips the stage: an optional stage a recipe carries switched off
+    # (e.g. a final long-block stage, turned on with --set stages.N.tokens=...).
     tokens: int = 100_000
     epochs: float | None = None
+    # LM stages: this stage's block length (null: data.block_len). The recipe's sources re-blocked at
+    # this length for this stage alone (training and held-out blocks), e.g. a final end-to-end KD stage
+    # at the longest blocks the budget allows; the run's report still scores at eval.window.
+    block_len: int | None = None
     # Parameter selection: `trainable` patterns are unfrozen, then `frozen` patterns frozen again
     # (`trainable: [all], frozen: [mlps, embeddings]`). Patterns: groups 'mixers', 'feature_maps',
     # 'lora', 'all', 'mlps', 'embeddings', 'norms', 'attention' (kept softmax layers), or globs.
@@ -322,8 +328,15 @@ def validate(recipe: Recipe) -> None:
         STAGE_KINDS[stage.kind].options(stage)  # unknown `losses` keys fail here, before any loading
         if stage.schedule.kind not in ("warmup_cosine", "wsd", "constant"):
             raise ConfigError(f"{where}: unknown schedule '{stage.schedule.kind}'", "use warmup_cosine, wsd or constant")
-        if stage.tokens <= 0 or stage.batch_size <= 0 or stage.grad_accum <= 0:
-            raise ConfigError(f"{where}: tokens, batch_size and grad_accum must be positive", "fix the stage's budget")
+        if stage.tokens < 0 or stage.batch_size <= 0 or stage.grad_accum <= 0:
+            raise ConfigError(f"{where}: batch_size and grad_accum must be positive, tokens positive or 0 (the stage skipped)", "fix the stage's budget")
+        if stage.block_len is not None:
+            kind = STAGE_KINDS[stage.kind]
+            if kind.data_formats is not None or kind.image_task:
+                raise ConfigError(f"{where}: kind '{stage.kind}' does not train on the recipe's corpus blocks, so block_len does not apply",
+                                  f"remove stages.{i}.block_len (its own dataset has data.max_len)")  # fmt: skip
+            if isinstance(stage.block_len, bool) or not isinstance(stage.block_len, int) or stage.block_len < 2:
+                raise ConfigError(f"{where}: block_len={stage.block_len!r} is not a block length", f"set stages.{i}.block_len to at least 2 tokens, e.g. 4096, or null for data.block_len")
         if stage.batch_size % stage.grad_accum:
             raise ConfigError(f"{where}: batch_size {stage.batch_size} is not divisible by grad_accum {stage.grad_accum}", "make batch_size a multiple of grad_accum")
         if stage.epochs is not None and stage.epochs <= 0:
@@ -392,6 +405,9 @@ def validate_for_teacher(recipe: Recipe, config) -> None:
     adapter = get_adapter(config)
     limit = getattr(config, "max_position_embeddings", None)
     check_block_len(recipe.data.block_len, limit)
+    for stage in recipe.stages:
+        if stage.block_len is not None:
+            check_block_len(stage.block_len, limit)
     if limit is not None and (recipe.eval.window or 0) > limit:
         raise ConfigError(f"eval.window {recipe.eval.window} exceeds the teacher's maximum of {limit} positions", f"set eval.window to at most {limit}, or null for data.block_len")
     s = recipe.student
