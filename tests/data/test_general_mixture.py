@@ -10,10 +10,20 @@ import torch
 from tiny_models import make_tokenizer, tiny_config
 from transformers import AutoModelForCausalLM
 
-from attn2ssm.data import load_documents, load_training_data, split_documents
-from attn2ssm.data import recall
-from attn2ssm.data.sources import MIXTURES, check_spec, corpus_stamp, expand_mixture, parse_chat_spec
-from attn2ssm.distill.recipe import SourceConfig, builtin_recipes, load_recipe, recipe_from_dict
+from attn2ssm.data import load_documents, load_training_data, recall, split_documents
+from attn2ssm.data.sources import (
+    MIXTURES,
+    check_spec,
+    corpus_stamp,
+    expand_mixture,
+    parse_chat_spec,
+)
+from attn2ssm.distill.recipe import (
+    SourceConfig,
+    builtin_recipes,
+    load_recipe,
+    recipe_from_dict,
+)
 from attn2ssm.errors import Attn2SSMError, ConfigError, DataError
 from attn2ssm.eval import needle
 from attn2ssm.eval.suite import suite_settings

@@ -7,7 +7,13 @@ import json
 
 import pytest
 import torch
-from tiny_models import SENTENCES, make_tokenizer, one_line_error, perturb_new_mixer_parameters, tiny_config
+from tiny_models import (
+    SENTENCES,
+    make_tokenizer,
+    one_line_error,
+    perturb_new_mixer_parameters,
+    tiny_config,
+)
 
 from attn2ssm.eval.perplexity import perplexity
 from attn2ssm.mixers.linear_attention import LinearAttentionMixer, set_window_branch

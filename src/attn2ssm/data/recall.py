@@ -88,7 +88,9 @@ def _sentences(text: str) -> list[str]:
 
 def training_sentences(prose: str) -> list[str]:
     """The prose corpus' *training* documents cut into sentences (held-out text never enters)."""
-    from .sources import load_documents  # (sources imports this module for spec parsing)
+    from .sources import (
+        load_documents,  # (sources imports this module for spec parsing)
+    )
     from .splits import split_documents
 
     train, _ = split_documents(load_documents(prose), prose)
