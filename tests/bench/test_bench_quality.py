@@ -69,6 +69,17 @@ def test_budget_is_split_over_stages_by_their_tokens_in_whole_steps():
     assert shares == [1024, 1024]  # every stage runs at least one step
 
 
+def test_a_stage_switched_off_stays_off_in_every_budget():
+    """linear_hybrid25's optional long_kd (tokens 0, block_len 4096) gets no share; the other two
+    split the budget 3 : 1 in steps of 2 × 1024 tokens as before."""
+    recipe, raw = load_family("l", "linear_hybrid25", [], "smollm2-135m")
+    sets, shares = budget_overrides(recipe, raw, 65536)
+    assert shares == [49152, 16384, 0] and sets[-1] == "stages.2.tokens=0"
+    recipe, raw = load_family("l", "linear_hybrid25", ["stages.2.tokens=16384"], "smollm2-135m")  # on: its steps are 1 × 4096 tokens
+    _, shares = budget_overrides(recipe, raw, 81920)
+    assert shares == [49152, 16384, 16384]
+
+
 def test_epochs_stage_needs_a_tokens_weight_and_then_runs_by_tokens():
     recipe, raw = load_family("m", "mamba_in_llama", [], "smollm2-135m")  # its sft stage runs for epochs: 1
     with pytest.raises(ConfigError, match=r"stage 3 \(sft\) runs for epochs=1.0 and has no tokens field"):

@@ -196,12 +196,13 @@ def load_family(family: str, recipe_name: str, sets: list[str], teacher: str):
 
 def stage_step_tokens(recipe, stage) -> int:
     """Tokens one optimizer step of ``stage`` counts (padded positions for stages with a dataset)."""
-    return stage.batch_size * (stage.data.max_len if stage.data is not None else recipe.data.block_len)
+    return stage.batch_size * (stage.data.max_len if stage.data is not None else stage.block_len or recipe.data.block_len)
 
 
 def budget_overrides(recipe, raw_stages: list[dict], tokens: int, family: str = "") -> tuple[list[str], list[int]]:
     """``--set`` strings giving every stage its share of ``tokens`` (proportional to the stages'
-    ``tokens`` fields, rounded to whole optimizer steps, at least one), and the shares."""
+    ``tokens`` fields, rounded to whole optimizer steps, at least one), and the shares. A stage the
+    recipe switches off (``tokens: 0``, no epochs) stays off: share 0."""
     where = f"family {family!r} (recipe {recipe.name})" if family else f"recipe {recipe.name}"
     sets, shares = [], []
     for i, stage in enumerate(recipe.stages):
@@ -211,13 +212,14 @@ def budget_overrides(recipe, raw_stages: list[dict], tokens: int, family: str = 
                 f"give the stage a tokens field in the recipe (its weight: it then runs for its share of the budget, not for epochs; "
                 f"--set stages.{i}.tokens=N does it for a grid of this family alone), or leave the family out",
             )
-    minimum = sum(stage_step_tokens(recipe, s) for s in recipe.stages)
+    off = [s.tokens == 0 and s.epochs is None for s in recipe.stages]
+    minimum = sum(stage_step_tokens(recipe, s) for s, o in zip(recipe.stages, off) if not o)
     if tokens < minimum:
         raise ConfigError(f"{where}: a budget of {tokens} tokens is less than one optimizer step per stage ({minimum} tokens)", f"use budgets of at least {minimum} tokens")
     weight = sum(s.tokens for s in recipe.stages)
     for i, stage in enumerate(recipe.stages):
         step = stage_step_tokens(recipe, stage)
-        share = max(1, round(tokens * stage.tokens / weight / step)) * step
+        share = 0 if off[i] else max(1, round(tokens * stage.tokens / weight / step)) * step
         shares.append(share)
         sets.append(f"stages.{i}.tokens={share}")
         if stage.epochs is not None:

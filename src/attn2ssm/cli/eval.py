@@ -38,6 +38,9 @@ def add_parser(subparsers) -> None:
                    "per row teacher, student, recovered, standard errors, n and CPU seconds (docs/evaluation.md)")
     e.add_argument("--quick", action="store_true", help="with --suite: fewer items, trials and tokens (larger standard errors; the table says them)")
     e.add_argument("--suite-cache", default=None, help="with --suite: where the teacher's scores are cached (default <attn2ssm cache>/suite)")
+    e.add_argument("--branch", default=None, metavar="both|window|linear", help="perplexity or --suite with one branch of a LoLCATs-style student "
+                   "(linear_attention with a softmax window): window (the sliding-window softmax alone), linear (linear attention without the "
+                   "window) or both (as trained, the default); --suite then writes MODEL/eval/suite-<branch>")
     add_eval_task_args(e)
     e.set_defaults(func=run)
 
@@ -48,6 +51,13 @@ def run(args) -> int:
     modes = [flag for flag, on in (("--tasks", args.tasks), ("--attention", args.attention), ("--report", args.report), ("--suite", args.suite)) if on]
     if len(modes) > 1 and not (set(modes) == {"--tasks", "--report"}):
         raise ConfigError(f"{' and '.join(modes)} are different evaluations", "run them one at a time (--report takes --tasks to include lm-eval tasks)")
+    if args.branch is not None:
+        from attn2ssm.mixers.linear_attention import BRANCHES  # heavy: torch
+
+        if args.branch not in BRANCHES:
+            raise ConfigError(f"--branch {args.branch!r} is not a branch", f"use one of: {', '.join(BRANCHES)}")
+        if args.report or args.tasks or args.attention:
+            raise ConfigError("--branch applies to perplexity and --suite", "drop --branch, or run eval MODEL --suite standard --branch ...")
     if args.suite:
         return run_suite_command(args)
     if args.report:
@@ -79,6 +89,10 @@ def _perplexity(args) -> int:
 
     check_weight_format(args.dtype, args.quantize)
     model, tokenizer = load_model_and_tokenizer(args.model)
+    if args.branch is not None:
+        from attn2ssm.mixers.linear_attention import set_window_branch  # heavy: torch
+
+        set_window_branch(model, args.branch, args.model)
     apply_weight_format(model, args.dtype, args.quantize)  # the forms generate --dtype / --quantize decode in
     teacher = load_model_and_tokenizer(args.against)[0] if args.against else None  # before any scoring: a bad --against fails now
     for name, m in ((args.model, model), (args.against, teacher)):
@@ -94,11 +108,13 @@ def _perplexity(args) -> int:
     rows = [("model", args.model, perplexity(model, corpus.heldout_ids, window=args.window, stride=args.stride, max_tokens=args.max_tokens, progress=True))]
     if teacher is not None:
         rows.append(("teacher", args.against, perplexity(teacher, corpus.heldout_ids, window=args.window, stride=args.stride, max_tokens=args.max_tokens, progress=True)))
-    print(f"held-out perplexity on {args.corpus} ({rows[0][2]['tokens']} tokens, window {args.window})")
+    branch = f", {args.branch} branch" if args.branch not in (None, "both") else ""
+    print(f"held-out perplexity on {args.corpus} ({rows[0][2]['tokens']} tokens, window {args.window}{branch})")
     for role, name, r in rows:
         print(f"  {role:<8} {r['ppl']:>10.2f}   {name}")
     if args.json:
-        Path(args.json).write_text(json.dumps({role: {"path": name, **r} for role, name, r in rows}, indent=1))
+        Path(args.json).write_text(json.dumps({role: {"path": name, **r, **({"branch": args.branch} if role == "model" and args.branch else {})}
+                                               for role, name, r in rows}, indent=1))  # fmt: skip
     return 0
 
 
@@ -128,8 +144,9 @@ def run_suite_command(args) -> int:
 
     settings = suite_settings(args.suite, quick=args.quick)  # an unknown suite: one line, before anything loads
     resolve_teacher(args.against or "smollm2-135m")  # a missing teacher path fails before the student loads
-    out = Path(args.out_dir) if args.out_dir else Path(args.model) / "eval" / "suite"
-    report = run_suite(args.model, args.against, out, settings, cache_dir=args.suite_cache)
+    branch = args.branch or "both"
+    out = Path(args.out_dir) if args.out_dir else Path(args.model) / "eval" / ("suite" if branch == "both" else f"suite-{branch}")
+    report = run_suite(args.model, args.against, out, settings, cache_dir=args.suite_cache, branch=branch)
     print(format_suite_markdown(report))
     print(f"wrote {out / 'suite.md'}, suite.json and suite.png")
     return 0

@@ -48,8 +48,8 @@ from attn2ssm.errors import DataError
 
 from .packing import TokenizedCorpus, block_indices, pack_blocks, prepare_corpus
 from .shards import compact_dtype, is_shards, read_shards
-from .sources import DEFAULT_TEXT_FIELD, can_stream, is_generated
-from .teacher_samples import generate_corpus
+from .sources import DEFAULT_TEXT_FIELD, can_stream, is_chat, is_generated
+from .teacher_samples import build_chat_corpus, generate_corpus
 
 
 class TokenBlocks:
@@ -169,6 +169,11 @@ def load_training_data(
             return read_shards(spec, tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens, compact=compact)
         if is_generated(spec):
             corpus = _generated(spec, tokenizer, teacher, seed, cap, max_heldout_tokens, progress)
+        elif is_chat(spec):  # the teacher's answers, sampled once, then a local .jsonl corpus
+            if teacher is None:
+                raise DataError(f"{spec!r} is answered by the teacher, and none was given", "pass teacher= (the trainer does)")
+            path = build_chat_corpus(spec, teacher, tokenizer, seed=seed, progress=progress)
+            corpus = prepare_corpus(str(path), tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens)
         else:
             corpus = prepare_corpus(spec, tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens, text_field=field_)
         if compact:

@@ -50,7 +50,7 @@ from pathlib import Path
 
 from attn2ssm.errors import DataError
 
-from . import builtin
+from . import builtin, recall
 from .document import Document
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -66,11 +66,15 @@ def load_documents(spec: str, *, text_field: str | None = None) -> list[Document
     Raises :class:`DataError` for a missing path, an unknown format, an unreachable hub,
     or a corpus without any text (``empty corpus``).
     """
-    if is_generated(spec):
+    if needs_teacher(spec):
         raise DataError(
             f"{spec.strip()!r} is text the teacher writes, so it cannot be read without the teacher",
             "use it as data.corpus or in data.sources of a recipe (attn2ssm distill)",
         )
+    if is_mixture(spec):
+        raise DataError(f"{spec.strip()!r} names a mixture of several corpora, not one", "use it as data.corpus of a recipe, or name one of its corpora")
+    if recall.is_recall(spec):
+        return recall.load_recall(spec)
     base, text_field = parse_spec(spec, text_field)
     if builtin.is_builtin(base):
         docs = builtin.load_builtin(base)
@@ -95,6 +99,8 @@ def parse_spec(spec: str, text_field: str | None = None) -> tuple[str, str]:
             "set data.corpus to a built-in name, a file, a directory or hf:<dataset>",
         )
     spec = spec.strip()
+    if recall.is_recall(spec):  # its own options (recall.parse_recall_spec)
+        return spec, text_field or DEFAULT_TEXT_FIELD
     query_field = None
     base, sep, query = spec.rpartition("?")
     if sep and query and "=" in query:
@@ -142,6 +148,56 @@ def is_generated(spec) -> bool:
     return isinstance(spec, str) and spec.strip().startswith(GENERATED_PREFIX)
 
 
+CHAT_PREFIX = "chat:"  # the teacher's chat-formatted answers, as a corpus (data/teacher_samples.py)
+
+
+def is_chat(spec) -> bool:
+    return isinstance(spec, str) and spec.strip().startswith(CHAT_PREFIX)
+
+
+def parse_chat_spec(spec: str) -> tuple[str, int]:
+    """``chat:<prompt corpus>[:<n>]`` → (prompt corpus, n answers; default 64)."""
+    rest = spec.strip()[len(CHAT_PREFIX) :]
+    corpus, sep, n = rest.rpartition(":")
+    if not sep or not n.isdigit():
+        corpus, n = rest, "64"
+    if not corpus or int(n) < 1 or needs_teacher(corpus) or is_mixture(corpus) or recall.is_recall(corpus):
+        raise DataError(f"bad chat corpus spec {spec!r}", "write chat:<prompt corpus>[:<answers>], e.g. chat:sotu:64 (a corpus of prose)")
+    return corpus, int(n)
+
+
+def needs_teacher(spec) -> bool:
+    """Whether ``spec`` is text the teacher writes (``generated:``, ``chat:``)."""
+    return is_generated(spec) or is_chat(spec)
+
+
+# ----------------------------------------------------------------------------- named mixtures
+
+MIX_PREFIX = "mix:"
+# Built-in mixtures of training text: (corpus spec, weight) per source. None of them holds an
+# evaluation corpus (emails, kjv, pydoc) or held-out text: sotu and moby-dick train on their training
+# splits, recall passages are cut from sotu's training addresses, generated text and chat answers are
+# the teacher's own (their prompts come from sotu's training passages, never from an evaluation task).
+MIXTURES = {
+    # no teacher sampling: quick to prepare (the demo's)
+    "corpora": (("sotu", 0.6), ("moby-dick", 0.3), ("recall:512:sotu", 0.1)),
+    # the built-in recipes': + 8,192 tokens the teacher samples from BOS and its answers to 32 instructions
+    "general": (("sotu", 0.4), ("moby-dick", 0.25), ("recall:512:sotu", 0.1), ("generated:8192?top_p=0.95", 0.15), ("chat:sotu:32", 0.1)),
+}
+
+
+def is_mixture(spec) -> bool:
+    return isinstance(spec, str) and spec.strip().startswith(MIX_PREFIX)
+
+
+def expand_mixture(spec: str) -> tuple[tuple[str, float], ...]:
+    """``mix:<name>`` → its (corpus spec, weight) sources; an unknown name is a DataError."""
+    name = spec.strip()[len(MIX_PREFIX) :]
+    if name not in MIXTURES:
+        raise DataError(f"no built-in mixture {name!r}", f"use one of: {', '.join(MIX_PREFIX + n for n in MIXTURES)}, or list data.sources")
+    return MIXTURES[name]
+
+
 def parse_generated_spec(spec: str) -> GeneratedSpec:
     """``"generated:<n_tokens>[:<prompt corpus>][?k=v&…]"`` → :class:`GeneratedSpec`; bad parts are DataErrors."""
     rest = spec.strip()[len(GENERATED_PREFIX) :]
@@ -181,6 +237,16 @@ def check_spec(spec: str) -> None:
     if is_generated(spec):
         parse_generated_spec(spec)
         return
+    if is_mixture(spec):
+        for source, _ in expand_mixture(spec):
+            check_spec(source)
+        return
+    if is_chat(spec):
+        check_spec(parse_chat_spec(spec)[0])
+        return
+    if recall.is_recall(spec):
+        check_spec(recall.parse_recall_spec(spec)[1])
+        return
     base, _ = parse_spec(spec)
     if base.startswith(SHARDS_PREFIX):
         folder = Path(base[len(SHARDS_PREFIX) :]).expanduser()
@@ -214,6 +280,8 @@ def corpus_stamp(spec: str) -> str:
     size and modification time, so editing a corpus invalidates its cached tokens.
     Built-ins are pinned package versions and hub specs are keyed by name alone.
     """
+    if recall.is_recall(spec):  # the passages follow from the spec and the prose corpus' text
+        return f"{spec.strip()}|format-{recall.FORMAT}|{corpus_stamp(recall.parse_recall_spec(spec)[1])}"
     base, _ = parse_spec(spec)
     if builtin.is_builtin(base):
         return builtin.package_spec(base)

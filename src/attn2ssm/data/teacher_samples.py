@@ -60,6 +60,22 @@ INSTRUCTIONS = (
 )
 
 
+# The chat corpus' instructions (``chat:<corpus>[:<n>]``): varied tasks over a training passage, none
+# of them an evaluation task's prompt (no multiple choice, no trivia, no needle).
+CHAT_INSTRUCTIONS = (
+    "Summarize the following passage in two sentences.\n\n{text}",
+    "What is the main argument of this passage?\n\n{text}",
+    "List the key points made in this passage.\n\n{text}",
+    "Explain this passage to a twelve-year-old.\n\n{text}",
+    "Rewrite this passage in plain, modern English.\n\n{text}",
+    "Give this passage a short title and explain your choice.\n\n{text}",
+    "Write three questions a reader might ask after reading this passage, and answer one of them.\n\n{text}",
+    "What is the tone of this passage? Quote one phrase that shows it.\n\n{text}",
+    "Write a short reply to the author of this passage.\n\n{text}",
+    "Which words in this passage would a student need to look up? Define two of them.\n\n{text}",
+)
+
+
 def is_teacher_source(source: str) -> bool:
     return isinstance(source, str) and source.startswith(PREFIX)
 
@@ -98,12 +114,14 @@ def _teacher_key(teacher, tokenizer) -> str:
 
 @torch.no_grad()
 def build_teacher_sft_data(source: str, teacher, tokenizer, *, max_new_tokens: int = 96, seed: int = 0, batch_size: int = 8,
-                           progress: bool = True) -> Path:  # fmt: skip
-    """The JSONL file of teacher replies for ``source`` (generated once, then read from the cache)."""
+                           progress: bool = True, instructions: tuple[str, ...] = INSTRUCTIONS) -> Path:  # fmt: skip
+    """The JSONL file of teacher replies for ``source`` (generated once, then read from the cache);
+    passage ``i`` is asked ``instructions[i % len(instructions)]``."""
     corpus, n = parse_teacher_source(source)
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("the teacher's tokenizer has no chat template to prompt it with", "use a chat/instruct teacher, or give data.source a chat dataset")
-    key = hashlib.sha256(f"{_teacher_key(teacher, tokenizer)}|{corpus}|{n}|{max_new_tokens}|{seed}|v1".encode()).hexdigest()[:16]
+    asked = "" if instructions == INSTRUCTIONS else "|" + hashlib.sha256("\n".join(instructions).encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{_teacher_key(teacher, tokenizer)}|{corpus}|{n}|{max_new_tokens}|{seed}|v1{asked}".encode()).hexdigest()[:16]
     path = cache_dir() / "teacher_samples" / f"{Path(corpus).name}-{n}-{key}.jsonl"
     if path.exists():
         return path
@@ -115,7 +133,7 @@ def build_teacher_sft_data(source: str, teacher, tokenizer, *, max_new_tokens: i
     for i, passage in enumerate(seed_passages(corpus, n, seed=seed)):
         words = passage.split()
         while True:  # shorten the passage until the rendered prompt fits
-            prompt = INSTRUCTIONS[i % len(INSTRUCTIONS)].format(text=" ".join(words))
+            prompt = instructions[i % len(instructions)].format(text=" ".join(words))
             if len(tokenizer(render(prompt), add_special_tokens=False)["input_ids"]) + max_new_tokens <= context or len(words) <= 4:
                 break
             words = words[: len(words) * 3 // 4]
@@ -139,6 +157,28 @@ def build_teacher_sft_data(source: str, teacher, tokenizer, *, max_new_tokens: i
         raise ConfigError(f"the teacher gave no non-empty reply to {n} prompts from {corpus!r}", "check the teacher's chat template, or give a chat dataset")
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def build_chat_corpus(spec: str, teacher, tokenizer, *, seed: int = 0, progress: bool = True) -> Path:
+    """``chat:<corpus>[:<n>]`` as a corpus file: the teacher's answers to ``n`` varied instructions
+    (``CHAT_INSTRUCTIONS``) over passages of the corpus' training documents, each conversation
+    rendered through the teacher's own chat template (special tokens as text, as the teacher reads
+    them) — one ``{"text": …}`` line per conversation, beside the replies in ``cache_dir()/teacher_samples/``.
+    The replies are sampled once (greedy; :func:`build_teacher_sft_data`); the file is then a local
+    ``.jsonl`` corpus like any other (tokenized and cached by the corpus cache). A tokenizer without a
+    chat template is a ConfigError (use ``generated:`` for a base teacher)."""
+    from .sources import parse_chat_spec
+
+    corpus, n = parse_chat_spec(spec)
+    replies = build_teacher_sft_data(f"{PREFIX}{corpus}:{n}", teacher, tokenizer, seed=seed, progress=progress, instructions=CHAT_INSTRUCTIONS)
+    path = replies.with_suffix(".text.jsonl")
+    if not path.is_file():
+        lines = []
+        for line in replies.read_text(encoding="utf-8").splitlines():
+            messages = json.loads(line)["messages"]
+            lines.append(json.dumps({"text": tokenizer.apply_chat_template(messages, tokenize=False)}) + "\n")
+        atomic_write_text(path, "".join(lines))
     return path
 
 

@@ -20,7 +20,7 @@ import yaml
 from attn2ssm.adapters import get_adapter
 from attn2ssm.config import apply_overrides, from_dict, load_yaml
 from attn2ssm.data import check_block_len
-from attn2ssm.data.sources import is_generated, parse_generated_spec
+from attn2ssm.data.sources import expand_mixture, is_chat, is_generated, is_mixture, parse_chat_spec, parse_generated_spec
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.ssm_common import resolve_norm_eps
 from attn2ssm.ops.kernels import check_kernels
@@ -40,8 +40,10 @@ class SourceConfig:
 
 @dataclass
 class DataConfig:
-    # One source: built-in name, local file/dir, hf:<name>[:<config>][:<split>], or generated:<n_tokens>[:<prompt corpus>]
-    # (teacher samples; data/sources.py). Null when `sources` is given; sotu when neither is.
+    # One source: built-in name, local file/dir, hf:<name>[:<config>][:<split>], generated:<n_tokens>[:<prompt corpus>]
+    # (teacher samples), chat:<corpus>[:<n>] (the teacher's chat answers), recall:<n>[:<prose>] (key-value recall
+    # passages) — or a built-in mixture of several, mix:general / mix:corpora (data/sources.py). Null when
+    # `sources` is given; sotu when neither is.
     corpus: str | None = None
     sources: list[SourceConfig] = field(default_factory=list)  # a weighted mixture instead of `corpus`
     block_len: int = 256
@@ -55,10 +57,16 @@ class DataConfig:
 
     def source_list(self) -> list[SourceConfig]:
         """The sources to train on: ``sources``, or ``corpus`` as the one source."""
-        return list(self.sources) if self.sources else [SourceConfig(corpus=self.corpus)]
+        if self.sources:
+            return list(self.sources)
+        if is_mixture(self.corpus):  # a built-in mixture: its sources, as if listed under data.sources
+            return [SourceConfig(corpus=spec, weight=weight) for spec, weight in expand_mixture(self.corpus)]
+        return [SourceConfig(corpus=self.corpus)]
 
     def describe(self) -> str:
-        return self.corpus if not self.sources else " + ".join(f"{s.weight:g}×{s.corpus}" for s in self.sources)
+        if not self.sources and not is_mixture(self.corpus):
+            return self.corpus
+        return " + ".join(f"{s.weight:g}×{s.corpus}" for s in self.source_list())
 
 
 @dataclass
@@ -147,12 +155,18 @@ class LogitCacheConfig:
 class StageConfig:
     name: str = "stage"
     kind: str = "kd"
-    # Budget. LM stages: steps = ceil(tokens / (batch_size * data.block_len)). Stages with `data`:
+    # Budget. LM stages: steps = ceil(tokens / (batch_size * block_len)). Stages with `data`:
     # steps = ceil(tokens / (batch_size * data.max_len)), i.e. `tokens` counts padded positions.
     # `epochs`, when set, wins: steps = ceil(epochs * items / batch_size), items = corpus blocks or
     # dataset examples (e.g. `epochs: 1` for one pass over an SFT or preference set).
+    # tokens: 0 (and no epochs) skips the stage: an optional stage a recipe carries switched off
+    # (e.g. a final long-block stage, turned on with --set stages.N.tokens=...).
     tokens: int = 100_000
     epochs: float | None = None
+    # LM stages: this stage's block length (null: data.block_len). The recipe's sources re-blocked at
+    # this length for this stage alone (training and held-out blocks), e.g. a final end-to-end KD stage
+    # at the longest blocks the budget allows; the run's report still scores at eval.window.
+    block_len: int | None = None
     # Parameter selection: `trainable` patterns are unfrozen, then `frozen` patterns frozen again
     # (`trainable: [all], frozen: [mlps, embeddings]`). Patterns: groups 'mixers', 'feature_maps',
     # 'lora', 'all', 'mlps', 'embeddings', 'norms', 'attention' (kept softmax layers), or globs.
@@ -314,8 +328,15 @@ def validate(recipe: Recipe) -> None:
         STAGE_KINDS[stage.kind].options(stage)  # unknown `losses` keys fail here, before any loading
         if stage.schedule.kind not in ("warmup_cosine", "wsd", "constant"):
             raise ConfigError(f"{where}: unknown schedule '{stage.schedule.kind}'", "use warmup_cosine, wsd or constant")
-        if stage.tokens <= 0 or stage.batch_size <= 0 or stage.grad_accum <= 0:
-            raise ConfigError(f"{where}: tokens, batch_size and grad_accum must be positive", "fix the stage's budget")
+        if stage.tokens < 0 or stage.batch_size <= 0 or stage.grad_accum <= 0:
+            raise ConfigError(f"{where}: batch_size and grad_accum must be positive, tokens positive or 0 (the stage skipped)", "fix the stage's budget")
+        if stage.block_len is not None:
+            kind = STAGE_KINDS[stage.kind]
+            if kind.data_formats is not None or kind.image_task:
+                raise ConfigError(f"{where}: kind '{stage.kind}' does not train on the recipe's corpus blocks, so block_len does not apply",
+                                  f"remove stages.{i}.block_len (its own dataset has data.max_len)")  # fmt: skip
+            if isinstance(stage.block_len, bool) or not isinstance(stage.block_len, int) or stage.block_len < 2:
+                raise ConfigError(f"{where}: block_len={stage.block_len!r} is not a block length", f"set stages.{i}.block_len to at least 2 tokens, e.g. 4096, or null for data.block_len")
         if stage.batch_size % stage.grad_accum:
             raise ConfigError(f"{where}: batch_size {stage.batch_size} is not divisible by grad_accum {stage.grad_accum}", "make batch_size a multiple of grad_accum")
         if stage.epochs is not None and stage.epochs <= 0:
@@ -384,6 +405,9 @@ def validate_for_teacher(recipe: Recipe, config) -> None:
     adapter = get_adapter(config)
     limit = getattr(config, "max_position_embeddings", None)
     check_block_len(recipe.data.block_len, limit)
+    for stage in recipe.stages:
+        if stage.block_len is not None:
+            check_block_len(stage.block_len, limit)
     if limit is not None and (recipe.eval.window or 0) > limit:
         raise ConfigError(f"eval.window {recipe.eval.window} exceeds the teacher's maximum of {limit} positions", f"set eval.window to at most {limit}, or null for data.block_len")
     s = recipe.student
@@ -409,9 +433,13 @@ def _validate_data(d: DataConfig) -> None:
             raise ConfigError(f"{where} ({s.corpus}): weight {s.weight} is not a positive number", "weights are relative shares, e.g. 0.5, 0.2, 0.3")
         if s.max_tokens is not None and s.max_tokens < 1:
             raise ConfigError(f"{where} ({s.corpus}): max_tokens={s.max_tokens} is not positive", f"set {where}.max_tokens to a token count, or null")
+    if d.corpus is not None and is_mixture(d.corpus):
+        expand_mixture(d.corpus)  # an unknown name fails here
     for spec in (s.corpus for s in d.source_list()):
         if is_generated(spec):
             parse_generated_spec(spec)  # a bad spec fails here, before the teacher loads
+        elif is_chat(spec):
+            parse_chat_spec(spec)
 
 
 def _check_ranges(prefix: str, checks, where: str | None = None) -> None:

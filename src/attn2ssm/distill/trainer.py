@@ -70,7 +70,7 @@ from attn2ssm.data import (
     load_training_data,
 )
 from attn2ssm.data.images import load_image_data
-from attn2ssm.data.sources import is_generated
+from attn2ssm.data.sources import needs_teacher
 from attn2ssm.data.teacher_samples import build_teacher_sft_data, is_teacher_source
 from attn2ssm.distill.calibration import calibrate_gated_delta
 from attn2ssm.distill.checkpoints import (
@@ -321,6 +321,7 @@ class Distiller:
         self.corpus = None
         self.blocks: torch.Tensor | None = None  # training blocks (n, block_len)
         self.eval_blocks: torch.Tensor | None = None
+        self.block_sets: dict[int, tuple] = {}  # block length → (training, held-out) blocks: data.block_len's, and LM stages' own
         self.stage_data: dict[int, object] = {}  # stage index → its own dataset (sft / dpo), loaded up front
         self.student: torch.nn.Module | None = None
         self.images = None  # image recipes (recipe.images): data.images.ImageData, the stages' dataset
@@ -416,7 +417,8 @@ class Distiller:
         return f"{self.acc.device.type}/{self.precision.used}"
 
     def _remaining(self, state: TrainerState) -> list[int]:
-        return [i for i in range(state.stage, len(self.recipe.stages)) if i not in state.finished]
+        stages = self.recipe.stages
+        return [i for i in range(state.stage, len(stages)) if i not in state.finished and not (stages[i].tokens == 0 and stages[i].epochs is None)]
 
     def _plan_teacherless(self, state: TrainerState) -> bool:
         """Whether this run can go without the teacher's weights: it resumes (the student exists), every
@@ -425,7 +427,7 @@ class Distiller:
         spec's files (same files, dtype and mode: ``logit_cache.teacher_source_key``). Whether the
         caches hold every block is checked once the data is loaded (``_check_teacherless``)."""
         r = self.recipe
-        if self.resume_from is None or r.images is not None or any(is_generated(src.corpus) for src in r.data.source_list()):
+        if self.resume_from is None or r.images is not None or any(needs_teacher(src.corpus) for src in r.data.source_list()):
             return False
         stages = [r.stages[i] for i in self._remaining(state)]
         if not stages or any(c.kind not in ("kd", "kd_ce") or c.logit_cache is None or c.attention_ratio is not None for c in stages):
@@ -448,18 +450,21 @@ class Distiller:
         if self.cached_teacher is None:
             return
         need: dict[tuple, set[int]] = {}
+        blocks_of = {}
         for i in self._remaining(state):
             cfg = self.recipe.stages[i]
-            steps = self._stage_steps(cfg, len(self.blocks), self.recipe.data.block_len)
+            blocks, _ = self._stage_blocks(i)
+            steps = self._stage_steps(cfg, len(blocks), self._block_len(cfg))
             first = state.step if i == state.stage else 0  # every process's blocks of steps first..steps-1, in one draw
-            drawn = block_indices(len(self.blocks), self.recipe.seed + 1000 * i, first * cfg.batch_size, (steps - first) * cfg.batch_size)
-            need.setdefault((cfg.logit_cache.top_k, cfg.logit_cache.dir), set()).update(drawn.tolist())
+            drawn = block_indices(len(blocks), self.recipe.seed + 1000 * i, first * cfg.batch_size, (steps - first) * cfg.batch_size)
+            need.setdefault((cfg.logit_cache.top_k, cfg.logit_cache.dir), set()).update((self._block_len(cfg), b) for b in drawn.tolist())
+            blocks_of[self._block_len(cfg)] = blocks
         total = sum(len(b) for b in need.values())
         missing = 0
         for key, blocks in need.items():
             folder, fingerprint = self.cached_teacher[key]
             cache = LogitCache(None, key[0], self._mode(), key[1], fingerprint=fingerprint)
-            missing += sum(not cache.has(self.blocks[b]) for b in sorted(blocks))
+            missing += sum(not cache.has(blocks_of[n][b]) for n, b in sorted(blocks))
         if self.is_main:
             folders = ", ".join(str(f) for f, _ in self.cached_teacher.values())
             if missing:
@@ -476,17 +481,38 @@ class Distiller:
             if self.is_main:
                 print(self.images.describe())
             return
-        d = self.recipe.data
-        check_block_len(d.block_len, getattr(self.teacher_config, "max_position_embeddings", None))
-        # The most blocks one LM stage draws: a mixture's size, and how far a hub source streams (None: epochs budgets only).
-        budget = max((math.ceil(s.tokens / (s.batch_size * d.block_len)) * s.batch_size for s in self.recipe.stages if s.data is None and s.epochs is None), default=None)
-        with self.acc.main_process_first():  # one process tokenizes (or samples the teacher), the others read its cache
-            data = load_training_data(d.source_list(), self.tokenizer, d.block_len, seed=self.recipe.seed, max_train_tokens=d.max_train_tokens,
-                                      max_heldout_tokens=d.max_heldout_tokens, text_field=d.text_field, budget_blocks=budget, teacher=self.teacher,
-                                      progress=self.progress and self.is_main, compact=True)  # fmt: skip
+        data = self._blocks_at(self.recipe.data.block_len)
         self.corpus, self.blocks, self.eval_blocks = data.corpus, data.blocks, data.eval_blocks
+        self.block_sets = {self.recipe.data.block_len: (data.blocks, data.eval_blocks)}
+
+    def _block_len(self, cfg) -> int:
+        """The block length an LM stage trains on: its own ``block_len``, else ``data.block_len``."""
+        return cfg.block_len or self.recipe.data.block_len
+
+    def _blocks_at(self, block_len: int):
+        """The recipe's sources as training and held-out blocks of ``block_len`` tokens, sized for the
+        LM stages that train at that length (tokenized text and teacher samples come from the caches)."""
+        d = self.recipe.data
+        check_block_len(block_len, getattr(self.teacher_config, "max_position_embeddings", None))
+        # The most blocks one LM stage at this length draws: a mixture's size, and how far a hub source streams (None: epochs budgets only).
+        budget = max((math.ceil(s.tokens / (s.batch_size * block_len)) * s.batch_size for s in self.recipe.stages
+                      if s.data is None and s.epochs is None and self._block_len(s) == block_len), default=None)  # fmt: skip
+        with self.acc.main_process_first():  # one process tokenizes (or samples the teacher), the others read its cache
+            data = load_training_data(d.source_list(), self.tokenizer, block_len, seed=self.recipe.seed, max_train_tokens=d.max_train_tokens,
+                                      max_heldout_tokens=d.max_heldout_tokens, text_field=d.text_field, budget_blocks=budget or None, teacher=self.teacher,
+                                      progress=self.progress and self.is_main, compact=True)  # fmt: skip
         if self.is_main and len(data.sources) > 1:
             print(data.describe())
+        return data
+
+    def _stage_blocks(self, stage_idx: int):
+        """(training, held-out) blocks of stage ``stage_idx``: the run's, or its own block length's
+        (the sources re-blocked once, on first use)."""
+        n = self._block_len(self.recipe.stages[stage_idx])
+        if n not in self.block_sets:
+            data = self._blocks_at(n)
+            self.block_sets[n] = (data.blocks, data.eval_blocks)
+        return self.block_sets[n]
 
     def _build_student(self):
         if self.images is not None:
@@ -525,8 +551,9 @@ class Distiller:
 
     def _calibration_ids(self) -> torch.Tensor:
         """The first training blocks in the run's block order: what automatic layer selection scores on."""
-        n = min(self.recipe.student.auto_calibration_blocks, len(self.blocks))
-        return self.blocks[block_indices(len(self.blocks), self.recipe.seed, 0, n)].to(self.acc.device)
+        blocks = self.block_sets[self.recipe.data.block_len][0]  # the run's blocks, whichever stage is current
+        n = min(self.recipe.student.auto_calibration_blocks, len(blocks))
+        return blocks[block_indices(len(blocks), self.recipe.seed, 0, n)].to(self.acc.device)
 
     def _log_layer_scores(self, scores: list, plan: list[str], stage_idx: int = -1) -> None:
         if self.is_main:
@@ -681,7 +708,9 @@ class Distiller:
         dataset = self.images.train if self.images is not None else None  # image stages: budgets count images
         if kind.data_formats is not None:
             dataset = self.stage_data.pop(stage_idx) if stage_idx in self.stage_data else self._stage_dataset(stage_idx, cfg, kind)
-        seq_len = 1 if self.images is not None else cfg.data.max_len if dataset is not None else self.recipe.data.block_len
+        if self.images is None and dataset is None:  # an LM stage: its block length's blocks
+            self.blocks, self.eval_blocks = self._stage_blocks(stage_idx)
+        seq_len = 1 if self.images is not None else cfg.data.max_len if dataset is not None else self._block_len(cfg)
         n_items = len(dataset) if dataset is not None else len(self.blocks)
         unwrapped = self.acc.unwrap_model(self.student)
         if cfg.lora is not None:
@@ -1009,6 +1038,12 @@ class Distiller:
                     continue
                 state = TrainerState(stage=stage_idx, total_tokens=state.total_tokens, finished=state.finished)
                 payload = None
+            cfg = self.recipe.stages[stage_idx]
+            if cfg.tokens == 0 and cfg.epochs is None:  # an optional stage, switched off
+                if self.is_main:
+                    print(f"[stage {stage_idx + 1}] {cfg.name}: skipped (tokens: 0; --set stages.{stage_idx}.tokens=N runs it)")
+                state.finished.append(stage_idx)
+                continue
             if state.step == 0 and payload is None:  # a fresh stage (a resumed one already has its plan)
                 # Whatever a stage draws at its start (new mixers' Δ/A, LoRA adapters) must not depend
                 # on whether the run was resumed at this boundary: seed it from (seed, stage).

@@ -435,7 +435,7 @@ def format_suite_markdown(report: dict) -> str:
     rows = report["rows"]
     cost = report.get("cpu_seconds", {})
     lines = [
-        f"# {report['student']} vs teacher {report['teacher']}: suite {settings.name}",
+        f"# {report['student']}{_branch_label(report.get('branch', 'both'))} vs teacher {report['teacher']}: suite {settings.name}",
         "",
         "Accuracies in %, teacher / student / recovered (student / teacher):",
         "",
@@ -470,14 +470,14 @@ def settings_from_dict(d: dict) -> SuiteSettings:
     return SuiteSettings(**d)
 
 
-def suite_report(settings: SuiteSettings, teacher_spec: str, student_path: str, teacher_scores: dict, student_scores: dict) -> dict:
+def suite_report(settings: SuiteSettings, teacher_spec: str, student_path: str, teacher_scores: dict, student_scores: dict, branch: str = "both") -> dict:
     import torch
 
     from attn2ssm.eval.report import environment
 
     rows = pair_rows(settings, teacher_scores, student_scores)
     cost = {side: sum(s.get("cpu_seconds", 0.0) for s in scores.values() if not s.get("cached")) for side, scores in (("teacher", teacher_scores), ("student", student_scores))}
-    return {"student": str(student_path), "teacher": teacher_spec, "suite": settings.name, "rows": rows, "settings": settings.as_dict(),
+    return {"student": str(student_path), "teacher": teacher_spec, "suite": settings.name, "branch": branch, "rows": rows, "settings": settings.as_dict(),
             "cpu_seconds": cost, "threads": torch.get_num_threads(), "environment": environment(),
             "teacher_scores": teacher_scores, "student_scores": student_scores}  # fmt: skip
 
@@ -492,15 +492,24 @@ def write_suite_report(report: dict, out_dir: Path) -> None:
     plot_recovered(report["rows"], out_dir / "suite.png", f"{Path(str(report['student'])).name} vs {report['teacher']} (suite {report['suite']})")
 
 
+def _branch_label(branch: str) -> str:
+    return "" if branch == "both" else f" ({branch} branch only)"
+
+
 def run_suite(student_path: str, teacher_spec: str | None, out_dir: Path, settings: SuiteSettings, cache_dir: Path | None = None,
-              progress: bool = True) -> dict:  # fmt: skip
+              progress: bool = True, branch: str = "both") -> dict:  # fmt: skip
     """Score teacher (cached per unit in ``cache_dir``, default ``<attn2ssm cache>/suite``) and
-    student on the suite; write suite.json / suite.md / suite.png to ``out_dir`` after every unit."""
+    student on the suite; write suite.json / suite.md / suite.png to ``out_dir`` after every unit.
+    ``branch`` (both | window | linear) runs a LoLCATs-style student's mixers with one branch only
+    (:func:`attn2ssm.mixers.linear_attention.set_window_branch`; the student's scores are never cached)."""
     from attn2ssm.paths import cache_dir as default_cache
     from attn2ssm.student.loading import load_model_and_tokenizer, position_limit
 
     teacher_spec = teacher_spec or "smollm2-135m"
+    from attn2ssm.mixers.linear_attention import set_window_branch
+
     student, tokenizer = load_model_and_tokenizer(student_path)
+    set_window_branch(student, branch, str(student_path))  # a student without a window branch: one line, before the teacher loads
     teacher, _ = load_model_and_tokenizer(teacher_spec)
     longest = max([*settings.windows, *settings.niah_lengths])
     for name, m in ((student_path, student), (teacher_spec, teacher)):
@@ -513,7 +522,7 @@ def run_suite(student_path: str, teacher_spec: str | None, out_dir: Path, settin
     del teacher
 
     def save(student_scores: dict) -> dict:
-        report = suite_report(settings, teacher_spec, student_path, teacher_scores, student_scores)
+        report = suite_report(settings, teacher_spec, student_path, teacher_scores, student_scores, branch)
         write_suite_report(report, out_dir)
         return report
 

@@ -165,3 +165,22 @@ class LinearAttentionMixer(AttentionLikeMixer):
             layer.advance(q.shape[2])
         return self.merge_heads(y)
 
+
+
+BRANCHES = ("both", "window", "linear")
+
+
+def set_window_branch(model, branch: str, name: str = "the model") -> int:
+    """Switch every window + linear mixer of ``model`` (LoLCATs' students) to ``branch`` — ``both``
+    (as trained), ``window`` (the sliding-window softmax alone) or ``linear`` (linear attention
+    without the window) — for evaluation; returns how many mixers it switched. A ConfigError (one
+    line) for an unknown branch, or for ``window`` / ``linear`` on a model without such a mixer."""
+    if branch not in BRANCHES:
+        raise ConfigError(f"--branch {branch!r} is not a branch", f"use one of: {', '.join(BRANCHES)}")
+    mixers = [m for m in model.modules() if isinstance(m, LinearAttentionMixer) and m.window]
+    if not mixers and branch != "both":
+        raise ConfigError(f"{name} has no mixer with a softmax window, so it has no {branch} branch to evaluate alone",
+                          "--branch window|linear applies to LoLCATs-style students (linear_attention with window > 0)")  # fmt: skip
+    for m in mixers:
+        m.branch = branch
+    return len(mixers)
