@@ -99,7 +99,7 @@ def export_gguf(student_dir: str | Path, out: str | Path, *, outtype: str = "f16
         staged = to_gguf(tmp / "native", tmp / "model.gguf", outtype, tmp, threads, converter_args=("--no-mtp",) if qwen35 else ())
         notes = []
         if qwen35 and native.identity_layers:
-            notes.append(f"llama.cpp's qwen35 builds attention inputs in every graph, so layer {native.identity_layers[0]} is an identity layer "
+            notes.append(f"llama.cpp aborts on a qwen35 without attention layers (GGML_ASSERT(buffer): its hybrid memory's attention inputs), so layer {native.identity_layers[0]} is an identity layer "
                          "(attention and MLP with zero weights: exact, one layer's KV cache and ~2% more weights)")  # fmt: skip
         if "mamba" in native.layer_types:
             notes.append("llama.cpp's GraniteHybrid runs Mamba-2 at expand 2: the Mamba layers carry as many zero heads as real ones (exact, at twice the mixer width)")

@@ -38,8 +38,9 @@ identity (zero rows: sigmoid(0) = 1/2, o_proj doubled), but no weight makes an R
 identity — it divides each query and key by its own RMS, which changes every softmax — so a
 teacher's kept attention layer has no exact image in the class.
 
-For llama.cpp (``llama_cpp=True``, the GGUF route): llama.cpp's hybrid memory builds the attention
-inputs of every ``qwen35`` graph, so a pure student gets one identity layer at the end — a
+For llama.cpp (``llama_cpp=True``, the GGUF route): llama.cpp (0.3.36) aborts on a ``qwen35``
+without attention layers (``GGML_ASSERT(buffer)``: its hybrid memory's attention inputs are built
+but never allocated, as for GraniteHybrid), so a pure student gets one identity layer at the end — a
 full-attention layer and MLP whose weights are all zero (norm weights 0, i.e. 1 zero-centred),
 which add exactly 0 to the residual (one layer's KV cache, ~2 % more weights).
 
