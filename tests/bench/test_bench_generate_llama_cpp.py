@@ -19,7 +19,7 @@ from attn2ssm.cli import main
 def test_bench_llama_cpp_flags_are_one_line_errors(capsys, monkeypatch):
     monkeypatch.delenv("ATTN2SSM_LLAMA_CPP", raising=False)
     bench = ["bench", "generate", "--no-progress", "--contexts", "16"]
-    assert "only Mamba-2 students" in one_line_error(capsys, [*bench, "--backend", "llama.cpp", "--models", "teacher,linear"])
+    assert "only Mamba-2 and pure gated_delta students" in one_line_error(capsys, [*bench, "--backend", "llama.cpp", "--models", "teacher,linear"])
     assert "--backend llama.cpp" in one_line_error(capsys, [*bench, "--quant", "q8_0"])
     assert "q3_x" in one_line_error(capsys, [*bench, "--backend", "llama.cpp", "--quant", "q3_x"])
     assert "--compile is for the torch backend" in one_line_error(capsys, [*bench, "--backend", "llama.cpp", "--compile"])

@@ -40,3 +40,16 @@ def test_calibration_sets_only_calibrated_gated_delta_heads():
         torch.testing.assert_close(g[0, 0].exp(), torch.tensor(report[i]["alpha"]), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(beta[0, 0], torch.tensor(report[i]["beta"]), atol=1e-5, rtol=1e-5)
     assert calibrate_gated_delta(plain, teacher, ids) == {}  # decay_init: plain is left as it starts
+
+
+def test_bias_free_beta_gets_the_decays_only():
+    """beta_bias: false (the form that exports to Qwen3.5) has no place for a per-head β: the decays
+    are calibrated, β stays 1/2 and the report says so."""
+    teacher = tiny_model("gqa_9x3")
+    student = convert(teacher, ["gated_delta", "gated_delta"], {"gated_delta": {"beta_bias": False}})
+    report = calibrate_gated_delta(student, teacher, torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0)))
+    for i, mixer in student.mixers().items():
+        g, beta = mixer._gates(torch.zeros(1, 1, 72))
+        torch.testing.assert_close(g[0, 0].exp(), torch.tensor(report[i]["alpha"]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(beta, torch.full_like(beta, 0.5))
+        assert report[i]["beta_set"] is False

@@ -270,7 +270,7 @@ def test_gguf_a_read_only_folder_or_a_full_disk_is_one_line_and_a_killed_exports
     stale = tmp_path / f".m.gguf.export-abc123.{proc.pid}@{socket.gethostname()}"  # export --force SIGKILLed mid-way
     (stale / "native").mkdir(parents=True)
 
-    def fills_the_disk(native_dir, gguf, outtype, work, threads):
+    def fills_the_disk(native_dir, gguf, outtype, work, threads, **_):
         Path(gguf).write_bytes(b"\0" * 4096)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

@@ -102,8 +102,45 @@ def test_prefill_pieces_and_steps_equal_one_forward(student):
             torch.testing.assert_close(parts[real], full[real], atol=1e-4, rtol=1e-4)
 
 
+EXPORT_FORM = {"gate_bias": False, "beta_bias": False, "conv_bias": False}  # what Qwen3.5 / llama.cpp's qwen35 hold (export/native_qwen35.py)
+
+
+def test_bias_free_form_starts_at_half_beta_and_calibrates_decays_only():
+    mixer = convert(tiny_model("gqa_9x3"), ["gated_delta"] * 2, {"gated_delta": {**EXPORT_FORM, "alpha_init": 0.9}}).mixers()[0]
+    assert mixer.gate.bias is None and mixer.b_proj.bias is None and mixer.conv.bias is None
+    assert mixer.gate.weight.abs().max() > 0  # SiLU(0) = 0 would silence it: nn.Linear's init
+    u = torch.randn(2, 5, 72)
+    g, beta = mixer._gates(u)
+    torch.testing.assert_close(beta, torch.full_like(beta, 0.5))
+    torch.testing.assert_close(g.exp(), torch.full_like(g, 0.9))
+    alpha = torch.linspace(0.5, 0.999, 9)
+    mixer.set_head_decays(alpha, torch.linspace(0.1, 0.9, 9))  # β has no place: only the decays move
+    g, beta = mixer._gates(u)
+    torch.testing.assert_close(g[0, 0].exp(), alpha, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(beta, torch.full_like(beta, 0.5))
+
+
+def test_bias_free_form_prefill_pieces_and_steps_equal_one_forward():
+    s = convert(tiny_model("gqa_9x3"), ["gated_delta"] * 2, {"gated_delta": EXPORT_FORM})
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for mixer in s.mixers().values():
+            for name, p in mixer.named_parameters():
+                if not name.startswith(("q_proj", "k_proj", "v_proj", "o_proj")):
+                    p.add_(0.1 * torch.randn_like(p))
+    s.eval()
+    ids = torch.randint(3, 256, (2, 13), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        for pieces in ([13], [5, 8], [6, 1, 1, 1, 1, 1, 1, 1]):
+            full, parts = full_and_pieces(s, ids, mask, pieces)
+            torch.testing.assert_close(parts[mask.bool()], full[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("options, needle", [({"decay_init": "magic"}, "decay_init"), ({"alpha_init": 1.0}, "alpha_init"),
-                                             ({"beta_init": 0}, "beta_init"), ({"rope": "after"}, "rope")])
+                                             ({"beta_init": 0}, "beta_init"), ({"rope": "after"}, "rope"),
+                                             ({"beta_bias": False, "beta_init": 0.3}, "beta_bias")])
 def test_bad_options_are_one_line(options, needle):
     with pytest.raises(ConfigError, match=needle):
         convert(tiny_model("gqa_9x3"), ["gated_delta"] * 2, {"gated_delta": options})

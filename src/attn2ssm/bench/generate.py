@@ -34,7 +34,8 @@ it on CPU), the default f16 KV cache. The teacher's GGUF comes from its HF check
 llama.cpp's converter and the students' through ``attn2ssm export --format gguf``
 (student/gguf_export.py), each at every type in ``quants`` (teacher and students at the same type:
 ``teacher@q8_0`` is the reference of ``mamba2@q8_0``). Students are untrained conversions built
-with ``LLAMA_CPP_STUDENT_OPTIONS``, what a GGUF export needs. Prefill = feeding the L prompt tokens
+with ``LLAMA_CPP_STUDENT_OPTIONS``, what a GGUF export needs (``gdn``, a pure gated delta-rule
+student, runs as llama.cpp's ``qwen35``). Prefill = feeding the L prompt tokens
 and taking the first token; a round restores llama.cpp's saved context state (KV cells and recurrent
 states) after the prefill and decodes one token at a time; the cache column is that state's size
 after decoding (llama_state_get_size, which also holds one row of logits).
@@ -65,10 +66,15 @@ STUDENTS = {
     "mamba": ("mamba", 0.0, {}),
     "mamba2": ("mamba2", 0.0, {}),
     "hybrid25": ("mamba2", 0.25, {}),
+    "gdn": ("gated_delta", 0.0, {}),
 }
-# The llama.cpp backend's students: what exports exactly to GGUF (student/native_export.py llama_cpp_problem).
-LLAMA_CPP_STUDENTS = ("mamba2", "hybrid25")
-LLAMA_CPP_STUDENT_OPTIONS = {"norm": True, "norm_eps": "auto", "gate": True, "gate_bias": False}
+# The llama.cpp backend's students: what exports exactly to GGUF (export/native.py llama_cpp_problem,
+# export/native_qwen35.py qwen35_problem), built with their kind's options for it.
+LLAMA_CPP_STUDENTS = ("mamba2", "hybrid25", "gdn")
+LLAMA_CPP_STUDENT_OPTIONS = {
+    "mamba2": {"norm": True, "norm_eps": "auto", "gate": True, "gate_bias": False},
+    "gated_delta": {"norm": True, "norm_eps": "auto", "gate": True, "gate_bias": False, "beta_bias": False, "conv_bias": False},
+}
 
 
 # ------------------------------------------------------------------------------------- memory
@@ -392,7 +398,7 @@ def build_gguf_models(teacher, tokenizer, source, settings: "BenchSettings", wor
                 else:
                     if source_dir is None:
                         kind, ratio, options = STUDENTS[name]
-                        student = convert(teacher, make_plan(n, kind, attention_ratio=ratio), {kind: {**options, **LLAMA_CPP_STUDENT_OPTIONS}}).eval()
+                        student = convert(teacher, make_plan(n, kind, attention_ratio=ratio), {kind: {**options, **LLAMA_CPP_STUDENT_OPTIONS[kind]}}).eval()
                         source_dir = work / f"{name}-student"
                         student.save_pretrained(source_dir)
                         tokenizer.save_pretrained(source_dir)

@@ -32,7 +32,7 @@ def _add_generate(bsub) -> None:
     bg.add_argument("--teacher", default=None, help="teacher spec (default: the built-in smollm2-135m)")
     bg.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"), help="torch: the HF models in PyTorch; llama.cpp: GGUFs of the teacher "
                     "and its students (exported with export --format gguf) in llama-cpp-python, on the CPU ('make llama-cpp' installs it)")
-    bg.add_argument("--models", default=None, help="teacher and/or untrained students: linear, mamba, mamba2, hybrid25 (default: all; llama.cpp: teacher,mamba2,hybrid25)")
+    bg.add_argument("--models", default=None, help="teacher and/or untrained students: linear, mamba, mamba2, hybrid25, gdn (default: all but gdn; llama.cpp: teacher,mamba2,hybrid25,gdn)")
     bg.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768", help="context lengths (prompt tokens)")
     bg.add_argument("--max-context", action="append", metavar="MODEL=TOKENS", help="skip longer contexts for a model (repeatable), e.g. teacher=16384")
     bg.add_argument("--new-tokens", type=int, default=16, help="greedy tokens decoded per point")
@@ -165,7 +165,7 @@ def _llama_cpp_quants(args, models: tuple[str, ...], llama_cpp_students: tuple[s
         return ()
     other = [m for m in models if m != "teacher" and m not in llama_cpp_students]
     if other:
-        raise ConfigError(f"--backend llama.cpp cannot run {other}: only Mamba-2 students export to GGUF", f"choose from teacher, {', '.join(llama_cpp_students)}")
+        raise ConfigError(f"--backend llama.cpp cannot run {other}: only Mamba-2 and pure gated_delta students export to GGUF", f"choose from teacher, {', '.join(llama_cpp_students)}")
     for flag, value in (("--spec", args.spec), ("--draft", args.draft), ("--compile", args.compile), ("--device", args.device not in (None, "cpu"))):
         if value:
             raise ConfigError(f"{flag} is for the torch backend", f"drop {flag} with --backend llama.cpp (it decodes on the CPU)")

@@ -17,8 +17,9 @@ def add_parser(subparsers) -> None:
     x = subparsers.add_parser("export", help="write a student as a checkpoint of a native transformers class (no remote code), or as a llama.cpp GGUF, where the map is exact")
     x.add_argument("student", help="student directory (a run's student/ folder or a convert --out)")
     x.add_argument("--format", required=True, choices=("native", "gguf"), help="native: GraniteMoeHybridForCausalLM (Mamba-2 students with norm: true "
-                   "of Llama / Mistral / Qwen2 teachers, pure or hybrid with global attention layers); gguf: that model through llama.cpp's own "
-                   "converter (also needs gate_bias: false and no q/k/v biases; 'make llama-cpp' installs the converter)")
+                   "of Llama / Mistral / Qwen2 teachers, pure or hybrid with global attention layers) or Qwen3_5ForCausalLM (pure gated_delta "
+                   "students with gate_bias, beta_bias, conv_bias false and norm_eps: auto, of Llama / Mistral teachers); gguf: that model through "
+                   "llama.cpp's own converter (Mamba-2 also needs gate_bias: false and no q/k/v biases; 'make llama-cpp' installs the converter)")
     x.add_argument("--out", required=True, help="directory for the exported model (native), or the .gguf file (gguf)")
     x.add_argument("--outtype", default=None, choices=OUTTYPES, help="gguf: the weights' type (default f16); f32/f16/bf16/q8_0 from llama.cpp's converter, "
                    "the others quantised from its f32 output with llama_model_quantize")
@@ -36,7 +37,7 @@ def run(args) -> int:
 
     result = export_native(args.student, args.out, force=args.force)
     n_attn = result.layer_types.count("attention")
-    print(f"wrote {result.out}: {result.cls}, {len(result.layer_types) - n_attn} Mamba-2 + {n_attn} attention layers; "
+    print(f"wrote {result.out}: {result.cls}, {len(result.layer_types) - n_attn} {_mixer_name(result.layer_types)} + {n_attn} attention layers; "
           f"logits equal the student's to {result.max_abs_diff:.1e} on a probe; loads without trust_remote_code")  # fmt: skip
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
@@ -54,11 +55,16 @@ def _export_gguf(args) -> int:
         within = " (within tolerance)" if result.llama_cpp_max_abs_diff <= llama_cpp_tolerance(result.logit_scale) else ""
         checked = f"llama.cpp's logits differ from the student's by {result.llama_cpp_max_abs_diff:.1e}{within} on a probe (largest logit {result.logit_scale:.1f})"
     identity = f" (+ {len(result.identity_layers)} identity layer llama.cpp needs)" if result.identity_layers else ""
-    print(f"wrote {result.out} ({result.outtype}, {result.bytes / 2**20:.1f} MiB): llama.cpp granitehybrid, {len(result.layer_types) - n_attn} Mamba-2 + {n_attn} "
+    arch = "qwen35" if "linear_attention" in result.layer_types else "granitehybrid"
+    print(f"wrote {result.out} ({result.outtype}, {result.bytes / 2**20:.1f} MiB): llama.cpp {arch}, {len(result.layer_types) - n_attn} {_mixer_name(result.layer_types)} + {n_attn} "
           f"attention layers{identity}; {checked}")  # fmt: skip
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     return 0
+
+
+def _mixer_name(layer_types: list[str]) -> str:
+    return "Gated DeltaNet" if "linear_attention" in layer_types else "Mamba-2"
 
 
 def run_upgrade(args) -> int:

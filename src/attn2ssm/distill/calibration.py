@@ -16,7 +16,9 @@ measured, per layer and head, on the teacher's own inputs to the layer (teacher 
 
 Both are clipped (α to [0.5, 0.9999], β to [0.05, 0.95]) and written with
 ``GatedDeltaMixer.set_head_decays``; the projections W_a, W_b stay zero, so training starts from
-these per-head constants and learns the data-dependent part.
+these per-head constants and learns the data-dependent part. A mixer without b_proj's bias
+(``beta_bias: false``, the form that exports to Qwen3.5 exactly) has no place for a per-head β: it
+gets the decays only, keeps β = 1/2, and its report says ``beta_set: false``.
 """
 
 from __future__ import annotations
@@ -74,5 +76,6 @@ def calibrate_gated_delta(student, teacher, ids: torch.Tensor, layers=None) -> d
         distance, crowding = head_statistics(probs, keys)
         alpha, beta = decays_from(distance, crowding)
         mixer.set_head_decays(alpha.cpu(), beta.cpu())
-        report[i] = {"distance": distance.tolist(), "crowding": crowding.tolist(), "alpha": alpha.tolist(), "beta": beta.tolist()}
+        report[i] = {"distance": distance.tolist(), "crowding": crowding.tolist(), "alpha": alpha.tolist(), "beta": beta.tolist(),
+                     "beta_set": mixer.b_proj.bias is not None}  # fmt: skip
     return report

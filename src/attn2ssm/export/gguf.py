@@ -6,6 +6,11 @@ temporary folder and turned into GGUF by llama.cpp's own ``convert_hf_to_gguf.py
 from the llama-cpp-python sdist that ``make llama-cpp`` unpacks); types the converter lacks are
 quantised from its f32 output with ``llama_model_quantize``.
 
+Pure gated delta-rule students take the Qwen3.5 route (export/native_qwen35.py): the native
+export with one identity attention layer (llama.cpp's hybrid memory needs one), converted as
+llama.cpp's ``qwen35`` with ``--no-mtp`` (the converter otherwise asserts that a Qwen3.5 has
+multi-token-prediction layers); nothing is set back afterwards (the converter reads it as written).
+
 One thing the converter gets wrong for our hybrids: it reads every GraniteMoeHybrid with Mamba
 layers as Granite 4.0-H, whose attention has no position embedding, so it writes llama.cpp's RoPE
 switch (``<arch>.rope.scaling.finetuned``) off and a 2^20 context. Our kept attention layers use
@@ -32,6 +37,7 @@ from attn2ssm.errors import ConfigError, ExportError
 from attn2ssm.export.llamacpp import OUTTYPES, QUANTIZE_TYPES, converter_dir, load_runtime, logits_in_subprocess, read_metadata, set_metadata, to_gguf
 from attn2ssm.paths import check_writable, remove_stale_staging, staging_beside, writing
 from attn2ssm.export.native import export_native
+from attn2ssm.export.native_qwen35 import QWEN35_CLASS
 
 PROBE_LENGTH = 24
 
@@ -89,11 +95,15 @@ def export_gguf(student_dir: str | Path, out: str | Path, *, outtype: str = "f16
     remove_stale_staging(out.parent)  # what a killed export left beside it
     with writing(out, "the GGUF file", "run the command again (what --out held is unchanged)"), staging_beside(out, "export") as tmp:
         native = export_native(student_dir, tmp / "native", llama_cpp=True)  # refuses what llama.cpp cannot run exactly
-        staged = to_gguf(tmp / "native", tmp / "model.gguf", outtype, tmp, threads)
+        qwen35 = native.cls == QWEN35_CLASS
+        staged = to_gguf(tmp / "native", tmp / "model.gguf", outtype, tmp, threads, converter_args=("--no-mtp",) if qwen35 else ())
         notes = []
+        if qwen35 and native.identity_layers:
+            notes.append(f"llama.cpp aborts on a qwen35 without attention layers (GGML_ASSERT(buffer): its hybrid memory's attention inputs), so layer {native.identity_layers[0]} is an identity layer "
+                         "(attention and MLP with zero weights: exact, one layer's KV cache and ~2% more weights)")  # fmt: skip
         if "mamba" in native.layer_types:
             notes.append("llama.cpp's GraniteHybrid runs Mamba-2 at expand 2: the Mamba layers carry as many zero heads as real ones (exact, at twice the mixer width)")
-        if native.identity_layers:
+        if native.identity_layers and not qwen35:
             notes.append(f"llama.cpp aborts on a GraniteHybrid without attention layers, so layer {native.identity_layers[0]} is an identity layer "
                          "(attention and MLP with zero weights: exact, one layer's KV cache and ~2% more weights)")  # fmt: skip
         if "mamba" in native.layer_types and ("attention" in native.layer_types or native.identity_layers):

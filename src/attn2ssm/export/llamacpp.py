@@ -88,12 +88,13 @@ def _run(cmd: list[str], what: str) -> str:
     return result.stderr
 
 
-def convert_hf(hf_dir: str | Path, out: str | Path, outtype: str = "f16") -> Path:
+def convert_hf(hf_dir: str | Path, out: str | Path, outtype: str = "f16", converter_args: tuple[str, ...] = ()) -> Path:
     """A transformers checkpoint directory to a GGUF file through llama.cpp's own converter
-    (``outtype`` one of ``CONVERTER_TYPES``; the others through ``quantize`` after an f32 pass)."""
+    (``outtype`` one of ``CONVERTER_TYPES``; the others through ``quantize`` after an f32 pass);
+    ``converter_args``: more of its flags (e.g. ``--no-mtp`` for a Qwen3.5 without MTP layers)."""
     if outtype not in CONVERTER_TYPES:
         raise Attn2SSMError(f"{outtype!r} is not one of the converter's outtypes {CONVERTER_TYPES}", "convert to f32, then quantize()")
-    cmd = [sys.executable, str(converter_dir() / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out), "--outtype", outtype]
+    cmd = [sys.executable, str(converter_dir() / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out), "--outtype", outtype, *converter_args]
     _run(cmd, "llama.cpp's convert_hf_to_gguf.py")
     return Path(out)
 
@@ -137,12 +138,12 @@ def quantize(src: str | Path, dst: str | Path, qtype: str, threads: int | None =
     return Path(dst)
 
 
-def to_gguf(hf_dir: str | Path, out: str | Path, outtype: str, work: str | Path, threads: int | None = None) -> Path:
+def to_gguf(hf_dir: str | Path, out: str | Path, outtype: str, work: str | Path, threads: int | None = None, converter_args: tuple[str, ...] = ()) -> Path:
     """``hf_dir`` → ``out`` at ``outtype`` (any of ``OUTTYPES``): the converter, then ``quantize``
     from f32 where the converter has no such type. ``work``: a folder for the f32 intermediate."""
     if outtype in CONVERTER_TYPES:
-        return convert_hf(hf_dir, out, outtype)
-    f32 = convert_hf(hf_dir, Path(work) / "f32.gguf", "f32")
+        return convert_hf(hf_dir, out, outtype, converter_args)
+    f32 = convert_hf(hf_dir, Path(work) / "f32.gguf", "f32", converter_args)
     try:
         return quantize(f32, out, outtype, threads)
     finally:

@@ -39,6 +39,10 @@ attention layers (its hybrid memory's attention inputs are built but never alloc
 identity layer follows the last one: attention and MLP whose q/k/v/o and MLP weights are zero,
 which add exactly 0 to the residual (one layer's KV cache and ~2 % more weights).
 
+Students whose mixers are gated delta-rule layers go to ``Qwen3_5ForCausalLM`` instead (pure ones
+only; the map and why in export/native_qwen35.py): ``native_target`` picks the class, and the
+functions below hand such a student to that module.
+
 Only exact maps are written: anything the class cannot express is a one-line ``ExportError``
 naming the reason and the nearest recipe setting that exports. Before anything is written the
 native model is run beside the student on a probe and must give the same logits.
@@ -48,6 +52,7 @@ Not imported by student/modeling.py: modeling's import closure is copied into ev
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -58,6 +63,7 @@ import torch
 
 from attn2ssm.adapters import get_adapter
 from attn2ssm.errors import CheckpointError, ConfigError, ExportError
+from attn2ssm.export.native_qwen35 import QWEN35_CLASS, qwen35_notes, qwen35_problem, to_qwen35, torch_reference_kernels
 from attn2ssm.mixers.ssm_common import GATE_IDENTITY_BIAS
 from attn2ssm.paths import check_writable, remove_stale_staging, replace_dir, staging_beside, writing
 from attn2ssm.teachers import check_weight_files
@@ -79,6 +85,11 @@ _LAYER_TYPE = {"mamba2": "mamba", "attention": "attention"}
 
 
 # ------------------------------------------------------------------------------------ what exports
+def native_target(config) -> str:
+    """The class a student exports to: ``QWEN35_CLASS`` when any mixer is gated_delta, else ``NATIVE_CLASS``."""
+    return QWEN35_CLASS if any(config.layer_plan[i] == "gated_delta" for i in config.mixer_layers) else NATIVE_CLASS
+
+
 def _mamba2_options(config) -> dict:
     """The student's effective mamba2 options (its saved ones over the mixer's defaults)."""
     from attn2ssm.mixers.mamba2 import Mamba2Mixer  # heavy: the mixers import transformers
@@ -89,7 +100,10 @@ def _mamba2_options(config) -> dict:
 
 def native_problem(config) -> tuple[str, str] | None:
     """(reason, fix) of the first thing ``NATIVE_CLASS`` cannot express in a student with this
-    ``Attn2SSMConfig``, or None when it maps exactly. Reads the config only (no weights)."""
+    ``Attn2SSMConfig``, or None when it maps exactly. Reads the config only (no weights).
+    Gated delta-rule students: ``QWEN35_CLASS``'s (``qwen35_problem``)."""
+    if native_target(config) == QWEN35_CLASS:
+        return qwen35_problem(config)
     base = config.base_config
     family = (config.teacher or {}).get("family") or base.get("model_type")
     keep_as_is = "keep this student in attn2ssm's format (trust_remote_code=True)"
@@ -147,8 +161,9 @@ def native_problem(config) -> tuple[str, str] | None:
 
 def llama_cpp_problem(config) -> tuple[str, str] | None:
     """(reason, fix) of the first thing that keeps a natively exportable student from mapping
-    exactly onto llama.cpp's GraniteHybrid (no in_proj / out_proj bias), or None. Config only."""
-    if not config.mixer_layers:
+    exactly onto llama.cpp's GraniteHybrid (no in_proj / out_proj bias), or None. Config only.
+    (A gated delta-rule student that exports natively maps onto llama.cpp's qwen35 as it is.)"""
+    if not config.mixer_layers or native_target(config) == QWEN35_CLASS:
         return None
     o = _mamba2_options(config)
     fix = "distil with student.mixer_options: {gate: true, gate_bias: false} (and norm: true, norm_eps: auto)"
@@ -374,6 +389,8 @@ def to_native(student, llama_cpp: bool = False):
     ``llama_cpp``: in the form llama.cpp's converter and loader take (see the module docstring)."""
     from transformers import GraniteMoeHybridForCausalLM  # heavy: transformers (this module imports torch only)
 
+    if native_target(student.config) == QWEN35_CLASS:
+        return to_qwen35(student, llama_cpp)
     check_native(student.config, llama_cpp)
     cfg = native_config(student.config, llama_cpp)
     model = GraniteMoeHybridForCausalLM(cfg).float()
@@ -455,7 +472,8 @@ PROBE_TOLERANCE = 1e-3
 
 
 def export_native(student_dir: str | Path, out: str | Path, *, force: bool = False, tolerance: float = PROBE_TOLERANCE, llama_cpp: bool = False) -> NativeExport:
-    """Write the student in ``student_dir`` to ``out`` as a ``GraniteMoeHybridForCausalLM`` checkpoint:
+    """Write the student in ``student_dir`` to ``out`` as a ``GraniteMoeHybridForCausalLM`` (gated delta-rule
+    students: ``Qwen3_5ForCausalLM``) checkpoint:
     config.json (no ``auto_map``), model.safetensors (the student's dtype), tokenizer, README.md;
     no Python files. Refused (``ExportError``, nothing written) when the map would not be exact;
     ``out`` holding a model is kept unless ``force``. Staged beside ``out``, then moved into place.
@@ -485,15 +503,18 @@ def export_native(student_dir: str | Path, out: str | Path, *, force: bool = Fal
 
     dtype = getattr(torch, str(saved.get("dtype") or "float32"))
     student = Attn2SSMForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
+    cls = native_target(student.config)
     native = to_native(student, llama_cpp)
     tokenizer = AutoTokenizer.from_pretrained(student_dir)
-    diff, scale = probe_difference(student, native, native.config.vocab_size, tokenizer)
+    with torch_reference_kernels() if cls == QWEN35_CLASS else contextlib.nullcontext():  # fla's Triton kernels cannot run here (CPU)
+        diff, scale = probe_difference(student, native, native.config.vocab_size, tokenizer)
     if not diff <= tolerance * max(1.0, scale):
-        raise ExportError(f"the {NATIVE_CLASS} logits differ from the student's by {diff:.3g} on a probe (tolerance {tolerance * max(1.0, scale):.3g})",
+        raise ExportError(f"the {cls} logits differ from the student's by {diff:.3g} on a probe (tolerance {tolerance * max(1.0, scale):.3g})",
                           "nothing was written; this is a bug in the map: report it with the student's config.json")  # fmt: skip
     with writing(out, "the exported model", "run the command again (what --out held is unchanged)"), staging_beside(out, "export") as staging:
         native.to(dtype).save_pretrained(staging)
-        _fix_config_json(staging / "config.json")
+        if cls == NATIVE_CLASS:
+            _fix_config_json(staging / "config.json")
         tokenizer.save_pretrained(staging)
         if (student_dir / "generation_config.json").is_file():
             generation = GenerationConfig.from_pretrained(student_dir)
@@ -501,9 +522,12 @@ def export_native(student_dir: str | Path, out: str | Path, *, force: bool = Fal
             generation = GenerationConfig.from_model_config(native.config)
         generation.use_cache = native.config.use_cache
         generation.save_pretrained(staging)
-        notes = _notes(student.config)
-        (staging / "README.md").write_text(native_card(saved, read_results(student_dir), NATIVE_CLASS, notes), encoding="utf-8")
+        notes = _notes(student.config) if cls == NATIVE_CLASS else qwen35_notes(native.config)
+        (staging / "README.md").write_text(native_card(saved, read_results(student_dir), cls, notes), encoding="utf-8")
         replace_dir(staging, out)
-    layer_types = [_LAYER_TYPE.get(kind, "mamba") for kind in student.config.layer_plan]
+    if cls == NATIVE_CLASS:
+        layer_types = [_LAYER_TYPE.get(kind, "mamba") for kind in student.config.layer_plan]
+    else:
+        layer_types = ["linear_attention"] * len(student.config.layer_plan)
     identity = list(range(len(layer_types), native.config.num_hidden_layers))
-    return NativeExport(out, NATIVE_CLASS, layer_types, diff, identity, notes)
+    return NativeExport(out, cls, layer_types, diff, identity, notes)

@@ -24,6 +24,19 @@ calibrated`` (the default), per head from the teacher's measured attention local
 statistics on calibration blocks (``distill/calibration.py`` sets them when a run builds its
 student; a student built without calibration keeps the constant ones). The gate starts at the
 identity (zero weight, bias with SiLU(b) = 1) and the norm's weight at 1.
+
+Three biases Qwen3.5's Gated DeltaNet layer (``Qwen3_5ForCausalLM``, llama.cpp's ``qwen35``, where
+``export --format native`` / ``gguf`` write a pure student: export/native_qwen35.py) does not have;
+each can be turned off so that a student exports exactly:
+
+* ``conv_bias: false`` — the conv without bias (it starts at 0 anyway: no change at init);
+* ``beta_bias: false`` — β = sigmoid(W_b u) without b_b: every head starts at β = 1/2 and a
+  calibration sets the decays only (the per-head β it measures has no place: the layer's input is
+  RMS-normalised, with no constant direction a zero-bias W_b could read);
+* ``gate_bias: false`` — the gate without bias: SiLU(0) = 0 would silence the mixer, so W_z starts at
+  nn.Linear's random init (as Mamba-2's ``gate_bias: false``): the student no longer starts as the
+  plain delta-rule read-out of the teacher's projections; ``gate: false`` does not export (the
+  target always gates).
 """
 
 from __future__ import annotations
@@ -82,6 +95,9 @@ class GatedDeltaMixer(AttentionLikeMixer):
         beta_init: float = 0.5,
         rope: str = "none",
         chunk_size: int = 64,
+        gate_bias: bool = True,
+        conv_bias: bool = True,
+        beta_bias: bool = True,
     ):
         super().__init__(geometry, layer_idx)
         if decay_init not in DECAY_INITS:
@@ -91,16 +107,19 @@ class GatedDeltaMixer(AttentionLikeMixer):
                 raise ConfigError(f"gated_delta option {name}={value!r} is not in (0, 1)", f"use e.g. {name}: 0.5")
         if rope not in ("none", "before"):
             raise ConfigError(f"gated_delta option rope={rope!r} is not valid", "use rope: none (default) or before")
+        if not beta_bias and beta_init != 0.5:
+            raise ConfigError(f"gated_delta option beta_init={beta_init!r} needs b_proj's bias, and beta_bias is false (every head starts at β = 1/2)",
+                              "leave beta_init out (0.5), or set beta_bias: true")  # fmt: skip
         self.decay_init, self.alpha_init, self.beta_init = decay_init, float(alpha_init), float(beta_init)
         self.use_rope, self.chunk_size = rope == "before", chunk_size
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         self.conv_activation = check_activation(conv_activation)
-        self.conv = CausalConv((h + 2 * kv) * d, d_conv) if d_conv else None  # over [q, k, v] before the GQA repeat
+        self.conv = CausalConv((h + 2 * kv) * d, d_conv, bias=bool(conv_bias)) if d_conv else None  # over [q, k, v] before the GQA repeat
         self.a_proj = nn.Linear(self.hidden_size, h, bias=False)
-        self.b_proj = nn.Linear(self.hidden_size, h, bias=True)
+        self.b_proj = nn.Linear(self.hidden_size, h, bias=bool(beta_bias))
         self.dt_bias = nn.Parameter(torch.empty(h))
         self.A_log = nn.Parameter(torch.empty(h))
-        self.gate = nn.Linear(self.hidden_size, h * d, bias=True) if gate else None
+        self.gate = nn.Linear(self.hidden_size, h * d, bias=bool(gate_bias)) if gate else None
         self.norm = HeadRMSNormGated(h, d, check_norm_eps(self.mixer_type, norm_eps)) if norm else None
         self.init_new_parameters()
 
@@ -110,8 +129,10 @@ class GatedDeltaMixer(AttentionLikeMixer):
         """(Re)initialise everything attention does not provide; q/k/v/o are left alone."""
         if self.conv is not None:
             self.conv.reset_parameters()
-        if self.gate is not None:
+        if self.gate is not None and self.gate.bias is not None:
             init_identity_gate(self.gate)
+        elif self.gate is not None:  # no bias: SiLU(0) = 0 would silence the mixer (module docstring)
+            self.gate.reset_parameters()
         if self.norm is not None:
             self.norm.weight.fill_(1.0)
         self.a_proj.weight.zero_()
@@ -122,11 +143,12 @@ class GatedDeltaMixer(AttentionLikeMixer):
     @torch.no_grad()
     def set_head_decays(self, alpha: torch.Tensor, beta: torch.Tensor) -> None:
         """Start head h at decay α_h and write strength β_h (with W_a, W_b at zero): what a
-        calibration measured, or the constants of ``alpha_init`` / ``beta_init``."""
+        calibration measured, or the constants of ``alpha_init`` / ``beta_init``. Without b_proj's
+        bias (``beta_bias: false``) β stays 1/2 and only the decays are set."""
         alpha = alpha.float().clamp(1e-4, 1 - 1e-6)
-        beta = beta.float().clamp(1e-4, 1 - 1e-4)
         self.dt_bias.copy_(inverse_softplus(-torch.log(alpha) / torch.exp(self.A_log.float())))
-        self.b_proj.bias.copy_(torch.logit(beta))
+        if self.b_proj.bias is not None:
+            self.b_proj.bias.copy_(torch.logit(beta.float().clamp(1e-4, 1 - 1e-4)))
 
     # -- the pieces ------------------------------------------------------------------------
     def _qkv(self, u, position_embeddings, inputs=None):

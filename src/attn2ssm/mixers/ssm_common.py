@@ -50,20 +50,21 @@ def init_identity_gate(gate: nn.Linear) -> None:
 class CausalConv(nn.Module):
     """Depthwise causal conv weights (channels, kernel), initialised to pass the current token."""
 
-    def __init__(self, channels: int, kernel: int):
+    def __init__(self, channels: int, kernel: int, bias: bool = True):
         super().__init__()
         if kernel < 1:
             raise ConfigError(f"d_conv={kernel} is not a valid kernel size", "use d_conv >= 1 (4 in Mamba), or conv: false")
         self.kernel = kernel
         self.weight = nn.Parameter(torch.empty(channels, kernel))
-        self.bias = nn.Parameter(torch.empty(channels))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None  # None: no bias (Qwen3.5's GDN conv has none)
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         self.weight.zero_()
         self.weight[:, -1] = 1.0  # the last tap is the current token
-        self.bias.zero_()
+        if self.bias is not None:
+            self.bias.zero_()
 
 
 class GatedRMSNorm(nn.Module):

@@ -182,12 +182,15 @@ def native_card(config: dict, results: dict | None, cls: str, notes: list[str] =
     name, hub_id = teacher_name(config)
     plan = list(config.get("layer_plan") or [])
     hybrid = "attention" in plan
-    lines = _front_matter(hub_id, ["attn2ssm", "distillation", "mamba2", *(["hybrid"] if hybrid else []), "granitemoehybrid"])
+    gdn = cls == "Qwen3_5ForCausalLM"
+    mixer, tag, form, engine = (("Gated DeltaNet", "gated-deltanet", "dense MLP, zero-centred norms", None) if gdn else
+                                ("Mamba-2", "mamba2", "dense shared MLP, multipliers 1", "GraniteMoeHybrid"))  # fmt: skip
+    lines = _front_matter(hub_id, ["attn2ssm", "distillation", tag, *(["hybrid"] if hybrid else []), "qwen3_5" if gdn else "granitemoehybrid"])
     lines += [
-        f"# Mamba-2 {'hybrid ' if hybrid else ''}student of {name}, as {cls}",
+        f"# {mixer} {'hybrid ' if hybrid else ''}student of {name}, as {cls}",
         "",
         (f"Distilled from **{name}** with attn2ssm and exported with `attn2ssm export --format native`: a plain transformers "
-        f"`{cls}` checkpoint (dense shared MLP, multipliers 1), no remote code. Its logits equal the attn2ssm student's."),
+        f"`{cls}` checkpoint ({form}), no remote code. Its logits equal the attn2ssm student's."),
         "",
         *_plan_lines(config),
         *_results_lines(results),
@@ -201,7 +204,8 @@ def native_card(config: dict, results: dict | None, cls: str, notes: list[str] =
         'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_HUB_ID")',
         "```",
         "",
-        "Engines that serve GraniteMoeHybrid load it as it is, e.g. `vllm serve PATH_OR_HUB_ID`.",
+        (f"Engines that serve {engine} load it as it is, e.g. `vllm serve PATH_OR_HUB_ID`." if not gdn else
+         "llama.cpp runs it as its `qwen35` architecture: `attn2ssm export STUDENT --format gguf` writes the GGUF."),
         "",
     ]
     if notes:

@@ -1,0 +1,287 @@
+"""Pure gated delta-rule students as ``Qwen3_5ForCausalLM`` (transformers) and llama.cpp's ``qwen35``.
+
+Why Qwen3.5: of the three Gated DeltaNet homes in transformers 5.24 it is the dense one with the
+same layer as our mixer (Qwen3-Next's blocks are mixture-of-experts and its q/k/v/z projection is
+interleaved per key head; OLMo-Hybrid's attention blocks are post-norm and its output norm's ε is
+fixed at 1e-5), and llama.cpp runs it on the CPU (``qwen35``: gated-delta-net op, no remote code).
+
+The layer (transformers' ``Qwen3_5GatedDeltaNet``; ours in mixers/gated_delta.py): both compute
+
+    q, k, v = SiLU(conv([W_Q u, W_K u, W_V u]))        depthwise causal conv, no bias
+    q, k L2-normalised per head, o = gated delta rule(q / √d, k, v, g, β)
+    g = −exp(A_log) · softplus(W_a u + dt_bias),  β = sigmoid(W_b u)        (no β bias)
+    out = W_O (RMSNorm_head(o) · w ⊙ SiLU(W_z u))                           (no gate bias)
+
+The map, per layer (h query heads, kv key/value heads of head_dim d; query head j reads kv head
+j // (h / kv)): Qwen3.5 lets key heads serve several value heads, but its q and k share one head
+count, so k and v are repeated to h heads (our conv runs before the repeat; it is depthwise, so
+repeating channels after it or before is the same):
+
+    linear_num_key_heads = linear_num_value_heads = h,  linear_key_head_dim = linear_value_head_dim = d
+    in_proj_qkv ← [q_proj | k_proj, kv rows repeated | v_proj, repeated]
+    conv1d      ← our conv's [q | k | v] channels, k and v repeated like their rows
+    in_proj_z ← gate,  in_proj_a ← a_proj,  in_proj_b ← b_proj,  dt_bias, A_log, norm.weight as they are
+    out_proj ← o_proj
+
+and per block: Qwen3.5's RMSNorms are zero-centred (x̂ · (1 + w)), so each teacher norm weight w is
+written as w − 1 (the GDN output norm is a plain one, x̂ · w); the MLP's gate/up/down as they are.
+The target has no biases on any of these projections and on the conv, and always gates and
+normalises: a student maps exactly with ``student.mixer_options: {gated_delta: {gate_bias: false,
+beta_bias: false, conv_bias: false, norm_eps: auto}}`` (``norm_eps``: the target uses the
+teacher's ``rms_norm_eps`` for the output norm), on a teacher without q/k/v/o biases.
+One difference stays below float32 noise: q and k are L2-normalised as x / max(|x|, 1e-12) here
+and as x · rsqrt(|x|² + ε) there (ε 1e-6 in transformers, the teacher's ``rms_norm_eps`` in llama.cpp).
+
+Hybrids are refused: Qwen3.5's softmax layers RMS-normalise every q and k head (``q_norm``,
+``k_norm``) and gate the output with a sigmoid (q_proj's second half). The gate can start as the
+identity (zero rows: sigmoid(0) = 1/2, o_proj doubled), but no weight makes an RMSNorm the
+identity — it divides each query and key by its own RMS, which changes every softmax — so a
+teacher's kept attention layer has no exact image in the class.
+
+For llama.cpp (``llama_cpp=True``, the GGUF route): llama.cpp (0.3.36) aborts on a ``qwen35``
+without attention layers (``GGML_ASSERT(buffer)``: its hybrid memory's attention inputs are built
+but never allocated, as for GraniteHybrid), so a pure student gets one identity layer at the end — a
+full-attention layer and MLP whose weights are all zero (norm weights 0, i.e. 1 zero-centred),
+which add exactly 0 to the residual (one layer's KV cache, ~2 % more weights).
+
+Not imported by student/modeling.py (its import closure is copied into every checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+
+import torch
+
+from attn2ssm.errors import ExportError
+
+QWEN35_CLASS = "Qwen3_5ForCausalLM"
+QWEN35_FAMILIES = ("llama", "mistral")  # Qwen2's q/k/v biases have no place (no projection bias)
+EXPORT_OPTIONS = "student.mixer_options: {gated_delta: {gate_bias: false, beta_bias: false, conv_bias: false, norm_eps: auto}}"
+_KEEP = "keep this student in attn2ssm's format (trust_remote_code=True)"
+
+
+def gated_delta_options(config) -> dict:
+    """The student's effective gated_delta options (its saved ones over the mixer's defaults)."""
+    from attn2ssm.mixers.gated_delta import GatedDeltaMixer  # heavy: the mixers import transformers
+
+    defaults = {n: p.default for n, p in inspect.signature(GatedDeltaMixer.__init__).parameters.items() if p.default is not inspect.Parameter.empty}
+    return {**defaults, **((config.mixer_options or {}).get("gated_delta") or {})}
+
+
+def qwen35_problem(config) -> tuple[str, str] | None:
+    """(reason, fix) of the first thing ``QWEN35_CLASS`` cannot express in a student whose mixers
+    are gated_delta, or None when it maps exactly. Reads the config only (no weights)."""
+    base = config.base_config
+    family = (config.teacher or {}).get("family") or base.get("model_type")
+    if family not in QWEN35_FAMILIES:
+        why = "q/k/v projections with biases" if family == "qwen2" else "blocks that are not Llama-style pre-norm RMSNorm + SwiGLU"
+        return f"{QWEN35_CLASS} cannot express a {family} teacher's layers ({why})", f"export gated_delta students of {', '.join(QWEN35_FAMILIES)} teachers, or {_KEEP}"
+    kinds = sorted({config.layer_plan[i] for i in config.mixer_layers})
+    if kinds != ["gated_delta"]:
+        return f"the student mixes {', '.join(kinds)} layers; {QWEN35_CLASS}'s linear layers are Gated DeltaNet only", f"distil with student.mixer: gated_delta, or {_KEEP}"
+    kept = [i for i, kind in enumerate(config.layer_plan) if kind == "attention"]
+    if kept:
+        return (f"layer {kept[0]} keeps softmax attention; {QWEN35_CLASS}'s attention RMS-normalises each q and k head, which no weights make "
+                "an identity, so the teacher's layer has no exact image (a pure gated_delta student exports)",
+                f"distil with student.attention_ratio: 0 (a pure gated_delta student), or {_KEEP}")  # fmt: skip
+    if base.get("hidden_act", "silu") != "silu":
+        return f"the teacher's MLP activation is {base.get('hidden_act')}; {QWEN35_CLASS} uses one hidden_act (SiLU) for the MLP and the GDN conv", _KEEP
+    if base.get("mlp_bias"):
+        return f"the teacher's MLP has biases (mlp_bias: true); {QWEN35_CLASS}'s MLP has none", _KEEP
+    shapes = {(config.layer_geometry[i]["num_heads"], config.layer_geometry[i]["head_dim"]) for i in config.mixer_layers}
+    if len(shapes) > 1:
+        return f"the mixers have different head shapes {sorted(shapes)}; {QWEN35_CLASS} has one linear-attention shape", _KEEP
+    for i in config.mixer_layers:
+        g = config.layer_geometry[i]
+        if g.get("qkv_bias") or g.get("o_bias"):
+            return f"layer {i}'s mixer keeps the teacher's q/k/v/o biases; {QWEN35_CLASS}'s in_proj_qkv and out_proj have none", _KEEP
+    o = gated_delta_options(config)
+    eps = base.get("rms_norm_eps")
+    if not o["d_conv"]:
+        return f"the mixers have no conv (d_conv: 0); {QWEN35_CLASS} always runs one, with SiLU", "distil with student.mixer_options.gated_delta.d_conv: 4 (the default)"
+    if o["conv_activation"] not in ("silu",):
+        return (f"the mixers' conv has no activation (conv_activation: {o['conv_activation']}); {QWEN35_CLASS}'s conv applies SiLU",
+                "distil with student.mixer_options.gated_delta.conv_activation: silu (the default)")  # fmt: skip
+    if o["rope"] != "none":
+        return f"the mixers rotate q and k (rope: {o['rope']}); {QWEN35_CLASS}'s linear layers have no RoPE", "distil with student.mixer_options.gated_delta.rope: none (the default)"
+    if not o["gate"]:
+        return f"the mixers have no output gate (gate: false); {QWEN35_CLASS} always multiplies by SiLU(W_z u)", f"distil with {EXPORT_OPTIONS}"
+    if not o["norm"]:
+        return f"the mixers have no output norm (norm: false); {QWEN35_CLASS} always RMS-normalises each head's output", f"distil with {EXPORT_OPTIONS}"
+    for option, what in (("conv_bias", "conv1d"), ("beta_bias", "in_proj_b (β)"), ("gate_bias", "in_proj_z (the gate)")):
+        if o[option]:
+            return f"the mixers' {option} is true (the default); {QWEN35_CLASS}'s {what} has no bias", f"distil with {EXPORT_OPTIONS}"
+    if eps is None or not math.isclose(float(o["norm_eps"]), float(eps), rel_tol=1e-9, abs_tol=0.0):
+        return (f"the mixers' output norm uses eps {float(o['norm_eps']):g} but {QWEN35_CLASS} uses the teacher's rms_norm_eps ({eps}) for it",
+                f"distil with {EXPORT_OPTIONS}")  # fmt: skip
+    return None
+
+
+# ---------------------------------------------------------------------------------------- config
+def qwen35_config(config, llama_cpp: bool = False):
+    """The ``Qwen3_5TextConfig`` of a student that ``qwen35_problem`` passed; ``llama_cpp``: one
+    identity full-attention layer after the student's (module docstring)."""
+    from transformers import Qwen3_5TextConfig  # heavy: transformers (this module imports torch only)
+
+    base = config.base_config
+    g = config.layer_geometry[config.mixer_layers[0]]
+    layer_types = ["linear_attention"] * len(config.layer_plan) + ["full_attention"] * bool(llama_cpp)
+    rope = dict(base.get("rope_parameters") or {"rope_type": "default", "rope_theta": base.get("rope_theta", 10000.0)})
+    rope["partial_rotary_factor"] = 1.0  # the teacher's full RoPE (only the identity layer has attention)
+    return Qwen3_5TextConfig(
+        vocab_size=base["vocab_size"],
+        hidden_size=g["hidden_size"],
+        intermediate_size=base["intermediate_size"],
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=g["num_heads"],
+        num_key_value_heads=g["num_kv_heads"],
+        head_dim=g["head_dim"],
+        hidden_act="silu",
+        max_position_embeddings=base.get("max_position_embeddings", 2048),
+        initializer_range=base.get("initializer_range", 0.02),
+        rms_norm_eps=base["rms_norm_eps"],
+        use_cache=bool(llama_cpp),  # see qwen35_notes: transformers' cache needs an attention layer
+        tie_word_embeddings=bool(base.get("tie_word_embeddings", False)),
+        rope_parameters=rope,
+        attention_bias=False,
+        linear_conv_kernel_dim=int(gated_delta_options(config)["d_conv"]),
+        linear_key_head_dim=g["head_dim"],
+        linear_value_head_dim=g["head_dim"],
+        linear_num_key_heads=g["num_heads"],
+        linear_num_value_heads=g["num_heads"],
+        layer_types=layer_types,
+        pad_token_id=base.get("pad_token_id"),
+        bos_token_id=base.get("bos_token_id"),
+        eos_token_id=base.get("eos_token_id"),
+    )
+
+
+# --------------------------------------------------------------------------------------- weights
+def _kv_rows(h: int, kv: int, d: int) -> torch.Tensor:
+    """Row j·d + p of a per-query-head tensor reads row (j // (h/kv))·d + p of the kv-head one."""
+    heads = torch.arange(h) // (h // kv)
+    return (heads[:, None] * d + torch.arange(d)[None, :]).reshape(-1)
+
+
+def gated_delta_tensors(mixer) -> dict[str, torch.Tensor]:
+    """One of our ``GatedDeltaMixer``s as ``Qwen3_5GatedDeltaNet`` tensors (fp32), by name (an
+    ``ExportError`` if one of the biases the target lacks is present: ``qwen35_problem`` first)."""
+    h, kv, d = mixer.num_heads, mixer.num_kv_heads, mixer.head_dim
+    for name, module in (("q_proj", mixer.q_proj), ("k_proj", mixer.k_proj), ("v_proj", mixer.v_proj), ("o_proj", mixer.o_proj),
+                         ("gate", mixer.gate), ("b_proj", mixer.b_proj), ("conv", mixer.conv)):  # fmt: skip
+        if module is None or getattr(module, "bias", None) is not None:
+            raise ExportError(f"layer {mixer.layer_idx}'s {name} {'is missing' if module is None else 'has a bias'}; {QWEN35_CLASS} has no place for it",
+                              f"distil with {EXPORT_OPTIONS} on a teacher without q/k/v/o biases")  # fmt: skip
+    rows = _kv_rows(h, kv, d)
+    w = lambda linear: linear.weight.detach().float()  # noqa: E731
+    conv_rows = torch.cat([torch.arange(h * d), h * d + rows, h * d + kv * d + rows])
+    return {
+        "in_proj_qkv.weight": torch.cat([w(mixer.q_proj), w(mixer.k_proj)[rows], w(mixer.v_proj)[rows]]),
+        "in_proj_z.weight": w(mixer.gate),
+        "in_proj_a.weight": w(mixer.a_proj),
+        "in_proj_b.weight": w(mixer.b_proj),
+        "conv1d.weight": mixer.conv.weight.detach().float()[conv_rows][:, None, :],
+        "dt_bias": mixer.dt_bias.detach().float(),
+        "A_log": mixer.A_log.detach().float(),
+        "norm.weight": mixer.norm.weight.detach().float(),
+        "out_proj.weight": w(mixer.o_proj),
+    }
+
+
+def identity_layer_tensors(cfg, prefix: str) -> dict[str, torch.Tensor]:
+    """A full-attention + MLP layer of ``cfg`` that adds exactly 0 to the residual: q/k/v/o and MLP
+    weights zero (zero-centred norms at 0, i.e. scale 1): attention averages zero values, o_proj and
+    the MLP output 0."""
+    hidden, d, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    out = {f"{prefix}.{n}.weight": torch.zeros(hidden) for n in ("input_layernorm", "post_attention_layernorm")}
+    out.update({f"{prefix}.self_attn.{n}.weight": torch.zeros(d) for n in ("q_norm", "k_norm")})
+    for name, shape in (("q_proj", (2 * q, hidden)), ("k_proj", (kv, hidden)), ("v_proj", (kv, hidden)), ("o_proj", (hidden, q)),
+                        ("mlp.gate_proj", (ff, hidden)), ("mlp.up_proj", (ff, hidden)), ("mlp.down_proj", (hidden, ff))):  # fmt: skip
+        out[f"{prefix}.{'' if name.startswith('mlp') else 'self_attn.'}{name}.weight"] = torch.zeros(shape)
+    return out
+
+
+def qwen35_state_dict(student, cfg) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``Qwen3_5ForCausalLM`` for ``student`` (fp32), by name. Each of the
+    student's own tensors is used exactly once (anything left over is an error, not dropped)."""
+    config = student.config
+    state = {k: v.detach().float() for k, v in student.base.state_dict().items()}
+    used: set[str] = set()
+
+    def take(key: str, centred: bool = False) -> torch.Tensor:
+        used.add(key)
+        return state[key] - 1.0 if centred else state[key]  # Qwen3.5's RMSNorm scales by 1 + w
+
+    out = {"model.embed_tokens.weight": take("model.embed_tokens.weight"), "model.norm.weight": take("model.norm.weight", centred=True)}
+    if "lm_head.weight" in state:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(len(config.layer_plan)):
+        src, dst = config.attention_paths[i].rpartition(".")[0], f"model.layers.{i}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{dst}.{norm}.weight"] = take(f"{src}.{norm}.weight", centred=True)
+        for p in ("gate", "up", "down"):
+            out[f"{dst}.mlp.{p}_proj.weight"] = take(f"{src}.mlp.{p}_proj.weight")
+        prefix = f"{config.attention_paths[i]}."
+        used.update(k for k in state if k.startswith(prefix))
+        mixer = student.base.get_submodule(config.attention_paths[i])
+        out.update({f"{dst}.linear_attn.{k}": v for k, v in gated_delta_tensors(mixer).items()})
+    for i in range(len(config.layer_plan), cfg.num_hidden_layers):  # the identity layer (llama_cpp)
+        out.update(identity_layer_tensors(cfg, f"model.layers.{i}"))
+    left = sorted(set(state) - used)
+    if left:
+        raise ExportError(f"the student has tensors {QWEN35_CLASS} has no place for: {left[:4]}", _KEEP)
+    return out
+
+
+def to_qwen35(student, llama_cpp: bool = False):
+    """The student as a ``Qwen3_5ForCausalLM`` in fp32 (``qwen35_problem`` first)."""
+    from transformers import Qwen3_5ForCausalLM  # heavy: transformers (this module imports torch only)
+
+    problem = qwen35_problem(student.config)
+    if problem is not None:
+        raise ExportError(*problem)
+    cfg = qwen35_config(student.config, llama_cpp)
+    model = Qwen3_5ForCausalLM(cfg).float()
+    state = qwen35_state_dict(student, cfg)
+    if cfg.tie_word_embeddings:  # one tensor under both names, as the tied model's state_dict has it
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+# transformers 5.24 binds each of these to fla's (or causal_conv1d's) kernel at import whenever the
+# package is importable, whatever the device; fla's Triton kernels cannot run on a CPU.
+_KERNELIZED = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
+
+
+@contextlib.contextmanager
+def torch_reference_kernels():
+    """Run ``Qwen3_5ForCausalLM`` with the class's own PyTorch reference functions (the functions
+    the kernel wrappers were made from) for the duration — the CPU probe of an export."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling  # heavy: transformers
+
+    saved = {name: getattr(modeling, name) for name in _KERNELIZED}
+    try:
+        for name, fn in saved.items():
+            setattr(modeling, name, inspect.unwrap(fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(modeling, name, fn)
+
+
+def qwen35_notes(cfg) -> list[str]:
+    """What a user of the exported ``Qwen3_5TextConfig`` ``cfg`` should know (the model card's notes)."""
+    notes = []
+    if "full_attention" not in cfg.layer_types:
+        notes.append("no layer is attention: transformers' Qwen3.5 builds a softmax mask from its cache and raises when the cache holds "
+                     "no attention layer, so config.json and generation_config.json set use_cache: false (exact, but generate "
+                     "recomputes the prefix each token); llama.cpp keeps its own recurrent state")  # fmt: skip
+    return notes + ["transformers 5.24 runs Qwen3.5's Gated DeltaNet through fla's Triton kernels whenever flash-linear-attention is "
+            "importable, also on a CPU, where they fail: on a CPU, load it where fla is not installed (or on a GPU)",
+            "q and k are L2-normalised as x·rsqrt(|x|² + ε) by the target and as x / max(|x|, 1e-12) by the student: equal to float32 "
+            "noise for any key that is not ~0"]  # fmt: skip
