@@ -59,6 +59,10 @@ def cmd_recipe(args) -> None:
     sources = []
     for item in args.sources.split(","):
         folder, _, weight = item.rpartition(":")
+        manifest = json.loads((Path(folder) / "manifest.json").read_text())
+        if sum(f["tokens"] for f in manifest["sides"]["train"]) < 4 * args.block_len:  # too few tokens for blocks of this length
+            print(f"leaving out {folder}: fewer than 4 blocks of {args.block_len} tokens")
+            continue
         sources.append({"corpus": f"shards:{folder}", "weight": float(weight)})
     raw["name"] = Path(args.out).stem
     raw["teacher"] = args.teacher
@@ -141,12 +145,21 @@ def _params(model_dir: Path) -> int:
     return n
 
 
+def _dist_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version({"fla": "fla-core"}.get(name, name))
+    except PackageNotFoundError:
+        return "?"
+
+
 def _versions() -> dict:
     out = {"python": platform.python_version()}
     for name in ("torch", "triton", "transformers", "fla", "gguf"):
         try:
             module = __import__(name)
-            out[name] = getattr(module, "__version__", "?")
+            out[name] = getattr(module, "__version__", None) or _dist_version(name)
         except Exception as exc:  # noqa: BLE001 - a version table, not a check
             out[name] = f"absent ({type(exc).__name__})"
     try:
@@ -169,11 +182,12 @@ def cmd_results(args) -> None:
     for name in ("timeline.json", "generate.json"):
         if (work / name).exists():
             result[name.removesuffix(".json")] = json.loads((work / name).read_text())
+    result["probes"] = {p.name.removesuffix(".rates.json"): json.loads(p.read_text()) for p in sorted(work.glob("probe-*.rates.json"))}
     teacher = Path(args.teacher) if args.teacher else None
     n_teacher = _params(teacher) if teacher and teacher.exists() else None
     result["teacher"] = {"dir": str(teacher), "parameters": n_teacher}
     runs = {}
-    for run in sorted((work / "runs").glob("*")) if (work / "runs").exists() else []:
+    for run in sorted(p for p in (work / "runs").glob("*") if p.is_dir()) if (work / "runs").exists() else []:
         entry: dict = {}
         if (run / "metrics.jsonl").exists():
             entry["stages"] = stage_rates(run / "metrics.jsonl")

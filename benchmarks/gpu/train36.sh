@@ -50,7 +50,7 @@ if [ "$CALL" = 1 ]; then
   fi
   cp .g36/part1/* "$WORK/" && (cd "$WORK" && sha256sum -c parts.sha256) | tee -a "$LOG" || { log "part 1 damaged"; exit 1; }
   mv "$WORK/parts.sha256" "$WORK/part1.sha256"
-  PYTHONPATH=$PWD/$WORK/site:$PWD/src $PY -c "import torch, triton, transformers, gguf; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gguf', gguf.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$LOG"
+  PYTHONPATH=$PWD/$WORK/site:$PWD/src $PY -c "import torch, triton, transformers, gguf; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gguf', __import__('importlib.metadata').metadata.version('gguf'), 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$LOG"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
   log "call 1 done: run call 2 now (the machine stays warm ~30 s)"
   exit 0
@@ -85,6 +85,7 @@ else
 fi
 export TEACHER
 log "teacher: $TEACHER"; mark teacher
+[ "${STOP_AFTER:-}" = teacher ] && exit 0  # smoke tests of the join and conversion alone
 
 # ---- the generated corpus: a probe measures the sampling rate, then GEN_S seconds of it
 SH=.g36/shards
@@ -112,7 +113,7 @@ for base in $RECIPES; do
     --tokens $(( PROBE_STEPS * STEP_TOKENS )),$(( PROBE_STEPS * STEP_TOKENS )) --precision "$PRECISION" --eval-tokens 2048 | tee -a "$LOG"
   timeout 150 $PY -m attn2ssm distill "$probe.yaml" --out "$probe" --kernels "$KERNELS" --no-progress 2>&1 | tail -n 5 | tee -a "$LOG"
   $PY benchmarks/gpu/run36.py rates "$probe/metrics.jsonl" > "$probe.rates.json" || { log "probe failed"; exit 1; }
-  cp "$probe.rates.json" "$WORK/runs/" 2>/dev/null; mark "probe $base"
+  mark "probe $base"
   # seconds for this recipe's training: what is left, less the evaluation and the runs' fixed costs, shared by the recipes still to run
   share=$(( ( $(left) - EVAL_S * n_recipes - 2 * OVERHEAD_S * n_recipes ) / n_recipes ))
   [ "$share" -lt 20 ] && share=20
