@@ -102,6 +102,10 @@ class StudentConfig:
     # keeps first and last; paper is CAB's Eq. 7 with its off-by-one fixed).
     depth: int | None = None
     layer_map: str = "endpoints"
+    # A trained student directory to continue from (its layers and weights as saved; nothing is
+    # converted or calibrated, and the plan fields above are not used): a further run of stages on
+    # other data, e.g. a final KD stage on longer blocks after a run on 1024-token blocks.
+    init_from: str | None = None
 
 
 @dataclass
@@ -356,6 +360,15 @@ def validate(recipe: Recipe) -> None:
                                ("layer_map", s.layer_map, LAYER_MAPS)):
         if value not in valid:
             raise ConfigError(f"student.{name}={value!r} is not valid", f"use one of: {', '.join(valid)}")
+    if s.init_from is not None:
+        if recipe.images is not None:
+            raise ConfigError("student.init_from continues a language student; image recipes build theirs", "drop student.init_from")
+        if not (Path(s.init_from).expanduser() / "config.json").is_file():
+            raise ConfigError(f"student.init_from={s.init_from!r} is no student directory (no config.json there)",
+                              "point it at a run's student/ folder (written by attn2ssm distill)")  # fmt: skip
+        if any(stage.attention_ratio is not None for stage in recipe.stages):
+            raise ConfigError("student.init_from keeps the saved student's layers, and a stage sets attention_ratio (a conversion)",
+                              "drop the stages' attention_ratio, or start from the teacher")  # fmt: skip
     mixers = ENCODER_MIXERS if recipe.images is not None else MIXERS
     if s.mixer not in mixers:
         raise ConfigError(f"student.mixer={s.mixer!r} is not a mixer{' for an image recipe' if recipe.images is not None else ''}", f"use one of: {', '.join(sorted(mixers))}")

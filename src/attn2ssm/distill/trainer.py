@@ -521,6 +521,9 @@ class Distiller:
                        build_vision_student(self.teacher, s.mixer, dict(s.mixer_options), depth=s.depth, layer_map_mode=s.layer_map, teacher_info=self.teacher_info))  # fmt: skip
         elif self.resume_from is not None:
             student = Attn2SSMForCausalLM.from_pretrained(self.resume_from, dtype=torch.float32)
+        elif self.recipe.student.init_from:  # a trained student continued (student.init_from): no conversion, no calibration
+            teachers.check_weight_files(self.recipe.student.init_from)
+            student = Attn2SSMForCausalLM.from_pretrained(self.recipe.student.init_from, dtype=torch.float32)
         else:
             s = self.recipe.student
             n_layers = s.depth or self.teacher.config.num_hidden_layers

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Issue 36, the first GPU-trained students, in two back-to-back device calls (the second within the
+# machine's 30 s warm window: ignored files the first leaves in the repo are still there).
+# Prepare here first: bash benchmarks/gpu/prepare.sh train36, then through the device tool:
+#   call 1: carry [".whl", ".g36/part1"]          command: bash benchmarks/gpu/train36.sh 1   timeout_s: 120
+#   call 2: carry [".g36/part2", ".g36/shards"]   command: bash benchmarks/gpu/train36.sh 2   timeout_s: 600
+# Call 1 (~30 s): installs the wheels into .g36run/site, keeps GGUF part 1 in .g36run/, records the GPU.
+# Call 2 (<= DEADLINE_S, 560 s): joins the GGUF and checks its SHA-256, converts it to an HF teacher;
+#   the teacher samples a corpus on the GPU (a probe of GEN_PROBE tokens measures tokens/s, then
+#   GEN_S seconds' worth); a probe distill of PROBE_STEPS steps per stage measures each stage's
+#   tokens/s, from which the budgets are set to fill the minutes left; then for each recipe in
+#   RECIPES: attn2ssm distill on 1024-token blocks (bf16, --kernels fla), then the final KD stage on
+#   4096-token blocks as a second distill continuing that student (student.init_from: the recipe
+#   schema has one block length per run); then teacher-vs-student evaluation on the device: held-out
+#   perplexity at 1024 / 2048 / 4096 on sotu and moby-dick (the carried shards' held-out sides) and
+#   passkey retrieval at 1k-4k with 20 trials per length (5 depths x 4). Not the --suite: its task pack
+#   (52 MiB), lm-eval's wheels and the eval corpora's text do not fit the two calls' carry beside the
+#   teacher (README: "The first GPU run").
+# $OUT gets results36.json (device, versions, tokens, wall time, tokens/s, MFU, evaluation),
+# train36.log, and each run's metrics.jsonl (copied every 10 s while it trains). The run directories
+# stay in .g36run/runs/ (resumable: attn2ssm distill --out DIR --resume, while the machine is warm).
+# CPU smoke test: DEVICE=cpu TEACHER_DIR=<tiny teacher> ... (README).
+set -uo pipefail
+CALL=${1:?call 1 or 2}
+T0=$(date +%s)
+OUT=${OUT:-/tmp/attn2ssm-g36}; mkdir -p "$OUT"
+PY=${PY:-python3}
+WORK=${WORK:-.g36run}; mkdir -p "$WORK"
+DEVICE=${DEVICE:-cuda}
+KERNELS=${KERNELS:-$([ "$DEVICE" = cpu ] && echo torch || echo fla)}
+PRECISION=${PRECISION:-$([ "$DEVICE" = cpu ] && echo no || echo bf16)}
+RECIPES=${RECIPES:-linear_hybrid25}            # or "linear_hybrid25 gdn_hybrid25" (the time is split)
+DEADLINE_S=${DEADLINE_S:-560}                   # call 2 ends by then (timeout_s 600)
+GEN_PROBE=${GEN_PROBE:-262144}; GEN_S=${GEN_S:-60}; GEN_BATCH=${GEN_BATCH:-256}; GEN_LEN=${GEN_LEN:-1024}; GEN_MAX=${GEN_MAX:-0}
+STEP_TOKENS=${STEP_TOKENS:-32768}; PROBE_STEPS=${PROBE_STEPS:-6}
+EVAL_S=${EVAL_S:-110}; OVERHEAD_S=${OVERHEAD_S:-35}; FINAL_SHARE=${FINAL_SHARE:-0.3}; MAX_TOKENS=${MAX_TOKENS:-0}
+EVAL_TOKENS=${EVAL_TOKENS:-16384}; NEEDLE_LENGTHS=${NEEDLE_LENGTHS:-1024,2048,4096}; NEEDLE_TRIALS=${NEEDLE_TRIALS:-4}
+WINDOWS=${WINDOWS:-1024,2048,4096}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 ATTN2SSM_CACHE=${ATTN2SSM_CACHE:-$PWD/$WORK/cache}
+[ -d "$WORK/site" ] && export PYTHONPATH=$PWD/$WORK/site:$PWD/src || export PYTHONPATH=$PWD/src
+LOG=$OUT/train36.log
+log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
+left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
+gguf_name=SmolLM2-135M-Instruct.Q4_1.gguf
+
+if [ "$CALL" = 1 ]; then
+  log "call 1: wheels, GGUF part 1"
+  if [ -d .whl ]; then
+    timeout 90 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl || { log "pip install failed"; exit 1; }
+  fi
+  cp .g36/part1/* "$WORK/" && (cd "$WORK" && sha256sum -c parts.sha256) | tee -a "$LOG" || { log "part 1 damaged"; exit 1; }
+  mv "$WORK/parts.sha256" "$WORK/part1.sha256"
+  PYTHONPATH=$PWD/$WORK/site:$PWD/src $PY -c "import torch, triton, transformers, gguf; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gguf', __import__('importlib.metadata').metadata.version('gguf'), 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$LOG"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+  log "call 1 done: run call 2 now (the machine stays warm ~30 s)"
+  exit 0
+fi
+
+# ------------------------------------------------------------------------------ call 2
+copier() { while sleep 10; do for r in "$WORK"/runs/*/; do [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$OUT/metrics_$(basename "$r").jsonl"; done; done; }
+copier & COPIER=$!
+finish() {
+  kill "$COPIER" 2>/dev/null
+  for r in "$WORK"/runs/*/; do [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$OUT/metrics_$(basename "$r").jsonl"; done
+  timeout 60 $PY benchmarks/gpu/run36.py results "$OUT/results36.json" --work "$WORK" --teacher "${TEACHER:-}" --kernels "$KERNELS" --precision "$PRECISION" 2>&1 | tee -a "$LOG"
+  log "call 2 ended"
+}
+trap finish EXIT
+mark() { echo "{\"step\": \"$1\", \"at_s\": $(( $(date +%s) - T0 ))}" >> "$WORK/timeline.jsonl"; $PY -c "import json,sys; print(json.dumps([json.loads(l) for l in open('$WORK/timeline.jsonl')]))" > "$WORK/timeline.json"; }
+rm -f "$WORK/timeline.jsonl"; mark start
+
+if [ -n "${TEACHER_DIR:-}" ]; then  # smoke tests: a given HF teacher, no GGUF
+  TEACHER=$TEACHER_DIR
+else
+  log "joining the GGUF"
+  dest=$ATTN2SSM_CACHE/teachers/smollm2-135m; mkdir -p "$dest"
+  cp .g36/part2/*.part1 "$WORK/" || { log "part 2 missing"; exit 1; }
+  (cd .g36/part2 && sha256sum -c parts.sha256) || { log "part 2 damaged"; exit 1; }
+  [ -f "$WORK/$gguf_name.xz.part0" ] || { log "part 1 missing: call 1 did not run on this machine (or it went back): run call 1 again"; exit 1; }
+  cat "$WORK/$gguf_name.xz.part0" "$WORK/$gguf_name.xz.part1" | xz -d > "$dest/$gguf_name" || { log "xz failed"; exit 1; }
+  gsum=$PWD/.g36/part2/gguf.sha256
+  (cd "$dest" && sha256sum -c "$gsum") | tee -a "$LOG" || { log "GGUF SHA-256 differs"; exit 1; }
+  log "converting the GGUF to an HF teacher"
+  TEACHER=$(timeout 180 $PY -c "from attn2ssm.teachers.text import _builtin_hf_dir; print(_builtin_hf_dir('smollm2-135m'))" | tail -1) || { log "conversion failed"; exit 1; }
+fi
+export TEACHER
+log "teacher: $TEACHER"; mark teacher
+[ "${STOP_AFTER:-}" = teacher ] && exit 0  # smoke tests of the join and conversion alone
+
+# ---- the generated corpus: a probe measures the sampling rate, then GEN_S seconds of it
+SH=.g36/shards
+rm -rf "$WORK/gen-probe" "$WORK/gen"
+timeout 120 $PY -m attn2ssm data shards "generated:$GEN_PROBE?batch=$GEN_BATCH&length=$GEN_LEN" --teacher "$TEACHER" --out "$WORK/gen-probe" \
+  --device "$DEVICE" --no-progress 2>&1 | tail -n 8 | tee -a "$LOG"
+rate=$($PY -c "import json; m=json.load(open('$WORK/gen-probe/manifest.json'))['meta']; print(int(m.get('tokens_per_second') or 0))" 2>/dev/null || echo 0)
+n_gen=$(( rate * GEN_S )); [ "$GEN_MAX" -gt 0 ] && [ "$n_gen" -gt "$GEN_MAX" ] && n_gen=$GEN_MAX
+log "sampling: $rate tokens/s in the probe; sampling $n_gen tokens"
+GEN_DIR=$WORK/gen-probe
+if [ "$n_gen" -gt "$GEN_PROBE" ]; then
+  timeout $(( GEN_S * 2 + 60 )) $PY -m attn2ssm data shards "generated:$n_gen?batch=$GEN_BATCH&length=$GEN_LEN" --teacher "$TEACHER" --out "$WORK/gen" \
+    --device "$DEVICE" --seed 1 --no-progress 2>&1 | tail -n 8 | tee -a "$LOG" && GEN_DIR=$WORK/gen
+fi
+$PY -c "import json; d={k: json.load(open(f'$WORK/{k}/manifest.json'))['meta'] for k in ('gen-probe','gen') if __import__('os').path.exists(f'$WORK/{k}/manifest.json')}; json.dump(d, open('$WORK/generate.json','w'), indent=1, default=str)"
+mark generated
+SOURCES="$GEN_DIR:0.5,$SH/sotu:0.35,$SH/moby-dick:0.15"
+
+# ---- per recipe: probe, main run (1024), final KD (4096), evaluation
+n_recipes=$(echo $RECIPES | wc -w)
+mkdir -p "$WORK/runs" "$WORK/eval"
+for base in $RECIPES; do
+  probe=$WORK/probe-$base; rm -rf "$probe" "$probe.yaml"
+  $PY benchmarks/gpu/run36.py recipe "$base" "$probe.yaml" --teacher "$TEACHER" --sources "$SOURCES" --block-len 1024 --step-tokens "$STEP_TOKENS" \
+    --tokens $(( PROBE_STEPS * STEP_TOKENS )),$(( PROBE_STEPS * STEP_TOKENS )) --precision "$PRECISION" --eval-tokens 2048 | tee -a "$LOG"
+  timeout 150 $PY -m attn2ssm distill "$probe.yaml" --out "$probe" --kernels "$KERNELS" --no-progress 2>&1 | tail -n 5 | tee -a "$LOG"
+  $PY benchmarks/gpu/run36.py rates "$probe/metrics.jsonl" > "$probe.rates.json" || { log "probe failed"; exit 1; }
+  mark "probe $base"
+  # seconds for this recipe's training: what is left, less the evaluation and the runs' fixed costs, shared by the recipes still to run
+  share=$(( ( $(left) - EVAL_S * n_recipes - 2 * OVERHEAD_S * n_recipes ) / n_recipes ))
+  [ "$share" -lt 20 ] && share=20
+  main_s=$($PY -c "print(int($share * (1 - $FINAL_SHARE)))"); final_s=$($PY -c "print(int($share * $FINAL_SHARE))")
+  read -r t1 t2 t3 < <($PY benchmarks/gpu/run36.py plan "$probe.rates.json" --seconds "$main_s" --final-seconds "$final_s" --max-tokens "$MAX_TOKENS")
+  log "$base: $share s of training: stage 1 $t1, stage 2 $t2 tokens (1024), final $t3 tokens (4096); rates $(tr -d '\n ' < "$probe.rates.json")"
+  run=$WORK/runs/$base; final=$WORK/runs/$base-final4096
+  $PY benchmarks/gpu/run36.py recipe "$base" "$run.yaml" --teacher "$TEACHER" --sources "$SOURCES" --block-len 1024 --step-tokens "$STEP_TOKENS" \
+    --tokens "$t1,$t2" --precision "$PRECISION" | tee -a "$LOG"
+  timeout $(( main_s + OVERHEAD_S + 60 )) $PY -m attn2ssm distill "$run.yaml" --out "$run" --kernels "$KERNELS" --no-progress 2>&1 | tail -n 12 | tee -a "$LOG"
+  mark "main $base"
+  [ -d "$run/student" ] || { log "$base: the main run did not finish (resume: attn2ssm distill --out $run --resume)"; continue; }
+  $PY benchmarks/gpu/run36.py recipe "$base" "$final.yaml" --teacher "$TEACHER" --sources "$SOURCES" --block-len 4096 --step-tokens "$STEP_TOKENS" \
+    --tokens "$t3" --init-from "$run/student" --precision "$PRECISION" | tee -a "$LOG"
+  timeout $(( final_s + OVERHEAD_S + 60 )) $PY -m attn2ssm distill "$final.yaml" --out "$final" --kernels "$KERNELS" --no-progress 2>&1 | tail -n 12 | tee -a "$LOG"
+  mark "final $base"
+  student=$final/student; [ -d "$student" ] || { log "$base: the final stage did not finish; evaluating the 1024-token student"; student=$run/student; }
+  # evaluation: held-out perplexity per window (the first window's report also runs the passkey grid)
+  needle="--needle-lengths $NEEDLE_LENGTHS --needle-trials $NEEDLE_TRIALS"
+  for w in ${WINDOWS//,/ }; do
+    [ "$(left)" -lt 15 ] && { log "no time left for eval at window $w"; break; }
+    timeout $(( $(left) - 5 )) $PY -m attn2ssm eval "$student" --against "$TEACHER" --report --corpus "shards:$SH/sotu,shards:$SH/moby-dick" \
+      --window "$w" --max-tokens "$EVAL_TOKENS" --agreement-prompts 0 $needle --out "$WORK/eval/$base-w$w" 2>&1 | tail -n 14 | tee -a "$LOG"
+    needle=""
+  done
+  mark "eval $base"
+done
