@@ -71,7 +71,12 @@ def cmd_recipe(args) -> None:
     raw["data"] = {"corpus": None, "sources": sources, "block_len": args.block_len, "max_heldout_tokens": args.heldout_tokens}
     batch = max(1, args.step_tokens // args.block_len)
     tokens = [int(t) for t in args.tokens.split(",")]
-    stages = [copy.deepcopy(raw["stages"][-1])] if args.init_from else raw["stages"]
+    # A base recipe's optional stages (tokens: 0, e.g. the 25 % hybrids' long_kd on 4096-token
+    # blocks) are left out of the main run; with --init-from the last stage (that long KD stage where
+    # the recipe has one) continues the trained student at --block-len.
+    stages = [copy.deepcopy(raw["stages"][-1])] if args.init_from else [s for s in raw["stages"] if s.get("tokens") != 0]
+    for stage in stages:
+        stage.pop("block_len", None)  # every stage here runs at --block-len
     if args.init_from:
         raw["student"] = {**raw.get("student", {}), "init_from": args.init_from}
         stages[0]["name"] = f"final_kd_{args.block_len}"

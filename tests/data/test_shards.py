@@ -187,3 +187,14 @@ def test_compact_reading_keeps_the_files_width(tok, tmp_path):
     back = read_shards(tmp_path / "w", wide, compact=True)
     assert back.train_ids.dtype == torch.int32 and back.train_ids.tolist() == [0, 65536, 7, 65535]
     assert read_shards(tmp_path / "w", wide).train_ids.dtype == torch.long
+
+
+def test_prepare_corpus_reads_a_shard_folder(tok, tmp_path):
+    """``shards:DIR`` is a corpus spec everywhere a corpus is named (eval --corpus, eval --report):
+    prepare_corpus reads the ids written once, held-out side cut like any corpus's."""
+    from attn2ssm.data.packing import prepare_corpus
+
+    corpus = _corpus(tok)
+    write_shards(tmp_path / "s", corpus, tok, source="test", shard_tokens=128)
+    back = prepare_corpus(f"shards:{tmp_path / 's'}", tok, max_train_tokens=0, max_heldout_tokens=100)
+    assert back.train_ids.numel() == 0 and torch.equal(back.heldout_ids, corpus.heldout_ids[:100])

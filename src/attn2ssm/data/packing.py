@@ -81,7 +81,12 @@ def prepare_corpus(
     tells whether the cache answered. A hub corpus with ``max_train_tokens`` set is streamed
     (:func:`.sources.iter_hf_documents`): rows are read only until both streams are full (the
     held-out one when ``max_heldout_tokens`` is set), with the split a full download would give.
+    A ``shards:DIR`` spec reads token ids written once (:mod:`.shards`): nothing to tokenize.
     """
+    from .shards import is_shards, read_shards  # shards.py imports this module
+
+    if is_shards(spec):
+        return read_shards(spec, tokenizer, max_train_tokens=max_train_tokens, max_heldout_tokens=max_heldout_tokens)
     base, text_field = parse_spec(spec, text_field)
     stream = max_train_tokens is not None and can_stream(base)
     fingerprint = tokenizer_fingerprint(tokenizer)

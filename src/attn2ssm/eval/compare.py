@@ -129,15 +129,11 @@ def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, s
 def _score_perplexity(scores: _Scores, teacher, student, tokenizer, progress: bool) -> dict:
     """1. Held-out perplexity on each corpus (same windows for both); the prepared corpora by spec."""
     from attn2ssm.data import prepare_corpus  # heavy: torch
-    from attn2ssm.data.shards import is_shards, read_shards  # heavy: torch
     from attn2ssm.eval.perplexity import perplexity  # heavy: torch
 
     settings, corpora = scores.settings, {}
     for corpus_spec in settings.corpora:
-        if is_shards(corpus_spec):  # token shards (e.g. carried to a machine with no network): their held-out side
-            corpus = corpora[corpus_spec] = read_shards(corpus_spec, tokenizer, max_train_tokens=0, max_heldout_tokens=settings.max_tokens)
-        else:
-            corpus = corpora[corpus_spec] = prepare_corpus(corpus_spec, tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0)
+        corpus = corpora[corpus_spec] = prepare_corpus(corpus_spec, tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0)
         kw = dict(window=settings.window, max_tokens=settings.max_tokens, progress=progress)
         t = perplexity(teacher, corpus.heldout_ids, desc=f"teacher {corpus_spec}", **kw)
         s = perplexity(student, corpus.heldout_ids, desc=f"student {corpus_spec}", **kw)
