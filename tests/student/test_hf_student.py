@@ -193,7 +193,8 @@ def test_a_runs_card_gains_recipe_budget_and_ratio(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "perplexity", lambda *a, **k: next(ppl))
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"stage": "finetune", "total_tokens": 65536, "loss": 1.0}) + "\n")
     recipe = load_recipe("hybrid50")
-    report.write_report(tmp_path, recipe, None, student, SimpleNamespace(heldout_ids=torch.zeros(600, dtype=torch.long)), progress=False)
+    teacher = SimpleNamespace()  # perplexity is faked; None would mean a run that never loaded its teacher (logit cache)
+    report.write_report(tmp_path, recipe, teacher, student, SimpleNamespace(heldout_ids=torch.zeros(600, dtype=torch.long)), progress=False)
     card = (tmp_path / "student" / "README.md").read_text()
     assert "- **Recipe**: `hybrid50`" in card and "Not recorded" not in card
     assert "hidden_alignment (hidden_alignment, 49,152 tokens) → finetune (kd, 16,384 tokens)" in card
