@@ -58,8 +58,12 @@ def scaled_overrides(recipe, scale: float, eval_points: int) -> list[str]:
     for i, st in enumerate(recipe.stages):
         per_step = st.batch_size * block * getattr(st, "grad_accum", 1)
         steps = max(1, round(st.tokens * scale / per_step))
-        out += [f"stages.{i}.tokens={steps * per_step}", f"stages.{i}.eval_every={max(1, steps // eval_points)}",
-                f"stages.{i}.save_every={10**6}", f"stages.{i}.keep_checkpoints=1"]  # fmt: skip
+        out += [
+            f"stages.{i}.tokens={steps * per_step}",
+            f"stages.{i}.eval_every={max(1, steps // eval_points)}",
+            f"stages.{i}.save_every={10**6}",
+            f"stages.{i}.keep_checkpoints=1",
+        ]
     return out
 
 
@@ -86,7 +90,9 @@ def plot(data: dict, path: Path) -> None:
         for i, (name, v) in enumerate((n, v) for n, v in data["variants"].items() if v["family"] == fam):
             if v["curve"]:
                 xs, ys = zip(*v["curve"])
-                ax.plot(xs, ys, marker="o", markersize=3, color=f"C{i}", label=f"{name} ({v['student_ppl']:.1f})")
+                ax.plot(
+                    xs, ys, marker="o", markersize=3, color=f"C{i}", label=f"{name} ({v['student_ppl']:.1f})"
+                )
         ax.axhline(teacher, color="gray", linestyle="--", linewidth=1, label=f"teacher {teacher:.1f}")
         ax.set_yscale("log")
         ax.set_xlabel("training tokens")
@@ -104,7 +110,10 @@ def plot(data: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=7)
     ax.set_title("final held-out perplexity", fontsize=9)
-    fig.suptitle(f"layer-alignment recipes on {data['settings']['teacher']}, budgets x{data['settings']['scale']}", fontsize=10)
+    fig.suptitle(
+        f"layer-alignment recipes on {data['settings']['teacher']}, budgets x{data['settings']['scale']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -115,7 +124,10 @@ def summarize(data: dict) -> dict:
     holds = {}
     for label, names in ORDERINGS:
         vals = [v[n]["student_ppl"] if n in v else None for n in names]
-        holds[label] = {"values": vals, "holds": None if None in vals else all(a < b for a, b in zip(vals, vals[1:]))}
+        holds[label] = {
+            "values": vals,
+            "holds": None if None in vals else all(a < b for a, b in zip(vals, vals[1:])),
+        }
     data["orderings"] = holds
     return data
 
@@ -143,13 +155,27 @@ def run_variants(args) -> dict:
     results = {}
     for name in names:
         family, recipe_name, extra = VARIANTS[name]
-        common = [f"teacher={args.teacher}", f"data.corpus={args.corpus}", f"data.max_heldout_tokens={args.eval_tokens}",
-                  f"eval.max_tokens={args.eval_tokens}", *extra]  # fmt: skip
+        common = [
+            f"teacher={args.teacher}",
+            f"data.corpus={args.corpus}",
+            f"data.max_heldout_tokens={args.eval_tokens}",
+            f"eval.max_tokens={args.eval_tokens}",
+            *extra,
+        ]
         overrides = common + scaled_overrides(load_recipe(recipe_name, common), args.scale, args.eval_points)
         recipe = load_recipe(recipe_name, overrides)
         run = Path(args.runs) / name.replace(" ", "_").replace("+", "")
         shutil.rmtree(run, ignore_errors=True)
-        command = [sys.executable, "-m", "attn2ssm", "distill", recipe_name, "--out", str(run), "--no-progress"]
+        command = [
+            sys.executable,
+            "-m",
+            "attn2ssm",
+            "distill",
+            recipe_name,
+            "--out",
+            str(run),
+            "--no-progress",
+        ]
         for o in overrides:
             command += ["--set", o]
         start = time.time()
@@ -157,24 +183,45 @@ def run_variants(args) -> dict:
         proc = subprocess.run(command, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-        student = Attn2SSMForCausalLM.from_pretrained(run / "student", dtype=torch.float32).eval()  # loadable, as saved
+        student = Attn2SSMForCausalLM.from_pretrained(
+            run / "student", dtype=torch.float32
+        ).eval()  # loadable, as saved
         ppl = perplexity(student, heldout, window=256)["ppl"]
         fid = None
-        if any(callable(getattr(m, "attention_weights", None)) for m in student.mixers().values()) and len(student.config.layer_plan) == teacher.config.num_hidden_layers:
+        if (
+            any(callable(getattr(m, "attention_weights", None)) for m in student.mixers().values())
+            and len(student.config.layer_plan) == teacher.config.num_hidden_layers
+        ):
             fid = attention_fidelity(student, teacher, heldout[: 2 * 256].view(2, 256))["mean"]
         results[name] = {
-            "family": family, "recipe": recipe_name, "command": shlex.join(["attn2ssm", *command[3:]]), "student_ppl": ppl,
-            "ratio_to_teacher": ppl / teacher_ppl, "train_tokens": sum(s.tokens for s in recipe.stages),
-            "stages": [{"name": s.name, "kind": s.kind, "tokens": s.tokens} for s in recipe.stages], "curve": curve(run),
-            "attention_fidelity": fid, "layers": len(student.config.layer_plan), "seconds": time.time() - start,
-        }  # fmt: skip
-        print(f"{name}: ppl {ppl:.2f} ({results[name]['train_tokens']} tokens, {time.time() - start:.0f}s)", flush=True)
+            "family": family,
+            "recipe": recipe_name,
+            "command": shlex.join(["attn2ssm", *command[3:]]),
+            "student_ppl": ppl,
+            "ratio_to_teacher": ppl / teacher_ppl,
+            "train_tokens": sum(s.tokens for s in recipe.stages),
+            "stages": [{"name": s.name, "kind": s.kind, "tokens": s.tokens} for s in recipe.stages],
+            "curve": curve(run),
+            "attention_fidelity": fid,
+            "layers": len(student.config.layer_plan),
+            "seconds": time.time() - start,
+        }
+        print(
+            f"{name}: ppl {ppl:.2f} ({results[name]['train_tokens']} tokens, {time.time() - start:.0f}s)",
+            flush=True,
+        )
         del student
         shutil.rmtree(run / "checkpoints", ignore_errors=True)
     return {
         "benchmark": "alignment_comparison",
         "description": __doc__.split("\n\n")[0],
-        "settings": {"teacher": args.teacher, "corpus": args.corpus, "scale": args.scale, "eval_tokens": args.eval_tokens, "window": 256},
+        "settings": {
+            "teacher": args.teacher,
+            "corpus": args.corpus,
+            "scale": args.scale,
+            "eval_tokens": args.eval_tokens,
+            "window": 256,
+        },
         "teacher_ppl": teacher_ppl,
         "variants": results,
         **run_info("benchmarks/alignment_comparison.py", sys.argv[1:]),
@@ -187,7 +234,9 @@ def merge(paths: list[str]) -> dict:
     data["variants"] = {k: v for part in parts for k, v in part["variants"].items()}
     data["commands"] = [p["command"] for p in parts]
     data["teacher_ppl"] = parts[0]["teacher_ppl"]
-    assert all(math.isclose(p["teacher_ppl"], data["teacher_ppl"], rel_tol=1e-6) for p in parts), "parts scored different held-out tokens"
+    assert all(math.isclose(p["teacher_ppl"], data["teacher_ppl"], rel_tol=1e-6) for p in parts), (
+        "parts scored different held-out tokens"
+    )
     order = {n: i for i, n in enumerate(VARIANTS)}
     data["variants"] = dict(sorted(data["variants"].items(), key=lambda kv: order.get(kv[0], 99)))
     return data
@@ -203,7 +252,9 @@ def main(argv=None) -> int:
     p.add_argument("--corpus", default="sotu")
     p.add_argument("--runs", default="runs/alignment_comparison")
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--out-json", default=str(Path(__file__).resolve().parent / "results" / "alignment_comparison.json"))
+    p.add_argument(
+        "--out-json", default=str(Path(__file__).resolve().parent / "results" / "alignment_comparison.json")
+    )
     p.add_argument("--merge", nargs="+", help="merge part JSONs (from --only runs) into --out-json")
     args = p.parse_args(argv)
     data = merge(args.merge) if args.merge else run_variants(args)

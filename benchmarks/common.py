@@ -68,7 +68,13 @@ def bar_chart(path: Path, labels: Sequence[str], panels: Sequence[dict], title: 
         fmt = panel.get("fmt", "{:.2f}")
         for bar, v in zip(bars, panel["values"]):
             text = "n/a" if v is None or not math.isfinite(v) else fmt.format(v)
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+            ax.annotate(
+                text,
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         top = max([*values, 0.0])
         if panel.get("hline") is not None:
             y, label = panel["hline"]
@@ -77,7 +83,9 @@ def bar_chart(path: Path, labels: Sequence[str], panels: Sequence[dict], title: 
             ax.legend(fontsize=8, loc="upper right", framealpha=0.9)
         if panel.get("log"):
             ax.set_yscale("log")
-            low = min([v for v in values if v > 0] + ([panel["hline"][0]] if panel.get("hline") else []) or [1.0])
+            low = min(
+                [v for v in values if v > 0] + ([panel["hline"][0]] if panel.get("hline") else []) or [1.0]
+            )
             ax.set_ylim(low / 2, 3 * top if top > 0 else 10)
         elif panel.get("ylim") is not None:
             ax.set_ylim(*panel["ylim"])

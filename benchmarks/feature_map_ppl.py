@@ -45,7 +45,11 @@ def untrained_ppl(feature_map: str, eval_tokens: int, window: int) -> float:
 
     teacher, tokenizer, _ = load_teacher("smollm2-135m")
     corpus = prepare_corpus("sotu", tokenizer, max_heldout_tokens=20000)
-    student = convert(teacher, ["linear_attention"] * teacher.config.num_hidden_layers, {"linear_attention": {"feature_map": feature_map}})
+    student = convert(
+        teacher,
+        ["linear_attention"] * teacher.config.num_hidden_layers,
+        {"linear_attention": {"feature_map": feature_map}},
+    )
     return perplexity(student, corpus.heldout_ids, window=window, max_tokens=eval_tokens)["ppl"]
 
 
@@ -61,7 +65,17 @@ def main(argv=None) -> int:
     for name in args.students.split(","):
         recipe, extra = STUDENTS[name]
         sets = budget_overrides(name, args.tokens) + extra
-        cmd = [sys.executable, "-m", "attn2ssm", "distill", recipe, "--out", str(runs / name), "--resume", "--no-progress"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "attn2ssm",
+            "distill",
+            recipe,
+            "--out",
+            str(runs / name),
+            "--resume",
+            "--no-progress",
+        ]
         for s in sets:
             cmd += ["--set", s]
         print(f"== {name}: {' '.join(cmd[2:])}", flush=True)
@@ -81,13 +95,21 @@ def main(argv=None) -> int:
         }
         results["heldout"] = res["heldout"]
     for fm in ("hedgehog", "t2r", "elu"):
-        results["untrained"][fm] = untrained_ppl(fm, results["heldout"]["tokens"] + 1, results["heldout"]["window"])
+        results["untrained"][fm] = untrained_ppl(
+            fm, results["heldout"]["tokens"] + 1, results["heldout"]["window"]
+        )
     results["teacher_ppl"] = next(iter(results["students"].values()))["teacher_ppl"]
     results["tokens_per_student"] = args.tokens
     results.update(run_info("benchmarks/feature_map_ppl.py", argv if argv is not None else sys.argv[1:]))
     write_json(out / "feature_map_ppl.json", results)
     plot(results, out / "feature_map_ppl.png")
-    print(json.dumps({k: v["student_ppl"] for k, v in results["students"].items()} | {"untrained": results["untrained"], "teacher": results["teacher_ppl"]}, indent=1))
+    print(
+        json.dumps(
+            {k: v["student_ppl"] for k, v in results["students"].items()}
+            | {"untrained": results["untrained"], "teacher": results["teacher_ppl"]},
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -30,9 +30,18 @@ MIXER = "mamba2"
 
 
 def kd_ce(name: str, tokens: int, *, trainable=("mixers",), ratio=None, lr=1e-3, batch=2) -> dict:
-    stage = {"name": name, "kind": "kd_ce", "tokens": tokens, "trainable": list(trainable), "batch_size": batch,
-             "optim": {"lr": lr, "beta2": 0.98}, "schedule": {"kind": "warmup_cosine", "warmup": 0.1},
-             "losses": {"ce_weight": 1.0, "kl_weight": 0.1}, "save_every": 10**6, "keep_checkpoints": 1}  # fmt: skip
+    stage = {
+        "name": name,
+        "kind": "kd_ce",
+        "tokens": tokens,
+        "trainable": list(trainable),
+        "batch_size": batch,
+        "optim": {"lr": lr, "beta2": 0.98},
+        "schedule": {"kind": "warmup_cosine", "warmup": 0.1},
+        "losses": {"ce_weight": 1.0, "kl_weight": 0.1},
+        "save_every": 10**6,
+        "keep_checkpoints": 1,
+    }
     if ratio is not None:
         stage["attention_ratio"] = ratio
     return stage
@@ -43,11 +52,23 @@ def variants(tokens: int) -> dict[str, dict]:
     half = tokens // 2
     return {
         "50% attn-init (mixers train)": {"student": {"attention_ratio": 0.5}, "stages": [kd_ce("s", tokens)]},
-        "50% random-init (mixers train)": {"student": {"attention_ratio": 0.5, "init": "random"}, "stages": [kd_ce("s", tokens)]},
-        "50% attn-init (all train)": {"student": {"attention_ratio": 0.5}, "stages": [kd_ce("s", tokens, trainable=("all",), lr=1e-4)]},
+        "50% random-init (mixers train)": {
+            "student": {"attention_ratio": 0.5, "init": "random"},
+            "stages": [kd_ce("s", tokens)],
+        },
+        "50% attn-init (all train)": {
+            "student": {"attention_ratio": 0.5},
+            "stages": [kd_ce("s", tokens, trainable=("all",), lr=1e-4)],
+        },
         "25% interleaved one-shot": {"student": {"attention_ratio": 0.25}, "stages": [kd_ce("s", tokens)]},
-        "25% clustered one-shot": {"student": {"attention_ratio": 0.25, "placement": "clustered", "where": "last"}, "stages": [kd_ce("s", tokens)]},
-        "25% interleaved stepwise": {"student": {"attention_ratio": 0.5}, "stages": [kd_ce("s50", half), kd_ce("s25", tokens - half, ratio=0.25)]},
+        "25% clustered one-shot": {
+            "student": {"attention_ratio": 0.25, "placement": "clustered", "where": "last"},
+            "stages": [kd_ce("s", tokens)],
+        },
+        "25% interleaved stepwise": {
+            "student": {"attention_ratio": 0.5},
+            "stages": [kd_ce("s50", half), kd_ce("s25", tokens - half, ratio=0.25)],
+        },
         "12.5% interleaved": {"student": {"attention_ratio": 0.125}, "stages": [kd_ce("s", tokens)]},
         "0% (pure Mamba-2)": {"student": {"attention_ratio": 0.0}, "stages": [kd_ce("s", tokens)]},
     }
@@ -57,13 +78,27 @@ def plot(data: dict, path: Path) -> Path:
     """Bars of held-out perplexity per variant (log scale), the teacher as a dashed line."""
     untrained, results, teacher_ppl = data["untrained_50pct"], data["variants"], data["teacher_ppl"]
     labels = ["untrained attn-init", "untrained random", *results]
-    values = [untrained["attention init"], untrained["random init"], *[r["student_ppl"] for r in results.values()]]
+    values = [
+        untrained["attention init"],
+        untrained["random init"],
+        *[r["student_ppl"] for r in results.values()],
+    ]
     settings = data["settings"]
-    return bar_chart(path, [lbl.replace(" (", "\n(") for lbl in labels],
-                     [{"values": values, "ylabel": "held-out perplexity (log)", "log": True, "fmt": "{:.1f}",
-                       "title": f"Mamba-2 hybrids of {settings['teacher']}, {settings['tokens_per_variant']} kd_ce tokens each",
-                       "hline": (teacher_ppl, f"teacher {teacher_ppl:.1f}")}],
-                     title="Mamba in the Llama ablations at CPU scale")  # fmt: skip
+    return bar_chart(
+        path,
+        [lbl.replace(" (", "\n(") for lbl in labels],
+        [
+            {
+                "values": values,
+                "ylabel": "held-out perplexity (log)",
+                "log": True,
+                "fmt": "{:.1f}",
+                "title": f"Mamba-2 hybrids of {settings['teacher']}, {settings['tokens_per_variant']} kd_ce tokens each",
+                "hline": (teacher_ppl, f"teacher {teacher_ppl:.1f}"),
+            }
+        ],
+        title="Mamba in the Llama ablations at CPU scale",
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,7 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", help="comma-separated variant names (default: all)")
     p.add_argument("--teacher", default="smollm2-135m")
     p.add_argument("--corpus", default="sotu")
-    p.add_argument("--runs", default="runs/hybrid_ablation", help="scratch run directories (deleted after scoring)")
+    p.add_argument(
+        "--runs", default="runs/hybrid_ablation", help="scratch run directories (deleted after scoring)"
+    )
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     return p.parse_args(argv)
@@ -91,7 +128,9 @@ def untrained_ppl(teacher, ppl) -> dict:
     untrained = {}
     for label, init in (("attention init", "attention"), ("random init", "random")):
         torch.manual_seed(0)
-        student = convert(teacher, make_plan(n_layers, MIXER, attention_ratio=0.5, align="last"), {MIXER: {}}, init=init)
+        student = convert(
+            teacher, make_plan(n_layers, MIXER, attention_ratio=0.5, align="last"), {MIXER: {}}, init=init
+        )
         untrained[label] = ppl(student)
         print(f"untrained 50% {label}: {untrained[label]:.2f}", flush=True)
         del student
@@ -111,17 +150,30 @@ def train_variants(args, teacher, tokenizer, teacher_ppl: float) -> dict:
     for i, (name, spec) in enumerate(chosen.items()):
         run = Path(args.runs) / f"v{i}"
         shutil.rmtree(run, ignore_errors=True)
-        overrides = [f"teacher={args.teacher}", f"data.corpus={args.corpus}", f"data.block_len={args.block_len}",
-                     f"data.max_heldout_tokens={args.eval_tokens}", f"eval.max_tokens={args.eval_tokens}", f"eval.window={args.block_len}",
-                     f"student.mixer={MIXER}", "student.mixer_options={}", f"stages={spec['stages']}"]  # fmt: skip
+        overrides = [
+            f"teacher={args.teacher}",
+            f"data.corpus={args.corpus}",
+            f"data.block_len={args.block_len}",
+            f"data.max_heldout_tokens={args.eval_tokens}",
+            f"eval.max_tokens={args.eval_tokens}",
+            f"eval.window={args.block_len}",
+            f"student.mixer={MIXER}",
+            "student.mixer_options={}",
+            f"stages={spec['stages']}",
+        ]
         overrides += [f"student.{k}={v}" for k, v in spec["student"].items()]
         recipe = load_recipe("quickstart", overrides)
         recipe.name = f"hybrid_ablation: {name}"
         start = time.time()
         out = distill(recipe, run, progress=False, teacher=teacher, tokenizer=tokenizer)
-        results[name] = {"student_ppl": out["student_ppl"], "ratio_to_teacher": out["student_ppl"] / teacher_ppl,
-                         "train_tokens": args.tokens, "seconds": time.time() - start, "student": spec["student"],
-                         "stages": spec["stages"]}  # fmt: skip
+        results[name] = {
+            "student_ppl": out["student_ppl"],
+            "ratio_to_teacher": out["student_ppl"] / teacher_ppl,
+            "train_tokens": args.tokens,
+            "seconds": time.time() - start,
+            "student": spec["student"],
+            "stages": spec["stages"],
+        }
         print(f"{name}: {out['student_ppl']:.2f} ({time.time() - start:.0f}s)", flush=True)
         shutil.rmtree(run, ignore_errors=True)
     return results
@@ -135,18 +187,33 @@ def orderings(untrained: dict, results: dict, teacher_ppl: float) -> dict:
         return results.get(name, {}).get("student_ppl")
 
     comparisons = {
-        "attention-init < random-init (untrained, 50%)": [untrained["attention init"], untrained["random init"]],
-        "attention-init < random-init (trained, 50%)": [get("50% attn-init (mixers train)"), get("50% random-init (mixers train)")],
-        "frozen MLPs < all trained (50%)": [get("50% attn-init (mixers train)"), get("50% attn-init (all train)")],
+        "attention-init < random-init (untrained, 50%)": [
+            untrained["attention init"],
+            untrained["random init"],
+        ],
+        "attention-init < random-init (trained, 50%)": [
+            get("50% attn-init (mixers train)"),
+            get("50% random-init (mixers train)"),
+        ],
+        "frozen MLPs < all trained (50%)": [
+            get("50% attn-init (mixers train)"),
+            get("50% attn-init (all train)"),
+        ],
         "interleaved < clustered (25%)": [get("25% interleaved one-shot"), get("25% clustered one-shot")],
         "stepwise < one-shot (25%)": [get("25% interleaved stepwise"), get("25% interleaved one-shot")],
     }
     holds = {k: (None if None in v else v[0] < v[1]) for k, v in comparisons.items()}
-    fractions = [("50%", get("50% attn-init (mixers train)")), ("25%", get("25% interleaved one-shot")),
-                 ("12.5%", get("12.5% interleaved")), ("0%", get("0% (pure Mamba-2)"))]  # fmt: skip
+    fractions = [
+        ("50%", get("50% attn-init (mixers train)")),
+        ("25%", get("25% interleaved one-shot")),
+        ("12.5%", get("12.5% interleaved")),
+        ("0%", get("0% (pure Mamba-2)")),
+    ]
     ratios = [None if v is None else v / teacher_ppl for _, v in fractions]
     known = [r for r in ratios if r is not None]
-    holds["ppl ratio rises as attention falls (50 > 25 > 12.5 > 0 %)"] = all(a < b for a, b in zip(known, known[1:])) if len(known) == 4 else None
+    holds["ppl ratio rises as attention falls (50 > 25 > 12.5 > 0 %)"] = (
+        all(a < b for a, b in zip(known, known[1:])) if len(known) == 4 else None
+    )
     return {
         "comparisons": {k: {"values": v, "holds": holds[k]} for k, v in comparisons.items()},
         "attention_fraction": {label: {"ppl": v, "ratio": r} for (label, v), r in zip(fractions, ratios)},
@@ -180,8 +247,15 @@ def main(argv=None) -> int:
     data = {
         "benchmark": "hybrid_ablation",
         "description": __doc__.split("\n\n")[0],
-        "settings": {"teacher": args.teacher, "corpus": args.corpus, "mixer": MIXER, "tokens_per_variant": args.tokens,
-                     "block_len": args.block_len, "eval_tokens": args.eval_tokens, "stage_kind": "kd_ce (ce 1.0 + kl 0.1)"},  # fmt: skip
+        "settings": {
+            "teacher": args.teacher,
+            "corpus": args.corpus,
+            "mixer": MIXER,
+            "tokens_per_variant": args.tokens,
+            "block_len": args.block_len,
+            "eval_tokens": args.eval_tokens,
+            "stage_kind": "kd_ce (ce 1.0 + kl 0.1)",
+        },
         "teacher_ppl": teacher_ppl,
         "untrained_50pct": untrained,
         "variants": results,
@@ -197,6 +271,7 @@ def main(argv=None) -> int:
         print(f"  {'holds' if v else ('n/a' if v is None else 'DOES NOT hold')}: {k}")
     print(f"wrote {out_dir / 'hybrid_ablation.json'} ({time.time() - t0:.0f}s)")
     return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

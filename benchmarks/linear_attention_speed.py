@@ -66,9 +66,22 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import common  # noqa: E402  (benchmarks/common.py: run metadata and JSON output shared by the scripts)
+
 DEFAULT_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_LENGTHS = [128, 256]
-METHODS = ("sdpa", "hedgehog", "taylor", "elu", "hedgehog_fla", "lolcats_loop", "lolcats", "ssd", "ssd_fla", "gdn", "gdn_fla")
+METHODS = (
+    "sdpa",
+    "hedgehog",
+    "taylor",
+    "elu",
+    "hedgehog_fla",
+    "lolcats_loop",
+    "lolcats",
+    "ssd",
+    "ssd_fla",
+    "gdn",
+    "gdn_fla",
+)
 DEFAULT_METHODS = ("sdpa", "hedgehog", "taylor", "elu")
 LABELS = {
     "sdpa": "softmax (SDPA, causal)",
@@ -83,7 +96,14 @@ LABELS = {
     "gdn": "gated delta rule, chunked (WY)",
     "gdn_fla": "gated delta rule, fla chunk_gated_delta_rule",
 }
-FEATURE_MAP = {"hedgehog": "hedgehog", "taylor": "taylor", "elu": "elu", "hedgehog_fla": "hedgehog", "lolcats_loop": "hedgehog", "lolcats": "hedgehog"}
+FEATURE_MAP = {
+    "hedgehog": "hedgehog",
+    "taylor": "taylor",
+    "elu": "elu",
+    "hedgehog_fla": "hedgehog",
+    "lolcats_loop": "hedgehog",
+    "lolcats": "hedgehog",
+}
 TIME_EXPONENT = {m: 2.0 if m == "sdpa" else 1.0 for m in METHODS}
 WINDOW = 64
 MMAP_THRESHOLD = 64 * 1024
@@ -142,8 +162,9 @@ def _scan_forward(method: str, q, k, v, heads: int, length: int, device, chunk_s
         return lambda: ssd_chunked(x, decay, B, C, chunk_size=chunk_size, backend=backend)[0].transpose(1, 2)
     beta = torch.rand(1, length, heads, device=device).requires_grad_()
     leaves.append(beta)
-    return lambda: gated_delta_chunked(F.normalize(C, dim=-1), F.normalize(B, dim=-1), x, decay, beta, chunk_size=chunk_size,
-                                       backend=backend)[0].transpose(1, 2)  # fmt: skip
+    return lambda: gated_delta_chunked(
+        F.normalize(C, dim=-1), F.normalize(B, dim=-1), x, decay, beta, chunk_size=chunk_size, backend=backend
+    )[0].transpose(1, 2)
 
 
 def _map_forward(method: str, q, k, v, heads: int, head_dim: int, device, chunk_size: int, leaves: list):
@@ -151,17 +172,25 @@ def _map_forward(method: str, q, k, v, heads: int, head_dim: int, device, chunk_
     import torch
 
     from attn2ssm.mixers.feature_maps import build_feature_map
-    from attn2ssm.ops.linear_attention import linear_attention_chunked, window_linear_attention, window_linear_attention_chunked
+    from attn2ssm.ops.linear_attention import (
+        linear_attention_chunked,
+        window_linear_attention,
+        window_linear_attention_chunked,
+    )
 
     phi_q = build_feature_map(FEATURE_MAP[method], heads, head_dim).to(device, q.dtype)
     phi_k = build_feature_map(FEATURE_MAP[method], heads, head_dim).to(device, q.dtype)
     leaves += [p for p in (*phi_q.parameters(), *phi_k.parameters()) if p.requires_grad]
     if not method.startswith("lolcats"):
         backend = "fla" if method.endswith("_fla") else "torch"
-        return lambda: linear_attention_chunked(phi_q(q), phi_k(k), v, chunk_size=chunk_size, backend=backend)[0]
+        return lambda: linear_attention_chunked(
+            phi_q(q), phi_k(k), v, chunk_size=chunk_size, backend=backend
+        )[0]
     opts = {"scaling": head_dim**-0.5, "window": WINDOW, "gamma": torch.full((heads,), 0.5, device=device)}
     if method == "lolcats":
-        return lambda: window_linear_attention_chunked(q, k, v, phi_q(q), phi_k(k), chunk_size=chunk_size, **opts)[0]
+        return lambda: window_linear_attention_chunked(
+            q, k, v, phi_q(q), phi_k(k), chunk_size=chunk_size, **opts
+        )[0]
 
     def block_loop():  # what the mixer runs on a CPU: blocks of chunk_size queries against [window cache; block]
         state, outs = None, []
@@ -174,7 +203,16 @@ def _map_forward(method: str, q, k, v, heads: int, head_dim: int, device, chunk_
     return block_loop
 
 
-def _build(method: str, heads: int, head_dim: int, length: int, device, chunk_size: int, seed: int, dtype: str = "float32"):
+def _build(
+    method: str,
+    heads: int,
+    head_dim: int,
+    length: int,
+    device,
+    chunk_size: int,
+    seed: int,
+    dtype: str = "float32",
+):
     """(step function, inputs) for one method; the step runs forward + backward once."""
     import torch
     import torch.nn.functional as F
@@ -211,7 +249,13 @@ def run_point(spec: dict) -> dict:
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     method, length, device = spec["method"], int(spec["length"]), spec["device"]
-    rec = {"method": method, "device": device, "length": length, "status": "ok", "threads": torch.get_num_threads()}
+    rec = {
+        "method": method,
+        "device": device,
+        "length": length,
+        "status": "ok",
+        "threads": torch.get_num_threads(),
+    }
     mallopt = _set_mmap_threshold() if device == "cpu" else None
     cuda = device.startswith("cuda")
 
@@ -220,7 +264,16 @@ def run_point(spec: dict) -> dict:
             torch.cuda.synchronize()
 
     try:
-        step, leaves = _build(method, spec["heads"], spec["head_dim"], length, device, spec["chunk_size"], spec["seed"], spec.get("dtype", "float32"))
+        step, leaves = _build(
+            method,
+            spec["heads"],
+            spec["head_dim"],
+            length,
+            device,
+            spec["chunk_size"],
+            spec["seed"],
+            spec.get("dtype", "float32"),
+        )
     except Exception as exc:  # e.g. a feature map this attn2ssm does not have
         return {**rec, "status": "failed", "reason": f"{type(exc).__name__}: {exc}".splitlines()[0]}
     try:
@@ -248,7 +301,9 @@ def run_point(spec: dict) -> dict:
                 step()
                 hwm = _proc_status_kib("VmHWM")
                 rec["peak_memory_bytes"] = max(0, (hwm - rss0) * 1024)
-                rec["memory_method"] = "VmHWM - VmRSS before the step, peak RSS reset via /proc/self/clear_refs"
+                rec["memory_method"] = (
+                    "VmHWM - VmRSS before the step, peak RSS reset via /proc/self/clear_refs"
+                )
             else:
                 before_max = _maxrss_bytes()
                 rss0 = (_proc_status_kib("VmRSS") or 0) * 1024
@@ -256,7 +311,9 @@ def run_point(spec: dict) -> dict:
                 after_max = _maxrss_bytes()
                 rec["peak_memory_bytes"] = max(0, after_max - rss0)
                 rec["memory_method"] = "ru_maxrss - RSS before the step" + (
-                    "" if after_max > before_max else " (UPPER BOUND: the step did not raise the process' peak)"
+                    ""
+                    if after_max > before_max
+                    else " (UPPER BOUND: the step did not raise the process' peak)"
                 )
             rec["mallopt_mmap_threshold"] = mallopt
         rec["peak_memory_mib"] = rec["peak_memory_bytes"] / 2**20
@@ -299,10 +356,14 @@ def _run_isolated(spec: dict, timeout: float) -> dict:
         return {**base, "status": "skipped", "reason": f"killed after {timeout:.0f} s (time limit)"}
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
+            return json.loads(line[len(RESULT_TAG) :])
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
     if proc.returncode < 0 or proc.returncode == 137:
-        return {**base, "status": "skipped", "reason": f"worker killed (signal {-proc.returncode}; out of memory?): {tail}"}
+        return {
+            **base,
+            "status": "skipped",
+            "reason": f"worker killed (signal {-proc.returncode}; out of memory?): {tail}",
+        }
     return {**base, "status": "failed", "reason": f"worker exit {proc.returncode}: {tail}"}
 
 
@@ -311,7 +372,9 @@ def feature_dim(method: str, head_dim: int) -> int | None:
     """The state's key width: the feature map's output, or head_dim for SSD / the delta rule (None: softmax)."""
     if method == "sdpa":
         return None
-    return {"hedgehog": 2 * head_dim, "taylor": 1 + head_dim + head_dim**2, "elu": head_dim}.get(FEATURE_MAP.get(method), head_dim)
+    return {"hedgehog": 2 * head_dim, "taylor": 1 + head_dim + head_dim**2, "elu": head_dim}.get(
+        FEATURE_MAP.get(method), head_dim
+    )
 
 
 def estimate_memory_bytes(method: str, length: int, heads: int, head_dim: int, chunk_size: int) -> float:
@@ -348,7 +411,9 @@ def _available_memory_bytes() -> float:
 
 def crossover(points: dict[int, dict], fast: str = "hedgehog", slow: str = "sdpa") -> dict:
     """First measured length from which ``fast`` beats ``slow`` at every measured longer length."""
-    both = sorted(L for L in points if points[L].get(fast, {}).get("time_s") and points[L].get(slow, {}).get("time_s"))
+    both = sorted(
+        L for L in points if points[L].get(fast, {}).get("time_s") and points[L].get(slow, {}).get("time_s")
+    )
     if not both:
         return {"length": None, "note": "no length where both were measured"}
     ratio = {L: points[L][fast]["time_s"] / points[L][slow]["time_s"] for L in both}
@@ -359,7 +424,10 @@ def crossover(points: dict[int, dict], fast: str = "hedgehog", slow: str = "sdpa
         else:
             break
     if first is None:
-        return {"length": None, "note": f"{fast} slower than {slow} at every measured length (up to {both[-1]})"}
+        return {
+            "length": None,
+            "note": f"{fast} slower than {slow} at every measured length (up to {both[-1]})",
+        }
     out = {"length": first, "ratios": {str(L): ratio[L] for L in both}}
     i = both.index(first)
     if i == 0:
@@ -385,7 +453,9 @@ def summarize(records: list[dict]) -> dict:
         summary[device] = {
             "crossover_hedgehog_vs_sdpa": crossover(points),
             f"speedup_hedgehog_vs_sdpa_at_{SPEEDUP_LENGTH}": speedup,
-            "speedup_note": None if speedup is not None else f"needs both sdpa and hedgehog measured at {SPEEDUP_LENGTH}",
+            "speedup_note": None
+            if speedup is not None
+            else f"needs both sdpa and hedgehog measured at {SPEEDUP_LENGTH}",
         }
     return summary
 
@@ -410,7 +480,14 @@ def plot(records: list[dict], path: Path, title: str) -> Path:
     for d_i, device in enumerate(devices):
         style = "-" if d_i == 0 else "--"
         for m_i, method in enumerate(METHODS):
-            ok = sorted((r for r in records if r["device"] == device and r["method"] == method and r.get("status") == "ok"), key=lambda r: r["length"])
+            ok = sorted(
+                (
+                    r
+                    for r in records
+                    if r["device"] == device and r["method"] == method and r.get("status") == "ok"
+                ),
+                key=lambda r: r["length"],
+            )
             if not ok:
                 continue
             label = f"{LABELS[method]} [{device}]"
@@ -419,7 +496,11 @@ def plot(records: list[dict], path: Path, title: str) -> Path:
             mem = [(r["length"], r["peak_memory_bytes"] / 2**20) for r in ok if r.get("peak_memory_bytes")]
             if mem:
                 ax_m.plot(*zip(*mem), style, marker="o", color=f"C{m_i}", label=label)
-            skipped = [r for r in records if r["device"] == device and r["method"] == method and r.get("status") != "ok"]
+            skipped = [
+                r
+                for r in records
+                if r["device"] == device and r["method"] == method and r.get("status") != "ok"
+            ]
             for r in skipped:
                 ax_t.axvline(r["length"], color=f"C{m_i}", alpha=0.08)
     for ax, ylabel in ((ax_t, "forward+backward time (s)"), (ax_m, "peak memory above inputs (MiB)")):
@@ -444,25 +525,61 @@ def plot(records: list[dict], path: Path, title: str) -> Path:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default=None, help="comma-separated (default 512,1024,2048,4096,8192,16384)")
-    p.add_argument("--repeats", type=int, default=None, help="timed steps per point after one warm-up (default 3)")
-    p.add_argument("--quick", action="store_true", help="smoke run: lengths 128,256, 1 repeat, results to *_quick.json")
-    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"subset of {','.join(METHODS)} (*_fla: CUDA, attn2ssm[gpu])")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="inputs' dtype (the forms compute their scans in fp32)")
-    p.add_argument("--devices", default="auto", help="cpu, cuda or cpu,cuda; auto = cpu plus cuda if available")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed steps per point after one warm-up (default 3)"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: lengths 128,256, 1 repeat, results to *_quick.json"
+    )
+    p.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help=f"subset of {','.join(METHODS)} (*_fla: CUDA, attn2ssm[gpu])",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="inputs' dtype (the forms compute their scans in fp32)",
+    )
+    p.add_argument(
+        "--devices", default="auto", help="cpu, cuda or cpu,cuda; auto = cpu plus cuda if available"
+    )
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
-    p.add_argument("--point-budget", type=float, default=300.0, help="seconds one point may take (predicted); longer ones are skipped")
-    p.add_argument("--max-memory-gb", type=float, default=None, help="skip points predicted to need more (default: half of MemAvailable, at most 32)")
-    p.add_argument("--isolation", choices=("subprocess", "none"), default="subprocess", help="CPU points in a fresh process each (default; honest peak RSS) or in this one")
+    p.add_argument(
+        "--point-budget",
+        type=float,
+        default=300.0,
+        help="seconds one point may take (predicted); longer ones are skipped",
+    )
+    p.add_argument(
+        "--max-memory-gb",
+        type=float,
+        default=None,
+        help="skip points predicted to need more (default: half of MemAvailable, at most 32)",
+    )
+    p.add_argument(
+        "--isolation",
+        choices=("subprocess", "none"),
+        default="subprocess",
+        help="CPU points in a fresh process each (default; honest peak RSS) or in this one",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/linear_attention_speed[_quick].json); the PNG goes beside it")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default benchmarks/results/linear_attention_speed[_quick].json); the PNG goes beside it",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def _over_budget(args, method: str, length: int, prev: dict | None, measured: list[dict], repeats: int, max_mem: float) -> str | None:
+def _over_budget(
+    args, method: str, length: int, prev: dict | None, measured: list[dict], repeats: int, max_mem: float
+) -> str | None:
     """Why the point at ``length`` is skipped, predicted from the last measured point (time) and
     the analytic estimate (memory); None when it fits the budgets."""
     t_pred, m_pred = 0.0, 0.0
@@ -480,7 +597,9 @@ def _over_budget(args, method: str, length: int, prev: dict | None, measured: li
     return None
 
 
-def _measure_method(args, device: str, method: str, lengths: list[int], repeats: int, max_mem: float) -> list[dict]:
+def _measure_method(
+    args, device: str, method: str, lengths: list[int], repeats: int, max_mem: float
+) -> list[dict]:
     """One method on one device at every length, shortest first; once a point is over budget or
     fails, every longer one is skipped."""
     isolated = device == "cpu" and args.isolation == "subprocess"
@@ -498,8 +617,17 @@ def _measure_method(args, device: str, method: str, lengths: list[int], repeats:
             records.append({**base, "status": "skipped", "reason": reason})
             stop_reason = f"skipped at a shorter length ({reason})"
             continue
-        spec = {**base, "heads": args.heads, "head_dim": args.head_dim, "chunk_size": args.chunk_size, "dtype": args.dtype,
-                "repeats": repeats, "seed": args.seed, "point_budget": args.point_budget, "threads": args.threads}  # fmt: skip
+        spec = {
+            **base,
+            "heads": args.heads,
+            "head_dim": args.head_dim,
+            "chunk_size": args.chunk_size,
+            "dtype": args.dtype,
+            "repeats": repeats,
+            "seed": args.seed,
+            "point_budget": args.point_budget,
+            "threads": args.threads,
+        }
         rec = _run_isolated(spec, timeout=max(2 * args.point_budget, 60)) if isolated else run_point(spec)
         records.append(rec)
         shown = (
@@ -521,10 +649,12 @@ def _print_crossovers(summary: dict) -> None:
     for device, s in summary.items():
         c = s["crossover_hedgehog_vs_sdpa"]
         sp = s[f"speedup_hedgehog_vs_sdpa_at_{SPEEDUP_LENGTH}"]
-        print(f"{device}: Hedgehog faster than SDPA from L = {c.get('length')}"
-              + (f" (interpolated {c['interpolated']})" if c.get("interpolated") else "")
-              + (f"; {c['note']}" if c.get("note") else "")
-              + (f"; speedup at {SPEEDUP_LENGTH}: {sp:.2f}×" if sp else ""))  # fmt: skip
+        print(
+            f"{device}: Hedgehog faster than SDPA from L = {c.get('length')}"
+            + (f" (interpolated {c['interpolated']})" if c.get("interpolated") else "")
+            + (f"; {c['note']}" if c.get("note") else "")
+            + (f"; speedup at {SPEEDUP_LENGTH}: {sp:.2f}×" if sp else "")
+        )
 
 
 def main(argv: list[str] | None = None) -> dict | int:
@@ -534,7 +664,11 @@ def main(argv: list[str] | None = None) -> dict | int:
         return _worker(args.worker)
     import torch
 
-    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
+    lengths = (
+        [int(x) for x in args.lengths.split(",")]
+        if args.lengths
+        else (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
+    )
     lengths = sorted(set(lengths))
     repeats = args.repeats or (1 if args.quick else 3)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -545,11 +679,22 @@ def main(argv: list[str] | None = None) -> dict | int:
         devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     else:
         devices = [d.strip() for d in args.devices.split(",") if d.strip()]
-    max_mem = args.max_memory_gb * 2**30 if args.max_memory_gb else min(0.5 * _available_memory_bytes(), 32 * 2**30)
-    out = Path(args.out) if args.out else HERE / "results" / f"linear_attention_speed{'_quick' if args.quick else ''}.json"
+    max_mem = (
+        args.max_memory_gb * 2**30 if args.max_memory_gb else min(0.5 * _available_memory_bytes(), 32 * 2**30)
+    )
+    out = (
+        Path(args.out)
+        if args.out
+        else HERE / "results" / f"linear_attention_speed{'_quick' if args.quick else ''}.json"
+    )
 
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
-    records = [rec for device in devices for method in methods for rec in _measure_method(args, device, method, lengths, repeats, max_mem)]
+    records = [
+        rec
+        for device in devices
+        for method in methods
+        for rec in _measure_method(args, device, method, lengths, repeats, max_mem)
+    ]
 
     summary = summarize(records)
     info = _run_info(argv)
@@ -557,12 +702,23 @@ def main(argv: list[str] | None = None) -> dict | int:
         "benchmark": "linear_attention_speed",
         "description": "forward+backward of one causal attention layer's token mixing (no projections), batch 1",
         "config": {
-            "batch": 1, "heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype, "chunk_size": args.chunk_size,
-            "lengths": lengths, "repeats": repeats, "warmup_steps": 1, "methods": methods, "devices": devices,
-            "feature_dims": {m: feature_dim(m, args.head_dim) for m in methods}, "labels": {m: LABELS[m] for m in methods},
-            "isolation": args.isolation, "point_budget_s": args.point_budget, "max_memory_bytes": max_mem,
+            "batch": 1,
+            "heads": args.heads,
+            "head_dim": args.head_dim,
+            "dtype": args.dtype,
+            "chunk_size": args.chunk_size,
+            "lengths": lengths,
+            "repeats": repeats,
+            "warmup_steps": 1,
+            "methods": methods,
+            "devices": devices,
+            "feature_dims": {m: feature_dim(m, args.head_dim) for m in methods},
+            "labels": {m: LABELS[m] for m in methods},
+            "isolation": args.isolation,
+            "point_budget_s": args.point_budget,
+            "max_memory_bytes": max_mem,
             "torch_threads": torch.get_num_threads() if args.threads is None else args.threads,
-        },  # fmt: skip
+        },
         "timing": "median of the timed steps (time.perf_counter; cuda.synchronize on CUDA) after one warm-up step",
         "memory": (
             "peak bytes above what was live before one step (inputs excluded). CPU: peak RSS (VmHWM after resetting it "
@@ -576,9 +732,12 @@ def main(argv: list[str] | None = None) -> dict | int:
     }
     _write_json(out, result)
     env = info.get("environment", {})
-    title = (f"causal attention fwd+bwd, batch 1, {args.heads} heads × {args.head_dim}, {args.dtype} — "
-             f"{env.get('processor', '')} ({env.get('cpu_count')} CPUs, torch threads={result['config']['torch_threads']})"
-             + (f", {env['cuda']}" if env.get("cuda") else "") + f", torch {env.get('torch')}")  # fmt: skip
+    title = (
+        f"causal attention fwd+bwd, batch 1, {args.heads} heads × {args.head_dim}, {args.dtype} — "
+        f"{env.get('processor', '')} ({env.get('cpu_count')} CPUs, torch threads={result['config']['torch_threads']})"
+        + (f", {env['cuda']}" if env.get("cuda") else "")
+        + f", torch {env.get('torch')}"
+    )
     png = plot(records, out.with_suffix(".png"), title)
     _print_crossovers(summary)
     print(f"wrote {out} and {png}")

@@ -80,7 +80,9 @@ class MQARConfig:
                 f"has {n_keys} keys (tokens 1..{self.vocab_size // 2 - 1}) and {n_values} values"
             )
         if self.num_queries > self.num_kv_pairs:
-            raise ValueError(f"num_queries ({self.num_queries}) must be <= num_kv_pairs ({self.num_kv_pairs})")
+            raise ValueError(
+                f"num_queries ({self.num_queries}) must be <= num_kv_pairs ({self.num_kv_pairs})"
+            )
         if self.num_queries > self.seq_len - 2 * self.num_kv_pairs:
             raise ValueError(
                 f"seq_len {self.seq_len} leaves {self.seq_len - 2 * self.num_kv_pairs} positions after the "
@@ -133,7 +135,9 @@ class ModelConfig:
     num_layers: int = 2
     num_heads: int = 2
     intermediate_size: int = 128
-    filler: str = "pad"  # "pad": token 0 = pad token (zero, frozen embedding); "token": an ordinary learned token
+    filler: str = (
+        "pad"  # "pad": token 0 = pad token (zero, frozen embedding); "token": an ordinary learned token
+    )
 
 
 def build_base(data: MQARConfig, mcfg: ModelConfig, seed: int):
@@ -164,7 +168,9 @@ def build_base(data: MQARConfig, mcfg: ModelConfig, seed: int):
 MIXER_ROWS = {"gated_delta": {"decay_init": "plain"}, "mamba2": {}}
 
 
-def build_model(name: str, base_state: dict, data: MQARConfig, mcfg: ModelConfig, seed: int, map_options: dict | None):
+def build_model(
+    name: str, base_state: dict, data: MQARConfig, mcfg: ModelConfig, seed: int, map_options: dict | None
+):
     """``softmax`` → the base model itself; a feature-map name → the base converted to linear attention;
     a name of ``MIXER_ROWS`` → the base converted to that mixer."""
     base = build_base(data, mcfg, seed)
@@ -189,14 +195,18 @@ def logits_of(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def masked_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Evaluation: accuracy and attention entropy
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
-def accuracy(model, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 256) -> tuple[float, float]:
+def accuracy(
+    model, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int = 256
+) -> tuple[float, float]:
     """(accuracy over all query positions, mean CE at query positions)."""
     model.eval()
     correct = total = 0
@@ -315,7 +325,9 @@ def lr_lambda(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def train_one(model, data: MQARConfig, tc: TrainConfig, lr: float, val, desc: str, progress: bool = True) -> dict:
+def train_one(
+    model, data: MQARConfig, tc: TrainConfig, lr: float, val, desc: str, progress: bool = True
+) -> dict:
     """Train ``model`` in place on freshly generated batches (same stream for every model)."""
     from tqdm.auto import tqdm
 
@@ -344,14 +356,22 @@ def train_one(model, data: MQARConfig, tc: TrainConfig, lr: float, val, desc: st
         last = step + 1 == tc.steps
         if tc.eval_every and ((step + 1) % tc.eval_every == 0 or last):
             acc, vloss = accuracy(model, *val)
-            curve.append({"step": step + 1, "train_loss_ema": loss_ema, "val_loss": vloss, "val_accuracy": acc})
+            curve.append(
+                {"step": step + 1, "train_loss_ema": loss_ema, "val_loss": vloss, "val_accuracy": acc}
+            )
             bar.set_postfix(loss=f"{loss_ema:.3f}", val_acc=f"{acc:.3f}")
         elif step % 25 == 0:
             bar.set_postfix(loss=f"{loss_ema:.3f}")
     bar.close()
     train_time, cpu_time = time.perf_counter() - t0, time.process_time() - c0
-    return {"status": status, "train_time_s": train_time, "train_cpu_s": cpu_time, "steps_done": done,
-            "final_train_loss_ema": loss_ema, "curve": curve}
+    return {
+        "status": status,
+        "train_time_s": train_time,
+        "train_cpu_s": cpu_time,
+        "steps_done": done,
+        "final_train_loss_ema": loss_ema,
+        "curve": curve,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,14 +385,21 @@ QUICK = dict(
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="tiny smoke configuration (seconds)")
     p.add_argument("--steps", type=int, help="optimizer steps per model (default 2000; quick 30)")
     p.add_argument("--maps", help=f"comma-separated feature maps (default {','.join(DEFAULT_MAPS)})")
     p.add_argument("--no-softmax", action="store_true", help="skip the softmax-attention baseline")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
-                   help="output folder for mqar.json / mqar.png (default benchmarks/results)")
-    p.add_argument("--lr", help="learning rate, or a comma-separated sweep (best per model by validation accuracy)")
+    p.add_argument(
+        "--out",
+        default=str(Path(__file__).resolve().parent / "results"),
+        help="output folder for mqar.json / mqar.png (default benchmarks/results)",
+    )
+    p.add_argument(
+        "--lr", help="learning rate, or a comma-separated sweep (best per model by validation accuracy)"
+    )
     p.add_argument("--batch-size", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--vocab-size", type=int)
@@ -382,16 +409,30 @@ def parse_args(argv):
     p.add_argument("--hidden-size", type=int)
     p.add_argument("--num-layers", type=int)
     p.add_argument("--num-heads", type=int)
-    p.add_argument("--filler", choices=("pad", "token"),
-                   help="filler token 0: 'pad' = the model's pad token, zero frozen embedding (default); "
-                   "'token' = an ordinary learned token (harder for linear attention, see the docstring)")
+    p.add_argument(
+        "--filler",
+        choices=("pad", "token"),
+        help="filler token 0: 'pad' = the model's pad token, zero frozen embedding (default); "
+        "'token' = an ordinary learned token (harder for linear attention, see the docstring)",
+    )
     p.add_argument("--num-test", type=int, help="fresh test sequences (default 1000)")
-    p.add_argument("--eval-every", type=int, help="validation every N steps for the learning curve (0 = only at the end)")
-    p.add_argument("--map-option", action="append", default=[], metavar="MAP:KEY=VALUE",
-                   help="feature_map_options for one map, e.g. hedgehog:activation=softmax (repeatable)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: these models are too small to gain from more, and extra "
-                   "threads on a busy machine slow them down badly)")
+    p.add_argument(
+        "--eval-every", type=int, help="validation every N steps for the learning curve (0 = only at the end)"
+    )
+    p.add_argument(
+        "--map-option",
+        action="append",
+        default=[],
+        metavar="MAP:KEY=VALUE",
+        help="feature_map_options for one map, e.g. hedgehog:activation=softmax (repeatable)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: these models are too small to gain from more, and extra "
+        "threads on a busy machine slow them down badly)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     return p.parse_args(argv)
 
@@ -409,10 +450,19 @@ def resolve(args):
     base = QUICK if args.quick else dict(data=MQARConfig(), model=ModelConfig(), train=TrainConfig())
     data, mcfg, tc = (copy.deepcopy(base[k]) for k in ("data", "model", "train"))
     for field, obj, attr in (
-        ("vocab_size", data, "vocab_size"), ("num_kv_pairs", data, "num_kv_pairs"), ("num_queries", data, "num_queries"),
-        ("seq_len", data, "seq_len"), ("hidden_size", mcfg, "hidden_size"), ("num_layers", mcfg, "num_layers"),
-        ("num_heads", mcfg, "num_heads"), ("steps", tc, "steps"), ("batch_size", tc, "batch_size"), ("seed", tc, "seed"),
-        ("num_test", tc, "num_test"), ("eval_every", tc, "eval_every"), ("filler", mcfg, "filler"),
+        ("vocab_size", data, "vocab_size"),
+        ("num_kv_pairs", data, "num_kv_pairs"),
+        ("num_queries", data, "num_queries"),
+        ("seq_len", data, "seq_len"),
+        ("hidden_size", mcfg, "hidden_size"),
+        ("num_layers", mcfg, "num_layers"),
+        ("num_heads", mcfg, "num_heads"),
+        ("steps", tc, "steps"),
+        ("batch_size", tc, "batch_size"),
+        ("seed", tc, "seed"),
+        ("num_test", tc, "num_test"),
+        ("eval_every", tc, "eval_every"),
+        ("filler", mcfg, "filler"),
     ):
         if getattr(args, field) is not None:
             setattr(obj, attr, getattr(args, field))
@@ -420,7 +470,11 @@ def resolve(args):
         mcfg.intermediate_size = 2 * mcfg.hidden_size
     data.validate()
     lrs = [float(v) for v in args.lr.split(",")] if args.lr else [tc.lr]
-    maps = [m.strip() for m in args.maps.split(",") if m.strip()] if args.maps is not None else list(DEFAULT_MAPS)
+    maps = (
+        [m.strip() for m in args.maps.split(",") if m.strip()]
+        if args.maps is not None
+        else list(DEFAULT_MAPS)
+    )
     map_options: dict[str, dict] = {}
     for item in args.map_option:
         name, _, kv = item.partition(":")
@@ -456,7 +510,13 @@ def _run(args, argv, data, mcfg, tc, lrs, maps, map_options) -> dict:
 
     results: dict[str, dict] = {}
     for name in names:
-        entry: dict = {"kind": "softmax_attention" if name == SOFTMAX else name if name in MIXER_ROWS else "linear_attention"}
+        entry: dict = {
+            "kind": "softmax_attention"
+            if name == SOFTMAX
+            else name
+            if name in MIXER_ROWS
+            else "linear_attention"
+        }
         if name != SOFTMAX and name not in MIXER_ROWS:
             entry["feature_map"] = name
             entry["feature_map_options"] = map_options.get(name, {})
@@ -469,8 +529,12 @@ def _run(args, argv, data, mcfg, tc, lrs, maps, map_options) -> dict:
             continue
         runs = []
         for i, lr in enumerate(lrs):
-            model = first if i == 0 else build_model(name, base_state, data, mcfg, tc.seed, map_options.get(name))
-            r = train_one(model, data, tc, lr, val, desc=f"{name:>9} lr={lr:g}", progress=not args.no_progress)
+            model = (
+                first if i == 0 else build_model(name, base_state, data, mcfg, tc.seed, map_options.get(name))
+            )
+            r = train_one(
+                model, data, tc, lr, val, desc=f"{name:>9} lr={lr:g}", progress=not args.no_progress
+            )
             r["lr"] = lr
             r["val_accuracy"], _ = accuracy(model, *val) if r["status"] == "ok" else (float("nan"), None)
             runs.append((r, model))
@@ -479,7 +543,9 @@ def _run(args, argv, data, mcfg, tc, lrs, maps, map_options) -> dict:
         entry.update(best)
         entry["params"] = sum(p.numel() for p in model.parameters())
         if len(lrs) > 1:
-            entry["lr_sweep"] = [{"lr": r["lr"], "status": r["status"], "val_accuracy": r["val_accuracy"]} for r, _ in runs]
+            entry["lr_sweep"] = [
+                {"lr": r["lr"], "status": r["status"], "val_accuracy": r["val_accuracy"]} for r, _ in runs
+            ]
         if best["status"] == "ok":
             t = time.perf_counter()
             entry["accuracy"], entry["test_loss"] = accuracy(model, *test)
@@ -503,9 +569,14 @@ def _run(args, argv, data, mcfg, tc, lrs, maps, map_options) -> dict:
         "settings": {
             "data": asdict(data),
             "model": {"family": "llama (RoPE, eager softmax attention)", **asdict(mcfg)},
-            "train": {**asdict(tc), "lrs": lrs, "optimizer": "AdamW(betas=(0.9, 0.98))",
-                      "schedule": "linear warmup + cosine to 0", "data": "fresh batch per step, same stream for every model",
-                      "loss": "cross-entropy at query positions only"},
+            "train": {
+                **asdict(tc),
+                "lrs": lrs,
+                "optimizer": "AdamW(betas=(0.9, 0.98))",
+                "schedule": "linear warmup + cosine to 0",
+                "data": "fresh batch per step, same stream for every model",
+                "loss": "cross-entropy at query positions only",
+            },
             "quick": args.quick,
             "torch_threads": torch.get_num_threads(),
             "maps": maps,
@@ -524,10 +595,15 @@ def _run(args, argv, data, mcfg, tc, lrs, maps, map_options) -> dict:
 
 
 def summary_table(report: dict) -> str:
-    rows = ["| model | test acc % | entropy | entropy @queries | dead rows % | train s | status |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| model | test acc % | entropy | entropy @queries | dead rows % | train s | status |",
+        "|---|---|---|---|---|---|---|",
+    ]
 
     def f(v, scale=1.0, nd=3):
-        return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{scale * v:.{nd}f}"
+        return (
+            "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{scale * v:.{nd}f}"
+        )
 
     for name, e in report["models"].items():
         rows.append(
@@ -535,7 +611,9 @@ def summary_table(report: dict) -> str:
             f"| {f(e.get('dead_row_fraction'), 100, 1)} | {f(e.get('train_time_s'), 1, 0)} | {e.get('status')} |"
         )
     u = report["settings"]["uniform_attention_entropy"]
-    rows.append(f"\nuniform causal attention: entropy {u['entropy']:.3f}, @queries {u['entropy_query']:.3f} (nats)")
+    rows.append(
+        f"\nuniform causal attention: entropy {u['entropy']:.3f}, @queries {u['entropy_query']:.3f} (nats)"
+    )
     return "\n".join(rows)
 
 
@@ -546,20 +624,40 @@ def plot(report: dict, path: Path) -> Path:
     ent_q = [report["models"][n].get("entropy_query") for n in names]
     s = report["settings"]
     d, t = s["data"], s["train"]
-    title = (f"MQAR from scratch: vocab {d['vocab_size']}, {d['num_kv_pairs']} kv pairs, {d['num_queries']} queries, "
-             f"len {d['seq_len']}; {t['steps']} steps x {t['batch_size']}, lr {','.join(f'{x:g}' for x in t['lrs'])}")
+    title = (
+        f"MQAR from scratch: vocab {d['vocab_size']}, {d['num_kv_pairs']} kv pairs, {d['num_queries']} queries, "
+        f"len {d['seq_len']}; {t['steps']} steps x {t['batch_size']}, lr {','.join(f'{x:g}' for x in t['lrs'])}"
+    )
     labels = []
     for n in names:
         dead = report["models"][n].get("dead_row_fraction") or 0.0
         labels.append(f"{n}\n({dead:.0%} rows dead)" if dead >= 0.01 else n)
-    return bar_chart(path, labels, [
-        {"values": [None if a is None else 100 * a for a in acc], "ylabel": "test accuracy (%)",
-         "title": "accuracy at query positions", "fmt": "{:.1f}", "ylim": (0, 105)},
-        {"values": ent, "ylabel": "mean row entropy (nats)", "title": "attention entropy (all positions)",
-         "hline": (s["uniform_attention_entropy"]["entropy"], "uniform causal")},
-        {"values": ent_q, "ylabel": "mean row entropy (nats)", "title": "attention entropy (query positions)",
-         "hline": (s["uniform_attention_entropy"]["entropy_query"], "uniform causal")},
-    ], title=title)
+    return bar_chart(
+        path,
+        labels,
+        [
+            {
+                "values": [None if a is None else 100 * a for a in acc],
+                "ylabel": "test accuracy (%)",
+                "title": "accuracy at query positions",
+                "fmt": "{:.1f}",
+                "ylim": (0, 105),
+            },
+            {
+                "values": ent,
+                "ylabel": "mean row entropy (nats)",
+                "title": "attention entropy (all positions)",
+                "hline": (s["uniform_attention_entropy"]["entropy"], "uniform causal"),
+            },
+            {
+                "values": ent_q,
+                "ylabel": "mean row entropy (nats)",
+                "title": "attention entropy (query positions)",
+                "hline": (s["uniform_attention_entropy"]["entropy_query"], "uniform causal"),
+            },
+        ],
+        title=title,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,7 +77,11 @@ def build(method: str, length: int, args, device: str):
 
     if method.startswith("ssd"):
         h, p, n = args.ssd_shape
-        x, B, C = randn(1, length, h, p), randn(1, length, h, n, scale=n**-0.5), randn(1, length, h, n, scale=n**-0.5)
+        x, B, C = (
+            randn(1, length, h, p),
+            randn(1, length, h, n, scale=n**-0.5),
+            randn(1, length, h, n, scale=n**-0.5),
+        )
         a = -F.softplus(randn(1, length, h) - 4.0)  # log-decay ≤ 0, mostly slow decay
         D = torch.ones(h, device=device)
         leaves = [x, a, B, C, D]
@@ -90,7 +94,9 @@ def build(method: str, length: int, args, device: str):
         g, p, n = args.scan_shape
         x, B, C = randn(1, length, g, p), randn(1, length, g, n), randn(1, length, g, n)
         dt = F.softplus(randn(1, length, g, p) - 4.0)  # Mamba's dt init range, already softplus'd
-        A = -torch.arange(1, n + 1, dtype=torch.float32, device=device).expand(g, p, n).contiguous()  # S4D-real init
+        A = (
+            -torch.arange(1, n + 1, dtype=torch.float32, device=device).expand(g, p, n).contiguous()
+        )  # S4D-real init
         D = torch.ones(g, p, device=device)
         leaves = [x, dt, A, B, C, D]
         out_shape = x.shape
@@ -153,7 +159,7 @@ def summarize(records: list[dict], speedup_length: int) -> dict:
             if r["device"] == device and r["method"] in t:
                 t[r["method"]][r["length"]] = r.get("time_s") if r.get("status") == "ok" else None
 
-        def ratio(num, den, length):
+        def ratio(num, den, length, t=t):
             a, b = t[num].get(length), t[den].get(length)
             return a / b if a and b else None
 
@@ -164,7 +170,9 @@ def summarize(records: list[dict], speedup_length: int) -> dict:
             f"speedup_ssd_chunked_vs_loop_at_{speedup_length}": ssd_speedup,
             "speedup_target": SPEEDUP_TARGET,
             "meets_target": None if ssd_speedup is None else ssd_speedup >= SPEEDUP_TARGET,
-            f"speedup_scan_chunked_vs_loop_at_{speedup_length}": ratio("scan_loop", "scan_chunked", speedup_length),
+            f"speedup_scan_chunked_vs_loop_at_{speedup_length}": ratio(
+                "scan_loop", "scan_chunked", speedup_length
+            ),
             "sdpa_time_over_ssd_chunked": {str(L): ratio("sdpa", "ssd_chunked", L) for L in lengths},
             "sdpa_time_over_scan_chunked": {str(L): ratio("sdpa", "scan_chunked", L) for L in lengths},
         }
@@ -181,7 +189,10 @@ def table(records: list[dict], methods: list[str]) -> str:
         for L in lengths:
             cells = []
             for m in methods:
-                r = next((r for r in records if r["device"] == device and r["method"] == m and r["length"] == L), None)
+                r = next(
+                    (r for r in records if r["device"] == device and r["method"] == m and r["length"] == L),
+                    None,
+                )
                 cells.append(f"{r['time_s'] * 1e3:13.1f}" if r and r.get("status") == "ok" else f"{'—':>13}")
             lines.append(f"{L:>8} " + " ".join(cells))
     return "\n".join(lines)
@@ -196,10 +207,24 @@ def plot(records: list[dict], path: Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for d_i, device in enumerate(sorted({r["device"] for r in records})):
         for m_i, method in enumerate(METHODS):
-            ok = sorted((r for r in records if r["device"] == device and r["method"] == method and r.get("status") == "ok"), key=lambda r: r["length"])
+            ok = sorted(
+                (
+                    r
+                    for r in records
+                    if r["device"] == device and r["method"] == method and r.get("status") == "ok"
+                ),
+                key=lambda r: r["length"],
+            )
             if ok:
                 style = ("--" if method in SEQUENTIAL else "-") if d_i == 0 else ":"
-                ax.plot([r["length"] for r in ok], [r["time_s"] for r in ok], style, marker="o", color=f"C{m_i}", label=f"{LABELS[method]} [{device}]")
+                ax.plot(
+                    [r["length"] for r in ok],
+                    [r["time_s"] for r in ok],
+                    style,
+                    marker="o",
+                    color=f"C{m_i}",
+                    label=f"{LABELS[method]} [{device}]",
+                )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length")
@@ -217,19 +242,37 @@ def plot(records: list[dict], path: Path, title: str) -> Path:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="comma-separated sequence lengths")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per point after one warm-up (default 3)")
+    p.add_argument(
+        "--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="comma-separated sequence lengths"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed steps per point after one warm-up (default 3)"
+    )
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     p.add_argument("--devices", default="cpu", help="cpu, cuda or cpu,cuda (default cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's default)")
-    p.add_argument("--max-sequential-len", type=int, default=4096, help="longest length the per-token loops run at (longer: null)")
-    p.add_argument("--speedup-length", type=int, default=4096, help="length at which SSD chunked vs loop is reported")
+    p.add_argument(
+        "--max-sequential-len",
+        type=int,
+        default=4096,
+        help="longest length the per-token loops run at (longer: null)",
+    )
+    p.add_argument(
+        "--speedup-length", type=int, default=4096, help="length at which SSD chunked vs loop is reported"
+    )
     p.add_argument("--chunk-size", type=int, default=64)
     p.add_argument("--ssd-shape", type=_ints, default=[9, 64, 64], help="h,p,n of the SSD (default 9,64,64)")
-    p.add_argument("--scan-shape", type=_ints, default=[36, 16, 16], help="g,p,n of the selective scan (default 36,16,16)")
+    p.add_argument(
+        "--scan-shape",
+        type=_ints,
+        default=[36, 16, 16],
+        help="g,p,n of the selective scan (default 36,16,16)",
+    )
     p.add_argument("--sdpa-shape", type=_ints, default=[9, 64], help="heads,head_dim of SDPA (default 9,64)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(HERE / "results" / "scan_speed.json"), help="JSON path; the PNG goes beside it")
+    p.add_argument(
+        "--out", default=str(HERE / "results" / "scan_speed.json"), help="JSON path; the PNG goes beside it"
+    )
     return p.parse_args(argv)
 
 
@@ -255,16 +298,32 @@ def main(argv: list[str] | None = None) -> dict:
         for method in methods:
             for length in lengths:
                 if method in SEQUENTIAL and length > args.max_sequential_len:
-                    rec = {"method": method, "device": device, "length": length, "status": "skipped", "time_s": None,
-                           "reason": f"per-token loop longer than --max-sequential-len {args.max_sequential_len}"}  # fmt: skip
+                    rec = {
+                        "method": method,
+                        "device": device,
+                        "length": length,
+                        "status": "skipped",
+                        "time_s": None,
+                        "reason": f"per-token loop longer than --max-sequential-len {args.max_sequential_len}",
+                    }
                 else:
                     try:
                         rec = run_point(method, length, args, device)
                     except torch.OutOfMemoryError as exc:
-                        rec = {"method": method, "device": device, "length": length, "status": "skipped", "time_s": None,
-                               "reason": f"out of memory: {str(exc).splitlines()[0][:160]}"}  # fmt: skip
+                        rec = {
+                            "method": method,
+                            "device": device,
+                            "length": length,
+                            "status": "skipped",
+                            "time_s": None,
+                            "reason": f"out of memory: {str(exc).splitlines()[0][:160]}",
+                        }
                 records.append(rec)
-                shown = f"{rec['time_s'] * 1e3:10.1f} ms" if rec["status"] == "ok" else f"{rec['status']}: {rec['reason']}"
+                shown = (
+                    f"{rec['time_s'] * 1e3:10.1f} ms"
+                    if rec["status"] == "ok"
+                    else f"{rec['status']}: {rec['reason']}"
+                )
                 print(f"{device:>5} {method:>13} L={length:>6}  {shown}", flush=True)
 
     summary = summarize(records, args.speedup_length)
@@ -273,14 +332,23 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "scan_speed",
         "description": "forward+backward of one layer's token mixing (no projections/conv/gates), batch 1, fp32",
         "config": {
-            "batch": 1, "dtype": "float32", "lengths": lengths, "repeats": args.repeats, "warmup_steps": 1,
-            "methods": methods, "labels": {m: LABELS[m] for m in methods}, "devices": devices,
-            "chunk_size": args.chunk_size, "max_sequential_len": args.max_sequential_len, "speedup_length": args.speedup_length,
+            "batch": 1,
+            "dtype": "float32",
+            "lengths": lengths,
+            "repeats": args.repeats,
+            "warmup_steps": 1,
+            "methods": methods,
+            "labels": {m: LABELS[m] for m in methods},
+            "devices": devices,
+            "chunk_size": args.chunk_size,
+            "max_sequential_len": args.max_sequential_len,
+            "speedup_length": args.speedup_length,
             "ssd": dict(zip(("heads", "head_dim", "state_dim"), args.ssd_shape)),
             "selective_scan": dict(zip(("groups", "channels_per_group", "state_dim"), args.scan_shape)),
             "sdpa": dict(zip(("heads", "head_dim"), args.sdpa_shape)),
-            "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        },  # fmt: skip
+            "torch_threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        },
         "timing": "median of the timed steps (time.perf_counter; cuda.synchronize on CUDA) after one warm-up step",
         "load_average_start_end": [load_start, os.getloadavg() if hasattr(os, "getloadavg") else None],
         "wall_time_s": time.perf_counter() - wall0,
@@ -290,16 +358,24 @@ def main(argv: list[str] | None = None) -> dict:
     }
     common.write_json(out, result)
     env = info.get("environment", {})
-    title = (f"one layer's token mixing, fwd+bwd, batch 1, fp32 — {env.get('processor', '')} ({env.get('cpu_count')} CPUs, "
-             f"torch threads={torch.get_num_threads()}), torch {env.get('torch')}")  # fmt: skip
+    title = (
+        f"one layer's token mixing, fwd+bwd, batch 1, fp32 — {env.get('processor', '')} ({env.get('cpu_count')} CPUs, "
+        f"torch threads={torch.get_num_threads()}), torch {env.get('torch')}"
+    )
     png = plot(records, out.with_suffix(".png"), title)
     print(table(records, methods))
     for device, s in summary.items():
         sp = s[f"speedup_ssd_chunked_vs_loop_at_{args.speedup_length}"]
         sp_scan = s[f"speedup_scan_chunked_vs_loop_at_{args.speedup_length}"]
-        print(f"{device}: SSD chunked vs per-token loop at L={args.speedup_length}: "
-              + (f"{sp:.1f}× (target ≥ {SPEEDUP_TARGET:.0f}×: {'met' if sp >= SPEEDUP_TARGET else 'NOT met'})" if sp else "n/a")
-              + (f"; selective scan chunked vs loop: {sp_scan:.1f}×" if sp_scan else ""))  # fmt: skip
+        print(
+            f"{device}: SSD chunked vs per-token loop at L={args.speedup_length}: "
+            + (
+                f"{sp:.1f}× (target ≥ {SPEEDUP_TARGET:.0f}×: {'met' if sp >= SPEEDUP_TARGET else 'NOT met'})"
+                if sp
+                else "n/a"
+            )
+            + (f"; selective scan chunked vs loop: {sp_scan:.1f}×" if sp_scan else "")
+        )
     print(f"wrote {out} and {png}")
     return result
 

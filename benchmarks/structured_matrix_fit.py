@@ -62,8 +62,14 @@ from common import bar_chart, run_info, write_json  # noqa: E402
 from attn2ssm.ops.ssd import segsum  # noqa: E402
 
 CLASSES = ("ssm", "ssd", "ssd_no_d", "retnet", "lr", "toeplitz")  # the expected order, best to worst
-LABELS = {"ssm": "SSM (semi-separable)", "ssd": "SSD", "ssd_no_d": "SSD without D", "retnet": "RetNet",
-          "lr": "causal low-rank", "toeplitz": "Toeplitz"}  # fmt: skip
+LABELS = {
+    "ssm": "SSM (semi-separable)",
+    "ssd": "SSD",
+    "ssd_no_d": "SSD without D",
+    "retnet": "RetNet",
+    "lr": "causal low-rank",
+    "toeplitz": "Toeplitz",
+}
 GRADIENT_CLASSES = ("ssd", "ssd_no_d", "retnet", "lr")
 PAPER_RATIOS = {"ssd / ssm": 2.0, "lr / ssm": 3.0}  # MOHAWK §5.7.1 prose
 
@@ -148,7 +154,10 @@ def init_params(kind: str, m: int, l: int, n: int, *, scale: float = 16.0, gener
     base range makes the last row of A Bᵀ roughly uniform), decay logits ~ U[−8, −7) (little decay
     so far-apart entries do not vanish), D = 0."""
     bound = scale / math.sqrt(l * n)
-    params = {"A": torch.rand(m, l, n, generator=generator) * bound, "B": torch.rand(m, l, n, generator=generator) * bound}
+    params = {
+        "A": torch.rand(m, l, n, generator=generator) * bound,
+        "B": torch.rand(m, l, n, generator=generator) * bound,
+    }
     if kind in ("ssd", "ssd_no_d"):
         params["logits"] = torch.rand(m, l, generator=generator) - 8.0
     if kind == "ssd":
@@ -158,7 +167,17 @@ def init_params(kind: str, m: int, l: int, n: int, *, scale: float = 16.0, gener
     return params
 
 
-def fit_gradient(M: torch.Tensor, kind: str, n: int, *, steps: int, lr: float, scale: float = 16.0, seed: int = 0, params: dict | None = None) -> torch.Tensor:
+def fit_gradient(
+    M: torch.Tensor,
+    kind: str,
+    n: int,
+    *,
+    steps: int,
+    lr: float,
+    scale: float = 16.0,
+    seed: int = 0,
+    params: dict | None = None,
+) -> torch.Tensor:
     """(m, l, l) → (m,) the lowest ‖M − X‖_F over ``steps`` AdamW steps on the summed unsquared
     Frobenius norms (every matrix has its own parameters, so they fit independently). ``params``
     overrides the initialisation (tests)."""
@@ -194,7 +213,9 @@ def attention_matrices(teacher, ids: torch.Tensor, layers: list[int], heads_per_
     gen = torch.Generator().manual_seed(seed)
     mats, where = [], []
     for i in layers:
-        probs = adapter.attention_probs(io[i].module, io[i].hidden_states, io[i].position_embeddings)  # (s, h, l, l)
+        probs = adapter.attention_probs(
+            io[i].module, io[i].hidden_states, io[i].position_embeddings
+        )  # (s, h, l, l)
         heads = torch.randperm(probs.shape[1], generator=gen)[:heads_per_layer].tolist()
         for h in heads:
             mats.append(probs[:, h])
@@ -211,15 +232,20 @@ def text_windows(corpus: str, tokenizer, samples: int, seq_len: int) -> torch.Te
     if len(ids) < samples * seq_len:
         raise SystemExit(f"corpus {corpus} has only {len(ids)} tokens, need {samples * seq_len}")
     stride = (len(ids) - seq_len) // max(1, samples - 1) if samples > 1 else 0
-    return torch.stack([torch.as_tensor(ids[s * stride : s * stride + seq_len]) for s in range(samples)]).long()
+    return torch.stack(
+        [torch.as_tensor(ids[s * stride : s * stride + seq_len]) for s in range(samples)]
+    ).long()
 
 
 # ------------------------------------------------------------------------ report
 
 
 def summarise(dist: torch.Tensor, norms: torch.Tensor) -> dict:
-    return {"mean": dist.mean().item(), "std": dist.std().item() if dist.numel() > 1 else 0.0,
-            "relative_mean": (dist / norms).mean().item()}  # fmt: skip
+    return {
+        "mean": dist.mean().item(),
+        "std": dist.std().item() if dist.numel() > 1 else 0.0,
+        "relative_mean": (dist / norms).mean().item(),
+    }
 
 
 def orderings(results: dict, states: list[int]) -> dict:
@@ -230,17 +256,32 @@ def orderings(results: dict, states: list[int]) -> dict:
         pairs = {f"{a} < {b}": mean[a] < mean[b] for a, b in zip(CLASSES, CLASSES[1:])}
         ranked = sorted(CLASSES, key=lambda c: mean[c])
         ratios = {k: mean[k.split(" / ")[0]] / mean["ssm"] if mean["ssm"] > 0 else None for k in PAPER_RATIOS}
-        out[str(n)] = {"pairs": pairs, "all_hold": all(pairs.values()), "observed_order": ranked, "ratios": ratios}
+        out[str(n)] = {
+            "pairs": pairs,
+            "all_hold": all(pairs.values()),
+            "observed_order": ranked,
+            "ratios": ratios,
+        }
     return out
 
 
 def plot(data: dict, path: Path) -> Path:
     states = data["settings"]["states"]
-    panels = [{"values": [data["results"][c][str(n)]["mean"] for c in CLASSES], "ylabel": "‖M − X‖_F, mean over matrices (log)",
-               "title": f"N = {n}", "fmt": "{:.3f}", "log": True} for n in states]  # fmt: skip
+    panels = [
+        {
+            "values": [data["results"][c][str(n)]["mean"] for c in CLASSES],
+            "ylabel": "‖M − X‖_F, mean over matrices (log)",
+            "title": f"N = {n}",
+            "fmt": "{:.3f}",
+            "log": True,
+        }
+        for n in states
+    ]
     s = data["settings"]
-    title = (f"MOHAWK App. C at CPU scale: {s['matrices']} attention matrices of {s['teacher']} "
-             f"(l = {s['seq_len']}), {s['steps']} AdamW steps")  # fmt: skip
+    title = (
+        f"MOHAWK App. C at CPU scale: {s['matrices']} attention matrices of {s['teacher']} "
+        f"(l = {s['seq_len']}), {s['steps']} AdamW steps"
+    )
     return bar_chart(path, [LABELS[c] for c in CLASSES], panels, title=title)
 
 
@@ -253,15 +294,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--teacher", default=None, help="teacher spec (default: the built-in smollm2-135m)")
     p.add_argument("--corpus", default="sotu")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--samples", type=int, default=2, help="text windows (each gives one matrix per chosen head)")
+    p.add_argument(
+        "--samples", type=int, default=2, help="text windows (each gives one matrix per chosen head)"
+    )
     p.add_argument("--layers", default="all", help="comma-separated layer indices, or 'all'")
-    p.add_argument("--heads-per-layer", type=int, default=1, help="heads drawn at random per layer (paper: 1)")
+    p.add_argument(
+        "--heads-per-layer", type=int, default=1, help="heads drawn at random per layer (paper: 1)"
+    )
     p.add_argument("--states", default="4,8,16", help="state sizes / ranks N")
     p.add_argument("--steps", type=int, default=1500, help="AdamW steps per gradient fit (paper: 10,000)")
-    p.add_argument("--lrs", default="0.1,0.01", help="learning rates tried per class and N, best kept (paper: 0.1,0.01,0.001)")
+    p.add_argument(
+        "--lrs",
+        default="0.1,0.01",
+        help="learning rates tried per class and N, best kept (paper: 0.1,0.01,0.001)",
+    )
     p.add_argument("--init-scale", type=float, default=16.0, help="A, B ~ U[0, scale/sqrt(l·N)) (paper: 2^4)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="a smoke run: l=64, 2 samples, 6 layers, N=4,8, 300 steps, lr 0.01")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: l=64, 2 samples, 6 layers, N=4,8, 300 steps, lr 0.01",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
@@ -270,7 +323,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def fit_all(M: torch.Tensor, norms: torch.Tensor, states: list[int], lrs: list[float], args, t0: float) -> tuple[dict, dict]:
+def fit_all(
+    M: torch.Tensor, norms: torch.Tensor, states: list[int], lrs: list[float], args, t0: float
+) -> tuple[dict, dict]:
     """Every class fitted to every matrix at every N (gradient classes: the best of ``lrs``):
     (results by class and N, seconds by fit)."""
     results: dict = {c: {} for c in CLASSES}
@@ -283,18 +338,28 @@ def fit_all(M: torch.Tensor, norms: torch.Tensor, states: list[int], lrs: list[f
         start = time.time()
         X = fit_semiseparable(M, n)
         ranks = hankel_rank(X)
-        results["ssm"][str(n)] = {**summarise(torch.linalg.matrix_norm(M - X), norms), "exactly_order_n": int((ranks <= n).sum()),
-                                  "max_hankel_rank": int(ranks.max())}  # fmt: skip
+        results["ssm"][str(n)] = {
+            **summarise(torch.linalg.matrix_norm(M - X), norms),
+            "exactly_order_n": int((ranks <= n).sum()),
+            "max_hankel_rank": int(ranks.max()),
+        }
         timing[f"ssm N={n}"] = time.time() - start
         for kind in GRADIENT_CLASSES:
             by_lr, start = {}, time.time()
             for lr in lrs:
-                by_lr[lr] = fit_gradient(M, kind, n, steps=args.steps, lr=lr, scale=args.init_scale, seed=args.seed)
+                by_lr[lr] = fit_gradient(
+                    M, kind, n, steps=args.steps, lr=lr, scale=args.init_scale, seed=args.seed
+                )
             best_lr = min(lrs, key=lambda lr: by_lr[lr].mean().item())
-            results[kind][str(n)] = {**summarise(by_lr[best_lr], norms), "best_lr": best_lr,
-                                     "mean_by_lr": {str(lr): d.mean().item() for lr, d in by_lr.items()}}  # fmt: skip
+            results[kind][str(n)] = {
+                **summarise(by_lr[best_lr], norms),
+                "best_lr": best_lr,
+                "mean_by_lr": {str(lr): d.mean().item() for lr, d in by_lr.items()},
+            }
             timing[f"{kind} N={n}"] = time.time() - start
-        fits = ", ".join(f"{c} {results[c][str(n)]['mean']:.4f} ± {results[c][str(n)]['std']:.4f}" for c in CLASSES)
+        fits = ", ".join(
+            f"{c} {results[c][str(n)]['mean']:.4f} ± {results[c][str(n)]['std']:.4f}" for c in CLASSES
+        )
         print(f"N={n}: {fits} ({time.time() - t0:.0f}s)", flush=True)
     return results, timing
 
@@ -317,17 +382,32 @@ def main(argv=None) -> int:
     M, where = attention_matrices(teacher, ids, layers, args.heads_per_layer, args.seed)
     norms = torch.linalg.matrix_norm(M)
     states, lrs = _ints(args.states), [float(x) for x in args.lrs.split(",")]
-    print(f"{M.shape[0]} attention matrices of {M.shape[-1]} tokens ({len(layers)} layers × {args.heads_per_layer} heads × {args.samples} samples)", flush=True)
+    print(
+        f"{M.shape[0]} attention matrices of {M.shape[-1]} tokens ({len(layers)} layers × {args.heads_per_layer} heads × {args.samples} samples)",
+        flush=True,
+    )
     results, timing = fit_all(M, norms, states, lrs, args, t0)
 
     checks = orderings(results, states)
     data = {
         "benchmark": "structured_matrix_fit",
         "description": __doc__.split("\n\n")[0],
-        "settings": {"teacher": args.teacher or "smollm2-135m", "corpus": args.corpus, "seq_len": args.seq_len, "samples": args.samples,
-                     "layers": layers, "heads_per_layer": args.heads_per_layer, "matrices": M.shape[0], "states": states,
-                     "steps": args.steps, "lrs": lrs, "init_scale": args.init_scale, "seed": args.seed, "quick": args.quick,
-                     "threads": torch.get_num_threads()},  # fmt: skip
+        "settings": {
+            "teacher": args.teacher or "smollm2-135m",
+            "corpus": args.corpus,
+            "seq_len": args.seq_len,
+            "samples": args.samples,
+            "layers": layers,
+            "heads_per_layer": args.heads_per_layer,
+            "matrices": M.shape[0],
+            "states": states,
+            "steps": args.steps,
+            "lrs": lrs,
+            "init_scale": args.init_scale,
+            "seed": args.seed,
+            "quick": args.quick,
+            "threads": torch.get_num_threads(),
+        },
         "matrix_norm_mean": norms.mean().item(),
         "matrices": [{"layer": i, "head": h} for i, h in where],
         "results": results,
@@ -342,8 +422,14 @@ def main(argv=None) -> int:
     write_json(out_dir / "structured_matrix_fit.json", data)
     plot(data, out_dir / "structured_matrix_fit.png")
     for n, check in checks.items():
-        ratios = ", ".join(f"{k} = {v:.2f} (paper ≈ {PAPER_RATIOS[k]:.0f})" for k, v in check["ratios"].items() if v is not None)
-        print(f"N={n}: order {' < '.join(check['observed_order'])}; expected order {'holds' if check['all_hold'] else 'does NOT hold'}; {ratios}")
+        ratios = ", ".join(
+            f"{k} = {v:.2f} (paper ≈ {PAPER_RATIOS[k]:.0f})"
+            for k, v in check["ratios"].items()
+            if v is not None
+        )
+        print(
+            f"N={n}: order {' < '.join(check['observed_order'])}; expected order {'holds' if check['all_hold'] else 'does NOT hold'}; {ratios}"
+        )
     print(f"wrote {out_dir / 'structured_matrix_fit.json'} ({time.time() - t0:.0f}s)")
     return 0
 

@@ -30,7 +30,13 @@ def full_and_pieces(model, ids, mask, pieces):
     cache, outs, start = model.new_cache(), [], 0
     for size in pieces:
         end = start + size
-        out = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=pos[:, start:end], past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=ids[:, start:end],
+            attention_mask=mask[:, :end],
+            position_ids=pos[:, start:end],
+            past_key_values=cache,
+            use_cache=True,
+        )
         outs.append(out.logits)
         start = end
     return full, torch.cat(outs, 1)
@@ -41,12 +47,20 @@ def greedy_by_full_forwards(model, ids, n):
     """``ids`` followed by ``n`` greedy tokens, each from a full forward without a cache."""
     seq = ids
     for _ in range(n):
-        seq = torch.cat([seq, model(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        seq = torch.cat(
+            [seq, model(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1
+        )
     return seq
 
 
 def run_remote(script: str, directory) -> dict:
     """Run ``REMOTE_PRELUDE + script`` on ``directory`` in a fresh interpreter; its last stdout line is JSON."""
-    proc = subprocess.run([sys.executable, "-c", REMOTE_PRELUDE + script, str(directory)], capture_output=True, text=True, cwd=directory, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", REMOTE_PRELUDE + script, str(directory)],
+        capture_output=True,
+        text=True,
+        cwd=directory,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

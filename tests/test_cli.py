@@ -30,7 +30,13 @@ TIMEOUT = 300
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     assert env.get("ATTN2SSM_CACHE"), "conftest gives every session a private ATTN2SSM_CACHE"
-    return subprocess.run([sys.executable, "-m", "attn2ssm", *map(str, args)], capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    return subprocess.run(
+        [sys.executable, "-m", "attn2ssm", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT,
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
@@ -80,7 +86,14 @@ def ws(tmp_path_factory):
     tok.save_pretrained(llama)
 
     bert = root / "tiny-bert"  # a causal LM transformers knows but attn2ssm has no adapter for
-    bert_cfg = BertConfig(is_decoder=True, vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    bert_cfg = BertConfig(
+        is_decoder=True,
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+    )
     BertLMHeadModel(bert_cfg).save_pretrained(bert)
     tok.save_pretrained(bert)
 
@@ -92,7 +105,15 @@ def ws(tmp_path_factory):
     one_paragraph.write_text(" ".join(PARAGRAPHS) + "\n\n")
     truncated_gguf = root / "truncated.gguf"  # the magic bytes and a version, then the file ends
     truncated_gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
-    return SimpleNamespace(root=root, llama=llama, bert=bert, corpus=corpus, empty=empty, one_paragraph=one_paragraph, truncated_gguf=truncated_gguf)
+    return SimpleNamespace(
+        root=root,
+        llama=llama,
+        bert=bert,
+        corpus=corpus,
+        empty=empty,
+        one_paragraph=one_paragraph,
+        truncated_gguf=truncated_gguf,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -102,22 +123,83 @@ def slow(ws):
     student = out / "student"
     cases = {
         "unsupported": ["convert", "--teacher", ws.bert, "--out", out / "bert-student"],
-        "block_len": ["distill", "--teacher", ws.llama, "--out", out / "run-block", "--no-progress",
-                      "--set", f"data.corpus={ws.corpus}", "--set", "data.block_len=128"],
-        "empty_corpus": ["distill", "--teacher", ws.llama, "--out", out / "run-empty", "--no-progress",
-                         "--set", f"data.corpus={ws.empty}", "--set", "data.block_len=16", "--set", "eval.window=16"],
-        "keep_attention": ["distill", "--teacher", ws.llama, "--out", out / "run-keep", "--no-progress", "--set", f"data.corpus={ws.corpus}",
-                           "--set", "data.block_len=16", "--set", "eval.window=16", "--set", "student.keep_attention=[5]"],
+        "block_len": [
+            "distill",
+            "--teacher",
+            ws.llama,
+            "--out",
+            out / "run-block",
+            "--no-progress",
+            "--set",
+            f"data.corpus={ws.corpus}",
+            "--set",
+            "data.block_len=128",
+        ],
+        "empty_corpus": [
+            "distill",
+            "--teacher",
+            ws.llama,
+            "--out",
+            out / "run-empty",
+            "--no-progress",
+            "--set",
+            f"data.corpus={ws.empty}",
+            "--set",
+            "data.block_len=16",
+            "--set",
+            "eval.window=16",
+        ],
+        "keep_attention": [
+            "distill",
+            "--teacher",
+            ws.llama,
+            "--out",
+            out / "run-keep",
+            "--no-progress",
+            "--set",
+            f"data.corpus={ws.corpus}",
+            "--set",
+            "data.block_len=16",
+            "--set",
+            "eval.window=16",
+            "--set",
+            "student.keep_attention=[5]",
+        ],
         "truncated_gguf": ["convert", "--teacher", ws.truncated_gguf, "--out", out / "gguf-student"],
-        "generate_no_folder": ["generate", "runs/no-such-run-attn2ssm-test", "--prompt", "hi"],  # relative, one slash: also a hub id
+        "generate_no_folder": [
+            "generate",
+            "runs/no-such-run-attn2ssm-test",
+            "--prompt",
+            "hi",
+        ],  # relative, one slash: also a hub id
         "recipes": ["recipes"],
         "recipe_quickstart": ["recipes", "quickstart"],
-    }  # fmt: skip
+    }
     after_convert = {
         "eval": ["eval", student, "--corpus", ws.corpus, "--window", "16", "--max-tokens", "200"],
         "generate": ["generate", student, "--prompt", "hello", "--max-new-tokens", "5"],
-        "eval_damaged": ["eval", out / "damaged-student", "--corpus", ws.corpus, "--window", "16", "--max-tokens", "200"],
-        "generate_draft": ["generate", student, "--draft", ws.llama, "--prompt", "hello", "--max-new-tokens", "6", "--num-draft-tokens", "3"],
+        "eval_damaged": [
+            "eval",
+            out / "damaged-student",
+            "--corpus",
+            ws.corpus,
+            "--window",
+            "16",
+            "--max-tokens",
+            "200",
+        ],
+        "generate_draft": [
+            "generate",
+            student,
+            "--draft",
+            ws.llama,
+            "--prompt",
+            "hello",
+            "--max-new-tokens",
+            "6",
+            "--num-draft-tokens",
+            "3",
+        ],
     }
     pool = ThreadPoolExecutor(max_workers=4)
     futures: dict[str, Future] = {name: Future() for name in after_convert}
@@ -169,7 +251,10 @@ def test_distill_with_missing_teacher_fails_fast(tmp_path):
 
 @pytest.mark.parametrize(
     ("flag", "value", "needle"),
-    [("--keep", "a,b", "--keep 'a,b'"), ("--option", "feature_map", "--option 'feature_map' is not key=value")],
+    [
+        ("--keep", "a,b", "--keep 'a,b'"),
+        ("--option", "feature_map", "--option 'feature_map' is not key=value"),
+    ],
 )
 def test_convert_flag_syntax(tmp_path, flag, value, needle):
     r = run_cli("convert", "--teacher", "/nope/dir", flag, value, "--out", tmp_path / "x")
@@ -207,7 +292,10 @@ def test_negative_learning_rate_fails_before_the_teacher_loads(tmp_path):
 
 @pytest.mark.parametrize(
     ("override", "needle"),
-    [("student.mixer=mamba3", "student.mixer='mamba3' is not a mixer"), ("student.attention_ratio=1.5", "student.attention_ratio=1.5 is outside [0, 1]")],
+    [
+        ("student.mixer=mamba3", "student.mixer='mamba3' is not a mixer"),
+        ("student.attention_ratio=1.5", "student.attention_ratio=1.5 is outside [0, 1]"),
+    ],
 )
 def test_student_plan_errors_fail_before_the_teacher_loads(tmp_path, override, needle):
     r = run_cli("distill", "mamba2_pure", "--out", tmp_path / "run", "--set", override)
@@ -247,31 +335,53 @@ CHEAP_ERRORS = [  # argv (OUT: a path in tmp_path), a needle of the error line, 
     (["eval", "m", "--window", "1"], "--window 1 is too short", BOTH),
     (["eval", "m", "--tasks", "x", "--attention"], "different evaluations", BOTH),
     (["generate", "m", "--prompt", "x", "--max-new-tokens", "0"], "generates nothing", BOTH),
-    (["export", "m", "--format", "native", "--outtype", "f16", "--out", "OUT"], "--outtype is for --format gguf", BOTH),
+    (
+        ["export", "m", "--format", "native", "--outtype", "f16", "--out", "OUT"],
+        "--outtype is for --format gguf",
+        BOTH,
+    ),
     (["bench", "quality", "--corpora", ","], "names no corpus", BOTH),
     (["generate", "m", "--prompt", "x", "--temperature", "-1"], "--temperature", ("transformers",)),
     (["distill", "quikstart"], "no recipe 'quikstart'", ("transformers",)),
     (["bench", "train", "--precisions", "fp8"], "--precisions 'fp8'", ("transformers",)),
-    (["data", "shards", "sotu", "--out", str(Path(__file__).resolve().parent)], "already holds other files", BOTH),
+    (
+        ["data", "shards", "sotu", "--out", str(Path(__file__).resolve().parent)],
+        "already holds other files",
+        BOTH,
+    ),
     (["data", "shards", "generated:lots", "--out", "OUT"], "does not start with a number of tokens", BOTH),
     (["data", "shards", "/nope/corpus", "--out", "OUT"], "corpus path '/nope/corpus' does not exist", BOTH),
     (["data", "shards", "shards:/nope/shards", "--out", "OUT"], "holds no token shards", BOTH),
     (["data", "shards", "sotu", "--out", "OUT", "--teacher", "/nope/dir"], "teacher path not found", BOTH),
     (["data", "shards", "sotu", "--out", "OUT", "--teacher", "no-such-teacher"], "no built-in name", BOTH),
-    (["data", "shards", "sotu", "--out", "OUT", "--max-tokens", "lots"], "--max-tokens 'lots' is not a number of tokens", BOTH),
-    (["data", "shards", "sotu", "--out", "OUT", "--dtype", "bfloat16"], "--device and --dtype are for generated:", BOTH),
+    (
+        ["data", "shards", "sotu", "--out", "OUT", "--max-tokens", "lots"],
+        "--max-tokens 'lots' is not a number of tokens",
+        BOTH,
+    ),
+    (
+        ["data", "shards", "sotu", "--out", "OUT", "--dtype", "bfloat16"],
+        "--device and --dtype are for generated:",
+        BOTH,
+    ),
     (["data", "info", "OUT"], "holds no token shards", BOTH),
 ]
 
 
-@pytest.mark.parametrize(("argv", "needle", "not_imported"), [pytest.param(*case, id=" ".join(case[0])) for case in CHEAP_ERRORS])
+@pytest.mark.parametrize(
+    ("argv", "needle", "not_imported"), [pytest.param(*case, id=" ".join(case[0])) for case in CHEAP_ERRORS]
+)
 def test_cheap_checks_fail_before_the_heavy_imports(tmp_path, argv, needle, not_imported):
     """A bad flag is one line in a fraction of a second: torch / transformers are not even imported."""
-    code = ("import json, sys; from attn2ssm.cli import main; rc = main(sys.argv[1:]); "
-            "print(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules))); sys.exit(rc)")  # fmt: skip
+    code = (
+        "import json, sys; from attn2ssm.cli import main; rc = main(sys.argv[1:]); "
+        "print(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules))); sys.exit(rc)"
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     argv = [str(tmp_path / "x") if a == "OUT" else a for a in argv]
-    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    r = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=TIMEOUT
+    )
     assert_one_line_error(r, needle)
     imported = json.loads(r.stdout.splitlines()[-1])
     assert not set(imported) & set(not_imported), f"{' '.join(argv)} imported {imported} before failing"
@@ -308,13 +418,17 @@ def test_block_len_above_the_models_maximum(slow, ws):
 
 
 def test_keep_attention_beyond_the_teachers_layers(slow, ws):
-    assert_one_line_error(result_of(slow, "keep_attention"), "keep_attention has layer indices [5] outside 0..1")
+    assert_one_line_error(
+        result_of(slow, "keep_attention"), "keep_attention has layer indices [5] outside 0..1"
+    )
     assert not (ws.root / "out" / "run-keep").exists()
 
 
 def test_empty_corpus(slow, ws):
     assert_one_line_error(result_of(slow, "empty_corpus"), "empty corpus", str(ws.empty))
-    assert not (ws.root / "out" / "run-empty").exists()  # a corpus that fails to load leaves no recipe.yaml behind
+    assert not (
+        ws.root / "out" / "run-empty"
+    ).exists()  # a corpus that fails to load leaves no recipe.yaml behind
 
 
 # ----------------------------------------------------------------------------- 9. recipes
@@ -364,8 +478,12 @@ def test_eval_prints_perplexity(slow):
 
 def test_eval_of_a_student_with_a_truncated_weights_file(slow):
     damaged = Path(slow["student_dir"]).parent / "damaged-student"
-    assert_one_line_error(result_of(slow, "eval_damaged"), str(damaged / "model.safetensors"), "damaged or incomplete")
-    assert sorted(p.name for p in damaged.iterdir()) == sorted(p.name for p in Path(slow["student_dir"]).iterdir())  # nothing added
+    assert_one_line_error(
+        result_of(slow, "eval_damaged"), str(damaged / "model.safetensors"), "damaged or incomplete"
+    )
+    assert sorted(p.name for p in damaged.iterdir()) == sorted(
+        p.name for p in Path(slow["student_dir"]).iterdir()
+    )  # nothing added
     assert (damaged / "model.safetensors").stat().st_size == 10_000
 
 
@@ -384,7 +502,10 @@ def test_eval_refuses_a_corpus_without_held_out_text(slow, ws, capsys):
 
 @pytest.mark.parametrize(
     ("flags", "needle"),
-    [(["--window", "1"], "--window 1 is too short"), (["--window", "16", "--stride", "40"], "--stride 40 is outside 1..16")],
+    [
+        (["--window", "1"], "--window 1 is too short"),
+        (["--window", "16", "--stride", "40"], "--stride 40 is outside 1..16"),
+    ],
 )
 def test_eval_window_checks(flags, needle, capsys):
     """In-process: checked before the model is even looked for."""
@@ -397,12 +518,26 @@ def test_eval_window_checks(flags, needle, capsys):
 
 @pytest.mark.parametrize(
     ("argv", "needles"),
-    [(["generate", "STUDENT", "--prompt", "Call me Ishmael. " * 20, "--max-new-tokens", "5"], ("positions; ", "reads at most 64", "shorten the prompt to fewer than 64")),
-     (["generate", "STUDENT", "--prompt", "Call me", "--max-new-tokens", "100"], ("reads at most 64", "lower --max-new-tokens to")),
-     (["generate", "STUDENT", "--prompt", "Call me", "--draft", "LLAMA", "--max-new-tokens", "100"], ("reads at most 64",)),
-     (["eval", "STUDENT", "--window", "100"], ("--window 100 is longer than", "at most 64", "use --window 64 or less")),
-     (["eval", "STUDENT", "--against", "LLAMA", "--window", "100"], ("--window 100",))],
-)  # fmt: skip
+    [
+        (
+            ["generate", "STUDENT", "--prompt", "Call me Ishmael. " * 20, "--max-new-tokens", "5"],
+            ("positions; ", "reads at most 64", "shorten the prompt to fewer than 64"),
+        ),
+        (
+            ["generate", "STUDENT", "--prompt", "Call me", "--max-new-tokens", "100"],
+            ("reads at most 64", "lower --max-new-tokens to"),
+        ),
+        (
+            ["generate", "STUDENT", "--prompt", "Call me", "--draft", "LLAMA", "--max-new-tokens", "100"],
+            ("reads at most 64",),
+        ),
+        (
+            ["eval", "STUDENT", "--window", "100"],
+            ("--window 100 is longer than", "at most 64", "use --window 64 or less"),
+        ),
+        (["eval", "STUDENT", "--against", "LLAMA", "--window", "100"], ("--window 100",)),
+    ],
+)
 def test_lengths_past_the_models_positions_are_one_line(slow, ws, capsys, argv, needles):
     """In-process: the converted hybrid keeps an attention layer, so it reads at most the teacher's 64 positions."""
     from attn2ssm.cli import main
@@ -413,13 +548,22 @@ def test_lengths_past_the_models_positions_are_one_line(slow, ws, capsys, argv, 
     assert main([*argv, *(["--corpus", str(ws.corpus)] if argv[0] == "eval" else [])]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and " — " in err[0] and all(n in err[0] for n in needles), err
+    assert (
+        len(err) == 1
+        and err[0].startswith("error: ")
+        and " — " in err[0]
+        and all(n in err[0] for n in needles)
+    ), err
     assert not captured.out  # nothing generated
 
 
 def test_generate_from_a_folder_that_does_not_exist(slow):
     """A relative path with one slash could be a hub id: the error says there is no such folder, and what a hub id needs."""
-    line = assert_one_line_error(result_of(slow, "generate_no_folder"), "there is no local folder 'runs/no-such-run-attn2ssm-test'", "a hub id needs the network")
+    line = assert_one_line_error(
+        result_of(slow, "generate_no_folder"),
+        "there is no local folder 'runs/no-such-run-attn2ssm-test'",
+        "a hub id needs the network",
+    )
     assert not line.startswith("error: could not load the teacher's tokenizer")
 
 
@@ -429,7 +573,9 @@ def test_eval_of_a_folder_without_a_model(tmp_path, capsys):
 
     assert main(["eval", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: {tmp_path} holds no model: config.json is missing — pass a student directory"), err
+    assert len(err) == 1 and err[0].startswith(
+        f"error: {tmp_path} holds no model: config.json is missing — pass a student directory"
+    ), err
     assert "--teacher" not in err[0]
 
 
@@ -451,17 +597,28 @@ def test_generate_with_a_draft_reports_acceptance(slow):
 def test_generate_bad_draft_count_is_one_line(capsys):
     from attn2ssm.cli import main
 
-    assert main(["generate", "/nope/model", "--draft", "/nope/draft", "--prompt", "x", "--num-draft-tokens", "0"]) == 2
+    assert (
+        main(
+            ["generate", "/nope/model", "--draft", "/nope/draft", "--prompt", "x", "--num-draft-tokens", "0"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--num-draft-tokens 0" in err[0], err
 
 
 @pytest.mark.parametrize(
     ("flags", "needle"),
-    [(["--max-new-tokens", "0"], "--max-new-tokens 0"), (["--max-new-tokens", "-5"], "--max-new-tokens -5"),
-     (["--temperature", "1", "--top-p", "2"], "--top-p 2.0 is outside (0, 1]"), (["--temperature", "1", "--top-p", "0"], "--top-p 0.0"),
-     (["--temperature", "-1"], "--temperature -1.0"), (["--temperature", "nan"], "--temperature nan"), (["--top-k", "-1"], "--top-k -1")],
-)  # fmt: skip
+    [
+        (["--max-new-tokens", "0"], "--max-new-tokens 0"),
+        (["--max-new-tokens", "-5"], "--max-new-tokens -5"),
+        (["--temperature", "1", "--top-p", "2"], "--top-p 2.0 is outside (0, 1]"),
+        (["--temperature", "1", "--top-p", "0"], "--top-p 0.0"),
+        (["--temperature", "-1"], "--temperature -1.0"),
+        (["--temperature", "nan"], "--temperature nan"),
+        (["--top-k", "-1"], "--top-k -1"),
+    ],
+)
 def test_generate_settings_out_of_range_are_one_line(flags, needle, capsys):
     """In-process: checked before the model is even looked for (no silent greedy for a negative temperature)."""
     from attn2ssm.cli import main
@@ -476,10 +633,31 @@ def test_convert_keep_auto_scores_layers_and_writes_the_plan(ws, tmp_path, capsy
     from attn2ssm.cli import main
 
     out = tmp_path / "auto"
-    assert main(["convert", "--teacher", str(ws.llama), "--mixer", "mamba2", "--attention-ratio", "0.5", "--keep", "auto",
-                 "--calibration", str(ws.corpus), "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "convert",
+                "--teacher",
+                str(ws.llama),
+                "--mixer",
+                "mamba2",
+                "--attention-ratio",
+                "0.5",
+                "--keep",
+                "auto",
+                "--calibration",
+                str(ws.corpus),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
-    scores = [float(item.split(":")[1]) for item in printed.split("converted alone): ")[1].splitlines()[0].split(", ")]
+    scores = [
+        float(item.split(":")[1])
+        for item in printed.split("converted alone): ")[1].splitlines()[0].split(", ")
+    ]
     plan = json.loads((out / "config.json").read_text())["layer_plan"]
     assert len(scores) == 2 and plan.count("attention") == 1
     assert plan.index("attention") == max(range(2), key=lambda i: (scores[i], -i))
@@ -491,37 +669,120 @@ def test_convert_keep_auto_scores_layers_and_writes_the_plan(ws, tmp_path, capsy
 def test_data_shards_and_info(tiny_setup, tmp_path, capsys):
     """`data shards` writes a corpus and teacher samples as token shards and says what it wrote; `data
     info` reads the manifest back, hashes the files and checks the tokenizer; both read in a recipe."""
+    import socket
+
     from attn2ssm.cli import main
     from attn2ssm.data.shards import read_manifest
 
-    import socket
-
     teacher, corpus = tiny_setup
-    killed = tmp_path / f".text.shards-abcd1234.{2**22 + 7}@{socket.gethostname()}"  # what a SIGKILLed writer left (no such pid)
+    killed = (
+        tmp_path / f".text.shards-abcd1234.{2**22 + 7}@{socket.gethostname()}"
+    )  # what a SIGKILLed writer left (no such pid)
     killed.mkdir()
-    assert main(["data", "shards", str(corpus), "--out", str(tmp_path / "text"), "--teacher", str(teacher), "--heldout-tokens", "300"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "shards",
+                str(corpus),
+                "--out",
+                str(tmp_path / "text"),
+                "--teacher",
+                str(teacher),
+                "--heldout-tokens",
+                "300",
+            ]
+        )
+        == 0
+    )
     assert not killed.exists()
     printed = capsys.readouterr().out.splitlines()
     manifest = read_manifest(tmp_path / "text")
     n_train = sum(f["tokens"] for f in manifest["sides"]["train"])
-    assert printed[0] == f"{tmp_path / 'text'}: token shards of {str(corpus)!r}, {(n_train + 300) * 2 / 1024:.1f} KiB"
-    assert printed[2].split() == ["train", f"{n_train:,}", "tokens", "in", "1", "file", "(" + f"{n_train * 2 / 1024:.1f}", "KiB)"]
-    assert printed[3].split()[:2] == ["held-out", "300"] and printed[-1].startswith(f"use it: data.corpus: shards:{tmp_path / 'text'}")
+    assert (
+        printed[0]
+        == f"{tmp_path / 'text'}: token shards of {str(corpus)!r}, {(n_train + 300) * 2 / 1024:.1f} KiB"
+    )
+    assert printed[2].split() == [
+        "train",
+        f"{n_train:,}",
+        "tokens",
+        "in",
+        "1",
+        "file",
+        "(" + f"{n_train * 2 / 1024:.1f}",
+        "KiB)",
+    ]
+    assert printed[3].split()[:2] == ["held-out", "300"] and printed[-1].startswith(
+        f"use it: data.corpus: shards:{tmp_path / 'text'}"
+    )
 
     spec = "generated:3000?length=24&batch=8"
-    assert main(["data", "shards", spec, "--out", str(tmp_path / "gen"), "--teacher", str(teacher), "--max-tokens", "2k", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "shards",
+                spec,
+                "--out",
+                str(tmp_path / "gen"),
+                "--teacher",
+                str(teacher),
+                "--max-tokens",
+                "2k",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
-    assert "train            2,000 tokens in 1 file" in printed and "batch 8 on cpu (float32)" in printed and "tokens/s" in printed
+    assert (
+        "train            2,000 tokens in 1 file" in printed
+        and "batch 8 on cpu (float32)" in printed
+        and "tokens/s" in printed
+    )
 
     assert main(["data", "info", str(tmp_path / "gen"), "--verify", "--teacher", str(teacher)]) == 0
     printed = capsys.readouterr().out
     assert "verified: all 2 files match their size and SHA-256" in printed and "the ids belong to" in printed
     assert main(["data", "shards", "sotu", "--out", str(tmp_path / "gen"), "--teacher", str(teacher)]) == 2
     assert "already holds token shards" in capsys.readouterr().err
-    assert main(["data", "shards", str(tmp_path / "gen"), "--out", str(tmp_path / "again"), "--teacher", str(teacher)]) == 2
-    assert f"holds token shards, not text files — name it shards:{tmp_path / 'gen'}" in capsys.readouterr().err
-    assert main(["data", "shards", f"shards:{tmp_path / 'gen'}", "--out", str(tmp_path / "cut"), "--teacher", str(teacher), "--fit-mib", "0.07"]) == 0
-    assert "train            2,000 tokens" in capsys.readouterr().out  # room for 3,932 ids, 122 held out: all 2,000 training ones fit
+    assert (
+        main(
+            [
+                "data",
+                "shards",
+                str(tmp_path / "gen"),
+                "--out",
+                str(tmp_path / "again"),
+                "--teacher",
+                str(teacher),
+            ]
+        )
+        == 2
+    )
+    assert (
+        f"holds token shards, not text files — name it shards:{tmp_path / 'gen'}" in capsys.readouterr().err
+    )
+    assert (
+        main(
+            [
+                "data",
+                "shards",
+                f"shards:{tmp_path / 'gen'}",
+                "--out",
+                str(tmp_path / "cut"),
+                "--teacher",
+                str(teacher),
+                "--fit-mib",
+                "0.07",
+            ]
+        )
+        == 0
+    )
+    assert (
+        "train            2,000 tokens" in capsys.readouterr().out
+    )  # room for 3,932 ids, 122 held out: all 2,000 training ones fit
     assert sum(f.stat().st_size for f in (tmp_path / "cut").iterdir()) <= 0.07 * 2**20
 
 
@@ -533,11 +794,32 @@ def test_data_shards_interrupted_leaves_nothing(tiny_setup, tmp_path):
     teacher, _ = tiny_setup
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     out = tmp_path / "gen"
-    proc = subprocess.Popen([sys.executable, "-m", "attn2ssm", "data", "shards", "generated:100000000?length=32&batch=4", "--out", str(out),
-                             "--teacher", str(teacher), "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "attn2ssm",
+            "data",
+            "shards",
+            "generated:100000000?length=32&batch=4",
+            "--out",
+            str(out),
+            "--teacher",
+            str(teacher),
+            "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + TIMEOUT
-        while not [p for p in tmp_path.iterdir() if p.name.startswith(".gen.shards-")] and time.monotonic() < deadline and proc.poll() is None:
+        while (
+            not [p for p in tmp_path.iterdir() if p.name.startswith(".gen.shards-")]
+            and time.monotonic() < deadline
+            and proc.poll() is None
+        ):
             time.sleep(0.2)
         time.sleep(1.0)  # some batches written
         proc.send_signal(signal.SIGTERM)
@@ -554,11 +836,22 @@ def test_data_token_counts_and_fitting_a_transfer():
     from attn2ssm.cli.data import fit_limits, token_count
     from attn2ssm.errors import ConfigError
 
-    assert [token_count("--max-tokens", t) for t in ("123", "30M", "1.5k", "2^25", "2 ^ 10", "1G", None)] == [123, 30_000_000, 1500, 1 << 25, 1024, 10**9, None]
+    assert [token_count("--max-tokens", t) for t in ("123", "30M", "1.5k", "2^25", "2 ^ 10", "1G", None)] == [
+        123,
+        30_000_000,
+        1500,
+        1 << 25,
+        1024,
+        10**9,
+        None,
+    ]
     with pytest.raises(ConfigError, match="not a number of tokens"):
         token_count("--max-tokens", "-5")
     train, held = fit_limits(64, 2, None, None)  # 64 MiB at 16 bits, 64 KiB left for the manifest
     assert train + held == ((64 << 20) - (64 << 10)) // 2 == 33_521_664 and held == 33_521_664 // 32
-    assert fit_limits(64, 2, 1000, 50) == (1000, 50) and fit_limits(64, 4, None, 100) == (((64 << 20) - (64 << 10)) // 4 - 100, 100)
+    assert fit_limits(64, 2, 1000, 50) == (1000, 50) and fit_limits(64, 4, None, 100) == (
+        ((64 << 20) - (64 << 10)) // 4 - 100,
+        100,
+    )
     with pytest.raises(ConfigError, match="raise --fit-mib"):
         fit_limits(0.05, 2, None, None)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_tokenizer, tiny_config
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.cli import main
+from tiny_models import make_tokenizer, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,11 @@ def teacher_dir(tmp_path_factory):
 
 
 def _digest(directory) -> dict:
-    return {p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _one_error_line(capsys) -> str:
@@ -119,13 +123,18 @@ def test_a_full_disk_is_one_line_and_keeps_the_old_student(teacher_dir, tmp_path
     monkeypatch.setattr(Attn2SSMForCausalLM, "save_pretrained", fills_the_disk)
     capsys.readouterr()
     assert _convert(teacher_dir, out, "--mixer", "mamba2", "--force") == 2
-    assert _one_error_line(capsys) == (f"error: cannot write the student to {out}: No space left on device — free space on its disk, "
-                                       "then run the command again (what --out held is unchanged)")  # fmt: skip
+    assert _one_error_line(capsys) == (
+        f"error: cannot write the student to {out}: No space left on device — free space on its disk, "
+        "then run the command again (what --out held is unchanged)"
+    )
     assert _digest(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging left
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders: the chmod case cannot fail as root (the injected cases cover it)")
+@pytest.mark.skipif(
+    os.geteuid() == 0,
+    reason="root writes into read-only folders: the chmod case cannot fail as root (the injected cases cover it)",
+)
 def test_a_read_only_parent_is_refused(teacher_dir, tmp_path, capsys):
     parent = tmp_path / "ro"
     parent.mkdir()
@@ -137,27 +146,44 @@ def test_a_read_only_parent_is_refused(teacher_dir, tmp_path, capsys):
     assert _one_error_line(capsys).startswith(f"error: --out {parent / 'out'}: {parent} is not writable")
 
 
-def test_an_unwritable_out_is_one_line_before_the_teacher_loads_or_while_writing(teacher_dir, tmp_path, monkeypatch, capsys):
+def test_an_unwritable_out_is_one_line_before_the_teacher_loads_or_while_writing(
+    teacher_dir, tmp_path, monkeypatch, capsys
+):
     import attn2ssm.teachers
     from attn2ssm.student.modeling import Attn2SSMForCausalLM
 
     out = tmp_path / "new" / "out"
     real_access, real_load = os.access, attn2ssm.teachers.load_teacher
-    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode))  # as if tmp_path were read-only
-    monkeypatch.setattr(attn2ssm.teachers, "load_teacher", lambda *a, **k: pytest.fail("the teacher loaded for an --out that cannot be written"))
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode)
+    )  # as if tmp_path were read-only
+    monkeypatch.setattr(
+        attn2ssm.teachers,
+        "load_teacher",
+        lambda *a, **k: pytest.fail("the teacher loaded for an --out that cannot be written"),
+    )
     assert _convert(teacher_dir, out) == 2
-    assert _one_error_line(capsys) == f"error: --out {out}: {tmp_path} is not writable (permission denied) — choose another --out, or make {tmp_path} writable"
+    assert (
+        _one_error_line(capsys)
+        == f"error: --out {out}: {tmp_path} is not writable (permission denied) — choose another --out, or make {tmp_path} writable"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
     monkeypatch.setattr(os, "access", real_access)
     monkeypatch.setattr(attn2ssm.teachers, "load_teacher", real_load)
 
-    def denied(self, directory, *args, **kwargs):  # access(2) said yes, the write says no (ACLs, NFS root squash, a race)
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(Path(directory) / "model.safetensors"))
+    def denied(
+        self, directory, *args, **kwargs
+    ):  # access(2) said yes, the write says no (ACLs, NFS root squash, a race)
+        raise PermissionError(
+            errno.EACCES, os.strerror(errno.EACCES), str(Path(directory) / "model.safetensors")
+        )
 
     monkeypatch.setattr(Attn2SSMForCausalLM, "save_pretrained", denied)
     assert _convert(teacher_dir, out) == 2
-    assert _one_error_line(capsys).startswith(f"error: cannot write the student to {out}: Permission denied — make {out} writable")
+    assert _one_error_line(capsys).startswith(
+        f"error: cannot write the student to {out}: Permission denied — make {out} writable"
+    )
     assert sorted(p.name for p in out.parent.iterdir()) == []
 
 

@@ -13,15 +13,17 @@ import os
 
 import pytest
 import torch
+
+from attn2ssm.decode.layout import cpu_decode_layout
+from attn2ssm.mixers.registry import MIXERS
 from cache_forms import full_and_pieces, positions
 from tiny_models import tiny_student
 
-from attn2ssm.mixers.registry import MIXERS
-from attn2ssm.decode.layout import cpu_decode_layout
-
 # the device compared with the CPU; ATTN2SSM_TEST_DEVICE=cpu dry-runs these tests' logic on a CPU
 DEVICE = torch.device(os.environ.get("ATTN2SSM_TEST_DEVICE", "cuda"))
-pytestmark = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.skipif(
+    DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU"
+)
 
 KINDS = sorted(MIXERS)
 SHAPES = [("llama", 0.0), ("gemma2", 0.5)]
@@ -92,7 +94,12 @@ def test_cuda_backward_reaches_every_mixer_parameter(kind):
     ids, mask = _batch()
     losses = []
     for model, dev in ((cpu, "cpu"), (gpu, DEVICE)):
-        out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=positions(mask).to(dev), labels=ids.to(dev))
+        out = model(
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=positions(mask).to(dev),
+            labels=ids.to(dev),
+        )
         out.loss.backward()
         losses.append(out.loss.item())
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)

@@ -81,13 +81,27 @@ def test_the_pages_exist():
     assert README.is_file()
     assert (ROOT / "benchmarks" / "README.md").is_file()
     names = {p.name for p in DOCS}
-    for page in ("install", "cli", "data", "recipes", "mixers", "methods", "generation", "serving", "evaluation", "python", "design"):
+    for page in (
+        "install",
+        "cli",
+        "data",
+        "recipes",
+        "mixers",
+        "methods",
+        "generation",
+        "serving",
+        "evaluation",
+        "python",
+        "design",
+    ):
         assert f"{page}.md" in names, f"docs/{page}.md is missing"
 
 
 def test_readme_is_short():
     lines = README.read_text(encoding="utf-8").splitlines()
-    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail to docs/ or benchmarks/README.md"
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines; move detail to docs/ or benchmarks/README.md"
+    )
 
 
 @pytest.mark.parametrize("path", LINKED, ids=_rel)
@@ -101,7 +115,9 @@ def test_relative_links_resolve(path):
 def test_papers_are_cited_by_name(path):
     text = path.read_text(encoding="utf-8")
     hits = [m.group(0) for m in re.finditer(r"paper\s+00\d", text, re.IGNORECASE)]
-    assert not hits, f"{_rel(path)} cites papers by number ({', '.join(hits)}); use the short name (docs/methods.md)"
+    assert not hits, (
+        f"{_rel(path)} cites papers by number ({', '.join(hits)}); use the short name (docs/methods.md)"
+    )
 
 
 # ---------------------------------------------------------------------------- the checker itself
@@ -128,4 +144,8 @@ def test_checker_finds_broken_links(tmp_path, monkeypatch):
     )
     problems = broken_links(page)
     assert len(problems) == 3, problems
-    assert any("missing.md" in p for p in problems) and any("#nowhere" in p for p in problems) and any("none.png" in p for p in problems)
+    assert (
+        any("missing.md" in p for p in problems)
+        and any("#nowhere" in p for p in problems)
+        and any("none.png" in p for p in problems)
+    )

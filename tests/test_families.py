@@ -19,14 +19,14 @@ import math
 
 import pytest
 import torch
-from cache_forms import greedy_by_full_forwards, run_remote
-from tiny_models import make_tokenizer, tiny_config
 from transformers import AutoModelForCausalLM
 
 import attn2ssm.student  # noqa: F401  (registers the Auto classes)
 from attn2ssm.cli import main
 from attn2ssm.decode import compiled as compiled_step
 from attn2ssm.decode.plan import DecodePlan
+from cache_forms import greedy_by_full_forwards, run_remote
+from tiny_models import make_tokenizer, tiny_config
 
 FAMILIES = ["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3", "phi", "gpt_neox", "gpt2"]
 PLANNED = {"llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3"}  # pre-norm or sandwich-norm layers
@@ -119,11 +119,39 @@ def test_family_converts_distils_reloads_and_generates(family, workspace, monkey
     teacher, tok = _teacher_dir(family, root / f"{family}-teacher")
 
     converted = root / f"{family}-converted"
-    assert main(["convert", "--teacher", str(teacher), "--out", str(converted), "--option", "feature_map=hedgehog"]) == 0, capsys.readouterr().err
+    assert (
+        main(
+            [
+                "convert",
+                "--teacher",
+                str(teacher),
+                "--out",
+                str(converted),
+                "--option",
+                "feature_map=hedgehog",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     assert json.loads((converted / "config.json").read_text())["layer_plan"] == ["linear_attention"] * 2
 
     run = root / f"{family}-run"
-    assert main(["distill", str(recipe), "--out", str(run), "--no-progress", "--set", f"teacher={teacher}", "--set", f"data.corpus={corpus}"]) == 0, capsys.readouterr().err
+    assert (
+        main(
+            [
+                "distill",
+                str(recipe),
+                "--out",
+                str(run),
+                "--no-progress",
+                "--set",
+                f"teacher={teacher}",
+                "--set",
+                f"data.corpus={corpus}",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     results = json.loads((run / "results.json").read_text())
     assert math.isfinite(results["student_ppl"]) and math.isfinite(results["teacher_ppl"])
     student_dir = run / "student"
@@ -134,7 +162,12 @@ def test_family_converts_distils_reloads_and_generates(family, workspace, monkey
     remote = run_remote(f"NEW, IDS = {NEW_TOKENS}, {ids.tolist()}\n" + REMOTE, student_dir)
     assert remote["module"].startswith("transformers_modules")
     with torch.no_grad():
-        torch.testing.assert_close(torch.tensor(remote["logits"]), student(input_ids=ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(remote["logits"]),
+            student(input_ids=ids, use_cache=False).logits,
+            rtol=1e-5,
+            atol=1e-5,
+        )
     reference = greedy_by_full_forwards(student, ids, NEW_TOKENS)
     assert remote["full"] == reference.tolist()
     assert remote["cached"] == remote["full"]
@@ -144,9 +177,24 @@ def test_family_converts_distils_reloads_and_generates(family, workspace, monkey
     monkeypatch.setattr(compiled_step, "BACKEND", backend)
     plan_steps = []
     original_call = DecodePlan.__call__
-    monkeypatch.setattr(DecodePlan, "__call__", lambda self, *a: plan_steps.append(1) or original_call(self, *a))
+    monkeypatch.setattr(
+        DecodePlan, "__call__", lambda self, *a: plan_steps.append(1) or original_call(self, *a)
+    )
     capsys.readouterr()
-    assert main(["generate", str(student_dir), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--compile"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(student_dir),
+                "--prompt",
+                PROMPT,
+                "--max-new-tokens",
+                str(NEW_TOKENS),
+                "--compile",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     new = _until_eos(reference[0, ids.shape[1] :].tolist(), student.generation_config.eos_token_id)
     assert out.strip() == tok.decode(new, skip_special_tokens=True).strip()

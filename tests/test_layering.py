@@ -26,19 +26,27 @@ import attn2ssm
 ROOT = Path(attn2ssm.__file__).parent
 
 RANKS = {
-    "errors": 0, "config": 0, "paths": 0, "precision": 0, "hf_compat": 0,
+    "errors": 0,
+    "config": 0,
+    "paths": 0,
+    "precision": 0,
+    "hf_compat": 0,
     "ops": 1,
-    "mixers": 2, "adapters": 2, "data": 2,
+    "mixers": 2,
+    "adapters": 2,
+    "data": 2,
     "teachers": 3,
     "student": 4,
     "decode": 5,
     "generation": 6,
-    "eval": 7, "export": 7,
+    "eval": 7,
+    "export": 7,
     "distill": 8,
     "bench": 9,
     "cli": 10,
-    "__main__": 11, "__init__": 11,  # the package root and `python -m attn2ssm`
-}  # fmt: skip
+    "__main__": 11,
+    "__init__": 11,  # the package root and `python -m attn2ssm`
+}
 # Leaf utilities may import one another (paths uses errors, precision uses paths): by these ranks.
 LEAF_RANKS = {"errors": 0, "config": 1, "paths": 1, "precision": 2, "hf_compat": 0}
 ONLY_IMPORTED_BY = {"bench": {"cli"}, "export": {"cli", "bench"}}
@@ -89,7 +97,9 @@ def violations(path: Path, tree: ast.AST) -> list[str]:
             if LEAF_RANKS[theirs] >= LEAF_RANKS[mine]:
                 found.append(f"{where}: leaf utilities import only lower ones")
         elif RANKS[theirs] >= RANKS[mine]:
-            found.append(f"{where}: '{mine}' (rank {RANKS[mine]}) may not import '{theirs}' (rank {RANKS[theirs]})")
+            found.append(
+                f"{where}: '{mine}' (rank {RANKS[mine]}) may not import '{theirs}' (rank {RANKS[theirs]})"
+            )
         if theirs in ONLY_IMPORTED_BY and mine not in ONLY_IMPORTED_BY[theirs]:
             found.append(f"{where}: '{theirs}' is imported only by {sorted(ONLY_IMPORTED_BY[theirs])}")
     return found
@@ -102,7 +112,9 @@ def test_dependencies_point_one_way(path):
 
 def test_every_package_has_a_rank():
     for path in _files():
-        assert package_of(path) in RANKS, f"{path.relative_to(ROOT)}: add its package to RANKS (docs/design.md says where it sits)"
+        assert package_of(path) in RANKS, (
+            f"{path.relative_to(ROOT)}: add its package to RANKS (docs/design.md says where it sits)"
+        )
 
 
 def test_no_two_packages_import_each_other():
@@ -121,9 +133,13 @@ def test_no_two_packages_import_each_other():
 def test_ops_are_pure_functions(path):
     tree = _parse(path)
     for module, _ in _imports(tree):
-        assert module not in ("torch.nn", "torch.nn.modules"), f"ops/{path.name} imports {module}: ops define no modules"
+        assert module not in ("torch.nn", "torch.nn.modules"), (
+            f"ops/{path.name} imports {module}: ops define no modules"
+        )
     for node in ast.walk(tree):
-        assert not isinstance(node, ast.Global), f"ops/{path.name} keeps module-global state (line {node.lineno})"
+        assert not isinstance(node, ast.Global), (
+            f"ops/{path.name} keeps module-global state (line {node.lineno})"
+        )
         if isinstance(node, ast.Attribute) and node.attr == "__class__" and isinstance(node.ctx, ast.Store):
             raise AssertionError(f"ops/{path.name} swaps a class (line {node.lineno})")
     # and at run time: no class in the module is a torch module (whatever it was imported as)
@@ -136,20 +152,38 @@ def test_ops_are_pure_functions(path):
 @pytest.mark.parametrize("path", _files("decode"), ids=lambda p: p.name)
 def test_decode_keeps_no_module_global_state(path):
     for node in ast.walk(_parse(path)):
-        assert not isinstance(node, ast.Global), f"decode/{path.name} keeps module-global state (line {node.lineno})"
+        assert not isinstance(node, ast.Global), (
+            f"decode/{path.name} keeps module-global state (line {node.lineno})"
+        )
 
 
 @pytest.mark.parametrize(
     "where, source, expect",
     [
-        ("mixers/x.py", "from attn2ssm.decode.fusion import call_linear", "'mixers' (rank 2) may not import 'decode'"),
-        ("student/x.py", "def f():\n    from attn2ssm.decode.plan import DecodePlan", "'student' (rank 4) may not import 'decode'"),
+        (
+            "mixers/x.py",
+            "from attn2ssm.decode.fusion import call_linear",
+            "'mixers' (rank 2) may not import 'decode'",
+        ),
+        (
+            "student/x.py",
+            "def f():\n    from attn2ssm.decode.plan import DecodePlan",
+            "'student' (rank 4) may not import 'decode'",
+        ),
         ("eval/x.py", "import attn2ssm.distill.recipe", "'eval' (rank 7) may not import 'distill'"),
         ("distill/x.py", "from attn2ssm.export.native import export_native", "'export' is imported only by"),
         ("eval/x.py", "from attn2ssm.bench import quality", "'eval' (rank 7) may not import 'bench'"),
         ("paths.py", "from attn2ssm.precision import PRECISIONS", "leaf utilities import only lower ones"),
-        ("ops/x.py", "from attn2ssm.mixers.base import HeadRMSNorm", "'ops' (rank 1) may not import 'mixers'"),
-        ("student/x.py", "from attn2ssm.mixers.base import HeadRMSNorm\nfrom attn2ssm.student.cache import Attn2SSMCache", None),
+        (
+            "ops/x.py",
+            "from attn2ssm.mixers.base import HeadRMSNorm",
+            "'ops' (rank 1) may not import 'mixers'",
+        ),
+        (
+            "student/x.py",
+            "from attn2ssm.mixers.base import HeadRMSNorm\nfrom attn2ssm.student.cache import Attn2SSMCache",
+            None,
+        ),
     ],
 )
 def test_the_checks_can_fail(where, source, expect):

@@ -47,7 +47,11 @@ def test_a_failed_atomic_write_keeps_the_old_file_and_leaves_no_temporary(tmp_pa
 
 def test_staging_names_carry_their_writer(tmp_path):
     with staging_beside(tmp_path / "out", "convert") as folder:
-        assert folder.parent == tmp_path and folder.name.startswith(".out.convert-") and folder.name.endswith(f".{owner_tag()}")
+        assert (
+            folder.parent == tmp_path
+            and folder.name.startswith(".out.convert-")
+            and folder.name.endswith(f".{owner_tag()}")
+        )
         (folder / "model.safetensors").write_bytes(b"x")
     assert list(tmp_path.iterdir()) == []  # removed with what it held
 
@@ -71,8 +75,12 @@ def test_stale_staging_is_removed_and_live_or_foreign_staging_is_kept(tmp_path):
             (tmp_path / name / "model.safetensors").write_bytes(b"x" * 1000)
     removed = remove_stale_staging(tmp_path)
     assert sorted(removed) == sorted(names[k] for k in ("stale_convert", "stale_export", "stale_tmp_file"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[k] for k in ("live", "other_host", "untagged", "trainer_tmp"))
-    assert remove_stale_staging(tmp_path, locked=True) == [".tmp-student"]  # the lock holder owns its .tmp-* folders
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        names[k] for k in ("live", "other_host", "untagged", "trainer_tmp")
+    )
+    assert remove_stale_staging(tmp_path, locked=True) == [
+        ".tmp-student"
+    ]  # the lock holder owns its .tmp-* folders
 
 
 def test_an_old_output_set_aside_comes_back_when_its_replacement_never_arrived(tmp_path):
@@ -114,7 +122,10 @@ def test_a_run_directory_is_held_by_one_process_and_freed_when_it_dies(tmp_path)
         with pytest.raises(OutputError) as err:
             lock_dir(folder)
         message = str(err.value)
-        assert f"another process (pid {holder.pid} on {socket.gethostname()}) is using {folder}" in message and " — " in message
+        assert (
+            f"another process (pid {holder.pid} on {socket.gethostname()}) is using {folder}" in message
+            and " — " in message
+        )
     finally:
         holder.kill()  # SIGKILL: no chance to unlock
         holder.wait()
@@ -134,13 +145,18 @@ def test_write_failure_finds_the_os_reason_however_it_is_wrapped():
     except RuntimeError as exc:
         wrapped = exc
     assert write_failure(wrapped).errno == errno.ENOSPC
-    rust = Exception("Error while serializing: I/O error: No space left on device (os error 28)")  # safetensors
+    rust = Exception(
+        "Error while serializing: I/O error: No space left on device (os error 28)"
+    )  # safetensors
     assert write_failure(rust).errno == errno.ENOSPC
     assert write_failure(OSError("disk full")) is None  # no errno: not recognisable
     assert write_failure(RuntimeError("shape mismatch")) is None
     denied = PermissionError(errno.EACCES, "Permission denied", "/elsewhere/corpus.txt")
     assert write_failure(denied, "/runs") is None  # a read outside the output is not the output's fault
-    assert write_failure(PermissionError(errno.EACCES, "Permission denied", "/runs/x/recipe.yaml"), "/runs") is not None
+    assert (
+        write_failure(PermissionError(errno.EACCES, "Permission denied", "/runs/x/recipe.yaml"), "/runs")
+        is not None
+    )
 
 
 def test_writing_turns_a_full_disk_into_one_line(tmp_path):
@@ -148,7 +164,10 @@ def test_writing_turns_a_full_disk_into_one_line(tmp_path):
     with pytest.raises(OutputError) as err:
         with writing(out, "the student", "run the command again"):
             no_space()
-    assert str(err.value) == f"cannot write the student to {out}: No space left on device — free space on its disk, then run the command again"
+    assert (
+        str(err.value)
+        == f"cannot write the student to {out}: No space left on device — free space on its disk, then run the command again"
+    )
     with pytest.raises(PermissionError):  # a denied read elsewhere passes through
         with writing(out, "the student", "run the command again"):
             raise PermissionError(errno.EACCES, "Permission denied", "/elsewhere/teacher/config.json")
@@ -157,7 +176,10 @@ def test_writing_turns_a_full_disk_into_one_line(tmp_path):
             raise ValueError("not a write")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders: the chmod case cannot fail as root (covered by the injected one)")
+@pytest.mark.skipif(
+    os.geteuid() == 0,
+    reason="root writes into read-only folders: the chmod case cannot fail as root (covered by the injected one)",
+)
 def test_check_writable_refuses_a_read_only_folder(tmp_path):
     parent = tmp_path / "ro"
     parent.mkdir()
@@ -171,8 +193,12 @@ def test_check_writable_refuses_a_read_only_folder(tmp_path):
 
 def test_check_writable_checks_the_nearest_existing_folder(tmp_path, monkeypatch):
     asked = []
-    monkeypatch.setattr(os, "access", lambda path, mode: asked.append(str(path)) or str(path) != str(tmp_path))
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: asked.append(str(path)) or str(path) != str(tmp_path)
+    )
     with pytest.raises(OutputError) as err:
         check_writable(tmp_path / "x" / "y")
     assert asked == [str(tmp_path)]
-    assert str(err.value).startswith(f"--out {tmp_path / 'x' / 'y'}: {tmp_path} is not writable") and "choose another --out" in str(err.value)
+    assert str(err.value).startswith(
+        f"--out {tmp_path / 'x' / 'y'}: {tmp_path} is not writable"
+    ) and "choose another --out" in str(err.value)

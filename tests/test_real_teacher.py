@@ -15,8 +15,22 @@ def test_quickstart_on_the_builtin_teacher(tmp_path):
     env = dict(os.environ)
     env["ATTN2SSM_CACHE"] = os.environ.get("ATTN2SSM_REAL_CACHE", str(Path.home() / ".cache" / "attn2ssm"))
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "attn2ssm", "distill", "quickstart", "--out", str(out), "--no-progress",
-           "--set", "stages.0.tokens=4096", "--set", "stages.1.tokens=2048", "--set", "eval.max_tokens=2048"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "attn2ssm",
+        "distill",
+        "quickstart",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--set",
+        "stages.0.tokens=4096",
+        "--set",
+        "stages.1.tokens=2048",
+        "--set",
+        "eval.max_tokens=2048",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "teacher" in proc.stdout and "student" in proc.stdout
@@ -31,7 +45,9 @@ def test_quickstart_on_the_builtin_teacher(tmp_path):
         "ids = tok('The state of the Union is', return_tensors='pt')\n"
         "print(tok.decode(m.generate(**ids, max_new_tokens=8, do_sample=False)[0]))\n"
     )
-    gen = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    gen = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=600
+    )
     assert gen.returncode == 0, gen.stderr[-3000:]
     assert gen.stdout.strip().startswith("The state of the Union is")
 
@@ -50,7 +66,9 @@ def test_speculative_greedy_is_identical_on_the_builtin_teachers_students():
     teacher, tok, _ = load_teacher(None)
     n = teacher.config.num_hidden_layers
     hybrid = convert(teacher, make_plan(n, "mamba2", attention_ratio=0.5), {"mamba2": {}}).eval()
-    linear = convert(teacher, make_plan(n, "linear_attention"), {"linear_attention": {"feature_map": "hedgehog"}}).eval()
+    linear = convert(
+        teacher, make_plan(n, "linear_attention"), {"linear_attention": {"feature_map": "hedgehog"}}
+    ).eval()
     ids = tok("The state of the Union is strong because", return_tensors="pt")["input_ids"]
     accepted = drafted = 0
     for verifier, draft in ((hybrid, teacher), (teacher, hybrid), (linear, hybrid), (hybrid, linear)):
@@ -58,6 +76,8 @@ def test_speculative_greedy_is_identical_on_the_builtin_teachers_students():
         spec = speculative_generate(verifier, draft, ids, max_new_tokens=20, num_draft_tokens=3)
         assert torch.equal(spec.sequences, plain)
         accepted, drafted = accepted + spec.stats.accepted, drafted + spec.stats.drafted
-        assisted = verifier.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=tok.eos_token_id, assistant_model=draft)
+        assisted = verifier.generate(
+            ids, max_new_tokens=20, do_sample=False, pad_token_id=tok.eos_token_id, assistant_model=draft
+        )
         assert torch.equal(assisted, plain)
     assert 0 < accepted < drafted  # both the accept and the rollback paths ran

@@ -13,8 +13,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, BertConfig
 
 from attn2ssm.errors import CheckpointError, UnsupportedModelError
-from attn2ssm.teachers.text import BUILTIN_TEACHERS, DEFAULT_TEACHER, TeacherSource, first_line, load_teacher, resolve_teacher
 from attn2ssm.student.loading import load_model_and_tokenizer
+from attn2ssm.teachers.text import (
+    BUILTIN_TEACHERS,
+    DEFAULT_TEACHER,
+    TeacherSource,
+    first_line,
+    load_teacher,
+    resolve_teacher,
+)
 from tiny_models import make_tokenizer, tiny_config
 
 
@@ -60,7 +67,12 @@ def test_hf_dir_resolves_to_kind_dir(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     source = resolve_teacher(str(tmp_path))
     assert source == TeacherSource("dir", str(tmp_path.resolve()))
-    assert source.describe() == {"kind": "dir", "location": str(tmp_path.resolve()), "gguf_file": None, "name": None}
+    assert source.describe() == {
+        "kind": "dir",
+        "location": str(tmp_path.resolve()),
+        "gguf_file": None,
+        "name": None,
+    }
 
 
 def test_missing_gguf_is_an_error_naming_the_builtins(tmp_path):
@@ -112,13 +124,21 @@ def test_a_teachers_tokenizer_alone(llama_dir, tmp_path, monkeypatch):
     from attn2ssm.data.packing import tokenizer_fingerprint
 
     _, full, _ = load_teacher(str(llama_dir))
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr(
+        AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights loaded")
+    )
     alone = text.load_teacher_tokenizer(str(llama_dir))
     assert tokenizer_fingerprint(alone) == tokenizer_fingerprint(full) and alone.pad_token == full.pad_token
     asked = []
     monkeypatch.setenv("ATTN2SSM_CACHE", str(tmp_path / "cache"))  # no converted built-in here
-    monkeypatch.setattr(text, "builtin_gguf_path", lambda name: asked.append(name) or llama_dir / "model.gguf")
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda location, **kw: asked.append((location, kw)) or full)
+    monkeypatch.setattr(
+        text, "builtin_gguf_path", lambda name: asked.append(name) or llama_dir / "model.gguf"
+    )
+    monkeypatch.setattr(
+        transformers.AutoTokenizer,
+        "from_pretrained",
+        lambda location, **kw: asked.append((location, kw)) or full,
+    )
     assert text.load_teacher_tokenizer(None) is full
     assert asked == [DEFAULT_TEACHER, (str(llama_dir), {"gguf_file": "model.gguf"})]
     with pytest.raises(CheckpointError) as info:
@@ -137,7 +157,13 @@ def test_hub_id_offline_is_one_line(monkeypatch):
     assert_one_line(info, "some-org/some-model", "hub", "network")
     with pytest.raises(CheckpointError) as info:  # a mistyped local path reads as a hub id: both are said
         load_model_and_tokenizer("runs/nonexistent")
-    assert_one_line(info, "there is no local folder 'runs/nonexistent'", "as a hub id failed", "check the path", "a hub id needs the network")
+    assert_one_line(
+        info,
+        "there is no local folder 'runs/nonexistent'",
+        "as a hub id failed",
+        "check the path",
+        "a hub id needs the network",
+    )
 
 
 def test_a_folder_without_config_json_holds_no_model(tmp_path, llama_dir):
@@ -145,7 +171,9 @@ def test_a_folder_without_config_json_holds_no_model(tmp_path, llama_dir):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError) as info:
         load_model_and_tokenizer(str(tmp_path / "empty"))
-    message = assert_one_line(info, f"{tmp_path / 'empty'} holds no model: config.json is missing", "student directory", "hub id")
+    message = assert_one_line(
+        info, f"{tmp_path / 'empty'} holds no model: config.json is missing", "student directory", "hub id"
+    )
     assert "--teacher" not in message
     (tmp_path / "run" / "student").mkdir(parents=True)
     (tmp_path / "run" / "student" / "config.json").write_bytes((llama_dir / "config.json").read_bytes())
@@ -156,7 +184,14 @@ def test_a_folder_without_config_json_holds_no_model(tmp_path, llama_dir):
 
 def test_unsupported_architecture_fails_before_the_weights_load(tmp_path):
     # No weights at all: check_supported must refuse on the config alone.
-    BertConfig(is_decoder=True, vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
+    BertConfig(
+        is_decoder=True,
+        vocab_size=300,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+    ).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError) as info:
         load_teacher(str(tmp_path), check_supported=True)
     assert_one_line(info, "'bert'", "supported families", "llama")
@@ -208,7 +243,12 @@ def test_a_truncated_safetensors_teacher_is_one_line_naming_the_file(tmp_path, l
     for load in (load_teacher, load_model_and_tokenizer):
         with pytest.raises(CheckpointError) as info:
             load(str(damaged))
-        assert_one_line(info, str(damaged.resolve() / "model.safetensors"), "damaged or incomplete", "copy or download it again")
+        assert_one_line(
+            info,
+            str(damaged.resolve() / "model.safetensors"),
+            "damaged or incomplete",
+            "copy or download it again",
+        )
 
 
 def test_a_truncated_student_is_one_line_naming_the_file(tmp_path, llama_dir):
@@ -221,15 +261,27 @@ def test_a_truncated_student_is_one_line_naming_the_file(tmp_path, llama_dir):
     damaged = _truncated_copy(tmp_path / "student", tmp_path / "damaged")
     with pytest.raises(CheckpointError) as info:
         load_model_and_tokenizer(str(damaged))
-    assert_one_line(info, str(damaged / "model.safetensors"), "damaged or incomplete", "rerun the convert / distill")
-    assert load_model_and_tokenizer(str(tmp_path / "student"))[0].config.layer_plan == ["mamba2", "mamba2"]  # the intact one loads
+    assert_one_line(
+        info, str(damaged / "model.safetensors"), "damaged or incomplete", "rerun the convert / distill"
+    )
+    assert load_model_and_tokenizer(str(tmp_path / "student"))[0].config.layer_plan == [
+        "mamba2",
+        "mamba2",
+    ]  # the intact one loads
 
 
 @pytest.mark.parametrize(
     "head",
-    [b"GGUF\x03\x00\x00\x00",  # the version, then nothing
-     b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little") + (20).to_bytes(8, "little") + b"general.arch"],  # a key cut short
-)  # fmt: skip
+    [
+        b"GGUF\x03\x00\x00\x00",  # the version, then nothing
+        b"GGUF"
+        + (3).to_bytes(4, "little")
+        + (0).to_bytes(8, "little")
+        + (1).to_bytes(8, "little")
+        + (20).to_bytes(8, "little")
+        + b"general.arch",
+    ],  # a key cut short
+)
 def test_a_truncated_gguf_file_is_one_line(tmp_path, head):
     (tmp_path / "cut.gguf").write_bytes(head)
     for check_supported in (False, True):
@@ -294,7 +346,9 @@ def family_dirs(tmp_path_factory):
     return dirs
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3", "phi", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize(
+    "family", ["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3", "phi", "gpt_neox", "gpt2"]
+)
 def test_every_family_loads_with_an_attention_it_supports(family, family_dirs):
     """SDPA where the family's model class supports it, eager where not (Gemma-2: its attention
     soft-caps the logits, SDPA cannot); the logits are the eager reference's."""

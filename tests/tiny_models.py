@@ -65,7 +65,9 @@ def mistral() -> MistralConfig:
 
 def qwen2() -> Qwen2Config:
     # use_sliding_window + max_window_layers=1: layer 0 global, layer 1 sliding.
-    return Qwen2Config(**_LLAMA_LIKE, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1)
+    return Qwen2Config(
+        **_LLAMA_LIKE, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1
+    )
 
 
 def gemma() -> GemmaConfig:
@@ -102,10 +104,16 @@ def gpt_neox() -> GPTNeoXConfig:
 
 def gpt2() -> GPT2Config:
     return GPT2Config(
-        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=128,
-        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,  # defaults (50256) lie outside the tiny vocab
-        initializer_range=INIT_STD, attn_implementation="eager",
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        n_embd=HIDDEN,
+        n_layer=LAYERS,
+        n_head=4,
+        n_positions=128,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,  # defaults (50256) lie outside the tiny vocab
+        initializer_range=INIT_STD,
+        attn_implementation="eager",
+    )
 
 
 TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
@@ -123,8 +131,10 @@ TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
 
 def smollm2() -> LlamaConfig:
     """SmolLM2 shape (model_type "llama"): 3 query heads per kv head, tied embeddings."""
-    return LlamaConfig(**dict(_LLAMA_LIKE, hidden_size=48, num_attention_heads=3, num_key_value_heads=1),
-                       tie_word_embeddings=True)  # fmt: skip
+    return LlamaConfig(
+        **dict(_LLAMA_LIKE, hidden_size=48, num_attention_heads=3, num_key_value_heads=1),
+        tie_word_embeddings=True,
+    )
 
 
 def gqa_9x3() -> LlamaConfig:
@@ -158,7 +168,9 @@ def tiny_config(name: str) -> PretrainedConfig:
     try:
         return {**TINY_CONFIGS, **VARIANT_CONFIGS}[name]()
     except KeyError:
-        raise KeyError(f"no tiny config {name!r}; have {sorted(TINY_CONFIGS) + sorted(VARIANT_CONFIGS)}") from None
+        raise KeyError(
+            f"no tiny config {name!r}; have {sorted(TINY_CONFIGS) + sorted(VARIANT_CONFIGS)}"
+        ) from None
 
 
 def tiny_model(family: str, seed: int = 0, layers: int | None = None) -> torch.nn.Module:
@@ -182,7 +194,11 @@ def tiny_student(family: str, kind: str, ratio: float = 0.0, options: dict | Non
 
     torch.manual_seed(0)
     teacher = tiny_model(family)
-    student = convert(teacher, make_plan(teacher.config.num_hidden_layers, kind, attention_ratio=ratio), {kind: options or {}})
+    student = convert(
+        teacher,
+        make_plan(teacher.config.num_hidden_layers, kind, attention_ratio=ratio),
+        {kind: options or {}},
+    )
     perturb_new_mixer_parameters(student)
     return student.eval()
 
@@ -228,9 +244,7 @@ def make_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(SENTENCES, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", model_max_length=64
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", model_max_length=64)
 
 
 def save_tiny_teacher_and_corpus(tmp_path):

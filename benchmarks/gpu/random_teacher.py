@@ -33,7 +33,9 @@ def main() -> None:
         for _ in range(args.tokens // (1 << 20)):
             w.add("train", torch.randint(0, len(tok), (1 << 20,), generator=gen))
         w.add("heldout", torch.randint(0, len(tok), (1 << 16,), generator=gen))
-    print(f"wrote {args.teacher_out} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters) and {args.shards_out}")
+    print(
+        f"wrote {args.teacher_out} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters) and {args.shards_out}"
+    )
 
 
 if __name__ == "__main__":

@@ -60,7 +60,9 @@ def cmd_recipe(args) -> None:
     for item in args.sources.split(","):
         folder, _, weight = item.rpartition(":")
         manifest = json.loads((Path(folder) / "manifest.json").read_text())
-        if sum(f["tokens"] for f in manifest["sides"]["train"]) < 4 * args.block_len:  # too few tokens for blocks of this length
+        if (
+            sum(f["tokens"] for f in manifest["sides"]["train"]) < 4 * args.block_len
+        ):  # too few tokens for blocks of this length
             print(f"leaving out {folder}: fewer than 4 blocks of {args.block_len} tokens")
             continue
         sources.append({"corpus": f"shards:{folder}", "weight": float(weight)})
@@ -68,13 +70,22 @@ def cmd_recipe(args) -> None:
     raw["teacher"] = args.teacher
     raw["mixed_precision"] = args.precision
     raw["device"] = args.device
-    raw["data"] = {"corpus": None, "sources": sources, "block_len": args.block_len, "max_heldout_tokens": args.heldout_tokens}
+    raw["data"] = {
+        "corpus": None,
+        "sources": sources,
+        "block_len": args.block_len,
+        "max_heldout_tokens": args.heldout_tokens,
+    }
     batch = max(1, args.step_tokens // args.block_len)
     tokens = [int(t) for t in args.tokens.split(",")]
     # A base recipe's optional stages (tokens: 0, e.g. the 25 % hybrids' long_kd on 4096-token
     # blocks) are left out of the main run; with --init-from the last stage (that long KD stage where
     # the recipe has one) continues the trained student at --block-len.
-    stages = [copy.deepcopy(raw["stages"][-1])] if args.init_from else [s for s in raw["stages"] if s.get("tokens") != 0]
+    stages = (
+        [copy.deepcopy(raw["stages"][-1])]
+        if args.init_from
+        else [s for s in raw["stages"] if s.get("tokens") != 0]
+    )
     for stage in stages:
         stage.pop("block_len", None)  # every stage here runs at --block-len
     if args.init_from:
@@ -86,13 +97,21 @@ def cmd_recipe(args) -> None:
         raise SystemExit(f"--tokens gives {len(tokens)} budgets for {len(stages)} stages")
     for stage, budget in zip(stages, tokens):
         steps = max(1, math.ceil(budget / (batch * args.block_len)))
-        stage.update(tokens=steps * batch * args.block_len, batch_size=batch, eval_every=0, keep_checkpoints=1,
-                     save_every=max(1, steps // args.checkpoints))
+        stage.update(
+            tokens=steps * batch * args.block_len,
+            batch_size=batch,
+            eval_every=0,
+            keep_checkpoints=1,
+            save_every=max(1, steps // args.checkpoints),
+        )
         stage.pop("attention_ratio", None) if args.init_from else None
     raw["stages"] = stages
     raw["eval"] = {"max_tokens": args.eval_tokens, "window": args.block_len, "batch_size": 4}
     Path(args.out).write_text(yaml.safe_dump(raw, sort_keys=False))
-    described = [f"{s['name']} {s['tokens']} tokens ({s['tokens'] // (batch * args.block_len)} steps of {batch} x {args.block_len})" for s in stages]
+    described = [
+        f"{s['name']} {s['tokens']} tokens ({s['tokens'] // (batch * args.block_len)} steps of {batch} x {args.block_len})"
+        for s in stages
+    ]
     print(f"{args.out}: {', '.join(described)}")
 
 
@@ -115,8 +134,14 @@ def stage_rates(metrics: Path, skip: int = 2) -> dict:
         steady = tps[skip:] or tps
         seen = [r.get("tokens", 0) for r in rows]  # the stage's tokens so far, after each step
         per_step = [b - a for a, b in zip([0, *seen[:-1]], seen)]
-        rates[name] = {"steps": len(rows), "tokens": seen[-1], "tokens_per_s": statistics.median(steady),
-                       "seconds": round(sum(t / r["tokens_per_s"] for t, r in zip(per_step, rows) if r["tokens_per_s"] > 0), 3)}  # fmt: skip
+        rates[name] = {
+            "steps": len(rows),
+            "tokens": seen[-1],
+            "tokens_per_s": statistics.median(steady),
+            "seconds": round(
+                sum(t / r["tokens_per_s"] for t, r in zip(per_step, rows) if r["tokens_per_s"] > 0), 3
+            ),
+        }
     return rates
 
 
@@ -179,15 +204,31 @@ def _versions() -> dict:
 
 def cmd_results(args) -> None:
     work = Path(args.work)
-    result: dict = {"issue": 36, "versions": _versions(), "kernels": args.kernels, "precision": args.precision,
-                    "peak_flops": PEAK_BF16, "flops_formula": "2 N_teacher + 6 N_student per token (mfu_low: 2 N_teacher + 4 N_student)"}  # fmt: skip
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"], capture_output=True, text=True) \
-        if os.path.exists("/usr/bin/nvidia-smi") or os.environ.get("PATH", "").find("nvidia") >= 0 else None
+    result: dict = {
+        "issue": 36,
+        "versions": _versions(),
+        "kernels": args.kernels,
+        "precision": args.precision,
+        "peak_flops": PEAK_BF16,
+        "flops_formula": "2 N_teacher + 6 N_student per token (mfu_low: 2 N_teacher + 4 N_student)",
+    }
+    smi = (
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        )
+        if os.path.exists("/usr/bin/nvidia-smi") or os.environ.get("PATH", "").find("nvidia") >= 0
+        else None
+    )
     result["gpu"] = smi.stdout.strip() if smi is not None and smi.returncode == 0 else None
     for name in ("timeline.json", "generate.json"):
         if (work / name).exists():
             result[name.removesuffix(".json")] = json.loads((work / name).read_text())
-    result["probes"] = {p.name.removesuffix(".rates.json"): json.loads(p.read_text()) for p in sorted(work.glob("probe-*.rates.json"))}
+    result["probes"] = {
+        p.name.removesuffix(".rates.json"): json.loads(p.read_text())
+        for p in sorted(work.glob("probe-*.rates.json"))
+    }
     teacher = Path(args.teacher) if args.teacher else None
     n_teacher = _params(teacher) if teacher and teacher.exists() else None
     result["teacher"] = {"dir": str(teacher), "parameters": n_teacher}
@@ -217,7 +258,9 @@ def cmd_results(args) -> None:
     print(f"wrote {args.out}")
     for name, entry in runs.items():
         for stage, s in entry.get("stages", {}).items():
-            print(f"  {name:<28} {stage:<22} {s['tokens']:>12,} tokens {s['tokens_per_s']:>12,.0f} tok/s  mfu {s.get('mfu', '-')}")
+            print(
+                f"  {name:<28} {stage:<22} {s['tokens']:>12,} tokens {s['tokens_per_s']:>12,.0f} tok/s  mfu {s.get('mfu', '-')}"
+            )
 
 
 def main() -> None:
@@ -236,7 +279,9 @@ def main() -> None:
     r.add_argument("--device", default="auto")
     r.add_argument("--heldout-tokens", type=int, default=20000)
     r.add_argument("--eval-tokens", type=int, default=16384)
-    r.add_argument("--checkpoints", type=int, default=3, help="checkpoints per stage (save_every = steps // this)")
+    r.add_argument(
+        "--checkpoints", type=int, default=3, help="checkpoints per stage (save_every = steps // this)"
+    )
     r.set_defaults(func=cmd_recipe)
     m = sub.add_parser("rates")
     m.add_argument("metrics")

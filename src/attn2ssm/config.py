@@ -22,7 +22,10 @@ def parse_value(text: str) -> Any:
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"value {text!r} is not valid YAML ({_yaml_problem(exc)})", "write a number, true/false, null, a [list] or plain text (quote text with YAML syntax in it)") from None
+        raise ConfigError(
+            f"value {text!r} is not valid YAML ({_yaml_problem(exc)})",
+            "write a number, true/false, null, a [list] or plain text (quote text with YAML syntax in it)",
+        ) from None
     if isinstance(value, str):
         try:
             return float(value) if any(c in value for c in ".eE") else int(value)
@@ -35,7 +38,9 @@ def apply_overrides(raw: dict, overrides: list[str] | None) -> dict:
     """Apply ``a.b.c=value`` strings to a nested dict/list structure (in place; returns it)."""
     for item in overrides or []:
         if "=" not in item:
-            raise ConfigError(f"override '{item}' has no '='", "write it as key.path=value, e.g. data.block_len=256")
+            raise ConfigError(
+                f"override '{item}' has no '='", "write it as key.path=value, e.g. data.block_len=256"
+            )
         path, value = item.split("=", 1)
         keys = path.strip().split(".")
         node = raw
@@ -43,7 +48,10 @@ def apply_overrides(raw: dict, overrides: list[str] | None) -> dict:
             last = i == len(keys) - 1
             if isinstance(node, list):
                 if not key.isdigit() or int(key) >= len(node):
-                    raise ConfigError(f"override '{path}': '{key}' is not an index of a list of {len(node)}", "use a valid index, e.g. stages.0.tokens=1000")
+                    raise ConfigError(
+                        f"override '{path}': '{key}' is not an index of a list of {len(node)}",
+                        "use a valid index, e.g. stages.0.tokens=1000",
+                    )
                 key = int(key)
             if last:
                 node[key] = parse_value(value)
@@ -68,7 +76,10 @@ def _convert(tp, value, where: str):
         return None
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where} must be a mapping, got {type(value).__name__}", "see the recipe reference in the README")
+            raise ConfigError(
+                f"{where} must be a mapping, got {type(value).__name__}",
+                "see the recipe reference in the README",
+            )
         return from_dict(tp, value, where)
     origin = typing.get_origin(tp)
     if origin is list:
@@ -106,14 +117,25 @@ def to_dict(obj) -> dict:
 def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}", "check the path or run 'attn2ssm recipes' to list built-in recipes")
+        raise ConfigError(
+            f"config file not found: {path}",
+            "check the path or run 'attn2ssm recipes' to list built-in recipes",
+        )
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        problem = f"not UTF-8 text ({exc.reason})" if isinstance(exc, UnicodeDecodeError) else f"not valid YAML: {_yaml_problem(exc)}"
-        raise ConfigError(f"{path} is {problem}", "fix the file (run 'attn2ssm recipes quickstart' to see a valid recipe)") from None
+        problem = (
+            f"not UTF-8 text ({exc.reason})"
+            if isinstance(exc, UnicodeDecodeError)
+            else f"not valid YAML: {_yaml_problem(exc)}"
+        )
+        raise ConfigError(
+            f"{path} is {problem}", "fix the file (run 'attn2ssm recipes quickstart' to see a valid recipe)"
+        ) from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping at the top level", "see recipes/quickstart.yaml for the layout")
+        raise ConfigError(
+            f"{path} must hold a mapping at the top level", "see recipes/quickstart.yaml for the layout"
+        )
     return data
 
 

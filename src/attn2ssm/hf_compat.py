@@ -38,7 +38,11 @@ TESTED_TRANSFORMERS = ("5.23", "5.25")
 CACHE_NAMES = ("cache", "past_key_values", "layer_past")
 
 # What this transformers calls the cache in model kwargs and output classes.
-CACHE_KWARG = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters else "past_key_values"
+CACHE_KWARG = (
+    "cache"
+    if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
+)
 
 logger = logging.getLogger("attn2ssm")
 

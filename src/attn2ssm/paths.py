@@ -68,7 +68,9 @@ def staging_dir(target: Path, purpose: str) -> Path:
     """A new hidden folder beside ``target`` to build it in: ``.{name}.{purpose}-XXXXXXXX.{pid}@{host}``."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.{purpose}-", suffix=f".{owner_tag()}"))
+    return Path(
+        tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.{purpose}-", suffix=f".{owner_tag()}")
+    )
 
 
 @contextlib.contextmanager
@@ -157,8 +159,10 @@ def lock_dir(folder: Path, then: str = "run the command again"):
         fh.seek(0)
         holder = fh.read().strip()
         fh.close()
-        raise OutputError(f"another process{f' ({holder})' if holder else ''} is using {folder}",
-                          "wait for it to finish or stop it, or choose another --out") from None  # fmt: skip
+        raise OutputError(
+            f"another process{f' ({holder})' if holder else ''} is using {folder}",
+            "wait for it to finish or stop it, or choose another --out",
+        ) from None
     except OSError as exc:
         if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
             raise
@@ -178,7 +182,11 @@ def write_failure(exc: BaseException | None, area: Path | None = None) -> OSErro
     names ("os error 28"). A denied path outside ``area`` (a read, not the output) does not count."""
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno in _NO_SPACE + _DENIED:
-            outside = area is not None and exc.filename is not None and Path(area).absolute() not in Path(exc.filename).absolute().parents
+            outside = (
+                area is not None
+                and exc.filename is not None
+                and Path(area).absolute() not in Path(exc.filename).absolute().parents
+            )
             return None if exc.errno in _DENIED and outside else exc
         m = re.search(r"os error (\d+)\)", str(exc))
         if m and int(m[1]) in _NO_SPACE + _DENIED:
@@ -201,7 +209,9 @@ def writing(target: Path, what: str, then: str, note: str = ""):
         if cause is None:
             raise
         fix = "free space on its disk" if cause.errno in _NO_SPACE else f"make {target} writable"
-        raise OutputError(f"cannot write {what} to {target}: {cause.strerror}{note}", f"{fix}, then {then}") from exc
+        raise OutputError(
+            f"cannot write {what} to {target}: {cause.strerror}{note}", f"{fix}, then {then}"
+        ) from exc
 
 
 def check_writable(path: Path, *, beside: bool = False, flag: str = "--out") -> None:
@@ -215,5 +225,11 @@ def check_writable(path: Path, *, beside: bool = False, flag: str = "--out") -> 
         while not folder.is_dir():
             folder = folder.parent
         if not os.access(folder, os.W_OK | os.X_OK):
-            reason = "is on a read-only file system" if os.statvfs(folder).f_flag & os.ST_RDONLY else "is not writable (permission denied)"
-            raise OutputError(f"{flag} {path}: {folder} {reason}", f"choose another {flag}, or make {folder} writable")
+            reason = (
+                "is on a read-only file system"
+                if os.statvfs(folder).f_flag & os.ST_RDONLY
+                else "is not writable (permission denied)"
+            )
+            raise OutputError(
+                f"{flag} {path}: {folder} {reason}", f"choose another {flag}, or make {folder} writable"
+            )

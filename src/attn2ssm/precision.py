@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     import torch
 
 PRECISIONS = ("auto", "no", "bf16", "fp16")
-BF16_MIN_SPEEDUP = 1.2  # auto takes bf16 on a CPU only when its fwd+bwd is at least this much faster than fp32
+BF16_MIN_SPEEDUP = (
+    1.2  # auto takes bf16 on a CPU only when its fwd+bwd is at least this much faster than fp32
+)
 
 
 @dataclass(frozen=True)
@@ -77,11 +79,20 @@ def _machine_key() -> str:
     model = platform.processor()
     try:
         with open("/proc/cpuinfo") as fh:
-            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
+            model = next(
+                (line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model
+            )
     except OSError:
         pass
-    parts = [model, platform.machine(), torch.__version__, torch.backends.cpu.get_cpu_capability(),
-             os.environ.get("ONEDNN_MAX_CPU_ISA", ""), os.environ.get("DNNL_MAX_CPU_ISA", ""), os.environ.get("ATEN_CPU_CAPABILITY", "")]  # fmt: skip
+    parts = [
+        model,
+        platform.machine(),
+        torch.__version__,
+        torch.backends.cpu.get_cpu_capability(),
+        os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+        os.environ.get("DNNL_MAX_CPU_ISA", ""),
+        os.environ.get("ATEN_CPU_CAPABILITY", ""),
+    ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -145,13 +156,23 @@ def choose_precision(requested: str, device: torch.device | str) -> PrecisionCho
     if device.type != "cpu":
         return PrecisionChoice("auto", "no", f"no bf16 rule for device type '{device.type}'")
     if cpu_native_bf16() is False:
-        return PrecisionChoice("auto", "no", "this CPU has no AVX512-BF16/AMX, so bf16 would be emulated and slower than fp32")
+        return PrecisionChoice(
+            "auto", "no", "this CPU has no AVX512-BF16/AMX, so bf16 would be emulated and slower than fp32"
+        )
     probe = cpu_bf16_probe()
     if probe.speedup >= BF16_MIN_SPEEDUP:
-        return PrecisionChoice("auto", "bf16", f"bf16 measured {probe.speedup:.1f}x faster than fp32 on this CPU")
+        return PrecisionChoice(
+            "auto", "bf16", f"bf16 measured {probe.speedup:.1f}x faster than fp32 on this CPU"
+        )
     if probe.speedup >= 1.0:
-        return PrecisionChoice("auto", "no", f"bf16 measured only {probe.speedup:.1f}x faster than fp32 on this CPU (auto wants {BF16_MIN_SPEEDUP}x)")
-    return PrecisionChoice("auto", "no", f"bf16 measured {1 / probe.speedup:.1f}x the time of fp32 on this CPU")
+        return PrecisionChoice(
+            "auto",
+            "no",
+            f"bf16 measured only {probe.speedup:.1f}x faster than fp32 on this CPU (auto wants {BF16_MIN_SPEEDUP}x)",
+        )
+    return PrecisionChoice(
+        "auto", "no", f"bf16 measured {1 / probe.speedup:.1f}x the time of fp32 on this CPU"
+    )
 
 
 _warned: set[str] = set()
@@ -168,6 +189,9 @@ def warn_if_slow_bf16(device: torch.device | str, what: str, advice: str) -> Bf1
     if probe.speedup >= 1.0:
         return None
     _warned.add(what)
-    warnings.warn(f"{what}: bf16 matrix products on this CPU (no native bf16 in use) measured {1 / probe.speedup:.1f}x the time of fp32 "
-                  f"({probe.bf16_ms:.1f} vs {probe.fp32_ms:.1f} ms, Linear(576->1536) on 256 tokens); {advice}", stacklevel=2)  # fmt: skip
+    warnings.warn(
+        f"{what}: bf16 matrix products on this CPU (no native bf16 in use) measured {1 / probe.speedup:.1f}x the time of fp32 "
+        f"({probe.bf16_ms:.1f} vs {probe.fp32_ms:.1f} ms, Linear(576->1536) on 256 tokens); {advice}",
+        stacklevel=2,
+    )
     return probe

@@ -14,22 +14,26 @@ import torch
 import torch.nn.functional as F
 from transformers import BertConfig, PretrainedConfig
 
-from tiny_models import TINY_CONFIGS, VARIANT_CONFIGS, tiny_config, tiny_model
-
 from attn2ssm.adapters import (  # noqa: E402
     Adapter,
     apply_rotary,
     get_adapter,
     probs_from_qk,
     register_adapter,
+    registry,  # noqa: E402
     supported_families,
 )
-from attn2ssm.adapters import registry  # noqa: E402
 from attn2ssm.errors import UnsupportedModelError  # noqa: E402
+from tiny_models import TINY_CONFIGS, VARIANT_CONFIGS, tiny_config, tiny_model
 
 ALL = list(TINY_CONFIGS) + list(VARIANT_CONFIGS)
-FAMILY_OF = {**{name: name for name in TINY_CONFIGS}, "smollm2": "llama", "gqa_9x3": "llama", "phi_qk_layernorm": "phi",
-             "gpt2_layer_scaled": "gpt2"}  # fmt: skip
+FAMILY_OF = {
+    **{name: name for name in TINY_CONFIGS},
+    "smollm2": "llama",
+    "gqa_9x3": "llama",
+    "phi_qk_layernorm": "phi",
+    "gpt2_layer_scaled": "gpt2",
+}
 BATCH, LENGTH, TOL = 2, 12, 1e-5
 PAD = 3  # left padding of row 0 in the padding tests
 
@@ -67,12 +71,15 @@ def run_and_capture(name: str, attention_mask=None, output_attentions=False):
     calls = {}
     handles = []
     for i, path in enumerate(adapter.attention_module_paths(model)):
+
         def hook(module, args, kwargs, output, i=i):
             calls[i] = (module, args, dict(kwargs), output[0])
 
         handles.append(model.get_submodule(path).register_forward_hook(hook, with_kwargs=True))
     try:
-        out = model(ids(), attention_mask=attention_mask, output_attentions=output_attentions, use_cache=False)
+        out = model(
+            ids(), attention_mask=attention_mask, output_attentions=output_attentions, use_cache=False
+        )
     finally:
         for handle in handles:
             handle.remove()
@@ -127,10 +134,14 @@ def test_supported_families_lists_every_tiny_family():
 
 @pytest.mark.parametrize(
     "config",
-    [BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32),
-     PretrainedConfig()],
+    [
+        BertConfig(
+            vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        ),
+        PretrainedConfig(),
+    ],
     ids=["bert", "made_up"],
-)  # fmt: skip
+)
 def test_unsupported_model_type_names_it_and_lists_families(config):
     if config.model_type == "":
         config.model_type = "made_up_arch"
@@ -191,8 +202,9 @@ def test_bare_decoder_stack_is_accepted():
     base = model.model  # LlamaModel, no LM head
     assert adapter.attention_module_paths(base) == ["layers.0.self_attn", "layers.1.self_attn"]
     hidden = torch.zeros(1, LENGTH, model.config.hidden_size)
-    for mine, theirs in zip(adapter.rotary_embeddings(base, hidden, None, 0),
-                            adapter.rotary_embeddings(model, hidden, None, 0)):  # fmt: skip
+    for mine, theirs in zip(
+        adapter.rotary_embeddings(base, hidden, None, 0), adapter.rotary_embeddings(model, hidden, None, 0)
+    ):
         assert torch.equal(mine, theirs)
 
 
@@ -273,7 +285,9 @@ def test_probs_times_v_reproduce_attention_output(name):
     model, adapter, calls, _ = run_and_capture(name)
     for i, (attn, args, kwargs, teacher_out) in calls.items():
         hidden, rope = hidden_and_rope(args, kwargs)
-        torch.testing.assert_close(recompute_output(adapter, attn, hidden, rope), teacher_out, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(
+            recompute_output(adapter, attn, hidden, rope), teacher_out, atol=TOL, rtol=TOL
+        )
         # Random layer inputs, everything else exactly as the model passed it.
         random_hidden = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(i))
         expected = call_module(attn, args, kwargs, random_hidden)
@@ -292,7 +306,12 @@ def test_probs_equal_output_attentions(name):
     for i, (attn, args, kwargs, _) in calls.items():
         hidden, rope = hidden_and_rope(args, kwargs)
         probs = adapter.attention_probs(attn, hidden, rope)
-        assert probs.dtype == torch.float32 and probs.shape == (BATCH, attn.config.num_attention_heads, LENGTH, LENGTH)
+        assert probs.dtype == torch.float32 and probs.shape == (
+            BATCH,
+            attn.config.num_attention_heads,
+            LENGTH,
+            LENGTH,
+        )
         torch.testing.assert_close(probs, out.attentions[i].float(), atol=TOL, rtol=0)
         # Causal, and not near-uniform (the tiny teachers must make these checks meaningful).
         assert probs.triu(diagonal=1).abs().max() == 0
@@ -306,15 +325,19 @@ def test_probs_equal_output_attentions(name):
 @torch.no_grad()
 def test_read_weights_rebuild_q_and_k(name):
     model, adapter, calls, _ = run_and_capture(name)
-    for i, (attn, args, kwargs, _) in calls.items():
+    for attn, args, kwargs, _ in calls.values():
         geo = adapter.layer_geometry(attn)
         w = adapter.read_weights(attn)
         h, kv, d, hidden_size = geo.num_heads, geo.num_kv_heads, geo.head_dim, geo.hidden_size
         assert w.q.shape == (h * d, hidden_size)
         assert w.k.shape == w.v.shape == (kv * d, hidden_size)
         assert w.o.shape == (hidden_size, h * d)
-        for bias, present, size in ((w.q_bias, geo.qkv_bias, h * d), (w.k_bias, geo.qkv_bias, kv * d),
-                                    (w.v_bias, geo.qkv_bias, kv * d), (w.o_bias, geo.o_bias, hidden_size)):  # fmt: skip
+        for bias, present, size in (
+            (w.q_bias, geo.qkv_bias, h * d),
+            (w.k_bias, geo.qkv_bias, kv * d),
+            (w.v_bias, geo.qkv_bias, kv * d),
+            (w.o_bias, geo.o_bias, hidden_size),
+        ):
             assert (bias is not None) == present
             if present:
                 assert bias.shape == (size,)
@@ -340,8 +363,14 @@ def test_read_weights_rebuild_q_and_k(name):
 
 # ---- (d) sliding windows ----------------------------------------------------------------
 
-SLIDING = [n for n in ALL if any(get_adapter(tiny_config(n)).geometry(tiny_config(n), i).sliding_window
-                                 for i in range(tiny_config(n).num_hidden_layers))]  # fmt: skip
+SLIDING = [
+    n
+    for n in ALL
+    if any(
+        get_adapter(tiny_config(n)).geometry(tiny_config(n), i).sliding_window
+        for i in range(tiny_config(n).num_hidden_layers)
+    )
+]
 
 
 def test_sliding_families_are_the_expected_ones():

@@ -6,18 +6,30 @@ import json
 
 import pytest
 import torch
-from tiny_models import save_tiny_teacher_and_corpus, tiny_model
 
-from attn2ssm.bench.generate import build_models, decode_round, measure_decode, measure_decode_interleaved, prefill
+from attn2ssm.bench.generate import (
+    build_models,
+    decode_round,
+    measure_decode,
+    measure_decode_interleaved,
+    prefill,
+)
+from tiny_models import save_tiny_teacher_and_corpus, tiny_model
 
 
 def test_measure_decode_memory_shape():
     teacher = tiny_model("llama")
     models = build_models(teacher, ["teacher", "mamba2", "linear", "hybrid25"], torch.device("cpu"))
     ids = torch.randint(0, 256, (1, 64))
-    rows = {name: [measure_decode(m, ids[:, :length], 4) for length in (16, 64)] for name, m in models.items()}
-    for name, (short, long) in rows.items():
-        assert short["timed_tokens"] == 3 and short["decode_tokens_per_second"] > 0 and short["prefill_seconds"] > 0
+    rows = {
+        name: [measure_decode(m, ids[:, :length], 4) for length in (16, 64)] for name, m in models.items()
+    }
+    for short, _long in rows.values():
+        assert (
+            short["timed_tokens"] == 3
+            and short["decode_tokens_per_second"] > 0
+            and short["prefill_seconds"] > 0
+        )
     # teacher KV: 2 layers x (k, v) x 2 kv heads x 16 dims x 4 bytes per token
     per_token = 2 * 2 * 2 * 16 * 4 / 2**20
     assert rows["teacher"][1]["cache_mb"] - rows["teacher"][0]["cache_mb"] == pytest.approx(48 * per_token)
@@ -62,12 +74,15 @@ def test_a_prefill_out_of_memory_skips_that_model_and_the_others_still_run(monke
     short = measure_decode_interleaved(models, ids[:, :16], new_tokens=3, rounds=1)
     long = measure_decode_interleaved(models, ids, new_tokens=3, rounds=1)
     assert "skipped" not in short["teacher"] and "skipped" not in long["mamba2"]
-    assert long["teacher"] == {"context": 32, "skipped": "out of memory on cpu in the prefill: CUDA out of memory. Tried to allocate 36.00 GiB."}
+    assert long["teacher"] == {
+        "context": 32,
+        "skipped": "out of memory on cpu in the prefill: CUDA out of memory. Tried to allocate 36.00 GiB.",
+    }
 
 
 def test_cli_bench_skips_longer_contexts_after_an_out_of_memory_prefill(tmp_path, monkeypatch):
-    from attn2ssm.cli import main
     from attn2ssm.bench import generate as bench
+    from attn2ssm.cli import main
 
     teacher, corpus = save_tiny_teacher_and_corpus(tmp_path)
     real = bench.prefill
@@ -79,8 +94,25 @@ def test_cli_bench_skips_longer_contexts_after_an_out_of_memory_prefill(tmp_path
 
     monkeypatch.setattr(bench, "prefill", prefill_or_oom)
     out = tmp_path / "gen.json"
-    argv = ["bench", "generate", "--teacher", str(teacher), "--models", "teacher,linear", "--contexts", "8,16,32", "--new-tokens", "3",
-            "--rounds", "1", "--corpus", str(corpus), "--out", str(out), "--no-progress"]  # fmt: skip
+    argv = [
+        "bench",
+        "generate",
+        "--teacher",
+        str(teacher),
+        "--models",
+        "teacher,linear",
+        "--contexts",
+        "8,16,32",
+        "--new-tokens",
+        "3",
+        "--rounds",
+        "1",
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert main(argv) == 0
     rows = json.loads(out.read_text())["decode"]
     assert "skipped" not in rows["teacher"][0] and "out of memory on cpu" in rows["teacher"][1]["skipped"]
@@ -93,14 +125,37 @@ def test_cli_bench_generate_writes_json_and_png(tmp_path):
 
     teacher, corpus = save_tiny_teacher_and_corpus(tmp_path)
     out = tmp_path / "res" / "gen.json"
-    argv = ["bench", "generate", "--teacher", str(teacher), "--models", "teacher,mamba2", "--contexts", "16,32",
-            "--max-context", "teacher=16", "--new-tokens", "3", "--corpus", str(corpus), "--out", str(out), "--no-progress"]  # fmt: skip
+    argv = [
+        "bench",
+        "generate",
+        "--teacher",
+        str(teacher),
+        "--models",
+        "teacher,mamba2",
+        "--contexts",
+        "16,32",
+        "--max-context",
+        "teacher=16",
+        "--new-tokens",
+        "3",
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
-    assert result["decode"]["teacher"][1] == {"context": 32, "skipped": "longer than --max-context 16 for teacher"}
+    assert result["decode"]["teacher"][1] == {
+        "context": 32,
+        "skipped": "longer than --max-context 16 for teacher",
+    }
     assert [r["context"] for r in result["decode"]["mamba2"]] == [16, 32]
-    assert result["decode"]["mamba2"][0]["speedup_vs_teacher"] > 0 and "speedup_vs_teacher" not in result["decode"]["mamba2"][1]
+    assert (
+        result["decode"]["mamba2"][0]["speedup_vs_teacher"] > 0
+        and "speedup_vs_teacher" not in result["decode"]["mamba2"][1]
+    )
     assert result["settings"]["cpu_layout"] is True and result["settings"]["rounds"] == 3
     assert result["environment"]["torch"] == torch.__version__ and "command" in result
 
@@ -129,8 +184,26 @@ def test_cli_bench_compile_compiles_students_before_timing(tmp_path, monkeypatch
     monkeypatch.setattr(compiled_step, "BACKEND", backend)
     teacher, corpus = save_tiny_teacher_and_corpus(tmp_path)
     out = tmp_path / "gen.json"
-    argv = ["bench", "generate", "--teacher", str(teacher), "--models", "teacher,mamba2", "--contexts", "16",
-            "--new-tokens", "4", "--rounds", "2", "--corpus", str(corpus), "--out", str(out), "--no-progress", "--compile"]  # fmt: skip
+    argv = [
+        "bench",
+        "generate",
+        "--teacher",
+        str(teacher),
+        "--models",
+        "teacher,mamba2",
+        "--contexts",
+        "16",
+        "--new-tokens",
+        "4",
+        "--rounds",
+        "2",
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(out),
+        "--no-progress",
+        "--compile",
+    ]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     compiled = result["compiled_decode_step"]
@@ -152,11 +225,27 @@ def test_cli_generate_compile_prints_the_same_text(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(compiled_step, "BACKEND", backend)
     teacher, _ = save_tiny_teacher_and_corpus(tmp_path)
     student = tmp_path / "student"
-    assert main(["convert", "--teacher", str(teacher), "--mixer", "linear_attention", "--out", str(student)]) == 0
+    assert (
+        main(["convert", "--teacher", str(teacher), "--mixer", "linear_attention", "--out", str(student)])
+        == 0
+    )
     capsys.readouterr()
     texts = []
     for extra in ([], ["--compile"]):
-        assert main(["generate", str(student), "--prompt", "the state of the union", "--max-new-tokens", "6", *extra]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    str(student),
+                    "--prompt",
+                    "the state of the union",
+                    "--max-new-tokens",
+                    "6",
+                    *extra,
+                ]
+            )
+            == 0
+        )
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].strip()
     assert backend.traces == 1 and backend.calls == 5  # 6 new tokens: one prefill, five decode steps

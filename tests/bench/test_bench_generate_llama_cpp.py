@@ -11,25 +11,33 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import one_line_error
 
 from attn2ssm.cli import main
+from tiny_models import one_line_error
 
 
 def test_bench_llama_cpp_flags_are_one_line_errors(capsys, monkeypatch):
     monkeypatch.delenv("ATTN2SSM_LLAMA_CPP", raising=False)
     bench = ["bench", "generate", "--no-progress", "--contexts", "16"]
-    assert "only Mamba-2 and pure gated_delta students" in one_line_error(capsys, [*bench, "--backend", "llama.cpp", "--models", "teacher,linear"])
+    assert "only Mamba-2 and pure gated_delta students" in one_line_error(
+        capsys, [*bench, "--backend", "llama.cpp", "--models", "teacher,linear"]
+    )
     assert "--backend llama.cpp" in one_line_error(capsys, [*bench, "--quant", "q8_0"])
     assert "q3_x" in one_line_error(capsys, [*bench, "--backend", "llama.cpp", "--quant", "q3_x"])
-    assert "--compile is for the torch backend" in one_line_error(capsys, [*bench, "--backend", "llama.cpp", "--compile"])
+    assert "--compile is for the torch backend" in one_line_error(
+        capsys, [*bench, "--backend", "llama.cpp", "--compile"]
+    )
     assert "make llama-cpp" in one_line_error(capsys, [*bench, "--backend", "llama.cpp"])
 
 
 def test_reference_rows_pair_each_type():
     from attn2ssm.bench.generate import reference_name
 
-    assert reference_name("mamba2") == "teacher" and reference_name("mamba2@q8_0") == "teacher@q8_0" and reference_name("teacher@f16") == "teacher@f16"
+    assert (
+        reference_name("mamba2") == "teacher"
+        and reference_name("mamba2@q8_0") == "teacher@q8_0"
+        and reference_name("teacher@f16") == "teacher@f16"
+    )
 
 
 def _real_cache() -> Path:
@@ -41,15 +49,42 @@ def test_llama_cpp_backend_on_the_builtin_teacher(tmp_path, monkeypatch):
     from attn2ssm.export.llamacpp import LLAMA_CPP_PYTHON, runtime_version
 
     if find_spec("llama_cpp") is None:
-        pytest.skip("llama_cpp is not importable: run 'make llama-cpp' (builds llama-cpp-python into the venv, ~8 min on 2 cores)")
-    root = _real_cache() / "llama-cpp" / f"llama_cpp_python-{runtime_version() or LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+        pytest.skip(
+            "llama_cpp is not importable: run 'make llama-cpp' (builds llama-cpp-python into the venv, ~8 min on 2 cores)"
+        )
+    root = (
+        _real_cache()
+        / "llama-cpp"
+        / f"llama_cpp_python-{runtime_version() or LLAMA_CPP_PYTHON}"
+        / "vendor"
+        / "llama.cpp"
+    )
     if not (root / "convert_hf_to_gguf.py").is_file():
         pytest.skip(f"llama.cpp's converter is not in {root}: run 'make llama-cpp'")
     monkeypatch.setenv("ATTN2SSM_CACHE", str(_real_cache()))
     monkeypatch.setenv("ATTN2SSM_LLAMA_CPP", str(root))
     out, gguf = tmp_path / "bench.json", tmp_path / "gguf"
-    argv = ["bench", "generate", "--backend", "llama.cpp", "--contexts", "64,256", "--new-tokens", "4", "--rounds", "2",
-            "--quant", "q8_0", "--threads", "2", "--gguf-dir", str(gguf), "--out", str(out), "--no-progress"]  # fmt: skip
+    argv = [
+        "bench",
+        "generate",
+        "--backend",
+        "llama.cpp",
+        "--contexts",
+        "64,256",
+        "--new-tokens",
+        "4",
+        "--rounds",
+        "2",
+        "--quant",
+        "q8_0",
+        "--threads",
+        "2",
+        "--gguf-dir",
+        str(gguf),
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert result["backend"] == "llama.cpp" and result["threads"] == 2 and out.with_suffix(".png").is_file()
@@ -57,13 +92,22 @@ def test_llama_cpp_backend_on_the_builtin_teacher(tmp_path, monkeypatch):
     assert set(result["decode"]) == {"teacher@q8_0", "mamba2@q8_0", "hybrid25@q8_0"}
     for name, rows in result["decode"].items():
         for row in rows:
-            assert row["timed_tokens"] == 2 * 3 and row["decode_tokens_per_second"] > 0 and row["same_tokens_every_round"], (name, row)
+            assert (
+                row["timed_tokens"] == 2 * 3
+                and row["decode_tokens_per_second"] > 0
+                and row["same_tokens_every_round"]
+            ), (name, row)
             assert ("speedup_vs_teacher" in row) == (name != "teacher@q8_0")
     grow = {name: rows[1]["cache_mb"] - rows[0]["cache_mb"] for name, rows in result["decode"].items()}
     per_token = 30 * 2 * 192 * 2 / 2**20  # teacher KV: 30 layers × (k, v) × 3 kv heads × 64 × f16
     assert grow["teacher@q8_0"] == pytest.approx(192 * per_token, rel=0.05)
-    assert grow["mamba2@q8_0"] == pytest.approx(192 * per_token / 30, rel=0.05)  # only the identity layer's KV
-    assert result["gguf"]["mamba2@q8_0"]["identity_layers"] == [30] and result["gguf"]["hybrid25@q8_0"]["identity_layers"] == []
+    assert grow["mamba2@q8_0"] == pytest.approx(
+        192 * per_token / 30, rel=0.05
+    )  # only the identity layer's KV
+    assert (
+        result["gguf"]["mamba2@q8_0"]["identity_layers"] == [30]
+        and result["gguf"]["hybrid25@q8_0"]["identity_layers"] == []
+    )
 
     # a round from the restored prefill state decodes the GGUF's own greedy continuation
     from attn2ssm.bench.generate import LlamaCppBench, decode_round, prefill

@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from tiny_models import SENTENCES, make_tokenizer, save_tiny_teacher_and_corpus, tiny_model
 
 from attn2ssm.bench.generate import COPY_PRIMER, copy_prompt, measure_speculative
 from attn2ssm.student.convert import convert
 from attn2ssm.student.plans import make_plan
+from tiny_models import SENTENCES, make_tokenizer, save_tiny_teacher_and_corpus, tiny_model
 
 
 def test_measure_speculative_is_identical_to_plain():
@@ -20,11 +20,16 @@ def test_measure_speculative_is_identical_to_plain():
     g = torch.Generator().manual_seed(0)
     p = torch.randint(1, 256, (1, 10), generator=g)
     prompt = torch.cat([p, p, p[:, :3]], 1)  # something for lookup to find
-    out = measure_speculative(target, {"ngram": "ngram", "shallow": draft}, prompt, [1, 3], new_tokens=10, rounds=2)
+    out = measure_speculative(
+        target, {"ngram": "ngram", "shallow": draft}, prompt, [1, 3], new_tokens=10, rounds=2
+    )
     assert set(out["by_drafter"]) == {"ngram", "shallow"} and len(out["plain_seconds_all"]) == 2
     for rows in out["by_drafter"].values():
         assert [r["k"] for r in rows] == [1, 3]
-        assert all(r["identical_to_plain_greedy"] and r["generated"] == 10 and len(r["seconds_all"]) == 2 for r in rows)
+        assert all(
+            r["identical_to_plain_greedy"] and r["generated"] == 10 and len(r["seconds_all"]) == 2
+            for r in rows
+        )
         assert all(r["speedup"] > 0 and r["tokens_per_target_forward"] >= 1 for r in rows)
     assert out["by_drafter"]["ngram"][1]["drafted"] > 0 and out["plain_tokens_per_second"] > 0
 
@@ -51,14 +56,37 @@ def test_cli_bench_spec_writes_json_and_png(tmp_path):
     assert main(["convert", "--teacher", str(teacher), "--mixer", "mamba2", "--out", str(draft)]) == 0
     assert main(["convert", "--teacher", str(teacher), "--mixer", "mamba2", "--out", str(trained)]) == 0
     out = tmp_path / "res" / "spec.json"
-    argv = ["bench", "generate", "--spec", "--teacher", str(teacher), "--spec-targets", f"mamba2,pure={trained}", "--draft", str(draft),
-            "--spec-contexts", "300", "--spec-k", "2", "--spec-new-tokens", "5", "--rounds", "1", "--corpus", str(corpus),
-            "--out", str(out), "--no-progress"]  # fmt: skip
+    argv = [
+        "bench",
+        "generate",
+        "--spec",
+        "--teacher",
+        str(teacher),
+        "--spec-targets",
+        f"mamba2,pure={trained}",
+        "--draft",
+        str(draft),
+        "--spec-contexts",
+        "300",
+        "--spec-k",
+        "2",
+        "--spec-new-tokens",
+        "5",
+        "--rounds",
+        "1",
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     rows = result["speculative"]
-    assert {(r["target"], r["task"]) for r in rows} == {(t, task) for t in ("mamba2", "pure") for task in ("continue", "copy")}
+    assert {(r["target"], r["task"]) for r in rows} == {
+        (t, task) for t in ("mamba2", "pure") for task in ("continue", "copy")
+    }
     assert all(set(r["by_drafter"]) == {"ngram", "model:draft"} for r in rows)
     assert all(x["identical_to_plain_greedy"] for r in rows for xs in r["by_drafter"].values() for x in xs)
     assert "plain_copies_passage" in rows[1] and result["targets"]["pure"] == str(trained)

@@ -27,7 +27,14 @@ def bench(monkeypatch):
         out = Path(out)
         out.mkdir(parents=True)
         (out / "recipe.yaml").write_text(recipe.to_yaml())
-        results = {"student_top1": 0.5 + 0.01 * len(calls), "teacher_top1": 0.9, "train_images": 8, "test_images": 20, "train_seconds": 0.0, "images_seen": 16}
+        results = {
+            "student_top1": 0.5 + 0.01 * len(calls),
+            "teacher_top1": 0.9,
+            "train_images": 8,
+            "test_images": 20,
+            "train_seconds": 0.0,
+            "images_seen": 16,
+        }
         (out / "results.json").write_text(json.dumps(results))
         return results
 

@@ -9,8 +9,9 @@ import random
 from pathlib import Path
 
 import pytest
-from tiny_models import make_tokenizer, tiny_config
 from transformers import AutoModelForCausalLM
+
+from tiny_models import make_tokenizer, tiny_config
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hybrid_ablation.py"
 
@@ -35,8 +36,22 @@ def test_tiny_run_writes_json_and_png(bench, tmp_path):
     for i in range(12):
         (tmp_path / "corpus" / f"d{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)))
     out = tmp_path / "results"
-    argv = ["--teacher", str(tmp_path / "teacher"), "--corpus", str(tmp_path / "corpus"), "--tokens", "128", "--eval-tokens", "256",
-            "--block-len", "32", "--runs", str(tmp_path / "runs"), "--out", str(out)]  # fmt: skip
+    argv = [
+        "--teacher",
+        str(tmp_path / "teacher"),
+        "--corpus",
+        str(tmp_path / "corpus"),
+        "--tokens",
+        "128",
+        "--eval-tokens",
+        "256",
+        "--block-len",
+        "32",
+        "--runs",
+        str(tmp_path / "runs"),
+        "--out",
+        str(out),
+    ]
     assert bench.main(argv) == 0
     data = json.loads((out / "hybrid_ablation.json").read_text())
     assert set(data["variants"]) == set(bench.variants(128))

@@ -82,7 +82,9 @@ def test_impossible_configs_are_rejected(mqar, kwargs):
 
 
 def test_row_entropy(mqar):
-    w = torch.tensor([[0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.5e-6, 0.5e-6, 0, 0]])
+    w = torch.tensor(
+        [[0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.5e-6, 0.5e-6, 0, 0]]
+    )
     h, alive = mqar.row_entropy(w)
     assert h[0].item() == pytest.approx(math.log(4)) and h[1].item() == pytest.approx(0.0)
     assert alive.tolist() == [True, True, False, False]

@@ -29,8 +29,28 @@ def one_thread():
 
 def test_tiny_run_writes_json_and_png(bench, tmp_path, one_thread):
     out = tmp_path / "scan.json"
-    argv = ["--lengths", "16,40", "--repeats", "1", "--threads", "1", "--max-sequential-len", "16", "--speedup-length", "16",
-            "--chunk-size", "8", "--ssd-shape", "2,4,4", "--scan-shape", "2,3,4", "--sdpa-shape", "2,4", "--out", str(out)]  # fmt: skip
+    argv = [
+        "--lengths",
+        "16,40",
+        "--repeats",
+        "1",
+        "--threads",
+        "1",
+        "--max-sequential-len",
+        "16",
+        "--speedup-length",
+        "16",
+        "--chunk-size",
+        "8",
+        "--ssd-shape",
+        "2,4,4",
+        "--scan-shape",
+        "2,3,4",
+        "--sdpa-shape",
+        "2,4",
+        "--out",
+        str(out),
+    ]
     result = bench.main(argv)
     data = json.loads(out.read_text())
     assert data["points"] == result["points"]  # the file holds what main returned
@@ -59,8 +79,13 @@ def test_summary_ratios(bench):
     def rec(method, length, t):
         return {"method": method, "device": "cpu", "length": length, "status": "ok", "time_s": t}
 
-    records = [rec("ssd_chunked", 4096, 0.1), rec("ssd_loop", 4096, 2.5), rec("sdpa", 4096, 0.5),
-               {"method": "ssd_loop", "device": "cpu", "length": 8192, "status": "skipped", "time_s": None}, rec("ssd_chunked", 8192, 0.2)]  # fmt: skip
+    records = [
+        rec("ssd_chunked", 4096, 0.1),
+        rec("ssd_loop", 4096, 2.5),
+        rec("sdpa", 4096, 0.5),
+        {"method": "ssd_loop", "device": "cpu", "length": 8192, "status": "skipped", "time_s": None},
+        rec("ssd_chunked", 8192, 0.2),
+    ]
     s = bench.summarize(records, 4096)["cpu"]
     assert s["speedup_ssd_chunked_vs_loop_at_4096"] == pytest.approx(25.0) and s["meets_target"] is True
     assert s["sdpa_time_over_ssd_chunked"]["4096"] == pytest.approx(5.0)

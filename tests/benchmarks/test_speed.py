@@ -30,7 +30,23 @@ def one_thread():
 
 def test_quick_run_writes_json_with_all_methods(bench, tmp_path, one_thread):
     out = tmp_path / "speed.json"
-    result = bench.main(["--quick", "--lengths", "32,64", "--heads", "3", "--isolation", "none", "--threads", "1", "--devices", "cpu", "--out", str(out)])
+    result = bench.main(
+        [
+            "--quick",
+            "--lengths",
+            "32,64",
+            "--heads",
+            "3",
+            "--isolation",
+            "none",
+            "--threads",
+            "1",
+            "--devices",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     data = json.loads(out.read_text())
     assert data["points"] == result["points"]  # the file holds what main returned
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
@@ -50,8 +66,26 @@ def test_quick_run_writes_json_with_all_methods(bench, tmp_path, one_thread):
 
 def test_points_over_the_limits_are_skipped_with_a_reason(bench, tmp_path, one_thread):
     out = tmp_path / "skip.json"
-    bench.main(["--lengths", "32,2048,4096", "--methods", "elu", "--repeats", "1", "--isolation", "none", "--threads", "1",
-                "--devices", "cpu", "--max-memory-gb", "0.01", "--out", str(out)])  # fmt: skip
+    bench.main(
+        [
+            "--lengths",
+            "32,2048,4096",
+            "--methods",
+            "elu",
+            "--repeats",
+            "1",
+            "--isolation",
+            "none",
+            "--threads",
+            "1",
+            "--devices",
+            "cpu",
+            "--max-memory-gb",
+            "0.01",
+            "--out",
+            str(out),
+        ]
+    )
     points = {p["length"]: p for p in json.loads(out.read_text())["points"]}
     assert points[32]["status"] == "ok"
     assert points[2048]["status"] == "skipped" and "memory" in points[2048]["reason"]
@@ -62,8 +96,16 @@ def test_crossover_and_summary(bench):
     def rec(method, length, t):
         return {"method": method, "device": "cpu", "length": length, "status": "ok", "time_s": t}
 
-    records = [rec("sdpa", 512, 1.0), rec("hedgehog", 512, 2.0), rec("sdpa", 1024, 2.0), rec("hedgehog", 1024, 2.5),
-               rec("sdpa", 2048, 6.0), rec("hedgehog", 2048, 3.0), rec("sdpa", 16384, 100.0), rec("hedgehog", 16384, 20.0)]  # fmt: skip
+    records = [
+        rec("sdpa", 512, 1.0),
+        rec("hedgehog", 512, 2.0),
+        rec("sdpa", 1024, 2.0),
+        rec("hedgehog", 1024, 2.5),
+        rec("sdpa", 2048, 6.0),
+        rec("hedgehog", 2048, 3.0),
+        rec("sdpa", 16384, 100.0),
+        rec("hedgehog", 16384, 20.0),
+    ]
     s = bench.summarize(records)["cpu"]
     assert s["crossover_hedgehog_vs_sdpa"]["length"] == 2048
     assert 1024 < s["crossover_hedgehog_vs_sdpa"]["interpolated"] < 2048

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import SENTENCES, make_tokenizer, tiny_config
 from transformers import AutoModelForCausalLM
+
+from tiny_models import SENTENCES, make_tokenizer, tiny_config
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "structured_matrix_fit.py"
 
@@ -40,7 +41,11 @@ def test_toeplitz_is_the_band_mean_and_exact_on_toeplitz_matrices(bench):
 def _time_varying_ssm(m, l, n, g):
     """T[i, j] = C_i A_{i-1} ⋯ A_{j+1} B_j below the diagonal, D_i on it: semi-separable of order n."""
     A = torch.randn(m, l, n, n, generator=g) / n**0.5
-    B, C, D = torch.randn(m, l, n, generator=g), torch.randn(m, l, n, generator=g), torch.randn(m, l, generator=g)
+    B, C, D = (
+        torch.randn(m, l, n, generator=g),
+        torch.randn(m, l, n, generator=g),
+        torch.randn(m, l, generator=g),
+    )
     T = torch.diag_embed(D)
     for j in range(l):
         state = B[:, j]  # (m, n): the state right after input j
@@ -64,12 +69,18 @@ def test_parametric_classes_nest(bench):
     m, l, n = 2, 7, 3
     A, B = torch.rand(m, l, n, generator=_gen(2)), torch.rand(m, l, n, generator=_gen(3))
     logit = torch.randn(m, generator=_gen(4))
-    torch.testing.assert_close(bench.retnet_matrix(A, B, logit), bench.ssd_matrix(A, B, logit[:, None].expand(m, l)))
-    torch.testing.assert_close(bench.causal_low_rank(A, B), bench.ssd_matrix(A, B, torch.full((m, l), -200.0)))
+    torch.testing.assert_close(
+        bench.retnet_matrix(A, B, logit), bench.ssd_matrix(A, B, logit[:, None].expand(m, l))
+    )
+    torch.testing.assert_close(
+        bench.causal_low_rank(A, B), bench.ssd_matrix(A, B, torch.full((m, l), -200.0))
+    )
     logits = torch.randn(m, l, generator=_gen(5))
     torch.testing.assert_close(bench.ssd_matrix(A, B, logits), bench.ssd_matrix(A, B, logits, torch.zeros(m)))
     with_d = bench.ssd_matrix(A, B, logits, torch.tensor([0.5, -1.0]))
-    torch.testing.assert_close(with_d - bench.ssd_matrix(A, B, logits), torch.diag_embed(torch.tensor([[0.5] * l, [-1.0] * l])))
+    torch.testing.assert_close(
+        with_d - bench.ssd_matrix(A, B, logits), torch.diag_embed(torch.tensor([[0.5] * l, [-1.0] * l]))
+    )
 
 
 @pytest.mark.parametrize("kind", ["lr", "ssd", "ssd_no_d", "retnet"])
@@ -85,9 +96,13 @@ def test_gradient_fit_reproduces_a_member_of_its_class(bench, kind):
     if kind == "retnet":
         true["logit"] = torch.randn(m, generator=g) - 1.0
     M = bench.build(kind, true)
-    assert bench.fit_gradient(M, kind, n, steps=0, lr=0.1, params=true).max().item() < 1e-6  # its own parameters: 0
+    assert (
+        bench.fit_gradient(M, kind, n, steps=0, lr=0.1, params=true).max().item() < 1e-6
+    )  # its own parameters: 0
     # from the paper's initialisation, AdamW gets within 3 % (relative) in 600 steps
-    best = torch.fmin(bench.fit_gradient(M, kind, n, steps=600, lr=0.1), bench.fit_gradient(M, kind, n, steps=600, lr=0.01))
+    best = torch.fmin(
+        bench.fit_gradient(M, kind, n, steps=600, lr=0.1), bench.fit_gradient(M, kind, n, steps=600, lr=0.01)
+    )
     assert (best / torch.linalg.matrix_norm(M)).max().item() < 0.03, best
 
 
@@ -103,8 +118,24 @@ def test_tiny_run_writes_json_and_png(bench, tmp_path, monkeypatch):
     corpus = tmp_path / "speech.txt"
     corpus.write_text(" ".join(SENTENCES * 10))
     out = tmp_path / "results"
-    argv = ["--teacher", "tiny", "--corpus", str(corpus), "--seq-len", "16", "--samples", "2",
-            "--states", "2,4", "--steps", "20", "--lrs", "0.1,0.01", "--out", str(out)]  # fmt: skip
+    argv = [
+        "--teacher",
+        "tiny",
+        "--corpus",
+        str(corpus),
+        "--seq-len",
+        "16",
+        "--samples",
+        "2",
+        "--states",
+        "2,4",
+        "--steps",
+        "20",
+        "--lrs",
+        "0.1,0.01",
+        "--out",
+        str(out),
+    ]
     assert bench.main(argv) == 0
     data = json.loads((out / "structured_matrix_fit.json").read_text())
     assert data["settings"]["matrices"] == 4 and len(data["matrices"]) == 4  # 2 layers × 1 head × 2 samples
@@ -113,7 +144,16 @@ def test_tiny_run_writes_json_and_png(bench, tmp_path, monkeypatch):
         for n in ("2", "4"):
             r = data["results"][cls][n]
             assert r["mean"] >= 0 and r["std"] >= 0 and 0 <= r["relative_mean"] <= 1.5
-    assert data["results"]["ssd"]["2"]["best_lr"] in (0.1, 0.01) and data["results"]["ssm"]["4"]["max_hankel_rank"] <= 4
-    assert set(data["orderings"]["2"]["pairs"]) == {"ssm < ssd", "ssd < ssd_no_d", "ssd_no_d < retnet", "retnet < lr", "lr < toeplitz"}
+    assert (
+        data["results"]["ssd"]["2"]["best_lr"] in (0.1, 0.01)
+        and data["results"]["ssm"]["4"]["max_hankel_rank"] <= 4
+    )
+    assert set(data["orderings"]["2"]["pairs"]) == {
+        "ssm < ssd",
+        "ssd < ssd_no_d",
+        "ssd_no_d < retnet",
+        "retnet < lr",
+        "lr < toeplitz",
+    }
     assert data["command"].startswith("python benchmarks/structured_matrix_fit.py") and "environment" in data
     assert (out / "structured_matrix_fit.png").read_bytes()[:4] == b"\x89PNG"

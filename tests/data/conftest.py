@@ -1,7 +1,9 @@
 """Fixtures for the data-layer tests: a tiny offline tokenizer and an isolated cache."""
 
 import pytest
+
 from tiny_models import make_tokenizer
+
 
 @pytest.fixture(scope="session")
 def tokenizer():

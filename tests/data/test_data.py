@@ -36,12 +36,8 @@ def make_corpus_dir(root, n=30):
     """n small documents spread over .txt / .jsonl / .parquet files in nested folders."""
     (root / "b").mkdir(parents=True)
     (root / "a.txt").write_text("A plain text document.\n\nWith two paragraphs.", encoding="utf-8")
-    write_jsonl(
-        root / "b" / "part.jsonl", [{"text": f"jsonl document number {i}."} for i in range(n)]
-    )
-    pq.write_table(
-        pa.table({"text": ["parquet row one.", "parquet row two."]}), root / "b" / "rows.parquet"
-    )
+    write_jsonl(root / "b" / "part.jsonl", [{"text": f"jsonl document number {i}."} for i in range(n)])
+    pq.write_table(pa.table({"text": ["parquet row one.", "parquet row two."]}), root / "b" / "rows.parquet")
     (root / "notes.md").write_text("ignored: not a corpus format")
     (root / ".hidden.txt").write_text("ignored: hidden")
     return root
@@ -405,24 +401,18 @@ def test_cache_misses_when_files_or_limits_change(tmp_path, tokenizer):
     full = prepare_corpus(str(root), tokenizer)
     limited = prepare_corpus(str(root), tokenizer, max_train_tokens=10, max_heldout_tokens=3)
     assert limited.meta["from_cache"] is False
-    assert (
-        limited.train_ids.tolist() == full.train_ids[:10].tolist()
-        and limited.heldout_ids.numel() <= 3
-    )
+    assert limited.train_ids.tolist() == full.train_ids[:10].tolist() and limited.heldout_ids.numel() <= 3
     (root / "a.txt").write_text("A plain text document, edited since.", encoding="utf-8")
     assert prepare_corpus(str(root), tokenizer).meta["from_cache"] is False
 
 
 def test_fingerprint_mismatch(tmp_path, tokenizer, other_tokenizer):
-    path = write_jsonl(
-        tmp_path / "c.jsonl", [{"text": "some words here"}, {"text": "more words there"}]
-    )
+    path = write_jsonl(tmp_path / "c.jsonl", [{"text": "some words here"}, {"text": "more words there"}])
     corpus = prepare_corpus(str(path), tokenizer)
     assert tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(other_tokenizer)
     assert tokenizer_fingerprint(tokenizer) == tokenizer_fingerprint(tokenizer)
     assert (
-        load_tokenized(corpus.meta["cache_path"], tokenizer).train_ids.tolist()
-        == corpus.train_ids.tolist()
+        load_tokenized(corpus.meta["cache_path"], tokenizer).train_ids.tolist() == corpus.train_ids.tolist()
     )
     with pytest.raises(DataError, match="tokenized with another tokenizer") as info:
         load_tokenized(corpus.meta["cache_path"], other_tokenizer)
@@ -483,15 +473,9 @@ def test_block_indices_resume_exactly():
 @pytest.mark.slow
 def test_real_builtin_corpora_from_npm(tokenizer):
     sotu = load_documents("sotu")
-    assert len(sotu) > 200 and all(
-        isinstance(d.meta["year"], int) and d.meta["president"] for d in sotu
-    )
+    assert len(sotu) > 200 and all(isinstance(d.meta["year"], int) and d.meta["president"] for d in sotu)
     train, held = split_documents(sotu, "sotu")
-    assert (
-        train
-        and held
-        and max(d.meta["year"] for d in train) < 2000 <= min(d.meta["year"] for d in held)
-    )
+    assert train and held and max(d.meta["year"] for d in train) < 2000 <= min(d.meta["year"] for d in held)
     moby = load_documents("moby-dick")
     assert len(moby) > 100 and "Call me Ishmael" in moby[2].text
     train, held = split_documents(moby, "moby-dick")

@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-from tiny_models import make_tokenizer, tiny_config
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.data import load_documents, load_training_data, recall, split_documents
@@ -27,6 +26,7 @@ from attn2ssm.distill.recipe import (
 from attn2ssm.errors import Attn2SSMError, ConfigError, DataError
 from attn2ssm.eval import needle
 from attn2ssm.eval.suite import suite_settings
+from tiny_models import make_tokenizer, tiny_config
 
 EVAL_CORPORA = ("emails", "kjv", "pydoc")
 
@@ -37,7 +37,9 @@ def prose(tmp_path):
     root = tmp_path / "prose"
     root.mkdir()
     for d in range(20):
-        (root / f"doc{d:02d}.txt").write_text(" ".join(f"Document {d} says sentence {s} is here." for s in range(12)))
+        (root / f"doc{d:02d}.txt").write_text(
+            " ".join(f"Document {d} says sentence {s} is here." for s in range(12))
+        )
     return str(root)
 
 
@@ -45,8 +47,13 @@ def prose(tmp_path):
 def test_recall_spec_parsing_and_errors():
     assert recall.parse_recall_spec("recall:256") == (256, "sotu", recall.DEFAULT_MAX_WORDS, 0)
     assert recall.parse_recall_spec("recall:8:moby-dick?max_words=100&seed=3") == (8, "moby-dick", 100, 3)
-    for bad, needle_ in (("recall:x", "bad recall corpus spec"), ("recall:0", "bad recall corpus spec"), ("recall:4?max_words=5", "bad option"),
-                         ("recall:4?depth=1", "bad option"), ("recall:4:recall:2", "cannot take its prose")):  # fmt: skip
+    for bad, needle_ in (
+        ("recall:x", "bad recall corpus spec"),
+        ("recall:0", "bad recall corpus spec"),
+        ("recall:4?max_words=5", "bad option"),
+        ("recall:4?depth=1", "bad option"),
+        ("recall:4:recall:2", "cannot take its prose"),
+    ):
         with pytest.raises(DataError, match=needle_) as e:
             recall.parse_recall_spec(bad)
         assert "\n" not in str(e.value)
@@ -64,7 +71,9 @@ def test_a_passage_by_hand():
     words = rng.randint(recall.MIN_WORDS, recall.MIN_WORDS)
     start = rng.randrange(4)
     assert words == recall.MIN_WORDS
-    hay = [sentences[(start + i) % 4] for i in range(4)]  # 4 sentences of 3 words < 40 words: the whole list once
+    hay = [
+        sentences[(start + i) % 4] for i in range(4)
+    ]  # 4 sentences of 3 words < 40 words: the whole list once
     if form == "passkey":
         _, value = recall.key_value(form, rng)
         hay.insert(rng.randint(0, 4), recall.PASSKEY_NEEDLE.format(value=value))
@@ -77,16 +86,25 @@ def test_a_passage_by_hand():
         assert f"One of the special magic {kind}s for {key} is: {value}." in text
         for s in sentences:
             assert s in text
-    assert recall.passage(0, sentences, seed=0, max_words=recall.MIN_WORDS) == (text, meta)  # a function of (i, seed, sentences)
+    assert recall.passage(0, sentences, seed=0, max_words=recall.MIN_WORDS) == (
+        text,
+        meta,
+    )  # a function of (i, seed, sentences)
 
 
 def test_answer_formats_match_the_evaluation_prompts():
     """The training passages end exactly as the evaluation's prompts end, plus the answer."""
     key, value = "amber-acorn", "1234567"
-    assert needle.NIAH_ANSWER_PREFIX.format(kind="number", key=key) + f" {value}." in recall.RULER_TEMPLATE.format(kind="number", context="x", key=key, value=value)
-    assert needle.NIAH_NEEDLE.format(kind="number", key=key, value=value) == recall.RULER_NEEDLE.format(kind="number", key=key, value=value)
+    assert needle.NIAH_ANSWER_PREFIX.format(
+        kind="number", key=key
+    ) + f" {value}." in recall.RULER_TEMPLATE.format(kind="number", context="x", key=key, value=value)
+    assert needle.NIAH_NEEDLE.format(kind="number", key=key, value=value) == recall.RULER_NEEDLE.format(
+        kind="number", key=key, value=value
+    )
     assert needle.needle_text("12345").strip() == recall.PASSKEY_NEEDLE.format(value="12345")
-    assert recall.PASSKEY_TEMPLATE.format(context="x", value="12345").endswith(needle.QUESTION.strip() + " 12345.")
+    assert recall.PASSKEY_TEMPLATE.format(context="x", value="12345").endswith(
+        needle.QUESTION.strip() + " 12345."
+    )
 
 
 def test_no_training_item_is_an_evaluation_item(prose):
@@ -117,11 +135,15 @@ def test_haystacks_are_training_prose_only(prose):
     """Every haystack sentence comes from a training document of the prose corpus, never a held-out one."""
     train, held = split_documents(load_documents(prose), prose)
     assert held
-    held_names = {f"Document {d.id.removeprefix('doc').removesuffix('.txt').lstrip('0') or '0'} " for d in held}
+    held_names = {
+        f"Document {d.id.removeprefix('doc').removesuffix('.txt').lstrip('0') or '0'} " for d in held
+    }
     for doc in load_documents(f"recall:200:{prose}"):
         for name in held_names:
             assert name not in doc.text
-    train_names = {f"Document {d.id.removeprefix('doc').removesuffix('.txt').lstrip('0') or '0'} " for d in train}
+    train_names = {
+        f"Document {d.id.removeprefix('doc').removesuffix('.txt').lstrip('0') or '0'} " for d in train
+    }
     assert any(name in doc.text for doc in load_documents(f"recall:50:{prose}") for name in train_names)
 
 
@@ -169,14 +191,22 @@ def test_chat_corpus_renders_the_teachers_answers(teacher, prose, tmp_path):
     torch.set_num_threads(1)
     tok = make_tokenizer(300)
     tok.pad_token = tok.eos_token
-    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")  # fmt: skip
+    tok.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
     path = build_chat_corpus(f"chat:{prose}:3", teacher, tok, progress=False)
     lines = [json.loads(x)["text"] for x in path.read_text().splitlines()]
-    replies = [json.loads(x)["messages"] for x in path.with_name(path.name.replace(".text.jsonl", ".jsonl")).read_text().splitlines()]
+    replies = [
+        json.loads(x)["messages"]
+        for x in path.with_name(path.name.replace(".text.jsonl", ".jsonl")).read_text().splitlines()
+    ]
     assert len(lines) == len(replies) >= 1
     for i, (text, (user, assistant)) in enumerate(zip(lines, replies)):
-        assert text == f"<|user|>\n{user['content']}<|endoftext|>\n<|assistant|>\n{assistant['content']}<|endoftext|>\n"
+        assert (
+            text
+            == f"<|user|>\n{user['content']}<|endoftext|>\n<|assistant|>\n{assistant['content']}<|endoftext|>\n"
+        )
         assert user["content"].startswith(CHAT_INSTRUCTIONS[i].split("{text}")[0])
     assert build_chat_corpus(f"chat:{prose}:3", teacher, tok, progress=False) == path
     tok.chat_template = None
@@ -189,7 +219,11 @@ def test_a_mixture_with_recall_and_chat_sources(teacher, prose):
     tok = make_tokenizer(300)
     tok.pad_token = tok.eos_token
     tok.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-    sources = [SourceConfig(prose, 0.5), SourceConfig(f"recall:30:{prose}?max_words=50", 0.3), SourceConfig(f"chat:{prose}:4", 0.2)]
+    sources = [
+        SourceConfig(prose, 0.5),
+        SourceConfig(f"recall:30:{prose}?max_words=50", 0.3),
+        SourceConfig(f"chat:{prose}:4", 0.2),
+    ]
     data = load_training_data(sources, tok, 32, teacher=teacher, budget_blocks=40, progress=False)
     assert len(data.blocks) == 40 and [s["draws"] for s in data.sources] == [20, 12, 8]
     with pytest.raises(DataError, match="answered by the teacher"):
@@ -202,7 +236,11 @@ def test_builtin_mixtures_hold_no_evaluation_corpus():
         assert expand_mixture(f"mix:{name}") == sources
         for spec, weight in sources:
             assert weight > 0 and not any(c in spec for c in EVAL_CORPORA), spec
-    assert [s for s, _ in MIXTURES["corpora"]] == ["sotu", "moby-dick", "recall:512:sotu"]  # no teacher sampling
+    assert [s for s, _ in MIXTURES["corpora"]] == [
+        "sotu",
+        "moby-dick",
+        "recall:512:sotu",
+    ]  # no teacher sampling
     with pytest.raises(DataError, match="no built-in mixture 'web'"):
         expand_mixture("mix:web")
     with pytest.raises(DataError, match="names a mixture"):

@@ -4,7 +4,6 @@ import random
 
 import pytest
 import torch
-from tiny_models import tiny_config
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.data import (
@@ -24,6 +23,7 @@ from attn2ssm.data.teacher_samples import generate_corpus
 from attn2ssm.distill.recipe import SourceConfig
 from attn2ssm.errors import DataError
 from attn2ssm.paths import cache_dir
+from tiny_models import tiny_config
 
 WORDS = {
     "a": ["apple", "anchor", "amber", "arrow", "atlas", "autumn"],
@@ -102,7 +102,9 @@ def test_mixture_proportions_determinism_and_content(three, tokenizer):
     other = load_training_data(mix, tokenizer, 16, seed=4, budget_blocks=3000, max_heldout_tokens=400)
     assert not torch.equal(other.blocks, data.blocks) and torch.equal(other.source_of, data.source_of)
     large = load_training_data(mix, tokenizer, 16, seed=3, budget_blocks=20_000, max_heldout_tokens=400)
-    drawn = large.source_of[block_indices(len(large.blocks), 3, 0, 4000)]  # a part of one epoch: sampling noise only
+    drawn = large.source_of[
+        block_indices(len(large.blocks), 3, 0, 4000)
+    ]  # a part of one epoch: sampling noise only
     shares = torch.bincount(drawn, minlength=3).float() / len(drawn)
     assert (shares - torch.tensor([0.5, 0.2, 0.3])).abs().max() < 0.02
 
@@ -116,7 +118,9 @@ def test_a_source_repeats_only_after_all_its_blocks_were_used():
     big, small = blocks[source == 0, 0], blocks[source == 1, 0] - 10_000
     assert len(big.unique()) == 1000  # a large source is cut, never repeated
     uses = torch.bincount(small, minlength=37)
-    assert uses.min() == 1000 // 37 and uses.max() == 1000 // 37 + 1  # a small one goes round whole, again and again
+    assert (
+        uses.min() == 1000 // 37 and uses.max() == 1000 // 37 + 1
+    )  # a small one goes round whole, again and again
     for k in range(1000 // 37):  # ... and each round uses every block once before the next begins
         assert sorted(small[k * 37 : (k + 1) * 37].tolist()) == list(range(37))
     assert torch.equal(mix_blocks(parts, [1000, 1000], seed=0)[0], blocks)
@@ -144,7 +148,14 @@ def test_heldout_blocks_come_from_each_source_in_weight_order(three, tokenizer):
 
 
 def test_one_source_is_the_corpus_as_before(three, tokenizer):
-    data = load_training_data([SourceConfig(three[0])], tokenizer, 16, budget_blocks=10_000, max_train_tokens=2000, max_heldout_tokens=400)
+    data = load_training_data(
+        [SourceConfig(three[0])],
+        tokenizer,
+        16,
+        budget_blocks=10_000,
+        max_train_tokens=2000,
+        max_heldout_tokens=400,
+    )
     corpus = prepare_corpus(three[0], tokenizer, max_train_tokens=2000, max_heldout_tokens=400)
     assert torch.equal(data.blocks, pack_blocks(corpus.train_ids, 16))
     assert torch.equal(data.eval_blocks, pack_blocks(corpus.heldout_ids, 16))
@@ -154,7 +165,10 @@ def test_one_source_is_the_corpus_as_before(three, tokenizer):
 def test_token_caps_per_source(three, tokenizer):
     mix = [SourceConfig(three[0], 3.0), SourceConfig(three[2], 1.0, max_tokens=160)]
     data = load_training_data(mix, tokenizer, 16, max_train_tokens=800, max_heldout_tokens=400)
-    assert [s["max_tokens"] for s in data.sources] == [600, 160]  # weight's share of max_train_tokens, or its own cap
+    assert [s["max_tokens"] for s in data.sources] == [
+        600,
+        160,
+    ]  # weight's share of max_train_tokens, or its own cap
     assert [s["blocks"] for s in data.sources] == [600 // 16, 10]
 
 
@@ -164,7 +178,9 @@ def test_mixture_errors(three, tmp_path, tokenizer):
     with pytest.raises(DataError, match="fewer than one block"):
         load_training_data([SourceConfig(three[0]), SourceConfig(three[1], max_tokens=10)], tokenizer, 16)
     with pytest.raises(DataError, match="no source has 64 held-out tokens"):
-        load_training_data([SourceConfig(three[0]), SourceConfig(three[1])], tokenizer, 64, max_heldout_tokens=40)
+        load_training_data(
+            [SourceConfig(three[0]), SourceConfig(three[1])], tokenizer, 64, max_heldout_tokens=40
+        )
 
 
 # ------------------------------------------------------------------------------ streaming
@@ -175,12 +191,19 @@ def write_parquet_dataset(root, n_rows=300, seed=0):
     import datasets
 
     rng = random.Random(seed)
-    texts = [" ".join(rng.choice(WORDS["a"] + WORDS["b"]) for _ in range(rng.randint(5, 30))) for _ in range(n_rows)]
+    texts = [
+        " ".join(rng.choice(WORDS["a"] + WORDS["b"]) for _ in range(rng.randint(5, 30)))
+        for _ in range(n_rows)
+    ]
     texts[7] = "   "  # a blank row is skipped but keeps its row number
     root.mkdir()
     half = n_rows // 2
-    datasets.Dataset.from_dict({"text": texts[:half], "n": list(range(half))}).to_parquet(str(root / "train-00000-of-00002.parquet"))
-    datasets.Dataset.from_dict({"text": texts[half:], "n": list(range(half, n_rows))}).to_parquet(str(root / "train-00001-of-00002.parquet"))
+    datasets.Dataset.from_dict({"text": texts[:half], "n": list(range(half))}).to_parquet(
+        str(root / "train-00000-of-00002.parquet")
+    )
+    datasets.Dataset.from_dict({"text": texts[half:], "n": list(range(half, n_rows))}).to_parquet(
+        str(root / "train-00001-of-00002.parquet")
+    )
     return root, texts
 
 
@@ -205,13 +228,17 @@ def test_hub_dataset_streams_rows_with_the_download_ids(tmp_path, streaming_call
     assert streaming_calls and all(c["streaming"] is True for c in streaming_calls)
     assert [(d.id, d.text) for d in docs] == [(f"hf:{root}:{i}", t) for i, t in enumerate(texts) if t.strip()]
     sliced = list(iter_hf_documents(f"hf:{root}:train[40:60]"))
-    assert [(d.id, d.text) for d in sliced] == [(f"hf:{root}:train[40:60]:{i}", texts[40 + i]) for i in range(20)]
+    assert [(d.id, d.text) for d in sliced] == [
+        (f"hf:{root}:train[40:60]:{i}", texts[40 + i]) for i in range(20)
+    ]
     assert sources.row_slice("train[:10%]") is None and not sources.can_stream(f"hf:{root}:train[:10%]")
     with pytest.raises(DataError, match="no column 'body'"):
         next(iter_hf_documents(f"hf:{root}?field=body"))
 
 
-def test_streamed_corpus_equals_the_downloaded_one_and_stops_early(tmp_path, tokenizer, monkeypatch, streaming_calls):
+def test_streamed_corpus_equals_the_downloaded_one_and_stops_early(
+    tmp_path, tokenizer, monkeypatch, streaming_calls
+):
     import datasets
 
     root, texts = write_parquet_dataset(tmp_path / "ds", n_rows=600)
@@ -234,7 +261,9 @@ def test_streamed_corpus_equals_the_downloaded_one_and_stops_early(tmp_path, tok
     monkeypatch.setattr(packing, "can_stream", lambda spec: False)
     downloaded = prepare_corpus(f"hf:{saved}", tokenizer, max_train_tokens=1500, max_heldout_tokens=200)
     assert streamed.meta["streamed"] and "streamed" not in downloaded.meta
-    assert torch.equal(downloaded.train_ids, streamed.train_ids) and torch.equal(downloaded.heldout_ids, streamed.heldout_ids)
+    assert torch.equal(downloaded.train_ids, streamed.train_ids) and torch.equal(
+        downloaded.heldout_ids, streamed.heldout_ids
+    )
 
 
 def test_connection_lost_while_streaming_is_one_line(monkeypatch, tokenizer):
@@ -270,8 +299,12 @@ def test_mixture_streams_only_the_hub_share_of_the_budget(three, tmp_path, token
     mix = [SourceConfig(three[0], 0.75), SourceConfig(f"hf:{root}", 0.25)]
     data = load_training_data(mix, tokenizer, 16, budget_blocks=200, max_heldout_tokens=160)
     hub = data.sources[1]
-    assert hub["streamed"] and hub["max_tokens"] == 50 * 16 and hub["blocks"] == hub["draws"] == 50  # no block repeated
-    assert prepare_corpus(f"hf:{root}", tokenizer, max_train_tokens=800, max_heldout_tokens=160).meta["rows_read"] < len(texts)
+    assert (
+        hub["streamed"] and hub["max_tokens"] == 50 * 16 and hub["blocks"] == hub["draws"] == 50
+    )  # no block repeated
+    assert prepare_corpus(f"hf:{root}", tokenizer, max_train_tokens=800, max_heldout_tokens=160).meta[
+        "rows_read"
+    ] < len(texts)
 
 
 # ------------------------------------------------------------------------------ generated
@@ -279,12 +312,24 @@ def test_mixture_streams_only_the_hub_share_of_the_budget(three, tmp_path, token
 
 def test_generated_spec_parsing():
     g = sources.parse_generated_spec("generated:4096")
-    assert (g.n_tokens, g.prompts, g.temperature, g.top_p, g.length, g.batch) == (4096, None, 1.0, 1.0, 256, 16)
+    assert (g.n_tokens, g.prompts, g.temperature, g.top_p, g.length, g.batch) == (
+        4096,
+        None,
+        1.0,
+        1.0,
+        256,
+        16,
+    )
     g = sources.parse_generated_spec("generated:100:hf:org/ds:cfg?top_p=0.9&batch=4&field=body&length=32")
     assert (g.prompts, g.top_p, g.batch, g.field, g.length) == ("hf:org/ds:cfg", 0.9, 4, "body", 32)
-    for bad, match in (("generated:lots", "number of tokens"), ("generated:10?topp=1", "unknown option"),
-                       ("generated:10?batch=two", "not a int"), ("generated:10?top_p=0", "out of range"),
-                       ("generated:0", "out of range"), ("generated:10?field=x", "no prompt corpus")):  # fmt: skip
+    for bad, match in (
+        ("generated:lots", "number of tokens"),
+        ("generated:10?topp=1", "unknown option"),
+        ("generated:10?batch=two", "not a int"),
+        ("generated:10?top_p=0", "out of range"),
+        ("generated:0", "out of range"),
+        ("generated:10?field=x", "no prompt corpus"),
+    ):
         with pytest.raises(DataError, match=match):
             sources.parse_generated_spec(bad)
     with pytest.raises(DataError, match="cannot be read without the teacher"):
@@ -306,7 +351,9 @@ def test_generated_corpus_is_seeded_cached_and_exact(teacher, tokenizer, monkeyp
     a = generate_corpus(spec, teacher, tokenizer, seed=1, progress=False)
     assert torch.equal(torch.get_rng_state(), rng_before)  # the run's own random stream is untouched
     assert a.train_ids.numel() + a.heldout_ids.numel() == 300 and not a.meta["from_cache"]
-    assert a.meta["n_train_docs"] + a.meta["n_heldout_docs"] == a.meta["n_samples"] >= 300 // 17  # ≤ 16 new tokens each
+    assert (
+        a.meta["n_train_docs"] + a.meta["n_heldout_docs"] == a.meta["n_samples"] >= 300 // 17
+    )  # ≤ 16 new tokens each
     [path] = (cache_dir() / "generated").glob("*.pt")
     assert a.meta["cache_path"] == str(path)
 
@@ -316,7 +363,11 @@ def test_generated_corpus_is_seeded_cached_and_exact(teacher, tokenizer, monkeyp
     with monkeypatch.context() as m:
         m.setattr(teacher, "generate", no_sampling)
         b = generate_corpus(spec, teacher, tokenizer, seed=1, progress=False)
-    assert b.meta["from_cache"] and torch.equal(a.train_ids, b.train_ids) and torch.equal(a.heldout_ids, b.heldout_ids)
+    assert (
+        b.meta["from_cache"]
+        and torch.equal(a.train_ids, b.train_ids)
+        and torch.equal(a.heldout_ids, b.heldout_ids)
+    )
     path.unlink()  # sampled again from scratch: the same tokens
     c = generate_corpus(spec, teacher, tokenizer, seed=1, progress=False)
     assert not c.meta["from_cache"] and torch.equal(a.train_ids, c.train_ids)
@@ -333,20 +384,33 @@ def test_generated_from_corpus_prompts(teacher, tokenizer, three, monkeypatch):
         return real(**kwargs)
 
     monkeypatch.setattr(teacher, "generate", spy)
-    corpus = generate_corpus(f"generated:300:{three[1]}?length=12&batch=4&prompt_len=6&top_p=0.9", teacher, tokenizer, progress=False)
+    corpus = generate_corpus(
+        f"generated:300:{three[1]}?length=12&batch=4&prompt_len=6&top_p=0.9",
+        teacher,
+        tokenizer,
+        progress=False,
+    )
     assert corpus.train_ids.numel() + corpus.heldout_ids.numel() == 300
     prompts = prepare_corpus(three[1], tokenizer, max_heldout_tokens=0).train_ids  # training text only
     windows = {tuple(prompts[i : i + 6].tolist()) for i in range(prompts.numel() - 5)}
     rows = torch.cat(inputs)
     assert rows.shape[1] == 6 and all(tuple(r.tolist()) in windows for r in rows)
     assert len(set(map(tuple, rows.tolist()))) > len(rows) // 2  # cut at many places
-    first = corpus.train_ids if not corpus.meta["n_heldout_docs"] or corpus.train_ids[:6].tolist() == rows[0].tolist() else corpus.heldout_ids
-    assert first[:6].tolist() == rows[0].tolist()  # a sample keeps its prompt: real text the continuation follows
+    first = (
+        corpus.train_ids
+        if not corpus.meta["n_heldout_docs"] or corpus.train_ids[:6].tolist() == rows[0].tolist()
+        else corpus.heldout_ids
+    )
+    assert (
+        first[:6].tolist() == rows[0].tolist()
+    )  # a sample keeps its prompt: real text the continuation follows
 
 
 def test_generated_source_in_a_mixture(teacher, tokenizer, three):
     mix = [SourceConfig(three[0], 0.6), SourceConfig("generated:800?length=32&batch=8", 0.4)]
-    data = load_training_data(mix, tokenizer, 16, budget_blocks=100, max_heldout_tokens=200, teacher=teacher, progress=False)
+    data = load_training_data(
+        mix, tokenizer, 16, budget_blocks=100, max_heldout_tokens=200, teacher=teacher, progress=False
+    )
     assert torch.bincount(data.source_of).tolist() == [60, 40]
     gen = generate_corpus("generated:800?length=32&batch=8", teacher, tokenizer, seed=0, progress=False)
     assert as_rows(data.blocks[data.source_of == 1]) <= as_rows(pack_blocks(gen.train_ids, 16))

@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from tiny_models import make_tokenizer
 
 from attn2ssm.data.packing import TokenizedCorpus, tokenizer_fingerprint
 from attn2ssm.data.shards import ShardWriter, id_dtype, read_manifest, read_shards, write_shards
 from attn2ssm.errors import DataError
+from tiny_models import make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +20,12 @@ def tok():
 
 def _corpus(tok, n_train=1000, n_held=150, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return TokenizedCorpus(torch.randint(0, len(tok), (n_train,), generator=gen), torch.randint(0, len(tok), (n_held,), generator=gen),
-                           tokenizer_fingerprint(tok), {"spec": "test"})
+    return TokenizedCorpus(
+        torch.randint(0, len(tok), (n_train,), generator=gen),
+        torch.randint(0, len(tok), (n_held,), generator=gen),
+        tokenizer_fingerprint(tok),
+        {"spec": "test"},
+    )
 
 
 def test_round_trip_over_several_files(tok, tmp_path):
@@ -89,7 +93,12 @@ def test_a_shard_folder_is_a_training_source(tok, tmp_path):
     data = load_training_data([source], tok, 64, max_heldout_tokens=128, progress=False)
     assert torch.equal(data.blocks, corpus.train_ids[:1984].view(-1, 64))
     assert torch.equal(data.corpus.heldout_ids, corpus.heldout_ids[:128])
-    mixed = load_training_data([source, SimpleNamespace(corpus=f"shards:{tmp_path / 's'}", weight=3.0, max_tokens=640)], tok, 64, progress=False)
+    mixed = load_training_data(
+        [source, SimpleNamespace(corpus=f"shards:{tmp_path / 's'}", weight=3.0, max_tokens=640)],
+        tok,
+        64,
+        progress=False,
+    )
     assert mixed.source_of.bincount().tolist() == [10, 31]  # 1 : 3 of the 31 + 10 blocks the two parts hold
 
 
@@ -115,11 +124,27 @@ def test_a_text_corpus_as_shards_is_the_prepared_corpus(tok, tmp_path):
     manifest = write_corpus_shards(spec, tmp_path / "s", tok, shard_tokens=1000, progress=False)
     ref = prepare_corpus(spec, tok)
     back = read_shards(tmp_path / "s", tok, verify=True)
-    assert torch.equal(back.train_ids, ref.train_ids) and torch.equal(back.heldout_ids, ref.heldout_ids) and ref.heldout_ids.numel()
-    assert manifest["meta"]["n_train_docs"] == ref.meta["n_train_docs"] and manifest["meta"]["tokens_per_second"] > 0
-    write_corpus_shards(spec, tmp_path / "cut", tok, max_train_tokens=777, max_heldout_tokens=33, progress=False)
-    cut, ref = read_shards(tmp_path / "cut", tok), prepare_corpus(spec, tok, max_train_tokens=777, max_heldout_tokens=33)
-    assert torch.equal(cut.train_ids, ref.train_ids) and torch.equal(cut.heldout_ids, ref.heldout_ids) and cut.train_ids.numel() == 777
+    assert (
+        torch.equal(back.train_ids, ref.train_ids)
+        and torch.equal(back.heldout_ids, ref.heldout_ids)
+        and ref.heldout_ids.numel()
+    )
+    assert (
+        manifest["meta"]["n_train_docs"] == ref.meta["n_train_docs"]
+        and manifest["meta"]["tokens_per_second"] > 0
+    )
+    write_corpus_shards(
+        spec, tmp_path / "cut", tok, max_train_tokens=777, max_heldout_tokens=33, progress=False
+    )
+    cut, ref = (
+        read_shards(tmp_path / "cut", tok),
+        prepare_corpus(spec, tok, max_train_tokens=777, max_heldout_tokens=33),
+    )
+    assert (
+        torch.equal(cut.train_ids, ref.train_ids)
+        and torch.equal(cut.heldout_ids, ref.heldout_ids)
+        and cut.train_ids.numel() == 777
+    )
 
 
 def test_a_hub_dataset_is_streamed_into_shards(tok, tmp_path):
@@ -130,13 +155,21 @@ def test_a_hub_dataset_is_streamed_into_shards(tok, tmp_path):
 
     texts = [" ".join(["harbor ember cedar"] * (3 + i % 7)) + f" row {i}" for i in range(400)]
     (tmp_path / "ds").mkdir()
-    datasets.Dataset.from_dict({"text": texts}).to_parquet(str(tmp_path / "ds" / "train-00000-of-00001.parquet"))
+    datasets.Dataset.from_dict({"text": texts}).to_parquet(
+        str(tmp_path / "ds" / "train-00000-of-00001.parquet")
+    )
     spec = f"hf:{tmp_path / 'ds'}"
-    manifest = write_corpus_shards(spec, tmp_path / "s", tok, max_train_tokens=1500, max_heldout_tokens=100, progress=False)
-    ref = prepare_corpus(spec, tok, max_train_tokens=1500, max_heldout_tokens=100)  # streamed too: rows only as far as the caps
+    manifest = write_corpus_shards(
+        spec, tmp_path / "s", tok, max_train_tokens=1500, max_heldout_tokens=100, progress=False
+    )
+    ref = prepare_corpus(
+        spec, tok, max_train_tokens=1500, max_heldout_tokens=100
+    )  # streamed too: rows only as far as the caps
     back = read_shards(tmp_path / "s", tok)
     assert torch.equal(back.train_ids, ref.train_ids) and torch.equal(back.heldout_ids, ref.heldout_ids)
-    assert manifest["meta"]["streamed"] and manifest["meta"]["rows_read"] == ref.meta["rows_read"] < len(texts)
+    assert manifest["meta"]["streamed"] and manifest["meta"]["rows_read"] == ref.meta["rows_read"] < len(
+        texts
+    )
     write_corpus_shards(spec, tmp_path / "all", tok, progress=False)  # no caps: the whole split, streamed
     whole = read_shards(tmp_path / "all", tok)
     assert whole.meta["rows_read"] == len(texts) and torch.equal(whole.train_ids[:1500], ref.train_ids)
@@ -147,10 +180,18 @@ def test_a_shard_folder_cut_to_fit(tok, tmp_path):
 
     corpus = _corpus(tok, n_train=5000, n_held=300)
     write_shards(tmp_path / "big", corpus, tok, source="big", shard_tokens=1024)
-    manifest = write_corpus_shards(f"shards:{tmp_path / 'big'}", tmp_path / "small", tok, max_train_tokens=2500, max_heldout_tokens=100,
-                                   shard_tokens=2048)  # fmt: skip
+    manifest = write_corpus_shards(
+        f"shards:{tmp_path / 'big'}",
+        tmp_path / "small",
+        tok,
+        max_train_tokens=2500,
+        max_heldout_tokens=100,
+        shard_tokens=2048,
+    )
     small = read_shards(tmp_path / "small", tok, verify=True)
-    assert torch.equal(small.train_ids, corpus.train_ids[:2500]) and torch.equal(small.heldout_ids, corpus.heldout_ids[:100])
+    assert torch.equal(small.train_ids, corpus.train_ids[:2500]) and torch.equal(
+        small.heldout_ids, corpus.heldout_ids[:100]
+    )
     assert [f["tokens"] for f in manifest["sides"]["train"]] == [2048, 452] and manifest["source"] == "big"
     with pytest.raises(DataError, match="another tokenizer"):
         write_corpus_shards(f"shards:{tmp_path / 'big'}", tmp_path / "x", make_tokenizer(280))
@@ -181,7 +222,9 @@ def test_compact_reading_keeps_the_files_width(tok, tmp_path):
     assert back.train_ids.dtype == torch.uint16 and torch.equal(back.train_ids.long(), corpus.train_ids[:700])
     wide = make_tokenizer(300)
     wide.add_tokens([f"<extra{i}>" for i in range(65537 - len(wide))])  # 65,537 ids: 32-bit files
-    big = TokenizedCorpus(torch.tensor([0, 65536, 7, 65535]), torch.tensor([65536]), tokenizer_fingerprint(wide), {})
+    big = TokenizedCorpus(
+        torch.tensor([0, 65536, 7, 65535]), torch.tensor([65536]), tokenizer_fingerprint(wide), {}
+    )
     write_shards(tmp_path / "w", big, wide, source="wide")
     assert read_manifest(tmp_path / "w")["dtype"] == "uint32"
     back = read_shards(tmp_path / "w", wide, compact=True)

@@ -8,7 +8,6 @@ one compiles with inductor (the backend users get), marked slow."""
 
 import pytest
 import torch
-from tiny_models import tiny_student
 from torch import nn
 
 from attn2ssm.decode.compiled import CompiledStep
@@ -16,8 +15,15 @@ from attn2ssm.decode.layout import cpu_decode_layout, undo_cpu_decode_layout
 from attn2ssm.decode.mixers import LinearAttentionDecode
 from attn2ssm.decode.plan import enable_decode_plan
 from attn2ssm.student.cache import _map_state
+from tiny_models import tiny_student
 
-KINDS = [("linear_attention", {"feature_map": "hedgehog"}), ("linear_attention", None), ("mamba", None), ("mamba2", None), ("hedgemamba", None)]
+KINDS = [
+    ("linear_attention", {"feature_map": "hedgehog"}),
+    ("linear_attention", None),
+    ("mamba", None),
+    ("mamba2", None),
+    ("hedgemamba", None),
+]
 
 
 class CountingBackend:
@@ -110,7 +116,9 @@ def test_a_plan_compiled_without_the_decode_layout_gives_the_eager_tokens(kind, 
     assert enable_decode_plan(compiled, compile=False)
     assert compiled.__dict__["_decode_plan"].compile_step(backend) == ""
     ids = _ids()
-    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    kwargs = dict(
+        max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True
+    )
     with torch.no_grad():
         got, want = compiled.generate(ids, **kwargs), eager.generate(ids, **kwargs)
     assert torch.equal(got.sequences, want.sequences)
@@ -213,7 +221,9 @@ def test_the_compiled_step_is_refused_while_a_stage_hooks_a_tap():
     step = compiled.__dict__["_decode_plan"].compiled
     assert step.ready(cache_c)
     seen = []
-    handle = compiled.mixers()[0].bc_tap.register_forward_hook(lambda tap, args, out: seen.append(args[0].shape))
+    handle = compiled.mixers()[0].bc_tap.register_forward_hook(
+        lambda tap, args, out: seen.append(args[0].shape)
+    )
     assert not step.ready(cache_c)
     got = _steps(compiled, cache_c, token, 2)
     handle.remove()
@@ -224,7 +234,9 @@ def test_the_compiled_step_is_refused_while_a_stage_hooks_a_tap():
 def test_compile_option_and_its_reasons():
     model = tiny_student("gqa_9x3", "mamba2")
     cpu_decode_layout(model, compile=True)
-    assert isinstance(model.__dict__["_decode_plan"].compiled, CompiledStep) and model.compiled_step_reason == ""
+    assert (
+        isinstance(model.__dict__["_decode_plan"].compiled, CompiledStep) and model.compiled_step_reason == ""
+    )
     undo_cpu_decode_layout(model)
     assert model.__dict__.get("_decode_plan") is None
     hybrid = tiny_student("gqa_9x3", "mamba2", ratio=0.5)
@@ -243,5 +255,7 @@ def test_inductor_compiled_steps_equal_the_eager_plan():
     ids = _ids()
     cache_c, token = _prefill(compiled, ids)
     cache_e, _ = _prefill(eager, ids)
-    torch.testing.assert_close(_steps(compiled, cache_c, token, 4), _steps(eager, cache_e, token, 4), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        _steps(compiled, cache_c, token, 4), _steps(eager, cache_e, token, 4), rtol=1e-4, atol=1e-4
+    )
     assert compiled.__dict__["_decode_plan"].compiled.compiled_once

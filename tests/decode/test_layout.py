@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import tiny_model
 from torch import nn
 
 from attn2ssm.decode.fusion import FusedLinears
-from attn2ssm.mixers.registry import MIXERS
 from attn2ssm.decode.layout import DecodeLinear, cpu_decode_layout, undo_cpu_decode_layout
+from attn2ssm.mixers.registry import MIXERS
 from attn2ssm.student.convert import convert
 from attn2ssm.student.plans import make_plan
+from tiny_models import tiny_model
 
 
 def _student(kind="mamba2"):
@@ -98,7 +98,10 @@ def test_every_mixer_kind_gives_the_same_logits_and_generation_with_fused_inputs
     calls = _count_fused_calls(monkeypatch)
     with torch.no_grad():
         torch.testing.assert_close(model(ids, attention_mask=mask).logits, ref, rtol=1e-5, atol=1e-5)
-        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0), greedy)
+        assert torch.equal(
+            model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0),
+            greedy,
+        )
     assert len(calls) >= 2 * len(model.mixers())  # the fused path ran (prefill and decode)
 
 
@@ -154,7 +157,9 @@ def test_models_in_decode_mode_save_load_and_train(tmp_path):
     assert all(m.__dict__.get("_fused_inputs") is not None for m in model.mixers().values())
     # the decode-mode class keeps the student's name (transformers writes it into the config), and
     # nothing of attn2ssm.decode travels with the checkpoint
-    assert json.loads((tmp_path / "student" / "config.json").read_text())["architectures"] == ["Attn2SSMForCausalLM"]
+    assert json.loads((tmp_path / "student" / "config.json").read_text())["architectures"] == [
+        "Attn2SSMForCausalLM"
+    ]
     assert not list((tmp_path / "student").glob("attn2ssm_decode*"))
     saved, state = load_file(tmp_path / "student" / "model.safetensors"), model.state_dict()
     assert any(".q_proj." in k for k in saved) and set(saved) <= set(state)  # (a tied head is saved once)
@@ -193,7 +198,10 @@ def test_norms_and_gated_mlps_take_their_fused_forms_only_where_they_compute_the
         layer = teacher.model.layers[0]
         assert ("_decode_base" in type(layer.input_layernorm).__dict__) is norm_fused, family
         assert "_decode_base" in type(layer.mlp).__dict__
-        assert layer.mlp.gate_proj.weight.untyped_storage().data_ptr() == layer.mlp.up_proj.weight.untyped_storage().data_ptr()
+        assert (
+            layer.mlp.gate_proj.weight.untyped_storage().data_ptr()
+            == layer.mlp.up_proj.weight.untyped_storage().data_ptr()
+        )
         with torch.no_grad():
             torch.testing.assert_close(teacher(ids).logits, ref, rtol=1e-5, atol=1e-5)
         undo_cpu_decode_layout(teacher)
@@ -222,19 +230,25 @@ def test_a_hedgehog_students_stacked_maps_decode_save_undo_and_step_aside(tmp_pa
 
     model = tiny_student("gqa_9x3", "linear_attention", options={"feature_map": "hedgehog"})
     ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(5))
-    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    kwargs = dict(
+        max_new_tokens=5, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True
+    )
     with torch.no_grad():
         ref = model.generate(ids, **kwargs)
     cpu_decode_layout(model)
     mixer = model.mixers()[0]
     assert mixer.__dict__.get("_fused_maps") is not None
-    assert mixer.feature_map_q.weight.untyped_storage().data_ptr() == mixer.feature_map_k.weight.untyped_storage().data_ptr()
+    assert (
+        mixer.feature_map_q.weight.untyped_storage().data_ptr()
+        == mixer.feature_map_k.weight.untyped_storage().data_ptr()
+    )
     with torch.no_grad():
         got = model.generate(ids, **kwargs)
     assert torch.equal(got.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(ref.scores), rtol=1e-5, atol=1e-5)
     model.save_pretrained(tmp_path / "student")  # unfuses while writing, fuses again after
     assert mixer.__dict__.get("_fused_maps") is not None
+
     class Squared(nn.Module):  # a replaced map: prefill and every decode step must use it
         def __init__(self, inner):
             super().__init__()
@@ -243,12 +257,19 @@ def test_a_hedgehog_students_stacked_maps_decode_save_undo_and_step_aside(tmp_pa
         def forward(self, x, positions=None):
             return self.inner(x, positions) ** 2
 
-    plain = tiny_student("gqa_9x3", "linear_attention", options={"feature_map": "hedgehog"})  # same weights, no decode mode
+    plain = tiny_student(
+        "gqa_9x3", "linear_attention", options={"feature_map": "hedgehog"}
+    )  # same weights, no decode mode
     original = mixer.feature_map_k
-    mixer.feature_map_k, plain.mixers()[0].feature_map_k = Squared(original), Squared(plain.mixers()[0].feature_map_k)
+    mixer.feature_map_k, plain.mixers()[0].feature_map_k = (
+        Squared(original),
+        Squared(plain.mixers()[0].feature_map_k),
+    )
     with torch.no_grad():
         replaced, expected = model.generate(ids, **kwargs), plain.generate(ids, **kwargs)
-    torch.testing.assert_close(torch.stack(replaced.scores), torch.stack(expected.scores), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.stack(replaced.scores), torch.stack(expected.scores), rtol=1e-5, atol=1e-5
+    )
     assert not torch.allclose(torch.stack(replaced.scores), torch.stack(ref.scores))
     mixer.feature_map_k = original
     assert undo_cpu_decode_layout(model) > 0

@@ -5,14 +5,14 @@ carried state, with a padded row), for every mixer kind and the families whose h
 
 import pytest
 import torch
-from cache_forms import positions
-from tiny_models import tiny_student
 
 from attn2ssm.decode.fusion import FusedLinears
 from attn2ssm.decode.layout import cpu_decode_layout, undo_cpu_decode_layout
 from attn2ssm.decode.mixers import LinearAttentionDecode, MixerDecode, hedgehog_softmax_step, map_step
 from attn2ssm.mixers.feature_maps import HedgehogMap
 from attn2ssm.student.cache import _map_state
+from cache_forms import positions
+from tiny_models import tiny_student
 
 KINDS = [
     ("gqa_9x3", "mamba2", None),
@@ -64,8 +64,20 @@ def test_decode_mode_steps_equal_the_mixers_own_steps(family, kind, options, mas
         u = torch.randn(2, 1, mixer.hidden_size, generator=torch.Generator().manual_seed(i))
         pe = _rope(mixer, 2)
         with torch.no_grad():
-            want, want_states = mixer.step(u, pe, {k: _map_state(v, torch.clone) for k, v in layer.states.items()}, mask=m, seen=layer.seen)
-            got, got_states = decode_mode.step(u, pe, {k: _map_state(v, torch.clone) for k, v in layer.states.items()}, mask=m, seen=layer.seen)
+            want, want_states = mixer.step(
+                u,
+                pe,
+                {k: _map_state(v, torch.clone) for k, v in layer.states.items()},
+                mask=m,
+                seen=layer.seen,
+            )
+            got, got_states = decode_mode.step(
+                u,
+                pe,
+                {k: _map_state(v, torch.clone) for k, v in layer.states.items()},
+                mask=m,
+                seen=layer.seen,
+            )
         rows = slice(None) if m is None else slice(0, 1)  # a padded row's output is whatever is cheapest
         torch.testing.assert_close(got[rows], want[rows], rtol=1e-5, atol=1e-5)
         assert set(got_states) == set(want_states)
@@ -117,4 +129,6 @@ def test_hedgehog_one_token_features_equal_forward(activation):
     if activation == "softmax":
         for rows in (1, 2):
             want = fmap(x[:rows, :, None])[:, :, 0]
-            torch.testing.assert_close(hedgehog_softmax_step(x[:rows], fmap.weight, fmap.bias), want, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(
+                hedgehog_softmax_step(x[:rows], fmap.weight, fmap.bias), want, atol=1e-6, rtol=1e-6
+            )

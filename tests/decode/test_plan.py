@@ -4,13 +4,13 @@ out of the way whenever something could tell the difference."""
 
 import pytest
 import torch
-from tiny_models import tiny_model, tiny_student
 from torch import nn
 
-from attn2ssm.mixers.registry import MIXERS
 from attn2ssm.decode.layout import cpu_decode_layout, undo_cpu_decode_layout
-from attn2ssm.student.cache import _map_state
 from attn2ssm.decode.plan import DecodePlan
+from attn2ssm.mixers.registry import MIXERS
+from attn2ssm.student.cache import _map_state
+from tiny_models import tiny_student
 
 
 @pytest.fixture
@@ -92,10 +92,26 @@ def test_left_padded_generation_is_the_same_with_and_without_the_plan(family, pl
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding: positions come from the mask, not the cache length
     with torch.no_grad():
-        planned = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        planned = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
         assert plan_calls
-        model.__dict__["_decode_plan"], plan = None, model.__dict__["_decode_plan"]
-        plain = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        model.__dict__["_decode_plan"] = None
+        plain = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     assert torch.equal(planned.sequences, plain.sequences)
     torch.testing.assert_close(torch.stack(planned.scores), torch.stack(plain.scores), rtol=1e-5, atol=1e-5)
 
@@ -116,7 +132,9 @@ def test_a_layer_that_computes_something_else_fails_the_probe(family, monkeypatc
     model = tiny_student(family, "linear_attention")
     layer_class = type(model.base.model.layers[0])
     original = layer_class.forward
-    monkeypatch.setattr(layer_class, "forward", lambda self, hidden_states, **kw: original(self, hidden_states, **kw) * 1.01)
+    monkeypatch.setattr(
+        layer_class, "forward", lambda self, hidden_states, **kw: original(self, hidden_states, **kw) * 1.01
+    )
     cpu_decode_layout(model)
     assert model.__dict__["_decode_plan"] is None and "does not compute" in model.decode_plan_reason
 
@@ -160,7 +178,12 @@ def test_the_plan_steps_aside_when_something_could_tell(plan_calls):
 
 # Gemma 2/3: sandwich norms around mixer and MLP; Gemma-3 also gives its sliding-window and global
 # layers RoPE of different bases (one rotary module, called once per layer type)
-GEMMA_KINDS = [("linear_attention", {"feature_map": "hedgehog"}), ("linear_attention", None), ("mamba2", {"rope": "before"}), ("hedgemamba", None)]
+GEMMA_KINDS = [
+    ("linear_attention", {"feature_map": "hedgehog"}),
+    ("linear_attention", None),
+    ("mamba2", {"rope": "before"}),
+    ("hedgemamba", None),
+]
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma2"])
@@ -198,14 +221,20 @@ def test_position_embeddings_the_plan_cannot_reproduce_mean_no_plan(monkeypatch)
     model = tiny_student("gemma3", "linear_attention")
     rotary = type(model.base.model.rotary_emb)
     original = rotary.forward
-    monkeypatch.setattr(rotary, "forward", lambda self, x, position_ids, layer_type, scale: original(self, x, position_ids, layer_type))
+    monkeypatch.setattr(
+        rotary,
+        "forward",
+        lambda self, x, position_ids, layer_type, scale: original(self, x, position_ids, layer_type),
+    )
     cpu_decode_layout(model)
     assert model.__dict__["_decode_plan"] is None and "position embeddings" in model.decode_plan_reason
     undo_cpu_decode_layout(model)
     monkeypatch.setattr(rotary, "forward", original)
     model = tiny_student("gemma3", "linear_attention")
     config = model.base.config
-    monkeypatch.setattr(config, "layer_types", list(reversed(config.layer_types)))  # the plan would read these
+    monkeypatch.setattr(
+        config, "layer_types", list(reversed(config.layer_types))
+    )  # the plan would read these
     inner_forward = type(model.base.model).forward
 
     def hf_with_the_original_types(self, *args, **kwargs):

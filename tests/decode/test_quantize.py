@@ -7,13 +7,19 @@ import copy
 
 import pytest
 import torch
-from tiny_models import one_line_error, tiny_model
 
-from attn2ssm.decode.layout import cpu_decode_layout
-from attn2ssm.decode.quantize import Int8Linear, apply_weight_format, check_weight_format, format_name, step_weight_bytes
-from attn2ssm.errors import ConfigError
 from attn2ssm.bench.generate import build_models, measure_decode_interleaved, parse_format
+from attn2ssm.decode.layout import cpu_decode_layout
+from attn2ssm.decode.quantize import (
+    Int8Linear,
+    apply_weight_format,
+    check_weight_format,
+    format_name,
+    step_weight_bytes,
+)
+from attn2ssm.errors import ConfigError
 from attn2ssm.hf_compat import CACHE_KWARG
+from tiny_models import one_line_error, tiny_model
 
 FORMATS = ["bfloat16", "int8", "bfloat16+int8"]
 # Largest |logit difference| against float32 over the largest |float32 logit|, one token after a
@@ -32,7 +38,9 @@ def _ids(n=24, seed=0):
 @pytest.fixture(scope="module")
 def models():
     torch.manual_seed(0)
-    return build_models(tiny_model("llama"), ["teacher", "mamba2", "hybrid25"], torch.device("cpu"), ("float32", *FORMATS))
+    return build_models(
+        tiny_model("llama"), ["teacher", "mamba2", "hybrid25"], torch.device("cpu"), ("float32", *FORMATS)
+    )
 
 
 def test_bfloat16_keeps_the_ssm_parameters_and_buffers_float32(models):
@@ -42,15 +50,21 @@ def test_bfloat16_keeps_the_ssm_parameters_and_buffers_float32(models):
     assert kept and all(params[n].dtype == torch.float32 for n in kept), kept
     others = [n for n in params if n not in kept]
     assert others and all(params[n].dtype == torch.bfloat16 for n in others)
-    assert all(b.dtype == torch.float32 for n, b in student.named_buffers() if b.is_floating_point()), "RoPE's inv_freq must stay float32"
+    assert all(b.dtype == torch.float32 for n, b in student.named_buffers() if b.is_floating_point()), (
+        "RoPE's inv_freq must stay float32"
+    )
 
 
 def test_int8_swaps_every_linear_and_counts_a_quarter_of_the_bytes(models):
     fp32, q = models["teacher"], models["teacher@int8"]
     linears = [m for m in fp32.modules() if isinstance(m, torch.nn.Linear)]
     swapped = [m for m in q.modules() if isinstance(m, Int8Linear)]
-    assert len(swapped) == len(linears) == q.weight_format["int8_linears"] and not any(isinstance(m, torch.nn.Linear) for m in q.modules())
-    assert swapped[-1].qweight.dtype == torch.int8 and swapped[-1].out_features == fp32.config.vocab_size  # the lm_head too
+    assert len(swapped) == len(linears) == q.weight_format["int8_linears"] and not any(
+        isinstance(m, torch.nn.Linear) for m in q.modules()
+    )
+    assert (
+        swapped[-1].qweight.dtype == torch.int8 and swapped[-1].out_features == fp32.config.vocab_size
+    )  # the lm_head too
     linear_bytes = sum(m.weight.numel() for m in linears)
     assert step_weight_bytes(fp32) - step_weight_bytes(q) == pytest.approx(3 * linear_bytes, rel=0.02)
     assert q.model.embed_tokens.weight.dtype == torch.float32  # a step reads one row of it
@@ -107,7 +121,10 @@ def test_format_names_round_trip():
             assert parse_format(format_name(dtype, quantize)) == (dtype, quantize)
 
 
-@pytest.mark.parametrize("dtype,quantize,match", [("float16", None, "--dtype"), ("float32", "int4", "--quantize"), ("bfloat16", "fp8", "--quantize")])
+@pytest.mark.parametrize(
+    "dtype,quantize,match",
+    [("float16", None, "--dtype"), ("float32", "int4", "--quantize"), ("bfloat16", "fp8", "--quantize")],
+)
 def test_bad_formats_are_one_line_errors(dtype, quantize, match):
     with pytest.raises(ConfigError, match=match):
         check_weight_format(dtype, quantize)

@@ -36,15 +36,24 @@ def write_chat_data(root, n=12, seed=0):
     for i in range(n):
         turns = [{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []
         for _ in range(1 + i % 2):
-            turns += [{"role": "user", "content": _sentence(rng, 3)}, {"role": "assistant", "content": _sentence(rng, 4)}]
+            turns += [
+                {"role": "user", "content": _sentence(rng, 3)},
+                {"role": "assistant", "content": _sentence(rng, 4)},
+            ]
         messages.append({"messages": turns})
         reply = "completion" if i % 2 else "response"
         completions.append({"prompt": _sentence(rng, 3), reply: _sentence(rng, 5)})
         prompt, chosen, rejected = _sentence(rng, 3), _sentence(rng, 4), _sentence(rng, 6)
         preferences.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
         user = {"role": "user", "content": prompt}
-        conversations.append({"prompt": prompt, "chosen": [user, {"role": "assistant", "content": chosen}],
-                              "rejected": [user, {"role": "assistant", "content": rejected}], "score_chosen": 8.0})
+        conversations.append(
+            {
+                "prompt": prompt,
+                "chosen": [user, {"role": "assistant", "content": chosen}],
+                "rejected": [user, {"role": "assistant", "content": rejected}],
+                "score_chosen": 8.0,
+            }
+        )
     return {
         "messages": _write_jsonl(root / "messages.jsonl", messages),
         "prompt_completion": _write_jsonl(root / "prompt_completion.jsonl", completions),

@@ -3,10 +3,11 @@
 
 import pytest
 from chat_data import CHAT_TEMPLATE, write_chat_data
+
 from tiny_models import make_tokenizer, tiny_overrides
 
-
 # --------------------------------------------------------------------------- chat / preference data
+
 
 @pytest.fixture
 def chat_tokenizer():

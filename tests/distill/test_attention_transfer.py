@@ -1,12 +1,12 @@
 """Attention transfer: only the feature maps train, and the per-layer KL to softmax falls."""
 
 import torch
-from tiny_models import tiny_model
 
 from attn2ssm.distill.recipe import StageConfig
 from attn2ssm.distill.stages import STAGE_KINDS, select_trainable
 from attn2ssm.eval.attention import attention_fidelity
 from attn2ssm.student.convert import convert
+from tiny_models import tiny_model
 
 
 def test_attention_transfer_lowers_per_layer_kl():

@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from tiny_models import tiny_model
 
 from attn2ssm.adapters import get_adapter
+from attn2ssm.adapters.capture import capture_attention_io
+from attn2ssm.distill.recipe import StageConfig, load_recipe
+from attn2ssm.distill.stages import STAGE_KINDS
 from attn2ssm.distill.stages.cab import (
     BridgeAlignmentStage,
     Bridges,
@@ -22,12 +24,10 @@ from attn2ssm.distill.stages.cab import (
     capture_student_bc,
     capture_teacher_qk,
 )
-from attn2ssm.distill.recipe import StageConfig, load_recipe
-from attn2ssm.distill.stages import STAGE_KINDS
-from attn2ssm.adapters.capture import capture_attention_io
 from attn2ssm.distill.trainer import distill, latest_checkpoint
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.convert import convert
+from tiny_models import tiny_model
 
 M2 = "mamba2"
 
@@ -68,7 +68,11 @@ def test_bridges_shapes_and_sharing():
     per_layer = Bridges({0: 0, 2: 1}, widths)
     shared = Bridges({0: 0, 2: 1}, widths, sharing="shared")
     phi_B, phi_C = per_layer.pair(2)
-    assert phi_B(torch.randn(2, 5, 2, 4)).shape == (2, 5, 12) and phi_C(torch.randn(2, 5, 4, 4)).shape == (2, 5, 24)
+    assert phi_B(torch.randn(2, 5, 2, 4)).shape == (2, 5, 12) and phi_C(torch.randn(2, 5, 4, 4)).shape == (
+        2,
+        5,
+        24,
+    )
     assert phi_B.net[0].out_features == 12 and phi_C.net[0].out_features == 24  # hidden = output width
     assert per_layer.pair(0)[0] is not per_layer.pair(2)[0] and shared.pair(0)[0] is shared.pair(2)[0]
     assert sum(p.numel() for p in per_layer.parameters()) == 2 * sum(p.numel() for p in shared.parameters())
@@ -118,8 +122,13 @@ def test_teacher_k_q_are_its_projections(family):
 def _mixer_inputs(student, ids):
     """Each mixer's input hidden states, from a plain forward."""
     seen = {}
-    handles = [m.register_forward_pre_hook(lambda mod, args, kwargs, i=i: seen.__setitem__(i, args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
-               for i, m in student.mixers().items()]  # fmt: skip
+    handles = [
+        m.register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: seen.__setitem__(i, args[0] if args else kwargs["hidden_states"]),
+            with_kwargs=True,
+        )
+        for i, m in student.mixers().items()
+    ]
     with torch.no_grad():
         student(input_ids=ids, use_cache=False)
     for h in handles:
@@ -145,7 +154,9 @@ def test_student_b_c_are_what_the_scan_reads(kind):
         B, C = feats[i]
         assert B.shape == (2, 10, 2, 16) and C.shape == (2, 10, 4, 16) and B.requires_grad
         torch.testing.assert_close(B, act(mixer.k_proj(u)).view(2, 10, 2, 16), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(C, act(mixer.q_proj(u) * mixer.scaling).view(2, 10, 4, 16), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            C, act(mixer.q_proj(u) * mixer.scaling).view(2, 10, 4, 16), atol=1e-5, rtol=1e-5
+        )
     _, logits = capture_student_bc(student, ids, [0], logits=True)
     assert head.n == 1 and logits.shape == (2, 10, 256)
 
@@ -174,7 +185,9 @@ def _stage(**losses):
 
 def test_stage_loss_is_eq_8_on_independently_computed_features():
     teacher = tiny_model("llama")
-    student = convert(teacher, [M2, M2, M2], depth=3)  # deeper: built from (and aligned to) teacher layers 0, 1, 1
+    student = convert(
+        teacher, [M2, M2, M2], depth=3
+    )  # deeper: built from (and aligned to) teacher layers 0, 1, 1
     kind = STAGE_KINDS["bridge_alignment"]
     cfg = _stage()
     student.stage_modules = kind.stage_modules(student, teacher, cfg)
@@ -182,7 +195,11 @@ def test_stage_loss_is_eq_8_on_independently_computed_features():
     ids = _ids()
     loss, metrics = kind.loss(student, teacher, {"input_ids": ids}, cfg)
     # the same loss from B, C recomputed out of each mixer's input and K, Q out of the teacher's
-    inputs, io, adapter = _mixer_inputs(student, ids), capture_attention_io(teacher, ids, [0, 1]), get_adapter(teacher)
+    inputs, io, adapter = (
+        _mixer_inputs(student, ids),
+        capture_attention_io(teacher, ids, [0, 1]),
+        get_adapter(teacher),
+    )
     b_pairs, c_pairs = [], []
     for i, j in {0: 0, 1: 1, 2: 1}.items():
         m, x = student.mixers()[i], io[j]
@@ -221,7 +238,9 @@ def test_stage_adds_kl_and_ce_when_asked():
         s, t = student(input_ids=ids, use_cache=False).logits, teacher(input_ids=ids, use_cache=False).logits
     kl, ce = forward_kl(s, t), cross_entropy(s, ids)
     torch.testing.assert_close(total, m0["align_C"] + 0.5 * kl + 0.25 * ce, atol=1e-4, rtol=1e-5)
-    assert float(m1["kl"]) == pytest.approx(kl.item(), rel=1e-5) and float(m1["ce"]) == pytest.approx(ce.item(), rel=1e-5)
+    assert float(m1["kl"]) == pytest.approx(kl.item(), rel=1e-5) and float(m1["ce"]) == pytest.approx(
+        ce.item(), rel=1e-5
+    )
 
 
 def test_stage_option_and_mixer_errors():
@@ -254,7 +273,11 @@ def test_stage_option_and_mixer_errors():
 
 def test_recipe_student_depth_options():
     r = load_recipe("cab")
-    assert r.student.depth == 24 and r.student.layer_map == "endpoints" and r.student.mixer_options == {"A_init": -1e-4}
+    assert (
+        r.student.depth == 24
+        and r.student.layer_map == "endpoints"
+        and r.student.mixer_options == {"A_init": -1e-4}
+    )
     assert load_recipe("cab", ["student.depth=null"]).student.depth is None
     with pytest.raises(ConfigError, match="depth"):
         load_recipe("cab", ["student.depth=0"])
@@ -269,8 +292,15 @@ def test_recipe_student_depth_options():
 def _cab_sets(run_overrides, **extra):
     """The cab recipe's own stages at tiny size (the tiny-run helper's stage list dropped)."""
     sets = [s for s in run_overrides() if not s.startswith("stages=")]
-    small = {"stages.0.tokens": 1024, "stages.0.save_every": 3, "stages.0.optim.lr": 0.01,
-             "stages.1.tokens": 256, "stages.1.save_every": 1, "stages.1.eval_every": 0, **extra}  # fmt: skip
+    small = {
+        "stages.0.tokens": 1024,
+        "stages.0.save_every": 3,
+        "stages.0.optim.lr": 0.01,
+        "stages.1.tokens": 256,
+        "stages.1.save_every": 1,
+        "stages.1.eval_every": 0,
+        **extra,
+    }
     return sets + [f"{k}={v}" for k, v in small.items()]
 
 
@@ -294,7 +324,9 @@ def test_bridge_stage_trains_and_bridges_stay_out_of_the_student(run_overrides, 
     assert not hasattr(student, "stage_modules") and len(student.config.layer_plan) == 3
     fresh = convert(tiny_model("llama"), [M2] * 3, depth=3)
     assert set(student.state_dict()) == set(fresh.state_dict())
-    out_ids = student.generate(_ids(b=1, l=4), max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    out_ids = student.generate(
+        _ids(b=1, l=4), max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0
+    )
     assert out_ids.shape == (1, 7)
 
 
@@ -324,11 +356,18 @@ def test_resume_inside_the_bridge_stage_matches_uninterrupted(run_overrides, tmp
     assert mid.name == "stage0-step000006"
     # mid-stage: a plain student checkpoint, the bridges beside it in optimizer.pt; none after the stage
     assert not any("stage_modules" in k or "phi_" in k for k in load_file(mid / "model.safetensors"))
-    assert any(k.startswith("phi_B.") for k in torch.load(mid / "optimizer.pt", weights_only=False)["stage_modules"])
+    assert any(
+        k.startswith("phi_B.") for k in torch.load(mid / "optimizer.pt", weights_only=False)["stage_modules"]
+    )
     monkeypatch.setattr(T.Distiller, "_save_checkpoint", original)
     distill(load_recipe("cab", sets), crashed, resume=True, progress=False)
-    assert "stage_modules" not in torch.load(reference / "checkpoints" / "stage1-step000002" / "optimizer.pt", weights_only=False)
-    a, b = load_file(reference / "student" / "model.safetensors"), load_file(crashed / "student" / "model.safetensors")
+    assert "stage_modules" not in torch.load(
+        reference / "checkpoints" / "stage1-step000002" / "optimizer.pt", weights_only=False
+    )
+    a, b = (
+        load_file(reference / "student" / "model.safetensors"),
+        load_file(crashed / "student" / "model.safetensors"),
+    )
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
@@ -342,10 +381,28 @@ def test_cab_recipe_runs_from_the_cli_with_a_shallower_student(run_overrides, tm
     recipe = load_recipe("cab")
     assert [s.kind for s in recipe.stages] == ["bridge_alignment", "kd"] and recipe.student.depth == 24 < 30
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
     sets = _cab_sets(run_overrides, **{"student.depth": 1})
-    cli = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", "cab", "--out", str(out), "--no-progress", *sum((["--set", s] for s in sets), [])],
-                         env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "attn2ssm",
+            "distill",
+            "cab",
+            "--out",
+            str(out),
+            "--no-progress",
+            *sum((["--set", s] for s in sets), []),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert cli.returncode == 0, cli.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["layer_plan"] == [M2] and results["student_ppl"] > 1
@@ -354,4 +411,6 @@ def test_cab_recipe_runs_from_the_cli_with_a_shallower_student(run_overrides, tm
 
     student = AutoModelForCausalLM.from_pretrained(out / "student", trust_remote_code=True)
     assert student.config.teacher_layers == [1] and student.config.mixer_options[M2]["A_init"] == -1e-4
-    assert student.generate(_ids(b=1, l=4), max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0).shape == (1, 7)
+    assert student.generate(
+        _ids(b=1, l=4), max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0
+    ).shape == (1, 7)

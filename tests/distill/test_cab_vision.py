@@ -9,9 +9,14 @@ import pytest
 import torch
 from transformers import AutoModelForImageClassification, ViTConfig, ViTForImageClassification
 
-from attn2ssm.distill.stages.cab import Bridges
-from attn2ssm.distill.stages.cab_vision import bidirectional_bridge_loss, softened_kl, student_bc_and_logits, teacher_qk_and_logits
 from attn2ssm.distill.recipe import ImageDataConfig, Recipe, StageConfig, StudentConfig, load_recipe, validate
+from attn2ssm.distill.stages.cab import Bridges
+from attn2ssm.distill.stages.cab_vision import (
+    bidirectional_bridge_loss,
+    softened_kl,
+    student_bc_and_logits,
+    teacher_qk_and_logits,
+)
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.convert_vision import build_vision_student
 from attn2ssm.teachers.vision import image_processor_for
@@ -19,8 +24,16 @@ from attn2ssm.teachers.vision import image_processor_for
 
 def tiny_vit(seed=0, layers=2):
     torch.manual_seed(seed)
-    cfg = ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
-                    intermediate_size=32, num_labels=3)  # fmt: skip
+    cfg = ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_channels=1,
+        hidden_size=16,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=3,
+    )
     return ViTForImageClassification(cfg).eval()
 
 
@@ -30,7 +43,9 @@ def tiny_vit(seed=0, layers=2):
 def test_softened_kl_matches_hand_values():
     s, t = torch.tensor([[0.0, 0.0]]), torch.tensor([[math.log(3.0), 0.0]])
     # τ = 1: p_T = (3/4, 1/4), p_S = (1/2, 1/2): KL = 3/4 ln(3/2) + 1/4 ln(1/2)
-    assert softened_kl(s, t, 1.0).item() == pytest.approx(0.75 * math.log(1.5) + 0.25 * math.log(0.5), abs=1e-6)
+    assert softened_kl(s, t, 1.0).item() == pytest.approx(
+        0.75 * math.log(1.5) + 0.25 * math.log(0.5), abs=1e-6
+    )
     # τ = 2: p_T = (√3, 1)/(1+√3), scaled by τ² = 4
     r = math.sqrt(3.0)
     p = (r / (1 + r), 1 / (1 + r))
@@ -64,11 +79,17 @@ def test_bidirectional_bridge_loss_matches_hand_values():
     c_fw = (1 + 1) / 2  # C = 0 → φ = 0: ‖(0,0)−(0,1)‖² = 1, ‖(0,0)−(1,0)‖² = 1
     b_bw = (2 + 0) / 2  # B = 0: ‖−(1,1)‖² = 2, 0
     c_bw = ((silu1 - 0) ** 2 + (2 * silu1 - 1) ** 2 + (silu1 - 1) ** 2 + (2 * silu1) ** 2) / 2
-    assert m["align_B_fw"] == pytest.approx(b_fw, abs=1e-6) and m["align_C_fw"] == pytest.approx(c_fw, abs=1e-6)
-    assert m["align_B_bw"] == pytest.approx(b_bw, abs=1e-6) and m["align_C_bw"] == pytest.approx(c_bw, abs=1e-6)
+    assert m["align_B_fw"] == pytest.approx(b_fw, abs=1e-6) and m["align_C_fw"] == pytest.approx(
+        c_fw, abs=1e-6
+    )
+    assert m["align_B_bw"] == pytest.approx(b_bw, abs=1e-6) and m["align_C_bw"] == pytest.approx(
+        c_bw, abs=1e-6
+    )
     assert loss.item() == pytest.approx(b_fw + c_fw + b_bw + c_bw, abs=1e-5)
     # patches only: a mask dropping token 0 leaves token 1's terms
-    loss_p, _ = bidirectional_bridge_loss(feats, {0: (K, Q)}, br, torch.tensor([[0.0, 1.0]]), b_weight=0.5, c_weight=2.0)
+    loss_p, _ = bidirectional_bridge_loss(
+        feats, {0: (K, Q)}, br, torch.tensor([[0.0, 1.0]]), b_weight=0.5, c_weight=2.0
+    )
     want = 0.5 * 0 + 2.0 * 1 + 0.5 * 0 + 2.0 * ((silu1 - 1) ** 2 + (2 * silu1) ** 2)
     assert loss_p.item() == pytest.approx(want, abs=1e-5)
 
@@ -112,7 +133,9 @@ def _image_dir(tmp_path, n_per_class=6):
 
     def split(n):
         labels = [c for c in range(3) for _ in range(n)]
-        images = [PILImage.fromarray((rng.random((8, 8)) * 80 + 60 * c).astype(np.uint8), mode="L") for c in labels]
+        images = [
+            PILImage.fromarray((rng.random((8, 8)) * 80 + 60 * c).astype(np.uint8), mode="L") for c in labels
+        ]
         return Dataset.from_dict({"image": images, "label": labels}, features=feats)
 
     path = tmp_path / "images"
@@ -132,12 +155,35 @@ def _teacher_dir(tmp_path):
 def test_trainer_runs_each_vision_kind_and_saves_an_hf_classifier(tmp_path, kind):
     from attn2ssm.distill.trainer import distill
 
-    losses = {"vision_cab": {"align_until": 0.5, "align_tokens": "patches"}, "vision_kd": {}, "vision_ce": {}}[kind]
-    recipe = Recipe(name=f"t_{kind}", teacher=_teacher_dir(tmp_path), images=ImageDataConfig(source=_image_dir(tmp_path), fraction=0.5, eval_images=4),
-                    student=StudentConfig(mixer="bimamba", mixer_options={"d_state": 4, "A_init": -1e-4}, layer_map="paper"),
-                    stages=[StageConfig(name="s", kind=kind, tokens=16, batch_size=4, trainable=["all"], temperature=2.0, losses=losses, save_every=2)])  # fmt: skip
+    losses = {
+        "vision_cab": {"align_until": 0.5, "align_tokens": "patches"},
+        "vision_kd": {},
+        "vision_ce": {},
+    }[kind]
+    recipe = Recipe(
+        name=f"t_{kind}",
+        teacher=_teacher_dir(tmp_path),
+        images=ImageDataConfig(source=_image_dir(tmp_path), fraction=0.5, eval_images=4),
+        student=StudentConfig(
+            mixer="bimamba", mixer_options={"d_state": 4, "A_init": -1e-4}, layer_map="paper"
+        ),
+        stages=[
+            StageConfig(
+                name="s",
+                kind=kind,
+                tokens=16,
+                batch_size=4,
+                trainable=["all"],
+                temperature=2.0,
+                losses=losses,
+                save_every=2,
+            )
+        ],
+    )
     results = distill(recipe, tmp_path / "run", progress=False)
-    assert results["train_images"] == 9 and results["test_images"] == 6  # half of 6 per class, all of the test split
+    assert (
+        results["train_images"] == 9 and results["test_images"] == 6
+    )  # half of 6 per class, all of the test split
     assert 0.0 <= results["student_top1"] <= 1.0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and "eval_top1" in rows[-1]

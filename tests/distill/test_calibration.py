@@ -2,10 +2,10 @@
 to (α, β), and calibration of a tiny student (only calibrated gated_delta mixers change)."""
 
 import torch
-from tiny_models import tiny_model
 
 from attn2ssm.distill.calibration import calibrate_gated_delta, decays_from, head_statistics
 from attn2ssm.student.convert import convert
+from tiny_models import tiny_model
 
 
 def test_statistics_of_hand_made_heads():
@@ -18,7 +18,9 @@ def test_statistics_of_hand_made_heads():
     keys[0, :, 0, 0] = 1.0  # head 0: every key the same direction → crowding 1
     keys[0, :, 1] = torch.eye(4).repeat(2, 1)  # head 1: cycles through 4 orthogonal keys
     distance, crowding = head_statistics(prev, keys)
-    torch.testing.assert_close(distance, torch.tensor([1.0, sum(range(4, 8)) / 4]))  # second half of the queries: i = 4..7
+    torch.testing.assert_close(
+        distance, torch.tensor([1.0, sum(range(4, 8)) / 4])
+    )  # second half of the queries: i = 4..7
     # head 1: of the 7 other positions of each key, 1 repeats its direction (cos 1), the rest are orthogonal
     torch.testing.assert_close(crowding, torch.tensor([1.0, 1 / 7]))
     alpha, beta = decays_from(distance, crowding)
@@ -47,7 +49,9 @@ def test_bias_free_beta_gets_the_decays_only():
     are calibrated, β stays 1/2 and the report says so."""
     teacher = tiny_model("gqa_9x3")
     student = convert(teacher, ["gated_delta", "gated_delta"], {"gated_delta": {"beta_bias": False}})
-    report = calibrate_gated_delta(student, teacher, torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0)))
+    report = calibrate_gated_delta(
+        student, teacher, torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    )
     for i, mixer in student.mixers().items():
         g, beta = mixer._gates(torch.zeros(1, 1, 72))
         torch.testing.assert_close(g[0, 0].exp(), torch.tensor(report[i]["alpha"]), atol=1e-5, rtol=1e-5)

@@ -17,7 +17,15 @@ def test_builtin_recipes_load():
 
 
 def test_overrides_reach_nested_fields_and_list_items():
-    r = load_recipe("quickstart", ["data.block_len=128", "stages.0.tokens=1e4", "stages.0.optim.lr=3e-4", "student.keep_attention=[0, 3]"])
+    r = load_recipe(
+        "quickstart",
+        [
+            "data.block_len=128",
+            "stages.0.tokens=1e4",
+            "stages.0.optim.lr=3e-4",
+            "student.keep_attention=[0, 3]",
+        ],
+    )
     assert r.data.block_len == 128 and r.stages[0].tokens == 10000 and isinstance(r.stages[0].tokens, int)
     assert r.stages[0].optim.lr == 3e-4 and r.student.keep_attention == [0, 3]
 
@@ -47,12 +55,32 @@ def test_type_errors_are_reported():
 
 @pytest.mark.parametrize(
     "override",
-    ["stages.0.optim.lr=-1", "stages.0.optim.lr=.nan", "stages.0.optim.lr=.inf", "stages.0.optim.beta1=1",
-     "stages.0.optim.beta2=-0.1", "stages.0.optim.eps=0", "stages.0.optim.weight_decay=-0.01", "stages.0.schedule.warmup=-1",
-     "stages.0.schedule.decay=-0.5", "stages.0.schedule.min_lr_ratio=1.5", "stages.0.clip=-1", "stages.0.temperature=0",
-     "stages.0.kl_chunk=0", "stages.0.eval_every=-1", "stages.0.eval_batches=0", "stages.0.save_every=-5", "stages.0.keep_checkpoints=0",
-     "stages.0.lora.r=0", "stages.0.lora.dropout=1", "eval.window=1", "eval.stride=0", "eval.batch_size=0", "eval.max_tokens=1"],
-)  # fmt: skip
+    [
+        "stages.0.optim.lr=-1",
+        "stages.0.optim.lr=.nan",
+        "stages.0.optim.lr=.inf",
+        "stages.0.optim.beta1=1",
+        "stages.0.optim.beta2=-0.1",
+        "stages.0.optim.eps=0",
+        "stages.0.optim.weight_decay=-0.01",
+        "stages.0.schedule.warmup=-1",
+        "stages.0.schedule.decay=-0.5",
+        "stages.0.schedule.min_lr_ratio=1.5",
+        "stages.0.clip=-1",
+        "stages.0.temperature=0",
+        "stages.0.kl_chunk=0",
+        "stages.0.eval_every=-1",
+        "stages.0.eval_batches=0",
+        "stages.0.save_every=-5",
+        "stages.0.keep_checkpoints=0",
+        "stages.0.lora.r=0",
+        "stages.0.lora.dropout=1",
+        "eval.window=1",
+        "eval.stride=0",
+        "eval.batch_size=0",
+        "eval.max_tokens=1",
+    ],
+)
 def test_numbers_out_of_range_fail_when_the_recipe_loads(override):
     """What torch would refuse after the teacher has loaded (AdamW's lr, betas, eps), or take and misbehave with."""
     key = override.split("=")[0]
@@ -63,21 +91,38 @@ def test_numbers_out_of_range_fail_when_the_recipe_loads(override):
 
 
 def test_numbers_at_the_edges_of_their_ranges_are_fine():
-    r = load_recipe("quickstart", ["stages.0.optim.lr=0", "stages.0.optim.beta1=0", "stages.0.optim.weight_decay=0", "stages.0.schedule.warmup=0", "stages.0.schedule.min_lr_ratio=1",
-                                   "stages.0.clip=0", "stages.0.save_every=0", "eval.window=2", "eval.stride=2"])  # fmt: skip
+    r = load_recipe(
+        "quickstart",
+        [
+            "stages.0.optim.lr=0",
+            "stages.0.optim.beta1=0",
+            "stages.0.optim.weight_decay=0",
+            "stages.0.schedule.warmup=0",
+            "stages.0.schedule.min_lr_ratio=1",
+            "stages.0.clip=0",
+            "stages.0.save_every=0",
+            "eval.window=2",
+            "eval.stride=2",
+        ],
+    )
     assert r.stages[0].clip == 0 and r.eval.stride == 2
 
 
 @pytest.mark.parametrize(
     ("overrides", "needles"),
-    [(["student.mixer=mamba3"], ("student.mixer='mamba3' is not a mixer", "mamba2")),
-     (["student.attention_ratio=1.5"], ("student.attention_ratio=1.5 is outside [0, 1]",)),
-     (["student.attention_ratio=-0.25"], ("outside [0, 1]",)),
-     (["student.keep_attention=[0, -1]"], ("student.keep_attention has entries [-1]",)),
-     (["student.depth=4", "student.keep_attention=[1, 4]"], ("entries [4]", "0..3 (student.depth 4)")),
-     (["student.mixer=mamba2", "student.mixer_options={feature_map: elu}"], ("unknown option feature_map for mixer 'mamba2'", "d_conv")),
-     (["student.mixer_options=3"], ("student.mixer_options must be a mapping",))],
-)  # fmt: skip
+    [
+        (["student.mixer=mamba3"], ("student.mixer='mamba3' is not a mixer", "mamba2")),
+        (["student.attention_ratio=1.5"], ("student.attention_ratio=1.5 is outside [0, 1]",)),
+        (["student.attention_ratio=-0.25"], ("outside [0, 1]",)),
+        (["student.keep_attention=[0, -1]"], ("student.keep_attention has entries [-1]",)),
+        (["student.depth=4", "student.keep_attention=[1, 4]"], ("entries [4]", "0..3 (student.depth 4)")),
+        (
+            ["student.mixer=mamba2", "student.mixer_options={feature_map: elu}"],
+            ("unknown option feature_map for mixer 'mamba2'", "d_conv"),
+        ),
+        (["student.mixer_options=3"], ("student.mixer_options must be a mapping",)),
+    ],
+)
 def test_student_plan_errors_fail_when_the_recipe_loads(overrides, needles):
     with pytest.raises(ConfigError) as err:
         load_recipe("quickstart", overrides)
@@ -86,20 +131,48 @@ def test_student_plan_errors_fail_when_the_recipe_loads(overrides, needles):
 
 
 def test_image_recipes_take_encoder_mixers_only():
-    with pytest.raises(ConfigError, match="student.mixer='mamba2' is not a mixer for an image recipe — use one of: bimamba"):
+    with pytest.raises(
+        ConfigError, match="student.mixer='mamba2' is not a mixer for an image recipe — use one of: bimamba"
+    ):
         load_recipe("cab_vision", ["student.mixer=mamba2"])
 
 
 @pytest.mark.parametrize(
     ("overrides", "error", "needles"),
-    [(["data.block_len=100"], DataError, ("block length 100 exceeds the model's maximum of 64", "data.block_len")),
-     (["data.block_len=32", "eval.window=100"], ConfigError, ("eval.window 100 exceeds the teacher's maximum of 64",)),
-     (["data.block_len=32", "eval.window=32", "student.keep_attention=[1, 2]"], ConfigError, ("keep_attention has layer indices [2] outside 0..1",)),
-     (["data.block_len=32", "eval.window=32", "student.depth=3", "student.keep_attention=[2]"], None, ()),
-     (["data.block_len=32", "eval.window=32", "student.mixer_options={feature_map: bogus}"], ConfigError, ("unknown feature map 'bogus'",)),
-     (["data.block_len=32", "eval.window=32", "student.mixer=mamba2", "student.mixer_options={norm: true, norm_eps: auto, d_conv: -3}"],
-      ConfigError, ("d_conv=-3 is not a valid kernel size",))],
-)  # fmt: skip
+    [
+        (
+            ["data.block_len=100"],
+            DataError,
+            ("block length 100 exceeds the model's maximum of 64", "data.block_len"),
+        ),
+        (
+            ["data.block_len=32", "eval.window=100"],
+            ConfigError,
+            ("eval.window 100 exceeds the teacher's maximum of 64",),
+        ),
+        (
+            ["data.block_len=32", "eval.window=32", "student.keep_attention=[1, 2]"],
+            ConfigError,
+            ("keep_attention has layer indices [2] outside 0..1",),
+        ),
+        (["data.block_len=32", "eval.window=32", "student.depth=3", "student.keep_attention=[2]"], None, ()),
+        (
+            ["data.block_len=32", "eval.window=32", "student.mixer_options={feature_map: bogus}"],
+            ConfigError,
+            ("unknown feature map 'bogus'",),
+        ),
+        (
+            [
+                "data.block_len=32",
+                "eval.window=32",
+                "student.mixer=mamba2",
+                "student.mixer_options={norm: true, norm_eps: auto, d_conv: -3}",
+            ],
+            ConfigError,
+            ("d_conv=-3 is not a valid kernel size",),
+        ),
+    ],
+)
 def test_checks_against_the_teachers_config(overrides, error, needles):
     """``validate_for_teacher``: the teacher's config alone (no weights) bounds blocks, windows and
     layer indices, and one mixer built on the meta device checks the option values."""
@@ -120,7 +193,9 @@ def test_an_unsupported_teacher_fails_on_its_config():
     from transformers import BertConfig
 
     with pytest.raises(UnsupportedModelError, match="'bert'"):
-        validate_for_teacher(load_recipe("quickstart", ["data.block_len=32", "eval.window=32"]), BertConfig(is_decoder=True))
+        validate_for_teacher(
+            load_recipe("quickstart", ["data.block_len=32", "eval.window=32"]), BertConfig(is_decoder=True)
+        )
 
 
 def test_mixed_precision_values(tmp_path):
@@ -132,12 +207,20 @@ def test_mixed_precision_values(tmp_path):
     assert load_recipe("quickstart", ["mixed_precision=bf16"]).mixed_precision == "bf16"
     with pytest.raises(ConfigError) as err:
         load_recipe("quickstart", ["mixed_precision=bf17"])
-    assert "unknown precision 'bf17'" in str(err.value) and "bf16" in str(err.value) and "\n" not in str(err.value)
+    assert (
+        "unknown precision 'bf17'" in str(err.value)
+        and "bf16" in str(err.value)
+        and "\n" not in str(err.value)
+    )
 
 
 @pytest.mark.parametrize(
     ("text", "needles"),
-    [("name: x\nstages: [\n", ("not valid YAML", "line 3")), ("- a\n- b\n", ("must hold a mapping",)), ("a: 1\n\tb: 2\n", ("not valid YAML", "line 2"))],
+    [
+        ("name: x\nstages: [\n", ("not valid YAML", "line 3")),
+        ("- a\n- b\n", ("must hold a mapping",)),
+        ("a: 1\n\tb: 2\n", ("not valid YAML", "line 2")),
+    ],
 )
 def test_a_malformed_recipe_file_is_one_line(tmp_path, text, needles):
     path = tmp_path / "bad.yaml"

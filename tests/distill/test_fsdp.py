@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny_models import BASE_RECIPE
 from attn2ssm.distill.lora import attach_lora, merge_lora
 from attn2ssm.distill.trainer import _fold_lora, _index_keyed, _name_keyed, latest_checkpoint
+from tiny_models import BASE_RECIPE
 
 CONFIG = Path(__file__).parents[2] / "configs" / "accelerate" / "fsdp.yaml"
 
@@ -78,8 +78,13 @@ def test_the_config_parses_as_fsdp2_at_the_decoder_layer():
 
     config = load_config_from_file(str(CONFIG))
     assert config.distributed_type == DistributedType.FSDP and config.mixed_precision == "bf16"
-    assert config.fsdp_config["fsdp_version"] == 2 and config.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
-    assert "fsdp_transformer_layer_cls_to_wrap" not in config.fsdp_config  # the student's _no_split_modules: its decoder layer
+    assert (
+        config.fsdp_config["fsdp_version"] == 2
+        and config.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    )
+    assert (
+        "fsdp_transformer_layer_cls_to_wrap" not in config.fsdp_config
+    )  # the student's _no_split_modules: its decoder layer
     from tiny_models import tiny_student
 
     assert tiny_student("llama", "mamba2")._no_split_modules == {"LlamaDecoderLayer"}
@@ -90,29 +95,68 @@ def test_two_fsdp_processes_train_like_one_and_resume_after_sigkill(run_override
     FSDP: the same loss at every step, the same student."""
     sets = [a for s in run_overrides() for a in ("--set", s)]
     one = tmp_path / "one"
-    r1 = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", BASE_RECIPE, "--out", str(one), "--no-progress", *sets], env=_env(),
-                        capture_output=True, text=True, timeout=900)  # fmt: skip
+    r1 = subprocess.run(
+        [sys.executable, "-m", "attn2ssm", "distill", BASE_RECIPE, "--out", str(one), "--no-progress", *sets],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r1.returncode == 0, r1.stderr[-2000:]
     script = tmp_path / "forced_fsdp.py"
     script.write_text(FORCED_FSDP)
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIG), "--num_processes", "2", "--mixed_precision", "no", str(script)]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONFIG),
+        "--num_processes",
+        "2",
+        "--mixed_precision",
+        "no",
+        str(script),
+    ]
     two = tmp_path / "two"
-    killed = subprocess.run([*launch, "distill", BASE_RECIPE, "--out", str(two), "--no-progress", *sets], env=_env(KILL_AFTER_SAVES="8"),
-                            capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert killed.returncode != 0 and "stage 2: sharded=True FSDPAttn2SSMForCausalLM DTensor" in killed.stdout, killed.stdout[-2000:] + killed.stderr[-3000:]
+    killed = subprocess.run(
+        [*launch, "distill", BASE_RECIPE, "--out", str(two), "--no-progress", *sets],
+        env=_env(KILL_AFTER_SAVES="8"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert (
+        killed.returncode != 0 and "stage 2: sharded=True FSDPAttn2SSMForCausalLM DTensor" in killed.stdout
+    ), killed.stdout[-2000:] + killed.stderr[-3000:]
     assert "stage 0: sharded=True FSDPAttn2SSMForCausalLM DTensor" in killed.stdout
-    assert latest_checkpoint(two).name == "stage2-step000002"  # inside the LoRA stage: adapters beside the plain student
+    assert (
+        latest_checkpoint(two).name == "stage2-step000002"
+    )  # inside the LoRA stage: adapters beside the plain student
     payload = torch.load(latest_checkpoint(two) / "optimizer.pt", weights_only=False)
-    assert set(payload["optimizer"]["state"]) == set(range(16)) and "lora" in payload  # full, position-keyed: as without FSDP
+    assert (
+        set(payload["optimizer"]["state"]) == set(range(16)) and "lora" in payload
+    )  # full, position-keyed: as without FSDP
     ckpt = load_file(latest_checkpoint(two) / "model.safetensors")
-    assert ckpt.keys() == load_file(one / "student/model.safetensors").keys()  # the full student, no shard, no adapter
-    resumed = subprocess.run([*launch, "distill", "--out", str(two), "--resume", "--no-progress"], env=_env(), capture_output=True, text=True, timeout=900)
+    assert (
+        ckpt.keys() == load_file(one / "student/model.safetensors").keys()
+    )  # the full student, no shard, no adapter
+    resumed = subprocess.run(
+        [*launch, "distill", "--out", str(two), "--resume", "--no-progress"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     m1, m2 = _records(one), _records(two)
     assert {r["processes"] for r in m2} == {2} and len(m1) == len(m2) == 21
     assert [r["loss"] for r in m2] == pytest.approx([r["loss"] for r in m1], rel=1e-4, abs=1e-5)
-    evals = [[(r["step"], r["eval_loss"]) for r in m if "eval_loss" in r] for m in (m1, m2)]  # every process ran the sharded eval forward
-    assert [s for s, _ in evals[1]] == [s for s, _ in evals[0]] and [e for _, e in evals[1]] == pytest.approx([e for _, e in evals[0]], rel=1e-5)
+    evals = [
+        [(r["step"], r["eval_loss"]) for r in m if "eval_loss" in r] for m in (m1, m2)
+    ]  # every process ran the sharded eval forward
+    assert [s for s, _ in evals[1]] == [s for s, _ in evals[0]] and [e for _, e in evals[1]] == pytest.approx(
+        [e for _, e in evals[0]], rel=1e-5
+    )
     a, b = load_file(one / "student/model.safetensors"), load_file(two / "student/model.safetensors")
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-3, atol=1e-4, msg=name)
@@ -137,8 +181,14 @@ def test_fold_lora_is_merge_lora_on_a_state_dict():
 
 def test_optimizer_state_keys_round_trip():
     names = ["a.weight", "b.weight", "c.bias"]
-    by_name = {"state": {"b.weight": {"step": torch.tensor(3.0)}, "a.weight": {"step": torch.tensor(3.0)}},
-               "param_groups": [{"lr": 0.1, "params": ["a.weight", "b.weight", "c.bias"]}]}  # fmt: skip
+    by_name = {
+        "state": {"b.weight": {"step": torch.tensor(3.0)}, "a.weight": {"step": torch.tensor(3.0)}},
+        "param_groups": [{"lr": 0.1, "params": ["a.weight", "b.weight", "c.bias"]}],
+    }
     by_index = _index_keyed(by_name, names)
-    assert set(by_index["state"]) == {0, 1} and by_index["param_groups"][0]["params"] == [0, 1, 2] and by_index["param_groups"][0]["lr"] == 0.1
+    assert (
+        set(by_index["state"]) == {0, 1}
+        and by_index["param_groups"][0]["params"] == [0, 1, 2]
+        and by_index["param_groups"][0]["lr"] == 0.1
+    )
     assert _name_keyed(by_index, names) == by_name

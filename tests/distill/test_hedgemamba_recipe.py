@@ -31,7 +31,11 @@ def test_recipe_is_the_papers_two_stages_with_a_10_90_split():
 
 def _tiny(run_overrides, stage_tokens, **extra):
     """The recipe's own stages on the tiny setup, ``stage_tokens`` each in batches of 2 blocks."""
-    per_stage = {f"stages.{i}.{key}": value for i, t in enumerate(stage_tokens) for key, value in (("tokens", t), ("batch_size", 2), ("save_every", 1))}
+    per_stage = {
+        f"stages.{i}.{key}": value
+        for i, t in enumerate(stage_tokens)
+        for key, value in (("tokens", t), ("batch_size", 2), ("save_every", 1))
+    }
     base = [s for s in run_overrides() if not s.startswith("stages=")]  # keep the recipe's stages
     return load_recipe("hedgemamba", base + [f"{k}={v}" for k, v in {**per_stage, **extra}.items()])
 
@@ -46,7 +50,9 @@ def test_stage_one_moves_only_the_feature_maps(run_overrides, tiny_setup, tmp_pa
     trained = load_file(out / "student" / "model.safetensors")
     teacher, _, _ = load_teacher(str(tiny_setup[0]))
     s = recipe.student
-    fresh = convert(teacher, [s.mixer] * teacher.config.num_hidden_layers, {s.mixer: dict(s.mixer_options)}).state_dict()
+    fresh = convert(
+        teacher, [s.mixer] * teacher.config.num_hidden_layers, {s.mixer: dict(s.mixer_options)}
+    ).state_dict()
     shared = fresh.keys() & trained.keys()  # tied weights are saved once
     changed = {k for k in shared if not torch.equal(fresh[k], trained[k])}
     maps = {k for k in shared if ".feature_map_" in k}

@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny_models import BASE_RECIPE
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.modeling import Attn2SSMForCausalLM
+from tiny_models import BASE_RECIPE
 
 KD_CE = "{name: %s, kind: kd_ce, tokens: 256, batch_size: 4, save_every: 1, optim: {lr: 0.01}%s}"
 
@@ -26,7 +26,14 @@ def test_stepwise_schedule_converts_more_layers_and_carries_trained_mixers(run_o
     converted from attention while layer 0 keeps what it learnt."""
     out = tmp_path / "run"
     stages = "[" + KD_CE % ("half", "") + ", " + KD_CE % ("none", ", attention_ratio: 0.0") + "]"
-    overrides = run_overrides(**{"stages": stages, "student.mixer": "mamba2", "student.mixer_options": "{}", "student.attention_ratio": 0.5})
+    overrides = run_overrides(
+        **{
+            "stages": stages,
+            "student.mixer": "mamba2",
+            "student.mixer_options": "{}",
+            "student.attention_ratio": 0.5,
+        }
+    )
     distill(load_recipe(BASE_RECIPE, overrides), out, progress=False)
     final = Attn2SSMForCausalLM.from_pretrained(out / "student")
     assert final.config.layer_plan == ["mamba2", "mamba2"]
@@ -44,10 +51,20 @@ def test_stepwise_growth_keeps_stage_one_weights(run_overrides, tmp_path):
     def spy(self, stage_idx, cfg):
         before = {k: v.clone() for k, v in self.acc.unwrap_model(self.student).state_dict().items()}
         original(self, stage_idx, cfg)
-        captured[stage_idx] = (before, {k: v.clone() for k, v in self.acc.unwrap_model(self.student).state_dict().items()})
+        captured[stage_idx] = (
+            before,
+            {k: v.clone() for k, v in self.acc.unwrap_model(self.student).state_dict().items()},
+        )
 
     stages = "[" + KD_CE % ("half", "") + ", " + KD_CE % ("none", ", attention_ratio: 0.0") + "]"
-    overrides = run_overrides(**{"stages": stages, "student.mixer": "mamba2", "student.mixer_options": "{}", "student.attention_ratio": 0.5})
+    overrides = run_overrides(
+        **{
+            "stages": stages,
+            "student.mixer": "mamba2",
+            "student.mixer_options": "{}",
+            "student.attention_ratio": 0.5,
+        }
+    )
     T.Distiller._grow_for_stage = spy
     try:
         distill(load_recipe(BASE_RECIPE, overrides), tmp_path / "run", progress=False)
@@ -57,7 +74,9 @@ def test_stepwise_growth_keeps_stage_one_weights(run_overrides, tmp_path):
     layer0 = [k for k in before if ".layers.0." in k]
     diff = [k for k in layer0 if not torch.equal(before[k], after[k])]
     assert layer0 and not diff, diff
-    assert any(".layers.1.self_attn.dt_proj" in k for k in after) and not any(".layers.1.self_attn.dt_proj" in k for k in before)
+    assert any(".layers.1.self_attn.dt_proj" in k for k in after) and not any(
+        ".layers.1.self_attn.dt_proj" in k for k in before
+    )
 
 
 def test_stepwise_ratio_must_not_grow(run_overrides):
@@ -68,8 +87,16 @@ def test_stepwise_ratio_must_not_grow(run_overrides):
 
 def test_auto_keep_attention_logs_scores(run_overrides, tmp_path):
     out = tmp_path / "run"
-    overrides = run_overrides(**{"stages": "[" + KD_CE % ("a", "") + "]", "student.mixer": "mamba2", "student.mixer_options": "{}", "student.attention_ratio": 0.5,
-                                 "student.keep_attention": "auto", "student.auto_calibration_blocks": 2})  # fmt: skip
+    overrides = run_overrides(
+        **{
+            "stages": "[" + KD_CE % ("a", "") + "]",
+            "student.mixer": "mamba2",
+            "student.mixer_options": "{}",
+            "student.attention_ratio": 0.5,
+            "student.keep_attention": "auto",
+            "student.auto_calibration_blocks": 2,
+        }
+    )
     distill(load_recipe(BASE_RECIPE, overrides), out, progress=False)
     selection = [r for r in _records(out) if r.get("event") == "layer_selection"]
     assert len(selection) == 1 and len(selection[0]["scores"]) == 2
@@ -82,14 +109,28 @@ def test_auto_keep_attention_logs_scores(run_overrides, tmp_path):
 def test_random_init_and_placement_options(run_overrides, tmp_path, tiny_setup):
     teacher_dir, _ = tiny_setup
     out = tmp_path / "run"
-    overrides = run_overrides(**{"stages": "[{name: a, kind: ce, tokens: 128, batch_size: 4, optim: {lr: 0.0}}]", "student.mixer": "mamba2", "student.mixer_options": "{}",
-                                 "student.attention_ratio": 0.5, "student.init": "random", "student.align": "first"})  # fmt: skip
+    overrides = run_overrides(
+        **{
+            "stages": "[{name: a, kind: ce, tokens: 128, batch_size: 4, optim: {lr: 0.0}}]",
+            "student.mixer": "mamba2",
+            "student.mixer_options": "{}",
+            "student.attention_ratio": 0.5,
+            "student.init": "random",
+            "student.align": "first",
+        }
+    )
     distill(load_recipe(BASE_RECIPE, overrides), out, progress=False)
     student = load_file(out / "student" / "model.safetensors")
     teacher = load_file(teacher_dir / "model.safetensors")
     assert Attn2SSMForCausalLM.from_pretrained(out / "student").config.layer_plan == ["attention", "mamba2"]
-    assert not torch.equal(student["base.model.layers.1.self_attn.q_proj.weight"], teacher["model.layers.1.self_attn.q_proj.weight"])
-    assert torch.equal(student["base.model.layers.0.self_attn.q_proj.weight"], teacher["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        student["base.model.layers.1.self_attn.q_proj.weight"],
+        teacher["model.layers.1.self_attn.q_proj.weight"],
+    )
+    assert torch.equal(
+        student["base.model.layers.0.self_attn.q_proj.weight"],
+        teacher["model.layers.0.self_attn.q_proj.weight"],
+    )
     with pytest.raises(ConfigError, match="student.init"):
         load_recipe(BASE_RECIPE, run_overrides(**{"student.init": "xavier"}))
 
@@ -97,12 +138,26 @@ def test_random_init_and_placement_options(run_overrides, tmp_path, tiny_setup):
 def test_output_alignment_stage_runs_on_ssm_mixers_and_attention_loss_is_refused(run_overrides, tmp_path):
     stage = "[{name: align, kind: attention_transfer, tokens: 256, batch_size: 4, trainable: [mixers], losses: {attention: 0.0, output_mse: 1.0}}]"
     out = tmp_path / "run"
-    distill(load_recipe(BASE_RECIPE, run_overrides(**{"stages": stage, "student.mixer": "mamba2", "student.mixer_options": "{}"})), out, progress=False)
+    distill(
+        load_recipe(
+            BASE_RECIPE,
+            run_overrides(**{"stages": stage, "student.mixer": "mamba2", "student.mixer_options": "{}"}),
+        ),
+        out,
+        progress=False,
+    )
     recs = [r for r in _records(out) if r.get("stage") == "align"]
     assert recs and all("train_mse" in r for r in recs)
     bad = "[{name: align, kind: attention_transfer, tokens: 256, batch_size: 4, losses: {attention: 1.0}}]"
     with pytest.raises(ConfigError, match="normalised weights"):
-        distill(load_recipe(BASE_RECIPE, run_overrides(**{"stages": bad, "student.mixer": "mamba", "student.mixer_options": "{}"})), tmp_path / "bad", progress=False)
+        distill(
+            load_recipe(
+                BASE_RECIPE,
+                run_overrides(**{"stages": bad, "student.mixer": "mamba", "student.mixer_options": "{}"}),
+            ),
+            tmp_path / "bad",
+            progress=False,
+        )
 
 
 def test_sft_on_teacher_sampled_replies(chat_overrides, tmp_path, monkeypatch):
@@ -122,10 +177,16 @@ def test_sft_on_teacher_sampled_replies(chat_overrides, tmp_path, monkeypatch):
     corpus = next(o for o in overrides if o.startswith("data.corpus=")).split("=", 1)[1]
     overrides = chat_overrides(stage % corpus)
     distill(load_recipe(BASE_RECIPE, overrides), tmp_path / "a", progress=False)
-    files = list((Path(__import__("attn2ssm.paths", fromlist=["cache_dir"]).cache_dir()) / "teacher_samples").glob("*.jsonl"))
+    files = list(
+        (Path(__import__("attn2ssm.paths", fromlist=["cache_dir"]).cache_dir()) / "teacher_samples").glob(
+            "*.jsonl"
+        )
+    )
     assert len(files) == 1
     records = [json.loads(line) for line in files[0].read_text().splitlines()]
-    assert 1 <= len(records) <= 4 and all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in records)
+    assert 1 <= len(records) <= 4 and all(
+        [m["role"] for m in r["messages"]] == ["user", "assistant"] for r in records
+    )
     stamp = files[0].stat().st_mtime_ns
     distill(load_recipe(BASE_RECIPE, overrides), tmp_path / "b", progress=False)
     assert files[0].stat().st_mtime_ns == stamp  # reused, not regenerated
@@ -151,7 +212,11 @@ def test_mamba_in_llama_recipe_runs_end_to_end(chat_overrides, tmp_path):
     corpus = next(o for o in base if o.startswith("data.corpus=")).split("=", 1)[1]
     overrides = [o for o in base if not o.startswith("stages=")]
     overrides += [f"stages.{i}.tokens=128" for i in range(3)] + [f"stages.{i}.batch_size=2" for i in range(4)]
-    overrides += [f"stages.3.data.source=teacher:{corpus}:4", "stages.3.data.max_len=96", "eval.max_tokens=256"]
+    overrides += [
+        f"stages.3.data.source=teacher:{corpus}:4",
+        "stages.3.data.max_len=96",
+        "eval.max_tokens=256",
+    ]
     recipe = load_recipe("mamba_in_llama", overrides)
     assert [s.kind for s in recipe.stages] == ["kd_ce", "kd_ce", "kd_ce", "sft"]
     out = tmp_path / "run"
@@ -163,13 +228,22 @@ def test_mamba_in_llama_recipe_runs_end_to_end(chat_overrides, tmp_path):
     assert json.loads((out / "results.json").read_text())["student_ppl"] > 1
 
 
-@pytest.mark.parametrize("crash_after_saves", [2, 3])  # 2: at the end of stage 1 (before growing); 3: inside stage 2
+@pytest.mark.parametrize(
+    "crash_after_saves", [2, 3]
+)  # 2: at the end of stage 1 (before growing); 3: inside stage 2
 def test_stepwise_resume_matches_uninterrupted(run_overrides, tmp_path, monkeypatch, crash_after_saves):
     """A run killed at the stage boundary or inside the grown stage resumes to the same student."""
     from attn2ssm.distill.trainer import Distiller
 
     stages = "[" + KD_CE % ("half", "") + ", " + KD_CE % ("none", ", attention_ratio: 0.0") + "]"
-    sets = run_overrides(**{"stages": stages, "student.mixer": "mamba2", "student.mixer_options": "{}", "student.attention_ratio": 0.5})
+    sets = run_overrides(
+        **{
+            "stages": stages,
+            "student.mixer": "mamba2",
+            "student.mixer_options": "{}",
+            "student.attention_ratio": 0.5,
+        }
+    )
     reference = tmp_path / "reference"
     distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
 
@@ -190,12 +264,17 @@ def test_stepwise_resume_matches_uninterrupted(run_overrides, tmp_path, monkeypa
         distill(load_recipe(BASE_RECIPE, sets), crashed, progress=False)
     monkeypatch.setattr(Distiller, "_save_checkpoint", original)
     distill(load_recipe(BASE_RECIPE, sets), crashed, resume=True, progress=False)
-    a, b = load_file(reference / "student" / "model.safetensors"), load_file(crashed / "student" / "model.safetensors")
+    a, b = (
+        load_file(reference / "student" / "model.safetensors"),
+        load_file(crashed / "student" / "model.safetensors"),
+    )
     assert set(a) == set(b)
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
     assert Attn2SSMForCausalLM.from_pretrained(crashed / "student").config.layer_plan == ["mamba2", "mamba2"]
-    assert [r["loss"] for r in _records(crashed) if "loss" in r] == pytest.approx([r["loss"] for r in _records(reference) if "loss" in r], rel=1e-6)
+    assert [r["loss"] for r in _records(crashed) if "loss" in r] == pytest.approx(
+        [r["loss"] for r in _records(reference) if "loss" in r], rel=1e-6
+    )
 
 
 def test_gated_delta_decays_calibrated_on_a_fresh_student_and_on_grown_layers_only(run_overrides, tmp_path):
@@ -204,7 +283,14 @@ def test_gated_delta_decays_calibrated_on_a_fresh_student_and_on_grown_layers_on
     trained decays. Each calibration is one metrics event with the per-head α, β it set."""
     out = tmp_path / "run"
     stages = "[" + KD_CE % ("half", "") + ", " + KD_CE % ("none", ", attention_ratio: 0.0") + "]"
-    overrides = run_overrides(**{"stages": stages, "student.mixer": "gated_delta", "student.mixer_options": "{}", "student.attention_ratio": 0.5})
+    overrides = run_overrides(
+        **{
+            "stages": stages,
+            "student.mixer": "gated_delta",
+            "student.mixer_options": "{}",
+            "student.attention_ratio": 0.5,
+        }
+    )
     distill(load_recipe(BASE_RECIPE, overrides), out, progress=False)
     events = [r for r in _records(out) if r.get("event") == "decay_calibration"]
     assert [sorted(e["layers"]) for e in events] == [["0"], ["1"]]

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from tiny_models import tiny_model
 
 from attn2ssm.distill.losses import kd_ce_loss
 from attn2ssm.distill.recipe import StageConfig
@@ -12,6 +11,7 @@ from attn2ssm.distill.stages import STAGE_KINDS, select_trainable
 from attn2ssm.distill.stages.base import parameter_groups
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.convert import convert
+from tiny_models import tiny_model
 
 
 def _softmax(xs):
@@ -86,7 +86,9 @@ def test_kd_ce_stage_options_and_identical_models():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_parameter_groups_are_found_and_disjoint_from_mixers(family):
-    student = convert(tiny_model(family), ["linear_attention", "attention"])  # layer 1 keeps softmax attention
+    student = convert(
+        tiny_model(family), ["linear_attention", "attention"]
+    )  # layer 1 keeps softmax attention
     groups = parameter_groups(student)
     mixers = groups["mixers"]
     assert mixers and all(".h.0." in n or ".layers.0." in n for n in mixers)

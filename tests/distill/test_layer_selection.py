@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from tiny_models import TINY_CONFIGS, tiny_model
 
 import attn2ssm.student  # noqa: F401  (registers Auto classes)
 from attn2ssm.distill import layer_selection
@@ -13,6 +12,7 @@ from attn2ssm.distill.losses import forward_kl
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.registry import MIXERS
 from attn2ssm.student.convert import convert
+from tiny_models import TINY_CONFIGS, tiny_model
 
 LA = "linear_attention"
 A = "attention"
@@ -42,16 +42,27 @@ def _naive_scores(teacher, ids, mask=None, options=None, base_plan=None):
             plan = [LA if j == i else base_plan[j] for j in range(n)]
             torch.manual_seed(0)  # the already-converted layers start from the same init in every student
             student = convert(teacher, plan, {LA: options or {}})
-            out.append(forward_kl(student(input_ids=ids, attention_mask=mask, use_cache=False).logits, ref, mask).item())
+            out.append(
+                forward_kl(
+                    student(input_ids=ids, attention_mask=mask, use_cache=False).logits, ref, mask
+                ).item()
+            )
     return out
 
 
 def test_selection_scores_and_top_k(teacher):
     ids = _ids()
-    keep, scores = select_attention_layers(teacher, ids, LA, {"feature_map": "hedgehog"}, keep=2, progress=False)
+    keep, scores = select_attention_layers(
+        teacher, ids, LA, {"feature_map": "hedgehog"}, keep=2, progress=False
+    )
     assert len(scores) == 4 and all(math.isfinite(s) and s >= 0 for s in scores)
     assert keep == sorted(sorted(range(4), key=lambda i: -scores[i])[:2])
-    torch.testing.assert_close(torch.tensor(scores), torch.tensor(_naive_scores(teacher, ids, options={"feature_map": "hedgehog"})), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(scores),
+        torch.tensor(_naive_scores(teacher, ids, options={"feature_map": "hedgehog"})),
+        rtol=1e-4,
+        atol=1e-6,
+    )
     # micro-batches give the same per-token mean
     _, split = select_attention_layers(teacher, _ids(b=3), LA, keep=1, batch_size=2, progress=False)
     _, whole = select_attention_layers(teacher, _ids(b=3), LA, keep=1, progress=False)
@@ -66,7 +77,9 @@ def test_selection_with_padding_and_teacher_untouched(teacher):
     mask[1, :3] = 0
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
     _, scores = select_attention_layers(teacher, ids, LA, keep=1, attention_mask=mask, progress=False)
-    torch.testing.assert_close(torch.tensor(scores), torch.tensor(_naive_scores(teacher, ids, mask)), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(scores), torch.tensor(_naive_scores(teacher, ids, mask)), rtol=1e-4, atol=1e-6
+    )
     after = teacher.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert not teacher.training
@@ -115,7 +128,9 @@ def test_scores_from_replayed_layers_match_full_forwards(family):
     teacher = tiny_model(family)
     ids = _ids(b=3, l=10)
     _, scores = select_attention_layers(teacher, ids, LA, keep=1, batch_size=2, progress=False)
-    torch.testing.assert_close(torch.tensor(scores), torch.tensor(_naive_scores(teacher, ids)), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(scores), torch.tensor(_naive_scores(teacher, ids)), rtol=1e-4, atol=1e-6
+    )
 
 
 def test_layers_below_the_swap_are_not_recomputed(teacher, monkeypatch):

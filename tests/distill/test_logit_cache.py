@@ -14,12 +14,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny_models import BASE_RECIPE, tiny_model
-from attn2ssm.distill.logit_cache import LogitCache, block_digest, find_cache_dir, teacher_fingerprint, teacher_source_key
-from attn2ssm.distill.losses import TopKTargets, forward_kl, kd_ce_loss, topk_targets
+from attn2ssm.distill.logit_cache import (
+    LogitCache,
+    block_digest,
+    find_cache_dir,
+    teacher_fingerprint,
+    teacher_source_key,
+)
+from attn2ssm.distill.losses import forward_kl, kd_ce_loss, topk_targets
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill
 from attn2ssm.errors import ConfigError, TrainingError
+from tiny_models import BASE_RECIPE, tiny_model
 
 V = 7
 
@@ -45,7 +51,9 @@ def _hand_kls(s_row, t_row, k):
 @pytest.fixture
 def logits():
     g = torch.Generator().manual_seed(0)
-    return torch.randn(2, 3, V, generator=g, dtype=torch.float64) * 2, torch.randn(2, 3, V, generator=g, dtype=torch.float64) * 2
+    return torch.randn(2, 3, V, generator=g, dtype=torch.float64) * 2, torch.randn(
+        2, 3, V, generator=g, dtype=torch.float64
+    ) * 2
 
 
 @pytest.mark.parametrize("k", range(1, V + 1))
@@ -74,7 +82,9 @@ def test_gradient_is_q_minus_p_tilde_and_passes_gradcheck(logits):
     p_tilde = torch.where(in_top, p, P * q / Q)
     torch.testing.assert_close(x.grad, (q - p_tilde) / 6, rtol=1e-5, atol=1e-7)  # 6 tokens
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    assert torch.autograd.gradcheck(lambda y: forward_kl(y, targets, mask, chunk_size=2), (s.clone().requires_grad_(True),))
+    assert torch.autograd.gradcheck(
+        lambda y: forward_kl(y, targets, mask, chunk_size=2), (s.clone().requires_grad_(True),)
+    )
     # at k = V the gradient is the full KL's
     x.grad = None
     forward_kl(x, topk_targets(t, V)).backward()
@@ -188,7 +198,9 @@ def test_a_failed_write_leaves_no_entry_and_a_damaged_entry_is_recomputed(tmp_pa
     monkeypatch.setattr(paths.os, "replace", real_replace)
     entry = cache.entry_path(block_digest(ids[0]))
     assert not entry.exists() and not list(entry.parent.glob(".*.tmp-*"))  # a failed write leaves nothing
-    (entry.parent / f".{entry.name}.tmp-999999@elsewhere").write_bytes(b"half")  # what a writer killed before its rename leaves
+    (entry.parent / f".{entry.name}.tmp-999999@elsewhere").write_bytes(
+        b"half"
+    )  # what a writer killed before its rename leaves
     got = cache.targets(teacher, ids)
     assert cache.stats.misses == 4 and entry.exists()  # 2 from the failed call, then the same 2 again
     entry.write_bytes(entry.read_bytes()[:100])  # damaged on disk
@@ -228,24 +240,43 @@ def _vocab(tiny_setup):
 
 
 def _losses(run):
-    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    return [
+        r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+    ]
 
 
-def test_epochs_reuse_the_cache_and_k_equal_vocab_matches_the_teacher(tiny_setup, run_overrides, tmp_path, capsys, monkeypatch):
+def test_epochs_reuse_the_cache_and_k_equal_vocab_matches_the_teacher(
+    tiny_setup, run_overrides, tmp_path, capsys, monkeypatch
+):
     monkeypatch.setenv("ATTN2SSM_CACHE", str(tmp_path / "cache"))
     sets = dict(**{"data.max_train_tokens": 512})
-    plain = distill(load_recipe(BASE_RECIPE, run_overrides(stages=_stages(), **sets)), tmp_path / "plain", progress=False)
+    plain = distill(
+        load_recipe(BASE_RECIPE, run_overrides(stages=_stages(), **sets)), tmp_path / "plain", progress=False
+    )
     capsys.readouterr()
-    distill(load_recipe(BASE_RECIPE, run_overrides(stages=_stages(_vocab(tiny_setup)), **sets)), tmp_path / "cached", progress=False)
+    distill(
+        load_recipe(BASE_RECIPE, run_overrides(stages=_stages(_vocab(tiny_setup)), **sets)),
+        tmp_path / "cached",
+        progress=False,
+    )
     out = capsys.readouterr().out
     n_blocks = 512 // 32
-    assert f"{n_blocks} blocks read, {n_blocks} computed and stored" in out  # epoch 2 read what epoch 1 stored
+    assert (
+        f"{n_blocks} blocks read, {n_blocks} computed and stored" in out
+    )  # epoch 2 read what epoch 1 stored
     assert _losses(tmp_path / "cached") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-4)
     assert plain["student_ppl"] > 1
     # a second run on the same teacher and blocks reads everything
-    distill(load_recipe(BASE_RECIPE, run_overrides(stages=_stages(_vocab(tiny_setup)), **sets)), tmp_path / "again", progress=False)
+    distill(
+        load_recipe(BASE_RECIPE, run_overrides(stages=_stages(_vocab(tiny_setup)), **sets)),
+        tmp_path / "again",
+        progress=False,
+    )
     assert f"{2 * n_blocks} blocks read, 0 computed" in capsys.readouterr().out
-    a, b = load_file(tmp_path / "cached/student/model.safetensors"), load_file(tmp_path / "again/student/model.safetensors")
+    a, b = (
+        load_file(tmp_path / "cached/student/model.safetensors"),
+        load_file(tmp_path / "again/student/model.safetensors"),
+    )
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-6)
 
@@ -273,23 +304,55 @@ T.distill(load_recipe(BASE_RECIPE, sets), out, progress=False)
 
 def test_sigkill_then_resume_with_the_cache_matches_uninterrupted(tiny_setup, run_overrides, tmp_path):
     sets = run_overrides(stages=_stages(16, epochs=2, kind="kd_ce"), **{"data.max_train_tokens": 512})
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
     env["ATTN2SSM_CACHE"] = str(tmp_path / "reference-cache")
-    ref = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", BASE_RECIPE, "--out", str(tmp_path / "reference"), "--no-progress",
-                          *[a for s in sets for a in ("--set", s)]], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    ref = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "attn2ssm",
+            "distill",
+            BASE_RECIPE,
+            "--out",
+            str(tmp_path / "reference"),
+            "--no-progress",
+            *[a for s in sets for a in ("--set", s)],
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ref.returncode == 0, ref.stderr[-2000:]
     env["ATTN2SSM_CACHE"] = str(tmp_path / "cache")
     killed = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, "-c", KILLER, str(killed), *sets], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLER, str(killed), *sets],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     stored = list((tmp_path / "cache").rglob("*.safetensors"))
     assert 0 < len(stored) <= 16  # the killed run stored whole entries only
     for path in stored:
         assert load_file(path)["logprobs"].shape == (32, 16)
-    cli = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", "--out", str(killed), "--resume", "--no-progress"], env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    cli = subprocess.run(
+        [sys.executable, "-m", "attn2ssm", "distill", "--out", str(killed), "--resume", "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert cli.returncode == 0, cli.stderr[-2000:]
-    a, b = load_file(tmp_path / "reference/student/model.safetensors"), load_file(killed / "student/model.safetensors")
+    a, b = (
+        load_file(tmp_path / "reference/student/model.safetensors"),
+        load_file(killed / "student/model.safetensors"),
+    )
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
 
@@ -297,10 +360,22 @@ def test_sigkill_then_resume_with_the_cache_matches_uninterrupted(tiny_setup, ru
 @pytest.mark.parametrize(
     "stage, message, fix",
     [
-        ("{name: c, kind: ce, logit_cache: {top_k: 8}}", "uses no teacher logits", "remove stages.0.logit_cache"),
-        ("{name: c, kind: sft, data: {source: x.jsonl}, logit_cache: {top_k: 8}}", "uses no teacher logits", "kl_weight > 0"),
+        (
+            "{name: c, kind: ce, logit_cache: {top_k: 8}}",
+            "uses no teacher logits",
+            "remove stages.0.logit_cache",
+        ),
+        (
+            "{name: c, kind: sft, data: {source: x.jsonl}, logit_cache: {top_k: 8}}",
+            "uses no teacher logits",
+            "kl_weight > 0",
+        ),
         ("{name: c, kind: kd, logit_cache: {top_k: 0}}", "top_k=0", "top_k to e.g. 64"),
-        ("{name: c, kind: kd_ce, temperature: 2.0, logit_cache: {top_k: 8}}", "temperature 1", "temperature: 1"),
+        (
+            "{name: c, kind: kd_ce, temperature: 2.0, logit_cache: {top_k: 8}}",
+            "temperature 1",
+            "temperature: 1",
+        ),
         ("{name: c, kind: kd, logit_cache: {k: 8}}", "unknown key 'k'", "top_k, dir"),
     ],
 )
@@ -322,8 +397,10 @@ def test_top_k_above_the_vocabulary_is_refused(tiny_setup, run_overrides, tmp_pa
 
 def _two_cached_stages():
     """Stage 0 fills the cache with every block (one epoch); stage 1 draws them again."""
-    return ("[{name: fill, kind: kd, epochs: 1, batch_size: 4, save_every: 2, optim: {lr: 0.01}, logit_cache: {top_k: 16}},"
-            " {name: reuse, kind: kd_ce, epochs: 1, batch_size: 4, save_every: 2, optim: {lr: 0.01}, logit_cache: {top_k: 16}}]")  # fmt: skip
+    return (
+        "[{name: fill, kind: kd, epochs: 1, batch_size: 4, save_every: 2, optim: {lr: 0.01}, logit_cache: {top_k: 16}},"
+        " {name: reuse, kind: kd_ce, epochs: 1, batch_size: 4, save_every: 2, optim: {lr: 0.01}, logit_cache: {top_k: 16}}]"
+    )
 
 
 def _crash_after(monkeypatch, saves: int):
@@ -350,14 +427,18 @@ def _no_teacher_weights(monkeypatch):
     monkeypatch.setattr(teachers, "load_teacher", refuse)
 
 
-def test_a_resume_served_by_a_complete_cache_needs_no_teacher(tiny_setup, run_overrides, tmp_path, monkeypatch, capsys):
+def test_a_resume_served_by_a_complete_cache_needs_no_teacher(
+    tiny_setup, run_overrides, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("ATTN2SSM_CACHE", str(tmp_path / "cache"))
     sets = run_overrides(stages=_two_cached_stages(), **{"data.max_train_tokens": 512})
     reference = distill(load_recipe(BASE_RECIPE, sets), tmp_path / "reference", progress=False)
     info = json.loads(next((tmp_path / "cache/teacher_logits").glob("*-k16/teacher.json")).read_text())
     assert len(info["sources"]) == 1 and next(iter(info["sources"].values()))["teacher"] == str(tiny_setup[0])
     with monkeypatch.context() as m:
-        _crash_after(m, 3)  # stage 0 saves at steps 2, 4 (its end); stage 1 at 2: the kill lands inside stage 1
+        _crash_after(
+            m, 3
+        )  # stage 0 saves at steps 2, 4 (its end); stage 1 at 2: the kill lands inside stage 1
         with pytest.raises(KeyboardInterrupt):
             distill(load_recipe(BASE_RECIPE, sets), tmp_path / "killed", progress=False)
     capsys.readouterr()
@@ -366,11 +447,16 @@ def test_a_resume_served_by_a_complete_cache_needs_no_teacher(tiny_setup, run_ov
         results = distill(load_recipe(BASE_RECIPE, sets), tmp_path / "killed", resume=True, progress=False)
     out = capsys.readouterr().out
     assert "teacher weights not loaded" in out and "(all 8 blocks there)" in out  # stage 1, steps 3 and 4
-    a, b = load_file(tmp_path / "reference/student/model.safetensors"), load_file(tmp_path / "killed/student/model.safetensors")
+    a, b = (
+        load_file(tmp_path / "reference/student/model.safetensors"),
+        load_file(tmp_path / "killed/student/model.safetensors"),
+    )
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)
     # the teacher's perplexity: the value the reference measured on the same teacher and held-out text
-    assert results["teacher_ppl"] == reference["teacher_ppl"] and "earlier run" in results["teacher_ppl_source"]
+    assert (
+        results["teacher_ppl"] == reference["teacher_ppl"] and "earlier run" in results["teacher_ppl_source"]
+    )
     assert results["student_ppl"] == pytest.approx(reference["student_ppl"], rel=1e-6)
     assert (tmp_path / "killed/student/tokenizer.json").exists()
 
@@ -385,11 +471,17 @@ def test_without_a_recorded_perplexity_the_report_says_so(run_overrides, tmp_pat
     with monkeypatch.context() as m:
         _no_teacher_weights(m)
         results = distill(load_recipe(BASE_RECIPE, sets), tmp_path / "killed", resume=True, progress=False)
-    assert results["teacher_ppl"] is None and results["ppl_ratio"] is None and "never loaded the teacher" in results["teacher_ppl_source"]
+    assert (
+        results["teacher_ppl"] is None
+        and results["ppl_ratio"] is None
+        and "never loaded the teacher" in results["teacher_ppl_source"]
+    )
     assert "| teacher | – (not measured" in (tmp_path / "killed/report.md").read_text()
 
 
-def test_a_missing_block_or_changed_teacher_files_load_the_teacher(tiny_setup, run_overrides, tmp_path, monkeypatch, capsys):
+def test_a_missing_block_or_changed_teacher_files_load_the_teacher(
+    tiny_setup, run_overrides, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("ATTN2SSM_CACHE", str(tmp_path / "cache"))
     sets = run_overrides(stages=_two_cached_stages(), **{"data.max_train_tokens": 512})
     with monkeypatch.context() as m:
@@ -405,15 +497,23 @@ def test_a_missing_block_or_changed_teacher_files_load_the_teacher(tiny_setup, r
     out = capsys.readouterr().out
     assert "lacks" in out and "loading the teacher" in out and "teacher weights not loaded" not in out
     # touching the teacher's weights changes its source key: the run loads it (and records the new key)
-    before = json.loads(next((tmp_path / "cache/teacher_logits").glob("*-k16/teacher.json")).read_text())["sources"]
+    before = json.loads(next((tmp_path / "cache/teacher_logits").glob("*-k16/teacher.json")).read_text())[
+        "sources"
+    ]
     weights = tiny_setup[0] / "model.safetensors"
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     try:
         assert teacher_source_key(str(tiny_setup[0]), torch.float32, "cpu/no") not in before
-        assert teacher_source_key(str(tiny_setup[0]), torch.bfloat16, "cpu/no") != teacher_source_key(str(tiny_setup[0]), torch.float32, "cpu/no")
-        assert teacher_source_key(str(tiny_setup[0]), torch.float32, "cpu/bf16") != teacher_source_key(str(tiny_setup[0]), torch.float32, "cpu/no")
-        assert teacher_source_key("someorg/some-model", torch.float32, "cpu/no") is None  # a hub id: nothing on disk to compare
+        assert teacher_source_key(str(tiny_setup[0]), torch.bfloat16, "cpu/no") != teacher_source_key(
+            str(tiny_setup[0]), torch.float32, "cpu/no"
+        )
+        assert teacher_source_key(str(tiny_setup[0]), torch.float32, "cpu/bf16") != teacher_source_key(
+            str(tiny_setup[0]), torch.float32, "cpu/no"
+        )
+        assert (
+            teacher_source_key("someorg/some-model", torch.float32, "cpu/no") is None
+        )  # a hub id: nothing on disk to compare
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
@@ -431,4 +531,8 @@ def test_a_teacherless_cache_refuses_a_missing_block_in_one_line(tmp_path):
     with pytest.raises(TrainingError) as err:
         blind.targets(None, torch.stack([ids[0], _ids(5)[0]]))
     text = str(err.value)
-    assert "1 of this batch's 2 blocks are missing" in text and "did not load the teacher" in text and "\n" not in text
+    assert (
+        "1 of this batch's 2 blocks are missing" in text
+        and "did not load the teacher" in text
+        and "\n" not in text
+    )

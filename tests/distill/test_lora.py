@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from tiny_models import tiny_model
 
 from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
 from attn2ssm.distill.stages import select_trainable
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.convert import convert
+from tiny_models import tiny_model
 
 
 def _student():

@@ -57,7 +57,9 @@ def test_forward_kl_gradient_matches_autograd(chunk):
     mask = torch.ones(3, 4)
     mask[0, 0] = 0
     T = 1.5
-    ref = (T * T * (F.softmax(t / T, -1) * (F.log_softmax(t / T, -1) - F.log_softmax(s / T, -1))).sum(-1) * mask).sum() / mask.sum()
+    ref = (
+        T * T * (F.softmax(t / T, -1) * (F.log_softmax(t / T, -1) - F.log_softmax(s / T, -1))).sum(-1) * mask
+    ).sum() / mask.sum()
     (ref_grad,) = torch.autograd.grad(ref, s)
     loss = forward_kl(s, t, mask, temperature=T, chunk_size=chunk)
     (grad,) = torch.autograd.grad(loss * 2.0, s)
@@ -158,4 +160,6 @@ def test_token_cross_entropy_has_no_shift():
     expected = (-math.log(_softmax([2.0, 0.0, 0.0])[0]) - math.log(_softmax([0.0, 1.0, 0.0])[2])) / 2
     assert token_cross_entropy(logits, targets).item() == pytest.approx(expected, rel=1e-6)
     mask = torch.tensor([[0, 1]])
-    assert token_cross_entropy(logits, targets, mask).item() == pytest.approx(-math.log(_softmax([0.0, 1.0, 0.0])[2]), rel=1e-6)
+    assert token_cross_entropy(logits, targets, mask).item() == pytest.approx(
+        -math.log(_softmax([0.0, 1.0, 0.0])[2]), rel=1e-6
+    )

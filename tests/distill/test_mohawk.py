@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from tiny_models import tiny_model
 
 from attn2ssm.distill.losses import hidden_distance, matrix_distance
 from attn2ssm.distill.recipe import StageConfig, load_recipe
@@ -19,6 +18,7 @@ from attn2ssm.ops.conv import causal_conv1d
 from attn2ssm.ops.ssd import ssd_chunked, ssd_sequential
 from attn2ssm.student.convert import convert
 from attn2ssm.student.modeling import Attn2SSMForCausalLM
+from tiny_models import tiny_model
 
 # --------------------------------------------------------------------------- losses by hand
 
@@ -63,12 +63,16 @@ def test_matrix_distance_without_mask_and_zero_gradient_at_a_match():
         matrix_distance(S, T, norm="spectral")
 
 
-@pytest.mark.parametrize("form,both,first_only", [("l2", 3.0, 5.0), ("l2_squared", 13.0, 25.0), ("mse", 6.5, 12.5)])
+@pytest.mark.parametrize(
+    "form,both,first_only", [("l2", 3.0, 5.0), ("l2_squared", 13.0, 25.0), ("mse", 6.5, 12.5)]
+)
 def test_hidden_distance_hand_computed(form, both, first_only):
     t = torch.tensor([[[1.0, 1.0], [2.0, 0.0]]])
     s = t + torch.tensor([[[3.0, 4.0], [0.0, 1.0]]])  # per-token L2 distances 5 and 1
     assert hidden_distance(s, t, form=form).item() == pytest.approx(both, rel=1e-6)
-    assert hidden_distance(s, t, torch.tensor([[1, 0]]), form=form).item() == pytest.approx(first_only, rel=1e-6)
+    assert hidden_distance(s, t, torch.tensor([[1, 0]]), form=form).item() == pytest.approx(
+        first_only, rel=1e-6
+    )
 
 
 # --------------------------------------------------------------------------- stage kinds
@@ -80,10 +84,14 @@ def _ids(b=4, l=32, seed=0):
 
 def _steps(kind_name, student, teacher, n, lr, cfg=None, seed=0):
     kind, cfg = STAGE_KINDS[kind_name], cfg or StageConfig(name="s", kind=kind_name)
-    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)  # as OptimConfig
+    opt = torch.optim.AdamW(
+        [p for p in student.parameters() if p.requires_grad], lr=lr, weight_decay=0.0
+    )  # as OptimConfig
     g, losses = torch.Generator().manual_seed(seed), []
     for _ in range(n):
-        loss, metrics = kind.loss(student, teacher, {"input_ids": torch.randint(0, 256, (4, 32), generator=g)}, cfg)
+        loss, metrics = kind.loss(
+            student, teacher, {"input_ids": torch.randint(0, 256, (4, 32), generator=g)}, cfg
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -104,10 +112,14 @@ def test_matrix_orientation_is_zero_when_the_student_matrix_is_the_teacher_atten
     mask[1, :5] = 0
     for norm in ("fro", "fro_squared", "row_squared"):
         cfg = StageConfig(name="mo", kind="matrix_orientation", losses={"matrix_norm": norm})
-        loss, metrics = STAGE_KINDS["matrix_orientation"].loss(student, teacher, {"input_ids": _ids(2, 12), "attention_mask": mask}, cfg)
+        loss, metrics = STAGE_KINDS["matrix_orientation"].loss(
+            student, teacher, {"input_ids": _ids(2, 12), "attention_mask": mask}, cfg
+        )
         assert loss.item() < 1e-5 and metrics["matrix"] < 1e-5, (norm, loss.item())
     # and it is not zero for a real teacher
-    loss, _ = STAGE_KINDS["matrix_orientation"].loss(student, tiny_model("llama"), {"input_ids": _ids(2, 12)}, cfg)
+    loss, _ = STAGE_KINDS["matrix_orientation"].loss(
+        student, tiny_model("llama"), {"input_ids": _ids(2, 12)}, cfg
+    )
     assert loss.item() > 1e-2
 
 
@@ -121,7 +133,11 @@ def test_matrix_orientation_lowers_the_distance_and_trains_only_what_shapes_the_
     assert losses[-1] < 0.5 * losses[0], losses
     assert set(metrics) == {"matrix"}
     moved = {n for n, p in student.named_parameters() if not torch.equal(p, before[n])}
-    assert any(".q_proj." in n for n in moved) and any(".k_proj." in n for n in moved) and any(".a_proj." in n for n in moved)
+    assert (
+        any(".q_proj." in n for n in moved)
+        and any(".k_proj." in n for n in moved)
+        and any(".a_proj." in n for n in moved)
+    )
     assert any(n.endswith(".D") for n in moved)
     # values, output projection and gate do not enter the matrix: zero or no gradient, no step
     assert not any(x in n for n in moved for x in (".v_proj.", ".o_proj.", ".gate."))
@@ -151,7 +167,9 @@ def test_matrix_orientation_refuses_a_mixer_without_a_matrix():
     with pytest.raises(ConfigError, match=r"layer 1 is a 'mamba' mixer.*hidden_alignment"):
         STAGE_KINDS["matrix_orientation"].loss(student, teacher, {"input_ids": _ids()}, cfg)
     with pytest.raises(ConfigError, match="matrix_norm"):
-        STAGE_KINDS["matrix_orientation"].options(StageConfig(name="mo", kind="matrix_orientation", losses={"matrix_norm": "l1"}))
+        STAGE_KINDS["matrix_orientation"].options(
+            StageConfig(name="mo", kind="matrix_orientation", losses={"matrix_norm": "l1"})
+        )
 
 
 def test_hidden_alignment_moves_only_mixer_parameters_and_lowers_the_distance():
@@ -174,13 +192,21 @@ def test_attention_weight_loss_accepts_normalised_mixers_and_refuses_ssms():
     cfg = StageConfig(name="at", kind="attention_transfer")
     for kind in ("linear_attention", "hedgemamba"):
         student = convert(teacher, [kind] * 2)
-        loss, metrics = STAGE_KINDS["attention_transfer"].loss(student, teacher, {"input_ids": _ids(2, 12)}, cfg)
+        loss, metrics = STAGE_KINDS["attention_transfer"].loss(
+            student, teacher, {"input_ids": _ids(2, 12)}, cfg
+        )
         assert torch.isfinite(loss) and "attn" in metrics
     student = convert(teacher, ["discrete_mamba2"] * 2)
     with pytest.raises(ConfigError, match="normalised weights"):
         STAGE_KINDS["attention_transfer"].loss(student, teacher, {"input_ids": _ids(2, 12)}, cfg)
-    out_only = StageConfig(name="at", kind="attention_transfer", losses={"attention": 0.0, "output_mse": 1.0, "output_cosine": 1.0})
-    loss, metrics = STAGE_KINDS["attention_transfer"].loss(student, teacher, {"input_ids": _ids(2, 12)}, out_only)
+    out_only = StageConfig(
+        name="at",
+        kind="attention_transfer",
+        losses={"attention": 0.0, "output_mse": 1.0, "output_cosine": 1.0},
+    )
+    loss, metrics = STAGE_KINDS["attention_transfer"].loss(
+        student, teacher, {"input_ids": _ids(2, 12)}, out_only
+    )
     assert torch.isfinite(loss) and set(metrics) == {"mse", "cos"}
 
 
@@ -192,7 +218,9 @@ def test_discrete_mamba2_full_matrix_equals_chunked_and_recurrent_with_padding()
     the token-by-token recurrence on the same x, a, B, C, D, with left padding; and through the
     gate and output projection it is the mixer's ordinary forward."""
     torch.manual_seed(0)
-    student = convert(tiny_model("gqa_9x3"), ["discrete_mamba2"] * 2, {"discrete_mamba2": {"D_init": 1.0, "chunk_size": 4}})
+    student = convert(
+        tiny_model("gqa_9x3"), ["discrete_mamba2"] * 2, {"discrete_mamba2": {"D_init": 1.0, "chunk_size": 4}}
+    )
     mixer = student.mixers()[0]
     with torch.no_grad():  # off the init so decay, conv, gate and D all matter
         for p in mixer.parameters():
@@ -202,7 +230,13 @@ def test_discrete_mamba2_full_matrix_equals_chunked_and_recurrent_with_padding()
     mask[1, :3] = 0
     with torch.no_grad():
         _, M = mixing_matrix(mixer, u, mask=mask)
-        xbc, _ = causal_conv1d(mixer._xbc(u, None), mixer.conv.weight, mixer.conv.bias, mask=mask, activation=mixer.conv_activation)
+        xbc, _ = causal_conv1d(
+            mixer._xbc(u, None),
+            mixer.conv.weight,
+            mixer.conv.bias,
+            mask=mask,
+            activation=mixer.conv_activation,
+        )
         x, B, C = mixer._split(xbc)
         a, _ = mixer._decay(u)
         y_matrix = (M @ x.transpose(1, 2)).transpose(1, 2)  # (b, l, h, p)
@@ -232,7 +266,10 @@ def _tiny_recipe(run_overrides, name, *stage_tokens, **extra):
 
 
 def test_mohawk_recipes_load_with_the_paper_stage_order():
-    kinds = {name: [s.kind for s in load_recipe(name).stages] for name in ("mohawk", "mohawk_2_3", "mohawk_3", "mohawk_hybrid")}
+    kinds = {
+        name: [s.kind for s in load_recipe(name).stages]
+        for name in ("mohawk", "mohawk_2_3", "mohawk_3", "mohawk_hybrid")
+    }
     assert kinds == {
         "mohawk": ["matrix_orientation", "hidden_alignment", "kd"],
         "mohawk_2_3": ["hidden_alignment", "kd"],
@@ -242,12 +279,21 @@ def test_mohawk_recipes_load_with_the_paper_stage_order():
     budgets = {name: sum(s.tokens for s in load_recipe(name).stages) for name in kinds}
     assert len(set(budgets.values())) == 1  # the stage ablation compares equal token budgets
     full = load_recipe("mohawk")
-    assert full.student.mixer == "discrete_mamba2" and [s.trainable for s in full.stages] == [["mixers"], ["mixers"], ["all"]]
-    assert full.stages[0].losses == {"matrix_norm": "fro", "skip": "include"} and full.stages[1].losses == {"distance": "l2"}
+    assert full.student.mixer == "discrete_mamba2" and [s.trainable for s in full.stages] == [
+        ["mixers"],
+        ["mixers"],
+        ["all"],
+    ]
+    assert full.stages[0].losses == {"matrix_norm": "fro", "skip": "include"} and full.stages[1].losses == {
+        "distance": "l2"
+    }
     assert load_recipe("mohawk_hybrid").student.attention_ratio > 0
 
 
-@pytest.mark.parametrize("name,ratio,plan", [("mohawk", 0.0, ["discrete_mamba2"] * 2), ("mohawk_hybrid", 0.5, ["discrete_mamba2", "attention"])])
+@pytest.mark.parametrize(
+    "name,ratio,plan",
+    [("mohawk", 0.0, ["discrete_mamba2"] * 2), ("mohawk_hybrid", 0.5, ["discrete_mamba2", "attention"])],
+)
 def test_mohawk_end_to_end_on_the_tiny_setup(run_overrides, tmp_path, name, ratio, plan):
     out = tmp_path / "run"
     recipe = _tiny_recipe(run_overrides, name, 128, 128, 128, **{"student.attention_ratio": ratio})

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from attn2ssm import precision
-from tiny_models import BASE_RECIPE
 from attn2ssm.distill.recipe import builtin_recipes, load_recipe
 from attn2ssm.distill.trainer import Distiller
 from attn2ssm.precision import Bf16Probe, choose_precision, cpu_bf16_probe, warn_if_slow_bf16
+from tiny_models import BASE_RECIPE
 
 FAST = Bf16Probe(fp32_ms=10.0, bf16_ms=2.5)  # a CPU with native bf16: 4x faster
 SLOW = Bf16Probe(fp32_ms=10.0, bf16_ms=90.0)  # an AVX2-only CPU: bf16 emulated, 9x slower
@@ -138,7 +138,15 @@ def test_no_builtin_recipe_forces_a_reduced_precision():
     """Fast on every machine: a built-in recipe is `auto` (those tuned under bf16) or fp32, never a forced bf16."""
     settings = {name: load_recipe(name).mixed_precision for name in builtin_recipes()}
     assert set(settings.values()) <= {"auto", "no"}, settings
-    for name in ("quickstart", "lolcats", "linear_hybrid25", "mamba2_pure", "hybrid12", "hybrid25", "hybrid50"):
+    for name in (
+        "quickstart",
+        "lolcats",
+        "linear_hybrid25",
+        "mamba2_pure",
+        "hybrid12",
+        "hybrid25",
+        "hybrid50",
+    ):
         assert settings[name] == "auto", name
     assert load_recipe("quickstart", ["mixed_precision=no"]).mixed_precision == "no"
 
@@ -146,13 +154,23 @@ def test_no_builtin_recipe_forces_a_reduced_precision():
 def test_the_distiller_uses_and_reports_the_choice(fake_cpu, run_overrides, tmp_path):
     """On a CPU faked without native bf16, an `auto` run trains in fp32 and says so in results.json."""
     fake_cpu(False, SLOW)
-    overrides = run_overrides(**{"mixed_precision": "auto", "stages": "[{name: kd, kind: kd, tokens: 256, batch_size: 4}]"})
+    overrides = run_overrides(
+        **{"mixed_precision": "auto", "stages": "[{name: kd, kind: kd, tokens: 256, batch_size: 4}]"}
+    )
     distiller = Distiller(load_recipe(BASE_RECIPE, overrides), tmp_path / "run", progress=False)
     assert distiller.acc.mixed_precision == "no"
     results = distiller.run()
-    assert results["mixed_precision"] == {"requested": "auto", "used": "no", "reason": choose_precision("auto", "cpu").reason}
+    assert results["mixed_precision"] == {
+        "requested": "auto",
+        "used": "no",
+        "reason": choose_precision("auto", "cpu").reason,
+    }
     saved = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert saved["mixed_precision"]["used"] == "no" and saved["kernels"]["used"] == "torch" and saved["device"] == "cpu"
+    assert (
+        saved["mixed_precision"]["used"] == "no"
+        and saved["kernels"]["used"] == "torch"
+        and saved["device"] == "cpu"
+    )
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps and all(r["kernels"] == "torch" for r in steps)  # every step says which kernels ran
 

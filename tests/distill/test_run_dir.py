@@ -22,12 +22,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 import attn2ssm.distill.trainer as T
-from tiny_models import BASE_RECIPE
 from attn2ssm.cli import main
 from attn2ssm.distill.checkpoints import damage
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill, latest_checkpoint
 from attn2ssm.errors import ConfigError, OutputError
+from tiny_models import BASE_RECIPE
 
 
 def _env():
@@ -37,14 +37,21 @@ def _env():
 
 
 def _assert_same_student(reference: Path, run: Path) -> None:
-    a, b = load_file(reference / "student" / "model.safetensors"), load_file(run / "student" / "model.safetensors")
+    a, b = (
+        load_file(reference / "student" / "model.safetensors"),
+        load_file(run / "student" / "model.safetensors"),
+    )
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
 
 
 def _steps(run: Path) -> list[tuple[int, int]]:
-    return [(r["stage_index"], r["step"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    return [
+        (r["stage_index"], r["step"])
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    ]
 
 
 def _no_space(*args, **kwargs):
@@ -69,7 +76,9 @@ def _crash_after(monkeypatch, method: str, n: int) -> None:
 
 
 # ------------------------------------------------------------------------------------ 6. a full disk
-def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint_and_resumes(run_overrides, tmp_path, monkeypatch):
+def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint_and_resumes(
+    run_overrides, tmp_path, monkeypatch
+):
     sets = run_overrides()
     reference = tmp_path / "reference"
     distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
@@ -88,10 +97,16 @@ def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint_and_resumes(r
     out = tmp_path / "run"
     with pytest.raises(OutputError) as err:
         distill(load_recipe(BASE_RECIPE, sets), out, progress=False)
-    assert str(err.value) == (f"cannot write checkpoint stage0-step000009 to {out / 'checkpoints'}: No space left on device "
-                              f"(stage0-step000006, the last complete checkpoint, is intact) — free space on its disk, then continue with: "
-                              f"attn2ssm distill --out {out} --resume")  # fmt: skip
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "stage0-step000003", "stage0-step000006"]  # no .tmp- left
+    assert str(err.value) == (
+        f"cannot write checkpoint stage0-step000009 to {out / 'checkpoints'}: No space left on device "
+        f"(stage0-step000006, the last complete checkpoint, is intact) — free space on its disk, then continue with: "
+        f"attn2ssm distill --out {out} --resume"
+    )
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "latest",
+        "stage0-step000003",
+        "stage0-step000006",
+    ]  # no .tmp- left
     assert latest_checkpoint(out).name == "stage0-step000006" and damage(latest_checkpoint(out)) is None
     monkeypatch.setattr(torch, "save", real_save)
 
@@ -125,38 +140,76 @@ def test_a_full_disk_while_writing_the_student_resumes_to_the_student(run_overri
     out = tmp_path / "run"
     with pytest.raises(OutputError) as err:
         distill(load_recipe(BASE_RECIPE, sets), out, progress=False)
-    assert str(err.value).startswith(f"cannot write the final student to {out}: No space left on device — free space on its disk")
+    assert str(err.value).startswith(
+        f"cannot write the final student to {out}: No space left on device — free space on its disk"
+    )
     assert not (out / "student").exists() and not (out / ".tmp-student").exists()
     monkeypatch.undo()
-    distill(load_recipe(BASE_RECIPE, sets), out, resume=True, progress=False)  # every stage was checkpointed: only the student is left
+    distill(
+        load_recipe(BASE_RECIPE, sets), out, resume=True, progress=False
+    )  # every stage was checkpointed: only the student is left
     assert (out / "student" / "model.safetensors").is_file() and (out / "results.json").is_file()
     assert len(_steps(out)) == len(set(_steps(out))) == 21
 
 
 # ------------------------------------------------------------------------------ 7. a read-only --out
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders: the chmod case cannot fail as root (the injected cases cover it)")
+@pytest.mark.skipif(
+    os.geteuid() == 0,
+    reason="root writes into read-only folders: the chmod case cannot fail as root (the injected cases cover it)",
+)
 def test_a_read_only_parent_is_refused_before_the_teacher_loads(run_overrides, tmp_path, capsys):
     parent = tmp_path / "ro"
     parent.mkdir()
     parent.chmod(0o555)
     try:
-        assert main(["distill", BASE_RECIPE, "--out", str(parent / "run"), "--no-progress", *sum((["--set", s] for s in run_overrides()), [])]) == 2
+        assert (
+            main(
+                [
+                    "distill",
+                    BASE_RECIPE,
+                    "--out",
+                    str(parent / "run"),
+                    "--no-progress",
+                    *sum((["--set", s] for s in run_overrides()), []),
+                ]
+            )
+            == 2
+        )
     finally:
         parent.chmod(0o755)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"error: --out {parent / 'run'}: {parent} is not writable"), err
+    assert len(err) == 1 and err[0].startswith(f"error: --out {parent / 'run'}: {parent} is not writable"), (
+        err
+    )
 
 
 def test_an_unwritable_out_is_one_line_before_or_while_writing(run_overrides, tmp_path, monkeypatch, capsys):
     import attn2ssm.teachers
 
-    args = ["distill", BASE_RECIPE, "--out", str(tmp_path / "run"), "--no-progress", *sum((["--set", s] for s in run_overrides()), [])]
+    args = [
+        "distill",
+        BASE_RECIPE,
+        "--out",
+        str(tmp_path / "run"),
+        "--no-progress",
+        *sum((["--set", s] for s in run_overrides()), []),
+    ]
     real_access, real_load = os.access, attn2ssm.teachers.load_teacher
-    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode))  # as if tmp_path were read-only
-    monkeypatch.setattr(attn2ssm.teachers, "load_teacher", lambda *a, **k: pytest.fail("the teacher loaded for an --out that cannot be written"))
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode)
+    )  # as if tmp_path were read-only
+    monkeypatch.setattr(
+        attn2ssm.teachers,
+        "load_teacher",
+        lambda *a, **k: pytest.fail("the teacher loaded for an --out that cannot be written"),
+    )
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0] == f"error: --out {tmp_path / 'run'}: {tmp_path} is not writable (permission denied) — choose another --out, or make {tmp_path} writable", err
+    assert (
+        len(err) == 1
+        and err[0]
+        == f"error: --out {tmp_path / 'run'}: {tmp_path} is not writable (permission denied) — choose another --out, or make {tmp_path} writable"
+    ), err
     assert not (tmp_path / "run").exists()
 
     monkeypatch.setattr(os, "access", real_access)
@@ -169,11 +222,15 @@ def test_an_unwritable_out_is_one_line_before_or_while_writing(run_overrides, tm
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     out = tmp_path / "run"
-    assert len(err) == 1 and err[0].startswith(f"error: cannot write recipe.yaml to {out}: Permission denied — make {out} writable"), err
+    assert len(err) == 1 and err[0].startswith(
+        f"error: cannot write recipe.yaml to {out}: Permission denied — make {out} writable"
+    ), err
 
 
 # ------------------------------------------------------------------ 9. --set on a resume: allowed or refused
-def test_resume_applies_settings_that_leave_the_trained_steps_alone(run_overrides, tmp_path, monkeypatch, capsys):
+def test_resume_applies_settings_that_leave_the_trained_steps_alone(
+    run_overrides, tmp_path, monkeypatch, capsys
+):
     sets = run_overrides()
     reference = tmp_path / "reference"
     distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
@@ -184,20 +241,38 @@ def test_resume_applies_settings_that_leave_the_trained_steps_alone(run_override
     monkeypatch.undo()
     capsys.readouterr()
     # the whole command typed again (unchanged values pass) with checkpoint and evaluation settings changed
-    changes = ["stages.1.save_every=1", "stages.1.keep_checkpoints=20", "stages.2.keep_checkpoints=20", "stages.0.eval_every=2", "eval.max_tokens=256"]
+    changes = [
+        "stages.1.save_every=1",
+        "stages.1.keep_checkpoints=20",
+        "stages.2.keep_checkpoints=20",
+        "stages.0.eval_every=2",
+        "eval.max_tokens=256",
+    ]
     distill(load_recipe(BASE_RECIPE, sets), out, resume=True, overrides=[*sets, *changes], progress=False)
     notice = [line for line in capsys.readouterr().err.splitlines() if line.startswith("--resume with --set")]
-    assert notice == ["--resume with --set: stages.0.eval_every 4 → 2, stages.1.save_every 3 → 1, stages.1.keep_checkpoints 2 → 20, "
-                      "stages.2.keep_checkpoints 2 → 20, eval.max_tokens 512 → 256"]
+    assert notice == [
+        "--resume with --set: stages.0.eval_every 4 → 2, stages.1.save_every 3 → 1, stages.1.keep_checkpoints 2 → 20, "
+        "stages.2.keep_checkpoints 2 → 20, eval.max_tokens 512 → 256"
+    ]
     saved = yaml.safe_load((out / "recipe.yaml").read_text())
-    assert saved["stages"][1]["save_every"] == 1 and saved["eval"]["max_tokens"] == 256  # what a later resume continues with
-    assert [p.name for p in sorted((out / "checkpoints").glob("stage1-*"))] == [f"stage1-step{i:06d}" for i in range(1, 7)]
-    evaluated = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["stage_index"] == 0 and "eval_loss" in r]
+    assert (
+        saved["stages"][1]["save_every"] == 1 and saved["eval"]["max_tokens"] == 256
+    )  # what a later resume continues with
+    assert [p.name for p in sorted((out / "checkpoints").glob("stage1-*"))] == [
+        f"stage1-step{i:06d}" for i in range(1, 7)
+    ]
+    evaluated = [
+        r["step"]
+        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        if r["stage_index"] == 0 and "eval_loss" in r
+    ]
     assert evaluated == [4, 8, 10, 12]  # every 4th step before the resume at 6, every 2nd after it
     _assert_same_student(reference, out)  # none of it touched the math
 
 
-def test_resume_refuses_a_setting_that_would_change_the_training(run_overrides, tmp_path, monkeypatch, capsys):
+def test_resume_refuses_a_setting_that_would_change_the_training(
+    run_overrides, tmp_path, monkeypatch, capsys
+):
     sets = run_overrides()
     out = tmp_path / "run"
     _crash_after(monkeypatch, "_save_checkpoint", 1)
@@ -206,12 +281,35 @@ def test_resume_refuses_a_setting_that_would_change_the_training(run_overrides, 
     monkeypatch.undo()
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     capsys.readouterr()
-    assert main(["distill", "--out", str(out), "--resume", "--no-progress", "--set", "stages.0.tokens=3072", "--set", "eval.max_tokens=256"]) == 2
+    assert (
+        main(
+            [
+                "distill",
+                "--out",
+                str(out),
+                "--resume",
+                "--no-progress",
+                "--set",
+                "stages.0.tokens=3072",
+                "--set",
+                "eval.max_tokens=256",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --set stages.0.tokens=3072 would change the recipe of the run being resumed (it has 1536) — "), err
+    assert len(err) == 1 and err[0].startswith(
+        "error: --set stages.0.tokens=3072 would change the recipe of the run being resumed (it has 1536) — "
+    ), err
     assert "eval.*" in err[0] and "mixed_precision" in err[0]  # what may change
     with pytest.raises(ConfigError, match="--set teacher="):
-        distill(load_recipe(BASE_RECIPE, sets), out, resume=True, overrides=["teacher=smollm2-135m"], progress=False)
+        distill(
+            load_recipe(BASE_RECIPE, sets),
+            out,
+            resume=True,
+            overrides=["teacher=smollm2-135m"],
+            progress=False,
+        )
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing on disk changed
 
 
@@ -249,7 +347,17 @@ sys.exit(main(sys.argv[1:]))
 
 def _start_slow(out: Path, sets: list[str]) -> subprocess.Popen:
     """``attn2ssm distill`` with slow steps, returned once its first metric line is written."""
-    args = [sys.executable, "-c", SLOW_CLI, "distill", BASE_RECIPE, "--out", str(out), "--no-progress", *sum((["--set", s] for s in sets), [])]
+    args = [
+        sys.executable,
+        "-c",
+        SLOW_CLI,
+        "distill",
+        BASE_RECIPE,
+        "--out",
+        str(out),
+        "--no-progress",
+        *sum((["--set", s] for s in sets), []),
+    ]
     proc = subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().endswith("\n")):
@@ -261,35 +369,59 @@ def _start_slow(out: Path, sets: list[str]) -> subprocess.Popen:
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "attn2ssm", *args], env=_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "attn2ssm", *args], env=_env(), capture_output=True, text=True, timeout=600
+    )
 
 
-def test_a_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_lock_nor_temporaries(run_overrides, tmp_path):
+def test_a_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_lock_nor_temporaries(
+    run_overrides, tmp_path
+):
     sets = run_overrides()
     out = tmp_path / "run"
     first = _start_slow(out, sets)
     try:
         lines = (out / "metrics.jsonl").read_bytes()
-        second = _run_cli("distill", BASE_RECIPE, "--out", str(out), "--no-progress", *sum((["--set", s] for s in [*sets, "seed=1"]), []))
+        second = _run_cli(
+            "distill",
+            BASE_RECIPE,
+            "--out",
+            str(out),
+            "--no-progress",
+            *sum((["--set", s] for s in [*sets, "seed=1"]), []),
+        )
         assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-2000:]
         err = second.stderr.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith(f"error: another process (pid {first.pid} on ") and f"is using {out} — " in err[0], err
-        assert (out / "metrics.jsonl").read_bytes().startswith(lines)  # the second run wrote nothing: only the first's lines
+        assert (
+            len(err) == 1
+            and err[0].startswith(f"error: another process (pid {first.pid} on ")
+            and f"is using {out} — " in err[0]
+        ), err
+        assert (
+            (out / "metrics.jsonl").read_bytes().startswith(lines)
+        )  # the second run wrote nothing: only the first's lines
         assert first.poll() is None
     finally:
         first.kill()  # SIGKILL: the OS drops its lock
         first.communicate()
-    for leftover in (out / ".tmp-student", out / "checkpoints" / ".tmp-stage0-step000009"):  # as if killed while writing them
+    for leftover in (
+        out / ".tmp-student",
+        out / "checkpoints" / ".tmp-stage0-step000009",
+    ):  # as if killed while writing them
         leftover.mkdir(parents=True, exist_ok=True)
         (leftover / "model.safetensors").write_bytes(b"\0" * 4096)
     resumed = _run_cli("distill", "--out", str(out), "--resume", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert len(_steps(out)) == len(set(_steps(out))) == 21
-    assert not [p for p in [*out.iterdir(), *(out / "checkpoints").iterdir()] if p.name.startswith(".tmp-")]  # the resume removed them
+    assert not [
+        p for p in [*out.iterdir(), *(out / "checkpoints").iterdir()] if p.name.startswith(".tmp-")
+    ]  # the resume removed them
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_command(signum, run_overrides, tmp_path):
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_command(
+    signum, run_overrides, tmp_path
+):
     sets = run_overrides()
     reference = tmp_path / "reference"
     distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
@@ -305,8 +437,10 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_command(
     name = f"stage0-step{step:06d}"
     assert latest_checkpoint(out).name == name and damage(latest_checkpoint(out)) is None
     command = f"attn2ssm distill --out {out} --resume"
-    assert stderr.strip().splitlines()[-1] == (f"stopped by {signal.Signals(signum).name} at stage 1/3 step {step}: checkpoint "
-                                               f"{out / 'checkpoints' / name} — resume with: {command}")  # fmt: skip
+    assert stderr.strip().splitlines()[-1] == (
+        f"stopped by {signal.Signals(signum).name} at stage 1/3 step {step}: checkpoint "
+        f"{out / 'checkpoints' / name} — resume with: {command}"
+    )
     assert not (out / "student").exists()
 
     resumed = _run_cli(*shlex.split(command)[1:], "--no-progress")

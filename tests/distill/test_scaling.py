@@ -15,12 +15,18 @@ import torch
 from safetensors.torch import load_file
 
 import attn2ssm
-from tiny_models import BASE_RECIPE
 from attn2ssm.distill.losses import forward_kl, resolve_kl_chunk
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.stages import STAGE_KINDS
-from attn2ssm.distill.trainer import Distiller, TrainerState, distill, latest_checkpoint, resolve_teacher_dtype
+from attn2ssm.distill.trainer import (
+    Distiller,
+    TrainerState,
+    distill,
+    latest_checkpoint,
+    resolve_teacher_dtype,
+)
 from attn2ssm.errors import ConfigError, TrainingError
+from tiny_models import BASE_RECIPE
 
 KD = "[{name: kd, kind: kd, tokens: 1536, batch_size: 4, save_every: 3, trainable: [all], optim: {lr: 0.01}}]"
 
@@ -50,9 +56,14 @@ def _records(run: Path) -> list[dict]:
 def test_fp16_on_a_cpu_runs_accelerates_loss_scaling(run_overrides, tmp_path):
     """accelerate leaves fp16 on a CPU as fp32 (no autocast, no GradScaler); the trainer installs torch's
     CPU GradScaler and autocast where accelerate installs them on CUDA, so the fp16 path really runs."""
-    distiller, run = _ready(load_recipe(BASE_RECIPE, run_overrides(stages=KD, mixed_precision="fp16")), tmp_path / "run")
+    distiller, run = _ready(
+        load_recipe(BASE_RECIPE, run_overrides(stages=KD, mixed_precision="fp16")), tmp_path / "run"
+    )
     try:
-        assert isinstance(distiller.acc.scaler, torch.amp.GradScaler) and run.optimizer.scaler is distiller.acc.scaler
+        assert (
+            isinstance(distiller.acc.scaler, torch.amp.GradScaler)
+            and run.optimizer.scaler is distiller.acc.scaler
+        )
         with distiller.acc.autocast():
             assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float16
     finally:
@@ -60,7 +71,9 @@ def test_fp16_on_a_cpu_runs_accelerates_loss_scaling(run_overrides, tmp_path):
 
 
 def test_an_overflow_step_is_skipped_without_moving_weights_or_schedule(run_overrides, tmp_path):
-    distiller, run = _ready(load_recipe(BASE_RECIPE, run_overrides(stages=KD, mixed_precision="fp16")), tmp_path / "run")
+    distiller, run = _ready(
+        load_recipe(BASE_RECIPE, run_overrides(stages=KD, mixed_precision="fp16")), tmp_path / "run"
+    )
     try:
         scaler = distiller.acc.scaler
         first = distiller._train_step(run, 0)
@@ -104,7 +117,9 @@ def test_a_skipped_step_is_logged_and_counted(run_overrides, tmp_path, monkeypat
     out = tmp_path / "run"
     distill(load_recipe(BASE_RECIPE, run_overrides(stages=KD, mixed_precision="fp16")), out, progress=False)
     records = _records(out)
-    assert [r["step"] for r in records] == list(range(1, 13))  # every step logged once, the skipped one included
+    assert [r["step"] for r in records] == list(
+        range(1, 13)
+    )  # every step logged once, the skipped one included
     assert records[3].get("skipped") is True and math.isfinite(records[3]["loss"])
     assert records[3]["lr"] == records[2]["lr"]  # the schedule did not advance
     assert "scaler" in torch.load(latest_checkpoint(out) / "optimizer.pt", weights_only=False)
@@ -147,31 +162,58 @@ def test_fp16_resume_after_sigkill_matches_uninterrupted(run_overrides, tmp_path
     overflow step resumes with the lowered scale, exactly as the uninterrupted run continued."""
     sets = run_overrides(stages=KD, mixed_precision="fp16")
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    ref = subprocess.run([sys.executable, "-c", OVERFLOW_THEN_KILL, "full", str(reference), *sets], env=_env(), capture_output=True, text=True, timeout=600)
+    ref = subprocess.run(
+        [sys.executable, "-c", OVERFLOW_THEN_KILL, "full", str(reference), *sets],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ref.returncode == 0, ref.stderr[-2000:]
     assert [r.get("skipped", False) for r in _records(reference)][:3] == [False, True, False]
-    proc = subprocess.run([sys.executable, "-c", OVERFLOW_THEN_KILL, "kill", str(killed), *sets], env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", OVERFLOW_THEN_KILL, "kill", str(killed), *sets],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert latest_checkpoint(killed).name == "stage0-step000003"
-    cli = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", "--out", str(killed), "--resume", "--no-progress"], env=_env(),
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    cli = subprocess.run(
+        [sys.executable, "-m", "attn2ssm", "distill", "--out", str(killed), "--resume", "--no-progress"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert cli.returncode == 0, cli.stderr[-2000:]
     a, b = load_file(reference / "student/model.safetensors"), load_file(killed / "student/model.safetensors")
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    assert [(r["loss"], r.get("skipped")) for r in _records(killed)] == [(r["loss"], r.get("skipped")) for r in _records(reference)]
-    scalers = [torch.load(latest_checkpoint(run) / "optimizer.pt", weights_only=False)["scaler"] for run in (reference, killed)]
-    assert scalers[0] == scalers[1] and scalers[0]["scale"] == 2.0**15  # halved once, and so in the resumed run
+    assert [(r["loss"], r.get("skipped")) for r in _records(killed)] == [
+        (r["loss"], r.get("skipped")) for r in _records(reference)
+    ]
+    scalers = [
+        torch.load(latest_checkpoint(run) / "optimizer.pt", weights_only=False)["scaler"]
+        for run in (reference, killed)
+    ]
+    assert (
+        scalers[0] == scalers[1] and scalers[0]["scale"] == 2.0**15
+    )  # halved once, and so in the resumed run
 
 
 # ------------------------------------------------------------------------------ one host sync per step
 
 
-@pytest.mark.parametrize("stages", [
-    "[{name: kd, kind: kd, tokens: 1536, batch_size: 4, grad_accum: 2, optim: {lr: 0.01}}]",
-    "[{name: at, kind: attention_transfer, tokens: 1536, batch_size: 4, grad_accum: 2, trainable: [feature_maps], losses: {output_mse: 1.0}}]",
-    "[{name: kdce, kind: kd_ce, tokens: 1536, batch_size: 4, clip: 0, optim: {lr: 0.01}}]",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "stages",
+    [
+        "[{name: kd, kind: kd, tokens: 1536, batch_size: 4, grad_accum: 2, optim: {lr: 0.01}}]",
+        "[{name: at, kind: attention_transfer, tokens: 1536, batch_size: 4, grad_accum: 2, trainable: [feature_maps], losses: {output_mse: 1.0}}]",
+        "[{name: kdce, kind: kd_ce, tokens: 1536, batch_size: 4, clip: 0, optim: {lr: 0.01}}]",
+    ],
+)
 def test_a_step_reads_the_device_once(stages, run_overrides, tmp_path, monkeypatch):
     """Loss, metrics, grad norm (and, with several processes, the stop signals) come back in one
     tolist(); nothing else attn2ssm or accelerate runs in the step calls item(), float(), int() or
@@ -198,13 +240,23 @@ def test_a_step_reads_the_device_once(stages, run_overrides, tmp_path, monkeypat
         distiller.close()
     assert reads == ["tolist", "tolist"]
     for result in results:
-        assert isinstance(result.loss, float) and all(isinstance(v, float) for v in result.metrics.values()) and result.metrics
+        assert (
+            isinstance(result.loss, float)
+            and all(isinstance(v, float) for v in result.metrics.values())
+            and result.metrics
+        )
         assert (result.grad_norm is None) == (run.cfg.clip == 0)
 
 
 def test_metrics_are_the_micro_batch_mean_of_the_kinds_values(run_overrides, tmp_path):
     """grad_accum 2: the logged loss and metrics are the mean over micro-batches of what the kind returned."""
-    distiller, run = _ready(load_recipe(BASE_RECIPE, run_overrides(stages="[{name: kd, kind: kd, tokens: 1536, batch_size: 4, grad_accum: 2}]")), tmp_path / "run")
+    distiller, run = _ready(
+        load_recipe(
+            BASE_RECIPE,
+            run_overrides(stages="[{name: kd, kind: kd, tokens: 1536, batch_size: 4, grad_accum: 2}]"),
+        ),
+        tmp_path / "run",
+    )
     seen = []
     original = run.kind.loss
 
@@ -221,7 +273,9 @@ def test_metrics_are_the_micro_batch_mean_of_the_kinds_values(run_overrides, tmp
     assert len(seen) == 2
     assert result.loss == pytest.approx((seen[0][0] + seen[1][0]) / 2, rel=1e-6)
     for k in ("kl", "ce"):
-        assert result.metrics[k] == seen[0][1][k] / 2 + seen[1][1][k] / 2  # float64, as Python floats summed them
+        assert (
+            result.metrics[k] == seen[0][1][k] / 2 + seen[1][1][k] / 2
+        )  # float64, as Python floats summed them
 
 
 def test_a_nan_loss_never_reaches_the_weights(run_overrides, tmp_path):
@@ -231,7 +285,14 @@ def test_a_nan_loss_never_reaches_the_weights(run_overrides, tmp_path):
         weights = [p.detach().clone() for p in run.params]
         state = {k: v.clone() for k, v in run.optimizer.state[run.params[0]].items()}
         original = run.kind.loss
-        run.kind = type("NaN", (), {"through_model_forward": True, "loss": staticmethod(lambda *a, **k: (lambda l, m: (l * math.nan, m))(*original(*a, **k)))})()
+        run.kind = type(
+            "NaN",
+            (),
+            {
+                "through_model_forward": True,
+                "loss": staticmethod(lambda *a, **k: (lambda l, m: (l * math.nan, m))(*original(*a, **k))),
+            },
+        )()
         with pytest.raises(TrainingError, match=r"non-finite loss \(nan\) at stage 'kd' step 2"):
             distiller._train_step(run, 1)
         assert all(torch.equal(p, w) for p, w in zip(run.params, weights))
@@ -285,9 +346,13 @@ def test_teacher_dtype_auto():
 
 
 def test_a_bfloat16_teacher_beside_an_fp32_student(run_overrides, tmp_path):
-    stages = ("[{name: at, kind: attention_transfer, tokens: 256, batch_size: 4, trainable: [feature_maps]},"
-              " {name: kd, kind: kd, tokens: 256, batch_size: 4, optim: {lr: 0.01}}]")  # fmt: skip
-    recipe = load_recipe(BASE_RECIPE, run_overrides(stages=stages, teacher_dtype="bfloat16", mixed_precision="bf16"))
+    stages = (
+        "[{name: at, kind: attention_transfer, tokens: 256, batch_size: 4, trainable: [feature_maps]},"
+        " {name: kd, kind: kd, tokens: 256, batch_size: 4, optim: {lr: 0.01}}]"
+    )
+    recipe = load_recipe(
+        BASE_RECIPE, run_overrides(stages=stages, teacher_dtype="bfloat16", mixed_precision="bf16")
+    )
     distiller, run = _ready(recipe, tmp_path / "run")
     try:
         assert {p.dtype for p in distiller.teacher.parameters()} == {torch.bfloat16}
@@ -303,8 +368,16 @@ def test_a_bfloat16_teacher_beside_an_fp32_student(run_overrides, tmp_path):
 def test_a_reduced_teacher_without_autocast_is_refused_for_layer_local_kinds(run_overrides, tmp_path):
     stages = "[{name: at, kind: attention_transfer, tokens: 256, batch_size: 4, trainable: [feature_maps]}]"
     with pytest.raises(ConfigError) as err:
-        Distiller(load_recipe(BASE_RECIPE, run_overrides(stages=stages, teacher_dtype="bfloat16")), tmp_path / "run", progress=False)
-    assert "bfloat16 teacher without mixed precision" in str(err.value) and "mixed_precision: bf16" in str(err.value) and "\n" not in str(err.value)
+        Distiller(
+            load_recipe(BASE_RECIPE, run_overrides(stages=stages, teacher_dtype="bfloat16")),
+            tmp_path / "run",
+            progress=False,
+        )
+    assert (
+        "bfloat16 teacher without mixed precision" in str(err.value)
+        and "mixed_precision: bf16" in str(err.value)
+        and "\n" not in str(err.value)
+    )
     assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="teacher_dtype='half' is not a dtype"):
         load_recipe(BASE_RECIPE, ["teacher_dtype=half"])
@@ -314,15 +387,22 @@ def test_a_reduced_teacher_without_autocast_is_refused_for_layer_local_kinds(run
 
 
 def _gc_stages(on: str) -> str:
-    return (f"[{{name: kd, kind: kd, tokens: 768, batch_size: 4, trainable: [all], save_every: 3, gradient_checkpointing: {on}, optim: {{lr: 0.01}}}},"
-            f" {{name: ce, kind: ce, tokens: 384, batch_size: 4, trainable: [lora, mixers], lora: {{r: 4, alpha: 8}}, gradient_checkpointing: {on}}}]")  # fmt: skip
+    return (
+        f"[{{name: kd, kind: kd, tokens: 768, batch_size: 4, trainable: [all], save_every: 3, gradient_checkpointing: {on}, optim: {{lr: 0.01}}}},"
+        f" {{name: ce, kind: ce, tokens: 384, batch_size: 4, trainable: [lora, mixers], lora: {{r: 4, alpha: 8}}, gradient_checkpointing: {on}}}]"
+    )
 
 
 def test_gradient_checkpointing_trains_the_same(run_overrides, tmp_path):
     for on in ("false", "true"):
         distill(load_recipe(BASE_RECIPE, run_overrides(stages=_gc_stages(on))), tmp_path / on, progress=False)
-    assert [r["loss"] for r in _records(tmp_path / "true")] == pytest.approx([r["loss"] for r in _records(tmp_path / "false")], rel=1e-6)
-    a, b = load_file(tmp_path / "false/student/model.safetensors"), load_file(tmp_path / "true/student/model.safetensors")
+    assert [r["loss"] for r in _records(tmp_path / "true")] == pytest.approx(
+        [r["loss"] for r in _records(tmp_path / "false")], rel=1e-6
+    )
+    a, b = (
+        load_file(tmp_path / "false/student/model.safetensors"),
+        load_file(tmp_path / "true/student/model.safetensors"),
+    )
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)
 
@@ -345,7 +425,10 @@ def _saved_bytes(step) -> int:
 def test_gradient_checkpointing_saves_fewer_activations_and_ends_with_its_stage(run_overrides, tmp_path):
     from attn2ssm.distill import trainer as T
 
-    distiller, run = _ready(load_recipe(BASE_RECIPE, run_overrides(stages=_gc_stages("true"), **{"data.block_len": 128})), tmp_path / "run")
+    distiller, run = _ready(
+        load_recipe(BASE_RECIPE, run_overrides(stages=_gc_stages("true"), **{"data.block_len": 128})),
+        tmp_path / "run",
+    )
     try:
         layers = [m for m in run.unwrapped.modules() if type(m).__name__.endswith("DecoderLayer")]
         assert layers and all(m.gradient_checkpointing for m in layers)
@@ -362,7 +445,9 @@ def test_gradient_checkpointing_saves_fewer_activations_and_ends_with_its_stage(
         T._activation_checkpointing(run.unwrapped, True)
         distiller._finish_stage(run, TrainerState())
         assert not any(m.gradient_checkpointing for m in layers)  # the next stage decides for itself
-        assert getattr(run.unwrapped, "_require_grads_hook", None) is None  # no input-grad hook left behind (reentrant-only)
+        assert (
+            getattr(run.unwrapped, "_require_grads_hook", None) is None
+        )  # no input-grad hook left behind (reentrant-only)
     finally:
         distiller.close()
 
@@ -399,7 +484,11 @@ def test_gradient_checkpointing_on_a_layer_local_kind_is_refused(kind):
     with pytest.raises(ConfigError) as err:
         load_recipe(BASE_RECIPE, [f"stages=[{{name: s, kind: {kind}, gradient_checkpointing: true}}]"])
     text = str(err.value)
-    assert "gradient_checkpointing" in text and "remove stages.0.gradient_checkpointing" in text and "\n" not in text
+    assert (
+        "gradient_checkpointing" in text
+        and "remove stages.0.gradient_checkpointing" in text
+        and "\n" not in text
+    )
 
 
 # ------------------------------------------------------------------------------ stopping, several processes
@@ -427,9 +516,34 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(run_ove
     script = tmp_path / "signal_one_rank.py"
     script.write_text(SIGNAL_ONE_RANK)
     out = tmp_path / "run"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-              "--dynamo_backend", "no", str(script), "distill", BASE_RECIPE, "--out", str(out), "--no-progress", *[a for s in run_overrides() for a in ("--set", s)]]  # fmt: skip
-    proc = subprocess.run(launch, env=_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=900)
-    assert proc.returncode != 0 and "stopped by SIGTERM at stage 1/3 step 2" in proc.stderr, proc.stderr[-3000:]
-    assert latest_checkpoint(out).name == "stage0-step000002"  # not a save_every step: the stop's own checkpoint
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(script),
+        "distill",
+        BASE_RECIPE,
+        "--out",
+        str(out),
+        "--no-progress",
+        *[a for s in run_overrides() for a in ("--set", s)],
+    ]
+    proc = subprocess.run(
+        launch, env=_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode != 0 and "stopped by SIGTERM at stage 1/3 step 2" in proc.stderr, proc.stderr[
+        -3000:
+    ]
+    assert (
+        latest_checkpoint(out).name == "stage0-step000002"
+    )  # not a save_every step: the stop's own checkpoint
     assert [r["step"] for r in _records(out)] == [1, 2]

@@ -8,12 +8,12 @@ import torch
 from chat_data import END_OF_TURN
 from safetensors.torch import load_file
 
-from tiny_models import BASE_RECIPE
 from attn2ssm.data.chat import encode_conversation, load_preference_dataset, load_sft_dataset
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.stages import STAGE_KINDS
 from attn2ssm.distill.trainer import Distiller, distill
 from attn2ssm.errors import ConfigError, DataError
+from tiny_models import BASE_RECIPE
 
 
 def _records(path):
@@ -46,10 +46,21 @@ def test_sft_mask_covers_exactly_the_assistant_tokens(fmt, data, chat_tokenizer)
     assert len(ds) == len(records) == 12 and ds.meta["format"] == fmt and ds.meta["dropped"] == 0
     for ids, mask, record in zip(ds.ids, ds.loss_masks, records):
         assert _masked_text(chat_tokenizer, ids, mask) == _replies(record)
-        assert _masked_text(chat_tokenizer, ids, ~mask).count("<|assistant|>\n") == len(_replies(record).split(END_OF_TURN)) - 1
+        assert (
+            _masked_text(chat_tokenizer, ids, ~mask).count("<|assistant|>\n")
+            == len(_replies(record).split(END_OF_TURN)) - 1
+        )
         # the ids are what apply_chat_template gives for the whole conversation
-        messages = record.get("messages") or [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": _replies(record)[: -len(END_OF_TURN)]}]
-        assert ids.tolist() == chat_tokenizer(chat_tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+        messages = record.get("messages") or [
+            {"role": "user", "content": record["prompt"]},
+            {"role": "assistant", "content": _replies(record)[: -len(END_OF_TURN)]},
+        ]
+        assert (
+            ids.tolist()
+            == chat_tokenizer(
+                chat_tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False
+            )["input_ids"]
+        )
 
 
 def test_sft_batches_are_right_padded(data, chat_tokenizer):
@@ -76,7 +87,9 @@ def test_preference_masks_cover_the_reply_only(name, data, chat_tokenizer):
             assert _masked_text(chat_tokenizer, part.ids[i], part.loss_masks[i]) == reply + END_OF_TURN
             assert record["prompt"] in _masked_text(chat_tokenizer, part.ids[i], ~part.loss_masks[i])
     batch = ds.collate([3, 4])
-    assert set(batch) == {f"{s}_{k}" for s in ("chosen", "rejected") for k in ("input_ids", "attention_mask", "loss_mask")}
+    assert set(batch) == {
+        f"{s}_{k}" for s in ("chosen", "rejected") for k in ("input_ids", "attention_mask", "loss_mask")
+    }
 
 
 def test_both_preference_shapes_tokenize_alike(data, chat_tokenizer):
@@ -92,7 +105,10 @@ def test_long_examples_are_cut_and_unscorable_ones_dropped(data, chat_tokenizer)
     assert max(len(x) for x in cut.ids) <= 40 and cut.meta["dropped"] + len(cut) == 12
     with pytest.raises(DataError, match="no example .* assistant token within max_len=8"):
         load_sft_dataset(str(data["messages"]), chat_tokenizer, max_len=8)
-    assert load_sft_dataset(str(data["messages"]), chat_tokenizer, max_examples=3).meta["examples"] == 3 and len(full) == 12
+    assert (
+        load_sft_dataset(str(data["messages"]), chat_tokenizer, max_examples=3).meta["examples"] == 3
+        and len(full) == 12
+    )
 
 
 def test_template_that_rewrites_earlier_turns_trains_the_last_turn(chat_tokenizer):
@@ -101,8 +117,12 @@ def test_template_that_rewrites_earlier_turns_trains_the_last_turn(chat_tokenize
         "{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' and not loop.last %}...{% else %}"
         "{{ m['content'] }}{% endif %}<|endoftext|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
     )
-    messages = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "One."},
-                {"role": "user", "content": "And?"}, {"role": "assistant", "content": "Two."}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "One."},
+        {"role": "user", "content": "And?"},
+        {"role": "assistant", "content": "Two."},
+    ]
     ids, mask = encode_conversation(chat_tokenizer, messages)
     assert _masked_text(chat_tokenizer, torch.tensor(ids), torch.tensor(mask)) == "Two." + END_OF_TURN
 
@@ -126,7 +146,12 @@ def test_json_parquet_and_hub_sources(data, chat_tokenizer, tmp_path, monkeypatc
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist([{"prompt": r["prompt"], "completion": _replies(r)[: -len(END_OF_TURN)]} for r in records]), tmp_path / "pc.parquet")
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{"prompt": r["prompt"], "completion": _replies(r)[: -len(END_OF_TURN)]} for r in records]
+        ),
+        tmp_path / "pc.parquet",
+    )
     reference = load_sft_dataset(str(data["prompt_completion"]), chat_tokenizer)
     for path in (tmp_path / "list.json", tmp_path / "pc.parquet"):
         ds = load_sft_dataset(str(path), chat_tokenizer)
@@ -140,7 +165,9 @@ def test_json_parquet_and_hub_sources(data, chat_tokenizer, tmp_path, monkeypatc
         return datasets.Dataset.from_list(_records(data["preference_conversations"]))
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    ds = load_preference_dataset("hf:HuggingFaceH4/ultrafeedback_binarized:train_prefs", chat_tokenizer, max_examples=5)
+    ds = load_preference_dataset(
+        "hf:HuggingFaceH4/ultrafeedback_binarized:train_prefs", chat_tokenizer, max_examples=5
+    )
     assert calls == [("HuggingFaceH4/ultrafeedback_binarized", "train_prefs", "train")] and len(ds) == 5
 
 
@@ -173,7 +200,10 @@ def test_format_errors(data, chat_tokenizer, tmp_path):
         ("{name: s, kind: kd, data: {source: x.jsonl}}", "takes no 'data'"),
         ("{name: s, kind: sft, data: {source: x.jsonl, max_len: 1}}", "max_len"),
         ("{name: s, kind: sft, epochs: 0, data: {source: x.jsonl}}", "epochs must be positive"),
-        ("{name: s, kind: dpo, losses: {beta: 0.1, gamma: 1}, data: {source: x.jsonl}}", "unknown losses key"),
+        (
+            "{name: s, kind: dpo, losses: {beta: 0.1, gamma: 1}, data: {source: x.jsonl}}",
+            "unknown losses key",
+        ),
         ("{name: s, kind: sft, data: {source: x.jsonl, shuffle: true}}", "unknown key 'shuffle'"),
     ],
 )
@@ -186,16 +216,24 @@ def test_validation_errors(stage, match):
 # ----------------------------------------------------------------------------------- end to end
 
 
-def test_data_problems_stop_the_run_before_the_first_stage(run_overrides, chat_overrides, chat_setup, tmp_path):
+def test_data_problems_stop_the_run_before_the_first_stage(
+    run_overrides, chat_overrides, chat_setup, tmp_path
+):
     source = chat_setup[2]["messages"]
     stages = "[{{name: kd, kind: kd, tokens: 128, batch_size: 4}}, {{name: sft, kind: sft, data: {{source: '{}', max_len: {}}}}}]"
     with pytest.raises(ConfigError, match="has no chat template"):  # the plain tiny teacher has none
-        distill(load_recipe(BASE_RECIPE, run_overrides(stages=stages.format(source, 96))), tmp_path / "a", progress=False)
+        distill(
+            load_recipe(BASE_RECIPE, run_overrides(stages=stages.format(source, 96))),
+            tmp_path / "a",
+            progress=False,
+        )
     with pytest.raises(DataError, match="exceeds the model's maximum of 128"):
-        distill(load_recipe(BASE_RECIPE, chat_overrides(stages.format(source, 512))), tmp_path / "b", progress=False)
+        distill(
+            load_recipe(BASE_RECIPE, chat_overrides(stages.format(source, 512))),
+            tmp_path / "b",
+            progress=False,
+        )
     assert not (tmp_path / "a" / "metrics.jsonl").exists() and not (tmp_path / "b" / "metrics.jsonl").exists()
-
-
 
 
 def _capture(monkeypatch, kind_name, store):
@@ -229,7 +267,9 @@ def test_kd_ce_sft_dpo_run(chat_setup, chat_overrides, tmp_path, monkeypatch):
     records = _metrics(out)
     by_stage = {name: [r for r in records if r["stage"] == name] for name in ("stage1", "sft", "dpo")}
     assert [len(v) for v in by_stage.values()] == [2, 2, 2]  # 256/(4·32); 768/(4·96); ceil(0.5·12/4)
-    assert {"train_ce", "train_kl"} <= set(by_stage["stage1"][0]) and {"train_ce", "train_kl"} <= set(by_stage["sft"][0])
+    assert {"train_ce", "train_kl"} <= set(by_stage["stage1"][0]) and {"train_ce", "train_kl"} <= set(
+        by_stage["sft"][0]
+    )
     assert {"train_reward_accuracy", "train_reward_margin", "train_reward_chosen"} <= set(by_stage["dpo"][0])
     # tokens count real tokens of the examples drawn
     assert by_stage["sft"][0]["tokens"] == sum(int(b["attention_mask"].sum()) for b in sft_batches[:2])
@@ -243,7 +283,9 @@ def test_kd_ce_sft_dpo_run(chat_setup, chat_overrides, tmp_path, monkeypatch):
         assert batch["mean_loss_tokens"] > 0
         for ids, mask, attn in zip(batch["input_ids"], batch["loss_mask"], batch["attention_mask"]):
             text = _masked_text(tok, ids, mask)
-            assert any(r.startswith(text) for r in replies) and text  # cut conversations keep a prefix of the replies
+            assert (
+                any(r.startswith(text) for r in replies) and text
+            )  # cut conversations keep a prefix of the replies
             assert not (mask & ~attn.bool()).any()
     chosen = {r["chosen"][-1]["content"] + END_OF_TURN for r in _records(data["preference_conversations"])}
     for batch in dpo_batches:
@@ -258,10 +300,16 @@ def test_dpo_starts_at_log2_when_student_is_teacher_and_learns(chat_setup, chat_
         f" schedule: {{kind: constant}}, data: {{source: '{data['preference']}', max_len: 96, max_examples: 4}}}}]"
     )
     out = tmp_path / "run"
-    distill(load_recipe(BASE_RECIPE, chat_overrides(stages, **{"student.attention_ratio": 1.0})), out, progress=False)
+    distill(
+        load_recipe(BASE_RECIPE, chat_overrides(stages, **{"student.attention_ratio": 1.0})),
+        out,
+        progress=False,
+    )
     losses = [r["loss"] for r in _metrics(out)]
     assert len(losses) == 3  # 1152 / (4 · 96)
-    assert losses[0] == pytest.approx(math.log(2), abs=1e-5)  # attention kept everywhere: the student is the teacher
+    assert losses[0] == pytest.approx(
+        math.log(2), abs=1e-5
+    )  # attention kept everywhere: the student is the teacher
     assert losses[-1] < losses[0] - 0.05 and losses == sorted(losses, reverse=True)
 
 
@@ -295,7 +343,10 @@ def test_resume_mid_sft_matches_uninterrupted(chat_setup, chat_overrides, tmp_pa
     assert not (crashed / "student").exists()
     distill(load_recipe(BASE_RECIPE, sets), crashed, resume=True, progress=False)
 
-    a, b = load_file(reference / "student" / "model.safetensors"), load_file(crashed / "student" / "model.safetensors")
+    a, b = (
+        load_file(reference / "student" / "model.safetensors"),
+        load_file(crashed / "student" / "model.safetensors"),
+    )
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
     ref, got = _metrics(reference), _metrics(crashed)
@@ -306,10 +357,10 @@ def test_resume_mid_sft_matches_uninterrupted(chat_setup, chat_overrides, tmp_pa
 
 def test_sft_loss_is_per_token_over_the_whole_step(data, chat_tokenizer):
     """Two micro-batches with the trainer's mean_loss_tokens average to the one-batch loss."""
-    from tiny_models import tiny_config
     from transformers import AutoModelForCausalLM
 
     from attn2ssm.distill.recipe import StageConfig
+    from tiny_models import tiny_config
 
     cfg = tiny_config("llama")
     cfg.vocab_size = len(chat_tokenizer)
@@ -321,6 +372,9 @@ def test_sft_loss_is_per_token_over_the_whole_step(data, chat_tokenizer):
     whole, metrics = kind.loss(model, teacher, ds.collate([0, 1, 2, 3]), stage)
     assert metrics["kl"] > 0.01
     mean = ds.loss_tokens([0, 1, 2, 3]) / 2
-    halves = [kind.loss(model, teacher, {**ds.collate(idx), "mean_loss_tokens": mean}, stage)[0] for idx in ([0, 1], [2, 3])]
+    halves = [
+        kind.loss(model, teacher, {**ds.collate(idx), "mean_loss_tokens": mean}, stage)[0]
+        for idx in ([0, 1], [2, 3])
+    ]
     assert ds.loss_tokens([0, 1]) != ds.loss_tokens([2, 3])  # unequal halves: a plain mean would be off
     assert ((halves[0] + halves[1]) / 2).item() == pytest.approx(whole.item(), rel=1e-5)

@@ -5,19 +5,23 @@ import json
 
 import pytest
 import torch
-from tiny_models import BASE_RECIPE, make_tokenizer
 
 from attn2ssm.data import load_training_data
 from attn2ssm.distill.recipe import builtin_recipes, load_recipe
 from attn2ssm.distill.trainer import Distiller
 from attn2ssm.errors import ConfigError
+from tiny_models import BASE_RECIPE, make_tokenizer
 
-STAGES = ("[{name: short, kind: kd, tokens: 256, batch_size: 4, save_every: 0},"
-          " {name: long, kind: kd, tokens: 512, batch_size: 2, block_len: 64, save_every: 0, eval_batches: 1},"
-          " {name: spare, kind: kd, tokens: 0, block_len: 128, batch_size: 1}]")  # fmt: skip
+STAGES = (
+    "[{name: short, kind: kd, tokens: 256, batch_size: 4, save_every: 0},"
+    " {name: long, kind: kd, tokens: 512, batch_size: 2, block_len: 64, save_every: 0, eval_batches: 1},"
+    " {name: spare, kind: kd, tokens: 0, block_len: 128, batch_size: 1}]"
+)
 
 
-def test_a_stage_trains_on_its_own_block_length_and_a_zero_budget_stage_is_skipped(run_overrides, tmp_path, capsys):
+def test_a_stage_trains_on_its_own_block_length_and_a_zero_budget_stage_is_skipped(
+    run_overrides, tmp_path, capsys
+):
     """Stage 1 at data.block_len 32: 256 / (4 × 32) = 2 steps of 128 tokens; stage 2 at 64: 512 /
     (2 × 64) = 4 steps of 128 tokens, its blocks exactly the sources packed at 64 (load_training_data
     by hand, sized for that stage: 4 steps × 2 = 8 blocks); stage 3 (tokens 0) never runs."""
@@ -26,13 +30,30 @@ def test_a_stage_trains_on_its_own_block_length_and_a_zero_budget_stage_is_skipp
     run = Distiller(recipe, tmp_path / "run", progress=False)
     run.run()
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [(r["stage"], r["step"], r["tokens"]) for r in records if "step" in r and "stage" in r and "loss" in r]
-    assert steps == [("short", 1, 128), ("short", 2, 256), ("long", 1, 128), ("long", 2, 256), ("long", 3, 384), ("long", 4, 512)]
+    steps = [
+        (r["stage"], r["step"], r["tokens"]) for r in records if "step" in r and "stage" in r and "loss" in r
+    ]
+    assert steps == [
+        ("short", 1, 128),
+        ("short", 2, 256),
+        ("long", 1, 128),
+        ("long", 2, 256),
+        ("long", 3, 384),
+        ("long", 4, 512),
+    ]
     assert "[stage 3] spare: skipped (tokens: 0" in capsys.readouterr().out
     assert sorted(run.block_sets) == [32, 64]  # the skipped stage's length was never prepared
     d = recipe.data
     tok = make_tokenizer(300)
-    by_hand = load_training_data(d.source_list(), tok, 64, seed=recipe.seed, max_heldout_tokens=d.max_heldout_tokens, budget_blocks=8, compact=True)
+    by_hand = load_training_data(
+        d.source_list(),
+        tok,
+        64,
+        seed=recipe.seed,
+        max_heldout_tokens=d.max_heldout_tokens,
+        budget_blocks=8,
+        compact=True,
+    )
     blocks, eval_blocks = run.block_sets[64]
     assert blocks.shape[1] == 64 and torch.equal(blocks.tensor(), by_hand.blocks.tensor())
     assert torch.equal(eval_blocks.tensor(), by_hand.eval_blocks.tensor())
@@ -40,11 +61,17 @@ def test_a_stage_trains_on_its_own_block_length_and_a_zero_budget_stage_is_skipp
     assert (tmp_path / "run" / "student" / "config.json").is_file()
 
 
-@pytest.mark.parametrize(("stage", "needle"), [
-    ("{name: s, kind: sft, block_len: 64, data: {source: x.jsonl}}", "does not train on the recipe's corpus blocks, so block_len does not apply"),
-    ("{name: s, kind: kd, block_len: 1}", "block_len=1 is not a block length"),
-    ("{name: s, kind: kd, tokens: -1}", "tokens positive or 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("stage", "needle"),
+    [
+        (
+            "{name: s, kind: sft, block_len: 64, data: {source: x.jsonl}}",
+            "does not train on the recipe's corpus blocks, so block_len does not apply",
+        ),
+        ("{name: s, kind: kd, block_len: 1}", "block_len=1 is not a block length"),
+        ("{name: s, kind: kd, tokens: -1}", "tokens positive or 0"),
+    ],
+)
 def test_stage_block_len_errors(stage, needle):
     with pytest.raises(ConfigError, match=needle) as e:
         load_recipe(BASE_RECIPE, [f"stages=[{stage}]"])

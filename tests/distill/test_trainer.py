@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tiny_models import BASE_RECIPE
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill, latest_checkpoint
 from attn2ssm.errors import ConfigError, TrainingError
+from tiny_models import BASE_RECIPE
 
 
 def _env():
@@ -29,14 +29,24 @@ def _weights(run: Path) -> dict:
 def test_end_to_end_artifacts(run_overrides, tmp_path):
     out = tmp_path / "run"
     results = distill(load_recipe(BASE_RECIPE, run_overrides()), out, progress=False)
-    for name in ("recipe.yaml", "metrics.jsonl", "results.json", "report.md", "loss.png", "student/config.json", "student/tokenizer.json"):
+    for name in (
+        "recipe.yaml",
+        "metrics.jsonl",
+        "results.json",
+        "report.md",
+        "loss.png",
+        "student/config.json",
+        "student/tokenizer.json",
+    ):
         assert (out / name).exists(), name
     assert results["teacher_ppl"] > 1 and results["student_ppl"] > 1
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     kd = [r for r in records if r["stage"] == "kd"]
     ce = [r for r in records if r["stage"] == "ce"]
     lora = [r for r in records if r["stage"] == "lora"]
-    assert len(kd) == 12 and len(ce) == 6 and len(lora) == 3  # ceil(tokens / (batch × block_len)) steps per stage
+    assert (
+        len(kd) == 12 and len(ce) == 6 and len(lora) == 3
+    )  # ceil(tokens / (batch × block_len)) steps per stage
     assert kd[-1]["loss"] < kd[0]["loss"]  # the KL to the teacher falls
     assert "eval_loss" in kd[3] and "eval_loss" in kd[-1]
     assert ce[-1]["total_tokens"] == 1536 + 768
@@ -49,7 +59,11 @@ def test_end_to_end_artifacts(run_overrides, tmp_path):
 
 def test_existing_run_dir_is_not_overwritten(run_overrides, tmp_path):
     out = tmp_path / "run"
-    distill(load_recipe(BASE_RECIPE, run_overrides(stages="[{name: a, kind: ce, tokens: 128, batch_size: 4}]")), out, progress=False)
+    distill(
+        load_recipe(BASE_RECIPE, run_overrides(stages="[{name: a, kind: ce, tokens: 128, batch_size: 4}]")),
+        out,
+        progress=False,
+    )
     before = (out / "student" / "model.safetensors").read_bytes()
     with pytest.raises(ConfigError, match="already holds a run"):
         distill(load_recipe(BASE_RECIPE, run_overrides()), out, progress=False)
@@ -93,7 +107,13 @@ def test_sigkill_then_resume_matches_uninterrupted(mode, run_overrides, tmp_path
     distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
 
     killed = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, "-c", KILLER, mode, str(killed), *sets], env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLER, mode, str(killed), *sets],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]  # really killed
     assert not (killed / "student").exists()
     ckpt = latest_checkpoint(killed)
@@ -102,15 +122,26 @@ def test_sigkill_then_resume_matches_uninterrupted(mode, run_overrides, tmp_path
     if mode == "during":  # the half-written checkpoint never became 'latest'
         assert any(p.name.startswith(".tmp-") for p in (killed / "checkpoints").iterdir())
 
-    cli = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", "--out", str(killed), "--resume", "--no-progress"], env=_env(), capture_output=True, text=True, timeout=600)
+    cli = subprocess.run(
+        [sys.executable, "-m", "attn2ssm", "distill", "--out", str(killed), "--resume", "--no-progress"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert cli.returncode == 0, cli.stderr[-2000:]
-    assert not [p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith(".tmp-")]  # the resume removed the half-written one
+    assert not [
+        p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith(".tmp-")
+    ]  # the resume removed the half-written one
     a, b = _weights(reference), _weights(killed)
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
     # the metrics log holds each step once, as if never interrupted
-    steps = [(r["stage_index"], r["step"]) for r in map(json.loads, (killed / "metrics.jsonl").read_text().splitlines())]
+    steps = [
+        (r["stage_index"], r["step"])
+        for r in map(json.loads, (killed / "metrics.jsonl").read_text().splitlines())
+    ]
     assert steps == sorted(set(steps)) and len(steps) == 21
     ref_losses = [json.loads(line)["loss"] for line in (reference / "metrics.jsonl").read_text().splitlines()]
     losses = [json.loads(line)["loss"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
@@ -147,12 +178,57 @@ def test_two_processes_give_the_same_loss_curve(run_overrides, tmp_path):
     env = _env()
     env["OMP_NUM_THREADS"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU (gloo) case on any machine: one GPU cannot host two ranks
-    r1 = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", BASE_RECIPE, "--out", str(one), "--no-progress", *sum((["--set", s] for s in sets), [])], env=env, capture_output=True, text=True, timeout=900)
+    r1 = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "attn2ssm",
+            "distill",
+            BASE_RECIPE,
+            "--out",
+            str(one),
+            "--no-progress",
+            *sum((["--set", s] for s in sets), []),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r1.returncode == 0, r1.stderr[-2000:]
     # On a machine without GPUs, --multi_gpu spawns 2 torch.distributed workers that use gloo on the CPU
     # (accelerate's --cpu with several processes would need mpirun).
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    r2 = subprocess.run([*launcher, "-m", "attn2ssm", "distill", BASE_RECIPE, "--out", str(two), "--no-progress", *sum((["--set", s] for s in sets), [])], env=env, capture_output=True, text=True, timeout=900)
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]
+    r2 = subprocess.run(
+        [
+            *launcher,
+            "-m",
+            "attn2ssm",
+            "distill",
+            BASE_RECIPE,
+            "--out",
+            str(two),
+            "--no-progress",
+            *sum((["--set", s] for s in sets), []),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r2.returncode == 0, r2.stderr[-3000:]
     m1 = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
     m2 = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
@@ -168,36 +244,70 @@ def _truncate(path: Path) -> None:
 
 
 @pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.pt"])
-def test_resume_from_a_damaged_checkpoint_falls_back_to_the_newest_intact_one(damaged, run_overrides, tmp_path):
+def test_resume_from_a_damaged_checkpoint_falls_back_to_the_newest_intact_one(
+    damaged, run_overrides, tmp_path
+):
     sets = run_overrides()
     reference = tmp_path / "reference"
     distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
     killed = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, "-c", KILLER, "after", str(killed), *sets], env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLER, "after", str(killed), *sets],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert latest_checkpoint(killed).name == "stage0-step000006"
     _truncate(killed / "checkpoints" / "stage0-step000006" / damaged)
 
-    cli = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", "--out", str(killed), "--resume", "--no-progress"], env=_env(), capture_output=True, text=True, timeout=600)
+    cli = subprocess.run(
+        [sys.executable, "-m", "attn2ssm", "distill", "--out", str(killed), "--resume", "--no-progress"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert cli.returncode == 0, cli.stderr[-2000:]
     notice = [line for line in (cli.stdout + cli.stderr).splitlines() if line.startswith("checkpoint ")]
-    assert len(notice) == 1 and "stage0-step000006" in notice[0] and damaged in notice[0] and "stage0-step000003" in notice[0]
+    assert (
+        len(notice) == 1
+        and "stage0-step000006" in notice[0]
+        and damaged in notice[0]
+        and "stage0-step000003" in notice[0]
+    )
     a, b = _weights(reference), _weights(killed)
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
-    steps = [(r["stage_index"], r["step"]) for r in map(json.loads, (killed / "metrics.jsonl").read_text().splitlines())]
+    steps = [
+        (r["stage_index"], r["step"])
+        for r in map(json.loads, (killed / "metrics.jsonl").read_text().splitlines())
+    ]
     assert steps == sorted(set(steps)) and len(steps) == 21
 
 
 def test_resume_with_every_checkpoint_damaged_changes_nothing(run_overrides, tmp_path):
     killed = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, "-c", KILLER, "after", str(killed), *run_overrides()], env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLER, "after", str(killed), *run_overrides()],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     for ckpt in (killed / "checkpoints").iterdir():
         if ckpt.is_dir():
             _truncate(ckpt / "model.safetensors")
     metrics = (killed / "metrics.jsonl").read_bytes()
-    cli = subprocess.run([sys.executable, "-m", "attn2ssm", "distill", "--out", str(killed), "--resume", "--no-progress"], env=_env(), capture_output=True, text=True, timeout=600)
+    cli = subprocess.run(
+        [sys.executable, "-m", "attn2ssm", "distill", "--out", str(killed), "--resume", "--no-progress"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert cli.returncode == 2
     err = cli.stderr.strip().splitlines()
     assert len(err) == 1 and "no intact checkpoint" in err[0] and "stage0-step000006" in err[0]

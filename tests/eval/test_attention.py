@@ -105,7 +105,11 @@ def test_fidelity_is_zero_when_student_weights_are_the_teachers(pair, ids, monke
     paths = adapter.attention_module_paths(teacher)
     for i, mixer in student.mixers().items():
         attn = teacher.get_submodule(paths[i])
-        monkeypatch.setattr(mixer, "attention_weights", lambda h, pos=None, mask=None, attn=attn: adapter.attention_probs(attn, h, pos, mask))
+        monkeypatch.setattr(
+            mixer,
+            "attention_weights",
+            lambda h, pos=None, mask=None, attn=attn: adapter.attention_probs(attn, h, pos, mask),
+        )
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # left padding in one row
     r = attention_fidelity(student, teacher, ids, mask)
@@ -130,11 +134,19 @@ def test_fidelity_detects_a_scrambled_student(pair, ids, monkeypatch):
         return torch.gather(a, -1, rev.expand_as(a)).tril()
 
     for i, mixer in student.mixers().items():
-        monkeypatch.setattr(mixer, "attention_weights", lambda h, pos=None, mask=None, attn=teacher.get_submodule(paths[i]): reversed_rows(h, pos, mask, attn))
+        monkeypatch.setattr(
+            mixer,
+            "attention_weights",
+            lambda h, pos=None, mask=None, attn=teacher.get_submodule(paths[i]): reversed_rows(
+                h, pos, mask, attn
+            ),
+        )
     r = attention_fidelity(student, teacher, ids)
     assert r["mean"]["kl"] > 0.1
     assert r["mean"]["spearman_student"] < 0.5
-    assert r["mean"]["entropy_student"] == pytest.approx(r["mean"]["entropy_teacher"], abs=1e-4)  # same values per row
+    assert r["mean"]["entropy_student"] == pytest.approx(
+        r["mean"]["entropy_teacher"], abs=1e-4
+    )  # same values per row
 
 
 def test_fidelity_with_padding_is_finite(pair, ids):
@@ -166,8 +178,21 @@ def test_cli_eval_attention(pair, tmp_path, capsys):
     tok.save_pretrained(sdir)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join([TEXT] * 80) + "\n")
-    argv = ["eval", str(sdir), "--attention", "--against", str(tdir), "--corpus", str(corpus),
-            "--window", "16", "--blocks", "2", "--text", TEXT]  # fmt: skip
+    argv = [
+        "eval",
+        str(sdir),
+        "--attention",
+        "--against",
+        str(tdir),
+        "--corpus",
+        str(corpus),
+        "--window",
+        "16",
+        "--blocks",
+        "2",
+        "--text",
+        TEXT,
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "KL(t‖s)" in out and "mean" in out
@@ -176,5 +201,7 @@ def test_cli_eval_attention(pair, tmp_path, capsys):
     assert data["text"]["layers"][0]["kl"] > 0
     assert all((sdir / "eval" / name).exists() for name in ("attention_maps.png", "attention_maps_log.png"))
     # A teacher is not a student.
-    assert main(["eval", str(tdir), "--attention", "--against", str(tdir), "--blocks", "0", "--text", TEXT]) == 2
+    assert (
+        main(["eval", str(tdir), "--attention", "--against", str(tdir), "--blocks", "0", "--text", TEXT]) == 2
+    )
     assert "not a student" in capsys.readouterr().err

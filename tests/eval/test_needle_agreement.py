@@ -2,13 +2,24 @@
 
 import pytest
 import torch
-from tiny_models import make_tokenizer, tiny_model
 
 from attn2ssm.eval.agreement import generation_agreement, heldout_prompts, lcs_length, prefix_match, rouge_l
 from attn2ssm.eval.needle import (
-    FILLER, NIAH_FORMS, build_prompt, essay_sentences, key_recalled, needle_text, niah_depths, niah_grid, niah_key_value, niah_prompt, niah_text,
-    passkey_grid, plot_passkey,
-)  # fmt: skip
+    FILLER,
+    NIAH_FORMS,
+    build_prompt,
+    essay_sentences,
+    key_recalled,
+    needle_text,
+    niah_depths,
+    niah_grid,
+    niah_key_value,
+    niah_prompt,
+    niah_text,
+    passkey_grid,
+    plot_passkey,
+)
+from tiny_models import make_tokenizer, tiny_model
 
 
 def test_lcs_and_rouge_hand_cases():
@@ -39,19 +50,33 @@ class _Oracle(torch.nn.Module):
 
     def __init__(self, tok, honest=True, recalls=True, answer=None):
         super().__init__()
-        self.tok, self.honest, self.recalls, self.answer, self.p = tok, honest, recalls, answer, torch.nn.Parameter(torch.zeros(1))
+        self.tok, self.honest, self.recalls, self.answer, self.p = (
+            tok,
+            honest,
+            recalls,
+            answer,
+            torch.nn.Parameter(torch.zeros(1)),
+        )
 
     def generate(self, input_ids, **kw):
         import re
 
-        key = re.search(r"pass key is (\d+)\.", self.tok.decode(input_ids[0])).group(1) if self.honest else "00000"
+        key = (
+            re.search(r"pass key is (\d+)\.", self.tok.decode(input_ids[0])).group(1)
+            if self.honest
+            else "00000"
+        )
         text = self.answer if self.answer is not None else " " + key
         return torch.cat([input_ids, torch.tensor([self.tok(text)["input_ids"]])], 1)
 
     def forward(self, input_ids, logits_to_keep=0, **kw):
         from types import SimpleNamespace
 
-        nxt = torch.roll(input_ids, -1, 1) if self.recalls else torch.full_like(input_ids, self.tok("0", add_special_tokens=False)["input_ids"][0])
+        nxt = (
+            torch.roll(input_ids, -1, 1)
+            if self.recalls
+            else torch.full_like(input_ids, self.tok("0", add_special_tokens=False)["input_ids"][0])
+        )
         logits = torch.nn.functional.one_hot(nxt, len(self.tok)).float()
         return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
@@ -59,8 +84,14 @@ class _Oracle(torch.nn.Module):
 def test_passkey_grid_scores_and_plots(tmp_path):
     tok = make_tokenizer()
     good = passkey_grid(_Oracle(tok), tok, [100, 200], [0.0, 1.0], trials=2, progress=False)
-    bad = passkey_grid(_Oracle(tok, honest=False, recalls=False), tok, [100, 200], [0.0, 1.0], trials=2, progress=False)
-    assert good["accuracy"] == [[1.0, 1.0], [1.0, 1.0]] and good["mean_accuracy"] == 1.0 and good["mean_recall"] == 1.0
+    bad = passkey_grid(
+        _Oracle(tok, honest=False, recalls=False), tok, [100, 200], [0.0, 1.0], trials=2, progress=False
+    )
+    assert (
+        good["accuracy"] == [[1.0, 1.0], [1.0, 1.0]]
+        and good["mean_accuracy"] == 1.0
+        and good["mean_recall"] == 1.0
+    )
     assert bad["mean_accuracy"] == 0.0 and bad["recall"] == [[0.0, 0.0], [0.0, 0.0]]
     plot_passkey({"teacher": good, "student": bad}, tmp_path / "needle.png")
     assert (tmp_path / "needle.png").stat().st_size > 0
@@ -70,7 +101,9 @@ def test_passkey_recall_separates_memory_from_answer_form():
     """A model that holds the key but answers in words fails the greedy test and passes recall;
     one that answers 00000 teacher-forced too fails both."""
     tok = make_tokenizer()
-    worded = passkey_grid(_Oracle(tok, answer=" a secret code"), tok, [150], [0.0, 0.5, 1.0], trials=2, progress=False)
+    worded = passkey_grid(
+        _Oracle(tok, answer=" a secret code"), tok, [150], [0.0, 0.5, 1.0], trials=2, progress=False
+    )
     assert worded["mean_accuracy"] == 0.0 and worded["mean_recall"] == 1.0
     assert all(e["recalled"] and not e["correct"] for e in worded["examples"])
     assert key_recalled(_Oracle(tok), tok, build_prompt(tok, 150, 0.5, "48213"), "48213")
@@ -83,7 +116,10 @@ def test_generation_agreement_self_is_perfect_and_other_is_not():
     prompts = heldout_prompts(stream, 4, prompt_len=12, new_tokens=10)
     assert len(prompts) == 4 and all(p.numel() == 12 for p in prompts)
     same = generation_agreement(teacher, teacher, prompts, new_tokens=10, progress=False)
-    assert same["token_agreement"] == same["rouge_l"] == same["forced_agreement"] == 1.0 and same["prefix_match"] == 10
+    assert (
+        same["token_agreement"] == same["rouge_l"] == same["forced_agreement"] == 1.0
+        and same["prefix_match"] == 10
+    )
     diff = generation_agreement(other, teacher, prompts, new_tokens=10, progress=False)
     assert diff["token_agreement"] < 0.5 and diff["forced_agreement"] < 0.5
     with pytest.raises(ValueError, match="fewer than"):
@@ -106,7 +142,10 @@ def test_niah_text_is_rulers_single_needle_prompt():
     essay = essay_sentences("First one.  Second\n one! Third?")
     assert essay == ["First one.", "Second one!", "Third?"]
     uuid_text = niah_text("niah_single_3", "k", "v", 3, 0.0, essay)
-    assert "A special magic uuid is hidden" in uuid_text and "\nOne of the special magic uuids for k is: v. First one. Second one! Third?\n" in uuid_text
+    assert (
+        "A special magic uuid is hidden" in uuid_text
+        and "\nOne of the special magic uuids for k is: v. First one. Second one! Third?\n" in uuid_text
+    )
     with pytest.raises(ValueError, match="needs essay sentences"):
         niah_text("niah_single_2", "k", "v", 3, 0.0, None)
     with pytest.raises(ValueError, match="unknown needle form"):
@@ -135,13 +174,19 @@ def test_niah_prompt_is_the_longest_that_fits(form):
     assert text.endswith("mentioned in the provided text is") and "for calm-river is: 1234567." in text
     n = text.count("The grass is green.") if form == "niah_single_1" else None
     if n is not None:  # one more filler unit would not fit
-        longer = tok(niah_text(form, "calm-river", "1234567", n + 1, 0.5), add_special_tokens=False)["input_ids"]
+        longer = tok(niah_text(form, "calm-river", "1234567", n + 1, 0.5), add_special_tokens=False)[
+            "input_ids"
+        ]
         assert len(longer) > 600
     with pytest.raises(ValueError, match="without any haystack"):
         niah_prompt(tok, form, 20, 0.5, "calm-river", "1234567", essay)
 
 
-SENTENCES_FOR_ESSAY = ["Call me Ishmael.", "Some years ago, never mind how long precisely.", "It was the best of times."] * 3
+SENTENCES_FOR_ESSAY = [
+    "Call me Ishmael.",
+    "Some years ago, never mind how long precisely.",
+    "It was the best of times.",
+] * 3
 
 
 class _NiahOracle(_Oracle):
@@ -150,7 +195,11 @@ class _NiahOracle(_Oracle):
     def generate(self, input_ids, max_new_tokens=8, **kw):
         import re
 
-        value = re.search(r"is: ([0-9a-f-]+)\.", self.tok.decode(input_ids[0])).group(1) if self.honest else "0000000"
+        value = (
+            re.search(r"is: ([0-9a-f-]+)\.", self.tok.decode(input_ids[0])).group(1)
+            if self.honest
+            else "0000000"
+        )
         new = self.tok(" " + value + " ok", add_special_tokens=False)["input_ids"][:max_new_tokens]
         return torch.cat([input_ids, torch.tensor([new])], 1)
 
@@ -161,9 +210,18 @@ def test_niah_grid_scores_greedy_match_and_recall():
     good = niah_grid(_NiahOracle(tok), tok, "niah_single_3", [500], trials=3, essay=essay, progress=False)
     assert good["accuracy"] == {"500": 1.0} and good["recall"] == {"500": 1.0} and good["n"] == {"500": 3}
     assert good["examples"][0]["prompt_tokens"] <= 500 and good["cpu_seconds"]["500"] >= 0
-    bad = niah_grid(_NiahOracle(tok, honest=False, recalls=False), tok, "niah_single_1", [600], trials=2, progress=False)
+    bad = niah_grid(
+        _NiahOracle(tok, honest=False, recalls=False), tok, "niah_single_1", [600], trials=2, progress=False
+    )
     assert bad["accuracy"] == {"600": 0.0} and bad["recall"] == {"600": 0.0}
-    holds = niah_grid(_NiahOracle(tok, honest=False, recalls=True), tok, "niah_single_1", [600], trials=2, progress=False)
+    holds = niah_grid(
+        _NiahOracle(tok, honest=False, recalls=True), tok, "niah_single_1", [600], trials=2, progress=False
+    )
     assert holds["accuracy"] == {"600": 0.0} and holds["recall"] == {"600": 1.0}  # retrieved, answered wrong
     same = niah_grid(_NiahOracle(tok), tok, "niah_single_1", [600], trials=2, progress=False)
-    assert [e["value"] for e in same["examples"]] == [e["value"] for e in niah_grid(_NiahOracle(tok), tok, "niah_single_1", [600], trials=2, progress=False)["examples"]]
+    assert [e["value"] for e in same["examples"]] == [
+        e["value"]
+        for e in niah_grid(_NiahOracle(tok), tok, "niah_single_1", [600], trials=2, progress=False)[
+            "examples"
+        ]
+    ]

@@ -6,12 +6,23 @@ import math
 
 import pytest
 import torch
-from tiny_models import SENTENCES, make_tokenizer, one_line_error, tiny_config
 
 from attn2ssm.eval.suite import (
-    SideCache, SuiteSettings, TaskSpec, anchors_table, binomial_se, items_scored, pair_rows, plan_units, pooled_accuracy, run_suite,
-    suite_settings, task_samples, with_overrides,
-)  # fmt: skip
+    SideCache,
+    SuiteSettings,
+    TaskSpec,
+    anchors_table,
+    binomial_se,
+    items_scored,
+    pair_rows,
+    plan_units,
+    pooled_accuracy,
+    run_suite,
+    suite_settings,
+    task_samples,
+    with_overrides,
+)
+from tiny_models import SENTENCES, make_tokenizer, one_line_error, tiny_config
 
 
 def test_binomial_se_hand_cases():
@@ -25,10 +36,17 @@ def test_binomial_se_hand_cases():
 
 
 def test_pooled_accuracy_weights_tasks_by_items():
-    record = {"results": {"a": {"acc,none": 0.5}, "b": {"acc,none": 1.0}, "g": {"acc,none": 0.875}},
-              "n-samples": {"a": {"effective": 2}, "b": {"effective": 6}}, "group_subtasks": {"g": ["a", "b"]}}  # fmt: skip
+    record = {
+        "results": {"a": {"acc,none": 0.5}, "b": {"acc,none": 1.0}, "g": {"acc,none": 0.875}},
+        "n-samples": {"a": {"effective": 2}, "b": {"effective": 6}},
+        "group_subtasks": {"g": ["a", "b"]},
+    }
     assert pooled_accuracy(record, "acc") == (pytest.approx((0.5 * 2 + 1.0 * 6) / 8), 8)
-    assert items_scored(record, "g") == 8 and items_scored(record, "a") == 2 and items_scored(record, "zz") is None
+    assert (
+        items_scored(record, "g") == 8
+        and items_scored(record, "a") == 2
+        and items_scored(record, "zz") is None
+    )
     gen = {"results": {"t": {"exact_match,remove_whitespace": 0.25}}, "n-samples": {"t": {"effective": 4}}}
     assert pooled_accuracy(gen, "exact_match") == (0.25, 4)
     from attn2ssm.errors import ConfigError
@@ -45,7 +63,11 @@ def test_standard_and_quick_settings_meet_their_standard_errors():
     assert [t.shots for t in std.tasks if t.task == "mmlu"] == [0, 5] and std.generation.task == "triviaqa"
     assert std.niah_trials >= 20 and std.niah_lengths == (1024, 2048, 4096) and std.windows == (1024, 2048)
     assert set(std.corpora) >= {"emails", "kjv", "pydoc", "sotu", "moby-dick"}
-    assert quick.max_tokens < std.max_tokens and quick.niah_trials < std.niah_trials and all(q.items < s.items for q, s in zip(quick.tasks, std.tasks))
+    assert (
+        quick.max_tokens < std.max_tokens
+        and quick.niah_trials < std.niah_trials
+        and all(q.items < s.items for q, s in zip(quick.tasks, std.tasks))
+    )
     from attn2ssm.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown suite"):
@@ -58,7 +80,9 @@ def test_task_samples_are_a_fixed_random_subset(monkeypatch):
     monkeypatch.setattr(harness, "doc_counts", lambda name: {"x_1": 10, "x_2": 3})
     suite._doc_counts.cache_clear()
     a = task_samples(TaskSpec("x", items=4), seed=1)
-    assert a == task_samples(TaskSpec("x", items=4), seed=1) and a != task_samples(TaskSpec("x", items=4), seed=2)
+    assert a == task_samples(TaskSpec("x", items=4), seed=1) and a != task_samples(
+        TaskSpec("x", items=4), seed=2
+    )
     assert len(a["x_1"]) == 4 and a["x_1"] == sorted(set(a["x_1"])) and all(0 <= i < 10 for i in a["x_1"])
     assert a["x_2"] == [0, 1, 2]  # fewer documents than items: all of them
     assert task_samples(TaskSpec("x"), seed=1) is None
@@ -83,32 +107,51 @@ def test_model_identity_changes_with_the_weights_not_with_eval_outputs(tmp_path)
 
 
 def _settings(**kw) -> SuiteSettings:
-    base = SuiteSettings(name="t", corpora=("c",), windows=(8,), tasks=(TaskSpec("arc_easy", "acc", 0, 4, "ARC-e"), TaskSpec("mmlu", "acc", 5, 1, "MMLU 5-shot")),
-                         generation=TaskSpec("triviaqa", "exact_match", 0, 4, "TQA"), niah_forms=("niah_single_1",), niah_lengths=(100,), niah_trials=4)  # fmt: skip
+    base = SuiteSettings(
+        name="t",
+        corpora=("c",),
+        windows=(8,),
+        tasks=(TaskSpec("arc_easy", "acc", 0, 4, "ARC-e"), TaskSpec("mmlu", "acc", 5, 1, "MMLU 5-shot")),
+        generation=TaskSpec("triviaqa", "exact_match", 0, 4, "TQA"),
+        niah_forms=("niah_single_1",),
+        niah_lengths=(100,),
+        niah_trials=4,
+    )
     return with_overrides(base, **kw)
 
 
 def test_pair_rows_and_the_anchors_table_by_hand():
     s = _settings()
-    teacher = {"ppl/c/8": {"value": 10.0, "se": None, "n": 50, "cpu_seconds": 3.0, "cached": True},
-               "task/arc_easy/0": {"value": 0.5, "se": 0.25, "n": 4, "cpu_seconds": 1.0},
-               "task/mmlu/5": {"value": 0.25, "se": 0.1, "n": 57, "cpu_seconds": 2.0},
-               "task/triviaqa/0": {"value": 0.5, "se": 0.25, "n": 4, "cpu_seconds": 1.0},
-               "niah/niah_single_1/100": {"value": 1.0, "se": 0.0, "n": 4, "cpu_seconds": 5.0},
-               "niah/niah_single_1/100/recall": {"value": 1.0, "se": 0.0, "n": 4, "cpu_seconds": 0.0}}  # fmt: skip
+    teacher = {
+        "ppl/c/8": {"value": 10.0, "se": None, "n": 50, "cpu_seconds": 3.0, "cached": True},
+        "task/arc_easy/0": {"value": 0.5, "se": 0.25, "n": 4, "cpu_seconds": 1.0},
+        "task/mmlu/5": {"value": 0.25, "se": 0.1, "n": 57, "cpu_seconds": 2.0},
+        "task/triviaqa/0": {"value": 0.5, "se": 0.25, "n": 4, "cpu_seconds": 1.0},
+        "niah/niah_single_1/100": {"value": 1.0, "se": 0.0, "n": 4, "cpu_seconds": 5.0},
+        "niah/niah_single_1/100/recall": {"value": 1.0, "se": 0.0, "n": 4, "cpu_seconds": 0.0},
+    }
     student = {k: {**v, "value": v["value"] / 2, "cached": False} for k, v in teacher.items()}
     student["ppl/c/8"]["value"] = 12.5
     rows = pair_rows(s, teacher, student)
     by = {r["id"]: r for r in rows}
     ppl = by["ppl/c/8"]
-    assert ppl["recovered"] == pytest.approx(10 / 12.5) and ppl["ratio"] == pytest.approx(1.25) and ppl["n"] == 50
+    assert (
+        ppl["recovered"] == pytest.approx(10 / 12.5)
+        and ppl["ratio"] == pytest.approx(1.25)
+        and ppl["n"] == 50
+    )
     assert ppl["cpu_seconds"] == {"teacher": None, "student": 3.0}  # the teacher's came from the cache
-    assert by["task/arc_easy/0"]["recovered"] == pytest.approx(0.5) and by["task/arc_easy/0"]["teacher_se"] == 0.25
+    assert (
+        by["task/arc_easy/0"]["recovered"] == pytest.approx(0.5)
+        and by["task/arc_easy/0"]["teacher_se"] == 0.25
+    )
     assert [r["id"] for r in rows] == list(teacher)  # table order: perplexity, tasks, generation, needles
     from attn2ssm.eval.compare import format_table
 
     assert "| perplexity c | ppl @8 | 10 | 12.5 | 80.0 % (1.25×) | 50 | cached / 3 |" in format_table(rows)
-    assert "| arc_easy (0-shot) | acc | 50.0 ± 25.0 | 25.0 ± 25.0 | 50.0 % | 4 | 1 / 1 |" in format_table(rows)
+    assert "| arc_easy (0-shot) | acc | 50.0 ± 25.0 | 25.0 ± 25.0 | 50.0 % | 4 | 1 / 1 |" in format_table(
+        rows
+    )
     table = anchors_table(rows, s)
     assert table[0] == "| model | ARC-e | avg (core) | MMLU 5-shot | TQA | NIAH-1 @100 |"
     assert table[2] == "| teacher | 50.0 | 50.0 | 25.0 | 50.0 | 100.0 |"
@@ -156,16 +199,46 @@ def pair(tmp_path_factory):
 
 def test_run_suite_writes_the_table_and_caches_the_teacher(pair, tmp_path):
     root, corpus = pair
-    settings = SuiteSettings(name="tiny", corpora=(str(corpus),), windows=(32, 64), max_tokens=400,
-                             tasks=(TaskSpec("arc_easy", "acc", 0, 3, "ARC-e"), TaskSpec("mmlu_anatomy", "acc", 1, 2, "MMLU")),
-                             generation=TaskSpec("triviaqa", "exact_match", 0, 2, "TQA"), max_gen_toks=4,
-                             niah_forms=("niah_single_1", "niah_single_3"), niah_lengths=(400,), niah_trials=2, niah_essay=str(corpus), batch_size=2)  # fmt: skip
-    report = run_suite(str(root / "student"), str(root / "teacher"), tmp_path / "out", settings, cache_dir=tmp_path / "cache", progress=False)
+    settings = SuiteSettings(
+        name="tiny",
+        corpora=(str(corpus),),
+        windows=(32, 64),
+        max_tokens=400,
+        tasks=(TaskSpec("arc_easy", "acc", 0, 3, "ARC-e"), TaskSpec("mmlu_anatomy", "acc", 1, 2, "MMLU")),
+        generation=TaskSpec("triviaqa", "exact_match", 0, 2, "TQA"),
+        max_gen_toks=4,
+        niah_forms=("niah_single_1", "niah_single_3"),
+        niah_lengths=(400,),
+        niah_trials=2,
+        niah_essay=str(corpus),
+        batch_size=2,
+    )
+    report = run_suite(
+        str(root / "student"),
+        str(root / "teacher"),
+        tmp_path / "out",
+        settings,
+        cache_dir=tmp_path / "cache",
+        progress=False,
+    )
     ids = [r["id"] for r in report["rows"]]
-    assert ids == [f"ppl/{corpus}/32", f"ppl/{corpus}/64", "task/arc_easy/0", "task/mmlu_anatomy/1", "task/triviaqa/0",
-                   "niah/niah_single_1/400", "niah/niah_single_1/400/recall", "niah/niah_single_3/400", "niah/niah_single_3/400/recall"]  # fmt: skip
+    assert ids == [
+        f"ppl/{corpus}/32",
+        f"ppl/{corpus}/64",
+        "task/arc_easy/0",
+        "task/mmlu_anatomy/1",
+        "task/triviaqa/0",
+        "niah/niah_single_1/400",
+        "niah/niah_single_1/400/recall",
+        "niah/niah_single_3/400",
+        "niah/niah_single_3/400/recall",
+    ]
     by = {r["id"]: r for r in report["rows"]}
-    assert by["task/arc_easy/0"]["n"] == 3 and by["task/mmlu_anatomy/1"]["n"] == 2 and by["niah/niah_single_3/400"]["n"] == 2
+    assert (
+        by["task/arc_easy/0"]["n"] == 3
+        and by["task/mmlu_anatomy/1"]["n"] == 2
+        and by["niah/niah_single_3/400"]["n"] == 2
+    )
     for r in report["rows"]:
         if not r["id"].startswith("ppl/"):
             p = r["student"]
@@ -174,12 +247,26 @@ def test_run_suite_writes_the_table_and_caches_the_teacher(pair, tmp_path):
     for name in ("suite.json", "suite.md", "suite.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
     md = (tmp_path / "out" / "suite.md").read_text()
-    assert "| model | ARC-e | avg (core) | MMLU | TQA | NIAH-1 @400 | NIAH-3 @400 |" in md and "CPU s (teacher / student)" in md
+    assert (
+        "| model | ARC-e | avg (core) | MMLU | TQA | NIAH-1 @400 | NIAH-3 @400 |" in md
+        and "CPU s (teacher / student)" in md
+    )
     arc = by["task/arc_easy/0"]
-    assert f"| {100 * arc['teacher']:.1f} ± {100 * arc['teacher_se']:.1f} |" in md  # accuracies in %, ± SE in points
-    assert json.loads((tmp_path / "out" / "suite.json").read_text())["rows"] == json.loads(json.dumps(report["rows"]))
+    assert (
+        f"| {100 * arc['teacher']:.1f} ± {100 * arc['teacher_se']:.1f} |" in md
+    )  # accuracies in %, ± SE in points
+    assert json.loads((tmp_path / "out" / "suite.json").read_text())["rows"] == json.loads(
+        json.dumps(report["rows"])
+    )
     # the teacher again: every unit from the cache, the same numbers
-    again = run_suite(str(root / "student"), str(root / "teacher"), tmp_path / "out2", settings, cache_dir=tmp_path / "cache", progress=False)
+    again = run_suite(
+        str(root / "student"),
+        str(root / "teacher"),
+        tmp_path / "out2",
+        settings,
+        cache_dir=tmp_path / "cache",
+        progress=False,
+    )
     assert all(r["cpu_seconds"]["teacher"] is None for r in again["rows"])
     assert [r["teacher"] for r in again["rows"]] == [r["teacher"] for r in report["rows"]]
     assert [r["student"] for r in again["rows"]] == pytest.approx([r["student"] for r in report["rows"]])
@@ -189,7 +276,9 @@ def test_run_suite_writes_the_table_and_caches_the_teacher(pair, tmp_path):
 def test_suite_flags_are_one_line_errors(capsys, tmp_path):
     assert "--quick is a form of the suite" in one_line_error(capsys, ["eval", str(tmp_path), "--quick"])
     assert "unknown suite 'huge'" in one_line_error(capsys, ["eval", str(tmp_path), "--suite", "huge"])
-    assert "different evaluations" in one_line_error(capsys, ["eval", str(tmp_path), "--suite", "standard", "--report"])
+    assert "different evaluations" in one_line_error(
+        capsys, ["eval", str(tmp_path), "--suite", "standard", "--report"]
+    )
 
 
 @pytest.mark.slow
@@ -197,10 +286,25 @@ def test_the_real_teacher_against_itself_recovers_everything(tmp_path):
     """The built-in teacher as its own student on a shrunk suite (the real corpora, tasks and needle
     prompts): every row recovers 100 %, and the teacher's scores are what a teacher of its size scores."""
     pytest.importorskip("lm_eval", reason="needs lm_eval (pip install -e '.[eval]')")
-    settings = with_overrides(suite_settings("standard", quick=True), corpora=("kjv", "pydoc", "emails"), windows=(1024,), max_tokens=2048,
-                              tasks=(TaskSpec("arc_easy", "acc", 0, 40, "ARC-e"),), generation=TaskSpec("triviaqa", "exact_match", 0, 8, "TQA"),
-                              niah_forms=("niah_single_1", "niah_single_2"), niah_lengths=(1024,), niah_trials=2)  # fmt: skip
-    report = run_suite("smollm2-135m", "smollm2-135m", tmp_path / "out", settings, cache_dir=tmp_path / "cache", progress=False)
+    settings = with_overrides(
+        suite_settings("standard", quick=True),
+        corpora=("kjv", "pydoc", "emails"),
+        windows=(1024,),
+        max_tokens=2048,
+        tasks=(TaskSpec("arc_easy", "acc", 0, 40, "ARC-e"),),
+        generation=TaskSpec("triviaqa", "exact_match", 0, 8, "TQA"),
+        niah_forms=("niah_single_1", "niah_single_2"),
+        niah_lengths=(1024,),
+        niah_trials=2,
+    )
+    report = run_suite(
+        "smollm2-135m",
+        "smollm2-135m",
+        tmp_path / "out",
+        settings,
+        cache_dir=tmp_path / "cache",
+        progress=False,
+    )
     for r in report["rows"]:
         if r["teacher"]:
             assert r["recovered"] == pytest.approx(1.0, rel=1e-3), r
@@ -216,12 +320,40 @@ def test_eval_suite_command_prints_and_writes(pair, tmp_path, monkeypatch, capsy
 
     root, corpus = pair
     asked = []
-    tiny = SuiteSettings(name="standard --quick", corpora=(str(corpus),), windows=(32,), max_tokens=200, tasks=(TaskSpec("piqa", "acc", 0, 2, "PIQA"),),
-                         generation=None, niah_forms=("niah_single_1",), niah_lengths=(400,), niah_trials=1, batch_size=2)  # fmt: skip
-    monkeypatch.setattr(suite, "suite_settings", lambda name, quick=False: asked.append((name, quick)) or tiny)
+    tiny = SuiteSettings(
+        name="standard --quick",
+        corpora=(str(corpus),),
+        windows=(32,),
+        max_tokens=200,
+        tasks=(TaskSpec("piqa", "acc", 0, 2, "PIQA"),),
+        generation=None,
+        niah_forms=("niah_single_1",),
+        niah_lengths=(400,),
+        niah_trials=1,
+        batch_size=2,
+    )
+    monkeypatch.setattr(
+        suite, "suite_settings", lambda name, quick=False: asked.append((name, quick)) or tiny
+    )
     out = tmp_path / "suite"
-    assert main(["eval", str(root / "student"), "--suite", "standard", "--quick", "--against", str(root / "teacher"), "--out", str(out),
-                 "--suite-cache", str(tmp_path / "cache")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                str(root / "student"),
+                "--suite",
+                "standard",
+                "--quick",
+                "--against",
+                str(root / "teacher"),
+                "--out",
+                str(out),
+                "--suite-cache",
+                str(tmp_path / "cache"),
+            ]
+        )
+        == 0
+    )
     assert asked == [("standard", True)]
     printed = capsys.readouterr().out
     assert "| model | PIQA | avg (core) | NIAH-1 @400 |" in printed and f"wrote {out / 'suite.md'}" in printed

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_forms import positions
-from tiny_models import perturb_new_mixer_parameters, tiny_config
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.cli import main
 from attn2ssm.export.native import to_native
 from attn2ssm.export.native_qwen35 import torch_reference_kernels
 from attn2ssm.student.convert import convert
+from cache_forms import positions
+from tiny_models import perturb_new_mixer_parameters, tiny_config
 
 GDN = "gated_delta"
 EXPORT_FORM = {"gate_bias": False, "beta_bias": False, "conv_bias": False, "norm_eps": "auto"}
@@ -48,16 +48,27 @@ def test_llama_cpp_form_equals_the_student_in_transformers(family):
     cfg = native.config
     assert list(cfg.layer_types) == ["linear_attention"] * 3 + ["full_attention"] and cfg.use_cache
     last = native.model.layers[-1]
-    assert all(p.abs().max() == 0 for p in last.parameters())  # q/k/v/o, q/k norms, MLP and (zero-centred) block norms
+    assert all(
+        p.abs().max() == 0 for p in last.parameters()
+    )  # q/k/v/o, q/k norms, MLP and (zero-centred) block norms
     ids = torch.randint(3, 256, (2, 70), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     ids[1, :4], mask[1, :4] = 0, 0
     with torch.no_grad(), torch_reference_kernels():
-        mine = student(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
+        mine = student(
+            input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False
+        ).logits
         theirs = native(input_ids=ids, attention_mask=mask, use_cache=False).logits
         torch.testing.assert_close(theirs[mask.bool()], mine[mask.bool()], rtol=0, atol=1e-4)
-        greedy = native.generate(input_ids=ids[:1, :12], max_new_tokens=8, do_sample=False, pad_token_id=0, use_cache=True)
-    assert greedy.tolist() == student.generate(input_ids=ids[:1, :12], max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
+        greedy = native.generate(
+            input_ids=ids[:1, :12], max_new_tokens=8, do_sample=False, pad_token_id=0, use_cache=True
+        )
+    assert (
+        greedy.tolist()
+        == student.generate(
+            input_ids=ids[:1, :12], max_new_tokens=8, do_sample=False, pad_token_id=0
+        ).tolist()
+    )
 
 
 # ------------------------------------------------------------------------------------- slow
@@ -69,14 +80,26 @@ def _needs_llama_cpp():
     from attn2ssm.export.llamacpp import LLAMA_CPP_PYTHON, runtime_version
 
     if find_spec("llama_cpp") is None:
-        pytest.skip("llama_cpp is not importable: run 'make llama-cpp' (builds llama-cpp-python into the venv, ~8 min on 2 cores)")
-    root = _real_cache() / "llama-cpp" / f"llama_cpp_python-{runtime_version() or LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+        pytest.skip(
+            "llama_cpp is not importable: run 'make llama-cpp' (builds llama-cpp-python into the venv, ~8 min on 2 cores)"
+        )
+    root = (
+        _real_cache()
+        / "llama-cpp"
+        / f"llama_cpp_python-{runtime_version() or LLAMA_CPP_PYTHON}"
+        / "vendor"
+        / "llama.cpp"
+    )
     if not (root / "convert_hf_to_gguf.py").is_file():
         pytest.skip(f"llama.cpp's converter is not in {root}: run 'make llama-cpp'")
     return root
 
 
-PROMPTS = ["The state of the Union is", "In the beginning of the year, the Congress", "My fellow citizens, tonight"]
+PROMPTS = [
+    "The state of the Union is",
+    "In the beginning of the year, the Congress",
+    "My fellow citizens, tonight",
+]
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +134,16 @@ def test_f32_gguf_decodes_the_students_greedy_tokens_in_llama_cpp(builtin_gdn_st
     out = capsys.readouterr().out
     assert "within tolerance" in out and "qwen35" in out, out
     meta = read_metadata(gguf)
-    assert meta["general.architecture"] == "qwen35" and meta["qwen35.block_count"] == 31  # 30 + the identity layer
+    assert (
+        meta["general.architecture"] == "qwen35" and meta["qwen35.block_count"] == 31
+    )  # 30 + the identity layer
     model = GGUFModel(gguf, n_ctx=128, threads=2, flash_attn=False, kv_type="f32", logits_all=True)
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt")["input_ids"]
         with torch.no_grad():
-            hf = student.generate(input_ids=ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id)[0, ids.shape[1] :].tolist()
+            hf = student.generate(
+                input_ids=ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id
+            )[0, ids.shape[1] :].tolist()
             logits = student(input_ids=ids, use_cache=False).logits[0]
         assert model.greedy(ids[0].tolist(), 24) == hf, prompt
         model.reset()

@@ -20,15 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_forms import positions, run_remote
-from tiny_models import make_tokenizer, one_line_error, tiny_config
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.cli import main
 from attn2ssm.errors import ExportError
-from attn2ssm.student.convert import convert
 from attn2ssm.export.native import check_native, export_native, native_problem
-from attn2ssm.student.plans import make_plan
+from attn2ssm.student.convert import convert
+from cache_forms import positions, run_remote
+from tiny_models import make_tokenizer, one_line_error, tiny_config
 
 MAMBA2 = "mamba2"
 
@@ -121,7 +120,19 @@ def exported(tmp_path_factory):
         plan = ["attention" if i in kept else MAMBA2 for i in range(layers)]
         student = _student(teacher, plan)
         _save(student, root / case / "student")
-        assert main(["export", str(root / case / "student"), "--format", "native", "--out", str(root / case / "native")]) == 0
+        assert (
+            main(
+                [
+                    "export",
+                    str(root / case / "student"),
+                    "--format",
+                    "native",
+                    "--out",
+                    str(root / case / "native"),
+                ]
+            )
+            == 0
+        )
         torch.save((ids, mask, single), root / case / "batch.pt")
         students[case] = (family, student)
     remote = run_remote(REMOTE, root)
@@ -134,13 +145,26 @@ def test_native_checkpoint_has_no_remote_code(exported):
         native = root / case / "native"
         config = json.loads((native / "config.json").read_text())
         assert config["architectures"] == ["GraniteMoeHybridForCausalLM"] and "auto_map" not in config
-        assert not list(native.glob("*.py")) and (native / "model.safetensors").is_file() and (native / "tokenizer.json").is_file()
+        assert (
+            not list(native.glob("*.py"))
+            and (native / "model.safetensors").is_file()
+            and (native / "tokenizer.json").is_file()
+        )
         # legacy names, as vLLM / llama.cpp / transformers < 5 read them (transformers 5 maps them on load)
-        assert config["layer_types"] == ["attention" if k == "attention" else "mamba" for k in student.config.layer_plan]
+        assert config["layer_types"] == [
+            "attention" if k == "attention" else "mamba" for k in student.config.layer_plan
+        ]
         assert "GraniteMoeHybridForCausalLM" in (native / "README.md").read_text()
-        hybrid = "attention" in student.config.layer_plan  # a pure export turns transformers' cache off (see the greedy test)
-        assert config["use_cache"] is hybrid and json.loads((native / "generation_config.json").read_text()).get("use_cache", True) is hybrid
-        assert remote[case]["native"] and remote[case]["module"].startswith("transformers.models.granitemoehybrid"), remote[case]
+        hybrid = (
+            "attention" in student.config.layer_plan
+        )  # a pure export turns transformers' cache off (see the greedy test)
+        assert (
+            config["use_cache"] is hybrid
+            and json.loads((native / "generation_config.json").read_text()).get("use_cache", True) is hybrid
+        )
+        assert remote[case]["native"] and remote[case]["module"].startswith(
+            "transformers.models.granitemoehybrid"
+        ), remote[case]
 
 
 def test_native_logits_equal_the_students_on_a_left_padded_batch(exported):
@@ -166,13 +190,17 @@ def test_native_greedy_generation_equals_the_students(exported):
     root, students, remote, (ids, mask, single) = exported
     for case, (family, student) in students.items():
         alone = student.generate(input_ids=single, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
-        batch = student.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
+        batch = student.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0
+        ).tolist()
         hybrid = "attention" in student.config.layer_plan
         runs = [remote[case]["default"], remote[case]["uncached"]]
         if hybrid or "error" not in remote[case]["cached"]:
             runs.append(remote[case]["cached"])
         else:
-            assert "only contain LinearAttention layers" in remote[case]["cached"]["error"], remote[case]["cached"]
+            assert "only contain LinearAttention layers" in remote[case]["cached"]["error"], remote[case][
+                "cached"
+            ]
         for run in runs:
             assert run["greedy_alone"] == alone, case
             if not (family == "qwen2" and student.config.mixer_layers):  # left padding: see the Qwen2 test
@@ -213,7 +241,10 @@ def test_export_refuses_an_occupied_out_and_replaces_with_force(exported, tmp_pa
     assert err.startswith("error: --out") and "--force" in err and len(err.splitlines()) == 1
     assert (out / "config.json").read_text() == "{}"
     result = export_native(src, out, force=True)
-    assert json.loads((out / "config.json").read_text())["model_type"] == "granitemoehybrid" and result.max_abs_diff < 1e-4
+    assert (
+        json.loads((out / "config.json").read_text())["model_type"] == "granitemoehybrid"
+        and result.max_abs_diff < 1e-4
+    )
 
 
 def test_bf16_student_exports_in_bf16(tmp_path):
@@ -239,22 +270,54 @@ def _student_config(family="llama", plan=None, layers=2, teacher_overrides=None,
 @pytest.mark.parametrize(
     "args, reason, fix",
     [
-        (dict(plan=["linear_attention"] * 2), "layer 0 is a 'linear_attention' mixer", "student.mixer: mamba2"),
+        (
+            dict(plan=["linear_attention"] * 2),
+            "layer 0 is a 'linear_attention' mixer",
+            "student.mixer: mamba2",
+        ),
         (dict(plan=["mamba", "attention"]), "layer 0 is a 'mamba' mixer", "student.mixer: mamba2"),
-        (dict(plan=["attention", "discrete_mamba2"]), "layer 1 is a 'discrete_mamba2' mixer", "student.mixer: mamba2"),
+        (
+            dict(plan=["attention", "discrete_mamba2"]),
+            "layer 1 is a 'discrete_mamba2' mixer",
+            "student.mixer: mamba2",
+        ),
         (dict(norm=False), "no gated RMSNorm (norm: false)", "norm: true"),
-        (dict(norm_eps=1e-5), "gated RMSNorm uses eps 1e-05 but GraniteMoeHybridForCausalLM uses the teacher's rms_norm_eps (1e-06)", "norm_eps: auto} (auto: the teacher's rms_norm_eps, 1e-06)"),
+        (
+            dict(norm_eps=1e-5),
+            "gated RMSNorm uses eps 1e-05 but GraniteMoeHybridForCausalLM uses the teacher's rms_norm_eps (1e-06)",
+            "norm_eps: auto} (auto: the teacher's rms_norm_eps, 1e-06)",
+        ),
         (dict(d_conv=0), "no conv (d_conv: 0)", "d_conv: 4"),
         (dict(conv_activation="none"), "conv has no activation", "conv_activation: silu"),
         (dict(rope="before"), "rotate B and C (rope: before)", "rope: none"),
         (dict(sanity=True), "sanity mode", "norm: true"),
-        (dict(family="mistral", plan=["attention", MAMBA2]), "layer 0 keeps sliding-window attention (window 4)", "student.attention_ratio: 0"),
-        (dict(family="qwen2", layers=4, plan=["attention", MAMBA2, MAMBA2, "attention"]), "layer 3 keeps sliding-window attention", "student.keep_attention: [0]"),
-        (dict(family="phi"), "cannot express phi blocks: Phi runs attention and the MLP in parallel", "llama, mistral, qwen2"),
+        (
+            dict(family="mistral", plan=["attention", MAMBA2]),
+            "layer 0 keeps sliding-window attention (window 4)",
+            "student.attention_ratio: 0",
+        ),
+        (
+            dict(family="qwen2", layers=4, plan=["attention", MAMBA2, MAMBA2, "attention"]),
+            "layer 3 keeps sliding-window attention",
+            "student.keep_attention: [0]",
+        ),
+        (
+            dict(family="phi"),
+            "cannot express phi blocks: Phi runs attention and the MLP in parallel",
+            "llama, mistral, qwen2",
+        ),
         (dict(family="gpt2"), "cannot express gpt2 blocks: GPT-2 uses LayerNorm", "trust_remote_code=True"),
         (dict(family="gemma"), "cannot express gemma blocks", "llama, mistral, qwen2"),
-        (dict(teacher_overrides={"mlp_bias": True}), "MLP has biases (mlp_bias: true)", "trust_remote_code=True"),
-        (dict(teacher_overrides={"head_dim": 32}), "4 heads × 32 = 128 ≠ hidden_size 64", "trust_remote_code=True"),
+        (
+            dict(teacher_overrides={"mlp_bias": True}),
+            "MLP has biases (mlp_bias: true)",
+            "trust_remote_code=True",
+        ),
+        (
+            dict(teacher_overrides={"head_dim": 32}),
+            "4 heads × 32 = 128 ≠ hidden_size 64",
+            "trust_remote_code=True",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) and len(v) < 30 else None,
 )
@@ -271,11 +334,18 @@ def test_refusal_through_the_cli_writes_nothing(tmp_path, capsys):
     teacher = _teacher("llama", 2)
     _save(convert(teacher, ["linear_attention", "attention"]), tmp_path / "student")
     capsys.readouterr()
-    assert main(["export", str(tmp_path / "student"), "--format", "native", "--out", str(tmp_path / "native")]) == 2
+    assert (
+        main(["export", str(tmp_path / "student"), "--format", "native", "--out", str(tmp_path / "native")])
+        == 2
+    )
     err = capsys.readouterr().err.strip()
-    assert err == ("error: layer 0 is a 'linear_attention' mixer; GraniteMoeHybridForCausalLM's layers are Mamba-2 (SSD) or attention "
-                   "— distil with student.mixer: mamba2 and student.mixer_options: {norm: true, norm_eps: auto}")  # fmt: skip
-    assert not (tmp_path / "native").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".native")]
+    assert err == (
+        "error: layer 0 is a 'linear_attention' mixer; GraniteMoeHybridForCausalLM's layers are Mamba-2 (SSD) or attention "
+        "— distil with student.mixer: mamba2 and student.mixer_options: {norm: true, norm_eps: auto}"
+    )
+    assert not (tmp_path / "native").exists() and not [
+        p for p in tmp_path.iterdir() if p.name.startswith(".native")
+    ]
 
 
 def test_probe_checks_short_long_and_real_text_inputs():
@@ -309,7 +379,9 @@ def test_probe_checks_short_long_and_real_text_inputs():
     config = SimpleNamespace(base_config={"max_position_embeddings": 400})
     student = Model(config)
     assert probe_difference(student, Model(config), len(tok), tok)[0] == 0.0
-    assert probe_difference(student, Model(config, wrong_after=100), len(tok), tok)[0] == pytest.approx(1.0)  # only the long inputs reach it
+    assert probe_difference(student, Model(config, wrong_after=100), len(tok), tok)[0] == pytest.approx(
+        1.0
+    )  # only the long inputs reach it
 
 
 def test_a_truncated_student_is_one_line_and_writes_nothing(tmp_path, capsys):
@@ -318,11 +390,20 @@ def test_a_truncated_student_is_one_line_and_writes_nothing(tmp_path, capsys):
     _save(_student(_teacher("llama", 2), [MAMBA2, MAMBA2]), tmp_path / "student")
     os.truncate(tmp_path / "student" / "model.safetensors", 5000)
     capsys.readouterr()
-    assert main(["export", str(tmp_path / "student"), "--format", "native", "--out", str(tmp_path / "native")]) == 2
+    assert (
+        main(["export", str(tmp_path / "student"), "--format", "native", "--out", str(tmp_path / "native")])
+        == 2
+    )
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: weights file ") and str(tmp_path / "student" / "model.safetensors") in err and " — " in err, err
+    assert (
+        err.startswith("error: weights file ")
+        and str(tmp_path / "student" / "model.safetensors") in err
+        and " — " in err
+    ), err
     assert len(err.splitlines()) == 1
-    assert not (tmp_path / "native").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".native")]
+    assert not (tmp_path / "native").exists() and not [
+        p for p in tmp_path.iterdir() if p.name.startswith(".native")
+    ]
 
 
 # ------------------------------------------------------------------ a read-only --out, a full disk, a killed export
@@ -337,21 +418,38 @@ def test_an_unwritable_out_is_one_line_before_the_weights_load(tmp_path, monkeyp
 
     _save(_student(_teacher("llama", 2), [MAMBA2, MAMBA2]), tmp_path / "student")
     real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode))  # as if tmp_path were read-only
-    monkeypatch.setattr(Attn2SSMForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("the student loaded for an --out that cannot be written"))
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode)
+    )  # as if tmp_path were read-only
+    monkeypatch.setattr(
+        Attn2SSMForCausalLM,
+        "from_pretrained",
+        lambda *a, **k: pytest.fail("the student loaded for an --out that cannot be written"),
+    )
     out = tmp_path / "native"
-    err = one_line_error(capsys, ["export", str(tmp_path / "student"), "--format", "native", "--out", str(out)])
-    assert err == f"error: --out {out}: {tmp_path} is not writable (permission denied) — choose another --out, or make {tmp_path} writable"
+    err = one_line_error(
+        capsys, ["export", str(tmp_path / "student"), "--format", "native", "--out", str(out)]
+    )
+    assert (
+        err
+        == f"error: --out {out}: {tmp_path} is not writable (permission denied) — choose another --out, or make {tmp_path} writable"
+    )
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders: the chmod case cannot fail as root (the injected cases cover it)")
+@pytest.mark.skipif(
+    os.geteuid() == 0,
+    reason="root writes into read-only folders: the chmod case cannot fail as root (the injected cases cover it)",
+)
 def test_a_read_only_parent_is_refused(tmp_path, capsys):
     _save(_student(_teacher("llama", 2), [MAMBA2, MAMBA2]), tmp_path / "student")
     parent = tmp_path / "ro"
     parent.mkdir()
     parent.chmod(0o555)
     try:
-        err = one_line_error(capsys, ["export", str(tmp_path / "student"), "--format", "native", "--out", str(parent / "native")])
+        err = one_line_error(
+            capsys,
+            ["export", str(tmp_path / "student"), "--format", "native", "--out", str(parent / "native")],
+        )
     finally:
         parent.chmod(0o755)
     assert err.startswith(f"error: --out {parent / 'native'}: {parent} is not writable")
@@ -377,8 +475,15 @@ def test_a_full_disk_keeps_the_old_export_and_a_killed_exports_staging_goes(tmp_
 
     monkeypatch.setattr(GraniteMoeHybridForCausalLM, "save_pretrained", fills_the_disk)
     capsys.readouterr()
-    assert main(["export", str(tmp_path / "student"), "--format", "native", "--out", str(out), "--force"]) == 2
+    assert (
+        main(["export", str(tmp_path / "student"), "--format", "native", "--out", str(out), "--force"]) == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' own progress bars
-    assert err == f"error: cannot write the exported model to {out}: No space left on device — free space on its disk, then run the command again (what --out held is unchanged)"
+    assert (
+        err
+        == f"error: cannot write the exported model to {out}: No space left on device — free space on its disk, then run the command again (what --out held is unchanged)"
+    )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["student", "native", live.name])  # the stale staging and the failed one gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["student", "native", live.name]
+    )  # the stale staging and the failed one gone

@@ -14,8 +14,6 @@ import json
 
 import pytest
 import torch
-from cache_forms import positions, run_remote
-from tiny_models import make_tokenizer, one_line_error, tiny_config
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.cli import main
@@ -23,6 +21,8 @@ from attn2ssm.errors import ExportError
 from attn2ssm.export.native import check_native, native_problem
 from attn2ssm.export.native_qwen35 import QWEN35_CLASS
 from attn2ssm.student.convert import convert
+from cache_forms import positions, run_remote
+from tiny_models import make_tokenizer, one_line_error, tiny_config
 
 GDN = "gated_delta"
 EXPORT_FORM = {"gate_bias": False, "beta_bias": False, "conv_bias": False, "norm_eps": "auto"}
@@ -42,7 +42,9 @@ def _student(teacher, plan=None, **options):
     plan = plan or [GDN] * teacher.config.num_hidden_layers
     student = convert(teacher, plan, {GDN: {**EXPORT_FORM, **options}})
     torch.manual_seed(1)
-    with torch.no_grad():  # off the init: conv, gate, a/b, decays, norms (the block norms too: w − 1 must show)
+    with (
+        torch.no_grad()
+    ):  # off the init: conv, gate, a/b, decays, norms (the block norms too: w − 1 must show)
         for mixer in student.mixers().values():
             for name, p in mixer.named_parameters():
                 if not name.startswith(("q_proj", "k_proj", "v_proj", "o_proj")):
@@ -83,7 +85,9 @@ def exported(tmp_path_factory):
     """Every family's pure student converted, saved, exported through the CLI, run by transformers alone."""
     root = tmp_path_factory.mktemp("native_qwen35")
     students = {}
-    ids = torch.randint(3, 256, (2, 70), generator=torch.Generator().manual_seed(2))  # > one 64-token chunk of either chunked form
+    ids = torch.randint(
+        3, 256, (2, 70), generator=torch.Generator().manual_seed(2)
+    )  # > one 64-token chunk of either chunked form
     mask = torch.ones_like(ids)
     ids[1, :4], mask[1, :4] = 0, 0  # row 1 left-padded by 4 (> d_conv − 1)
     single = ids[:1]
@@ -91,7 +95,19 @@ def exported(tmp_path_factory):
         student = _student(_teacher(family))
         student.save_pretrained(root / family / "student")
         make_tokenizer().save_pretrained(root / family / "student")
-        assert main(["export", str(root / family / "student"), "--format", "native", "--out", str(root / family / "native")]) == 0
+        assert (
+            main(
+                [
+                    "export",
+                    str(root / family / "student"),
+                    "--format",
+                    "native",
+                    "--out",
+                    str(root / family / "native"),
+                ]
+            )
+            == 0
+        )
         torch.save((ids, mask, single), root / family / "batch.pt")
         students[family] = student
     return root, students, run_remote(REMOTE, root), (ids, mask, single)
@@ -102,11 +118,21 @@ def test_checkpoint_is_qwen35_without_remote_code(exported):
     for family in students:
         native = root / family / "native"
         config = json.loads((native / "config.json").read_text())
-        assert config["architectures"] == [QWEN35_CLASS] and config["model_type"] == "qwen3_5_text" and "auto_map" not in config
+        assert (
+            config["architectures"] == [QWEN35_CLASS]
+            and config["model_type"] == "qwen3_5_text"
+            and "auto_map" not in config
+        )
         assert config["layer_types"] == ["linear_attention"] * 3 and config["use_cache"] is False
-        assert not list(native.glob("*.py")) and (native / "model.safetensors").is_file() and (native / "tokenizer.json").is_file()
+        assert (
+            not list(native.glob("*.py"))
+            and (native / "model.safetensors").is_file()
+            and (native / "tokenizer.json").is_file()
+        )
         assert QWEN35_CLASS in (native / "README.md").read_text()
-        assert remote[family]["native"] and remote[family]["module"].startswith("transformers.models.qwen3_5"), remote[family]
+        assert remote[family]["native"] and remote[family]["module"].startswith(
+            "transformers.models.qwen3_5"
+        ), remote[family]
 
 
 def test_logits_equal_the_students_on_a_left_padded_batch(exported):
@@ -115,7 +141,9 @@ def test_logits_equal_the_students_on_a_left_padded_batch(exported):
     for family, student in students.items():
         theirs = torch.load(root / family / "native_out.pt")
         with torch.no_grad():
-            mine = student(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
+            mine = student(
+                input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False
+            ).logits
             mine_alone = student(input_ids=single, use_cache=False).logits
         torch.testing.assert_close(theirs["alone"], mine_alone, rtol=0, atol=1e-4, msg=family)
         torch.testing.assert_close(theirs["logits"][real], mine[real], rtol=0, atol=1e-4, msg=family)
@@ -128,10 +156,17 @@ def test_greedy_generation_equals_the_students(exported):
     _, students, remote, (ids, mask, single) = exported
     for family, student in students.items():
         alone = student.generate(input_ids=single, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
-        batch = student.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
+        batch = student.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0
+        ).tolist()
         for key in ("default", "uncached"):
-            assert remote[family][key]["greedy_alone"] == alone and remote[family][key]["greedy"] == batch, (family, key)
-        assert "only contain LinearAttention layers" in remote[family]["cached"].get("error", ""), remote[family]["cached"]
+            assert remote[family][key]["greedy_alone"] == alone and remote[family][key]["greedy"] == batch, (
+                family,
+                key,
+            )
+        assert "only contain LinearAttention layers" in remote[family]["cached"].get("error", ""), remote[
+            family
+        ]["cached"]
 
 
 # options (over EXPORT_FORM), plan, family → a word the one-line reason must hold
@@ -168,5 +203,7 @@ def test_cli_refusal_is_one_line_and_writes_nothing(tmp_path, capsys):
     student = convert(_teacher("llama"), [GDN] * 3, {GDN: {}})  # the defaults: biases on
     student.save_pretrained(tmp_path / "student")
     make_tokenizer().save_pretrained(tmp_path / "student")
-    err = one_line_error(capsys, ["export", str(tmp_path / "student"), "--format", "native", "--out", str(tmp_path / "native")])
+    err = one_line_error(
+        capsys, ["export", str(tmp_path / "student"), "--format", "native", "--out", str(tmp_path / "native")]
+    )
     assert "conv_bias" in err and "beta_bias: false" in err and not (tmp_path / "native").exists()

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_forms import greedy_by_full_forwards, run_remote
-from tiny_models import tiny_student
 
 from attn2ssm.cli import main
 from attn2ssm.hf_compat import CACHE_KWARG, TESTED_TRANSFORMERS
+from cache_forms import greedy_by_full_forwards, run_remote
+from tiny_models import tiny_student
 
 OLD_CODE = Path(__file__).parents[1] / "fixtures" / "remote_code_d4824a1.tar.xz"
 

@@ -6,7 +6,6 @@ never saw the rejected drafts."""
 
 import pytest
 import torch
-from tiny_models import perturb_new_mixer_parameters, tiny_model
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.generation.drafters import ModelDrafter, NgramDrafter, Runner, make_drafter
@@ -14,6 +13,7 @@ from attn2ssm.generation.speculative import DraftLength, speculative_generate
 from attn2ssm.student.cache import MixerStateLayer
 from attn2ssm.student.convert import convert
 from attn2ssm.student.plans import make_plan
+from tiny_models import perturb_new_mixer_parameters, tiny_model
 
 
 # ------------------------------------------------------------------------------- prompt lookup
@@ -62,7 +62,11 @@ def test_ngram_sampling_distributions_are_one_hot():
     drafter = NgramDrafter(vocab_size=10)
     drafter.start(torch.tensor([[1, 2, 1]]))
     tokens, probs = drafter.propose([1, 2, 1], 2, {"temperature": 1.0}, None)
-    assert tokens == [2, 1] and [int(p.argmax()) for p in probs] == tokens and all(float(p.sum()) == 1.0 for p in probs)
+    assert (
+        tokens == [2, 1]
+        and [int(p.argmax()) for p in probs] == tokens
+        and all(float(p.sum()) == 1.0 for p in probs)
+    )
 
 
 def test_bad_drafters_are_clear_errors():
@@ -80,13 +84,17 @@ def _student(ratio, seed=0):
     torch.manual_seed(seed)
     student = convert(teacher, make_plan(4, "mamba2", attention_ratio=ratio))
     perturb_new_mixer_parameters(student)
-    student.generation_config.eos_token_id = None  # plain generate runs the full length, as speculation here does
+    student.generation_config.eos_token_id = (
+        None  # plain generate runs the full length, as speculation here does
+    )
     return student.eval()
 
 
 def _plain(model, ids, n):
     # an explicit mask: generate would otherwise take the prompt's 0 tokens for padding
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0
+    )
 
 
 def _prompts():
@@ -94,7 +102,9 @@ def _prompts():
     passage = torch.randint(0, 256, (1, 12), generator=g)
     return {
         "distinct": torch.randperm(256, generator=g)[:9][None],  # lookup finds nothing in the prompt
-        "copy": torch.cat([passage, torch.randint(0, 256, (1, 3), generator=g), passage[:, :4]], 1),  # a passage to repeat
+        "copy": torch.cat(
+            [passage, torch.randint(0, 256, (1, 3), generator=g), passage[:, :4]], 1
+        ),  # a passage to repeat
         "random": torch.randint(0, 32, (1, 20), generator=g),  # many short matches, most wrong
     }
 
@@ -163,7 +173,11 @@ def _noised_copy(model):
     return draft
 
 
-@pytest.mark.parametrize("ratio,drafter", [(0.0, "ngram"), (0.0, "model"), (0.25, "model")], ids=["pure-ngram", "pure-model", "hybrid25-model"])
+@pytest.mark.parametrize(
+    "ratio,drafter",
+    [(0.0, "ngram"), (0.0, "model"), (0.25, "model")],
+    ids=["pure-ngram", "pure-model", "hybrid25-model"],
+)
 def test_target_state_after_speculation_never_saw_the_rejected_drafts(ratio, drafter):
     """After a run the target's cache holds the text but its last token; its states (and KV
     rows) equal those of the same model fed exactly that text once."""
@@ -173,7 +187,9 @@ def test_target_state_after_speculation_never_saw_the_rejected_drafts(ratio, dra
     with torch.no_grad():
         cache.feed(ids[:, :-1], keep=1)
     draft = "ngram" if drafter == "ngram" else _noised_copy(target)
-    out = speculative_generate(target, draft, ids, max_new_tokens=20, num_draft_tokens=4, past_key_values=(cache.cache, None))
+    out = speculative_generate(
+        target, draft, ids, max_new_tokens=20, num_draft_tokens=4, past_key_values=(cache.cache, None)
+    )
     assert 0 < out.stats.accepted < out.stats.drafted
     fresh = Runner(target)
     with torch.no_grad():
@@ -206,7 +222,9 @@ def test_ngram_sampling_runs_and_stops():
     target = _student(0.0)
     ids = _prompts()["copy"]
     g = torch.Generator().manual_seed(0)
-    out = speculative_generate(target, "ngram", ids, max_new_tokens=12, num_draft_tokens=3, do_sample=True, top_k=5, generator=g)
+    out = speculative_generate(
+        target, "ngram", ids, max_new_tokens=12, num_draft_tokens=3, do_sample=True, top_k=5, generator=g
+    )
     assert out.sequences.shape[1] == ids.shape[1] + 12 and out.stats.generated == 12
 
 
@@ -225,7 +243,9 @@ def test_draft_length_expected_tokens_and_choice_by_hand():
     assert policy.choose(room=10) == 2
     policy.kept, policy.tried = 0.2, 2.0  # α = 0.1: 1.11/14 ms < 1/10 ms — drafting does not pay
     assert policy.choose(room=10) == 0
-    assert policy._round_seconds(3) == pytest.approx(0.017) and policy._round_seconds(1) == pytest.approx(0.0135)
+    assert policy._round_seconds(3) == pytest.approx(0.017) and policy._round_seconds(1) == pytest.approx(
+        0.0135
+    )
     assert policy._round_seconds(6) == pytest.approx(0.021)
     policy.kept, policy.tried = 1.0, 2.0
     assert policy.choose(room=1) == 1  # room bounds k (1 draft: 1.5 / 13.5 ms = 0.111 > 0.1)
@@ -270,7 +290,10 @@ def test_draft_length_prices_a_model_drafts_tokens_without_its_catch_up():
     assert policy.draft is None
     policy.observe(2, 2, 0.017, 0.008)
     assert policy.draft == pytest.approx(0.004)
-    policy.kept, policy.tried = 1.0, 2.0  # α = 0.5: k = 2 gives 1.75 tokens in 17 + 8 ms = 70/s < a plain step's 100/s
+    policy.kept, policy.tried = (
+        1.0,
+        2.0,
+    )  # α = 0.5: k = 2 gives 1.75 tokens in 17 + 8 ms = 70/s < a plain step's 100/s
     assert policy.choose(room=10) == 0
     policy.draft = 0.0  # free drafts: 1.75 / 17 ms = 103/s > 100/s
     assert policy.choose(room=10) >= 1

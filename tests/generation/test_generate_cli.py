@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from tiny_models import make_tokenizer, tiny_config
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.cli import main
 from attn2ssm.student.convert import convert
 from attn2ssm.student.plans import make_plan
+from tiny_models import make_tokenizer, tiny_config
 
 
 def _student_dir(path, bos: bool):
@@ -31,7 +31,12 @@ def test_an_empty_prompt_starts_from_bos(tmp_path, capsys):
     printed = capsys.readouterr().out
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
-        want = model.generate(torch.tensor([[tok.bos_token_id]]), max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+        want = model.generate(
+            torch.tensor([[tok.bos_token_id]]),
+            max_new_tokens=5,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
     assert printed.strip() == tok.decode(want[0, 1:], skip_special_tokens=True).strip()
 
 

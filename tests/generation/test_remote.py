@@ -6,14 +6,13 @@ as remote code, and a pure student's compiled decode step runs on the flattened 
 
 import pytest
 import torch
-from cache_forms import run_remote
-from tiny_models import tiny_model
-
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from attn2ssm.decode.plan import enable_decode_plan
 from attn2ssm.student.convert import convert
 from attn2ssm.student.plans import make_plan
+from cache_forms import run_remote
+from tiny_models import tiny_model
 
 REMOTE = r"""
 m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()
@@ -40,8 +39,12 @@ def test_remote_code_generation(kind, tmp_path):
     mask = torch.ones(2, 7, dtype=torch.long)
     batch[1, :3], mask[1, :3] = 0, 0
     torch.save((batch, mask), tmp_path / "batch.pt")
-    expected = student.generate(input_ids=batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    drafted = draft.generate(input_ids=batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    expected = student.generate(
+        input_ids=batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0
+    )
+    drafted = draft.generate(
+        input_ids=batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0
+    )
     result = run_remote(REMOTE, tmp_path)
     assert result["cls"].startswith("transformers_modules")
     assert result["greedy"] == expected.tolist()
@@ -49,12 +52,20 @@ def test_remote_code_generation(kind, tmp_path):
     assert result["sampled"] == 15
     assert not list(tmp_path.glob("attn2ssm_decode*.py")) and list(tmp_path.glob("attn2ssm_mixers_taps.py"))
     # the decode plan and its compiled step (traced only, no inductor) attach to the remote-code draft
-    remote_class = get_class_from_dynamic_module("attn2ssm_student_modeling.Attn2SSMForCausalLM", tmp_path / "draft")
-    remote = remote_class.from_pretrained(tmp_path / "draft").eval()  # (AutoModel would pick attn2ssm's own class here)
+    remote_class = get_class_from_dynamic_module(
+        "attn2ssm_student_modeling.Attn2SSMForCausalLM", tmp_path / "draft"
+    )
+    remote = remote_class.from_pretrained(
+        tmp_path / "draft"
+    ).eval()  # (AutoModel would pick attn2ssm's own class here)
     assert type(remote).__module__.startswith("transformers_modules")
     assert enable_decode_plan(remote), remote.decode_plan_reason
     reason = remote.__dict__["_decode_plan"].compile_step("eager")
     with torch.no_grad():
-        compiled = remote.generate(input_ids=batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        compiled = remote.generate(
+            input_ids=batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0
+        )
     step = remote.__dict__["_decode_plan"].compiled
-    assert reason == "" and step.compiled_once and step.failed is None and compiled.tolist() == drafted.tolist()
+    assert (
+        reason == "" and step.compiled_once and step.failed is None and compiled.tolist() == drafted.tolist()
+    )

@@ -4,17 +4,23 @@ next tokens give the same logits as a run that never saw the undone ones."""
 
 import pytest
 import torch
-from cache_forms import positions
-from tiny_models import tiny_student
 
 from attn2ssm.mixers.registry import MIXERS
+from cache_forms import positions
+from tiny_models import tiny_student
 
 KINDS = sorted(MIXERS)
 
 
 def _feed(model, cache, ids, mask, start, end):
     pos = positions(mask)
-    return model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=pos[:, start:end], past_key_values=cache, use_cache=True).logits
+    return model(
+        input_ids=ids[:, start:end],
+        attention_mask=mask[:, :end],
+        position_ids=pos[:, start:end],
+        past_key_values=cache,
+        use_cache=True,
+    ).logits
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -32,14 +38,20 @@ def test_crop_then_continue_equals_never_seen(kind, family, ratio, remove):
     spec = ids.clone()
     spec[:, kept:12] = (ids[:, kept:12] + 1) % 256  # wrong guesses, to be undone
     with torch.no_grad():
-        full = student(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
+        full = student(
+            input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False
+        ).logits
         cache = student.new_cache()
         _feed(student, cache, ids, mask, 0, 6)  # prefill, longer than the sliding window (4)
         cache.activate_past_recording()
-        spec_logits = torch.cat([_feed(student, cache, spec, mask, a, b) for a, b in ((6, 9), (9, 10), (10, 12))], 1)
+        spec_logits = torch.cat(
+            [_feed(student, cache, spec, mask, a, b) for a, b in ((6, 9), (9, 10), (10, 12))], 1
+        )
         cache.crop(-remove)
         assert cache.get_seq_length() == kept
-        rest = torch.cat([_feed(student, cache, ids, mask, kept, 14), _feed(student, cache, ids, mask, 14, 16)], 1)
+        rest = torch.cat(
+            [_feed(student, cache, ids, mask, kept, 14), _feed(student, cache, ids, mask, 14, 16)], 1
+        )
     got = torch.cat([spec_logits[:, : kept - 6], rest], 1)
     torch.testing.assert_close(got[real[:, 6:]], full[:, 6:][real[:, 6:]], atol=1e-4, rtol=1e-4)
 

@@ -4,7 +4,6 @@ hybrids, the teacher), and transformers' own ``assistant_model=`` path works for
 
 import pytest
 import torch
-from tiny_models import tiny_model
 from transformers.generation.streamers import BaseStreamer
 
 from attn2ssm.generation.sampling import accept_greedy, accept_sampled, warp
@@ -12,6 +11,7 @@ from attn2ssm.generation.speculative import speculative_generate
 from attn2ssm.mixers.registry import MIXERS
 from attn2ssm.student.convert import convert
 from attn2ssm.student.plans import make_plan
+from tiny_models import tiny_model
 
 KINDS = sorted(MIXERS)
 
@@ -25,7 +25,9 @@ def test_warp_matches_hand_computed_filters():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     torch.testing.assert_close(warp(logits, 2.0), (logits / 2).softmax(-1))
     top2 = warp(logits, 1.0, top_k=2)
-    torch.testing.assert_close(top2, torch.tensor([1.0, 1.0, 0, 0]) * torch.tensor([2.0, 1.0, 0, 0]).exp() / (torch.e**2 + torch.e))
+    torch.testing.assert_close(
+        top2, torch.tensor([1.0, 1.0, 0, 0]) * torch.tensor([2.0, 1.0, 0, 0]).exp() / (torch.e**2 + torch.e)
+    )
     # softmax([2,1,0,-1]) = [.644, .237, .087, .032]: top_p .85 keeps the two tokens that reach it
     p = warp(logits, 1.0, top_p=0.85)
     assert (p > 0).tolist() == [True, True, False, False]
@@ -76,7 +78,9 @@ def _models(kind, verifier_ratio=0.5, draft_ratio=0.0, noise=0.0):
     draft = convert(teacher, make_plan(n, kind, attention_ratio=draft_ratio)).eval()
     if noise:
         with torch.no_grad():
-            draft.get_output_embeddings().weight.add_(noise * torch.randn_like(draft.get_output_embeddings().weight))
+            draft.get_output_embeddings().weight.add_(
+                noise * torch.randn_like(draft.get_output_embeddings().weight)
+            )
     return teacher, verifier, draft
 
 
@@ -112,7 +116,13 @@ def test_speculative_greedy_equals_plain_greedy(kind, k):
 def test_any_model_can_draft_or_verify(kind):
     teacher, student, pure = _models(kind)
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(5))
-    for verifier, draft in ((teacher, pure), (pure, teacher), (student, pure), (pure, student), (teacher, _self_draft(teacher))):
+    for verifier, draft in (
+        (teacher, pure),
+        (pure, teacher),
+        (student, pure),
+        (pure, student),
+        (teacher, _self_draft(teacher)),
+    ):
         out = speculative_generate(verifier, draft, ids, max_new_tokens=12, num_draft_tokens=3)
         assert torch.equal(out.sequences, _greedy(verifier, ids, 12))
 
@@ -147,9 +157,15 @@ def test_stops_at_eos_and_streams():
             self.ended = True
 
     streamer = Collect()
-    out = speculative_generate(verifier, draft, ids, max_new_tokens=20, num_draft_tokens=4, eos_token_id=[eos], streamer=streamer)
+    out = speculative_generate(
+        verifier, draft, ids, max_new_tokens=20, num_draft_tokens=4, eos_token_id=[eos], streamer=streamer
+    )
     assert out.sequences[0, 6:].tolist() == plain[: stop + 1]
-    assert streamer.chunks[0] == ids[0].tolist() and sum(streamer.chunks[1:], []) == plain[: stop + 1] and streamer.ended
+    assert (
+        streamer.chunks[0] == ids[0].tolist()
+        and sum(streamer.chunks[1:], []) == plain[: stop + 1]
+        and streamer.ended
+    )
 
 
 def test_sampling_follows_the_verifier_distribution():
@@ -175,7 +191,9 @@ def test_sampling_follows_the_verifier_distribution():
     counts: dict = {}
     n = 600
     for _ in range(n):
-        seq = speculative_generate(verifier, draft, ids, max_new_tokens=2, num_draft_tokens=2, do_sample=True, generator=g, **opts).sequences
+        seq = speculative_generate(
+            verifier, draft, ids, max_new_tokens=2, num_draft_tokens=2, do_sample=True, generator=g, **opts
+        ).sequences
         key = tuple(seq[0, 5:].tolist())
         counts[key] = counts.get(key, 0) + 1
     keys = set(exact) | set(counts) | set(draft_law)
@@ -199,9 +217,14 @@ def test_bad_inputs_are_clear_errors():
 
 @pytest.mark.parametrize(
     ("opts", "needle"),
-    [(dict(temperature=-1.0), "temperature=-1.0"), (dict(temperature=0.0), "temperature=0 with do_sample=True"),
-     (dict(top_p=1.5), "top_p=1.5 is outside (0, 1]"), (dict(top_p=0.0), "top_p=0.0"), (dict(top_k=-2), "top_k=-2")],
-)  # fmt: skip
+    [
+        (dict(temperature=-1.0), "temperature=-1.0"),
+        (dict(temperature=0.0), "temperature=0 with do_sample=True"),
+        (dict(top_p=1.5), "top_p=1.5 is outside (0, 1]"),
+        (dict(top_p=0.0), "top_p=0.0"),
+        (dict(top_k=-2), "top_k=-2"),
+    ],
+)
 def test_sampling_settings_out_of_range_are_clear_errors(opts, needle):
     from attn2ssm.errors import ConfigError
 

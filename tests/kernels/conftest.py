@@ -35,6 +35,8 @@ def device():
     import torch
 
     if ON_CUDA:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 compared as fp32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = (
+            False  # fp32 compared as fp32
+        )
         return torch.device("cuda")
     return torch.device("cpu")

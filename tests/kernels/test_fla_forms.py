@@ -11,13 +11,13 @@ mantissas), scaled for states and gradients that sum over a sequence.
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ON_CUDA
 
 from attn2ssm.ops.conv import causal_conv1d
 from attn2ssm.ops.fla import causal_conv1d_fla, gated_delta_fla, linear_attention_fla, ssd_fla
 from attn2ssm.ops.gated_delta import gated_delta_chunked
 from attn2ssm.ops.linear_attention import LinearAttentionState, linear_attention_chunked
 from attn2ssm.ops.ssd import ssd_chunked
+from conftest import ON_CUDA
 
 DTYPES = [(torch.float32, 2e-5), (torch.float16, 2e-3)] + ([(torch.bfloat16, 2e-2)] if ON_CUDA else [])
 LENGTH = 70  # one full 64-token chunk and a tail of 6
@@ -55,7 +55,10 @@ def test_linear_attention(dtype, tol, device):
     b, h, l, f, d = 2, 2, LENGTH, 8, 6
     q, k = torch.rand(b, h, l, f, generator=g), torch.rand(b, h, l, f, generator=g)
     v = torch.randn(b, h, l, d, generator=g)
-    mask, state = _mask(b, l), LinearAttentionState(torch.rand(b, h, f, d, generator=g), torch.rand(b, h, f, generator=g))
+    mask, state = (
+        _mask(b, l),
+        LinearAttentionState(torch.rand(b, h, f, d, generator=g), torch.rand(b, h, f, generator=g)),
+    )
     mine, ref = _leaves((q, k, v), dtype, device)
     want, want_state = linear_attention_chunked(*ref, mask, state, chunk_size=16)
     dev_state = LinearAttentionState(state.kv.to(device), state.k_sum.to(device))
@@ -114,11 +117,17 @@ def test_gated_delta(dtype, tol, device):
 def test_causal_conv1d(activation, device):
     g = torch.Generator().manual_seed(3)
     b, l, c, width = 2, 37, 12, 4
-    x, weight, bias = torch.randn(b, l, c, generator=g), torch.randn(c, width, generator=g), torch.randn(c, generator=g)
+    x, weight, bias = (
+        torch.randn(b, l, c, generator=g),
+        torch.randn(c, width, generator=g),
+        torch.randn(c, generator=g),
+    )
     state, mask = torch.randn(b, c, width - 1, generator=g), _mask(b, l)
     xm, xr = _leaf(x, device), _leaf(x)
     want, want_state = causal_conv1d(xr, weight, bias, state, mask, activation, backend="torch")
-    got, got_state = causal_conv1d_fla(xm, weight.to(device), bias.to(device), state.to(device), mask.to(device), activation)
+    got, got_state = causal_conv1d_fla(
+        xm, weight.to(device), bias.to(device), state.to(device), mask.to(device), activation
+    )
     _close(got, want, 2e-5, "output")
     _close(got_state, want_state, 1e-6, "state")
     w = torch.randn(want.shape, generator=g)
@@ -131,9 +140,18 @@ def test_16_bit_odd_head_dims_are_padded(device):
     """fla asserts even K and V for 16-bit inputs (HedgeMamba's 65-wide state): the adapter pads."""
     g = torch.Generator().manual_seed(4)
     b, l, h, p, n = 1, 20, 1, 5, 65
-    x, B, C = torch.randn(b, l, h, p, generator=g), 0.1 * torch.randn(b, l, h, n, generator=g), 0.1 * torch.randn(b, l, h, n, generator=g)
+    x, B, C = (
+        torch.randn(b, l, h, p, generator=g),
+        0.1 * torch.randn(b, l, h, n, generator=g),
+        0.1 * torch.randn(b, l, h, n, generator=g),
+    )
     a = -torch.rand(b, l, h, generator=g) * 0.3
     want, _ = ssd_chunked(x, a, B, C, backend="torch")
-    got, state = ssd_fla(*(t.to(device, torch.float16) for t in (x,)), a.to(device), B.to(device, torch.float16), C.to(device, torch.float16))
+    got, state = ssd_fla(
+        *(t.to(device, torch.float16) for t in (x,)),
+        a.to(device),
+        B.to(device, torch.float16),
+        C.to(device, torch.float16),
+    )
     assert state.shape == (b, h, p, n)
     _close(got, want, 1e-2, "output")

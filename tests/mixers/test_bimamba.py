@@ -14,7 +14,9 @@ from attn2ssm.ops.conv import causal_conv1d
 
 def make(prefix=1, **options):
     torch.manual_seed(0)
-    m = build_mixer("bimamba", {"hidden_size": 8, "num_prefix_tokens": prefix}, 0, {"d_state": 4, "d_conv": 3, **options})
+    m = build_mixer(
+        "bimamba", {"hidden_size": 8, "num_prefix_tokens": prefix}, 0, {"d_state": 4, "d_conv": 3, **options}
+    )
     with torch.no_grad():  # a non-trivial conv and decay, so order matters everywhere
         for d in (m.fw, m.bw):
             d.conv.weight.normal_()
@@ -37,7 +39,16 @@ def reference(m, u, order):
             t = [v.flip(1) for v in t]
         xi, dt, B, C = t
         b, l, _ = xi.shape
-        dirs.append((xi.view(b, l, 1, -1), dt.view(b, l, 1, -1), -torch.exp(d.A_log), B.view(b, l, 1, -1), C.view(b, l, 1, -1), d.D))
+        dirs.append(
+            (
+                xi.view(b, l, 1, -1),
+                dt.view(b, l, 1, -1),
+                -torch.exp(d.A_log),
+                B.view(b, l, 1, -1),
+                C.view(b, l, 1, -1),
+                d.D,
+            )
+        )
     y = bidirectional_scan_quadratic(*dirs).reshape(*x.shape)
     out = m.out_proj(0.5 * y * F.silu(z))
     return out[:, torch.argsort(torch.tensor(order))]
@@ -45,11 +56,13 @@ def reference(m, u, order):
 
 @pytest.mark.parametrize(
     "prefix, cls_position, order",
-    [(1, "middle", [1, 2, 3, 4, 0, 5, 6, 7, 8]),  # ViT: 8 patches, class token after the first 4 (Vim)
-     (1, "first", list(range(9))),  # class token scanned where the teacher has it
-     (2, "middle", [2, 3, 4, 0, 1, 5, 6, 7, 8]),  # DeiT: class + distillation token, 7 patches
-     (0, "middle", list(range(9)))],  # no class token: nothing moves
-)  # fmt: skip
+    [
+        (1, "middle", [1, 2, 3, 4, 0, 5, 6, 7, 8]),  # ViT: 8 patches, class token after the first 4 (Vim)
+        (1, "first", list(range(9))),  # class token scanned where the teacher has it
+        (2, "middle", [2, 3, 4, 0, 1, 5, 6, 7, 8]),  # DeiT: class + distillation token, 7 patches
+        (0, "middle", list(range(9))),
+    ],  # no class token: nothing moves
+)
 def test_mixer_equals_quadratic_reference(prefix, cls_position, order):
     m = make(prefix, cls_position=cls_position)
     assert (m.scan_order(9) is None) == (order == list(range(9)))

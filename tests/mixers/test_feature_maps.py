@@ -93,7 +93,9 @@ def test_hedgehog_joint_softmax_is_raw_exp_over_its_token_sum():
     torch.testing.assert_close(soft(x), r / r.sum(-1, keepdim=True), rtol=1e-5, atol=1e-7)
     # on queries the per-token scalar cancels in the normalised weights
     k, v = raw(_x(B, H, L, D, seed=5)), _x(B, H, L, D, seed=6)
-    torch.testing.assert_close(linear_attention_quadratic(soft(x), k, v, eps=0)[1], linear_attention_quadratic(r, k, v, eps=0)[1])
+    torch.testing.assert_close(
+        linear_attention_quadratic(soft(x), k, v, eps=0)[1], linear_attention_quadratic(r, k, v, eps=0)[1]
+    )
 
 
 def test_hedgehog_softmax_half_normalises_each_half():
@@ -150,12 +152,17 @@ def test_taylor_kernel_is_second_order_exp(symmetric):
 def test_performer_approximates_softmax_kernel():
     d = 16
     fm = build_feature_map("performer", 1, d, num_features=4096, seed=0, stabilizer="none")
-    q, k = _x(1, 1, 16, d, seed=0, scale=0.3), _x(1, 1, 16, d, seed=1, scale=0.3)  # small norms: ‖x/d^¼‖ ≈ 0.6
+    q, k = (
+        _x(1, 1, 16, d, seed=0, scale=0.3),
+        _x(1, 1, 16, d, seed=1, scale=0.3),
+    )  # small norms: ‖x/d^¼‖ ≈ 0.6
     approx = (fm(q) @ fm(k).transpose(-1, -2)).flatten()
     exact = torch.exp(q @ k.transpose(-1, -2) / math.sqrt(d)).flatten()
     rel = (approx - exact).abs() / exact
     assert rel.max() < 0.05 and rel.mean() < 0.02
-    assert torch.corrcoef(torch.stack([approx, exact]))[0, 1] > 0.95  # it tracks the variation, not just the mean
+    assert (
+        torch.corrcoef(torch.stack([approx, exact]))[0, 1] > 0.95
+    )  # it tracks the variation, not just the mean
 
 
 def test_performer_omega_is_block_orthogonal_and_seeded():
@@ -166,7 +173,9 @@ def test_performer_omega_is_block_orthogonal_and_seeded():
         block = om[start : start + d]
         gram = block @ block.T
         torch.testing.assert_close(gram, torch.diag(torch.diagonal(gram)), atol=1e-4, rtol=0)
-    torch.testing.assert_close(om, build_feature_map("performer", 1, d, num_features=20, seed=1).omega, rtol=0, atol=0)
+    torch.testing.assert_close(
+        om, build_feature_map("performer", 1, d, num_features=20, seed=1).omega, rtol=0, atol=0
+    )
     assert not torch.equal(om, build_feature_map("performer", 1, d, num_features=20, seed=2).omega)
 
 
@@ -210,7 +219,10 @@ def test_cosformer_depends_on_position_and_reweights_by_distance():
 
 # ------------------------------------------------------------------------------------------- errors
 def test_unknown_option_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"unknown option actvation for feature map 'hedgehog' — valid options: feature_dim, activation"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown option actvation for feature map 'hedgehog' — valid options: feature_dim, activation",
+    ):
         build_feature_map("hedgehog", H, D, actvation="exp")
     with pytest.raises(ConfigError, match="takes no options"):
         build_feature_map("elu", H, D, t=1.0)
@@ -222,8 +234,14 @@ def test_unknown_option_is_a_config_error():
 
 @pytest.mark.parametrize(
     ("name", "options"),
-    [("hedgehog", {"activation": "relu"}), ("hedgehog", {"feature_dim": 0}), ("t2r", {"init": "zeros"}),
-     ("performer", {"stabilizer": "max"}), ("cosformer", {"max_len": -1}), ("taylor", {"symmetric": "yes"})],
+    [
+        ("hedgehog", {"activation": "relu"}),
+        ("hedgehog", {"feature_dim": 0}),
+        ("t2r", {"init": "zeros"}),
+        ("performer", {"stabilizer": "max"}),
+        ("cosformer", {"max_len": -1}),
+        ("taylor", {"symmetric": "yes"}),
+    ],
 )
 def test_bad_option_value_is_a_config_error(name, options):
     with pytest.raises(ConfigError, match="is not valid"):
@@ -231,5 +249,7 @@ def test_bad_option_value_is_a_config_error(name, options):
 
 
 def test_unknown_map_name_lists_the_maps():
-    with pytest.raises(ConfigError, match="choose one of: cosformer, elu, exp_t, hedgehog, performer, relu, t2r, taylor"):
+    with pytest.raises(
+        ConfigError, match="choose one of: cosformer, elu, exp_t, hedgehog, performer, relu, t2r, taylor"
+    ):
         build_feature_map("hedgehogg", H, D)

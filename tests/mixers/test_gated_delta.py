@@ -5,11 +5,11 @@ layer against its definition written out by hand, and padding that leaves the st
 import pytest
 import torch
 import torch.nn.functional as F
-from cache_forms import full_and_pieces
-from tiny_models import tiny_model
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.convert import convert
+from cache_forms import full_and_pieces
+from tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +28,24 @@ def student():
 def test_initialised_from_attention_with_gqa(student):
     teacher, s = student
     mixer, attn = s.mixers()[0], teacher.model.layers[0].self_attn
-    for mine, theirs in ((mixer.q_proj, attn.q_proj), (mixer.k_proj, attn.k_proj), (mixer.v_proj, attn.v_proj), (mixer.o_proj, attn.o_proj)):
+    for mine, theirs in (
+        (mixer.q_proj, attn.q_proj),
+        (mixer.k_proj, attn.k_proj),
+        (mixer.v_proj, attn.v_proj),
+        (mixer.o_proj, attn.o_proj),
+    ):
         assert torch.equal(mine.weight, theirs.weight)
-    assert mixer.k_proj.weight.shape == (24, 72) and mixer.q_proj.weight.shape == (72, 72)  # k, v at the 3 KV heads' width
+    assert mixer.k_proj.weight.shape == (24, 72) and mixer.q_proj.weight.shape == (
+        72,
+        72,
+    )  # k, v at the 3 KV heads' width
 
 
 def test_plain_start_and_set_head_decays():
     teacher = tiny_model("gqa_9x3")
-    mixer = convert(teacher, ["gated_delta"] * 2, {"gated_delta": {"alpha_init": 0.9, "beta_init": 0.25}}).mixers()[0]
+    mixer = convert(
+        teacher, ["gated_delta"] * 2, {"gated_delta": {"alpha_init": 0.9, "beta_init": 0.25}}
+    ).mixers()[0]
     u = torch.randn(2, 5, 72)
     g, beta = mixer._gates(u)
     torch.testing.assert_close(g, torch.full_like(g, torch.log(torch.tensor(0.9)).item()))
@@ -50,7 +60,9 @@ def test_plain_start_and_set_head_decays():
 def test_the_layer_is_its_definition(student):
     """Conv off, written out with the plain loop: S ← S α(I − β k kᵀ) + β v kᵀ, o = S q / √d."""
     teacher = tiny_model("gqa_9x3")
-    mixer = convert(teacher, ["gated_delta"] * 2, {"gated_delta": {"d_conv": 0, "gate": False, "norm": False}}).mixers()[0]
+    mixer = convert(
+        teacher, ["gated_delta"] * 2, {"gated_delta": {"d_conv": 0, "gate": False, "norm": False}}
+    ).mixers()[0]
     with torch.no_grad():
         mixer.a_proj.weight.normal_(std=0.1)
         mixer.b_proj.weight.normal_(std=0.1)
@@ -67,7 +79,9 @@ def test_the_layer_is_its_definition(student):
     for t in range(7):
         for j in range(h):
             kt = k[0, t, j]
-            S[j] = S[j] @ (alpha[0, t, j] * (torch.eye(d) - beta[0, t, j] * torch.outer(kt, kt))) + beta[0, t, j] * torch.outer(v[0, t, j], kt)
+            S[j] = S[j] @ (alpha[0, t, j] * (torch.eye(d) - beta[0, t, j] * torch.outer(kt, kt))) + beta[
+                0, t, j
+            ] * torch.outer(v[0, t, j], kt)
         rows.append(torch.stack([S[j] @ q[0, t, j] for j in range(h)]) / d**0.5)
     ref = mixer.o_proj(torch.stack(rows).reshape(1, 7, h * d))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -102,11 +116,17 @@ def test_prefill_pieces_and_steps_equal_one_forward(student):
             torch.testing.assert_close(parts[real], full[real], atol=1e-4, rtol=1e-4)
 
 
-EXPORT_FORM = {"gate_bias": False, "beta_bias": False, "conv_bias": False}  # what Qwen3.5 / llama.cpp's qwen35 hold (export/native_qwen35.py)
+EXPORT_FORM = {
+    "gate_bias": False,
+    "beta_bias": False,
+    "conv_bias": False,
+}  # what Qwen3.5 / llama.cpp's qwen35 hold (export/native_qwen35.py)
 
 
 def test_bias_free_form_starts_at_half_beta_and_calibrates_decays_only():
-    mixer = convert(tiny_model("gqa_9x3"), ["gated_delta"] * 2, {"gated_delta": {**EXPORT_FORM, "alpha_init": 0.9}}).mixers()[0]
+    mixer = convert(
+        tiny_model("gqa_9x3"), ["gated_delta"] * 2, {"gated_delta": {**EXPORT_FORM, "alpha_init": 0.9}}
+    ).mixers()[0]
     assert mixer.gate.bias is None and mixer.b_proj.bias is None and mixer.conv.bias is None
     assert mixer.gate.weight.abs().max() > 0  # SiLU(0) = 0 would silence it: nn.Linear's init
     u = torch.randn(2, 5, 72)
@@ -138,9 +158,16 @@ def test_bias_free_form_prefill_pieces_and_steps_equal_one_forward():
             torch.testing.assert_close(parts[mask.bool()], full[mask.bool()], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("options, needle", [({"decay_init": "magic"}, "decay_init"), ({"alpha_init": 1.0}, "alpha_init"),
-                                             ({"beta_init": 0}, "beta_init"), ({"rope": "after"}, "rope"),
-                                             ({"beta_bias": False, "beta_init": 0.3}, "beta_bias")])
+@pytest.mark.parametrize(
+    "options, needle",
+    [
+        ({"decay_init": "magic"}, "decay_init"),
+        ({"alpha_init": 1.0}, "alpha_init"),
+        ({"beta_init": 0}, "beta_init"),
+        ({"rope": "after"}, "rope"),
+        ({"beta_bias": False, "beta_init": 0.3}, "beta_bias"),
+    ],
+)
 def test_bad_options_are_one_line(options, needle):
     with pytest.raises(ConfigError, match=needle):
         convert(tiny_model("gqa_9x3"), ["gated_delta"] * 2, {"gated_delta": options})

@@ -10,8 +10,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from cache_forms import full_and_pieces, positions
-from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM
 
 import attn2ssm.student  # noqa: F401  (registers Auto classes)
@@ -19,6 +17,8 @@ from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.hedgemamba import DT_IDENTITY_BIAS, HedgeMambaMixer
 from attn2ssm.student.convert import convert
 from attn2ssm.student.plans import make_plan
+from cache_forms import full_and_pieces, positions
+from tiny_models import tiny_model
 
 HM, LA = "hedgemamba", "linear_attention"
 
@@ -77,7 +77,9 @@ def _run_pieces(mixer, cache, x, pe, mask, pieces):
     for size in pieces:
         end = start + size
         mixer.context.padding_mask = mask[:, start:end]
-        outs.append(mixer(x[:, start:end], position_embeddings=_slice_pe(pe, start, end), past_key_values=cache)[0])
+        outs.append(
+            mixer(x[:, start:end], position_embeddings=_slice_pe(pe, start, end), past_key_values=cache)[0]
+        )
         start = end
     mixer.context.padding_mask = None
     return torch.cat(outs, 1)
@@ -144,7 +146,11 @@ def test_equals_hedgehog_at_init_in_every_form(hedgehog_pair, gqa_teacher):
 
 def test_new_parameters_start_at_identity(gqa_teacher):
     mixer = convert(gqa_teacher, [HM, HM]).mixers()[1]
-    assert torch.equal(mixer.conv.weight[:, -1], torch.ones(72)) and not mixer.conv.weight[:, :-1].any() and not mixer.conv.bias.any()
+    assert (
+        torch.equal(mixer.conv.weight[:, -1], torch.ones(72))
+        and not mixer.conv.weight[:, :-1].any()
+        and not mixer.conv.bias.any()
+    )
     u = torch.randn(3, 4, 72)
     torch.testing.assert_close(F.silu(mixer.gate(u)), torch.ones(3, 4, 72), atol=1e-6, rtol=0)
     torch.testing.assert_close(F.softplus(mixer.dt_proj(u)), torch.ones(3, 4, 9), atol=1e-6, rtol=0)
@@ -203,7 +209,14 @@ def test_positive_A_means_no_decay_but_still_trains(gqa_teacher):
     assert (mixer.A.grad != 0).all()
 
 
-@pytest.mark.parametrize("options", [{"rope": "after_map"}, {"decay": False, "d_conv": 0, "gate": False}, {"feature_map": "elu", "d_conv": 2}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"rope": "after_map"},
+        {"decay": False, "d_conv": 0, "gate": False},
+        {"feature_map": "elu", "d_conv": 2},
+    ],
+)
 def test_option_variants_keep_forms_equal(options, gqa_teacher):
     student = convert(gqa_teacher, [HM, HM], {HM: {**options, "chunk_size": 4}})
     mixer = student.mixers()[1]
@@ -250,8 +263,12 @@ def test_student_prefill_chunked_decode_and_save_load(ratio, tmp_path):
     student.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert loaded.config.layer_plan == plan
-    torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask, use_cache=False).logits,
-                               student(input_ids=ids, attention_mask=mask, use_cache=False).logits, atol=0, rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        loaded(input_ids=ids, attention_mask=mask, use_cache=False).logits,
+        student(input_ids=ids, attention_mask=mask, use_cache=False).logits,
+        atol=0,
+        rtol=0,
+    )
 
 
 REMOTE = r"""
@@ -272,7 +289,13 @@ def test_loads_with_trust_remote_code_without_attn2ssm(tmp_path):
     assert (tmp_path / "attn2ssm_mixers_hedgemamba.py").exists()
     torch.save(ids, tmp_path / "ids.pt")
     torch.save(student(input_ids=ids, use_cache=False).logits, tmp_path / "logits.pt")
-    run = subprocess.run([sys.executable, "-c", REMOTE, str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", REMOTE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout.strip().splitlines()[-1])["max_diff"] == 0.0
 

@@ -4,12 +4,12 @@ layout), sanity mode = linearised attention, and prefill / chunked prefill / dec
 import pytest
 import torch
 import torch.nn.functional as F
-from cache_forms import full_and_pieces
-from tiny_models import tiny_model
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.convert import convert
 from attn2ssm.student.plans import make_plan
+from cache_forms import full_and_pieces
+from tiny_models import tiny_model
 
 SSM_MIXERS = ["mamba", "mamba2", "discrete_mamba2"]
 
@@ -37,7 +37,9 @@ def _linearised_attention(attn, x):
     return attn.o_proj(y)
 
 
-@pytest.mark.parametrize("kind,options", [("mamba2", {}), ("discrete_mamba2", {}), ("mamba", {"d_state": None})])
+@pytest.mark.parametrize(
+    "kind,options", [("mamba2", {}), ("discrete_mamba2", {}), ("mamba", {"d_state": None})]
+)
 def test_sanity_mode_is_linearised_attention(kind, options, gqa_teacher):
     """Mamba in the Llama §1.3: with A = 1, no discretisation and no conv/gate/D, the attention-initialised
     SSM reproduces y_t = q_t · Σ k_s v_sᵀ / √d exactly (GQA: 9 query heads over 3 kv heads)."""
@@ -55,14 +57,25 @@ def test_gqa_initialisation_from_attention(kind, gqa_teacher):
     student = convert(gqa_teacher, [kind] * 2)
     mixer = student.mixers()[0]
     attn = gqa_teacher.model.layers[0].self_attn
-    for mine, theirs in ((mixer.q_proj, attn.q_proj), (mixer.k_proj, attn.k_proj), (mixer.v_proj, attn.v_proj), (mixer.o_proj, attn.o_proj)):
+    for mine, theirs in (
+        (mixer.q_proj, attn.q_proj),
+        (mixer.k_proj, attn.k_proj),
+        (mixer.v_proj, attn.v_proj),
+        (mixer.o_proj, attn.o_proj),
+    ):
         assert torch.equal(mine.weight, theirs.weight)
-    assert mixer.q_proj.weight.shape == (72, 72) and mixer.k_proj.weight.shape == (24, 72) and mixer.v_proj.weight.shape == (24, 72)
+    assert (
+        mixer.q_proj.weight.shape == (72, 72)
+        and mixer.k_proj.weight.shape == (24, 72)
+        and mixer.v_proj.weight.shape == (24, 72)
+    )
     x = torch.randn(1, 5, 72)
     q, k, v = mixer.project_heads(x)
     rk, rv = mixer.repeat_kv(k, 2), mixer.repeat_kv(v, 2)
     for head in range(9):  # query head j reads kv head j // 3, like the teacher's repeat_kv
-        assert torch.equal(rk[:, :, head], k[:, :, head // 3]) and torch.equal(rv[:, :, head], v[:, :, head // 3])
+        assert torch.equal(rk[:, :, head], k[:, :, head // 3]) and torch.equal(
+            rv[:, :, head], v[:, :, head // 3]
+        )
 
 
 @pytest.mark.parametrize("kind", SSM_MIXERS)
@@ -72,7 +85,9 @@ def test_new_parameters_start_where_designed(kind, gqa_teacher):
     assert torch.equal(mixer.conv.weight[:, -1], torch.ones(mixer.conv.weight.shape[0]))
     assert not mixer.conv.weight[:, :-1].any() and not mixer.conv.bias.any()
     x = torch.randn(3, 4, 72)
-    torch.testing.assert_close(F.silu(mixer.gate(x)), torch.ones(3, 4, mixer.gate.out_features), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        F.silu(mixer.gate(x)), torch.ones(3, 4, mixer.gate.out_features), atol=1e-6, rtol=0
+    )
     assert not mixer.D.any()  # D_init 0: the skip starts off, so the layer starts as linearised attention
     if kind == "mamba2":
         dt = F.softplus(mixer.dt_proj.bias)
@@ -164,7 +179,9 @@ def test_gated_norm_eps_option(kind, gqa_teacher):
     v = (y * F.silu(z)).view(2, 5, norm.num_heads, -1)
     expected = (v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5)).view(2, 5, -1) * norm.weight
     torch.testing.assert_close(norm(y, z), expected, rtol=1e-5, atol=1e-6)
-    assert (norm(y, z) - default.mixers()[0].norm(y, z) * norm.weight).abs().max() > 1e-3  # ε matters at this scale
+    assert (
+        norm(y, z) - default.mixers()[0].norm(y, z) * norm.weight
+    ).abs().max() > 1e-3  # ε matters at this scale
     for bad in (0, -1e-5, "small", True):
         with pytest.raises(ConfigError, match="norm_eps"):
             convert(gqa_teacher, [kind] * 2, {kind: {"norm": True, "norm_eps": bad}})
@@ -186,8 +203,13 @@ def test_random_init_draws_fresh_projections(gqa_teacher):
     mixer, attn = student.mixers()[0], gqa_teacher.model.layers[0].self_attn
     assert not torch.equal(mixer.q_proj.weight, attn.q_proj.weight)
     std = mixer.q_proj.weight.std().item()
-    assert abs(std - gqa_teacher.config.initializer_range) < 0.05 * gqa_teacher.config.initializer_range + 0.01
-    assert torch.equal(student.base.model.layers[1].self_attn.q_proj.weight, gqa_teacher.model.layers[1].self_attn.q_proj.weight)
+    assert (
+        abs(std - gqa_teacher.config.initializer_range) < 0.05 * gqa_teacher.config.initializer_range + 0.01
+    )
+    assert torch.equal(
+        student.base.model.layers[1].self_attn.q_proj.weight,
+        gqa_teacher.model.layers[1].self_attn.q_proj.weight,
+    )
     torch.testing.assert_close(F.silu(mixer.gate.bias), torch.ones_like(mixer.gate.bias))
     with pytest.raises(ConfigError, match="init"):
         convert(gqa_teacher, ["mamba2"] * 2, init="zeros")

@@ -7,11 +7,11 @@ same row gives alone (the unpadded step)."""
 
 import pytest
 import torch
-from cache_forms import positions
-from tiny_models import tiny_student
 
 from attn2ssm.decode.layout import cpu_decode_layout
 from attn2ssm.student.cache import _map_state
+from cache_forms import positions
+from tiny_models import tiny_student
 
 KINDS = [
     ("mamba2", None),
@@ -22,7 +22,10 @@ KINDS = [
     ("linear_attention", {"feature_map": "cosformer"}),  # position-aware: the step reads ``seen``
     ("hedgemamba", None),
 ]
-RECURRENT = {"ssm", "linear"}  # the scan's state (a conv window takes a zero for a padded token, as the chunked form)
+RECURRENT = {
+    "ssm",
+    "linear",
+}  # the scan's state (a conv window takes a zero for a padded token, as the chunked form)
 
 
 def _tensors(state) -> list:
@@ -51,11 +54,26 @@ def test_one_token_steps_with_padding_equal_the_chunked_prefill(kind, options, l
     with torch.no_grad():
         full = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
         cache = model.new_cache()
-        out = model(input_ids=ids[:, :4], attention_mask=mask[:, :4], position_ids=pos[:, :4], past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=ids[:, :4],
+            attention_mask=mask[:, :4],
+            position_ids=pos[:, :4],
+            past_key_values=cache,
+            use_cache=True,
+        )
         steps = [out.logits]
         for t in range(4, 10):
-            before = {i: {k: [x.clone() for x in _tensors(v)] for k, v in cache.mixer_layer(i).states.items()} for i in model.mixers()}
-            out = model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1], past_key_values=cache, use_cache=True)
+            before = {
+                i: {k: [x.clone() for x in _tensors(v)] for k, v in cache.mixer_layer(i).states.items()}
+                for i in model.mixers()
+            }
+            out = model(
+                input_ids=ids[:, t : t + 1],
+                attention_mask=mask[:, : t + 1],
+                position_ids=pos[:, t : t + 1],
+                past_key_values=cache,
+                use_cache=True,
+            )
             steps.append(out.logits)
             if not real[1, t]:  # the padded row's recurrent state is left as it was
                 for i in model.mixers():
@@ -93,6 +111,11 @@ def test_every_one_token_forward_runs_the_step(kind, options, monkeypatch):
         model(input_ids=ids[:, :4], attention_mask=mask[:, :4], past_key_values=cache, use_cache=True)
         assert calls == []  # a prefill is the chunked form
         model(input_ids=ids[:, 4:5], attention_mask=mask[:, :5], past_key_values=cache, use_cache=True)
-        model(input_ids=ids[:, 5:6], attention_mask=torch.cat([mask[:, :5], torch.tensor([[1], [0]])], 1), past_key_values=cache, use_cache=True)
+        model(
+            input_ids=ids[:, 5:6],
+            attention_mask=torch.cat([mask[:, :5], torch.tensor([[1], [0]])], 1),
+            past_key_values=cache,
+            use_cache=True,
+        )
     n = len(model.mixers())
     assert calls == [False] * n + [True] * n

@@ -4,10 +4,10 @@ the linear branch in training only."""
 
 import pytest
 import torch
-from tiny_models import tiny_model
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.convert import convert
+from tiny_models import tiny_model
 
 OPTIONS = {"feature_map": "hedgehog", "window": 4}
 
@@ -18,7 +18,11 @@ def teacher():
 
 
 def _mixer(teacher, **extra):
-    return convert(teacher, ["linear_attention"] * 2, {"linear_attention": {**OPTIONS, **extra}}).mixers()[0].eval()
+    return (
+        convert(teacher, ["linear_attention"] * 2, {"linear_attention": {**OPTIONS, **extra}})
+        .mixers()[0]
+        .eval()
+    )
 
 
 def test_window_branch_is_sliding_window_softmax(teacher):

@@ -19,7 +19,9 @@ def test_chunked_equals_quadratic():
     fw, bw = _direction(2, 13, 2, 3, 4, 0), _direction(2, 13, 2, 3, 4, 1)
     ref = bidirectional_scan_quadratic(fw, bw)
     for chunk in (1, 4, 64):
-        torch.testing.assert_close(bidirectional_scan_chunked(fw, bw, chunk_size=chunk, backend="torch"), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            bidirectional_scan_chunked(fw, bw, chunk_size=chunk, backend="torch"), ref, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_matrices_triangular_and_forward_matches_causal_op():
@@ -37,7 +39,10 @@ def test_matrices_triangular_and_forward_matches_causal_op():
 def test_gradients_match():
     fw, bw = _direction(1, 9, 1, 4, 2, 4), _direction(1, 9, 1, 4, 2, 5)
     grads = []
-    for fn in (bidirectional_scan_quadratic, lambda f, b: bidirectional_scan_chunked(f, b, chunk_size=4, backend="torch")):
+    for fn in (
+        bidirectional_scan_quadratic,
+        lambda f, b: bidirectional_scan_chunked(f, b, chunk_size=4, backend="torch"),
+    ):
         ins = [tuple(t.clone().requires_grad_(True) for t in d) for d in (fw, bw)]
         fn(*ins).square().sum().backward()
         grads.append([t.grad for d in ins for t in d])

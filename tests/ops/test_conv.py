@@ -1,6 +1,5 @@
 """Causal depthwise conv: one pass == pieces with carried state == token-by-token step (fp32, 1e-6)."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F

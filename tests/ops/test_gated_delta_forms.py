@@ -5,7 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn2ssm.ops.gated_delta import gated_delta_chunked, gated_delta_quadratic, gated_delta_sequential, gated_delta_step
+from attn2ssm.ops.gated_delta import (
+    gated_delta_chunked,
+    gated_delta_quadratic,
+    gated_delta_sequential,
+    gated_delta_step,
+)
 
 
 def _inputs(b=2, l=29, h=3, dk=8, dv=6, seed=0):
@@ -40,7 +45,7 @@ def test_step_is_the_definition():
 
 def test_a_key_written_with_beta_one_is_replaced():
     """The delta rule's point: writing v under k with β = 1 overwrites what k held (no decay)."""
-    dk = dv = 4
+    dk = 4
     k = F.normalize(torch.ones(1, 1, dk), dim=-1)
     old, new = torch.tensor([[[1.0, 2, 3, 4]]]), torch.tensor([[[-5.0, 0, 5, 1]]])
     _, h = gated_delta_step(k, k, old, torch.zeros(1, 1), torch.ones(1, 1), scale=1.0)
@@ -88,7 +93,9 @@ def test_pieces_with_a_carried_state_equal_one_pass():
     full, full_state = gated_delta_chunked(q, k, v, g, beta, chunk_size=8)
     s, outs = None, []
     for a, b in ((0, 7), (7, 8), (8, 20), (20, 29)):
-        o, s = gated_delta_chunked(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], state=s, chunk_size=8)
+        o, s = gated_delta_chunked(
+            q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], state=s, chunk_size=8
+        )
         outs.append(o)
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s, full_state, atol=1e-5, rtol=1e-5)

@@ -59,7 +59,9 @@ def test_state_carry_equals_one_pass():
     state = None
     outs = []
     for a, b in [(0, 13), (13, 14), (14, 40)]:
-        o, state = linear_attention_chunked(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], state=state, chunk_size=8)
+        o, state = linear_attention_chunked(
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], state=state, chunk_size=8
+        )
         outs.append(o)
     torch.testing.assert_close(torch.cat(outs, 2), full, atol=1e-5, rtol=1e-5)
 
@@ -127,7 +129,9 @@ def test_zero_features_stay_finite():
 def test_half_precision_inputs_computed_in_fp32():
     q, k, v = _inputs()
     out16, _ = linear_attention_chunked(q.bfloat16(), k.bfloat16(), v.bfloat16(), chunk_size=16)
-    ref, _ = linear_attention_chunked(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), chunk_size=16)
+    ref, _ = linear_attention_chunked(
+        q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), chunk_size=16
+    )
     assert out16.dtype == torch.bfloat16
     torch.testing.assert_close(out16.float(), ref, atol=2e-2, rtol=2e-2)
 
@@ -155,7 +159,14 @@ def _window_reference(q, k, v, fq, fk, scaling, window, gamma, mask):
                 keys = [j for j in range(i + 1) if mask[bi, j] > 0]
                 win = [j for j in keys if i - j < window]
                 m = max(float(q[bi, hi, i] @ k[bi, hi, j]) * scaling for j in win)
-                w = {j: (gamma[hi] * torch.exp(q[bi, hi, i] @ k[bi, hi, j] * scaling - m) if j in win else fq[bi, hi, i] @ fk[bi, hi, j]) for j in keys}
+                w = {
+                    j: (
+                        gamma[hi] * torch.exp(q[bi, hi, i] @ k[bi, hi, j] * scaling - m)
+                        if j in win
+                        else fq[bi, hi, i] @ fk[bi, hi, j]
+                    )
+                    for j in keys
+                }
                 total = sum(w.values())
                 out[bi, hi, i] = sum(w[j] * v[bi, hi, j] for j in keys) / total
     return out
@@ -179,7 +190,16 @@ def test_window_attention_matches_definition_in_every_form():
         state, outs, start = None, [], 0
         for n in sizes:
             part = slice(start, start + n)
-            o, state = window_linear_attention(q[:, :, part], k[:, :, part], v[:, :, part], fq[:, :, part], fk[:, :, part], mask=mask[:, part], state=state, **kw)
+            o, state = window_linear_attention(
+                q[:, :, part],
+                k[:, :, part],
+                v[:, :, part],
+                fq[:, :, part],
+                fk[:, :, part],
+                mask=mask[:, part],
+                state=state,
+                **kw,
+            )
             outs.append(o)
             start += n
         torch.testing.assert_close(torch.cat(outs, 2), ref, atol=1e-5, rtol=1e-5)
@@ -196,7 +216,9 @@ def test_window_covering_everything_is_softmax():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunk, window", [(4, 4), (4, 3), (5, 2), (3, 5), (64, 4)])  # window > chunk: chunks of max(chunk, window)
+@pytest.mark.parametrize(
+    "chunk, window", [(4, 4), (4, 3), (5, 2), (3, 5), (64, 4)]
+)  # window > chunk: chunks of max(chunk, window)
 def test_loop_free_window_form_equals_the_definition_its_state_and_gradients(chunk, window):
     from attn2ssm.ops.linear_attention import window_linear_attention_chunked
 

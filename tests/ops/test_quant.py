@@ -5,12 +5,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attn2ssm.ops.quant import dequantize_per_channel_int8, int8_linear, int8_linear_reference, quantize_per_channel_int8
+from attn2ssm.ops.quant import (
+    dequantize_per_channel_int8,
+    int8_linear,
+    int8_linear_reference,
+    quantize_per_channel_int8,
+)
 
 
 def _weight(out=48, width=40, seed=0):
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(out, width, generator=g) * torch.logspace(-3, 1, out)[:, None]  # rows of very different size
+    w = (
+        torch.randn(out, width, generator=g) * torch.logspace(-3, 1, out)[:, None]
+    )  # rows of very different size
     w[3] = 0.0  # an all-zero row
     return w
 
@@ -18,7 +25,12 @@ def _weight(out=48, width=40, seed=0):
 def test_quantize_round_trip_within_half_a_step_per_row():
     w = _weight()
     q, scales = quantize_per_channel_int8(w)
-    assert q.dtype == torch.int8 and q.shape == w.shape and scales.shape == (w.shape[0],) and scales.dtype == torch.float32
+    assert (
+        q.dtype == torch.int8
+        and q.shape == w.shape
+        and scales.shape == (w.shape[0],)
+        and scales.dtype == torch.float32
+    )
     assert int(q.abs().max()) == 127  # the largest element of a row lands on ±127
     err = (dequantize_per_channel_int8(q, scales) - w).abs()
     assert bool((err <= scales[:, None] / 2 + 1e-7 * w.abs()).all())
@@ -41,7 +53,9 @@ def test_int8_linear_matches_the_dequantised_float32_reference(dtype, rows):
     bias = torch.randn(64)
     x = torch.randn(2, rows, 96).to(dtype)
     y = int8_linear(x, q, scales, bias.to(dtype))
-    exact = F.linear(x.float(), w, bias)  # not the int8 weight: the quantisation shows beside the kernel's rounding
+    exact = F.linear(
+        x.float(), w, bias
+    )  # not the int8 weight: the quantisation shows beside the kernel's rounding
     assert (y.float() - exact).abs().max() > 0
     ref = F.linear(x.float(), q.float() * scales[:, None], bias)  # float32, weight dequantised
     assert y.dtype == dtype and y.shape == (2, rows, 64)

@@ -14,7 +14,10 @@ def test_block_matmul_equals_f_linear(threads, rows):
     """Every route (blocks over 2 threads, out not divisible by 3 threads, 5 rows, autograd on)
     gives F.linear's result."""
     g = torch.Generator().manual_seed(rows)
-    w, b = torch.randn(98, 40, generator=g), torch.randn(98, generator=g)  # 98: blocks for 2 threads, not for 3
+    w, b = (
+        torch.randn(98, 40, generator=g),
+        torch.randn(98, generator=g),
+    )  # 98: blocks for 2 threads, not for 3
     x = torch.randn(rows, 1, 40, generator=g)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -32,7 +35,10 @@ def test_block_matmul_equals_f_linear(threads, rows):
 @pytest.mark.parametrize("parts", [1, 2, 7])
 def test_rows_linear_and_the_memoised_block_linear_equal_f_linear(parts):
     g = torch.Generator().manual_seed(parts)
-    w, b = torch.randn(98, 40, generator=g), torch.randn(98, generator=g)  # 98 = 2·49: blocks for 2 and 7 parts
+    w, b = (
+        torch.randn(98, 40, generator=g),
+        torch.randn(98, generator=g),
+    )  # 98 = 2·49: blocks for 2 and 7 parts
     x = torch.randn(1, 1, 40, generator=g)
     torch.testing.assert_close(rows_linear(x, w, b, parts), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     old = torch.get_num_threads()
@@ -41,7 +47,9 @@ def test_rows_linear_and_the_memoised_block_linear_equal_f_linear(parts):
         memo: dict = {}
         with torch.no_grad():
             for _ in range(2):  # the second call reads the kept view
-                torch.testing.assert_close(block_linear(x, w, b, memo), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(
+                    block_linear(x, w, b, memo), F.linear(x, w, b), rtol=1e-5, atol=1e-5
+                )
         assert memo[MEMO_KEY][:2] == (w.data_ptr(), 2)
         w2 = w * 2  # another storage: a new view, not the stale one
         with torch.no_grad():
@@ -59,4 +67,6 @@ def test_block_route_takes_a_verify_forwards_rows_and_equals_f_linear(shape):
     assert x.numel() // 40 <= MAX_ROWS
     torch.testing.assert_close(rows_linear(x, w, b, 2), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     blocks = row_blocks(w, 2)
-    torch.testing.assert_close(block_product(x, blocks, b, x.numel() // 40), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        block_product(x, blocks, b, x.numel() // 40), F.linear(x, w, b), rtol=1e-5, atol=1e-5
+    )

@@ -58,7 +58,9 @@ def test_all_forms_agree(chunk, padded):
     torch.testing.assert_close(s_t, s_s, **TOL)
     if padded:
         assert torch.all(y_c[1, :6] == 0) and torch.all(y_q[1, :6] == 0)
-        y_short, s_short = selective_scan_chunked(*(t[1:, 6:] for t in (x, dt)), A, *(t[1:, 6:] for t in (B, C)), D=D, chunk_size=chunk)
+        y_short, s_short = selective_scan_chunked(
+            *(t[1:, 6:] for t in (x, dt)), A, *(t[1:, 6:] for t in (B, C)), D=D, chunk_size=chunk
+        )
         torch.testing.assert_close(y_c[1:, 6:], y_short, **TOL)
         torch.testing.assert_close(s_c[1:], s_short, **TOL)
 
@@ -71,7 +73,10 @@ def test_matches_the_recurrence_written_out():
         for pi in range(3):
             h = torch.zeros(2)
             for t in range(6):
-                h = torch.exp(dt[0, t, gi, pi] * A[gi, pi]) * h + dt[0, t, gi, pi] * B[0, t, gi] * x[0, t, gi, pi]
+                h = (
+                    torch.exp(dt[0, t, gi, pi] * A[gi, pi]) * h
+                    + dt[0, t, gi, pi] * B[0, t, gi] * x[0, t, gi, pi]
+                )
                 expected = C[0, t, gi] @ h + D[gi, pi] * x[0, t, gi, pi]
                 torch.testing.assert_close(y[0, t, gi, pi], expected, **TOL)
 
@@ -84,9 +89,13 @@ def test_dt_one_a_zero_is_linear_attention():
     expected = torch.einsum("bgts,bsgp->btgp", scores, x)
     y_q, W = selective_scan_quadratic(x, dt, A, B, C, return_matrix=True)
     torch.testing.assert_close(y_q, expected, **TOL)
-    torch.testing.assert_close(W, scores[:, :, None].expand(-1, -1, 4, -1, -1), **TOL)  # same matrix for every channel
+    torch.testing.assert_close(
+        W, scores[:, :, None].expand(-1, -1, 4, -1, -1), **TOL
+    )  # same matrix for every channel
     for chunk in (1, 5):
-        torch.testing.assert_close(selective_scan_chunked(x, dt, A, B, C, chunk_size=chunk)[0], expected, **TOL)
+        torch.testing.assert_close(
+            selective_scan_chunked(x, dt, A, B, C, chunk_size=chunk)[0], expected, **TOL
+        )
 
 
 @pytest.mark.parametrize("chunk", [4, 16])
@@ -102,7 +111,17 @@ def test_state_carry_equals_one_pass(chunk):
     state, outs = s0, []
     for lo, hi in [(0, 13), (13, 14), (14, 40)]:
         part = slice(lo, hi)
-        y, state = selective_scan_chunked(x[:, part], dt[:, part], A, B[:, part], C[:, part], mask=mask[:, part], D=D, state=state, chunk_size=chunk)
+        y, state = selective_scan_chunked(
+            x[:, part],
+            dt[:, part],
+            A,
+            B[:, part],
+            C[:, part],
+            mask=mask[:, part],
+            D=D,
+            state=state,
+            chunk_size=chunk,
+        )
         outs.append(y)
     torch.testing.assert_close(torch.cat(outs, 1), full, **TOL)
     torch.testing.assert_close(state, s_full, **TOL)
@@ -120,10 +139,14 @@ def test_gradients_chunked_match_quadratic():
     for chunk in (1, 6, 32):
         for t in leaves:
             t.grad = None
-        (selective_scan_chunked(*leaves[:5], mask=mask, D=leaves[5], chunk_size=chunk)[0] * g).sum().backward()
+        (
+            selective_scan_chunked(*leaves[:5], mask=mask, D=leaves[5], chunk_size=chunk)[0] * g
+        ).sum().backward()
         for t, r in zip(leaves, ref):
             torch.testing.assert_close(t.grad, r, **TOL)
-    assert torch.all(leaves[0].grad[1, :3] == 0) and torch.all(leaves[1].grad[1, :3] == 0)  # padding: no gradient
+    assert torch.all(leaves[0].grad[1, :3] == 0) and torch.all(
+        leaves[1].grad[1, :3] == 0
+    )  # padding: no gradient
 
 
 def test_gradients_through_state_and_final_state():
@@ -171,8 +194,16 @@ def test_d_skip():
 
 def test_bf16_inputs_computed_in_fp32():
     x, dt, A, B, C, D = _inputs()
-    y16, state = selective_scan_chunked(*(t.bfloat16() for t in (x, dt)), A, *(t.bfloat16() for t in (B, C)), D=D, chunk_size=8)
-    ref, _ = selective_scan_chunked(*(t.bfloat16().float() for t in (x, dt)), A, *(t.bfloat16().float() for t in (B, C)), D=D, chunk_size=8)
+    y16, state = selective_scan_chunked(
+        *(t.bfloat16() for t in (x, dt)), A, *(t.bfloat16() for t in (B, C)), D=D, chunk_size=8
+    )
+    ref, _ = selective_scan_chunked(
+        *(t.bfloat16().float() for t in (x, dt)),
+        A,
+        *(t.bfloat16().float() for t in (B, C)),
+        D=D,
+        chunk_size=8,
+    )
     assert y16.dtype == torch.bfloat16 and state.dtype == torch.float32
     torch.testing.assert_close(y16.float(), ref, atol=2e-2, rtol=2e-2)
 

@@ -1,6 +1,5 @@
 """The four forms of SSD (Mamba-2) agree (fp32, 1e-5), with padding, carried state and gradients."""
 
-
 import pytest
 import torch
 
@@ -39,7 +38,9 @@ def _step_loop(x, a, B, C, D, mask=None, state=None):
 def test_segsum_hand_example():
     out = segsum(torch.tensor([1.0, 2.0, 3.0, 4.0]))
     inf = float("-inf")
-    expected = torch.tensor([[0.0, inf, inf, inf], [2.0, 0.0, inf, inf], [5.0, 3.0, 0.0, inf], [9.0, 7.0, 4.0, 0.0]])
+    expected = torch.tensor(
+        [[0.0, inf, inf, inf], [2.0, 0.0, inf, inf], [5.0, 3.0, 0.0, inf], [9.0, 7.0, 4.0, 0.0]]
+    )
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
     batched = segsum(torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]]))
     assert batched.shape == (2, 4, 4)
@@ -79,7 +80,12 @@ def test_matrix_form():
     y, M = ssd_quadratic(x, a, B, C, mask=mask, D=D, return_matrix=True)
     assert M.shape == (2, 3, 9, 9)
     assert torch.all(M.triu(1) == 0)
-    torch.testing.assert_close(y, torch.einsum("bhts,bshp->bthp", M, x * mask[..., None, None]) + D[:, None] * x * mask[..., None, None], **TOL)
+    torch.testing.assert_close(
+        y,
+        torch.einsum("bhts,bshp->bthp", M, x * mask[..., None, None])
+        + D[:, None] * x * mask[..., None, None],
+        **TOL,
+    )
     # one entry by hand: M[t, s] = exp(a_{s+1} + … + a_t) (C_t · B_s)
     bi, hi, t, s = 0, 1, 7, 3
     expected = torch.exp(a[bi, s + 1 : t + 1, hi].sum()) * (C[bi, t, hi] @ B[bi, s, hi])
@@ -102,7 +108,16 @@ def test_state_carry_equals_one_pass(chunk):
     state, outs = s0, []
     for lo, hi in [(0, 13), (13, 14), (14, 40)]:
         part = slice(lo, hi)
-        y, state = ssd_chunked(x[:, part], a[:, part], B[:, part], C[:, part], mask=mask[:, part], D=D, state=state, chunk_size=chunk)
+        y, state = ssd_chunked(
+            x[:, part],
+            a[:, part],
+            B[:, part],
+            C[:, part],
+            mask=mask[:, part],
+            D=D,
+            state=state,
+            chunk_size=chunk,
+        )
         outs.append(y)
     torch.testing.assert_close(torch.cat(outs, 1), full, **TOL)
     torch.testing.assert_close(state, s_full, **TOL)
@@ -129,7 +144,10 @@ def test_gradients_through_state():
     x, a, B, C, D = (t.requires_grad_(True) for t in _inputs(l=11))
     s0 = torch.randn(2, 3, 4, 5, requires_grad=True)
     grads = []
-    for fn in (lambda: ssd_chunked(x, a, B, C, D=D, state=s0, chunk_size=4), lambda: ssd_sequential(x, a, B, C, D=D, state=s0)):
+    for fn in (
+        lambda: ssd_chunked(x, a, B, C, D=D, state=s0, chunk_size=4),
+        lambda: ssd_sequential(x, a, B, C, D=D, state=s0),
+    ):
         y, s = fn()
         grads.append(torch.autograd.grad(y.square().sum() + s.sin().sum(), [x, a, B, C, s0]))
     for g_c, g_s in zip(*grads):
@@ -159,7 +177,9 @@ def test_d_skip_and_no_decay_is_linear_attention():
     scores = torch.einsum("bthn,bshn->bhts", C, B).tril()
     expected = torch.einsum("bhts,bshp->bthp", scores, x)
     torch.testing.assert_close(ssd_chunked(x, a, B, C, chunk_size=5)[0], expected, **TOL)
-    torch.testing.assert_close(ssd_chunked(x, a, B, C, D=D, chunk_size=5)[0], expected + D[:, None] * x, **TOL)
+    torch.testing.assert_close(
+        ssd_chunked(x, a, B, C, D=D, chunk_size=5)[0], expected + D[:, None] * x, **TOL
+    )
 
 
 def test_bf16_inputs_computed_in_fp32():
@@ -186,7 +206,9 @@ def test_bad_backend():
 def test_per_channel_d():
     x, a, B, C, D = _inputs(l=10)
     Dp = D[:, None].expand(3, 4).clone()
-    torch.testing.assert_close(ssd_chunked(x, a, B, C, D=Dp, chunk_size=4)[0], ssd_chunked(x, a, B, C, D=D, chunk_size=4)[0])
+    torch.testing.assert_close(
+        ssd_chunked(x, a, B, C, D=Dp, chunk_size=4)[0], ssd_chunked(x, a, B, C, D=D, chunk_size=4)[0]
+    )
     y_step, _ = ssd_step(x[:, 0], a[:, 0], B[:, 0], C[:, 0], None, D=Dp)
     torch.testing.assert_close(y_step, ssd_quadratic(x, a, B, C, D=D)[:, 0], **TOL)
 
@@ -208,6 +230,7 @@ def test_the_step_continues_a_chunked_prefill_and_keeps_the_old_state():
     torch.testing.assert_close(torch.cat(ys, 1), full, **TOL)
     torch.testing.assert_close(state, final, **TOL)
 
+
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("start", [False, True])
 def test_state_alone_equals_the_step_at_every_position(padded, start):
@@ -225,6 +248,8 @@ def test_state_alone_equals_the_step_at_every_position(padded, start):
         torch.testing.assert_close(got, want, **TOL)
         if t < 9:
             mt = m[:, t]
-            _, stepped = ssd_step(x[:, t] * mt[:, None, None], a[:, t] * mt[:, None], B[:, t], C[:, t], stepped)
+            _, stepped = ssd_step(
+                x[:, t] * mt[:, None, None], a[:, t] * mt[:, None], B[:, t], C[:, t], stepped
+            )
     _, chunked = ssd_chunked(x, a, B, C, mask=mask, state=state, chunk_size=4)
     torch.testing.assert_close(ssd_state(x, a, B, mask=mask, state=state), chunked, **TOL)

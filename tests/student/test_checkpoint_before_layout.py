@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_forms import greedy_by_full_forwards, run_remote
 from transformers import AutoModelForCausalLM
 
 import attn2ssm.student  # noqa: F401  (registers the Auto classes: loads with this attn2ssm's code)
+from cache_forms import greedy_by_full_forwards, run_remote
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "students_before_layout_bd7ae1f.tar.xz"
 STUDENTS = ["mamba2_hybrid", "lolcats"]

@@ -4,8 +4,6 @@ import json
 
 import pytest
 import torch
-from cache_forms import full_and_pieces, greedy_by_full_forwards, run_remote
-from tiny_models import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import attn2ssm.student  # noqa: F401  (registers Auto classes)
@@ -14,6 +12,8 @@ from attn2ssm.errors import ConfigError
 from attn2ssm.student.convert import convert, grow_student
 from attn2ssm.student.modeling import Attn2SSMForCausalLM
 from attn2ssm.student.plans import layer_map
+from cache_forms import full_and_pieces, greedy_by_full_forwards, run_remote
+from tiny_models import tiny_model
 
 M2 = "mamba2"
 
@@ -91,7 +91,10 @@ def test_each_layer_is_a_copy_of_its_teacher_layer(family, depth):
     t_paths = adapter.attention_module_paths(teacher)
     for i, j in enumerate(source):
         assert cfg.layer_geometry[i] == adapter.geometry(teacher.config, j).to_dict()
-        mine, theirs = _layer_tensors(student.base, cfg.attention_paths[i]), _layer_tensors(teacher, t_paths[j])
+        mine, theirs = (
+            _layer_tensors(student.base, cfg.attention_paths[i]),
+            _layer_tensors(teacher, t_paths[j]),
+        )
         attn = cfg.attention_paths[i].rpartition(".")[2] + "."
         for name, value in theirs.items():  # norms, MLP and (kept) attention: the teacher layer's own
             if plan[i] == "attention" or not name.startswith(attn):
@@ -101,7 +104,9 @@ def test_each_layer_is_a_copy_of_its_teacher_layer(family, depth):
             mixer = student.mixers()[i]
             assert torch.equal(mixer.k_proj.weight, w.k) and torch.equal(mixer.o_proj.weight, w.o)
     # embeddings and the final norm are shared as they are
-    torch.testing.assert_close(student.get_input_embeddings().weight, teacher.get_input_embeddings().weight, atol=0, rtol=0)
+    torch.testing.assert_close(
+        student.get_input_embeddings().weight, teacher.get_input_embeddings().weight, atol=0, rtol=0
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])

@@ -7,11 +7,11 @@ import logging
 
 import pytest
 import torch
-from tiny_models import tiny_student
 
 from attn2ssm import hf_compat
 from attn2ssm.mixers.base import MixerContext
 from attn2ssm.mixers.registry import MIXERS
+from tiny_models import tiny_student
 
 KINDS = sorted(MIXERS)
 
@@ -22,7 +22,14 @@ def test_generate_steps_equal_full_forwards(kind, ratio):
     """Every logit row generate computes from its cache equals a full forward over the same text."""
     model = tiny_student("llama", kind, ratio)
     prompt = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(2))
-    out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    out = model.generate(
+        prompt,
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     with torch.no_grad():
         full = model(input_ids=out.sequences, use_cache=False).logits
     for step, logits in enumerate(out.logits):
@@ -74,7 +81,15 @@ def test_a_foreign_cache_is_refused_by_a_mixer():
 
 @pytest.mark.parametrize(
     "version,untested",
-    [("5.23.0", False), ("5.24.0", False), ("5.24.1.dev0", False), ("5.22.2", True), ("5.25.0", True), ("6.0.0", True), ("5.25.0.dev0", True)],
+    [
+        ("5.23.0", False),
+        ("5.24.0", False),
+        ("5.24.1.dev0", False),
+        ("5.22.2", True),
+        ("5.25.0", True),
+        ("6.0.0", True),
+        ("5.25.0.dev0", True),
+    ],
 )
 def test_untested_transformers_is_named_in_one_line(version, untested):
     message = hf_compat.untested_transformers(version)
@@ -86,7 +101,9 @@ def test_untested_transformers_is_named_in_one_line(version, untested):
 
 def test_the_warning_is_logged_once_at_import(monkeypatch, caplog):
     monkeypatch.setattr(hf_compat.transformers, "__version__", "9.0.0")
-    monkeypatch.setattr(hf_compat, "untested_transformers", lambda version="9.0.0": f"tested range, this is {version}")
+    monkeypatch.setattr(
+        hf_compat, "untested_transformers", lambda version="9.0.0": f"tested range, this is {version}"
+    )
     with caplog.at_level(logging.WARNING, logger="attn2ssm"):
         hf_compat.warn_if_untested()
     assert [r.getMessage() for r in caplog.records] == ["tested range, this is 9.0.0"]

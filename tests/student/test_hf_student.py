@@ -15,8 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cache_forms import positions, run_remote
-from tiny_models import tiny_model
 from transformers import AutoModel, AutoModelForCausalLM
 
 import attn2ssm.student  # noqa: F401  (registers the Auto classes)
@@ -24,6 +22,8 @@ from attn2ssm.student.configuration import Attn2SSMConfig
 from attn2ssm.student.convert import convert, grow_student
 from attn2ssm.student.modeling import Attn2SSMModel
 from attn2ssm.teachers import TeacherSource
+from cache_forms import positions, run_remote
+from tiny_models import tiny_model
 
 MIXED_PLAN = ["mamba2", "attention", "mamba", "hedgemamba"]
 OPTIONS = {"mamba2": {"norm": True}, "mamba": {}, "hedgemamba": {}}
@@ -65,7 +65,11 @@ def test_from_pretrained_dtype_applies_to_the_whole_student(tmp_path):
     student = _student()
     student.save_pretrained(tmp_path / "fp32")
     saved = json.loads((tmp_path / "fp32" / "config.json").read_text())
-    assert saved["dtype"] == "float32" and "dtype" not in saved["base_config"] and "torch_dtype" not in saved["base_config"]
+    assert (
+        saved["dtype"] == "float32"
+        and "dtype" not in saved["base_config"]
+        and "torch_dtype" not in saved["base_config"]
+    )
 
     bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16).eval()
     assert _dtypes(bf16) == _expected_dtypes(bf16, torch.bfloat16)
@@ -76,7 +80,9 @@ def test_from_pretrained_dtype_applies_to_the_whole_student(tmp_path):
     ids, mask = _ids(), torch.ones(2, 9, dtype=torch.long)
     mask[1, :3] = 0
     with torch.no_grad():
-        ref = student(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
+        ref = student(
+            input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False
+        ).logits
         out = bf16(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
     assert out.dtype == torch.bfloat16
     real = mask.bool()
@@ -91,14 +97,20 @@ def test_from_pretrained_dtype_applies_to_the_whole_student(tmp_path):
     for name, p in bf16.named_parameters():
         assert torch.equal(auto.get_parameter(name), p), name
     # and fp32 is still fp32 everywhere
-    assert set(_dtypes(AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)).values()) == {torch.float32}
+    assert set(
+        _dtypes(AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)).values()
+    ) == {torch.float32}
 
 
 def test_a_student_built_in_bf16_keeps_mamba_parameters_in_fp32():
     """convert from a bf16 teacher and grow_student in bf16 hold what from_pretrained gives."""
-    student = convert(_teacher(4, torch.bfloat16), ["mamba2", "attention", "attention", "hedgemamba"], OPTIONS)
+    student = convert(
+        _teacher(4, torch.bfloat16), ["mamba2", "attention", "attention", "hedgemamba"], OPTIONS
+    )
     assert _dtypes(student) == _expected_dtypes(student, torch.bfloat16)
-    grown = grow_student(student, _teacher(4, torch.bfloat16), ["mamba2", "mamba2", "attention", "hedgemamba"])
+    grown = grow_student(
+        student, _teacher(4, torch.bfloat16), ["mamba2", "mamba2", "attention", "hedgemamba"]
+    )
     assert _dtypes(grown) == _expected_dtypes(grown, torch.bfloat16)
     assert grown.mixers()[1].A_log.dtype == torch.float32
     with torch.no_grad():
@@ -111,8 +123,13 @@ def test_a_student_built_in_bf16_keeps_mamba_parameters_in_fp32():
     [
         (TeacherSource("dir", "/home/someone/models/my-teacher"), "my-teacher", None),
         (TeacherSource("gguf", "/home/someone/ggufs", "teacher.Q8_0.gguf"), "ggufs", None),
-        (TeacherSource("builtin", "/home/someone/.cache/attn2ssm/teachers/smollm2-135m/hf", name="smollm2-135m"), "smollm2-135m",
-         "HuggingFaceTB/SmolLM2-135M-Instruct"),
+        (
+            TeacherSource(
+                "builtin", "/home/someone/.cache/attn2ssm/teachers/smollm2-135m/hf", name="smollm2-135m"
+            ),
+            "smollm2-135m",
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+        ),
         (TeacherSource("hub", "org/some-model"), None, "org/some-model"),
     ],
     ids=["dir", "gguf", "builtin", "hub"],
@@ -130,13 +147,30 @@ def test_saved_config_holds_names_not_local_paths(source, name, hub_id, tmp_path
     assert (f"base_model: {hub_id}" in card) == (hub_id is not None)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)  # nothing needed the paths
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=_ids(), use_cache=False).logits, student(input_ids=_ids(), use_cache=False).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            loaded(input_ids=_ids(), use_cache=False).logits,
+            student(input_ids=_ids(), use_cache=False).logits,
+            rtol=0,
+            atol=0,
+        )
 
 
 def test_a_config_saved_with_paths_loses_them_when_saved_again():
-    old = {"base_config": {"model_type": "llama", "_name_or_path": "/data/teacher", "dtype": "float32", "hidden_size": 64,
-                           "num_attention_heads": 4, "num_hidden_layers": 1, "vocab_size": 256},
-           "teacher": {"family": "llama", "source": {"kind": "dir", "location": "/data/teacher", "gguf_file": None, "name": None}}}  # fmt: skip
+    old = {
+        "base_config": {
+            "model_type": "llama",
+            "_name_or_path": "/data/teacher",
+            "dtype": "float32",
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 1,
+            "vocab_size": 256,
+        },
+        "teacher": {
+            "family": "llama",
+            "source": {"kind": "dir", "location": "/data/teacher", "gguf_file": None, "name": None},
+        },
+    }
     config = Attn2SSMConfig(**old)
     assert "/data" not in json.dumps(config.to_dict())
     assert config.teacher["source"] == {"kind": "dir", "gguf_file": None, "name": "teacher"}
@@ -144,7 +178,9 @@ def test_a_config_saved_with_paths_loses_them_when_saved_again():
 
 # ------------------------------------------------------------------------------------ model card
 def test_every_saved_student_has_a_model_card(tmp_path):
-    student = _student(["mamba2", "attention"], teacher_info={"source": TeacherSource("hub", "org/some-model").describe()})
+    student = _student(
+        ["mamba2", "attention"], teacher_info={"source": TeacherSource("hub", "org/some-model").describe()}
+    )
     student.save_pretrained(tmp_path)
     card = (tmp_path / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers\n") and "base_model: org/some-model" in card
@@ -168,13 +204,31 @@ def test_the_cards_loading_code_runs_without_asking(tmp_path):
     tokenizer = make_tokenizer()
     config = tiny_config("llama")
     config.vocab_size = len(tokenizer)
-    convert(AutoModelForCausalLM.from_config(config), ["mamba2", "attention"]).save_pretrained(tmp_path / "student")
+    convert(AutoModelForCausalLM.from_config(config), ["mamba2", "attention"]).save_pretrained(
+        tmp_path / "student"
+    )
     tokenizer.save_pretrained(tmp_path / "student")
     card = (tmp_path / "student" / "README.md").read_text()
-    snippet = card.split("## How to load", 1)[1].split("```python\n", 1)[1].split("```", 1)[0].replace("PATH_OR_HUB_ID", str(tmp_path / "student"))
-    script = 'import sys\nsys.modules["attn2ssm"] = None\n' + snippet + '\nprint("ids", tokenizer("hello").input_ids)\n'
+    snippet = (
+        card.split("## How to load", 1)[1]
+        .split("```python\n", 1)[1]
+        .split("```", 1)[0]
+        .replace("PATH_OR_HUB_ID", str(tmp_path / "student"))
+    )
+    script = (
+        'import sys\nsys.modules["attn2ssm"] = None\n'
+        + snippet
+        + '\nprint("ids", tokenizer("hello").input_ids)\n'
+    )
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-c", script], stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert "custom code" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"ids {tokenizer('hello').input_ids}" in proc.stdout
@@ -191,10 +245,21 @@ def test_a_runs_card_gains_recipe_budget_and_ratio(tmp_path, monkeypatch):
     assert "Not recorded" in (tmp_path / "student" / "README.md").read_text()
     ppl = iter([{"ppl": 10.0, "tokens": 512}, {"ppl": 12.5, "tokens": 512}])  # teacher, then student
     monkeypatch.setattr(report, "perplexity", lambda *a, **k: next(ppl))
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"stage": "finetune", "total_tokens": 65536, "loss": 1.0}) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"stage": "finetune", "total_tokens": 65536, "loss": 1.0}) + "\n"
+    )
     recipe = load_recipe("hybrid50")
-    teacher = SimpleNamespace()  # perplexity is faked; None would mean a run that never loaded its teacher (logit cache)
-    report.write_report(tmp_path, recipe, teacher, student, SimpleNamespace(heldout_ids=torch.zeros(600, dtype=torch.long)), progress=False)
+    teacher = (
+        SimpleNamespace()
+    )  # perplexity is faked; None would mean a run that never loaded its teacher (logit cache)
+    report.write_report(
+        tmp_path,
+        recipe,
+        teacher,
+        student,
+        SimpleNamespace(heldout_ids=torch.zeros(600, dtype=torch.long)),
+        progress=False,
+    )
     card = (tmp_path / "student" / "README.md").read_text()
     assert "- **Recipe**: `hybrid50`" in card and "Not recorded" not in card
     assert "hidden_alignment (hidden_alignment, 49,152 tokens) → finetune (kd, 16,384 tokens)" in card
@@ -210,16 +275,28 @@ def test_automodel_gives_the_students_hidden_states(family, tmp_path):
     student = convert(teacher, ["mamba2", "attention"], {"mamba2": {"norm": True}}).eval()
     student.save_pretrained(tmp_path)
     model = AutoModel.from_pretrained(tmp_path).eval()
-    assert type(model) is Attn2SSMModel and not any("lm_head" in n or "embed_out" in n for n, _ in model.named_parameters())
+    assert type(model) is Attn2SSMModel and not any(
+        "lm_head" in n or "embed_out" in n for n, _ in model.named_parameters()
+    )
     ids, mask = _ids(l=10), torch.ones(2, 10, dtype=torch.long)
     mask[0, :3] = 0
     pos = positions(mask)
     with torch.no_grad():
-        ref = student(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_hidden_states=True).hidden_states[-1]
+        ref = student(
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, output_hidden_states=True
+        ).hidden_states[-1]
         full = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
         cache = model.new_cache()  # and in pieces through the student's cache
-        first = model(input_ids=ids[:, :6], attention_mask=mask[:, :6], position_ids=pos[:, :6], cache=cache, use_cache=True).last_hidden_state
-        rest = model(input_ids=ids[:, 6:], attention_mask=mask, position_ids=pos[:, 6:], cache=cache, use_cache=True).last_hidden_state
+        first = model(
+            input_ids=ids[:, :6],
+            attention_mask=mask[:, :6],
+            position_ids=pos[:, :6],
+            cache=cache,
+            use_cache=True,
+        ).last_hidden_state
+        rest = model(
+            input_ids=ids[:, 6:], attention_mask=mask, position_ids=pos[:, 6:], cache=cache, use_cache=True
+        ).last_hidden_state
     real = mask.bool()
     torch.testing.assert_close(full[real], ref[real], rtol=0, atol=0)
     torch.testing.assert_close(torch.cat([first, rest], 1)[real], full[real], rtol=1e-5, atol=1e-5)
@@ -243,13 +320,17 @@ def test_automodel_and_dtype_without_attn2ssm(tmp_path):
     student = _student()
     ids = _ids()
     student.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["auto_map"]["AutoModel"].endswith(".Attn2SSMModel")
+    assert json.loads((tmp_path / "config.json").read_text())["auto_map"]["AutoModel"].endswith(
+        ".Attn2SSMModel"
+    )
     torch.save(ids, tmp_path / "ids.pt")
     with torch.no_grad():
-        torch.save(student(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states[-1], tmp_path / "hidden.pt")
+        torch.save(
+            student(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states[-1],
+            tmp_path / "hidden.pt",
+        )
     result = run_remote(REMOTE, tmp_path)
     assert result["cls"].startswith("transformers_modules") and result["cls"].endswith(".Attn2SSMModel")
     assert result["hidden_diff"] == 0.0
     assert result["fp32"] == sorted(n for n in _dtypes(student) if FP32_NAMES.search(n))
     assert result["bf16"] == len(_dtypes(student)) - len(result["fp32"])
-

@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
-from tiny_models import tiny_model
 
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.errors import ConfigError
+from attn2ssm.export.native import native_problem
 from attn2ssm.mixers.registry import build_mixer
 from attn2ssm.student.convert import (
     convert,
@@ -17,8 +17,8 @@ from attn2ssm.student.convert import (
     grow_student,
     resolve_options,
 )
-from attn2ssm.export.native import native_problem
 from attn2ssm.student.plans import make_plan
+from tiny_models import tiny_model
 
 SERVED = ["mamba_in_llama", "hybrid50", "hybrid25", "hybrid12", "mamba2_pure"]
 AUTO = {"norm": True, "norm_eps": "auto"}
@@ -41,7 +41,10 @@ def test_auto_is_the_teachers_rms_norm_eps_and_is_saved_as_the_number(kind, tmp_
     assert json.loads((tmp_path / "config.json").read_text())["mixer_options"][kind]["norm_eps"] == 3e-5
 
 
-@pytest.mark.parametrize("family, attribute", [("phi", "layer_norm_eps"), ("gpt_neox", "layer_norm_eps"), ("gpt2", "layer_norm_epsilon")])
+@pytest.mark.parametrize(
+    "family, attribute",
+    [("phi", "layer_norm_eps"), ("gpt_neox", "layer_norm_eps"), ("gpt2", "layer_norm_epsilon")],
+)
 def test_auto_on_a_layernorm_teacher_is_its_layernorm_eps(family, attribute):
     teacher = _teacher(family, **{attribute: 2e-5})
     student = convert(teacher, ["mamba2", "mamba2"], {"mamba2": AUTO})
@@ -53,8 +56,12 @@ def test_auto_without_a_usable_teacher_eps_is_one_line():
     with pytest.raises(ConfigError, match=r"norm_eps: auto found the teacher's norm ε 0\.0") as info:
         convert(teacher, ["mamba2", "attention"], {"mamba2": AUTO})
     assert "\n" not in str(info.value)
-    with pytest.raises(ConfigError, match="needs the teacher's rms_norm_eps, and its config has none") as info:
-        resolve_options({"mamba2": AUTO}, {"model_type": "some_family", "hidden_size": 64})  # a config without a norm ε
+    with pytest.raises(
+        ConfigError, match="needs the teacher's rms_norm_eps, and its config has none"
+    ) as info:
+        resolve_options(
+            {"mamba2": AUTO}, {"model_type": "some_family", "hidden_size": 64}
+        )  # a config without a norm ε
     assert "\n" not in str(info.value)
 
 
@@ -90,10 +97,15 @@ def test_served_recipes_build_natively_exportable_students(name):
     s = recipe.student
     assert s.mixer == "mamba2" and s.mixer_options == {"norm": True, "norm_eps": "auto"}
     teacher = _teacher(layers=8, rms_norm_eps=1e-5)
-    ratios = {s.attention_ratio, *(st.attention_ratio for st in recipe.stages if st.attention_ratio is not None)}
+    ratios = {
+        s.attention_ratio,
+        *(st.attention_ratio for st in recipe.stages if st.attention_ratio is not None),
+    }
     for ratio in sorted(ratios):
         plan = make_plan(8, s.mixer, attention_ratio=ratio)
         student = convert(teacher, plan, {s.mixer: dict(s.mixer_options)})
         assert native_problem(student.config) is None, (name, ratio, native_problem(student.config))
         with torch.no_grad():
-            assert torch.isfinite(student(input_ids=torch.tensor([[3, 4, 5, 6]]), use_cache=False).logits).all()
+            assert torch.isfinite(
+                student(input_ids=torch.tensor([[3, 4, 5, 6]]), use_cache=False).logits
+            ).all()

@@ -11,11 +11,11 @@ logits, and a peft adapter saved on its own loads onto a fresh student.
 
 import pytest
 import torch
-from cache_forms import greedy_by_full_forwards
-from tiny_models import tiny_student
 from transformers import AutoModelForCausalLM
 
 import attn2ssm.student  # noqa: F401  (registers the Auto classes)
+from cache_forms import greedy_by_full_forwards
+from tiny_models import tiny_student
 
 peft = pytest.importorskip("peft")
 
@@ -65,7 +65,9 @@ def test_lora_on_feature_maps_trains_decodes_and_merges(route, feature_map, tmp_
     if route == "target_parameters":  # only adapters train: the maps' own weights stay frozen
         assert all("lora_" in n for n in names)
     else:  # the maps train whole (a trainable copy), the projections through adapters
-        assert all("lora_" in n or "modules_to_save" in n for n in names) and any("modules_to_save" in n for n in map_names)
+        assert all("lora_" in n or "modules_to_save" in n for n in names) and any(
+            "modules_to_save" in n for n in map_names
+        )
     with torch.no_grad():
         tuned = model(input_ids=ids, use_cache=False).logits
     assert (tuned - before).abs().max() > 1e-3
@@ -95,8 +97,12 @@ def test_lora_on_feature_maps_trains_decodes_and_merges(route, feature_map, tmp_
 def test_target_parameters_update_each_head_separately():
     """One (r × head_dim) A and (features × r) B per head: heads do not share an update."""
     student = _student()
-    model = peft.get_peft_model(student, peft.LoraConfig(r=2, target_parameters=["feature_map_q.weight"], init_lora_weights=False))
-    fmap = next(m for n, m in model.named_modules() if n.endswith("feature_map_q") and hasattr(m, "get_delta_weight"))
+    model = peft.get_peft_model(
+        student, peft.LoraConfig(r=2, target_parameters=["feature_map_q.weight"], init_lora_weights=False)
+    )
+    fmap = next(
+        m for n, m in model.named_modules() if n.endswith("feature_map_q") and hasattr(m, "get_delta_weight")
+    )
     heads, head_dim, features = fmap.get_base_layer().weight.shape
     delta = fmap.get_delta_weight("default")
     assert delta.shape == (heads, head_dim, features)
@@ -107,6 +113,9 @@ def test_target_parameters_update_each_head_separately():
 def test_card_of_a_learned_map_student_names_the_peft_routes(tmp_path):
     _student().save_pretrained(tmp_path / "hedgehog")
     card = (tmp_path / "hedgehog" / "README.md").read_text()
-    assert 'target_parameters=["feature_map_q.weight", "feature_map_k.weight"]' in card and "modules_to_save" in card
+    assert (
+        'target_parameters=["feature_map_q.weight", "feature_map_k.weight"]' in card
+        and "modules_to_save" in card
+    )
     _student("elu").save_pretrained(tmp_path / "elu")  # nothing learned in the maps: nothing to say
     assert "target_parameters" not in (tmp_path / "elu" / "README.md").read_text()

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM
 
 import attn2ssm.student  # noqa: F401  (registers Auto classes)
@@ -11,6 +10,7 @@ from attn2ssm.mixers.registry import MIXERS
 from attn2ssm.student.convert import convert, converted_layer, grow_student
 from attn2ssm.student.modeling import Attn2SSMForCausalLM
 from attn2ssm.student.plans import clustered_keep, interleaved_keep, make_plan, nested_keep
+from tiny_models import tiny_model
 
 LA = "linear_attention"
 HH = {LA: {"feature_map": "hedgehog"}}
@@ -73,7 +73,11 @@ def test_make_plan_placement_and_align():
 
 
 def test_nested_keep_is_nested_and_matches_paper_on_32_layers():
-    assert nested_keep(32, [0.5, 0.25, 0.125], "last") == [list(range(1, 32, 2)), list(range(3, 32, 4)), [7, 15, 23, 31]]
+    assert nested_keep(32, [0.5, 0.25, 0.125], "last") == [
+        list(range(1, 32, 2)),
+        list(range(3, 32, 4)),
+        [7, 15, 23, 31],
+    ]
     assert nested_keep(32, [0.5, 0.25], "first") == [interleaved_keep(32, 0.5), interleaved_keep(32, 0.25)]
     for align in ("first", "last"):
         stages = nested_keep(30, [0.5, 0.25, 0.125, 0.0], align)
@@ -125,13 +129,17 @@ def test_grow_carries_trained_weights_and_inits_new_layers_from_teacher(teacher,
     before = {k: v.clone() for k, v in student.state_dict().items()}
     grown = grow_student(student, teacher, new_plan)
     assert isinstance(grown, Attn2SSMForCausalLM) and grown.config.layer_plan == new_plan
-    assert student.config.layer_plan == old_plan and all(torch.equal(v, student.state_dict()[k]) for k, v in before.items())
+    assert student.config.layer_plan == old_plan and all(
+        torch.equal(v, student.state_dict()[k]) for k, v in before.items()
+    )
     assert grown.config.mixer_options == HH and not grown.training
 
     new_prefix = "base.model.layers.2.self_attn."
     old_state, new_state = student.state_dict(), grown.state_dict()
     carried = [k for k in new_state if not k.startswith(new_prefix)]
-    assert any(".mlp." in k for k in carried) and any("layers.1.self_attn.feature_map_q" in k for k in carried)
+    assert any(".mlp." in k for k in carried) and any(
+        "layers.1.self_attn.feature_map_q" in k for k in carried
+    )
     for k in carried:
         assert torch.equal(new_state[k], old_state[k]), k
     fresh = convert(teacher, new_plan, HH).state_dict()
@@ -165,6 +173,7 @@ def test_grow_rejects_plans_that_are_not_growth(teacher):
         grow_student(student, teacher, [LA] * 4, {LA: {"feature_map": "elu"}})
     with pytest.raises(ConfigError, match="does not match"):
         grow_student(student, _llama(layers=2), [LA] * 4)
+
     # a different mixer kind for a trained layer (a registered stand-in, so this does not depend on other mixers)
     class Other(MIXERS[LA]):
         mixer_type = "other"
@@ -175,7 +184,9 @@ def test_grow_rejects_plans_that_are_not_growth(teacher):
             grow_student(student, teacher, [A, "other_test_mixer", A, LA])
     finally:
         del MIXERS["other_test_mixer"]
-    assert grow_student(student, teacher, [A, LA, A, LA], {LA: {"feature_map": "hedgehog"}}).config.layer_plan == [A, LA, A, LA]
+    assert grow_student(
+        student, teacher, [A, LA, A, LA], {LA: {"feature_map": "hedgehog"}}
+    ).config.layer_plan == [A, LA, A, LA]
 
 
 def test_grow_keeps_dtype_and_device():
@@ -185,7 +196,9 @@ def test_grow_keeps_dtype_and_device():
     grown = grow_student(student, bf16, [LA, LA, A, LA])
     assert {p.dtype for p in grown.parameters()} == {torch.bfloat16}
     assert {p.device.type for p in grown.parameters()} == {torch.device(device).type}
-    assert torch.equal(grown.base.model.layers[0].self_attn.q_proj.weight, bf16.model.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(
+        grown.base.model.layers[0].self_attn.q_proj.weight, bf16.model.layers[0].self_attn.q_proj.weight
+    )
     assert torch.isfinite(grown(input_ids=_ids().to(device), use_cache=False).logits.float()).all()
     # a mixed-precision student (an fp32 feature map in a bf16 model) keeps each tensor's dtype
     fmap = student.base.model.layers[1].self_attn.feature_map_q

@@ -10,11 +10,11 @@ here is a tiny Llama student (GQA, RoPE) with the mixers' new parameters moved o
 
 import pytest
 import torch
-from tiny_models import tiny_student
 from transformers import AutoModelForCausalLM
 
 import attn2ssm.student  # noqa: F401  (registers the Auto classes)
 from attn2ssm.mixers.feature_maps import FEATURE_MAPS
+from tiny_models import tiny_student
 
 LA = "linear_attention"
 CASES = (

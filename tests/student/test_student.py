@@ -4,14 +4,14 @@ import json
 
 import pytest
 import torch
-from cache_forms import full_and_pieces, greedy_by_full_forwards, run_remote
-from tiny_models import TINY_CONFIGS, tiny_model
 from transformers import AutoModelForCausalLM
 
 import attn2ssm.student  # noqa: F401  (registers Auto classes)
 from attn2ssm.student.convert import convert
 from attn2ssm.student.modeling import Attn2SSMForCausalLM
 from attn2ssm.student.plans import interleaved_keep, make_plan
+from cache_forms import full_and_pieces, greedy_by_full_forwards, run_remote
+from tiny_models import TINY_CONFIGS, tiny_model
 
 FAMILIES = sorted(TINY_CONFIGS)
 LA = "linear_attention"
@@ -49,7 +49,12 @@ def test_all_attention_plan_is_the_teacher(family, teachers):
     teacher = teachers[family]
     student = convert(teacher, ["attention"] * teacher.config.num_hidden_layers)
     ids = _ids()
-    torch.testing.assert_close(student(input_ids=ids, use_cache=False).logits, teacher(input_ids=ids, use_cache=False).logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        student(input_ids=ids, use_cache=False).logits,
+        teacher(input_ids=ids, use_cache=False).logits,
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -62,7 +67,12 @@ def test_mixer_starts_from_teacher_projections(family, teachers):
     adapter = get_adapter(teacher)
     w = adapter.read_weights(teacher.get_submodule(adapter.attention_module_paths(teacher)[0]))
     mixer = student.mixers()[0]
-    for mine, theirs in ((mixer.q_proj.weight, w.q), (mixer.k_proj.weight, w.k), (mixer.v_proj.weight, w.v), (mixer.o_proj.weight, w.o)):
+    for mine, theirs in (
+        (mixer.q_proj.weight, w.q),
+        (mixer.k_proj.weight, w.k),
+        (mixer.v_proj.weight, w.v),
+        (mixer.o_proj.weight, w.o),
+    ):
         assert torch.equal(mine, theirs)
     # everything that is not attention is shared with the teacher bit for bit
     t_state = teacher.state_dict()
@@ -159,7 +169,9 @@ def test_unknown_mixer_option_is_a_config_error(teachers):
         convert(teacher, [LA] * teacher.config.num_hidden_layers, {LA: {"rope": "after"}})
 
 
-@pytest.mark.parametrize("feature_map", ["elu", "relu", "hedgehog", "t2r", "taylor", "performer", "cosformer", "exp_t"])
+@pytest.mark.parametrize(
+    "feature_map", ["elu", "relu", "hedgehog", "t2r", "taylor", "performer", "cosformer", "exp_t"]
+)
 def test_every_feature_map_prefill_chunked_and_decode_agree(feature_map, teachers):
     """Recurrent state is exact for every map, position-aware ones (cosFormer) included."""
     teacher = teachers["llama"]

@@ -83,7 +83,9 @@ def capture_teacher_attention(
         if logits:
             out = teacher(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         else:
-            teacher.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)  # the decoder stack
+            teacher.base_model(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            )  # the decoder stack
     except _Stop:
         pass
     finally:
@@ -95,6 +97,8 @@ def capture_teacher_attention(
     return captured, out
 
 
-def capture_attention_io(teacher: nn.Module, input_ids: torch.Tensor, layers: list[int], attention_mask: torch.Tensor | None = None) -> dict[int, AttentionIO]:
+def capture_attention_io(
+    teacher: nn.Module, input_ids: torch.Tensor, layers: list[int], attention_mask: torch.Tensor | None = None
+) -> dict[int, AttentionIO]:
     """Run ``teacher`` on ``input_ids`` up to the last of ``layers``; returns layer → AttentionIO."""
     return capture_teacher_attention(teacher, input_ids, layers, attention_mask)[0]

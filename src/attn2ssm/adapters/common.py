@@ -82,7 +82,9 @@ class Adapter:
     q_attr, k_attr, v_attr, o_attr = "q_proj", "k_proj", "v_proj", "o_proj"
     qk_norm_attrs: ClassVar[tuple[str, str] | None] = None  # e.g. ("q_norm", "k_norm")
     uses_layer_types: ClassVar[bool] = False  # sliding layers chosen by config.layer_types
-    learned_positions: ClassVar[bool] = False  # a table of absolute position embeddings (no row past max_position_embeddings)
+    learned_positions: ClassVar[bool] = (
+        False  # a table of absolute position embeddings (no row past max_position_embeddings)
+    )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(family={self.family!r})"
@@ -187,11 +189,17 @@ class Adapter:
         q, k, v, o = (getattr(attn, name) for name in (self.q_attr, self.k_attr, self.v_attr, self.o_attr))
         q_norm, k_norm = self.qk_norms(attn)
         return AttentionWeights(
-            q=_weight(q), k=_weight(k), v=_weight(v), o=_weight(o),
-            q_bias=_bias(q), k_bias=_bias(k), v_bias=_bias(v), o_bias=_bias(o),
+            q=_weight(q),
+            k=_weight(k),
+            v=_weight(v),
+            o=_weight(o),
+            q_bias=_bias(q),
+            k_bias=_bias(k),
+            v_bias=_bias(v),
+            o_bias=_bias(o),
             q_norm=copy.deepcopy(q_norm) if q_norm is not None else None,
             k_norm=copy.deepcopy(k_norm) if k_norm is not None else None,
-        )  # fmt: skip
+        )
 
     # ---- positions ----------------------------------------------------------------------
 
@@ -232,7 +240,11 @@ class Adapter:
         def heads(linear: nn.Module) -> torch.Tensor:
             return linear(hidden_states).view(b, length, -1, geometry.head_dim).transpose(1, 2)
 
-        return heads(getattr(attn, self.q_attr)), heads(getattr(attn, self.k_attr)), heads(getattr(attn, self.v_attr))
+        return (
+            heads(getattr(attn, self.q_attr)),
+            heads(getattr(attn, self.k_attr)),
+            heads(getattr(attn, self.v_attr)),
+        )
 
     def qk(
         self, attn: nn.Module, hidden_states: torch.Tensor, position_embeddings: RotaryPair | None

@@ -54,9 +54,15 @@ class GPT2Adapter(Adapter):
         q, k, v = _conv1d_weight(attn.c_attn).split(hidden, dim=0)  # each (hidden, hidden)
         qb, kb, vb = attn.c_attn.bias.detach().split(hidden)
         return AttentionWeights(
-            q=q.clone(), k=k.clone(), v=v.clone(), o=_conv1d_weight(attn.c_proj),
-            q_bias=qb.clone(), k_bias=kb.clone(), v_bias=vb.clone(), o_bias=attn.c_proj.bias.detach().clone(),
-        )  # fmt: skip
+            q=q.clone(),
+            k=k.clone(),
+            v=v.clone(),
+            o=_conv1d_weight(attn.c_proj),
+            q_bias=qb.clone(),
+            k_bias=kb.clone(),
+            v_bias=vb.clone(),
+            o_bias=attn.c_proj.bias.detach().clone(),
+        )
 
     def rotary_embeddings(self, model, hidden_states, position_ids, layer_idx) -> RotaryPair | None:
         return None

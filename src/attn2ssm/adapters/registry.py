@@ -41,7 +41,9 @@ def register_adapter(cls: type[Adapter], *, replace: bool = False) -> type[Adapt
 def supported_families(encoders: bool = False) -> list[str]:
     """Sorted decoder family names, e.g. ["gemma", "gemma2", …, "qwen2"]; with ``encoders`` also
     the encoder families (adapters with ``encoder = True``: ViT/DeiT, distilled into image classifiers)."""
-    return sorted({cls.family for cls in _BY_MODEL_TYPE.values() if encoders or not getattr(cls, "encoder", False)})
+    return sorted(
+        {cls.family for cls in _BY_MODEL_TYPE.values() if encoders or not getattr(cls, "encoder", False)}
+    )
 
 
 def supported_model_types() -> list[str]:

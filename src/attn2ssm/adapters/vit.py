@@ -66,7 +66,9 @@ class ViTAdapter(Adapter):
     def rotary_embeddings(self, model, hidden_states, position_ids, layer_idx) -> RotaryPair | None:
         return None
 
-    def attention_probs(self, attn, hidden_states, position_embeddings=None, attention_mask=None) -> torch.Tensor:
+    def attention_probs(
+        self, attn, hidden_states, position_embeddings=None, attention_mask=None
+    ) -> torch.Tensor:
         """Non-causal softmax probabilities (b, h, l, l), float32 (the base class applies a causal mask)."""
         q, k = self.qk(attn, hidden_states, None)
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.layer_geometry(attn).scaling
@@ -74,5 +76,8 @@ class ViTAdapter(Adapter):
 
     def student_geometry(self, config, layer_idx: int) -> dict:
         """What an encoder mixer needs to replace layer ``layer_idx``'s attention."""
-        return {**self.geometry(config, layer_idx).to_dict(), "num_prefix_tokens": self.num_prefix_tokens(config),
-                "num_patches": self.num_patches(config)}  # fmt: skip
+        return {
+            **self.geometry(config, layer_idx).to_dict(),
+            "num_prefix_tokens": self.num_prefix_tokens(config),
+            "num_patches": self.num_patches(config),
+        }

@@ -73,7 +73,14 @@ STUDENTS = {
 LLAMA_CPP_STUDENTS = ("mamba2", "hybrid25", "gdn")
 LLAMA_CPP_STUDENT_OPTIONS = {
     "mamba2": {"norm": True, "norm_eps": "auto", "gate": True, "gate_bias": False},
-    "gated_delta": {"norm": True, "norm_eps": "auto", "gate": True, "gate_bias": False, "beta_bias": False, "conv_bias": False},
+    "gated_delta": {
+        "norm": True,
+        "norm_eps": "auto",
+        "gate": True,
+        "gate_bias": False,
+        "beta_bias": False,
+        "conv_bias": False,
+    },
 }
 
 
@@ -178,7 +185,12 @@ def prefill(model, prompt: torch.Tensor) -> dict:
     clock, cache = _Clock(), _new_cache(model)
     start = time.perf_counter()
     out = _greedy(model, prompt, cache, 1, clock)
-    return {"seconds": clock.times[1] - start, "peak_growth_mb": memory.peak_growth_mb(), "cache": cache, "ids": out}
+    return {
+        "seconds": clock.times[1] - start,
+        "peak_growth_mb": memory.peak_growth_mb(),
+        "cache": cache,
+        "ids": out,
+    }
 
 
 @torch.no_grad()
@@ -223,9 +235,13 @@ def plain_generate(model, prompt: torch.Tensor, new_tokens: int) -> dict:
 
     stamps = _Stamps()
     out = model.generate(
-        input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+        input_ids=prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
         logits_processor=LogitsProcessorList([stamps]),
-    )  # fmt: skip
+    )
     t = stamps.times  # t[0]: after the prefill forward, t[i]: after the i-th one-token forward
     return {"seconds": [b - a for a, b in zip(t, t[1:])], "tokens": out[0, prompt.shape[1] :].tolist()}
 
@@ -247,8 +263,14 @@ def stream_rate(device: torch.device, megabytes: int = 512, repeats: int = 5) ->
         start = time.perf_counter()
         dst.copy_(big)
         copies.append(2 * big.numel() * 4 / (time.perf_counter() - start) / 1e9)
-    return {"sum_gb_per_s": _quantile(sums, 0.5), "copy_gb_per_s": _quantile(copies, 0.5), "sum_all": [round(v, 2) for v in sums],
-            "copy_all": [round(v, 2) for v in copies], "tensor_mb": megabytes, "threads": torch.get_num_threads()}  # fmt: skip
+    return {
+        "sum_gb_per_s": _quantile(sums, 0.5),
+        "copy_gb_per_s": _quantile(copies, 0.5),
+        "sum_all": [round(v, 2) for v in sums],
+        "copy_all": [round(v, 2) for v in copies],
+        "tensor_mb": megabytes,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -268,12 +290,17 @@ def decode_row(length: int, pre: dict, rounds: list[dict], plain: list[dict] | N
     if plain:
         plain_times = [s for r in plain for s in r["seconds"]]
         plain_median = _quantile(plain_times, 0.5)
-        n = len(rounds[0]["tokens"])  # a round decodes after the prefill's token; plain's tokens start with it
+        n = len(
+            rounds[0]["tokens"]
+        )  # a round decodes after the prefill's token; plain's tokens start with it
         check = {
             "plain_generate_tokens_per_second": 1.0 / plain_median,
             "plain_generate_ms_per_token_all": [round(1000 * s, 3) for s in plain_times],
             "benchmark_vs_plain_generate": plain_median / median,
-            "plain_generate_same_tokens": all(p["tokens"][1:] == rounds[0]["tokens"][: len(p["tokens"]) - 1] for p in plain) and n > 0,
+            "plain_generate_same_tokens": all(
+                p["tokens"][1:] == rounds[0]["tokens"][: len(p["tokens"]) - 1] for p in plain
+            )
+            and n > 0,
         }
     return {
         "context": length,
@@ -288,8 +315,12 @@ def decode_row(length: int, pre: dict, rounds: list[dict], plain: list[dict] | N
         "same_tokens_every_round": all(r["tokens"] == rounds[0]["tokens"] for r in rounds),
         "cache_mb": rounds[0]["cache_mb"],
         "prefill_peak_growth_mb": pre["peak_growth_mb"],
-        "decode_peak_growth_mb": max((r["peak_growth_mb"] for r in rounds if r["peak_growth_mb"] is not None), default=None),
-        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,  # recorded, not hidden
+        "decode_peak_growth_mb": max(
+            (r["peak_growth_mb"] for r in rounds if r["peak_growth_mb"] is not None), default=None
+        ),
+        "load_average_1min": os.getloadavg()[0]
+        if hasattr(os, "getloadavg")
+        else None,  # recorded, not hidden
         "ms_per_token_all": [round(1000 * s, 3) for s in times],
         **check,
     }
@@ -300,7 +331,9 @@ def measure_decode(model, prompt: torch.Tensor, new_tokens: int, rounds: int = 1
     return measure_decode_interleaved({"model": model}, prompt, new_tokens, rounds)["model"]
 
 
-def measure_decode_interleaved(models: dict, prompt: torch.Tensor, new_tokens: int, rounds: int, plain_check: bool = False) -> dict:
+def measure_decode_interleaved(
+    models: dict, prompt: torch.Tensor, new_tokens: int, rounds: int, plain_check: bool = False
+) -> dict:
     """Several models at one context: each prefills once, then in every round each decodes in turn
     (with ``plain_check``, each also runs a user's plain ``generate`` right after its round)."""
     if new_tokens < 3:
@@ -309,8 +342,13 @@ def measure_decode_interleaved(models: dict, prompt: torch.Tensor, new_tokens: i
     for name, m in models.items():
         try:
             pres[name] = prefill(m, prompt)
-        except torch.OutOfMemoryError as exc:  # e.g. a teacher's one-forward prefill of a long prompt on a GPU
-            skipped[name] = {"context": prompt.shape[1], "skipped": f"out of memory on {prompt.device} in the prefill: {str(exc).splitlines()[0][:160]}"}
+        except (
+            torch.OutOfMemoryError
+        ) as exc:  # e.g. a teacher's one-forward prefill of a long prompt on a GPU
+            skipped[name] = {
+                "context": prompt.shape[1],
+                "skipped": f"out of memory on {prompt.device} in the prefill: {str(exc).splitlines()[0][:160]}",
+            }
             if prompt.device.type == "cuda":
                 torch.cuda.empty_cache()
     done: dict[str, list] = {name: [] for name in pres}
@@ -334,7 +372,12 @@ class LlamaCppBench:
     opens a llama.cpp context just large enough for the prompt and the decoded tokens."""
 
     def __init__(self, path, threads: int | None, new_tokens: int, flash_attn: bool = True):
-        self.path, self.threads, self.new_tokens, self.flash_attn = Path(path), threads, new_tokens, flash_attn
+        self.path, self.threads, self.new_tokens, self.flash_attn = (
+            Path(path),
+            threads,
+            new_tokens,
+            flash_attn,
+        )
 
     def prefill(self, prompt: torch.Tensor) -> dict:
         from attn2ssm.export.llamacpp import GGUFModel
@@ -342,13 +385,23 @@ class LlamaCppBench:
         tokens = prompt[0].tolist()
         memory = _Memory(torch.device("cpu"))
         memory.start()
-        model = GGUFModel(self.path, n_ctx=len(tokens) + self.new_tokens + 8, threads=self.threads, flash_attn=self.flash_attn)
+        model = GGUFModel(
+            self.path,
+            n_ctx=len(tokens) + self.new_tokens + 8,
+            threads=self.threads,
+            flash_attn=self.flash_attn,
+        )
         start = time.perf_counter()
         model.feed(tokens)
         first = int(model.last_logits().argmax())
         seconds = time.perf_counter() - start
-        return {"seconds": seconds, "peak_growth_mb": memory.peak_growth_mb(), "model": model, "state": model.state(),
-                "ids": torch.tensor([[*tokens, first]])}  # fmt: skip
+        return {
+            "seconds": seconds,
+            "peak_growth_mb": memory.peak_growth_mb(),
+            "model": model,
+            "state": model.state(),
+            "ids": torch.tensor([[*tokens, first]]),
+        }
 
     def decode_round(self, prefilled: dict, new_tokens: int) -> dict:
         """From the saved state after the prompt: feed the first token, then greedy ``new_tokens``
@@ -364,7 +417,12 @@ class LlamaCppBench:
             tokens.append(token)
             stamps.append(time.perf_counter())
         seconds = [b - a for a, b in zip(stamps[1:], stamps[2:])]
-        return {"seconds": seconds, "peak_growth_mb": memory.peak_growth_mb(), "cache_mb": len(model.state()[0]) / 2**20, "tokens": tokens}
+        return {
+            "seconds": seconds,
+            "peak_growth_mb": memory.peak_growth_mb(),
+            "cache_mb": len(model.state()[0]) / 2**20,
+            "tokens": tokens,
+        }
 
     def release(self, prefilled: dict) -> None:
         prefilled.pop("state", None)
@@ -373,12 +431,14 @@ class LlamaCppBench:
             model.close()
 
 
-def build_gguf_models(teacher, tokenizer, source, settings: "BenchSettings", work: Path, progress: bool = True) -> tuple[dict, dict]:
+def build_gguf_models(
+    teacher, tokenizer, source, settings: "BenchSettings", work: Path, progress: bool = True
+) -> tuple[dict, dict]:
     """name@quant → ``LlamaCppBench`` for every model × type in ``settings``, and what each file is.
     GGUFs already in ``work`` (``--gguf-dir``) are used as they are."""
+    from attn2ssm.export.gguf import export_gguf
     from attn2ssm.export.llamacpp import to_gguf
     from attn2ssm.student.convert import convert
-    from attn2ssm.export.gguf import export_gguf
     from attn2ssm.student.plans import make_plan
 
     work.mkdir(parents=True, exist_ok=True)
@@ -398,15 +458,28 @@ def build_gguf_models(teacher, tokenizer, source, settings: "BenchSettings", wor
                 else:
                     if source_dir is None:
                         kind, ratio, options = STUDENTS[name]
-                        student = convert(teacher, make_plan(n, kind, attention_ratio=ratio), {kind: {**options, **LLAMA_CPP_STUDENT_OPTIONS[kind]}}).eval()
+                        student = convert(
+                            teacher,
+                            make_plan(n, kind, attention_ratio=ratio),
+                            {kind: {**options, **LLAMA_CPP_STUDENT_OPTIONS[kind]}},
+                        ).eval()
                         source_dir = work / f"{name}-student"
                         student.save_pretrained(source_dir)
                         tokenizer.save_pretrained(source_dir)
-                    result = export_gguf(source_dir, path, outtype=quant, force=True, threads=settings.threads)
-                    info.update({"identity_layers": result.identity_layers, "llama_cpp_max_abs_diff_vs_student": result.llama_cpp_max_abs_diff,
-                                 "notes": result.notes})  # fmt: skip
+                    result = export_gguf(
+                        source_dir, path, outtype=quant, force=True, threads=settings.threads
+                    )
+                    info.update(
+                        {
+                            "identity_layers": result.identity_layers,
+                            "llama_cpp_max_abs_diff_vs_student": result.llama_cpp_max_abs_diff,
+                            "notes": result.notes,
+                        }
+                    )
             info["bytes"] = path.stat().st_size
-            models[f"{name}@{quant}"] = LlamaCppBench(path, settings.threads, settings.new_tokens, settings.flash_attn)
+            models[f"{name}@{quant}"] = LlamaCppBench(
+                path, settings.threads, settings.new_tokens, settings.flash_attn
+            )
             files[f"{name}@{quant}"] = info
     return models, files
 
@@ -443,7 +516,9 @@ def _plain_greedy(target, cache, prompt: torch.Tensor, new_tokens: int) -> tuple
 
 
 @torch.no_grad()
-def measure_speculative(target, drafts: dict, prompt: torch.Tensor, ks: list[int], new_tokens: int, rounds: int = 1) -> dict:
+def measure_speculative(
+    target, drafts: dict, prompt: torch.Tensor, ks: list[int], new_tokens: int, rounds: int = 1
+) -> dict:
     """The target's plain greedy decode vs speculative decoding with each drafter (name → a model
     or "ngram") at each K, every run from copies of one prefill of each model. In each of
     ``rounds`` rounds the plain decode and every variant take turns, so a slow spell of a shared
@@ -468,7 +543,14 @@ def measure_speculative(target, drafts: dict, prompt: torch.Tensor, ks: list[int
             for k in ks:
                 caches = copy.deepcopy(prefilled["target"]), copy.deepcopy(prefilled[name])
                 start = time.perf_counter()
-                out = speculative_generate(target, draft, prompt, max_new_tokens=new_tokens, num_draft_tokens=k, past_key_values=caches)
+                out = speculative_generate(
+                    target,
+                    draft,
+                    prompt,
+                    max_new_tokens=new_tokens,
+                    num_draft_tokens=k,
+                    past_key_values=caches,
+                )
                 runs[name, k].append((time.perf_counter() - start, out))
     plain = _quantile(plain_times, 0.5)
     by_drafter = {}
@@ -478,16 +560,21 @@ def measure_speculative(target, drafts: dict, prompt: torch.Tensor, ks: list[int
             seconds = _quantile([t for t, _ in runs[name, k]], 0.5)
             out = runs[name, k][0][1]
             tokens = out.sequences[0, prompt.shape[1] :].tolist()
-            rows.append({
-                "k": k,
-                "seconds": seconds,
-                "seconds_all": [round(t, 4) for t, _ in runs[name, k]],
-                "tokens_per_second": len(tokens) / seconds,
-                "speedup": plain / seconds * len(tokens) / new_tokens,
-                "tokens_per_target_forward": out.stats.tokens_per_round,
-                "identical_to_plain_greedy": all(r.sequences[0, prompt.shape[1] :].tolist() == reference[: len(tokens)] for _, r in runs[name, k]),
-                **out.stats.as_dict(),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "k": k,
+                    "seconds": seconds,
+                    "seconds_all": [round(t, 4) for t, _ in runs[name, k]],
+                    "tokens_per_second": len(tokens) / seconds,
+                    "speedup": plain / seconds * len(tokens) / new_tokens,
+                    "tokens_per_target_forward": out.stats.tokens_per_round,
+                    "identical_to_plain_greedy": all(
+                        r.sequences[0, prompt.shape[1] :].tolist() == reference[: len(tokens)]
+                        for _, r in runs[name, k]
+                    ),
+                    **out.stats.as_dict(),
+                }
+            )
         by_drafter[name] = rows
     return {
         "context": prompt.shape[1],
@@ -541,8 +628,8 @@ def run_spec_bench(settings: "BenchSettings", progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
     from attn2ssm.eval.report import environment
-    from attn2ssm.teachers import load_teacher
     from attn2ssm.student.loading import load_model_and_tokenizer
+    from attn2ssm.teachers import load_teacher
 
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if settings.threads:
@@ -552,7 +639,9 @@ def run_spec_bench(settings: "BenchSettings", progress: bool = True) -> dict:
     drafts: dict = {name: name for name in settings.spec_drafters}
     for path in settings.draft or ():
         model, _ = load_model_and_tokenizer(path)
-        drafts[f"model:{Path(path).name if Path(path).name != 'student' else Path(path).parent.name}"] = model.to(device).eval()
+        drafts[f"model:{Path(path).name if Path(path).name != 'student' else Path(path).parent.name}"] = (
+            model.to(device).eval()
+        )
     if settings.cpu_layout and device.type == "cpu":
         from attn2ssm.decode.layout import cpu_decode_layout
 
@@ -561,7 +650,12 @@ def run_spec_bench(settings: "BenchSettings", progress: bool = True) -> dict:
     longest = max(settings.spec_contexts)
     text = _prompt_ids(tokenizer, settings.corpus, longest, device)
     rows = []
-    points = [(t, length, task) for t in targets for length in settings.spec_contexts for task in ("continue", "copy")]
+    points = [
+        (t, length, task)
+        for t in targets
+        for length in settings.spec_contexts
+        for task in ("continue", "copy")
+    ]
     bar = tqdm(points, desc="speculative", disable=not progress, file=sys.stderr)
     for target_name, length, task in bar:
         bar.set_postfix_str(f"{target_name} @ {length} {task}")
@@ -569,7 +663,14 @@ def run_spec_bench(settings: "BenchSettings", progress: bool = True) -> dict:
             prompt, passage = copy_prompt(tokenizer, settings.corpus, length, device)
         else:
             prompt, passage = text[:, :length], None
-        row = measure_speculative(targets[target_name], drafts, prompt, list(settings.spec_ks), settings.spec_new_tokens, settings.rounds)
+        row = measure_speculative(
+            targets[target_name],
+            drafts,
+            prompt,
+            list(settings.spec_ks),
+            settings.spec_new_tokens,
+            settings.rounds,
+        )
         if passage is not None:
             plain = row["plain_tokens"]
             row["plain_copies_passage"] = sum(a == b for a, b in zip(plain, passage)) / len(plain)
@@ -580,8 +681,19 @@ def run_spec_bench(settings: "BenchSettings", progress: bool = True) -> dict:
         "device": str(device),
         "threads": torch.get_num_threads(),
         "environment": environment(),
-        "targets": {name: (item.partition("=")[2] or f"untrained {name} conversion of the teacher") for item in settings.spec_targets for name in [item.partition("=")[0]]},
-        "drafters": {name: (d if isinstance(d, str) else f"{sum(p.numel() for p in d.parameters()) / 1e6:.1f}M parameters, {d.config.num_hidden_layers} layers") for name, d in drafts.items()},
+        "targets": {
+            name: (item.partition("=")[2] or f"untrained {name} conversion of the teacher")
+            for item in settings.spec_targets
+            for name in [item.partition("=")[0]]
+        },
+        "drafters": {
+            name: (
+                d
+                if isinstance(d, str)
+                else f"{sum(p.numel() for p in d.parameters()) / 1e6:.1f}M parameters, {d.config.num_hidden_layers} layers"
+            )
+            for name, d in drafts.items()
+        },
         "speculative": rows,
     }
 
@@ -596,7 +708,9 @@ def plot_spec_bench(result: dict, path: Path) -> Path:
 
     targets = list(dict.fromkeys(r["target"] for r in result["speculative"]))
     tasks = list(dict.fromkeys(r["task"] for r in result["speculative"]))
-    fig, axes = plt.subplots(len(tasks), len(targets), figsize=(4.6 * len(targets), 3.6 * len(tasks)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(tasks), len(targets), figsize=(4.6 * len(targets), 3.6 * len(tasks)), squeeze=False
+    )
     for (row_i, task), (col_i, target) in ((t, g) for t in enumerate(tasks) for g in enumerate(targets)):
         ax, i = axes[row_i][col_i], 0
         ticks: dict = {}
@@ -605,10 +719,25 @@ def plot_spec_bench(result: dict, path: Path) -> Path:
                 continue
             for name, rows in row["by_drafter"].items():
                 fixed = [r["k"] for r in rows if r["k"] != "auto"]
-                ks = [r["k"] if r["k"] != "auto" else max(fixed, default=0) + 2 for r in rows]  # "auto" drawn right of the fixed K
+                ks = [
+                    r["k"] if r["k"] != "auto" else max(fixed, default=0) + 2 for r in rows
+                ]  # "auto" drawn right of the fixed K
                 ticks.update({x: str(r["k"]) for x, r in zip(ks, rows)})
-                ax.plot(ks, [r["speedup"] for r in rows], marker="o", color=f"C{i}", label=f"{name} @ {row['context']}: speedup")
-                ax.plot(ks, [r["acceptance_rate"] for r in rows], marker="x", linestyle="--", color=f"C{i}", label=f"{name} @ {row['context']}: acceptance")
+                ax.plot(
+                    ks,
+                    [r["speedup"] for r in rows],
+                    marker="o",
+                    color=f"C{i}",
+                    label=f"{name} @ {row['context']}: speedup",
+                )
+                ax.plot(
+                    ks,
+                    [r["acceptance_rate"] for r in rows],
+                    marker="x",
+                    linestyle="--",
+                    color=f"C{i}",
+                    label=f"{name} @ {row['context']}: acceptance",
+                )
                 i += 1
         ax.set_xticks(list(ticks), list(ticks.values()))
         ax.axhline(1.0, color="gray", linewidth=1)
@@ -618,20 +747,29 @@ def plot_spec_bench(result: dict, path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=5)
     where = f"{result['device']} ({result['environment'].get('processor')}, {result['threads']} threads)"
-    fig.suptitle(f"speculative decoding, the student as target (Mamba in the Llama §4), greedy, on {where}; "
-                 "speedup over the target's plain decode (solid), acceptance (dashed)", fontsize=10)
+    fig.suptitle(
+        f"speculative decoding, the student as target (Mamba in the Llama §4), greedy, on {where}; "
+        "speedup over the target's plain decode (solid), acceptance (dashed)",
+        fontsize=10,
+    )
     return _save_figure(fig, path)
 
 
 def format_spec_bench(result: dict) -> str:
     """The speculative table ``bench generate --spec`` prints: per target, context and task, each drafter's K."""
-    lines = [f"speculative decoding ({result['device']}, {result['threads']} threads), the student as target; speedup over its plain greedy decode"]
+    lines = [
+        f"speculative decoding ({result['device']}, {result['threads']} threads), the student as target; speedup over its plain greedy decode"
+    ]
     for row in result["speculative"]:
-        lines.append(f"{row['target']} @ {row['context']} {row['task']} (plain {row['plain_tokens_per_second']:.2f} tok/s):")
+        lines.append(
+            f"{row['target']} @ {row['context']} {row['task']} (plain {row['plain_tokens_per_second']:.2f} tok/s):"
+        )
         for name, rows in row["by_drafter"].items():
             for r in rows:
-                lines.append(f"  {name} K={r['k']}: {r['tokens_per_second']:.2f} tok/s ({r['speedup']:.2f}x), acceptance {r['acceptance_rate']:.1%}, "
-                             f"{r['tokens_per_target_forward']:.2f} tokens/forward, identical {r['identical_to_plain_greedy']}")  # fmt: skip
+                lines.append(
+                    f"  {name} K={r['k']}: {r['tokens_per_second']:.2f} tok/s ({r['speedup']:.2f}x), acceptance {r['acceptance_rate']:.1%}, "
+                    f"{r['tokens_per_target_forward']:.2f} tokens/forward, identical {r['identical_to_plain_greedy']}"
+                )
     return "\n".join(lines)
 
 
@@ -655,7 +793,10 @@ class BenchSettings:
     new_tokens: int = 16
     max_context: dict | None = None  # model → longest context to run (longer ones are recorded as skipped)
     spec: bool = False  # run the speculative benchmark (run_spec_bench) instead of the decode table
-    spec_targets: tuple[str, ...] = ("mamba2", "hybrid25")  # NAME (untrained, from STUDENTS) or NAME=DIR (a trained student)
+    spec_targets: tuple[str, ...] = (
+        "mamba2",
+        "hybrid25",
+    )  # NAME (untrained, from STUDENTS) or NAME=DIR (a trained student)
     spec_drafters: tuple[str, ...] = ("ngram",)
     draft: tuple[str, ...] | None = None  # model drafts (student directories or teacher specs)
     spec_contexts: tuple[int, ...] = (1024, 8192)
@@ -666,12 +807,16 @@ class BenchSettings:
     threads: int | None = None
     rounds: int = 3
     cpu_layout: bool = True
-    compile_students: bool = False  # CPU: students decode through a torch.compile'd step (compiled before timing)
+    compile_students: bool = (
+        False  # CPU: students decode through a torch.compile'd step (compiled before timing)
+    )
     backend: str = "torch"  # or "llama.cpp": every model a GGUF in llama_cpp (see the module docstring)
     quants: tuple[str, ...] = ("q8_0", "f16")  # llama.cpp: the GGUF types, teacher and students alike
     flash_attn: bool = True  # llama.cpp: flash attention (llama.cpp's CLI default on CPU)
     gguf_dir: str | None = None  # llama.cpp: keep (and reuse) the GGUF files here; None: a temporary folder
-    formats: tuple[str, ...] = ("float32",)  # torch: weight formats (decode/quantize.py): float32, bfloat16, int8, bfloat16+int8
+    formats: tuple[str, ...] = (
+        "float32",
+    )  # torch: weight formats (decode/quantize.py): float32, bfloat16, int8, bfloat16+int8
     plain_check: str = "shortest"  # torch: also time a user's plain generate at the "shortest" context, "all" of them, or "none"
 
 
@@ -720,12 +865,17 @@ def build_models(teacher, names, device, formats: tuple[str, ...] = ("float32",)
         if name not in STUDENTS:
             raise ValueError(f"unknown benchmark model {name!r}; choose from teacher, {', '.join(STUDENTS)}")
         kind, ratio, options = STUDENTS[name]
-        base[name] = convert(teacher, make_plan(n, kind, attention_ratio=ratio), {kind: options}).to(device).eval()
+        base[name] = (
+            convert(teacher, make_plan(n, kind, attention_ratio=ratio), {kind: options}).to(device).eval()
+        )
     models = {}
     for fmt in formats:
         for name, model in base.items():
             if fmt == "float32":
-                model.__dict__["weight_format"] = {"format": "float32", "weight_bytes": step_weight_bytes(model)}
+                model.__dict__["weight_format"] = {
+                    "format": "float32",
+                    "weight_bytes": step_weight_bytes(model),
+                }
                 models[name] = model
                 continue
             copy_ = copy.deepcopy(model)
@@ -801,7 +951,9 @@ def _bandwidth_bound(decode: dict, weights: dict, stream: dict) -> None:
             row["bandwidth_bound_ms"] = 1000 * size / (rate * 1e9)
             row["fraction_of_bandwidth_bound"] = row["bandwidth_bound_ms"] / row["decode_ms_per_token"]
             row["bandwidth_bound_with_cache_ms"] = 1000 * (size + row["cache_mb"] * 2**20) / (rate * 1e9)
-            row["fraction_of_bandwidth_bound_with_cache"] = row["bandwidth_bound_with_cache_ms"] / row["decode_ms_per_token"]
+            row["fraction_of_bandwidth_bound_with_cache"] = (
+                row["bandwidth_bound_with_cache_ms"] / row["decode_ms_per_token"]
+            )
 
 
 def _decode_by_context(models: dict, settings: BenchSettings, prompt: torch.Tensor, progress: bool) -> dict:
@@ -817,23 +969,42 @@ def _decode_by_context(models: dict, settings: BenchSettings, prompt: torch.Tens
         bar.set_postfix_str(f"context {length}")
         limit = {m: limits.get(m.partition("@")[0], math.inf) for m in models}
         running = {m: models[m] for m in models if length <= limit[m] and m not in out_of_memory}
-        check = settings.plain_check == "all" or (settings.plain_check == "shortest" and length == min(settings.contexts))
-        rows = measure_decode_interleaved(running, prompt[:, :length], settings.new_tokens, settings.rounds, plain_check=check) if running else {}
+        check = settings.plain_check == "all" or (
+            settings.plain_check == "shortest" and length == min(settings.contexts)
+        )
+        rows = (
+            measure_decode_interleaved(
+                running, prompt[:, :length], settings.new_tokens, settings.rounds, plain_check=check
+            )
+            if running
+            else {}
+        )
         for name in models:
             if name in out_of_memory:
-                row = {"context": length, "skipped": f"the prefill ran out of memory at context {out_of_memory[name]}"}
+                row = {
+                    "context": length,
+                    "skipped": f"the prefill ran out of memory at context {out_of_memory[name]}",
+                }
             else:
-                row = rows.get(name) or {"context": length, "skipped": f"longer than --max-context {limit[name]} for {name}"}
+                row = rows.get(name) or {
+                    "context": length,
+                    "skipped": f"longer than --max-context {limit[name]} for {name}",
+                }
                 if "out of memory" in row.get("skipped", ""):
                     out_of_memory[name] = length  # longer contexts would not fit either
             decode[name].append(row)
-    for name, rows in decode.items():  # how many times faster than the teacher, from the medians, where both ran
+    for (
+        name,
+        rows,
+    ) in decode.items():  # how many times faster than the teacher, from the medians, where both ran
         ref = reference_name(name)
         if name != ref and ref in decode:
             for row, base in zip(rows, decode[ref]):
                 if "skipped" not in row and "skipped" not in base:
                     row["speedup_vs_teacher"] = base["decode_ms_per_token"] / row["decode_ms_per_token"]
-        model, sep, _ = name.partition("@")  # the same model in float32 (torch formats; llama.cpp rows have none)
+        model, sep, _ = name.partition(
+            "@"
+        )  # the same model in float32 (torch formats; llama.cpp rows have none)
         if sep and model in decode:
             for row, base in zip(rows, decode[model]):
                 if "skipped" not in row and "skipped" not in base:
@@ -888,11 +1059,19 @@ def plot_generate_bench(result: dict, path: Path) -> Path:
     fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.2))
     for ax, (key, label, log) in zip(axes, panels):
         for i, (name, rows) in enumerate(result["decode"].items()):
-            pts = [(r["context"], r[key]) for r in rows if "skipped" not in r and r.get(key) is not None and r[key] > 0]
+            pts = [
+                (r["context"], r[key])
+                for r in rows
+                if "skipped" not in r and r.get(key) is not None and r[key] > 0
+            ]
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=name)
             if key == "decode_tokens_per_second":  # interquartile range of the token times
-                band = [(r["context"], 1000 / r["decode_ms_per_token_p75"], 1000 / r["decode_ms_per_token_p25"]) for r in rows if "decode_ms_per_token_p25" in r]
+                band = [
+                    (r["context"], 1000 / r["decode_ms_per_token_p75"], 1000 / r["decode_ms_per_token_p25"])
+                    for r in rows
+                    if "decode_ms_per_token_p25" in r
+                ]
                 if band:
                     ax.fill_between(*zip(*band), color=f"C{i}", alpha=0.15, linewidth=0)
         if key == "speedup_vs_teacher":
@@ -904,12 +1083,17 @@ def plot_generate_bench(result: dict, path: Path) -> Path:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    compiled = sorted(name for name, how in result.get("compiled_decode_step", {}).items() if how == "compiled")
+    compiled = sorted(
+        name for name, how in result.get("compiled_decode_step", {}).items() if how == "compiled"
+    )
     note = f"; compiled decode step: {', '.join(compiled)}" if compiled else ""
     where = f"{result['device']} ({result['environment'].get('cuda') or result['environment'].get('processor')}, {result['threads']} threads)"
     if result.get("backend") == "llama.cpp":
         version = result["environment"].get("llama_cpp", {}).get("llama_cpp_python")
-        fig.suptitle(f"llama.cpp (llama-cpp-python {version}) on {where}, GGUF {' / '.join(result['settings']['quants'])}: teacher and students at the same type", fontsize=10)
+        fig.suptitle(
+            f"llama.cpp (llama-cpp-python {version}) on {where}, GGUF {' / '.join(result['settings']['quants'])}: teacher and students at the same type",
+            fontsize=10,
+        )
     else:
         formats = " / ".join(result["settings"].get("formats") or ["float32"])
         fig.suptitle(f"generation on {where}, weights {formats}{note}", fontsize=10)
@@ -919,7 +1103,9 @@ def plot_generate_bench(result: dict, path: Path) -> Path:
 def format_generate_bench(result: dict) -> str:
     """The table ``bench generate`` prints: per model, tokens/s | prefill s | cache MB at each context."""
     engine = "llama.cpp, " if result.get("backend") == "llama.cpp" else ""
-    lines = [f"decode ({engine}{result['device']}, {result['threads']} threads): tokens/s | prefill s | cache MB, by context"]
+    lines = [
+        f"decode ({engine}{result['device']}, {result['threads']} threads): tokens/s | prefill s | cache MB, by context"
+    ]
     for name, rows in result["decode"].items():
         cells = []
         for r in rows:
@@ -931,6 +1117,8 @@ def format_generate_bench(result: dict) -> str:
                     speedup += f" [plain generate {r['plain_generate_tokens_per_second']:.2f}]"
                 if "fraction_of_bandwidth_bound" in r:
                     speedup += f" [{r['fraction_of_bandwidth_bound']:.0%} of bound]"
-                cells.append(f"{r['context']}: {r['decode_tokens_per_second']:.2f}{speedup} | {r['prefill_seconds']:.1f} | {r['cache_mb']:.1f}")
+                cells.append(
+                    f"{r['context']}: {r['decode_tokens_per_second']:.2f}{speedup} | {r['prefill_seconds']:.1f} | {r['cache_mb']:.1f}"
+                )
         lines.append(f"  {name:<{max(9, *map(len, result['decode']))}} " + "; ".join(cells))
     return "\n".join(lines)

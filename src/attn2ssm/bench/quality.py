@@ -48,8 +48,16 @@ if TYPE_CHECKING:
     from attn2ssm.eval.suite import SuiteSettings
 
 # family name → recipe (built-in name or YAML path)
-FAMILIES = {"lolcats": "lolcats", "mamba2": "mamba2_pure", "hybrid50": "hybrid50", "hybrid25": "hybrid25", "hybrid12": "hybrid12", "linear_hybrid25": "linear_hybrid25",
-            "gdn": "gdn_pure", "gdn_hybrid25": "gdn_hybrid25"}
+FAMILIES = {
+    "lolcats": "lolcats",
+    "mamba2": "mamba2_pure",
+    "hybrid50": "hybrid50",
+    "hybrid25": "hybrid25",
+    "hybrid12": "hybrid12",
+    "linear_hybrid25": "linear_hybrid25",
+    "gdn": "gdn_pure",
+    "gdn_hybrid25": "gdn_hybrid25",
+}
 DEFAULT_BUDGETS = (2**16, 2**18, 2**20)
 DEFAULT_TEACHER = "smollm2-135m"
 
@@ -82,9 +90,13 @@ class EvalSettings:
 @dataclass
 class GridSettings:
     teacher: str = DEFAULT_TEACHER
-    families: dict[str, str] = field(default_factory=lambda: dict(FAMILIES))  # the table (built-in + --family)
+    families: dict[str, str] = field(
+        default_factory=lambda: dict(FAMILIES)
+    )  # the table (built-in + --family)
     cells: list[tuple[str, int]] = field(default_factory=list)  # (family, tokens) to fill, in order
-    sets: list[str] = field(default_factory=list)  # --set overrides: KEY=VALUE for every cell, FAMILY:KEY=VALUE for one family
+    sets: list[str] = field(
+        default_factory=list
+    )  # --set overrides: KEY=VALUE for every cell, FAMILY:KEY=VALUE for one family
     grid_dir: Path = Path("runs/quality")
     json_path: Path = Path("benchmarks/results/quality.json")
     eval: EvalSettings = field(default_factory=EvalSettings)
@@ -99,7 +111,9 @@ def parse_tokens(flag: str, text: str) -> int:
     except (ValueError, IndexError):
         value = 0
     if value < 1:
-        raise ConfigError(f"{flag} {text!r} is not a positive token count", f"write e.g. {flag} 65536,262144 (or 2^16,2^18)")
+        raise ConfigError(
+            f"{flag} {text!r} is not a positive token count", f"write e.g. {flag} 65536,262144 (or 2^16,2^18)"
+        )
     return value
 
 
@@ -116,19 +130,29 @@ def parse_family_table(items: list[str] | None) -> dict[str, str]:
     for item in items or []:
         name, sep, recipe = item.partition("=")
         name, recipe = name.strip(), recipe.strip()
-        if not sep or not recipe or not re.fullmatch(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*", name):  # names a run directory
-            raise ConfigError(f"--family {item!r} is not NAME=RECIPE with a plain name (letters, digits, _ . -)", "write e.g. --family hedgehog=hedgehog or --family mine=my_recipe.yaml")
+        if (
+            not sep or not recipe or not re.fullmatch(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*", name)
+        ):  # names a run directory
+            raise ConfigError(
+                f"--family {item!r} is not NAME=RECIPE with a plain name (letters, digits, _ . -)",
+                "write e.g. --family hedgehog=hedgehog or --family mine=my_recipe.yaml",
+            )
         table[name] = recipe
     return table
 
 
 def _known(name: str, table: dict[str, str], flag: str) -> str:
     if name not in table:
-        raise ConfigError(f"{flag} names unknown family {name!r}", f"choose from {', '.join(table)}, or add one with --family {name}=RECIPE")
+        raise ConfigError(
+            f"{flag} names unknown family {name!r}",
+            f"choose from {', '.join(table)}, or add one with --family {name}=RECIPE",
+        )
     return name
 
 
-def select_cells(table: dict[str, str], families: str | None, budgets: str | None, only: str | None) -> list[tuple[str, int]]:
+def select_cells(
+    table: dict[str, str], families: str | None, budgets: str | None, only: str | None
+) -> list[tuple[str, int]]:
     """The cells to fill: ``--only fam@tokens,...`` alone, else every family × budget."""
     if only is not None:
         if families is not None or budgets is not None:
@@ -137,7 +161,10 @@ def select_cells(table: dict[str, str], families: str | None, budgets: str | Non
         for item in (v.strip() for v in only.split(",")):
             name, sep, tokens = item.partition("@")
             if not sep:
-                raise ConfigError(f"--only item {item!r} is not FAMILY@TOKENS", "write e.g. --only hybrid25@65536,mamba2@262144")
+                raise ConfigError(
+                    f"--only item {item!r} is not FAMILY@TOKENS",
+                    "write e.g. --only hybrid25@65536,mamba2@262144",
+                )
             cell = (_known(name.strip(), table, "--only"), parse_tokens("--only", tokens))
             if cell not in cells:
                 cells.append(cell)
@@ -161,7 +188,10 @@ def family_sets(sets: list[str], family: str, table: dict[str, str]) -> list[str
             continue
         name, _, rest = item.partition(":")
         if name not in table:
-            raise ConfigError(f"--set {item!r} names unknown family {name!r}", f"write KEY=VALUE for every cell, or FAMILY:KEY=VALUE with one of {', '.join(table)}")
+            raise ConfigError(
+                f"--set {item!r} names unknown family {name!r}",
+                f"write KEY=VALUE for every cell, or FAMILY:KEY=VALUE with one of {', '.join(table)}",
+            )
         if name == family:
             out.append(rest)
     return out
@@ -173,7 +203,9 @@ def _raw_recipe(name_or_path: str, sets: list[str]) -> dict:
     from attn2ssm.distill.recipe import builtin_recipes
 
     recipes = builtin_recipes()
-    return apply_overrides(load_yaml(recipes[name_or_path] if name_or_path in recipes else name_or_path), list(sets))
+    return apply_overrides(
+        load_yaml(recipes[name_or_path] if name_or_path in recipes else name_or_path), list(sets)
+    )
 
 
 def load_family(family: str, recipe_name: str, sets: list[str], teacher: str):
@@ -196,10 +228,14 @@ def load_family(family: str, recipe_name: str, sets: list[str], teacher: str):
 
 def stage_step_tokens(recipe, stage) -> int:
     """Tokens one optimizer step of ``stage`` counts (padded positions for stages with a dataset)."""
-    return stage.batch_size * (stage.data.max_len if stage.data is not None else stage.block_len or recipe.data.block_len)
+    return stage.batch_size * (
+        stage.data.max_len if stage.data is not None else stage.block_len or recipe.data.block_len
+    )
 
 
-def budget_overrides(recipe, raw_stages: list[dict], tokens: int, family: str = "") -> tuple[list[str], list[int]]:
+def budget_overrides(
+    recipe, raw_stages: list[dict], tokens: int, family: str = ""
+) -> tuple[list[str], list[int]]:
     """``--set`` strings giving every stage its share of ``tokens`` (proportional to the stages'
     ``tokens`` fields, rounded to whole optimizer steps, at least one), and the shares. A stage the
     recipe switches off (``tokens: 0``, no epochs) stays off: share 0."""
@@ -215,7 +251,10 @@ def budget_overrides(recipe, raw_stages: list[dict], tokens: int, family: str = 
     off = [s.tokens == 0 and s.epochs is None for s in recipe.stages]
     minimum = sum(stage_step_tokens(recipe, s) for s, o in zip(recipe.stages, off) if not o)
     if tokens < minimum:
-        raise ConfigError(f"{where}: a budget of {tokens} tokens is less than one optimizer step per stage ({minimum} tokens)", f"use budgets of at least {minimum} tokens")
+        raise ConfigError(
+            f"{where}: a budget of {tokens} tokens is less than one optimizer step per stage ({minimum} tokens)",
+            f"use budgets of at least {minimum} tokens",
+        )
     weight = sum(s.tokens for s in recipe.stages)
     for i, stage in enumerate(recipe.stages):
         step = stage_step_tokens(recipe, stage)
@@ -244,7 +283,16 @@ class Cell:
         return f"{self.family}@{self.tokens}"
 
     def argv(self) -> list[str]:
-        return ["distill", self.recipe_name, "--out", str(self.run_dir), "--resume", *[x for s in self.sets for x in ("--set", s)], "--teacher", self.teacher]
+        return [
+            "distill",
+            self.recipe_name,
+            "--out",
+            str(self.run_dir),
+            "--resume",
+            *[x for s in self.sets for x in ("--set", s)],
+            "--teacher",
+            self.teacher,
+        ]
 
     @property
     def command(self) -> str:
@@ -255,14 +303,24 @@ class Cell:
         return hashlib.sha256(self.recipe_yaml.encode()).hexdigest()[:16]
 
     def finished(self) -> bool:
-        return (self.run_dir / "student" / "config.json").exists() and (self.run_dir / "results.json").exists()
+        return (self.run_dir / "student" / "config.json").exists() and (
+            self.run_dir / "results.json"
+        ).exists()
 
     def status(self, settings: EvalSettings) -> str:
         """done (cached for these settings) | suite (cached but for the suite: to score with it, not
         retrain) | trained (to evaluate) | partial (to resume) | todo."""
         cached = read_cell(self.run_dir)
-        if cached and cached.get("eval_settings") == settings.as_dict() and _same_recipe(self) and _has_every_metric(cached, settings):
-            if settings.suite is not None and (cached.get("suite") or {}).get("settings") != settings.suite_dict():
+        if (
+            cached
+            and cached.get("eval_settings") == settings.as_dict()
+            and _same_recipe(self)
+            and _has_every_metric(cached, settings)
+        ):
+            if (
+                settings.suite is not None
+                and (cached.get("suite") or {}).get("settings") != settings.suite_dict()
+            ):
                 return "suite" if self.finished() else "trained"
             return "done"
         if self.finished():
@@ -296,8 +354,18 @@ def plan_cells(settings: GridSettings) -> list[Cell]:
         budget_sets, shares = budget_overrides(recipe, raw, tokens, family)
         resolved = load_recipe(settings.families[family], [*sets, *budget_sets])
         resolved.teacher = settings.teacher
-        cells.append(Cell(family, settings.families[family], tokens, Path(settings.grid_dir) / f"{family}-{tokens}", [*sets, *budget_sets],
-                          shares, settings.teacher, yaml.safe_dump(yaml.safe_load(resolved.to_yaml()), sort_keys=True)))  # fmt: skip
+        cells.append(
+            Cell(
+                family,
+                settings.families[family],
+                tokens,
+                Path(settings.grid_dir) / f"{family}-{tokens}",
+                [*sets, *budget_sets],
+                shares,
+                settings.teacher,
+                yaml.safe_dump(yaml.safe_load(resolved.to_yaml()), sort_keys=True),
+            )
+        )
     return cells
 
 
@@ -320,7 +388,10 @@ def _same_recipe(cell: Cell) -> bool:
 
     saved = cell.run_dir / "recipe.yaml"
     if saved.exists():
-        return yaml.safe_dump(yaml.safe_load(load_recipe(str(saved)).to_yaml()), sort_keys=True) == cell.recipe_yaml
+        return (
+            yaml.safe_dump(yaml.safe_load(load_recipe(str(saved)).to_yaml()), sort_keys=True)
+            == cell.recipe_yaml
+        )
     cached = read_cell(cell.run_dir)
     return not cached or cached.get("recipe_sha") in (None, cell.recipe_sha)
 
@@ -328,7 +399,10 @@ def _same_recipe(cell: Cell) -> bool:
 def _check_run_dir(cell: Cell) -> None:
     """A run directory that holds a run of another recipe, budget or teacher is never continued."""
     if not _same_recipe(cell):
-        raise ConfigError(f"{cell.run_dir} holds a run of another recipe, budget or teacher than cell {cell.name}", f"delete {cell.run_dir} to rerun the cell, or use another --out-dir")
+        raise ConfigError(
+            f"{cell.run_dir} holds a run of another recipe, budget or teacher than cell {cell.name}",
+            f"delete {cell.run_dir} to rerun the cell, or use another --out-dir",
+        )
 
 
 def run_cell(cell: Cell, progress: bool = True) -> None:
@@ -336,7 +410,9 @@ def run_cell(cell: Cell, progress: bool = True) -> None:
     Each invocation's wall time is appended to ``cell_runs.jsonl`` in the run directory."""
     cell.run_dir.mkdir(parents=True, exist_ok=True)
     if not _has_checkpoint(cell.run_dir):
-        (cell.run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a killed attempt without a checkpoint restarts from step 0
+        (cell.run_dir / "metrics.jsonl").unlink(
+            missing_ok=True
+        )  # a killed attempt without a checkpoint restarts from step 0
     argv = [sys.executable, "-m", "attn2ssm", *cell.argv(), *([] if progress else ["--no-progress"])]
     start, code, tail = time.time(), None, b""
     try:
@@ -352,11 +428,23 @@ def run_cell(cell: Cell, progress: bool = True) -> None:
         code = proc.wait()
     finally:
         with open(cell.run_dir / "cell_runs.jsonl", "a") as fh:
-            fh.write(json.dumps({"started": start, "seconds": time.time() - start, "returncode": code}) + "\n")
+            fh.write(
+                json.dumps({"started": start, "seconds": time.time() - start, "returncode": code}) + "\n"
+            )
     if code != 0:
-        lines = [ln.strip() for ln in tail.decode("utf-8", "replace").replace("\r", "\n").splitlines() if ln.strip()]
-        reason = next((ln for ln in reversed(lines) if ln.startswith("error: ")), lines[-1] if lines else f"exit code {code}")
-        raise TrainingError(f"cell {cell.name}: attn2ssm distill failed ({reason.removeprefix('error: ')})", f"fix that and rerun: the cell resumes from its last checkpoint ({cell.command})")
+        lines = [
+            ln.strip()
+            for ln in tail.decode("utf-8", "replace").replace("\r", "\n").splitlines()
+            if ln.strip()
+        ]
+        reason = next(
+            (ln for ln in reversed(lines) if ln.startswith("error: ")),
+            lines[-1] if lines else f"exit code {code}",
+        )
+        raise TrainingError(
+            f"cell {cell.name}: attn2ssm distill failed ({reason.removeprefix('error: ')})",
+            f"fix that and rerun: the cell resumes from its last checkpoint ({cell.command})",
+        )
 
 
 def training_stats(run_dir: Path) -> dict:
@@ -393,7 +481,12 @@ class TeacherReference:
     The teacher loads only when a reference is missing."""
 
     def __init__(self, spec: str, grid_dir: Path, settings: EvalSettings, progress: bool = True):
-        self.spec, self.dir, self.settings, self.progress = spec, Path(grid_dir) / "teacher", settings, progress
+        self.spec, self.dir, self.settings, self.progress = (
+            spec,
+            Path(grid_dir) / "teacher",
+            settings,
+            progress,
+        )
         self._model = None
 
     def release(self) -> None:
@@ -412,11 +505,26 @@ class TeacherReference:
         return self.dir / f"{kind}-{digest}{suffix}"
 
     def _ppl_path(self, corpus: str, window: int) -> Path:
-        return self._path("ppl", {"teacher": self.spec, "corpus": corpus, "window": window, "eval_tokens": self.settings.eval_tokens}, ".pt")
+        return self._path(
+            "ppl",
+            {
+                "teacher": self.spec,
+                "corpus": corpus,
+                "window": window,
+                "eval_tokens": self.settings.eval_tokens,
+            },
+            ".pt",
+        )
 
     def _passkey_path(self) -> Path:
         s = self.settings
-        key = {"teacher": self.spec, "lengths": list(s.passkey_lengths), "depths": list(s.passkey_depths), "trials": s.passkey_trials, "seed": s.passkey_seed}
+        key = {
+            "teacher": self.spec,
+            "lengths": list(s.passkey_lengths),
+            "depths": list(s.passkey_depths),
+            "trials": s.passkey_trials,
+            "seed": s.passkey_seed,
+        }
         return self._path("passkey", key, ".json")
 
     def perplexity(self, corpus: str, ids, window: int) -> dict:
@@ -432,9 +540,23 @@ class TeacherReference:
             cached = torch.load(path, weights_only=True)
             if cached.get("ids_sha") == ids_sha:
                 return cached
-        r = perplexity(self.model(), ids, window=window, stride=window // 2, batch_size=_batch(window), progress=self.progress,
-                       desc=f"teacher {corpus} @{window}", predictions=True)  # fmt: skip
-        record = {"ppl": r["ppl"], "nll": r["nll"], "tokens": r["tokens"], "argmax": r["argmax"].to(torch.int32), "ids_sha": ids_sha}
+        r = perplexity(
+            self.model(),
+            ids,
+            window=window,
+            stride=window // 2,
+            batch_size=_batch(window),
+            progress=self.progress,
+            desc=f"teacher {corpus} @{window}",
+            predictions=True,
+        )
+        record = {
+            "ppl": r["ppl"],
+            "nll": r["nll"],
+            "tokens": r["tokens"],
+            "argmax": r["argmax"].to(torch.int32),
+            "ids_sha": ids_sha,
+        }
         buf = io.BytesIO()
         torch.save(record, buf)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -445,13 +567,20 @@ class TeacherReference:
         from attn2ssm.eval.agreement import _greedy
 
         s = self.settings
-        key = {"teacher": self.spec, "prompts": [p.tolist() for p in prompts], "new_tokens": s.agreement_new_tokens}
+        key = {
+            "teacher": self.spec,
+            "prompts": [p.tolist() for p in prompts],
+            "new_tokens": s.agreement_new_tokens,
+        }
         path = self._path("continuations", key, ".json")
         if path.exists():
             return json.loads(path.read_text())["continuations"]
         from tqdm.auto import tqdm
 
-        refs = [_greedy(self.model(), p, s.agreement_new_tokens, pad_id) for p in tqdm(prompts, desc="teacher continuations", disable=not self.progress, leave=False)]
+        refs = [
+            _greedy(self.model(), p, s.agreement_new_tokens, pad_id)
+            for p in tqdm(prompts, desc="teacher continuations", disable=not self.progress, leave=False)
+        ]
         self.dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({**key, "continuations": refs}))
         return refs
@@ -465,7 +594,16 @@ class TeacherReference:
                 return cached
         from attn2ssm.eval.needle import passkey_grid
 
-        grid = passkey_grid(self.model(), tokenizer, s.passkey_lengths, s.passkey_depths, s.passkey_trials, seed=s.passkey_seed, progress=self.progress, desc="teacher passkey")
+        grid = passkey_grid(
+            self.model(),
+            tokenizer,
+            s.passkey_lengths,
+            s.passkey_depths,
+            s.passkey_trials,
+            seed=s.passkey_seed,
+            progress=self.progress,
+            desc="teacher passkey",
+        )
         self.dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(grid))
         return grid
@@ -480,7 +618,9 @@ class TeacherReference:
         (the teacher loads only then)."""
         from attn2ssm.eval.suite import score_side
 
-        return score_side(None, tokenizer, self.settings.suite, inputs, self.suite_cache(), self.progress, loader=self.model)
+        return score_side(
+            None, tokenizer, self.settings.suite, inputs, self.suite_cache(), self.progress, loader=self.model
+        )
 
     def cached_summary(self) -> dict:
         """The teacher's numbers for the current settings that are on disk (no model loads)."""
@@ -492,7 +632,10 @@ class TeacherReference:
                 path = self._ppl_path(corpus, window)
                 if path.exists():
                     r = torch.load(path, weights_only=True)
-                    out["perplexity"].setdefault(corpus, {})[str(window)] = {"ppl": r["ppl"], "tokens": r["tokens"]}
+                    out["perplexity"].setdefault(corpus, {})[str(window)] = {
+                        "ppl": r["ppl"],
+                        "tokens": r["tokens"],
+                    }
         path = self._passkey_path()
         if path.exists():
             grid = json.loads(path.read_text())
@@ -515,10 +658,10 @@ def evaluate_student(student_dir: Path, reference: TeacherReference, progress: b
     """Every metric of one cell; the student is the only model this loads (the teacher only for
     references not cached yet)."""
     from attn2ssm.data import prepare_corpus
+    from attn2ssm.errors import DataError
     from attn2ssm.eval.agreement import generation_agreement, heldout_prompts
     from attn2ssm.eval.needle import passkey_grid
     from attn2ssm.eval.perplexity import perplexity
-    from attn2ssm.errors import DataError
     from attn2ssm.student.loading import load_model_and_tokenizer
 
     s = reference.settings
@@ -526,34 +669,79 @@ def evaluate_student(student_dir: Path, reference: TeacherReference, progress: b
     student, tokenizer = load_model_and_tokenizer(str(student_dir))
     heldout = {}
     for corpus in s.corpora:
-        ids = prepare_corpus(corpus, tokenizer, max_heldout_tokens=s.eval_tokens, max_train_tokens=0).heldout_ids[: s.eval_tokens]
+        ids = prepare_corpus(
+            corpus, tokenizer, max_heldout_tokens=s.eval_tokens, max_train_tokens=0
+        ).heldout_ids[: s.eval_tokens]
         if ids.numel() < max(s.windows) // 2 + 2:
-            raise DataError(f"corpus {corpus!r} has {ids.numel()} held-out tokens, too few for windows up to {max(s.windows)}", "use a larger corpus or smaller --windows")
+            raise DataError(
+                f"corpus {corpus!r} has {ids.numel()} held-out tokens, too few for windows up to {max(s.windows)}",
+                "use a larger corpus or smaller --windows",
+            )
         heldout[corpus] = ids
     ppl: dict = {}
     for corpus, ids in heldout.items():
         for window in s.windows:
             teacher = reference.perplexity(corpus, ids, window)
-            mine = perplexity(student, ids, window=window, stride=window // 2, batch_size=_batch(window), progress=progress,
-                              desc=f"student {corpus} @{window}", predictions=True)  # fmt: skip
+            mine = perplexity(
+                student,
+                ids,
+                window=window,
+                stride=window // 2,
+                batch_size=_batch(window),
+                progress=progress,
+                desc=f"student {corpus} @{window}",
+                predictions=True,
+            )
             ppl.setdefault(corpus, {})[str(window)] = {
-                "ppl": mine["ppl"], "teacher_ppl": teacher["ppl"], "ppl_ratio": mine["ppl"] / teacher["ppl"], "tokens": mine["tokens"],
+                "ppl": mine["ppl"],
+                "teacher_ppl": teacher["ppl"],
+                "ppl_ratio": mine["ppl"] / teacher["ppl"],
+                "tokens": mine["tokens"],
                 "top1_agreement": (mine["argmax"] == teacher["argmax"].long()).float().mean().item(),
-            }  # fmt: skip
+            }
     record: dict = {"perplexity": ppl}
     if s.agreement_prompts:
-        prompts = heldout_prompts(heldout[s.corpora[0]], s.agreement_prompts, s.agreement_prompt_len, s.agreement_new_tokens)
+        prompts = heldout_prompts(
+            heldout[s.corpora[0]], s.agreement_prompts, s.agreement_prompt_len, s.agreement_new_tokens
+        )
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         refs = reference.continuations(prompts, pad)
-        agree = generation_agreement(student, None, prompts, s.agreement_new_tokens, pad_id=pad, progress=progress, references=refs)
-        record["generation_agreement"] = {k: agree[k] for k in ("token_agreement", "prefix_match", "rouge_l", "forced_agreement", "prompts", "new_tokens")}
+        agree = generation_agreement(
+            student, None, prompts, s.agreement_new_tokens, pad_id=pad, progress=progress, references=refs
+        )
+        record["generation_agreement"] = {
+            k: agree[k]
+            for k in (
+                "token_agreement",
+                "prefix_match",
+                "rouge_l",
+                "forced_agreement",
+                "prompts",
+                "new_tokens",
+            )
+        }
         record["generation_agreement"]["corpus"] = s.corpora[0]
     if s.passkey_lengths:
         teacher_grid = reference.passkey(tokenizer)
-        grid = passkey_grid(student, tokenizer, s.passkey_lengths, s.passkey_depths, s.passkey_trials, seed=s.passkey_seed, progress=progress, desc="student passkey")
-        record["passkey"] = {"accuracy": _passkey_by_length(grid), "teacher_accuracy": _passkey_by_length(teacher_grid), "mean_accuracy": grid["mean_accuracy"],
-                             "recall": _passkey_by_length(grid, "recall"), "teacher_recall": _passkey_by_length(teacher_grid, "recall"),
-                             "depths": list(s.passkey_depths), "trials": s.passkey_trials}  # fmt: skip
+        grid = passkey_grid(
+            student,
+            tokenizer,
+            s.passkey_lengths,
+            s.passkey_depths,
+            s.passkey_trials,
+            seed=s.passkey_seed,
+            progress=progress,
+            desc="student passkey",
+        )
+        record["passkey"] = {
+            "accuracy": _passkey_by_length(grid),
+            "teacher_accuracy": _passkey_by_length(teacher_grid),
+            "mean_accuracy": grid["mean_accuracy"],
+            "recall": _passkey_by_length(grid, "recall"),
+            "teacher_recall": _passkey_by_length(teacher_grid, "recall"),
+            "depths": list(s.passkey_depths),
+            "trials": s.passkey_trials,
+        }
     if s.suite is not None:
         record["suite"] = suite_record(student, tokenizer, reference, progress)
     del student
@@ -571,7 +759,12 @@ def suite_record(student, tokenizer, reference: TeacherReference, progress: bool
     reference.release()
     start = time.process_time()
     mine = score_side(student, tokenizer, suite, inputs, None, progress)
-    return {"settings": suite.as_dict(), "rows": pair_rows(suite, teacher, mine), "scores": mine, "cpu_seconds": time.process_time() - start}
+    return {
+        "settings": suite.as_dict(),
+        "rows": pair_rows(suite, teacher, mine),
+        "scores": mine,
+        "cpu_seconds": time.process_time() - start,
+    }
 
 
 def rescore_suite(cell: Cell, reference: TeacherReference, progress: bool = True) -> dict:
@@ -596,8 +789,10 @@ def _manifest(settings: GridSettings) -> None:
     if path.exists():
         teacher = json.loads(path.read_text()).get("teacher")
         if teacher != settings.teacher:
-            raise ConfigError(f"grid directory {settings.grid_dir} holds cells distilled from teacher {teacher!r}, not {settings.teacher!r}",
-                              "use another --out-dir for this teacher (or the same --teacher)")  # fmt: skip
+            raise ConfigError(
+                f"grid directory {settings.grid_dir} holds cells distilled from teacher {teacher!r}, not {settings.teacher!r}",
+                "use another --out-dir for this teacher (or the same --teacher)",
+            )
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({"teacher": settings.teacher}) + "\n")
@@ -614,31 +809,55 @@ def fill_cell(cell: Cell, reference: TeacherReference, progress: bool = True) ->
     if status != "trained":
         run_cell(cell, progress)
         if not cell.finished():
-            raise TrainingError(f"cell {cell.name}: attn2ssm distill ended without a student in {cell.run_dir / 'student'}", f"rerun: the cell resumes ({cell.command})")
+            raise TrainingError(
+                f"cell {cell.name}: attn2ssm distill ended without a student in {cell.run_dir / 'student'}",
+                f"rerun: the cell resumes ({cell.command})",
+            )
     try:
         scores = evaluate_student(cell.run_dir / "student", reference, progress)
     finally:
         reference.release()
     record = {
-        "family": cell.family, "recipe": cell.recipe_name, "tokens": cell.tokens, "stage_tokens": cell.stage_tokens,
-        "command": cell.command, "run_dir": str(cell.run_dir), "teacher": cell.teacher,
+        "family": cell.family,
+        "recipe": cell.recipe_name,
+        "tokens": cell.tokens,
+        "stage_tokens": cell.stage_tokens,
+        "command": cell.command,
+        "run_dir": str(cell.run_dir),
+        "teacher": cell.teacher,
         **scores,
         **training_stats(cell.run_dir),
-        "recipe_sha": cell.recipe_sha, "eval_settings": reference.settings.as_dict(),
-    }  # fmt: skip
+        "recipe_sha": cell.recipe_sha,
+        "eval_settings": reference.settings.as_dict(),
+    }
     atomic_write_text(cell.run_dir / "cell.json", json.dumps(record, indent=1) + "\n")
     return record
 
 
-def run_grid(settings: GridSettings, command: str = "attn2ssm bench quality", progress: bool = True, out=print, cells: list[Cell] | None = None) -> dict:
+def run_grid(
+    settings: GridSettings,
+    command: str = "attn2ssm bench quality",
+    progress: bool = True,
+    out=print,
+    cells: list[Cell] | None = None,
+) -> dict:
     """Fill the selected cells in order (``cells``: already planned), then rebuild the grid's JSON, PNG and markdown."""
     cells = plan_cells(settings) if cells is None else cells
     _manifest(settings)
     reference = TeacherReference(settings.teacher, settings.grid_dir, settings.eval, progress)
     for i, cell in enumerate(cells, 1):
         status = cell.status(settings.eval)
-        out(f"[{i}/{len(cells)}] {cell.name}: " + {"done": "cached", "suite": "cached, scoring the suite", "trained": "trained, evaluating", "partial": "resuming",
-                                                   "todo": "distilling"}[status] + ("" if status in ("done", "suite", "trained") else f" ({cell.command})"))  # fmt: skip
+        out(
+            f"[{i}/{len(cells)}] {cell.name}: "
+            + {
+                "done": "cached",
+                "suite": "cached, scoring the suite",
+                "trained": "trained, evaluating",
+                "partial": "resuming",
+                "todo": "distilling",
+            }[status]
+            + ("" if status in ("done", "suite", "trained") else f" ({cell.command})")
+        )
         fill_cell(cell, reference, progress)
     return write_outputs(settings, reference, command, selected=[c.name for c in cells])
 
@@ -658,7 +877,9 @@ def collect_cells(grid_dir: Path, settings: EvalSettings) -> tuple[list[dict], l
     return records, stale
 
 
-def earlier_cells(json_path: Path, teacher: str, settings: EvalSettings, have: set[tuple[str, int]]) -> list[dict]:
+def earlier_cells(
+    json_path: Path, teacher: str, settings: EvalSettings, have: set[tuple[str, int]]
+) -> list[dict]:
     """The cells of the grid JSON at ``json_path`` (written by an earlier invocation, perhaps on
     another machine) that were scored with these settings for this teacher and are not in ``have``
     (family, tokens); each says so in ``"from"``. Nothing from a missing or unreadable file."""
@@ -666,20 +887,34 @@ def earlier_cells(json_path: Path, teacher: str, settings: EvalSettings, have: s
         old = json.loads(Path(json_path).read_text())
     except (OSError, ValueError):
         return []
-    if not isinstance(old, dict) or old.get("teacher") != teacher or old.get("settings") != settings.as_dict():
+    if (
+        not isinstance(old, dict)
+        or old.get("teacher") != teacher
+        or old.get("settings") != settings.as_dict()
+    ):
         return []
     kept = []
     for rec in old.get("cells", []):
         if isinstance(rec, dict) and (rec.get("family"), rec.get("tokens")) not in have:
-            kept.append({**rec, "from": rec.get("from") or f"{json_path} (its run directory {rec.get('run_dir')} is not in this grid directory)"})
+            kept.append(
+                {
+                    **rec,
+                    "from": rec.get("from")
+                    or f"{json_path} (its run directory {rec.get('run_dir')} is not in this grid directory)",
+                }
+            )
     return kept
 
 
-def write_outputs(settings: GridSettings, reference: TeacherReference, command: str, selected: list[str] | None = None) -> dict:
+def write_outputs(
+    settings: GridSettings, reference: TeacherReference, command: str, selected: list[str] | None = None
+) -> dict:
     from attn2ssm.eval.report import environment
 
     records, stale = collect_cells(settings.grid_dir, settings.eval)
-    records += earlier_cells(settings.json_path, settings.teacher, settings.eval, {(r["family"], r["tokens"]) for r in records})
+    records += earlier_cells(
+        settings.json_path, settings.teacher, settings.eval, {(r["family"], r["tokens"]) for r in records}
+    )
     order = {name: i for i, name in enumerate(settings.families)}  # family-table order, then tokens
     records.sort(key=lambda r: (order.get(r["family"], len(order)), r["family"], r["tokens"]))
     result = {
@@ -722,7 +957,7 @@ def _secs(v) -> str:
 
 
 def _passkey_cell(passkey: dict, length: str) -> str:
-    """"accuracy · recall" at one length ("–" where not scored; cells scored before recall show accuracy alone)."""
+    """ "accuracy · recall" at one length ("–" where not scored; cells scored before recall show accuracy alone)."""
     acc, recall = passkey.get("accuracy", {}).get(length), passkey.get("recall", {}).get(length)
     if acc is None:
         return "–"
@@ -734,7 +969,16 @@ def format_markdown(result: dict) -> str:
     cols = [(c, str(w)) for c in s["corpora"] for w in s["windows"]]
     lengths = [str(L) for L in s["passkey_lengths"]]
     ref = result["teacher_reference"]
-    head = ["family", "tokens", *[f"{_corpus_label(c)} @{w}" for c, w in cols], "greedy agree", *[f"passkey {L}" for L in lengths], "wall", "train tok/s", "command"]
+    head = [
+        "family",
+        "tokens",
+        *[f"{_corpus_label(c)} @{w}" for c, w in cols],
+        "greedy agree",
+        *[f"passkey {L}" for L in lengths],
+        "wall",
+        "train tok/s",
+        "command",
+    ]
     lines = [
         f"Quality scoreboard: students of `{result['teacher']}`; held-out perplexity over {s['eval_tokens']} tokens per corpus "
         f"(stride = window / 2). Perplexity cells: student ppl · ratio to the teacher · teacher-forced top-1 agreement with the "
@@ -745,10 +989,27 @@ def format_markdown(result: dict) -> str:
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
-    ]  # fmt: skip
-    teacher_cells = [f"{ref['perplexity'][c][w]['ppl']:.2f}" if w in ref["perplexity"].get(c, {}) else "–" for c, w in cols]
+    ]
+    teacher_cells = [
+        f"{ref['perplexity'][c][w]['ppl']:.2f}" if w in ref["perplexity"].get(c, {}) else "–" for c, w in cols
+    ]
     passkey_ref = {"accuracy": ref.get("passkey", {}), "recall": ref.get("passkey_recall", {})}
-    lines.append("| " + " | ".join(["teacher", "–", *teacher_cells, "100%", *[_passkey_cell(passkey_ref, L) for L in lengths], "–", "–", "–"]) + " |")
+    lines.append(
+        "| "
+        + " | ".join(
+            [
+                "teacher",
+                "–",
+                *teacher_cells,
+                "100%",
+                *[_passkey_cell(passkey_ref, L) for L in lengths],
+                "–",
+                "–",
+                "–",
+            ]
+        )
+        + " |"
+    )
     for r in result["cells"]:
         ppl = []
         for c, w in cols:
@@ -757,11 +1018,22 @@ def format_markdown(result: dict) -> str:
         agree = r.get("generation_agreement", {}).get("token_agreement")
         passkey = r.get("passkey", {})
         tps = r.get("train_tokens_per_s")
-        row = [r["family"], f"{r['tokens']:,}", *ppl, "–" if agree is None else f"{agree:.0%}", *[_passkey_cell(passkey, L) for L in lengths],
-               _secs(r.get("wall_seconds")), "–" if tps is None else f"{tps:,.0f}", "`" + r["command"].replace("|", "\\|") + "`"]  # fmt: skip
+        row = [
+            r["family"],
+            f"{r['tokens']:,}",
+            *ppl,
+            "–" if agree is None else f"{agree:.0%}",
+            *[_passkey_cell(passkey, L) for L in lengths],
+            _secs(r.get("wall_seconds")),
+            "–" if tps is None else f"{tps:,.0f}",
+            "`" + r["command"].replace("|", "\\|") + "`",
+        ]
         lines.append("| " + " | ".join(row) + " |")
     if result["stale_cells"]:
-        lines += ["", f"Not shown (scored with other settings; rerun them with --only): {', '.join(result['stale_cells'])}."]
+        lines += [
+            "",
+            f"Not shown (scored with other settings; rerun them with --only): {', '.join(result['stale_cells'])}.",
+        ]
     if result.get("suite"):
         lines += ["", *format_suite_columns(result)]
     return "\n".join(lines)
@@ -779,7 +1051,9 @@ def format_suite_columns(result: dict) -> list[str]:
     suite = settings_from_dict(result["suite"])
     scored = {(r["family"], r["tokens"]): r for r in _suite_cells(result)}
     if not scored:
-        return [f"Suite {suite.name}: no cell scored with it yet (rerun: cached cells are scored on the suite alone, not retrained)."]
+        return [
+            f"Suite {suite.name}: no cell scored with it yet (rerun: cached cells are scored on the suite alone, not retrained)."
+        ]
     first = next(iter(scored.values()))
     labels = [label for label, _, _ in summary(first["suite"]["rows"], suite)]
     teacher = {label: t for label, t, _ in summary(first["suite"]["rows"], suite)}
@@ -791,12 +1065,19 @@ def format_suite_columns(result: dict) -> list[str]:
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
-        "| teacher | – | " + " | ".join("–" if teacher[lb] is None else ("1.00×" if lb.startswith("ppl") else f"{100 * teacher[lb]:.1f}") for lb in labels) + " | – |",
+        "| teacher | – | "
+        + " | ".join(
+            "–" if teacher[lb] is None else ("1.00×" if lb.startswith("ppl") else f"{100 * teacher[lb]:.1f}")
+            for lb in labels
+        )
+        + " | – |",
     ]
     for r in result["cells"]:
         rec = scored.get((r["family"], r["tokens"]))
         if rec is None:
-            lines.append("| " + " | ".join([r["family"], f"{r['tokens']:,}", *["–"] * len(labels), "–"]) + " |")
+            lines.append(
+                "| " + " | ".join([r["family"], f"{r['tokens']:,}", *["–"] * len(labels), "–"]) + " |"
+            )
             continue
         cells = []
         for label, t, st in summary(rec["suite"]["rows"], suite):
@@ -806,7 +1087,11 @@ def format_suite_columns(result: dict) -> list[str]:
                 cells.append(f"{st:.2f}×")
             else:
                 cells.append(f"{100 * st:.1f} · " + ("–" if not t else f"{100 * st / t:.0f}%"))
-        lines.append("| " + " | ".join([r["family"], f"{r['tokens']:,}", *cells, _secs(rec["suite"].get("cpu_seconds"))]) + " |")
+        lines.append(
+            "| "
+            + " | ".join([r["family"], f"{r['tokens']:,}", *cells, _secs(rec["suite"].get("cpu_seconds"))])
+            + " |"
+        )
     return lines
 
 
@@ -832,11 +1117,20 @@ def plot_quality(result: dict, path: Path) -> Path:
     for ax, window in zip(axes[0], windows):
         for ci, corpus in enumerate(s["corpora"]):
             for fi, family in enumerate(families):
-                pts = sorted((r["tokens"], r["perplexity"][corpus][window]["ppl_ratio"]) for r in result["cells"]
-                             if r["family"] == family and window in r["perplexity"].get(corpus, {}))  # fmt: skip
+                pts = sorted(
+                    (r["tokens"], r["perplexity"][corpus][window]["ppl_ratio"])
+                    for r in result["cells"]
+                    if r["family"] == family and window in r["perplexity"].get(corpus, {})
+                )
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", color=f"C{fi}", linestyle="-" if ci == 0 else "--", alpha=1.0 if ci == 0 else 0.6,
-                            label=family if ci == 0 else None)  # fmt: skip
+                    ax.plot(
+                        *zip(*pts),
+                        marker="o",
+                        color=f"C{fi}",
+                        linestyle="-" if ci == 0 else "--",
+                        alpha=1.0 if ci == 0 else 0.6,
+                        label=family if ci == 0 else None,
+                    )
         ax.axhline(1.0, color="gray", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -846,12 +1140,22 @@ def plot_quality(result: dict, path: Path) -> Path:
             ax.xaxis.set_minor_locator(NullLocator())
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         low, high = ax.get_ylim()
-        shown = "123456789" if high / low < 10 else "25"  # within a decade label every minor tick, else 2s and 5s
-        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _, shown=shown: f"{v:.2g}" if f"{v:.2g}".lstrip("0.")[:1] in shown else ""))
+        shown = (
+            "123456789" if high / low < 10 else "25"
+        )  # within a decade label every minor tick, else 2s and 5s
+        ax.yaxis.set_minor_formatter(
+            FuncFormatter(
+                lambda v, _, shown=shown: f"{v:.2g}" if f"{v:.2g}".lstrip("0.")[:1] in shown else ""
+            )
+        )
         ax.set_xlabel("training tokens")
         ax.set_ylabel("held-out ppl / teacher's")
         others = ", ".join(_corpus_label(c) for c in s["corpora"][1:])
-        ax.set_title(f"window {window}: {_corpus_label(s['corpora'][0])} (solid)" + (f", {others} (dashed)" if others else ""), fontsize=9)
+        ax.set_title(
+            f"window {window}: {_corpus_label(s['corpora'][0])} (solid)"
+            + (f", {others} (dashed)" if others else ""),
+            fontsize=9,
+        )
         ax.grid(alpha=0.3, which="both")
         if families:
             ax.legend(fontsize=8)
@@ -883,10 +1187,18 @@ def _plot_suite_panels(result: dict, cells: list[dict], families: list[str], axe
                     points.setdefault(label, []).append((r["tokens"], st))
         for label, pts in points.items():
             ax = axes[1] if label.startswith("NIAH") else axes[0]
-            ax.plot(*zip(*pts), marker="o", color=f"C{fi}", linestyle=styles.get(label, "-"), label=f"{family}: {label}" if not label.startswith("NIAH") else family)
+            ax.plot(
+                *zip(*pts),
+                marker="o",
+                color=f"C{fi}",
+                linestyle=styles.get(label, "-"),
+                label=f"{family}: {label}" if not label.startswith("NIAH") else family,
+            )
     axes[0].axhline(1.0, color="gray", linewidth=1)
     axes[0].set_ylabel("student / teacher")
-    axes[0].set_title("tasks recovered: " + ", ".join(f"{k} ({v})" for k, v in styles.items() if k), fontsize=8)
+    axes[0].set_title(
+        "tasks recovered: " + ", ".join(f"{k} ({v})" for k, v in styles.items() if k), fontsize=8
+    )
     if teacher_needle is not None:
         axes[1].axhline(teacher_needle, color="gray", linestyle="--", linewidth=1, label="teacher")
     axes[1].set_ylim(-0.05, 1.05)
@@ -906,25 +1218,48 @@ def _plot_sweep(result: dict, families: list[str], windows: list[str], path: Pat
     s = result["settings"]
     corpora = s["corpora"]
     height = 0.8 / len(corpora)
-    fig, axes = plt.subplots(1, len(windows), figsize=(5.6 * len(windows), 1.2 + 0.45 * len(families) * len(corpora)), squeeze=False)
+    fig, axes = plt.subplots(
+        1,
+        len(windows),
+        figsize=(5.6 * len(windows), 1.2 + 0.45 * len(families) * len(corpora)),
+        squeeze=False,
+    )
     for ax, window in zip(axes[0], windows):
         for ci, corpus in enumerate(corpora):
-            ratios = [next((r["perplexity"][corpus][window]["ppl_ratio"] for r in result["cells"]
-                            if r["family"] == f and window in r["perplexity"].get(corpus, {})), float("nan")) for f in families]  # fmt: skip
+            ratios = [
+                next(
+                    (
+                        r["perplexity"][corpus][window]["ppl_ratio"]
+                        for r in result["cells"]
+                        if r["family"] == f and window in r["perplexity"].get(corpus, {})
+                    ),
+                    float("nan"),
+                )
+                for f in families
+            ]
             ys = [i + ci * height for i in range(len(families))]
             ax.barh(ys, ratios, height=height, color=f"C{ci}", label=_corpus_label(corpus))
             for y, v in zip(ys, ratios):
                 if v == v:
                     ax.text(v, y, f" {v:.2f}×", va="center", fontsize=8)
-        ax.set_yticks([i + (len(corpora) - 1) * height / 2 for i in range(len(families))], families, fontsize=8)
+        ax.set_yticks(
+            [i + (len(corpora) - 1) * height / 2 for i in range(len(families))], families, fontsize=8
+        )
         ax.invert_yaxis()
-        finite = [r["perplexity"][c][window]["ppl_ratio"] for r in result["cells"] for c in corpora if window in r["perplexity"].get(c, {})]
+        finite = [
+            r["perplexity"][c][window]["ppl_ratio"]
+            for r in result["cells"]
+            for c in corpora
+            if window in r["perplexity"].get(c, {})
+        ]
         if finite and max(finite) / max(min(finite), 1e-9) > 10:  # one bad variant would flatten the rest
             ax.set_xscale("log")
             ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.axvline(1.0, color="gray", linewidth=1)
         ax.set_xlabel("held-out ppl / teacher's")
-        ax.set_title(f"window {window}, {_tokens_label(result['cells'][0]['tokens'])} training tokens", fontsize=9)
+        ax.set_title(
+            f"window {window}, {_tokens_label(result['cells'][0]['tokens'])} training tokens", fontsize=9
+        )
         ax.grid(alpha=0.3, axis="x")
         ax.margins(x=0.15)
         if len(corpora) > 1:
@@ -937,5 +1272,6 @@ def _plot_sweep(result: dict, families: list[str], windows: list[str], path: Pat
 
 
 def format_plan(cells: list[Cell], settings: EvalSettings) -> str:
-    return "\n".join(f"{c.name:<28} {c.status(settings):<8} stages {c.stage_tokens}  {c.command}" for c in cells)
-
+    return "\n".join(
+        f"{c.name:<28} {c.status(settings):<8} stages {c.stage_tokens}  {c.command}" for c in cells
+    )

@@ -9,7 +9,9 @@ from typing import Callable
 from attn2ssm.paths import atomic_write_text
 
 
-def write_result(result: dict, out: str | Path, plot: Callable[[dict, Path], object], fmt: Callable[[dict], str]) -> None:
+def write_result(
+    result: dict, out: str | Path, plot: Callable[[dict, Path], object], fmt: Callable[[dict], str]
+) -> None:
     """Write ``result`` to ``out`` (JSON, atomically) and ``plot`` it to the PNG beside it; then
     print ``fmt(result)`` and the two paths."""
     out = Path(out)

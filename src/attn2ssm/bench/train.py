@@ -25,20 +25,54 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from attn2ssm.distill.recipe import DataConfig, LogitCacheConfig, LoRAConfig, OptimConfig, Recipe, StageConfig, StudentConfig
+from attn2ssm.distill.recipe import (
+    DataConfig,
+    LogitCacheConfig,
+    LoRAConfig,
+    OptimConfig,
+    Recipe,
+    StageConfig,
+    StudentConfig,
+)
 
-_LINEAR = StudentConfig(mixer="linear_attention", mixer_options={"feature_map": "hedgehog", "feature_map_options": {"activation": "softmax"}, "window": 64})
+_LINEAR = StudentConfig(
+    mixer="linear_attention",
+    mixer_options={"feature_map": "hedgehog", "feature_map_options": {"activation": "softmax"}, "window": 64},
+)
 _MAMBA2 = StudentConfig(mixer="mamba2")
 
 # name → (student, stage): the stage kinds the benchmark runs, each as a recipe would set it up
 CASES: dict[str, tuple[StudentConfig, StageConfig]] = {
-    "attention_transfer": (_LINEAR, StageConfig(name="attention_transfer", kind="attention_transfer", trainable=["feature_maps"],
-                                                losses={"attention": 0.0, "output_mse": 1.0})),
-    "hidden_alignment": (_MAMBA2, StageConfig(name="hidden_alignment", kind="hidden_alignment", trainable=["mixers"], losses={"distance": "mse"})),
-    "kd_lora": (_LINEAR, StageConfig(name="kd_lora", kind="kd", trainable=["lora"], lora=LoRAConfig(r=8, alpha=16))),
+    "attention_transfer": (
+        _LINEAR,
+        StageConfig(
+            name="attention_transfer",
+            kind="attention_transfer",
+            trainable=["feature_maps"],
+            losses={"attention": 0.0, "output_mse": 1.0},
+        ),
+    ),
+    "hidden_alignment": (
+        _MAMBA2,
+        StageConfig(
+            name="hidden_alignment", kind="hidden_alignment", trainable=["mixers"], losses={"distance": "mse"}
+        ),
+    ),
+    "kd_lora": (
+        _LINEAR,
+        StageConfig(name="kd_lora", kind="kd", trainable=["lora"], lora=LoRAConfig(r=8, alpha=16)),
+    ),
     # the same stage reading the teacher's top-64 from a logit cache filled beforehand (every timed step a hit)
-    "kd_lora_cached": (_LINEAR, StageConfig(name="kd_lora_cached", kind="kd", trainable=["lora"], lora=LoRAConfig(r=8, alpha=16),
-                                            logit_cache=LogitCacheConfig(top_k=64))),
+    "kd_lora_cached": (
+        _LINEAR,
+        StageConfig(
+            name="kd_lora_cached",
+            kind="kd",
+            trainable=["lora"],
+            lora=LoRAConfig(r=8, alpha=16),
+            logit_cache=LogitCacheConfig(top_k=64),
+        ),
+    ),
     "kd_ce_mixers": (_MAMBA2, StageConfig(name="kd_ce_mixers", kind="kd_ce", trainable=["mixers"])),
 }
 
@@ -54,19 +88,38 @@ class TrainBenchSettings:
     steps: int = 3  # timed steps per point (after one warm-up step)
     threads: int | None = None
     profile: bool = True
-    references: tuple[str, ...] = ("teacher_forward", "teacher_fwd_bwd")  # teacher-side rates measured beside each point
+    references: tuple[str, ...] = (
+        "teacher_forward",
+        "teacher_fwd_bwd",
+    )  # teacher-side rates measured beside each point
     corpus: str = "sotu"
     extra: dict = field(default_factory=dict)
 
 
-def _recipe(settings: TrainBenchSettings, case: str, length: int, precision: str, kernels: str = "auto") -> Recipe:
+def _recipe(
+    settings: TrainBenchSettings, case: str, length: int, precision: str, kernels: str = "auto"
+) -> Recipe:
     student, stage = CASES[case]
     batch = max(1, settings.step_tokens // length)
     steps = settings.steps + 1 + int(settings.profile)
-    stage = replace(stage, tokens=steps * batch * length, batch_size=batch, save_every=0, eval_every=0, optim=OptimConfig(lr=1e-4))
-    return Recipe(name=f"bench-{case}", teacher=settings.teacher or "smollm2-135m", device="cpu" if not torch.cuda.is_available() else "auto",
-                  mixed_precision=precision, kernels=kernels, data=DataConfig(corpus=settings.corpus, block_len=length, max_heldout_tokens=2 * length),
-                  student=student, stages=[stage])  # (no final evaluation runs: the bench never finishes the run)  # fmt: skip
+    stage = replace(
+        stage,
+        tokens=steps * batch * length,
+        batch_size=batch,
+        save_every=0,
+        eval_every=0,
+        optim=OptimConfig(lr=1e-4),
+    )
+    return Recipe(
+        name=f"bench-{case}",
+        teacher=settings.teacher or "smollm2-135m",
+        device="cpu" if not torch.cuda.is_available() else "auto",
+        mixed_precision=precision,
+        kernels=kernels,
+        data=DataConfig(corpus=settings.corpus, block_len=length, max_heldout_tokens=2 * length),
+        student=student,
+        stages=[stage],
+    )  # (no final evaluation runs: the bench never finishes the run)
 
 
 def _sync(device) -> None:
@@ -77,7 +130,15 @@ def _sync(device) -> None:
 def _top_ops(prof, n: int = 8) -> list[dict]:
     rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in rows) or 1
-    return [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3, "share": e.self_cpu_time_total / total, "calls": e.count} for e in rows[:n]]
+    return [
+        {
+            "op": e.key,
+            "self_ms": e.self_cpu_time_total / 1e3,
+            "share": e.self_cpu_time_total / total,
+            "calls": e.count,
+        }
+        for e in rows[:n]
+    ]
 
 
 def _teacher_rates(distiller, batches, names) -> dict:
@@ -95,7 +156,9 @@ def _teacher_rates(distiller, batches, names) -> dict:
             with torch.set_grad_enabled(grad), distiller.acc.autocast():
                 logits = teacher(input_ids=ids, use_cache=False).logits
                 if grad:
-                    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+                    loss = torch.nn.functional.cross_entropy(
+                        logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()
+                    )
             if grad:
                 loss.backward()
                 teacher.zero_grad(set_to_none=True)
@@ -123,18 +186,36 @@ def _fill_cache(distiller, run) -> dict:
     files = list(cache.dir.rglob("*.safetensors"))
     tokens = blocks * run.seq_len
     cache.stats.hits = cache.stats.misses = 0
-    return {"top_k": cache.top_k, "fill_tokens_per_s": tokens / seconds, "bytes_per_token": sum(f.stat().st_size for f in files) / (len(files) * run.seq_len)}
+    return {
+        "top_k": cache.top_k,
+        "fill_tokens_per_s": tokens / seconds,
+        "bytes_per_token": sum(f.stat().st_size for f in files) / (len(files) * run.seq_len),
+    }
 
 
-def _measure(settings: TrainBenchSettings, case: str, length: int, precision: str, kernels: str, teacher, tokenizer, progress) -> dict:
+def _measure(
+    settings: TrainBenchSettings,
+    case: str,
+    length: int,
+    precision: str,
+    kernels: str,
+    teacher,
+    tokenizer,
+    progress,
+) -> dict:
     from attn2ssm.distill.trainer import Distiller
 
     recipe = _recipe(settings, case, length, precision, kernels)
     with tempfile.TemporaryDirectory(prefix="attn2ssm-bench-train-") as tmp:
-        if recipe.stages[0].logit_cache is not None:  # a private cache: the point measures hits, and leaves nothing behind
+        if (
+            recipe.stages[0].logit_cache is not None
+        ):  # a private cache: the point measures hits, and leaves nothing behind
             recipe.stages[0].logit_cache = replace(recipe.stages[0].logit_cache, dir=f"{tmp}/logit_cache")
         distiller = Distiller(recipe, f"{tmp}/run", progress=False, teacher=teacher, tokenizer=tokenizer)
-        used, kernels_used = distiller.precision.used, distiller.kernels.used  # auto resolved for this machine
+        used, kernels_used = (
+            distiller.precision.used,
+            distiller.kernels.used,
+        )  # auto resolved for this machine
         distiller._load_teacher()
         distiller._load_data()
         distiller._build_student()
@@ -159,7 +240,10 @@ def _measure(settings: TrainBenchSettings, case: str, length: int, precision: st
                 distiller._train_step(run, settings.steps + 1)
             ops = _top_ops(prof)
         batch = recipe.stages[0].batch_size
-        batches = [distiller.blocks[i * batch : (i + 1) * batch].to(distiller.acc.device) for i in range(settings.steps + 1)]
+        batches = [
+            distiller.blocks[i * batch : (i + 1) * batch].to(distiller.acc.device)
+            for i in range(settings.steps + 1)
+        ]
         teacher_rates = _teacher_rates(distiller, batches, settings.references)
         trainable = sum(p.numel() for p in run.params)
         if cache is not None:
@@ -167,11 +251,25 @@ def _measure(settings: TrainBenchSettings, case: str, length: int, precision: st
         del run, distiller
     rate = tokens / statistics.median(times)
     row = {
-        "case": case, "kind": CASES[case][1].kind, "mixer": CASES[case][0].mixer, "length": length, "batch": batch, "precision": used,
-        "precision_requested": precision, "kernels": kernels_used, "kernels_requested": kernels,
-        "tokens_per_s": rate, "step_seconds": [round(t, 4) for t in times], "trainable_params": trainable, **teacher_rates, "top_ops": ops,
-    }  # fmt: skip
-    for name, key in (("teacher_forward", "fraction_of_forward_bound"), ("teacher_fwd_bwd", "vs_teacher_fwd_bwd")):
+        "case": case,
+        "kind": CASES[case][1].kind,
+        "mixer": CASES[case][0].mixer,
+        "length": length,
+        "batch": batch,
+        "precision": used,
+        "precision_requested": precision,
+        "kernels": kernels_used,
+        "kernels_requested": kernels,
+        "tokens_per_s": rate,
+        "step_seconds": [round(t, 4) for t in times],
+        "trainable_params": trainable,
+        **teacher_rates,
+        "top_ops": ops,
+    }
+    for name, key in (
+        ("teacher_forward", "fraction_of_forward_bound"),
+        ("teacher_fwd_bwd", "vs_teacher_fwd_bwd"),
+    ):
         if name in teacher_rates:
             row[key] = rate / teacher_rates[name]
     if cache is not None:
@@ -193,23 +291,41 @@ def run_train_bench(settings: TrainBenchSettings, progress: bool = True) -> dict
 
         raise ConfigError(f"unknown stage case(s) {unknown}", f"choose from {', '.join(CASES)}")
     teacher, tokenizer, source = load_teacher(settings.teacher)
-    points = [(c, n, p, k) for c in settings.cases for n in settings.lengths for p in settings.precisions for k in settings.kernels]
+    points = [
+        (c, n, p, k)
+        for c in settings.cases
+        for n in settings.lengths
+        for p in settings.precisions
+        for k in settings.kernels
+    ]
     bar = tqdm(total=len(points) * (settings.steps + 1), desc="bench train", disable=not progress)
     rows = []
     for case, length, precision, kernels in points:
         bar.set_postfix(case=case, length=length, precision=precision, kernels=kernels)
-        rows.append(_measure(settings, case, length, precision, kernels, teacher, tokenizer, lambda: bar.update(1)))
+        rows.append(
+            _measure(settings, case, length, precision, kernels, teacher, tokenizer, lambda: bar.update(1))
+        )
     bar.close()
-    return {"environment": environment(), "threads": torch.get_num_threads(), "teacher": source.describe(), "step_tokens": settings.step_tokens,
-            "timed_steps": settings.steps, "rows": rows}  # fmt: skip
+    return {
+        "environment": environment(),
+        "threads": torch.get_num_threads(),
+        "teacher": source.describe(),
+        "step_tokens": settings.step_tokens,
+        "timed_steps": settings.steps,
+        "rows": rows,
+    }
 
 
 def format_train_bench(result: dict) -> str:
-    lines = [f"training tokens/s ({result['threads']} threads; bound = teacher forward on the same batch)",
-             f"{'case':<20} {'len':>5} {'prec/kern':>11} {'tok/s':>8} {'bound':>8} {'of bound':>9} {'teacher f+b':>12}"]  # fmt: skip
+    lines = [
+        f"training tokens/s ({result['threads']} threads; bound = teacher forward on the same batch)",
+        f"{'case':<20} {'len':>5} {'prec/kern':>11} {'tok/s':>8} {'bound':>8} {'of bound':>9} {'teacher f+b':>12}",
+    ]
     for r in result["rows"]:
-        lines.append(f"{r['case']:<20} {r['length']:>5} {r['precision'] + '/' + r.get('kernels', 'torch'):>11} {r['tokens_per_s']:>8.0f} {r['teacher_forward']:>8.0f} "
-                     f"{r['fraction_of_forward_bound']:>8.0%} {r['teacher_fwd_bwd']:>12.0f}")  # fmt: skip
+        lines.append(
+            f"{r['case']:<20} {r['length']:>5} {r['precision'] + '/' + r.get('kernels', 'torch'):>11} {r['tokens_per_s']:>8.0f} {r['teacher_forward']:>8.0f} "
+            f"{r['fraction_of_forward_bound']:>8.0%} {r['teacher_fwd_bwd']:>12.0f}"
+        )
     return "\n".join(lines)
 
 
@@ -224,13 +340,29 @@ def plot_train_bench(result: dict, path) -> str:
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
     ax.bar([i - 0.2 for i in x], [r["tokens_per_s"] for r in rows], width=0.4, label="stage step")
-    ax.bar([i + 0.2 for i in x], [r["teacher_forward"] for r in rows], width=0.4, label="teacher forward (bound)", alpha=0.6)
+    ax.bar(
+        [i + 0.2 for i in x],
+        [r["teacher_forward"] for r in rows],
+        width=0.4,
+        label="teacher forward (bound)",
+        alpha=0.6,
+    )
     for i, r in zip(x, rows):
-        ax.text(i - 0.2, r["tokens_per_s"], f"{r['fraction_of_forward_bound']:.0%}", ha="center", va="bottom", fontsize=7)
+        ax.text(
+            i - 0.2,
+            r["tokens_per_s"],
+            f"{r['fraction_of_forward_bound']:.0%}",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
     ax.set_xticks(list(x))
     ax.set_xticklabels(labels, fontsize=7, rotation=45, ha="right")
     ax.set_ylabel("tokens / s")
-    ax.set_title(f"training throughput vs the teacher's forward ({result['threads']} threads, {result['environment']['processor']})", fontsize=9)
+    ax.set_title(
+        f"training throughput vs the teacher's forward ({result['threads']} threads, {result['environment']['processor']})",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

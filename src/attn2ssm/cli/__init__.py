@@ -18,11 +18,23 @@ from attn2ssm.errors import Attn2SSMError, Interrupted
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-GROUPS = (convert, distill, evaluate, generate, bench, data, export, recipes)  # in the order `attn2ssm --help` lists them
+GROUPS = (
+    convert,
+    distill,
+    evaluate,
+    generate,
+    bench,
+    data,
+    export,
+    recipes,
+)  # in the order `attn2ssm --help` lists them
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="attn2ssm", description="Distil a Hugging Face Transformer into a linear-attention / SSM / hybrid student.")
+    p = argparse.ArgumentParser(
+        prog="attn2ssm",
+        description="Distil a Hugging Face Transformer into a linear-attention / SSM / hybrid student.",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="command", required=True)
     for group in GROUPS:

@@ -13,16 +13,40 @@ from attn2ssm.teachers import load_teacher, resolve_teacher
 
 def add_parser(subparsers) -> None:
     c = subparsers.add_parser("convert", help="build an untrained student from a teacher (weights reused)")
-    c.add_argument("--teacher", default=None, help="built-in name, HF directory, .gguf file or hub id (default smollm2-135m)")
+    c.add_argument(
+        "--teacher",
+        default=None,
+        help="built-in name, HF directory, .gguf file or hub id (default smollm2-135m)",
+    )
     c.add_argument("--mixer", default="linear_attention")
-    c.add_argument("--attention-ratio", type=float, default=0.0, help="fraction of layers keeping softmax attention (interleaved, last of each group)")
-    c.add_argument("--keep", default=None, help="comma-separated layer indices that keep attention (overrides the ratio), or 'auto': "
-                   "keep the ratio's worth of layers whose conversion alone hurts the teacher most")
+    c.add_argument(
+        "--attention-ratio",
+        type=float,
+        default=0.0,
+        help="fraction of layers keeping softmax attention (interleaved, last of each group)",
+    )
+    c.add_argument(
+        "--keep",
+        default=None,
+        help="comma-separated layer indices that keep attention (overrides the ratio), or 'auto': "
+        "keep the ratio's worth of layers whose conversion alone hurts the teacher most",
+    )
     c.add_argument("--calibration", default=None, help="corpus for --keep auto (default: sotu)")
-    c.add_argument("--init", choices=("attention", "random"), default="attention", help="mixers from the teacher's q/k/v/o, or random (ablation)")
-    c.add_argument("--option", action="append", help="mixer option key=value (repeatable), e.g. feature_map=elu")
+    c.add_argument(
+        "--init",
+        choices=("attention", "random"),
+        default="attention",
+        help="mixers from the teacher's q/k/v/o, or random (ablation)",
+    )
+    c.add_argument(
+        "--option", action="append", help="mixer option key=value (repeatable), e.g. feature_map=elu"
+    )
     c.add_argument("--out", required=True)
-    c.add_argument("--force", action="store_true", help="replace a model or run already in --out (written beside it first, so a failure keeps the old one)")
+    c.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a model or run already in --out (written beside it first, so a failure keeps the old one)",
+    )
     c.set_defaults(func=run)
 
 
@@ -33,8 +57,12 @@ def run(args) -> int:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file", "give a directory for the student")
     held = _held_model(out)
-    if held and not args.force:  # as distill never overwrites a run: a trained student is not replaced silently
-        raise ConfigError(f"--out {out} already holds {held}", "pass --force to replace it, or choose another --out")
+    if (
+        held and not args.force
+    ):  # as distill never overwrites a run: a trained student is not replaced silently
+        raise ConfigError(
+            f"--out {out} already holds {held}", "pass --force to replace it, or choose another --out"
+        )
     resolve_teacher(args.teacher)  # a missing path fails here, before torch/transformers load
     check_writable(out, beside=True)  # and so does an --out that cannot be written
     remove_stale_staging(out.parent)  # what a killed convert / export left beside it
@@ -42,11 +70,17 @@ def run(args) -> int:
     from attn2ssm.student.convert import convert  # heavy: torch + transformers
 
     teacher, tokenizer, source = load_teacher(args.teacher, check_supported=True)
-    plan = _auto_plan(args, teacher, tokenizer, options) if args.keep == "auto" else _plan(args, teacher, keep)
-    student = convert(teacher, plan, {args.mixer: options}, teacher_info={"source": source.describe()}, init=args.init)
+    plan = (
+        _auto_plan(args, teacher, tokenizer, options) if args.keep == "auto" else _plan(args, teacher, keep)
+    )
+    student = convert(
+        teacher, plan, {args.mixer: options}, teacher_info={"source": source.describe()}, init=args.init
+    )
     _write_student(student, tokenizer, out, replace=bool(held))
     kept = [i for i, k in enumerate(plan) if k == "attention"]
-    print(f"wrote {out}: {len(plan) - len(kept)}/{len(plan)} layers → {args.mixer}, attention kept at {kept or 'none'}")
+    print(
+        f"wrote {out}: {len(plan) - len(kept)}/{len(plan)} layers → {args.mixer}, attention kept at {kept or 'none'}"
+    )
     return 0
 
 
@@ -55,7 +89,9 @@ def _keep(text: str | None) -> list[int] | None:
     try:
         return [int(i) for i in text.split(",") if i.strip()] if text not in (None, "auto") else None
     except ValueError:
-        raise ConfigError(f"--keep {text!r} is not a comma-separated list of layer indices", "write e.g. --keep 0,6,12") from None
+        raise ConfigError(
+            f"--keep {text!r} is not a comma-separated list of layer indices", "write e.g. --keep 0,6,12"
+        ) from None
 
 
 def _options(items: list[str] | None) -> dict:
@@ -72,7 +108,13 @@ def _options(items: list[str] | None) -> dict:
 def _plan(args, teacher, keep: list[int] | None) -> list[str]:
     from attn2ssm.student.plans import make_plan  # heavy: torch + transformers
 
-    return make_plan(teacher.config.num_hidden_layers, args.mixer, attention_ratio=args.attention_ratio, keep_attention=keep, align="last")
+    return make_plan(
+        teacher.config.num_hidden_layers,
+        args.mixer,
+        attention_ratio=args.attention_ratio,
+        keep_attention=keep,
+        align="last",
+    )
 
 
 def _auto_plan(args, teacher, tokenizer, options: dict) -> list[str]:
@@ -80,9 +122,27 @@ def _auto_plan(args, teacher, tokenizer, options: dict) -> list[str]:
     from attn2ssm.data import block_indices, pack_blocks, prepare_corpus  # heavy: torch
     from attn2ssm.distill.layer_selection import auto_plan  # heavy: torch + transformers
 
-    blocks = pack_blocks(prepare_corpus("sotu" if args.calibration is None else args.calibration, tokenizer, max_train_tokens=8 * 256 + 1, max_heldout_tokens=256).train_ids, 256)
-    plan, scores = auto_plan(teacher, blocks[block_indices(len(blocks), 0, 0, min(8, len(blocks)))], args.mixer, options, args.attention_ratio, batch_size=2)
-    print("layer damage (mean KL when converted alone): " + ", ".join(f"{i}:{s:.6g}" for i, s in enumerate(scores)))
+    blocks = pack_blocks(
+        prepare_corpus(
+            "sotu" if args.calibration is None else args.calibration,
+            tokenizer,
+            max_train_tokens=8 * 256 + 1,
+            max_heldout_tokens=256,
+        ).train_ids,
+        256,
+    )
+    plan, scores = auto_plan(
+        teacher,
+        blocks[block_indices(len(blocks), 0, 0, min(8, len(blocks)))],
+        args.mixer,
+        options,
+        args.attention_ratio,
+        batch_size=2,
+    )
+    print(
+        "layer damage (mean KL when converted alone): "
+        + ", ".join(f"{i}:{s:.6g}" for i, s in enumerate(scores))
+    )
     return plan
 
 
@@ -100,7 +160,10 @@ def _write_student(student, tokenizer, out: Path, replace: bool) -> None:
     leaves what ``out`` held untouched (and no staging), and one for want of space or permission
     ends with one line naming ``out``. ``replace`` (--force over a model): the staged directory
     replaces ``out`` whole; otherwise ``out`` is new or empty, or its other files stay beside the student's."""
-    with writing(out, "the student", "run the command again (what --out held is unchanged)"), staging_beside(out, "convert") as staging:
+    with (
+        writing(out, "the student", "run the command again (what --out held is unchanged)"),
+        staging_beside(out, "convert") as staging,
+    ):
         student.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         if replace or not out.exists() or not any(out.iterdir()):

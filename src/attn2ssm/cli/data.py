@@ -16,30 +16,78 @@ FIT_HELDOUT_SHARE = 32  # --fit-mib without --heldout-tokens: 1/32 of the tokens
 
 
 def add_parser(subparsers) -> None:
-    d = subparsers.add_parser("data", help="token shards: a corpus written once as token ids (shards), and what a shard folder holds (info)")
+    d = subparsers.add_parser(
+        "data",
+        help="token shards: a corpus written once as token ids (shards), and what a shard folder holds (info)",
+    )
     dsub = d.add_subparsers(dest="data", required=True)
 
-    s = dsub.add_parser("shards", help="write a corpus spec as token shards with the teacher's tokenizer (generated: sampled from the teacher)")
-    s.add_argument("spec", metavar="SPEC", help="built-in name (sotu, moby-dick), .txt/.jsonl/.parquet file or folder, hf:<dataset>[:<config>][:<split>], "
-                   "generated:<n_tokens>[:<prompt corpus>][?batch=…&length=…] (sampled from --teacher), or shards:<folder> (copied, cut to the limits)")
+    s = dsub.add_parser(
+        "shards",
+        help="write a corpus spec as token shards with the teacher's tokenizer (generated: sampled from the teacher)",
+    )
+    s.add_argument(
+        "spec",
+        metavar="SPEC",
+        help="built-in name (sotu, moby-dick), .txt/.jsonl/.parquet file or folder, hf:<dataset>[:<config>][:<split>], "
+        "generated:<n_tokens>[:<prompt corpus>][?batch=…&length=…] (sampled from --teacher), or shards:<folder> (copied, cut to the limits)",
+    )
     s.add_argument("--out", required=True, help="the shard folder to write (must not exist, or be empty)")
-    s.add_argument("--teacher", default=None, help="whose tokenizer (and for generated:, whose samples): built-in name, HF directory, .gguf file or hub id "
-                   "(default smollm2-135m; only generated: loads its weights)")
-    s.add_argument("--max-tokens", default=None, help="training tokens to write, at most (e.g. 30000000, 30M, 2^25); default all")
+    s.add_argument(
+        "--teacher",
+        default=None,
+        help="whose tokenizer (and for generated:, whose samples): built-in name, HF directory, .gguf file or hub id "
+        "(default smollm2-135m; only generated: loads its weights)",
+    )
+    s.add_argument(
+        "--max-tokens",
+        default=None,
+        help="training tokens to write, at most (e.g. 30000000, 30M, 2^25); default all",
+    )
     s.add_argument("--heldout-tokens", default=None, help="held-out tokens to write, at most; default all")
-    s.add_argument("--fit-mib", type=float, default=None, help="size the limits so the folder fits this many MiB (64: a transfer of 64 MiB; "
-                   "2 bytes a token when the vocabulary has at most 65,536 ids); held out: --heldout-tokens, else 1/32 of the tokens")
-    s.add_argument("--shard-tokens", default="2^25", help="ids per file (default 2^25: 64 MiB files at 16 bits)")
-    s.add_argument("--seed", type=int, default=0, help="generated: the sampling seed (the same seed, teacher, dtype and kind of device give the same samples)")
-    s.add_argument("--device", default=None, help="generated: where the teacher samples (default cuda when available, else cpu)")
-    s.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="generated: the teacher's weights (auto: bfloat16 on a GPU, float32 on a CPU)")
+    s.add_argument(
+        "--fit-mib",
+        type=float,
+        default=None,
+        help="size the limits so the folder fits this many MiB (64: a transfer of 64 MiB; "
+        "2 bytes a token when the vocabulary has at most 65,536 ids); held out: --heldout-tokens, else 1/32 of the tokens",
+    )
+    s.add_argument(
+        "--shard-tokens", default="2^25", help="ids per file (default 2^25: 64 MiB files at 16 bits)"
+    )
+    s.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="generated: the sampling seed (the same seed, teacher, dtype and kind of device give the same samples)",
+    )
+    s.add_argument(
+        "--device",
+        default=None,
+        help="generated: where the teacher samples (default cuda when available, else cpu)",
+    )
+    s.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="generated: the teacher's weights (auto: bfloat16 on a GPU, float32 on a CPU)",
+    )
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=run_shards)
 
-    i = dsub.add_parser("info", help="what a shard folder holds: source, tokenizer, tokens and bytes per side, how it was sampled")
+    i = dsub.add_parser(
+        "info",
+        help="what a shard folder holds: source, tokenizer, tokens and bytes per side, how it was sampled",
+    )
     i.add_argument("dir", metavar="DIR")
-    i.add_argument("--verify", action="store_true", help="check every file's SHA-256 against the manifest (after a copy)")
-    i.add_argument("--teacher", default=None, help="also check that the ids belong to this teacher's tokenizer (loads the tokenizer only)")
+    i.add_argument(
+        "--verify", action="store_true", help="check every file's SHA-256 against the manifest (after a copy)"
+    )
+    i.add_argument(
+        "--teacher",
+        default=None,
+        help="also check that the ids belong to this teacher's tokenizer (loads the tokenizer only)",
+    )
     i.set_defaults(func=run_info)
 
 
@@ -51,12 +99,20 @@ def run_shards(args) -> int:
     from attn2ssm.data.sources import check_spec, is_generated
     from attn2ssm.paths import check_writable
 
-    limits = {flag: token_count(flag, value) for flag, value in (("--max-tokens", args.max_tokens), ("--heldout-tokens", args.heldout_tokens))}
+    limits = {
+        flag: token_count(flag, value)
+        for flag, value in (("--max-tokens", args.max_tokens), ("--heldout-tokens", args.heldout_tokens))
+    }
     shard_tokens = token_count("--shard-tokens", args.shard_tokens)
     if shard_tokens < 1:
-        raise ConfigError(f"--shard-tokens {args.shard_tokens} is not a positive number of ids per file", "write e.g. --shard-tokens 2^25")
+        raise ConfigError(
+            f"--shard-tokens {args.shard_tokens} is not a positive number of ids per file",
+            "write e.g. --shard-tokens 2^25",
+        )
     if args.fit_mib is not None and not args.fit_mib > 0:
-        raise ConfigError(f"--fit-mib {args.fit_mib:g} is no size", "give the MiB the folder may take, e.g. --fit-mib 64")
+        raise ConfigError(
+            f"--fit-mib {args.fit_mib:g} is no size", "give the MiB the folder may take, e.g. --fit-mib 64"
+        )
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         held = "token shards" if (out / "manifest.json").exists() else "other files"
@@ -65,7 +121,10 @@ def run_shards(args) -> int:
     generated = is_generated(args.spec)
     _check_teacher(args.teacher)
     if not generated and (args.device is not None or args.dtype != "auto"):
-        raise ConfigError(f"--device and --dtype are for generated: specs, and {args.spec!r} is tokenized, not sampled", "drop them")
+        raise ConfigError(
+            f"--device and --dtype are for generated: specs, and {args.spec!r} is tokenized, not sampled",
+            "drop them",
+        )
     check_writable(out, beside=True)
 
     from attn2ssm.data.shards import id_dtype, write_corpus_shards  # heavy: torch
@@ -81,10 +140,23 @@ def run_shards(args) -> int:
         tokenizer = load_teacher_tokenizer(args.teacher)
     max_train, max_heldout = limits["--max-tokens"], limits["--heldout-tokens"]
     if args.fit_mib is not None:
-        max_train, max_heldout = fit_limits(args.fit_mib, id_dtype(len(tokenizer)).itemsize, max_train, max_heldout)
-    with _terminate_as_interrupt():  # SIGTERM too: the writer drops its staging folder, nothing is left at --out
-        manifest = write_corpus_shards(args.spec, out, tokenizer, teacher=teacher, seed=args.seed, max_train_tokens=max_train,
-                                       max_heldout_tokens=max_heldout, shard_tokens=shard_tokens, progress=not args.no_progress)  # fmt: skip
+        max_train, max_heldout = fit_limits(
+            args.fit_mib, id_dtype(len(tokenizer)).itemsize, max_train, max_heldout
+        )
+    with (
+        _terminate_as_interrupt()
+    ):  # SIGTERM too: the writer drops its staging folder, nothing is left at --out
+        manifest = write_corpus_shards(
+            args.spec,
+            out,
+            tokenizer,
+            teacher=teacher,
+            seed=args.seed,
+            max_train_tokens=max_train,
+            max_heldout_tokens=max_heldout,
+            shard_tokens=shard_tokens,
+            progress=not args.no_progress,
+        )
     for line in describe(out, manifest):
         print(line)
     print(f"use it: data.corpus: shards:{out}  (or an entry of data.sources)")
@@ -104,8 +176,11 @@ def _check_teacher(spec: str | None) -> None:
         from huggingface_hub import try_to_load_from_cache  # (no torch)
 
         if not isinstance(try_to_load_from_cache(spec, "config.json"), str):
-            raise CheckpointError(f"--teacher {spec!r} is no built-in name ({', '.join(BUILTIN_TEACHERS)}), local folder or file, and the hub is offline "
-                                  "with no copy of it in the Hugging Face cache", "check the name or path")  # fmt: skip
+            raise CheckpointError(
+                f"--teacher {spec!r} is no built-in name ({', '.join(BUILTIN_TEACHERS)}), local folder or file, and the hub is offline "
+                "with no copy of it in the Hugging Face cache",
+                "check the name or path",
+            )
 
 
 def _sampling_teacher(args):
@@ -120,8 +195,13 @@ def _sampling_teacher(args):
     except RuntimeError:
         raise ConfigError(f"--device {args.device!r} is not a device", "write cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {args.device} asks for a GPU and torch sees none", "drop --device (the CPU samples, slowly) or run where a GPU is")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        raise ConfigError(
+            f"--device {args.device} asks for a GPU and torch sees none",
+            "drop --device (the CPU samples, slowly) or run where a GPU is",
+        )
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
     teacher, tokenizer, _ = load_teacher(args.teacher, dtype=dtype, device=device)
     return teacher, tokenizer
 
@@ -140,7 +220,9 @@ def _terminate_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-_COUNT = re.compile(r"^\s*(?:(?P<base>\d+)\s*\^\s*(?P<exp>\d+)|(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[kKmMgGbB]?))\s*$")
+_COUNT = re.compile(
+    r"^\s*(?:(?P<base>\d+)\s*\^\s*(?P<exp>\d+)|(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[kKmMgGbB]?))\s*$"
+)
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
 
 
@@ -150,20 +232,27 @@ def token_count(flag: str, text: str | None) -> int | None:
         return None
     m = _COUNT.match(str(text))
     if m is None:
-        raise ConfigError(f"{flag} {text!r} is not a number of tokens", f"write e.g. {flag} 30000000, {flag} 30M or {flag} 2^25")
+        raise ConfigError(
+            f"{flag} {text!r} is not a number of tokens",
+            f"write e.g. {flag} 30000000, {flag} 30M or {flag} 2^25",
+        )
     if m["base"] is not None:
         return int(m["base"]) ** int(m["exp"])
     return int(float(m["num"]) * _UNITS[m["unit"].lower()])
 
 
-def fit_limits(mib: float, bytes_per_id: int, max_train: int | None, max_heldout: int | None) -> tuple[int, int]:
+def fit_limits(
+    mib: float, bytes_per_id: int, max_train: int | None, max_heldout: int | None
+) -> tuple[int, int]:
     """Training and held-out token limits whose id files and manifest fit ``mib`` MiB: the held-out
     side takes ``max_heldout`` (else 1/32), the training side the rest (or ``max_train`` if smaller)."""
     total = (int(mib * (1 << 20)) - MANIFEST_RESERVE) // bytes_per_id
     heldout = max_heldout if max_heldout is not None else total // FIT_HELDOUT_SHARE
     if total < 1 or heldout >= total:
-        raise ConfigError(f"--fit-mib {mib:g} holds {max(total, 0):,} tokens at {8 * bytes_per_id} bits, and {heldout:,} of them would be held out",
-                          "raise --fit-mib or lower --heldout-tokens")  # fmt: skip
+        raise ConfigError(
+            f"--fit-mib {mib:g} holds {max(total, 0):,} tokens at {8 * bytes_per_id} bits, and {heldout:,} of them would be held out",
+            "raise --fit-mib or lower --heldout-tokens",
+        )
     train = total - heldout if max_train is None else min(max_train, total - heldout)
     return train, heldout
 
@@ -174,7 +263,10 @@ def fit_limits(mib: float, bytes_per_id: int, max_train: int | None, max_heldout
 def run_info(args) -> int:
     folder = Path(args.dir[len("shards:") :] if args.dir.startswith("shards:") else args.dir)
     if not (folder / "manifest.json").is_file():
-        raise ConfigError(f"{folder} holds no token shards (manifest.json missing)", "give the folder 'attn2ssm data shards --out' wrote")
+        raise ConfigError(
+            f"{folder} holds no token shards (manifest.json missing)",
+            "give the folder 'attn2ssm data shards --out' wrote",
+        )
     _check_teacher(args.teacher)
 
     from attn2ssm.data.shards import read_manifest, verify_shards  # heavy: torch
@@ -183,7 +275,9 @@ def run_info(args) -> int:
     for line in describe(folder, manifest):
         print(line)
     if args.verify:
-        print(f"verified: all {sum(len(manifest['sides'][s]) for s in manifest['sides'])} files match their size and SHA-256")
+        print(
+            f"verified: all {sum(len(manifest['sides'][s]) for s in manifest['sides'])} files match their size and SHA-256"
+        )
     if args.teacher is not None:
         from attn2ssm.data.packing import tokenizer_fingerprint  # heavy: torch
         from attn2ssm.errors import DataError
@@ -191,8 +285,11 @@ def run_info(args) -> int:
 
         theirs = tokenizer_fingerprint(load_teacher_tokenizer(args.teacher))
         if theirs != manifest["tokenizer_fingerprint"]:
-            raise DataError(f"the ids in {folder} belong to another tokenizer than {args.teacher}'s (fingerprint {manifest['tokenizer_fingerprint']}, "
-                            f"{args.teacher}: {theirs})", "train with the teacher whose tokenizer wrote them, or write the shards again")  # fmt: skip
+            raise DataError(
+                f"the ids in {folder} belong to another tokenizer than {args.teacher}'s (fingerprint {manifest['tokenizer_fingerprint']}, "
+                f"{args.teacher}: {theirs})",
+                "train with the teacher whose tokenizer wrote them, or write the shards again",
+            )
         print(f"tokenizer: the ids belong to {args.teacher}'s tokenizer (fingerprint {theirs})")
     return 0
 
@@ -202,22 +299,31 @@ def describe(folder: Path, manifest: dict) -> list[str]:
     from attn2ssm.data.shards import shard_bytes, side_tokens  # heavy: torch
 
     meta = manifest.get("meta", {})
-    lines = [f"{folder}: token shards of {manifest['source']!r}, {_size(shard_bytes(manifest))}",
-             f"  tokenizer {manifest['tokenizer_class']}, {manifest['vocab_size']:,} ids, fingerprint {manifest['tokenizer_fingerprint']}, "
-             f"EOS {manifest['eos_token_id']}; ids {manifest['dtype']}"]  # fmt: skip
+    lines = [
+        f"{folder}: token shards of {manifest['source']!r}, {_size(shard_bytes(manifest))}",
+        f"  tokenizer {manifest['tokenizer_class']}, {manifest['vocab_size']:,} ids, fingerprint {manifest['tokenizer_fingerprint']}, "
+        f"EOS {manifest['eos_token_id']}; ids {manifest['dtype']}",
+    ]
     for side, label in (("train", "train"), ("heldout", "held-out")):
         files = len(manifest["sides"][side])
-        lines.append(f"  {label:<8} {side_tokens(manifest, side):>13,} tokens in {files} file{'s' * (files != 1)} ({_size(shard_bytes(manifest, side))})")
+        lines.append(
+            f"  {label:<8} {side_tokens(manifest, side):>13,} tokens in {files} file{'s' * (files != 1)} ({_size(shard_bytes(manifest, side))})"
+        )
     if meta.get("generated"):
-        lines.append(f"  sampled: {meta.get('n_samples', 0):,} samples, batch {meta.get('batch')} on {meta.get('device')} ({str(meta.get('teacher_dtype', '')).replace('torch.', '')}), "
-                     f"{meta.get('tokens_per_second', 0):,.0f} tokens/s over {meta.get('seconds', 0):,.1f} s")  # fmt: skip
+        lines.append(
+            f"  sampled: {meta.get('n_samples', 0):,} samples, batch {meta.get('batch')} on {meta.get('device')} ({str(meta.get('teacher_dtype', '')).replace('torch.', '')}), "
+            f"{meta.get('tokens_per_second', 0):,.0f} tokens/s over {meta.get('seconds', 0):,.1f} s"
+        )
     elif "tokens_per_second" in meta:
         streamed = f", {meta['rows_read']:,} rows streamed" if meta.get("streamed") else ""
-        lines.append(f"  tokenized: {meta.get('n_train_docs', 0):,} + {meta.get('n_heldout_docs', 0):,} documents{streamed}, "
-                     f"{meta['tokens_per_second']:,.0f} tokens/s")  # fmt: skip
+        lines.append(
+            f"  tokenized: {meta.get('n_train_docs', 0):,} + {meta.get('n_heldout_docs', 0):,} documents{streamed}, "
+            f"{meta['tokens_per_second']:,.0f} tokens/s"
+        )
     return lines
 
 
-
 def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 1 << 20 else f"{n / 2**10:.1f} KiB" if n >= 1 << 10 else f"{n} bytes"
+    return (
+        f"{n / 2**20:.1f} MiB" if n >= 1 << 20 else f"{n / 2**10:.1f} KiB" if n >= 1 << 10 else f"{n} bytes"
+    )

@@ -10,16 +10,29 @@ from attn2ssm.teachers import resolve_teacher
 def add_parser(subparsers) -> None:
     d = subparsers.add_parser("distill", help="run a distillation recipe (default: quickstart)")
     d.add_argument("recipe", nargs="?", default=None, help="built-in recipe name or YAML path")
-    d.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field, e.g. stages.0.tokens=20000")
+    d.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a recipe field, e.g. stages.0.tokens=20000",
+    )
     d.add_argument("--out", default=None, help="run directory (default runs/<recipe>)")
     d.add_argument("--teacher", default=None, help="override the recipe's teacher")
-    d.add_argument("--kernels", choices=("auto", "torch", "fla"), default=None,
-                   help="what the mixers' chunked forms run (overrides the recipe's kernels): auto (fla on CUDA when it imports), torch, fla")
-    d.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint, with the recipe saved there; "
-                   "--set may then change only what leaves the steps already taken as they were: eval.*, stages.N.save_every, "
-                   "stages.N.keep_checkpoints, stages.N.eval_every, stages.N.eval_batches, device, mixed_precision and kernels (the "
-                   "last three for the remaining steps); any other changed key is refused, naming it. SIGTERM / Ctrl-C stop a run after the current step with "
-                   "a checkpoint and print this command to resume")
+    d.add_argument(
+        "--kernels",
+        choices=("auto", "torch", "fla"),
+        default=None,
+        help="what the mixers' chunked forms run (overrides the recipe's kernels): auto (fla on CUDA when it imports), torch, fla",
+    )
+    d.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its latest checkpoint, with the recipe saved there; "
+        "--set may then change only what leaves the steps already taken as they were: eval.*, stages.N.save_every, "
+        "stages.N.keep_checkpoints, stages.N.eval_every, stages.N.eval_batches, device, mixed_precision and kernels (the "
+        "last three for the remaining steps); any other changed key is refused, naming it. SIGTERM / Ctrl-C stop a run after the current step with "
+        "a checkpoint and print this command to resume",
+    )
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=run)
 
@@ -34,7 +47,10 @@ def run(args) -> int:
         recipe.kernels = args.kernels
     # A resume continues the recipe saved in the run directory (when there is one): --set and --teacher
     # are checked against it there, and may change only what distill.recipe.RESUMABLE lists.
-    extra = [*([f"teacher={args.teacher}"] if args.teacher else []), *([f"kernels={args.kernels}"] if args.kernels else [])]
+    extra = [
+        *([f"teacher={args.teacher}"] if args.teacher else []),
+        *([f"kernels={args.kernels}"] if args.kernels else []),
+    ]
     overrides = [*(args.set or []), *extra] if args.resume else None
     if not args.resume and recipe.images is None:  # (a resumed run reads its teacher from the run directory)
         resolve_teacher(recipe.teacher)
@@ -45,12 +61,20 @@ def run(args) -> int:
     results = distill(recipe, out, resume=args.resume, overrides=overrides, progress=not args.no_progress)
     if results and "student_top1" in results:  # an image recipe
         print(f"\n{'model':<10} {'top-1':>8}   ({results['test_images']} test images)")
-        print(f"{'teacher':<10} {results['teacher_top1']:>8.4f}\n{'student':<10} {results['student_top1']:>8.4f}")
-        print(f"\nstudent:    {out / 'student'} (AutoModelForImageClassification)\nreport:     {out / 'report.md'}\nmetrics:    {out / 'metrics.jsonl'}")
+        print(
+            f"{'teacher':<10} {results['teacher_top1']:>8.4f}\n{'student':<10} {results['student_top1']:>8.4f}"
+        )
+        print(
+            f"\nstudent:    {out / 'student'} (AutoModelForImageClassification)\nreport:     {out / 'report.md'}\nmetrics:    {out / 'metrics.jsonl'}"
+        )
     elif results:
         print()
         print(f"{'model':<10} {'held-out ppl':>14}")
-        print(f"{'teacher':<10} {results['teacher_ppl']:>14.2f}" if results["teacher_ppl"] is not None else f"{'teacher':<10} {'–':>14} (not loaded: logit cache)")
+        print(
+            f"{'teacher':<10} {results['teacher_ppl']:>14.2f}"
+            if results["teacher_ppl"] is not None
+            else f"{'teacher':<10} {'–':>14} (not loaded: logit cache)"
+        )
         print(f"{'student':<10} {results['student_ppl']:>14.2f}")
         print(f"\nstudent:    {out / 'student'}")
         print(f"report:     {out / 'report.md'} (loss curve {out / 'loss.png'})")

@@ -19,19 +19,42 @@ def add_parser(subparsers) -> None:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--echo", action="store_true", help="print the prompt too")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--draft", default=None, help="speculative decoding: 'ngram' (prompt lookup, no model) or a draft model (student dir or teacher "
-                   "spec, same tokenizer) proposes tokens that MODEL verifies")
-    g.add_argument("--num-draft-tokens", default="auto", help="with --draft: tokens proposed per verifier forward, or auto (default: "
-                   "chosen each round from the acceptance and round times measured so far, 0 where drafting does not pay)")
-    g.add_argument("--compile", action="store_true", help="CPU, pure students: run the decode step as one torch.compile'd function (~1.5x faster a token; the first step compiles, about a minute on 2 cores)")
-    g.add_argument("--dtype", default="float32", help="weights and activations: float32 or bfloat16 (SSM decay, skip and dt bias stay float32)")
-    g.add_argument("--quantize", default=None, help="int8: linear weights int8 with per-channel scales (weight-only; activations in --dtype)")
+    g.add_argument(
+        "--draft",
+        default=None,
+        help="speculative decoding: 'ngram' (prompt lookup, no model) or a draft model (student dir or teacher "
+        "spec, same tokenizer) proposes tokens that MODEL verifies",
+    )
+    g.add_argument(
+        "--num-draft-tokens",
+        default="auto",
+        help="with --draft: tokens proposed per verifier forward, or auto (default: "
+        "chosen each round from the acceptance and round times measured so far, 0 where drafting does not pay)",
+    )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="CPU, pure students: run the decode step as one torch.compile'd function (~1.5x faster a token; the first step compiles, about a minute on 2 cores)",
+    )
+    g.add_argument(
+        "--dtype",
+        default="float32",
+        help="weights and activations: float32 or bfloat16 (SSM decay, skip and dt bias stay float32)",
+    )
+    g.add_argument(
+        "--quantize",
+        default=None,
+        help="int8: linear weights int8 with per-channel scales (weight-only; activations in --dtype)",
+    )
     g.set_defaults(func=run)
 
 
 def run(args) -> int:
     if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} generates nothing", "ask for at least 1 token, e.g. --max-new-tokens 64")
+        raise ConfigError(
+            f"--max-new-tokens {args.max_new_tokens} generates nothing",
+            "ask for at least 1 token, e.g. --max-new-tokens 64",
+        )
     from attn2ssm.generation.sampling import check_sampling  # heavy: torch
 
     check_sampling(args.temperature, args.top_k, args.top_p, cli=True)  # 0 = greedy; a negative one is not
@@ -43,9 +66,13 @@ def run(args) -> int:
     from attn2ssm.decode.quantize import apply_weight_format, check_weight_format  # heavy: torch
     from attn2ssm.student.loading import load_model_and_tokenizer  # heavy: torch + transformers
 
-    check_weight_format(args.dtype, args.quantize)  # a bad --dtype / --quantize: one line, before anything loads
+    check_weight_format(
+        args.dtype, args.quantize
+    )  # a bad --dtype / --quantize: one line, before anything loads
     model, tokenizer = load_model_and_tokenizer(args.model)
-    apply_weight_format(model, args.dtype, args.quantize)  # before the layout: it fuses what is still a plain linear
+    apply_weight_format(
+        model, args.dtype, args.quantize
+    )  # before the layout: it fuses what is still a plain linear
     cpu_decode_layout(model, compile=args.compile)  # faster one-token steps on CPU (a no-op elsewhere)
     if args.compile and getattr(model, "compiled_step_reason", ""):
         print(f"--compile: decoding eagerly: {model.compiled_step_reason}", file=sys.stderr)
@@ -75,10 +102,14 @@ def _prompt_inputs(args, tokenizer) -> dict:
     import torch  # heavy: torch
 
     if args.chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
+        )
     else:
         text = args.prompt
-    inputs = tokenizer(text, return_tensors="pt", verbose=False)  # (a prompt past the model's positions is refused below, in one line)
+    inputs = tokenizer(
+        text, return_tensors="pt", verbose=False
+    )  # (a prompt past the model's positions is refused below, in one line)
     if inputs["input_ids"].shape[1] == 0:  # an empty prompt, with a tokenizer that adds no BOS
         if tokenizer.bos_token_id is None:
             raise ConfigError(
@@ -135,6 +166,12 @@ def _check_positions(model, name: str, prompt: int, new: int) -> None:
 
     limit = position_limit(model.config)
     if limit is not None and prompt + new > limit:
-        fix = (f"lower --max-new-tokens to {limit - prompt} or less, or shorten the prompt" if prompt < limit else
-               f"shorten the prompt to fewer than {limit} tokens")  # fmt: skip
-        raise ConfigError(f"the prompt ({prompt} tokens) and --max-new-tokens {new} need {prompt + new} positions; {name} reads at most {limit}", fix)
+        fix = (
+            f"lower --max-new-tokens to {limit - prompt} or less, or shorten the prompt"
+            if prompt < limit
+            else f"shorten the prompt to fewer than {limit} tokens"
+        )
+        raise ConfigError(
+            f"the prompt ({prompt} tokens) and --max-new-tokens {new} need {prompt + new} positions; {name} reads at most {limit}",
+            fix,
+        )

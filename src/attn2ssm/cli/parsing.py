@@ -12,7 +12,10 @@ def int_list(flag: str, text: str) -> tuple[int, ...]:
     except ValueError:
         values = ()
     if not values or min(values) < 1:
-        raise ConfigError(f"{flag} {text!r} is not a comma-separated list of positive integers", f"write e.g. {flag} 1024,4096")
+        raise ConfigError(
+            f"{flag} {text!r} is not a comma-separated list of positive integers",
+            f"write e.g. {flag} 1024,4096",
+        )
     return values
 
 
@@ -22,5 +25,8 @@ def draft_tokens(flag: str, text: str) -> int | str:
     if text == "auto":
         return text
     if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"{flag} {text} is not a positive number of draft tokens or 'auto'", f"write e.g. {flag} 4, or {flag} auto")
+        raise ConfigError(
+            f"{flag} {text} is not a positive number of draft tokens or 'auto'",
+            f"write e.g. {flag} 4, or {flag} auto",
+        )
     return int(text)

@@ -184,7 +184,9 @@ def _check_layout(name: str, root: Path) -> None:
         "sotu": lambda: any(root.glob("[0-9][0-9][0-9][0-9]_*.json")),
         "moby-dick": lambda: (root / "file_list.json").is_file(),
         "emails": lambda: any(root.glob("easy-ham-1/*.txt")),
-        "kjv": lambda: (root / "content" / "books.json").is_file() and (root / "resources" / "1" / "1.json").is_file(),
+        "kjv": lambda: (
+            (root / "content" / "books.json").is_file() and (root / "resources" / "1" / "1.json").is_file()
+        ),
     }
     if not checks[name]():
         raise DataError(
@@ -259,7 +261,9 @@ def _read_emails(root: Path):
             group = path.parent.name
             docs.append(Document(f"emails/{group}/{path.name.split('.')[0]}", text, {"group": group}))
     if not docs:
-        raise DataError(f"built-in corpus folder {root} holds no messages", f"delete {root} to fetch it again")
+        raise DataError(
+            f"built-in corpus folder {root} holds no messages", f"delete {root} to fetch it again"
+        )
     return docs
 
 
@@ -287,9 +291,17 @@ def _read_kjv(root: Path):
     docs = []
     for number, book in enumerate(books, 1):
         for chapter in range(1, int(book["chapters"]) + 1):
-            verses = json.loads((root / "resources" / str(number) / f"{chapter}.json").read_text(encoding="utf-8"))
+            verses = json.loads(
+                (root / "resources" / str(number) / f"{chapter}.json").read_text(encoding="utf-8")
+            )
             title = f"{book['name']} {chapter}"
-            docs.append(Document(f"kjv/{number}/{chapter}", kjv_chapter_text(title, verses), {"book": book["name"], "chapter": chapter}))
+            docs.append(
+                Document(
+                    f"kjv/{number}/{chapter}",
+                    kjv_chapter_text(title, verses),
+                    {"book": book["name"], "chapter": chapter},
+                )
+            )
     return docs
 
 
@@ -302,5 +314,8 @@ def _read_pydoc():
     sections, so the 5 % hash split holds out ~10 of them rather than 3 whole topics)."""
     from pydoc_data.topics import topics  # stdlib: shipped with CPython
 
-    return [Document(f"pydoc/{name}/{i}", text, {"topic": name, "section": i})
-            for name in sorted(topics) for i, text in enumerate(_PYDOC_SECTION.split(topics[name]))]  # fmt: skip
+    return [
+        Document(f"pydoc/{name}/{i}", text, {"topic": name, "section": i})
+        for name in sorted(topics)
+        for i, text in enumerate(_PYDOC_SECTION.split(topics[name]))
+    ]

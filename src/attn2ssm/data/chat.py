@@ -53,25 +53,37 @@ _FORMAT_FIX = (
 def load_records(source: str, max_examples: int | None = None) -> list[tuple[str, dict]]:
     """``(where, record)`` pairs from ``source``, in source order; at most ``max_examples``."""
     if not isinstance(source, str) or not source.strip():
-        raise DataError("no dataset given", "set the stage's data.source to a .jsonl/.json/.parquet file or hf:<dataset>")
+        raise DataError(
+            "no dataset given", "set the stage's data.source to a .jsonl/.json/.parquet file or hf:<dataset>"
+        )
     source = source.strip()
     if source.startswith("hf:"):
-        ds = open_hf_dataset(source[3:], offline_fix="download the dataset once and point data.source at a local .jsonl/.json/.parquet copy")
+        ds = open_hf_dataset(
+            source[3:],
+            offline_fix="download the dataset once and point data.source at a local .jsonl/.json/.parquet copy",
+        )
         if max_examples is not None:
             ds = ds.select(range(min(max_examples, len(ds))))
         return [(f"{source} row {i}", r) for i, r in enumerate(ds)]
     path = Path(source).expanduser()
     if not path.is_file():
-        raise DataError(f"dataset file {str(path)!r} does not exist", "check data.source, or use hf:<dataset>")
+        raise DataError(
+            f"dataset file {str(path)!r} does not exist", "check data.source, or use hf:<dataset>"
+        )
     if path.suffix not in FILE_SUFFIXES:
-        raise DataError(f"cannot read dataset file {str(path)!r}: unsupported format", f"use one of {', '.join(FILE_SUFFIXES)} or hf:<dataset>")
+        raise DataError(
+            f"cannot read dataset file {str(path)!r}: unsupported format",
+            f"use one of {', '.join(FILE_SUFFIXES)} or hf:<dataset>",
+        )
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq  # heavy: pyarrow, only for .parquet files
 
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:
-            raise DataError(f"cannot read parquet file {path} ({e})", "check that the file is complete") from e
+            raise DataError(
+                f"cannot read parquet file {path} ({e})", "check that the file is complete"
+            ) from e
         records = [(f"{path} row {i}", r) for i, r in enumerate(rows)]
     elif path.suffix == ".json":
         text = path.read_text(encoding="utf-8")
@@ -81,7 +93,10 @@ def load_records(source: str, max_examples: int | None = None) -> list[tuple[str
             records = _jsonl_records(path)  # JSON Lines under a .json name, as datasets accepts
         else:
             if not isinstance(data, list):
-                raise DataError(f"{path} holds a JSON {type(data).__name__}, not a list of records", "write a JSON list of objects, or JSON Lines")
+                raise DataError(
+                    f"{path} holds a JSON {type(data).__name__}, not a list of records",
+                    "write a JSON list of objects, or JSON Lines",
+                )
             records = [(f"{path} row {i}", r) for i, r in enumerate(data)]
     else:
         records = _jsonl_records(path)
@@ -97,7 +112,9 @@ def _jsonl_records(path: Path) -> list[tuple[str, dict]]:
             try:
                 records.append((f"{path}:{lineno}", json.loads(line)))
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno} is not valid JSON ({e.msg})", "fix or remove that line") from e
+                raise DataError(
+                    f"{path}:{lineno} is not valid JSON ({e.msg})", "fix or remove that line"
+                ) from e
     return records
 
 
@@ -120,10 +137,16 @@ def _keys(record) -> str:
 
 def _check_messages(messages, where: str, name: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: '{name}' is not a non-empty list of messages", "write it as [{role: user, content: ...}, {role: assistant, content: ...}]")
+        raise DataError(
+            f"{where}: '{name}' is not a non-empty list of messages",
+            "write it as [{role: user, content: ...}, {role: assistant, content: ...}]",
+        )
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise DataError(f"{where}: a message in '{name}' lacks 'role' or 'content' ({m!r:.80})", "give every message a role and a content")
+            raise DataError(
+                f"{where}: a message in '{name}' lacks 'role' or 'content' ({m!r:.80})",
+                "give every message a role and a content",
+            )
     return messages
 
 
@@ -140,10 +163,18 @@ def to_conversation(record, fmt: str, where: str) -> list[dict]:
         if not isinstance(record, dict) or "messages" not in record:
             raise DataError(f"{where} has no field 'messages' (has: {_keys(record)})", _FORMAT_FIX)
         return _check_messages(record["messages"], where, "messages")
-    if not isinstance(record, dict) or "prompt" not in record or not ("completion" in record or "response" in record):
-        raise DataError(f"{where} lacks 'prompt' and 'completion'/'response' (has: {_keys(record)})", _FORMAT_FIX)
+    if (
+        not isinstance(record, dict)
+        or "prompt" not in record
+        or not ("completion" in record or "response" in record)
+    ):
+        raise DataError(
+            f"{where} lacks 'prompt' and 'completion'/'response' (has: {_keys(record)})", _FORMAT_FIX
+        )
     reply = record["completion"] if "completion" in record else record["response"]
-    return _as_messages(record["prompt"], "user", where, "prompt") + _as_messages(reply, "assistant", where, "completion")
+    return _as_messages(record["prompt"], "user", where, "prompt") + _as_messages(
+        reply, "assistant", where, "completion"
+    )
 
 
 def _reply_start(conversation: list[dict]) -> int:
@@ -165,11 +196,19 @@ def to_preference(record, where: str) -> tuple[tuple[list[dict], int], tuple[lis
             conversation = value  # a whole conversation: its trailing assistant turns are the reply
         else:
             if "prompt" not in record:
-                raise DataError(f"{where} has no 'prompt' and '{name}' is not a whole conversation", "add the prompt, or give chosen/rejected as full conversations")
-            conversation = _as_messages(record["prompt"], "user", where, "prompt") + _as_messages(value, "assistant", where, name)
+                raise DataError(
+                    f"{where} has no 'prompt' and '{name}' is not a whole conversation",
+                    "add the prompt, or give chosen/rejected as full conversations",
+                )
+            conversation = _as_messages(record["prompt"], "user", where, "prompt") + _as_messages(
+                value, "assistant", where, name
+            )
         start = _reply_start(conversation)
         if start == len(conversation):
-            raise DataError(f"{where}: '{name}' does not end with an assistant message", "the reply must be the last, assistant turn")
+            raise DataError(
+                f"{where}: '{name}' does not end with an assistant message",
+                "the reply must be the last, assistant turn",
+            )
         out.append((conversation, start))
     return out[0], out[1]
 
@@ -187,14 +226,21 @@ def require_chat_template(tokenizer, stage: str) -> None:
 
 def _render(tokenizer, messages: list[dict], generation_prompt: bool, where: str) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
     except Exception as e:  # the template's own raise_exception (e.g. roles must alternate)
         if not messages:
             return ""
-        raise DataError(f"{where}: the chat template refused this conversation ({str(e).splitlines()[0][:200]})", "fix the record or use a teacher whose template accepts it") from e
+        raise DataError(
+            f"{where}: the chat template refused this conversation ({str(e).splitlines()[0][:200]})",
+            "fix the record or use a teacher whose template accepts it",
+        ) from e
 
 
-def assistant_char_spans(tokenizer, messages: list[dict], first_turn: int = 0, where: str = "record") -> tuple[str, list[tuple[int, int]]]:
+def assistant_char_spans(
+    tokenizer, messages: list[dict], first_turn: int = 0, where: str = "record"
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns at index ≥ ``first_turn``.
 
     Span of turn i = [len(render(messages[:i], generation prompt)), len(render(messages[:i+1]))).
@@ -260,7 +306,9 @@ def _tokenize_with_mask(tokenizer, text: str, spans: list[tuple[int, int]]) -> t
     return list(ids), mask
 
 
-def encode_conversation(tokenizer, messages: list[dict], first_turn: int = 0, where: str = "record") -> tuple[list[int], list[bool]]:
+def encode_conversation(
+    tokenizer, messages: list[dict], first_turn: int = 0, where: str = "record"
+) -> tuple[list[int], list[bool]]:
     """``(ids, loss_mask)``: the rendered conversation with its assistant tokens (from ``first_turn``) marked."""
     text, spans = assistant_char_spans(tokenizer, messages, first_turn, where)
     return tokenize_with_mask(tokenizer, text, spans)
@@ -277,7 +325,9 @@ def _pad_id(tokenizer) -> int:
     return 0
 
 
-def pad_right(rows: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_right(
+    rows: list[torch.Tensor], masks: list[torch.Tensor], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-pad 1-D ids and loss masks to the longest row: ``(input_ids, attention_mask, loss_mask)``."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -293,7 +343,9 @@ def _fit(ids: list[int], mask: list[bool], max_len: int) -> tuple[torch.Tensor, 
     ids, mask = ids[:max_len], mask[:max_len]
     if not any(mask[1:]):
         return None
-    return torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.bool)  # int32 halves the memory
+    return torch.tensor(ids, dtype=torch.int32), torch.tensor(
+        mask, dtype=torch.bool
+    )  # int32 halves the memory
 
 
 @dataclass
@@ -317,7 +369,9 @@ class ChatDataset:
         return sum(int(self.loss_masks[i][1:].sum()) for i in indices)
 
     def collate(self, indices) -> dict:
-        ids, attn, loss = pad_right([self.ids[i] for i in indices], [self.loss_masks[i] for i in indices], self.pad_id)
+        ids, attn, loss = pad_right(
+            [self.ids[i] for i in indices], [self.loss_masks[i] for i in indices], self.pad_id
+        )
         return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
 
 
@@ -353,12 +407,24 @@ def _resolve_format(records: list[tuple[str, dict]], fmt: str, allowed: tuple[st
     where, first = records[0]
     found = detect_format(first)
     if found is None or found not in allowed:
-        wanted = "preference data (prompt, chosen, rejected)" if allowed == PREFERENCE_FORMATS else "chat data (messages, or prompt + completion/response)"
+        wanted = (
+            "preference data (prompt, chosen, rejected)"
+            if allowed == PREFERENCE_FORMATS
+            else "chat data (messages, or prompt + completion/response)"
+        )
         raise DataError(f"{where} does not look like {wanted} (has: {_keys(first)})", _FORMAT_FIX)
     return found
 
 
-def load_sft_dataset(source: str, tokenizer, *, format: str = "auto", max_len: int = 512, max_examples: int | None = None, stage: str = "sft") -> ChatDataset:
+def load_sft_dataset(
+    source: str,
+    tokenizer,
+    *,
+    format: str = "auto",
+    max_len: int = 512,
+    max_examples: int | None = None,
+    stage: str = "sft",
+) -> ChatDataset:
     """Read, render and tokenize an SFT dataset; assistant tokens are the loss mask."""
     require_chat_template(tokenizer, stage)
     records = load_records(source, max_examples)
@@ -368,18 +434,38 @@ def load_sft_dataset(source: str, tokenizer, *, format: str = "auto", max_len: i
     ids, masks, dropped = [], [], 0
     for where, record in records:
         messages = to_conversation(record, fmt, where)
-        fitted = _fit(*encode_conversation(tokenizer, messages, 0, where), max_len) if any(m["role"] == "assistant" for m in messages) else None
+        fitted = (
+            _fit(*encode_conversation(tokenizer, messages, 0, where), max_len)
+            if any(m["role"] == "assistant" for m in messages)
+            else None
+        )
         if fitted is None:
             dropped += 1
             continue
         ids.append(fitted[0])
         masks.append(fitted[1])
     if not ids:
-        raise DataError(f"no example of {source!r} has an assistant token within max_len={max_len}", "raise data.max_len or check that conversations have assistant turns")
-    return ChatDataset(ids, masks, _pad_id(tokenizer), {"source": source, "format": fmt, "examples": len(ids), "dropped": dropped})
+        raise DataError(
+            f"no example of {source!r} has an assistant token within max_len={max_len}",
+            "raise data.max_len or check that conversations have assistant turns",
+        )
+    return ChatDataset(
+        ids,
+        masks,
+        _pad_id(tokenizer),
+        {"source": source, "format": fmt, "examples": len(ids), "dropped": dropped},
+    )
 
 
-def load_preference_dataset(source: str, tokenizer, *, format: str = "auto", max_len: int = 512, max_examples: int | None = None, stage: str = "dpo") -> PreferenceDataset:
+def load_preference_dataset(
+    source: str,
+    tokenizer,
+    *,
+    format: str = "auto",
+    max_len: int = 512,
+    max_examples: int | None = None,
+    stage: str = "dpo",
+) -> PreferenceDataset:
     """Read, render and tokenize preference pairs; each side's reply tokens are its loss mask."""
     require_chat_template(tokenizer, stage)
     records = load_records(source, max_examples)
@@ -398,7 +484,13 @@ def load_preference_dataset(source: str, tokenizer, *, format: str = "auto", max
             sides[side][0].append(i)
             sides[side][1].append(m)
     if not sides["chosen"][0]:
-        raise DataError(f"no pair of {source!r} has reply tokens within max_len={max_len}", "raise data.max_len")
+        raise DataError(
+            f"no pair of {source!r} has reply tokens within max_len={max_len}", "raise data.max_len"
+        )
     pad = _pad_id(tokenizer)
     chosen, rejected = (ChatDataset(*sides[s], pad) for s in ("chosen", "rejected"))
-    return PreferenceDataset(chosen, rejected, {"source": source, "format": "preference", "examples": len(chosen), "dropped": dropped})
+    return PreferenceDataset(
+        chosen,
+        rejected,
+        {"source": source, "format": "preference", "examples": len(chosen), "dropped": dropped},
+    )

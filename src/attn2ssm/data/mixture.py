@@ -63,7 +63,9 @@ class TokenBlocks:
     or a boolean mask return int64 ids (on the CPU; the caller moves them), so only the drawn batch is
     ever widened. ``tensor()`` materialises all of it (tests, small data)."""
 
-    def __init__(self, parts: list[torch.Tensor], source: torch.Tensor | None = None, row: torch.Tensor | None = None):
+    def __init__(
+        self, parts: list[torch.Tensor], source: torch.Tensor | None = None, row: torch.Tensor | None = None
+    ):
         if source is None and len(parts) != 1:
             raise ValueError("several parts need source and row indices")
         self.parts, self.source, self.row = parts, source, row
@@ -83,7 +85,11 @@ class TokenBlocks:
     @property
     def nbytes(self) -> int:
         """Memory held: the sources' ids and the mixture's index."""
-        index = 0 if self.source is None else self.source.numel() * self.source.element_size() + self.row.numel() * self.row.element_size()
+        index = (
+            0
+            if self.source is None
+            else self.source.numel() * self.source.element_size() + self.row.numel() * self.row.element_size()
+        )
         return sum(p.numel() * p.element_size() for p in self.parts) + index
 
     def __getitem__(self, idx) -> torch.Tensor:
@@ -120,11 +126,15 @@ class TrainingData:
 
     def describe(self) -> str:
         """One line per source: its share of the blocks and how often its text repeats."""
-        lines = [f"data: {len(self.blocks)} training blocks, {len(self.eval_blocks)} held-out blocks of {self.blocks.shape[1]} tokens"]
+        lines = [
+            f"data: {len(self.blocks)} training blocks, {len(self.eval_blocks)} held-out blocks of {self.blocks.shape[1]} tokens"
+        ]
         for s in self.sources:
             cached = " (cached)" if s["from_cache"] else ""
-            lines.append(f"  {s['spec']}: {s['share']:.1%} of blocks, {s['draws']} drawn from {s['blocks']} "
-                         f"(×{s['draws'] / s['blocks']:.2f}), {s['heldout_blocks']} held out{cached}")  # fmt: skip
+            lines.append(
+                f"  {s['spec']}: {s['share']:.1%} of blocks, {s['draws']} drawn from {s['blocks']} "
+                f"(×{s['draws'] / s['blocks']:.2f}), {s['heldout_blocks']} held out{cached}"
+            )
         return "\n".join(lines)
 
 
@@ -159,47 +169,86 @@ def load_training_data(
         raise DataError("no data sources given", "set data.corpus, or list data.sources")
     weights = [float(s.weight) for s in sources]
     if any(not (w > 0 and math.isfinite(w)) for w in weights):
-        raise DataError(f"source weights must be positive numbers, got {weights}", "give every data.sources entry a weight > 0")
+        raise DataError(
+            f"source weights must be positive numbers, got {weights}",
+            "give every data.sources entry a weight > 0",
+        )
     shares = [w / sum(weights) for w in weights]
-    field_ = None if text_field in (None, DEFAULT_TEXT_FIELD) else text_field  # a spec's own ?field= then works
+    field_ = (
+        None if text_field in (None, DEFAULT_TEXT_FIELD) else text_field
+    )  # a spec's own ?field= then works
 
     def prepare(i: int, cap: int | None) -> TokenizedCorpus:
         spec = sources[i].corpus
         if is_shards(spec):  # ids written once (data/shards.py): nothing to tokenize
-            return read_shards(spec, tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens, compact=compact)
+            return read_shards(
+                spec, tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens, compact=compact
+            )
         if is_generated(spec):
             corpus = _generated(spec, tokenizer, teacher, seed, cap, max_heldout_tokens, progress)
         elif is_chat(spec):  # the teacher's answers, sampled once, then a local .jsonl corpus
             if teacher is None:
-                raise DataError(f"{spec!r} is answered by the teacher, and none was given", "pass teacher= (the trainer does)")
+                raise DataError(
+                    f"{spec!r} is answered by the teacher, and none was given",
+                    "pass teacher= (the trainer does)",
+                )
             path = build_chat_corpus(spec, teacher, tokenizer, seed=seed, progress=progress)
-            corpus = prepare_corpus(str(path), tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens)
+            corpus = prepare_corpus(
+                str(path), tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens
+            )
         else:
-            corpus = prepare_corpus(spec, tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens, text_field=field_)
+            corpus = prepare_corpus(
+                spec,
+                tokenizer,
+                max_train_tokens=cap,
+                max_heldout_tokens=max_heldout_tokens,
+                text_field=field_,
+            )
         if compact:
             narrow = compact_dtype(len(tokenizer))
-            corpus = TokenizedCorpus(corpus.train_ids.to(narrow), corpus.heldout_ids.to(narrow), corpus.tokenizer_fingerprint, corpus.meta)
+            corpus = TokenizedCorpus(
+                corpus.train_ids.to(narrow),
+                corpus.heldout_ids.to(narrow),
+                corpus.tokenizer_fingerprint,
+                corpus.meta,
+            )
         return corpus
 
     if len(sources) == 1:
         cap = _cap(sources[0], 1.0, max_train_tokens, budget_blocks, block_len)
         corpus = prepare(0, cap)
-        blocks, eval_blocks = pack_blocks(corpus.train_ids, block_len), pack_blocks(corpus.heldout_ids, block_len)
+        blocks, eval_blocks = (
+            pack_blocks(corpus.train_ids, block_len),
+            pack_blocks(corpus.heldout_ids, block_len),
+        )
         info = _info(sources[0], 1.0, corpus, len(blocks), len(blocks), len(eval_blocks), cap)
-        only = torch.zeros(len(blocks), dtype=torch.long), torch.zeros(len(eval_blocks), dtype=torch.long)  # all from source 0
+        only = (
+            torch.zeros(len(blocks), dtype=torch.long),
+            torch.zeros(len(eval_blocks), dtype=torch.long),
+        )  # all from source 0
         if compact:
             blocks, eval_blocks = TokenBlocks([blocks]), TokenBlocks([eval_blocks])
-            corpus = TokenizedCorpus(_NO_IDS, corpus.heldout_ids.long(), corpus.tokenizer_fingerprint, {**corpus.meta, "compact": True})
+            corpus = TokenizedCorpus(
+                _NO_IDS,
+                corpus.heldout_ids.long(),
+                corpus.tokenizer_fingerprint,
+                {**corpus.meta, "compact": True},
+            )
         return TrainingData(blocks, eval_blocks, corpus, *only, [info])
 
     counts = apportion(shares, budget_blocks) if budget_blocks else None
-    caps = [_cap(s, shares[i], max_train_tokens, counts[i] if counts else None, block_len) for i, s in enumerate(sources)]
+    caps = [
+        _cap(s, shares[i], max_train_tokens, counts[i] if counts else None, block_len)
+        for i, s in enumerate(sources)
+    ]
     corpora = [prepare(i, cap) for i, cap in enumerate(caps)]
     parts = []
     for s, corpus in zip(sources, corpora):
         if corpus.train_ids.numel() < block_len:
-            raise DataError(f"source {s.corpus!r} has {corpus.train_ids.numel()} training tokens, fewer than one block of {block_len}",
-                            "raise its max_tokens, add text, or lower data.block_len")  # fmt: skip
+            raise DataError(
+                f"source {s.corpus!r} has {corpus.train_ids.numel()} training tokens, fewer than one block of {block_len}",
+                "raise its max_tokens, add text, or lower data.block_len",
+            )
         parts.append(pack_blocks(corpus.train_ids, block_len))
     if counts is None:
         counts = apportion(shares, sum(len(p) for p in parts))
@@ -209,19 +258,33 @@ def load_training_data(
     else:
         blocks, source_of = mix_blocks(parts, counts, seed)
 
-    held = [c.heldout_ids[: c.heldout_ids.numel() // block_len * block_len].view(-1, block_len) for c in corpora]
+    held = [
+        c.heldout_ids[: c.heldout_ids.numel() // block_len * block_len].view(-1, block_len) for c in corpora
+    ]
     src, pos = interleave([len(h) for h in held], shares)
     if not len(src):
-        raise DataError(f"no source has {block_len} held-out tokens for one evaluation block",
-                        "raise data.max_heldout_tokens, add a source with more documents, or lower data.block_len")  # fmt: skip
-    infos = [_info(s, shares[i], c, len(parts[i]), counts[i], len(held[i]), caps[i]) for i, (s, c) in enumerate(zip(sources, corpora))]
+        raise DataError(
+            f"no source has {block_len} held-out tokens for one evaluation block",
+            "raise data.max_heldout_tokens, add a source with more documents, or lower data.block_len",
+        )
+    infos = [
+        _info(s, shares[i], c, len(parts[i]), counts[i], len(held[i]), caps[i])
+        for i, (s, c) in enumerate(zip(sources, corpora))
+    ]
     meta = {"spec": " + ".join(f"{i['share']:.3g}×{i['spec']}" for i in infos), "sources": infos}
     if compact:
         eval_blocks = TokenBlocks(held, src, pos)
-        corpus = TokenizedCorpus(_NO_IDS, eval_blocks.tensor().reshape(-1), corpora[0].tokenizer_fingerprint, {**meta, "compact": True})
+        corpus = TokenizedCorpus(
+            _NO_IDS,
+            eval_blocks.tensor().reshape(-1),
+            corpora[0].tokenizer_fingerprint,
+            {**meta, "compact": True},
+        )
     else:
         eval_blocks = torch.stack([held[s][p] for s, p in zip(src.tolist(), pos.tolist())])
-        corpus = TokenizedCorpus(blocks.reshape(-1), eval_blocks.reshape(-1), corpora[0].tokenizer_fingerprint, meta)
+        corpus = TokenizedCorpus(
+            blocks.reshape(-1), eval_blocks.reshape(-1), corpora[0].tokenizer_fingerprint, meta
+        )
     return TrainingData(blocks, eval_blocks, corpus, source_of, src, infos)
 
 
@@ -250,8 +313,16 @@ def interleave(counts: list[int], rates: list[float]) -> tuple[torch.Tensor, tor
     """An order of ``counts[s]`` items per source in which source ``s`` comes up at rate ``rates[s]``
     (stride scheduling: item ``k`` of source ``s`` sits at time ``(k + ½) / rates[s]``; ties go to the
     earlier source). Returns ``(source, index within source)`` per position."""
-    keys = torch.cat([(torch.arange(c, dtype=torch.float64) + 0.5) / r for c, r in zip(counts, rates)]) if counts else torch.zeros(0)
-    source = torch.cat([torch.full((c,), s, dtype=torch.long) for s, c in enumerate(counts)]) if counts else torch.zeros(0, dtype=torch.long)
+    keys = (
+        torch.cat([(torch.arange(c, dtype=torch.float64) + 0.5) / r for c, r in zip(counts, rates)])
+        if counts
+        else torch.zeros(0)
+    )
+    source = (
+        torch.cat([torch.full((c,), s, dtype=torch.long) for s, c in enumerate(counts)])
+        if counts
+        else torch.zeros(0, dtype=torch.long)
+    )
     index = torch.cat([torch.arange(c) for c in counts]) if counts else torch.zeros(0, dtype=torch.long)
     order = torch.argsort(keys, stable=True)
     return source[order], index[order]
@@ -294,7 +365,9 @@ def _source_seed(seed: int, s: int) -> int:
 # ---------------------------------------------------------------------------------- sources
 
 
-def _cap(source, share: float, max_train_tokens: int | None, budget_blocks: int | None, block_len: int) -> int | None:
+def _cap(
+    source, share: float, max_train_tokens: int | None, budget_blocks: int | None, block_len: int
+) -> int | None:
     """Training tokens to prepare for ``source`` (see the module docstring); None: all of it.
     ``budget_blocks`` is how many blocks the mixture draws from this source (None: unknown)."""
     if source.max_tokens is not None:
@@ -306,16 +379,41 @@ def _cap(source, share: float, max_train_tokens: int | None, budget_blocks: int 
     return None
 
 
-def _generated(spec: str, tokenizer, teacher, seed: int, cap: int | None, max_heldout: int | None, progress: bool) -> TokenizedCorpus:
+def _generated(
+    spec: str, tokenizer, teacher, seed: int, cap: int | None, max_heldout: int | None, progress: bool
+) -> TokenizedCorpus:
     if teacher is None:
-        raise DataError(f"{spec!r} is sampled from the teacher, and none was given", "pass teacher= (the trainer does)")
+        raise DataError(
+            f"{spec!r} is sampled from the teacher, and none was given", "pass teacher= (the trainer does)"
+        )
     corpus = generate_corpus(spec, teacher, tokenizer, seed=seed, progress=progress)
     if cap is not None or max_heldout is not None:  # the same caps as a tokenized corpus
-        corpus = TokenizedCorpus(corpus.train_ids[:cap], corpus.heldout_ids[:max_heldout], corpus.tokenizer_fingerprint, corpus.meta)
+        corpus = TokenizedCorpus(
+            corpus.train_ids[:cap],
+            corpus.heldout_ids[:max_heldout],
+            corpus.tokenizer_fingerprint,
+            corpus.meta,
+        )
     return corpus
 
 
-def _info(source, share: float, corpus: TokenizedCorpus, n_blocks: int, draws: int, heldout_blocks: int, cap: int | None) -> dict:
-    return {"spec": source.corpus, "weight": float(source.weight), "share": share, "blocks": n_blocks, "draws": draws,
-            "heldout_blocks": heldout_blocks, "max_tokens": cap, "from_cache": bool(corpus.meta.get("from_cache")),
-            "streamed": bool(corpus.meta.get("streamed"))}  # fmt: skip
+def _info(
+    source,
+    share: float,
+    corpus: TokenizedCorpus,
+    n_blocks: int,
+    draws: int,
+    heldout_blocks: int,
+    cap: int | None,
+) -> dict:
+    return {
+        "spec": source.corpus,
+        "weight": float(source.weight),
+        "share": share,
+        "blocks": n_blocks,
+        "draws": draws,
+        "heldout_blocks": heldout_blocks,
+        "max_tokens": cap,
+        "from_cache": bool(corpus.meta.get("from_cache")),
+        "streamed": bool(corpus.meta.get("streamed")),
+    }

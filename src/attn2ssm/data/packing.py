@@ -86,7 +86,9 @@ def prepare_corpus(
     from .shards import is_shards, read_shards  # shards.py imports this module
 
     if is_shards(spec):
-        return read_shards(spec, tokenizer, max_train_tokens=max_train_tokens, max_heldout_tokens=max_heldout_tokens)
+        return read_shards(
+            spec, tokenizer, max_train_tokens=max_train_tokens, max_heldout_tokens=max_heldout_tokens
+        )
     base, text_field = parse_spec(spec, text_field)
     stream = max_train_tokens is not None and can_stream(base)
     fingerprint = tokenizer_fingerprint(tokenizer)
@@ -114,7 +116,9 @@ def prepare_corpus(
 
     eos = _eos_id(tokenizer)
     if stream:
-        train_ids, heldout_ids, counts = _tokenize_stream(base, text_field, tokenizer, eos, max_train_tokens, max_heldout_tokens)
+        train_ids, heldout_ids, counts = _tokenize_stream(
+            base, text_field, tokenizer, eos, max_train_tokens, max_heldout_tokens
+        )
     else:
         train_docs, heldout_docs = split_documents(load_documents(base, text_field=text_field), base)
         train_ids = _tokenize(train_docs, tokenizer, eos, max_train_tokens, "train")
@@ -160,9 +164,7 @@ def load_tokenized(path, tokenizer) -> TokenizedCorpus:
 
 def _load(path: Path, expected: str) -> TokenizedCorpus:
     if not path.is_file():
-        raise DataError(
-            f"tokenized corpus {str(path)!r} does not exist", "run prepare again to create it"
-        )
+        raise DataError(f"tokenized corpus {str(path)!r} does not exist", "run prepare again to create it")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
         fingerprint = payload["tokenizer_fingerprint"]
@@ -183,9 +185,7 @@ def _load(path: Path, expected: str) -> TokenizedCorpus:
             f"(fingerprint {fingerprint}, this one is {expected})",
             f"re-run prepare with this tokenizer, or delete the cache file {path}",
         )
-    return TokenizedCorpus(
-        train.long(), heldout.long(), fingerprint, dict(payload.get("meta") or {})
-    )
+    return TokenizedCorpus(train.long(), heldout.long(), fingerprint, dict(payload.get("meta") or {}))
 
 
 def _eos_id(tokenizer) -> int:
@@ -242,9 +242,7 @@ def _long_documents_allowed(tokenizer):
             warned[_LONG_SEQ_WARNING] = was_silenced
 
 
-def _tokenize(
-    docs: list[Document], tokenizer, eos: int, limit: int | None, label: str
-) -> torch.Tensor:
+def _tokenize(docs: list[Document], tokenizer, eos: int, limit: int | None, label: str) -> torch.Tensor:
     """Ids of ``docs`` joined by ``eos``, no special tokens per document, at most ``limit``."""
     out = _Joiner(eos, limit, label)
     tokenize_into(out, docs, tokenizer, label)
@@ -254,12 +252,15 @@ def _tokenize(
 def tokenize_into(out: _Joiner, docs: list[Document], tokenizer, label: str) -> None:
     """Tokenize ``docs`` in order into ``out`` (a ``_Joiner``, or a shard side that writes as it
     goes), batch by batch, until it is full."""
-    with _long_documents_allowed(tokenizer), tqdm(
-        total=len(docs),
-        desc=f"tokenizing {label}",
-        unit="doc",
-        disable=len(docs) < _PROGRESS_MIN_DOCS,
-    ) as bar:
+    with (
+        _long_documents_allowed(tokenizer),
+        tqdm(
+            total=len(docs),
+            desc=f"tokenizing {label}",
+            unit="doc",
+            disable=len(docs) < _PROGRESS_MIN_DOCS,
+        ) as bar,
+    ):
         for start in range(0, len(docs), _BATCH_DOCS):
             if out.full:
                 break
@@ -295,11 +296,19 @@ def stream_into(train: _Joiner, held: _Joiner, spec: str, text_field: str, token
             rows = batch[-1].meta["row"] + 1
             wanted = [(d, held if is_heldout_id(d.id) else train) for d in batch]
             wanted = [(d, side) for d, side in wanted if not side.full]
-            encoded = tokenizer([d.text for d, _ in wanted], add_special_tokens=False)["input_ids"] if wanted else []
+            encoded = (
+                tokenizer([d.text for d, _ in wanted], add_special_tokens=False)["input_ids"]
+                if wanted
+                else []
+            )
             for (_, side), ids in zip(wanted, encoded):
                 if not side.full:  # a batch may fill its side part-way
                     side.add(ids)
-            done = train.total + held.total if goal is None else min(train.total, train.limit) + min(held.total, held.limit or 0)
+            done = (
+                train.total + held.total
+                if goal is None
+                else min(train.total, train.limit) + min(held.total, held.limit or 0)
+            )
             bar.update(done - bar.n)
     return {"n_train_docs": train.docs, "n_heldout_docs": held.docs, "streamed": True, "rows_read": rows}
 

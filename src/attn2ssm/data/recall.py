@@ -44,17 +44,69 @@ MIN_WORDS = 40
 FORMAT = 1  # bump when a passage's text changes (part of the corpus' cache stamp)
 
 # Word lists of the training passages: none of these words is in the evaluation's key lists.
-ADJECTIVES = ("amber", "brave", "crisp", "dim", "early", "faint", "grand", "humble", "idle", "keen", "loud", "mellow",
-              "narrow", "plain", "proud", "rough", "silent", "sturdy", "tender", "urban", "velvet", "wild", "woolen", "yellow")  # fmt: skip
-NOUNS = ("acorn", "barrel", "cabin", "desk", "feather", "glove", "hammer", "kite", "ladder", "mirror", "notebook", "oven",
-         "parrot", "quilt", "rocket", "spoon", "tiger", "tower", "valley", "wagon", "whistle", "window", "zebra", "bridge")  # fmt: skip
+ADJECTIVES = (
+    "amber",
+    "brave",
+    "crisp",
+    "dim",
+    "early",
+    "faint",
+    "grand",
+    "humble",
+    "idle",
+    "keen",
+    "loud",
+    "mellow",
+    "narrow",
+    "plain",
+    "proud",
+    "rough",
+    "silent",
+    "sturdy",
+    "tender",
+    "urban",
+    "velvet",
+    "wild",
+    "woolen",
+    "yellow",
+)
+NOUNS = (
+    "acorn",
+    "barrel",
+    "cabin",
+    "desk",
+    "feather",
+    "glove",
+    "hammer",
+    "kite",
+    "ladder",
+    "mirror",
+    "notebook",
+    "oven",
+    "parrot",
+    "quilt",
+    "rocket",
+    "spoon",
+    "tiger",
+    "tower",
+    "valley",
+    "wagon",
+    "whistle",
+    "window",
+    "zebra",
+    "bridge",
+)
 
-RULER_TEMPLATE = ("A special magic {kind} is hidden within the following text. Make sure to memorize it. I will quiz you about the {kind} afterwards.\n"
-                  "{context}\nWhat is the special magic {kind} for {key} mentioned in the provided text? "
-                  "The special magic {kind} for {key} mentioned in the provided text is {value}.")  # fmt: skip
+RULER_TEMPLATE = (
+    "A special magic {kind} is hidden within the following text. Make sure to memorize it. I will quiz you about the {kind} afterwards.\n"
+    "{context}\nWhat is the special magic {kind} for {key} mentioned in the provided text? "
+    "The special magic {kind} for {key} mentioned in the provided text is {value}."
+)
 RULER_NEEDLE = "One of the special magic {kind}s for {key} is: {value}."
-PASSKEY_TEMPLATE = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about it.\n"
-                    "{context}\nWhat is the pass key? The pass key is {value}.")  # fmt: skip
+PASSKEY_TEMPLATE = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz you about it.\n"
+    "{context}\nWhat is the pass key? The pass key is {value}."
+)
 PASSKEY_NEEDLE = "The pass key is {value}. Remember it. {value} is the pass key."
 FORMS = ("number", "uuid", "passkey")
 
@@ -71,14 +123,23 @@ def parse_recall_spec(spec: str) -> tuple[int, str, int, int]:
     for pair in query.split("&") if sep else ():
         key, _, value = pair.partition("=")
         if key not in options or not value.isdigit() or (key == "max_words" and int(value) < MIN_WORDS):
-            raise DataError(f"bad option {pair!r} in {spec!r}", f"the options are ?max_words=N (N >= {MIN_WORDS}) and &seed=S (S >= 0)")
+            raise DataError(
+                f"bad option {pair!r} in {spec!r}",
+                f"the options are ?max_words=N (N >= {MIN_WORDS}) and &seed=S (S >= 0)",
+            )
         options[key] = int(value)
     count, _, prose = body.partition(":")
     if not count.isdigit() or int(count) < 1:
-        raise DataError(f"bad recall corpus spec {spec!r}", "write recall:<passages>[:<prose corpus>], e.g. recall:256:sotu")
+        raise DataError(
+            f"bad recall corpus spec {spec!r}",
+            "write recall:<passages>[:<prose corpus>], e.g. recall:256:sotu",
+        )
     prose = prose or DEFAULT_PROSE
     if is_recall(prose):
-        raise DataError(f"{spec!r}: a recall corpus cannot take its prose from another recall corpus", "name a prose corpus, e.g. recall:256:sotu")
+        raise DataError(
+            f"{spec!r}: a recall corpus cannot take its prose from another recall corpus",
+            "name a prose corpus, e.g. recall:256:sotu",
+        )
     return int(count), prose, options["max_words"], options["seed"]
 
 
@@ -96,7 +157,10 @@ def training_sentences(prose: str) -> list[str]:
     train, _ = split_documents(load_documents(prose), prose)
     sentences = [s for d in train for s in _sentences(d.text)]
     if len(sentences) < 2:
-        raise DataError(f"prose corpus {prose!r} has {len(sentences)} training sentences, too few for a haystack", "name a corpus of prose, e.g. recall:256:sotu")
+        raise DataError(
+            f"prose corpus {prose!r} has {len(sentences)} training sentences, too few for a haystack",
+            "name a corpus of prose, e.g. recall:256:sotu",
+        )
     return sentences
 
 
@@ -110,7 +174,9 @@ def key_value(form: str, rng: random.Random) -> tuple[str, str]:
     return key, str(rng.randint(10**6, 10**7 - 1))
 
 
-def passage(i: int, sentences: list[str], seed: int = 0, max_words: int = DEFAULT_MAX_WORDS) -> tuple[str, dict]:
+def passage(
+    i: int, sentences: list[str], seed: int = 0, max_words: int = DEFAULT_MAX_WORDS
+) -> tuple[str, dict]:
     """Passage ``i`` (text, and its items: form, keys, values) — a function of (i, seed, sentences) alone."""
     rng = random.Random(f"attn2ssm-recall:{seed}:{i}")
     form = FORMS[rng.randrange(len(FORMS))]
@@ -127,7 +193,10 @@ def passage(i: int, sentences: list[str], seed: int = 0, max_words: int = DEFAUL
     if form == "passkey":
         key, value = key_value(form, rng)
         hay.insert(rng.randint(0, len(hay)), PASSKEY_NEEDLE.format(value=value))
-        return PASSKEY_TEMPLATE.format(context=" ".join(hay), value=value), {"form": form, "items": [(None, value)]}
+        return PASSKEY_TEMPLATE.format(context=" ".join(hay), value=value), {
+            "form": form,
+            "items": [(None, value)],
+        }
     items = [key_value(form, rng)]
     if rng.random() < 0.5:  # a second needle, a distractor with another key, so the key has to be read
         other = key_value(form, rng)
@@ -136,7 +205,10 @@ def passage(i: int, sentences: list[str], seed: int = 0, max_words: int = DEFAUL
     for key, value in items:
         hay.insert(rng.randint(0, len(hay)), RULER_NEEDLE.format(kind=kind, key=key, value=value))
     key, value = items[0]
-    return RULER_TEMPLATE.format(kind=kind, context=" ".join(hay), key=key, value=value), {"form": form, "items": items}
+    return RULER_TEMPLATE.format(kind=kind, context=" ".join(hay), key=key, value=value), {
+        "form": form,
+        "items": items,
+    }
 
 
 def load_recall(spec: str) -> list[Document]:

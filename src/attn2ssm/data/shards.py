@@ -53,18 +53,36 @@ class ShardWriter:
     """Appends token ids per side into files of ``shard_tokens`` ids; ``close`` writes the manifest
     and moves the finished folder into place (``abort`` drops it). Use it as a context manager."""
 
-    def __init__(self, out, tokenizer, *, source: str, shard_tokens: int = DEFAULT_SHARD_TOKENS, meta: dict | None = None):
+    def __init__(
+        self,
+        out,
+        tokenizer,
+        *,
+        source: str,
+        shard_tokens: int = DEFAULT_SHARD_TOKENS,
+        meta: dict | None = None,
+    ):
         self.out = Path(out)
         if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
             held = "token shards" if (self.out / "manifest.json").exists() else "other files"
             raise DataError(f"{self.out} already holds {held}", "choose another folder or remove it first")
         if shard_tokens < 1:
-            raise DataError(f"shard_tokens={shard_tokens} is not a positive number of tokens", "use e.g. 33554432 (2^25)")
+            raise DataError(
+                f"shard_tokens={shard_tokens} is not a positive number of tokens", "use e.g. 33554432 (2^25)"
+            )
         vocab = len(tokenizer)
         self.dtype, self.shard_tokens = id_dtype(vocab), int(shard_tokens)
-        self.manifest = {"format": SHARD_FORMAT, "source": source, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-                         "tokenizer_class": type(tokenizer).__name__, "vocab_size": vocab, "eos_token_id": tokenizer.eos_token_id,
-                         "dtype": self.dtype.name, "sides": {s: [] for s in SIDES}, "meta": dict(meta or {})}  # fmt: skip
+        self.manifest = {
+            "format": SHARD_FORMAT,
+            "source": source,
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+            "tokenizer_class": type(tokenizer).__name__,
+            "vocab_size": vocab,
+            "eos_token_id": tokenizer.eos_token_id,
+            "dtype": self.dtype.name,
+            "sides": {s: [] for s in SIDES},
+            "meta": dict(meta or {}),
+        }
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.staging = staging_dir(self.out, "shards")
         self._open = {}  # side -> (file handle, sha256, ids in the file)
@@ -73,7 +91,11 @@ class ShardWriter:
         """Append ``ids`` (a 1-D tensor, array or list of ints) to ``side``."""
         if side not in SIDES:
             raise ValueError(f"side must be one of {SIDES}, got {side!r}")
-        ids = np.asarray(ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids).astype(self.dtype, copy=False).reshape(-1)
+        ids = (
+            np.asarray(ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids)
+            .astype(self.dtype, copy=False)
+            .reshape(-1)
+        )
         while ids.size:
             fh, digest, count = self._file(side)
             take = min(ids.size, self.shard_tokens - count)
@@ -91,7 +113,9 @@ class ShardWriter:
         return self.manifest["meta"]
 
     def tokens(self, side: str) -> int:
-        return sum(f["tokens"] for f in self.manifest["sides"][side]) + (self._open[side][2] if side in self._open else 0)
+        return sum(f["tokens"] for f in self.manifest["sides"][side]) + (
+            self._open[side][2] if side in self._open else 0
+        )
 
     def _file(self, side: str):
         if side not in self._open:
@@ -152,10 +176,15 @@ class DocumentStream(_Joiner):
         raise TypeError("a DocumentStream writes its ids to shards and keeps none")
 
 
-def write_shards(out, corpus: TokenizedCorpus, tokenizer, *, source: str, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> Path:
+def write_shards(
+    out, corpus: TokenizedCorpus, tokenizer, *, source: str, shard_tokens: int = DEFAULT_SHARD_TOKENS
+) -> Path:
     """A tokenized corpus (train and held-out streams) as a shard folder."""
     if corpus.tokenizer_fingerprint != tokenizer_fingerprint(tokenizer):
-        raise DataError("the corpus was tokenized with another tokenizer than the one given", "pass the tokenizer that made it")
+        raise DataError(
+            "the corpus was tokenized with another tokenizer than the one given",
+            "pass the tokenizer that made it",
+        )
     with ShardWriter(out, tokenizer, source=source, shard_tokens=shard_tokens, meta=corpus.meta) as writer:
         writer.add("train", corpus.train_ids)
         writer.add("heldout", corpus.heldout_ids)
@@ -167,16 +196,32 @@ def read_manifest(path) -> dict:
     try:
         manifest = json.loads((path / "manifest.json").read_text())
     except FileNotFoundError:
-        raise DataError(f"{path} holds no token shards (manifest.json missing)", "write them with 'attn2ssm data shards', or check the path") from None
+        raise DataError(
+            f"{path} holds no token shards (manifest.json missing)",
+            "write them with 'attn2ssm data shards', or check the path",
+        ) from None
     except (OSError, ValueError) as exc:
-        raise DataError(f"{path / 'manifest.json'} is not readable JSON ({exc.__class__.__name__})", "write the shards again") from None
+        raise DataError(
+            f"{path / 'manifest.json'} is not readable JSON ({exc.__class__.__name__})",
+            "write the shards again",
+        ) from None
     if manifest.get("format") != SHARD_FORMAT:
-        raise DataError(f"{path} holds shards of format {manifest.get('format')!r}, this attn2ssm reads {SHARD_FORMAT}", "write them again with this attn2ssm")
+        raise DataError(
+            f"{path} holds shards of format {manifest.get('format')!r}, this attn2ssm reads {SHARD_FORMAT}",
+            "write them again with this attn2ssm",
+        )
     return manifest
 
 
-def read_shards(path, tokenizer, *, verify: bool = False, max_train_tokens: int | None = None, max_heldout_tokens: int | None = None,
-                compact: bool = False) -> TokenizedCorpus:  # fmt: skip
+def read_shards(
+    path,
+    tokenizer,
+    *,
+    verify: bool = False,
+    max_train_tokens: int | None = None,
+    max_heldout_tokens: int | None = None,
+    compact: bool = False,
+) -> TokenizedCorpus:
     """The shard folder ``path`` as a ``TokenizedCorpus``, refused when its ids belong to another
     tokenizer or a file's size does not match the manifest (``verify``: the hash too). ``max_*_tokens``
     read only the first that many ids of a side. Ids are int64 tensors, or with ``compact`` the files'
@@ -185,13 +230,24 @@ def read_shards(path, tokenizer, *, verify: bool = False, max_train_tokens: int 
     path = Path(path[len(PREFIX) :] if is_shards(path) else path)
     manifest = read_manifest(path)
     if manifest["tokenizer_fingerprint"] != tokenizer_fingerprint(tokenizer):
-        raise DataError(f"the token shards in {path} were made with another tokenizer ({manifest['tokenizer_class']})",
-                        "use the teacher whose tokenizer wrote them, or write the shards again")  # fmt: skip
+        raise DataError(
+            f"the token shards in {path} were made with another tokenizer ({manifest['tokenizer_class']})",
+            "use the teacher whose tokenizer wrote them, or write the shards again",
+        )
     dtype = np.dtype(manifest["dtype"])
-    sides = {side: _read_side(path, manifest["sides"][side], dtype, limit, verify, compact)
-             for side, limit in (("train", max_train_tokens), ("heldout", max_heldout_tokens))}  # fmt: skip
-    meta = {**manifest.get("meta", {}), "spec": f"{PREFIX}{path}", "shards": str(path), "source": manifest["source"],
-            "n_train_tokens": int(sides["train"].numel()), "n_heldout_tokens": int(sides["heldout"].numel()), "from_cache": True}  # fmt: skip
+    sides = {
+        side: _read_side(path, manifest["sides"][side], dtype, limit, verify, compact)
+        for side, limit in (("train", max_train_tokens), ("heldout", max_heldout_tokens))
+    }
+    meta = {
+        **manifest.get("meta", {}),
+        "spec": f"{PREFIX}{path}",
+        "shards": str(path),
+        "source": manifest["source"],
+        "n_train_tokens": int(sides["train"].numel()),
+        "n_heldout_tokens": int(sides["heldout"].numel()),
+        "from_cache": True,
+    }
     return TokenizedCorpus(sides["train"], sides["heldout"], manifest["tokenizer_fingerprint"], meta)
 
 
@@ -201,22 +257,31 @@ def compact_dtype(vocab_size: int) -> torch.dtype:
 
 
 def _memory_dtype(dtype: np.dtype) -> np.dtype:
-    return dtype if dtype.itemsize == 2 else np.dtype("<i4")  # ids < 2^31: a uint32 file reads as int32, which torch fully supports
+    return (
+        dtype if dtype.itemsize == 2 else np.dtype("<i4")
+    )  # ids < 2^31: a uint32 file reads as int32, which torch fully supports
 
 
 def _check_file(file: Path, entry: dict, dtype: np.dtype, verify: bool) -> None:
     size = file.stat().st_size if file.is_file() else -1
     if size != entry["tokens"] * dtype.itemsize:
-        raise DataError(f"token shard {file} holds {max(size, 0)} bytes, the manifest says {entry['tokens'] * dtype.itemsize}",
-                        "copy the shard folder again (a transfer was cut short?)")  # fmt: skip
+        raise DataError(
+            f"token shard {file} holds {max(size, 0)} bytes, the manifest says {entry['tokens'] * dtype.itemsize}",
+            "copy the shard folder again (a transfer was cut short?)",
+        )
     if verify:
         with open(file, "rb") as fh:
             digest = hashlib.file_digest(fh, "sha256").hexdigest()
         if digest != entry["sha256"]:
-            raise DataError(f"token shard {file} does not match its SHA-256 in the manifest", "copy the shard folder again")
+            raise DataError(
+                f"token shard {file} does not match its SHA-256 in the manifest",
+                "copy the shard folder again",
+            )
 
 
-def _read_side(path: Path, files: list[dict], dtype: np.dtype, limit: int | None, verify: bool, compact: bool = False) -> torch.Tensor:
+def _read_side(
+    path: Path, files: list[dict], dtype: np.dtype, limit: int | None, verify: bool, compact: bool = False
+) -> torch.Tensor:
     """One side's ids in one preallocated array, read file by file (never two copies of the side)."""
     counts, left = [], limit
     for entry in files:
@@ -262,9 +327,19 @@ def side_tokens(manifest: dict, side: str) -> int:
 # ----------------------------------------------------------------------------- writing a corpus
 
 
-def write_corpus_shards(spec: str, out, tokenizer, *, teacher=None, seed: int = 0, max_train_tokens: int | None = None,
-                        max_heldout_tokens: int | None = None, text_field: str | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS,
-                        progress: bool = True) -> dict:  # fmt: skip
+def write_corpus_shards(
+    spec: str,
+    out,
+    tokenizer,
+    *,
+    teacher=None,
+    seed: int = 0,
+    max_train_tokens: int | None = None,
+    max_heldout_tokens: int | None = None,
+    text_field: str | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    progress: bool = True,
+) -> dict:
     """Any corpus spec as a token shard folder ``out``, streamed (memory: a batch, not the corpus); returns the manifest.
 
     * ``generated:...`` is sampled from ``teacher`` (:func:`.teacher_samples.generate_shards`);
@@ -278,24 +353,50 @@ def write_corpus_shards(spec: str, out, tokenizer, *, teacher=None, seed: int = 
     folder at ``out`` (:class:`ShardWriter`)."""
     for name, value in (("max_train_tokens", max_train_tokens), ("max_heldout_tokens", max_heldout_tokens)):
         if value is not None and value < 0:
-            raise DataError(f"{name}={value} is negative", "give a number of tokens >= 0, or none for all of them")
+            raise DataError(
+                f"{name}={value} is negative", "give a number of tokens >= 0, or none for all of them"
+            )
     if is_generated(spec):
         if teacher is None:
             raise DataError(f"{spec!r} is sampled from the teacher, and none was given", "pass teacher=")
         from .teacher_samples import generate_shards  # (teacher_samples imports this module)
 
-        return generate_shards(spec, teacher, tokenizer, out, seed=seed, max_train_tokens=max_train_tokens, max_heldout_tokens=max_heldout_tokens,
-                               shard_tokens=shard_tokens, progress=progress)  # fmt: skip
+        return generate_shards(
+            spec,
+            teacher,
+            tokenizer,
+            out,
+            seed=seed,
+            max_train_tokens=max_train_tokens,
+            max_heldout_tokens=max_heldout_tokens,
+            shard_tokens=shard_tokens,
+            progress=progress,
+        )
     if is_shards(spec):
         return _copy_shards(spec, out, tokenizer, max_train_tokens, max_heldout_tokens, shard_tokens)
-    return _tokenize_shards(spec, out, tokenizer, max_train_tokens, max_heldout_tokens, text_field, shard_tokens)
+    return _tokenize_shards(
+        spec, out, tokenizer, max_train_tokens, max_heldout_tokens, text_field, shard_tokens
+    )
 
 
-def _tokenize_shards(spec: str, out, tokenizer, max_train: int | None, max_heldout: int | None, text_field: str | None, shard_tokens: int) -> dict:
+def _tokenize_shards(
+    spec: str,
+    out,
+    tokenizer,
+    max_train: int | None,
+    max_heldout: int | None,
+    text_field: str | None,
+    shard_tokens: int,
+) -> dict:
     base, text_field = parse_spec(spec, text_field)
     eos, started = _eos_id(tokenizer), time.perf_counter()
-    with ShardWriter(out, tokenizer, source=base, shard_tokens=shard_tokens, meta={"spec": base, "text_field": text_field}) as writer:
-        train, held = DocumentStream(writer, "train", eos, max_train), DocumentStream(writer, "heldout", eos, max_heldout)
+    with ShardWriter(
+        out, tokenizer, source=base, shard_tokens=shard_tokens, meta={"spec": base, "text_field": text_field}
+    ) as writer:
+        train, held = (
+            DocumentStream(writer, "train", eos, max_train),
+            DocumentStream(writer, "heldout", eos, max_heldout),
+        )
         if can_stream(base):
             counts = stream_into(train, held, base, text_field, tokenizer)
         else:
@@ -305,27 +406,55 @@ def _tokenize_shards(spec: str, out, tokenizer, max_train: int | None, max_heldo
             counts = {"n_train_docs": len(train_docs), "n_heldout_docs": len(heldout_docs)}
         seconds = time.perf_counter() - started
         written = writer.tokens("train") + writer.tokens("heldout")
-        writer.meta.update(**counts, max_train_tokens=max_train, max_heldout_tokens=max_heldout, seconds=round(seconds, 3),
-                           tokens_per_second=round(written / seconds, 1) if seconds else 0.0)  # fmt: skip
+        writer.meta.update(
+            **counts,
+            max_train_tokens=max_train,
+            max_heldout_tokens=max_heldout,
+            seconds=round(seconds, 3),
+            tokens_per_second=round(written / seconds, 1) if seconds else 0.0,
+        )
     return writer.manifest
 
 
-def _copy_shards(spec: str, out, tokenizer, max_train: int | None, max_heldout: int | None, shard_tokens: int, chunk: int = 1 << 24) -> dict:
+def _copy_shards(
+    spec: str,
+    out,
+    tokenizer,
+    max_train: int | None,
+    max_heldout: int | None,
+    shard_tokens: int,
+    chunk: int = 1 << 24,
+) -> dict:
     src = Path(spec[len(PREFIX) :])
     manifest = read_manifest(src)
     if manifest["tokenizer_fingerprint"] != tokenizer_fingerprint(tokenizer):
-        raise DataError(f"the token shards in {src} were made with another tokenizer ({manifest['tokenizer_class']})",
-                        "use the teacher whose tokenizer wrote them")  # fmt: skip
+        raise DataError(
+            f"the token shards in {src} were made with another tokenizer ({manifest['tokenizer_class']})",
+            "use the teacher whose tokenizer wrote them",
+        )
     dtype = np.dtype(manifest["dtype"])
-    meta = {**manifest.get("meta", {}), "copied_from": str(src), "max_train_tokens": max_train, "max_heldout_tokens": max_heldout}
-    with ShardWriter(out, tokenizer, source=manifest["source"], shard_tokens=shard_tokens, meta=meta) as writer:
+    meta = {
+        **manifest.get("meta", {}),
+        "copied_from": str(src),
+        "max_train_tokens": max_train,
+        "max_heldout_tokens": max_heldout,
+    }
+    with ShardWriter(
+        out, tokenizer, source=manifest["source"], shard_tokens=shard_tokens, meta=meta
+    ) as writer:
         for side, limit in (("train", max_train), ("heldout", max_heldout)):
             for entry in manifest["sides"][side]:
                 _check_file(src / entry["file"], entry, dtype, verify=False)
                 with open(src / entry["file"], "rb") as fh:
                     for start in range(0, entry["tokens"], chunk):
-                        left = entry["tokens"] - start if limit is None else min(entry["tokens"] - start, limit - writer.tokens(side))
+                        left = (
+                            entry["tokens"] - start
+                            if limit is None
+                            else min(entry["tokens"] - start, limit - writer.tokens(side))
+                        )
                         if left <= 0:
                             break
-                        writer.add(side, np.frombuffer(fh.read(min(chunk, left) * dtype.itemsize), dtype=dtype))
+                        writer.add(
+                            side, np.frombuffer(fh.read(min(chunk, left) * dtype.itemsize), dtype=dtype)
+                        )
     return writer.manifest

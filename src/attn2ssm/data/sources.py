@@ -72,7 +72,10 @@ def load_documents(spec: str, *, text_field: str | None = None) -> list[Document
             "use it as data.corpus or in data.sources of a recipe (attn2ssm distill)",
         )
     if is_mixture(spec):
-        raise DataError(f"{spec.strip()!r} names a mixture of several corpora, not one", "use it as data.corpus of a recipe, or name one of its corpora")
+        raise DataError(
+            f"{spec.strip()!r} names a mixture of several corpora, not one",
+            "use it as data.corpus of a recipe, or name one of its corpora",
+        )
     if recall.is_recall(spec):
         return recall.load_recall(spec)
     base, text_field = parse_spec(spec, text_field)
@@ -140,7 +143,14 @@ class GeneratedSpec:
     given: frozenset = frozenset()  # the options the spec set itself (a batch not given is chosen per device)
 
 
-_GENERATED_OPTIONS = {"temperature": float, "top_p": float, "length": int, "prompt_len": int, "batch": int, "field": str}
+_GENERATED_OPTIONS = {
+    "temperature": float,
+    "top_p": float,
+    "length": int,
+    "prompt_len": int,
+    "batch": int,
+    "field": str,
+}
 _GENERATED_FORM = "write generated:<n_tokens>[:<prompt corpus>][?temperature=1&top_p=0.95&length=256&prompt_len=16&batch=16]"
 
 
@@ -162,7 +172,10 @@ def parse_chat_spec(spec: str) -> tuple[str, int]:
     if not sep or not n.isdigit():
         corpus, n = rest, "64"
     if not corpus or int(n) < 1 or needs_teacher(corpus) or is_mixture(corpus) or recall.is_recall(corpus):
-        raise DataError(f"bad chat corpus spec {spec!r}", "write chat:<prompt corpus>[:<answers>], e.g. chat:sotu:64 (a corpus of prose)")
+        raise DataError(
+            f"bad chat corpus spec {spec!r}",
+            "write chat:<prompt corpus>[:<answers>], e.g. chat:sotu:64 (a corpus of prose)",
+        )
     return corpus, int(n)
 
 
@@ -182,7 +195,13 @@ MIXTURES = {
     # no teacher sampling: quick to prepare (the demo's)
     "corpora": (("sotu", 0.6), ("moby-dick", 0.3), ("recall:512:sotu", 0.1)),
     # the built-in recipes': + 8,192 tokens the teacher samples from BOS and its answers to 32 instructions
-    "general": (("sotu", 0.4), ("moby-dick", 0.25), ("recall:512:sotu", 0.1), ("generated:8192?top_p=0.95", 0.15), ("chat:sotu:32", 0.1)),
+    "general": (
+        ("sotu", 0.4),
+        ("moby-dick", 0.25),
+        ("recall:512:sotu", 0.1),
+        ("generated:8192?top_p=0.95", 0.15),
+        ("chat:sotu:32", 0.1),
+    ),
 }
 
 
@@ -194,7 +213,10 @@ def expand_mixture(spec: str) -> tuple[tuple[str, float], ...]:
     """``mix:<name>`` → its (corpus spec, weight) sources; an unknown name is a DataError."""
     name = spec.strip()[len(MIX_PREFIX) :]
     if name not in MIXTURES:
-        raise DataError(f"no built-in mixture {name!r}", f"use one of: {', '.join(MIX_PREFIX + n for n in MIXTURES)}, or list data.sources")
+        raise DataError(
+            f"no built-in mixture {name!r}",
+            f"use one of: {', '.join(MIX_PREFIX + n for n in MIXTURES)}, or list data.sources",
+        )
     return MIXTURES[name]
 
 
@@ -211,19 +233,35 @@ def parse_generated_spec(spec: str) -> GeneratedSpec:
     for pair in filter(None, query.split("&")):
         key, _, value = pair.partition("=")
         if key not in _GENERATED_OPTIONS or not value:
-            raise DataError(f"unknown option {pair!r} in {spec!r}", f"options: {', '.join(_GENERATED_OPTIONS)}")
+            raise DataError(
+                f"unknown option {pair!r} in {spec!r}", f"options: {', '.join(_GENERATED_OPTIONS)}"
+            )
         try:
             options[key] = _GENERATED_OPTIONS[key](value)
         except ValueError:
-            raise DataError(f"option {key}={value!r} in {spec!r} is not a {_GENERATED_OPTIONS[key].__name__}", _GENERATED_FORM) from None
+            raise DataError(
+                f"option {key}={value!r} in {spec!r} is not a {_GENERATED_OPTIONS[key].__name__}",
+                _GENERATED_FORM,
+            ) from None
     g = GeneratedSpec(n_tokens, prompts or None, **options, given=frozenset(options))
-    for name, ok in (("n_tokens", g.n_tokens >= 1), ("temperature", g.temperature > 0), ("top_p", 0 < g.top_p <= 1),
-                     ("length", g.length >= 1), ("prompt_len", g.prompt_len >= 1), ("batch", g.batch >= 1)):  # fmt: skip
+    for name, ok in (
+        ("n_tokens", g.n_tokens >= 1),
+        ("temperature", g.temperature > 0),
+        ("top_p", 0 < g.top_p <= 1),
+        ("length", g.length >= 1),
+        ("prompt_len", g.prompt_len >= 1),
+        ("batch", g.batch >= 1),
+    ):
         if not ok:
-            raise DataError(f"{name}={getattr(g, name)} in {spec!r} is out of range",
-                            "n_tokens, length, prompt_len and batch are positive; temperature > 0; 0 < top_p <= 1")  # fmt: skip
+            raise DataError(
+                f"{name}={getattr(g, name)} in {spec!r} is out of range",
+                "n_tokens, length, prompt_len and batch are positive; temperature > 0; 0 < top_p <= 1",
+            )
     if g.field is not None and g.prompts is None:
-        raise DataError(f"{spec!r} sets field= but has no prompt corpus", "name the corpus: generated:<n_tokens>:<corpus>?field=NAME")
+        raise DataError(
+            f"{spec!r} sets field= but has no prompt corpus",
+            "name the corpus: generated:<n_tokens>:<corpus>?field=NAME",
+        )
     return g
 
 
@@ -251,7 +289,10 @@ def check_spec(spec: str) -> None:
     if base.startswith(SHARDS_PREFIX):
         folder = Path(base[len(SHARDS_PREFIX) :]).expanduser()
         if not (folder / "manifest.json").is_file():
-            raise DataError(f"{folder} holds no token shards (manifest.json missing)", "write them with 'attn2ssm data shards', or check the path")
+            raise DataError(
+                f"{folder} holds no token shards (manifest.json missing)",
+                "write them with 'attn2ssm data shards', or check the path",
+            )
         return
     if builtin.is_builtin(base):
         return
@@ -260,17 +301,28 @@ def check_spec(spec: str) -> None:
         return
     root = Path(base).expanduser()
     if not root.exists():
-        raise DataError(f"corpus path {str(root)!r} does not exist", "check the path, or use a built-in corpus (sotu, moby-dick), hf:<dataset> or shards:<folder>")
+        raise DataError(
+            f"corpus path {str(root)!r} does not exist",
+            "check the path, or use a built-in corpus (sotu, moby-dick), hf:<dataset> or shards:<folder>",
+        )
     if root.is_file() and not root.name.endswith(FILE_SUFFIXES):
-        raise DataError(f"cannot read corpus file {str(root)!r}: unsupported format", f"use one of {', '.join(FILE_SUFFIXES)} or a directory of such files")
+        raise DataError(
+            f"cannot read corpus file {str(root)!r}: unsupported format",
+            f"use one of {', '.join(FILE_SUFFIXES)} or a directory of such files",
+        )
     if root.is_dir() and not _local_files(root):
         _no_text_files(root)
 
 
 def _no_text_files(root: Path):
     if (root / "manifest.json").is_file():  # a token shard folder named without its prefix
-        raise DataError(f"directory {str(root)!r} holds token shards, not text files", f"name it shards:{root}")
-    raise DataError(f"directory {str(root)!r} holds no {', '.join(FILE_SUFFIXES)} files", "point data.corpus at a folder with text files")
+        raise DataError(
+            f"directory {str(root)!r} holds token shards, not text files", f"name it shards:{root}"
+        )
+    raise DataError(
+        f"directory {str(root)!r} holds no {', '.join(FILE_SUFFIXES)} files",
+        "point data.corpus at a folder with text files",
+    )
 
 
 def corpus_stamp(spec: str) -> str:
@@ -348,12 +400,17 @@ def decode_text(data: bytes, where: str) -> str:
     """``data`` as UTF-8 (the odd undecodable byte replaced by U+FFFD); a DataError naming
     ``where`` when the bytes are not text at all."""
     if b"\x00" in data:
-        raise DataError(f"{where} is not text: it holds NUL bytes (a binary file, or UTF-16 text)", _NOT_TEXT_FIX)
+        raise DataError(
+            f"{where} is not text: it holds NUL bytes (a binary file, or UTF-16 text)", _NOT_TEXT_FIX
+        )
     text = data.decode("utf-8", errors="replace")
     controls = len(data) - len(data.translate(None, _CONTROL_BYTES))
     share = (text.count("\ufffd") + controls) / max(len(text), 1)
     if share > _MAX_NOT_TEXT_SHARE:
-        raise DataError(f"{where} is not text: {share:.0%} of its characters are invalid UTF-8 or control characters", _NOT_TEXT_FIX)
+        raise DataError(
+            f"{where} is not text: {share:.0%} of its characters are invalid UTF-8 or control characters",
+            _NOT_TEXT_FIX,
+        )
     return text
 
 
@@ -374,9 +431,7 @@ def _read_jsonl(path: Path, rel: str, text_field: str) -> list[Document]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(
-                f"{path}:{lineno} is not valid JSON ({e.msg})", "fix or remove that line"
-            ) from e
+            raise DataError(f"{path}:{lineno} is not valid JSON ({e.msg})", "fix or remove that line") from e
         text_value = _field(record, text_field, f"{path}:{lineno}")
         docs.append(Document(f"{rel}:{lineno}", text_value, {"source": rel, "line": lineno}))
     return docs
@@ -388,9 +443,7 @@ def _read_parquet(path: Path, rel: str, text_field: str) -> list[Document]:
     try:
         table = pq.read_table(path)
     except Exception as e:
-        raise DataError(
-            f"cannot read parquet file {path} ({e})", "check that the file is complete"
-        ) from e
+        raise DataError(f"cannot read parquet file {path} ({e})", "check that the file is complete") from e
     if text_field not in table.column_names:
         raise DataError(
             f"parquet file {path} has no column {text_field!r} (columns: {', '.join(table.column_names)})",
@@ -398,9 +451,7 @@ def _read_parquet(path: Path, rel: str, text_field: str) -> list[Document]:
         )
     texts = table.column(text_field).to_pylist()
     return [
-        Document(
-            f"{rel}:{i}", _as_text(t, f"{path} row {i}", text_field), {"source": rel, "row": i}
-        )
+        Document(f"{rel}:{i}", _as_text(t, f"{path} row {i}", text_field), {"source": rel, "row": i})
         for i, t in enumerate(texts)
     ]
 
@@ -431,13 +482,9 @@ def _as_text(value, where: str, text_field: str) -> str:
 
 def parse_hf_spec(rest: str) -> tuple[str, str | None, str]:
     """``"name[:config][:split]"`` → ``(name, config, split)``; see the module docstring."""
-    parts = re.split(
-        r":(?![^\[]*\])", rest
-    )  # a ':' inside a slice like train[:100] is not a separator
+    parts = re.split(r":(?![^\[]*\])", rest)  # a ':' inside a slice like train[:100] is not a separator
     if not parts[0] or len(parts) > 3 or any(not p for p in parts):
-        raise DataError(
-            f"bad hub corpus spec 'hf:{rest}'", "write hf:<dataset>[:<config>][:<split>]"
-        )
+        raise DataError(f"bad hub corpus spec 'hf:{rest}'", "write hf:<dataset>[:<config>][:<split>]")
     name, config, split = parts[0], None, "train"
     if len(parts) == 3:
         config, split = parts[1], parts[2]
@@ -492,7 +539,10 @@ def open_hf_dataset(
             return datasets.load_dataset(name, config, split=split)
         cut = row_slice(split)
         if cut is None:
-            raise DataError(f"cannot stream {label!r}: split {split!r} is not a plain or integer-sliced split", "write e.g. train or train[1000:50000]")
+            raise DataError(
+                f"cannot stream {label!r}: split {split!r} is not a plain or integer-sliced split",
+                "write e.g. train or train[1000:50000]",
+            )
         split_name, start, stop = cut
         ds = datasets.load_dataset(name, config, split=split_name, streaming=True)
         ds = ds.skip(start) if start else ds
@@ -503,14 +553,13 @@ def open_hf_dataset(
             "check the name, or log in for gated datasets",
         ) from e
     except ValueError as e:  # unknown config or split
-        raise DataError(
-            f"cannot load {label!r}: {_first_line(e)}", "check the config and split names"
-        ) from e
+        raise DataError(f"cannot load {label!r}: {_first_line(e)}", "check the config and split names") from e
     except Exception as e:
         if not _is_network_error(e):
             raise
         raise DataError(
-            f"the Hugging Face Hub is unreachable, so {label!r} cannot be loaded ({_first_line(e)})", offline_fix
+            f"the Hugging Face Hub is unreachable, so {label!r} cannot be loaded ({_first_line(e)})",
+            offline_fix,
         ) from e
 
 
@@ -524,13 +573,17 @@ def _open_saved(name: str, config, split: str, label: str, streaming: bool):
 
     cut = row_slice(split)
     if config is not None or cut is None:
-        raise DataError(f"cannot read {label!r}: a save_to_disk folder has no configs and takes integer slices only",
-                        "write hf:<folder>[:<split>[start:stop]]")  # fmt: skip
+        raise DataError(
+            f"cannot read {label!r}: a save_to_disk folder has no configs and takes integer slices only",
+            "write hf:<folder>[:<split>[start:stop]]",
+        )
     split_name, start, stop = cut
     ds = datasets.load_from_disk(str(Path(name).expanduser()))
     if isinstance(ds, datasets.DatasetDict):
         if split_name not in ds:
-            raise DataError(f"{label!r} has no split {split_name!r} (splits: {', '.join(ds)})", "check the split name")
+            raise DataError(
+                f"{label!r} has no split {split_name!r} (splits: {', '.join(ds)})", "check the split name"
+            )
         ds = ds[split_name]
     ds = ds.select(range(min(start, len(ds)), len(ds) if stop is None else min(stop, len(ds))))
     return ds.to_iterable_dataset() if streaming else ds
@@ -545,9 +598,7 @@ def _load_hf(rest: str, text_field: str) -> list[Document]:
             "choose the text column with ?field=NAME",
         )
     return [
-        Document(
-            f"{label}:{i}", _as_text(t, f"{label} row {i}", text_field), {"source": label, "row": i}
-        )
+        Document(f"{label}:{i}", _as_text(t, f"{label} row {i}", text_field), {"source": label, "row": i})
         for i, t in enumerate(ds[text_field])
     ]
 
@@ -563,7 +614,10 @@ def iter_hf_documents(spec: str, *, text_field: str | None = None):
     ds = open_hf_dataset(base[3:], streaming=True)
     columns = ds.column_names  # None when the features are only known once rows arrive
     if columns is not None and text_field not in columns:
-        raise DataError(f"{label!r} has no column {text_field!r} (columns: {', '.join(columns)})", "choose the text column with ?field=NAME")
+        raise DataError(
+            f"{label!r} has no column {text_field!r} (columns: {', '.join(columns)})",
+            "choose the text column with ?field=NAME",
+        )
     rows = iter(ds)
     for i in itertools.count():
         try:
@@ -573,8 +627,10 @@ def iter_hf_documents(spec: str, *, text_field: str | None = None):
         except Exception as e:
             if not _is_network_error(e):
                 raise
-            raise DataError(f"the Hugging Face Hub became unreachable while streaming {label!r} at row {i} ({_first_line(e)})",
-                            "run again when the connection is back (the tokens read so far are not cached)") from e  # fmt: skip
+            raise DataError(
+                f"the Hugging Face Hub became unreachable while streaming {label!r} at row {i} ({_first_line(e)})",
+                "run again when the connection is back (the tokens read so far are not cached)",
+            ) from e
         text = _field(row, text_field, f"{label} row {i}")
         if text.strip():
             yield Document(f"{label}:{i}", text, {"source": label, "row": i})

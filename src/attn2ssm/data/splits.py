@@ -70,14 +70,8 @@ def _split_by_hash(docs: list[Document]) -> tuple[list[Document], list[Document]
 def _split_single(doc: Document) -> tuple[list[Document], list[Document]]:
     cut = _paragraph_cut(doc.text, SINGLE_DOC_TRAIN_FRACTION)
     head, tail = doc.text[:cut], doc.text[cut:]
-    train = (
-        [Document(f"{doc.id}#train", head, {**doc.meta, "part": "train"})] if head.strip() else []
-    )
-    held = (
-        [Document(f"{doc.id}#heldout", tail, {**doc.meta, "part": "heldout"})]
-        if tail.strip()
-        else []
-    )
+    train = [Document(f"{doc.id}#train", head, {**doc.meta, "part": "train"})] if head.strip() else []
+    held = [Document(f"{doc.id}#heldout", tail, {**doc.meta, "part": "heldout"})] if tail.strip() else []
     return train, held
 
 

@@ -82,13 +82,18 @@ def is_teacher_source(source: str) -> bool:
 
 def parse_teacher_source(source: str) -> tuple[str, int]:
     """``teacher:<corpus>[:<n>]`` → (corpus, n). The corpus is any corpus spec (built-in name, path)."""
-    rest = source[len(PREFIX):]
+    rest = source[len(PREFIX) :]
     corpus, _, n = rest.rpartition(":") if rest.rpartition(":")[2].isdigit() else (rest, "", "")
     if not corpus:
-        raise ConfigError(f"data.source {source!r} names no corpus", "use teacher:<corpus>[:<examples>], e.g. teacher:sotu:128")
+        raise ConfigError(
+            f"data.source {source!r} names no corpus",
+            "use teacher:<corpus>[:<examples>], e.g. teacher:sotu:128",
+        )
     count = int(n) if n else DEFAULT_EXAMPLES
     if count < 1:
-        raise ConfigError(f"data.source {source!r} asks for {count} examples", "ask for at least one, e.g. teacher:sotu:128")
+        raise ConfigError(
+            f"data.source {source!r} asks for {count} examples", "ask for at least one, e.g. teacher:sotu:128"
+        )
     return corpus, count
 
 
@@ -97,7 +102,10 @@ def seed_passages(corpus: str, n: int, *, words: int = 80, seed: int = 0) -> lis
     train, _ = split_documents(load_documents(corpus), corpus)
     paragraphs = [p.strip() for doc in train for p in doc.text.split("\n\n") if len(p.split()) >= 20]
     if not paragraphs:
-        raise ConfigError(f"corpus {corpus!r} has no paragraph of 20+ words to prompt with", "use a corpus of prose, e.g. teacher:sotu")
+        raise ConfigError(
+            f"corpus {corpus!r} has no paragraph of 20+ words to prompt with",
+            "use a corpus of prose, e.g. teacher:sotu",
+        )
     rng = random.Random(seed)
     picks = [rng.choice(paragraphs) for _ in range(n)]
     return [" ".join(p.split()[:words]) for p in picks]
@@ -107,34 +115,62 @@ def _teacher_key(teacher, tokenizer) -> str:
     """Identifies the teacher's weights and template cheaply (name, size and a weight checksum)."""
     params = list(teacher.parameters())
     checksum = float(sum(p.detach().double().sum().item() for p in params[:4]))
-    parts = [str(getattr(teacher.config, "_name_or_path", "")), str(sum(p.numel() for p in params)), f"{checksum:.6e}",
-             str(getattr(tokenizer, "chat_template", ""))]  # fmt: skip
+    parts = [
+        str(getattr(teacher.config, "_name_or_path", "")),
+        str(sum(p.numel() for p in params)),
+        f"{checksum:.6e}",
+        str(getattr(tokenizer, "chat_template", "")),
+    ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 @torch.no_grad()
-def build_teacher_sft_data(source: str, teacher, tokenizer, *, max_new_tokens: int = 96, seed: int = 0, batch_size: int = 8,
-                           progress: bool = True, instructions: tuple[str, ...] = INSTRUCTIONS) -> Path:  # fmt: skip
+def build_teacher_sft_data(
+    source: str,
+    teacher,
+    tokenizer,
+    *,
+    max_new_tokens: int = 96,
+    seed: int = 0,
+    batch_size: int = 8,
+    progress: bool = True,
+    instructions: tuple[str, ...] = INSTRUCTIONS,
+) -> Path:
     """The JSONL file of teacher replies for ``source`` (generated once, then read from the cache);
     passage ``i`` is asked ``instructions[i % len(instructions)]``."""
     corpus, n = parse_teacher_source(source)
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("the teacher's tokenizer has no chat template to prompt it with", "use a chat/instruct teacher, or give data.source a chat dataset")
-    asked = "" if instructions == INSTRUCTIONS else "|" + hashlib.sha256("\n".join(instructions).encode()).hexdigest()[:16]
-    key = hashlib.sha256(f"{_teacher_key(teacher, tokenizer)}|{corpus}|{n}|{max_new_tokens}|{seed}|v1{asked}".encode()).hexdigest()[:16]
+        raise ConfigError(
+            "the teacher's tokenizer has no chat template to prompt it with",
+            "use a chat/instruct teacher, or give data.source a chat dataset",
+        )
+    asked = (
+        ""
+        if instructions == INSTRUCTIONS
+        else "|" + hashlib.sha256("\n".join(instructions).encode()).hexdigest()[:16]
+    )
+    key = hashlib.sha256(
+        f"{_teacher_key(teacher, tokenizer)}|{corpus}|{n}|{max_new_tokens}|{seed}|v1{asked}".encode()
+    ).hexdigest()[:16]
     path = cache_dir() / "teacher_samples" / f"{Path(corpus).name}-{n}-{key}.jsonl"
     if path.exists():
         return path
     # prompt + reply must fit the teacher's context: replies get at most half of it
     context = getattr(teacher.config, "max_position_embeddings", None) or 4096
     max_new_tokens = min(max_new_tokens, context // 2)
-    render = lambda p: tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)  # noqa: E731
+    render = lambda p: tokenizer.apply_chat_template(
+        [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+    )  # noqa: E731
     prompts = []
     for i, passage in enumerate(seed_passages(corpus, n, seed=seed)):
         words = passage.split()
         while True:  # shorten the passage until the rendered prompt fits
             prompt = instructions[i % len(instructions)].format(text=" ".join(words))
-            if len(tokenizer(render(prompt), add_special_tokens=False)["input_ids"]) + max_new_tokens <= context or len(words) <= 4:
+            if (
+                len(tokenizer(render(prompt), add_special_tokens=False)["input_ids"]) + max_new_tokens
+                <= context
+                or len(words) <= 4
+            ):
                 break
             words = words[: len(words) * 3 // 4]
         prompts.append(prompt)
@@ -142,19 +178,33 @@ def build_teacher_sft_data(source: str, teacher, tokenizer, *, max_new_tokens: i
     records = []
     try:
         with _sampling(teacher) as device:
-            for start in tqdm(range(0, n, batch_size), desc=f"teacher replies ({corpus})", disable=not progress):
+            for start in tqdm(
+                range(0, n, batch_size), desc=f"teacher replies ({corpus})", disable=not progress
+            ):
                 chunk = prompts[start : start + batch_size]
                 texts = [render(p) for p in chunk]
                 enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-                out = teacher.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=_pad_id(tokenizer))
-                for prompt, row in zip(chunk, out[:, enc["input_ids"].shape[1]:]):
+                out = teacher.generate(
+                    **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=_pad_id(tokenizer)
+                )
+                for prompt, row in zip(chunk, out[:, enc["input_ids"].shape[1] :]):
                     reply = tokenizer.decode(row, skip_special_tokens=True).strip()
                     if reply:
-                        records.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]})
+                        records.append(
+                            {
+                                "messages": [
+                                    {"role": "user", "content": prompt},
+                                    {"role": "assistant", "content": reply},
+                                ]
+                            }
+                        )
     finally:
         tokenizer.padding_side = side
     if not records:
-        raise ConfigError(f"the teacher gave no non-empty reply to {n} prompts from {corpus!r}", "check the teacher's chat template, or give a chat dataset")
+        raise ConfigError(
+            f"the teacher gave no non-empty reply to {n} prompts from {corpus!r}",
+            "check the teacher's chat template, or give a chat dataset",
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -171,7 +221,14 @@ def build_chat_corpus(spec: str, teacher, tokenizer, *, seed: int = 0, progress:
     from .sources import parse_chat_spec
 
     corpus, n = parse_chat_spec(spec)
-    replies = build_teacher_sft_data(f"{PREFIX}{corpus}:{n}", teacher, tokenizer, seed=seed, progress=progress, instructions=CHAT_INSTRUCTIONS)
+    replies = build_teacher_sft_data(
+        f"{PREFIX}{corpus}:{n}",
+        teacher,
+        tokenizer,
+        seed=seed,
+        progress=progress,
+        instructions=CHAT_INSTRUCTIONS,
+    )
     path = replies.with_suffix(".text.jsonl")
     if not path.is_file():
         lines = []
@@ -226,7 +283,9 @@ class Sample:
 
     index: int  # the n-th sample (its document id is ``generated:<index>``)
     side: str  # "train" or "heldout" (the hash rule on its id)
-    ids: torch.Tensor  # 1-D int64 on the CPU: prompt (if any) + new tokens, cut so the corpus ends at n_tokens
+    ids: (
+        torch.Tensor
+    )  # 1-D int64 on the CPU: prompt (if any) + new tokens, cut so the corpus ends at n_tokens
 
 
 def sampling_batch(g, teacher, positions: int, length: int | None = None) -> int:
@@ -241,7 +300,9 @@ def sampling_batch(g, teacher, positions: int, length: int | None = None) -> int
     if "batch" in g.given or device.type != "cuda":
         return g.batch
     weights = sum(p.numel() * p.element_size() for p in teacher.parameters())
-    per_sample = positions * _kv_bytes_per_position(teacher) + 16 * teacher.config.get_text_config().vocab_size  # logits, softmax, top-p sort
+    per_sample = (
+        positions * _kv_bytes_per_position(teacher) + 16 * teacher.config.get_text_config().vocab_size
+    )  # logits, softmax, top-p sort
     batch = auto_batch(torch.cuda.get_device_properties(device).total_memory, weights, per_sample)
     needed = -(-g.n_tokens // (length or g.length))  # samples the corpus needs if none ends early
     return max(g.batch, min(batch, 1 << (needed - 1).bit_length()))
@@ -275,28 +336,57 @@ class TeacherSampler:
     state is untouched and the same spec, seed, teacher and kind of device give the same samples.
     """
 
-    def __init__(self, spec: str, teacher, tokenizer, *, seed: int = 0, progress: bool = True, goal: int | None = None):
-        self.spec, self.teacher, self.tokenizer, self.seed, self.progress = spec, teacher, tokenizer, seed, progress
+    def __init__(
+        self, spec: str, teacher, tokenizer, *, seed: int = 0, progress: bool = True, goal: int | None = None
+    ):
+        self.spec, self.teacher, self.tokenizer, self.seed, self.progress = (
+            spec,
+            teacher,
+            tokenizer,
+            seed,
+            progress,
+        )
         self.goal = goal  # what the progress bar counts up to (default n_tokens; a caller that stops early says where)
         self.g = g = parse_generated_spec(spec)
         self.eos = tokenizer.eos_token_id
         if self.eos is None:
-            raise DataError(f"tokenizer {type(tokenizer).__name__} has no EOS token to end generated samples", "set tokenizer.eos_token before sampling")
+            raise DataError(
+                f"tokenizer {type(tokenizer).__name__} has no EOS token to end generated samples",
+                "set tokenizer.eos_token before sampling",
+            )
         self.start_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else self.eos
         self.prompt_len = g.prompt_len if g.prompts else 1
         context = getattr(teacher.config, "max_position_embeddings", None) or 4096
         self.length = min(g.length, context - self.prompt_len)
         if self.length < 1:
-            raise DataError(f"{spec!r}: prompts of {self.prompt_len} tokens leave no room in the teacher's {context} positions", "lower prompt_len")
+            raise DataError(
+                f"{spec!r}: prompts of {self.prompt_len} tokens leave no room in the teacher's {context} positions",
+                "lower prompt_len",
+            )
         self.batch = sampling_batch(g, teacher, self.prompt_len + self.length, self.length)
         self.settings = {
-            "format": GENERATED_FORMAT, "teacher": _teacher_key(teacher, tokenizer), "tokenizer": tokenizer_fingerprint(tokenizer), "seed": seed,
-            "n_tokens": g.n_tokens, "prompts": g.prompts, "prompts_stamp": corpus_stamp(g.prompts) if g.prompts else None,
-            "field": g.field, "prompt_len": self.prompt_len, "start": self.start_id, "length": self.length, "temperature": g.temperature,
-            "top_p": g.top_p, "batch": self.batch,
-        }  # fmt: skip
+            "format": GENERATED_FORMAT,
+            "teacher": _teacher_key(teacher, tokenizer),
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "seed": seed,
+            "n_tokens": g.n_tokens,
+            "prompts": g.prompts,
+            "prompts_stamp": corpus_stamp(g.prompts) if g.prompts else None,
+            "field": g.field,
+            "prompt_len": self.prompt_len,
+            "start": self.start_id,
+            "length": self.length,
+            "temperature": g.temperature,
+            "top_p": g.top_p,
+            "batch": self.batch,
+        }
         self.key = hashlib.sha256(json.dumps(self.settings, sort_keys=True).encode()).hexdigest()[:24]
-        self.n_samples, self.tokens, self.docs, self.seconds = 0, {"train": 0, "heldout": 0}, {"train": 0, "heldout": 0}, 0.0
+        self.n_samples, self.tokens, self.docs, self.seconds = (
+            0,
+            {"train": 0, "heldout": 0},
+            {"train": 0, "heldout": 0},
+            0.0,
+        )
 
     @property
     def tokens_per_second(self) -> float:
@@ -304,9 +394,16 @@ class TeacherSampler:
         return sum(self.tokens.values()) / self.seconds if self.seconds else 0.0
 
     def stats(self) -> dict:
-        return {"n_samples": self.n_samples, "n_train_docs": self.docs["train"], "n_heldout_docs": self.docs["heldout"],
-                "n_train_tokens": self.tokens["train"], "n_heldout_tokens": self.tokens["heldout"], "batch": self.batch,
-                "seconds": round(self.seconds, 3), "tokens_per_second": round(self.tokens_per_second, 1)}  # fmt: skip
+        return {
+            "n_samples": self.n_samples,
+            "n_train_docs": self.docs["train"],
+            "n_heldout_docs": self.docs["heldout"],
+            "n_train_tokens": self.tokens["train"],
+            "n_heldout_tokens": self.tokens["heldout"],
+            "batch": self.batch,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_second": round(self.tokens_per_second, 1),
+        }
 
     def __iter__(self):
         g, n = self.g, self.g.n_tokens
@@ -314,7 +411,13 @@ class TeacherSampler:
         was_training, device = self.teacher.training, next(self.teacher.parameters()).device
         self.teacher.eval()
         started = time.perf_counter()
-        bar = tqdm(total=min(n, self.goal or n), desc=f"sampling {self.spec}", unit="tok", unit_scale=True, disable=not self.progress)
+        bar = tqdm(
+            total=min(n, self.goal or n),
+            desc=f"sampling {self.spec}",
+            unit="tok",
+            unit_scale=True,
+            disable=not self.progress,
+        )
         try:
             batch_i = 0
             while sum(self.tokens.values()) < n:
@@ -324,8 +427,12 @@ class TeacherSampler:
                         break
                     new = row[self.prompt_len if prompt_ids is not None else 1 :]
                     ends = (new == self.eos).nonzero()
-                    new = new[: int(ends[0])] if len(ends) else new  # a sample ends at the teacher's EOS (padding after it)
-                    sample = new if prompt_ids is None else torch.cat([row[: self.prompt_len], new])  # BOS is not text; a prompt is
+                    new = (
+                        new[: int(ends[0])] if len(ends) else new
+                    )  # a sample ends at the teacher's EOS (padding after it)
+                    sample = (
+                        new if prompt_ids is None else torch.cat([row[: self.prompt_len], new])
+                    )  # BOS is not text; a prompt is
                     side = "heldout" if is_heldout_id(f"generated:{self.n_samples}") else "train"
                     sep = 1 if self.docs[side] else 0  # the EOS joining it to its side counts
                     ids = sample[: n - sum(self.tokens.values()) - sep]
@@ -352,12 +459,23 @@ class TeacherSampler:
             inputs = torch.stack([prompt_ids[o : o + self.prompt_len] for o in offsets.tolist()])
         with torch.random.fork_rng(devices=_cuda_index(device)), torch.no_grad():
             torch.manual_seed(_stream_seed(self.seed, "sample", batch_i))
-            return self.teacher.generate(input_ids=inputs.to(device), attention_mask=torch.ones_like(inputs, device=device), do_sample=True,
-                                         temperature=g.temperature, top_p=g.top_p, top_k=0, max_new_tokens=self.length, min_new_tokens=1,
-                                         eos_token_id=self.eos, pad_token_id=_pad_id(self.tokenizer)).cpu()  # fmt: skip
+            return self.teacher.generate(
+                input_ids=inputs.to(device),
+                attention_mask=torch.ones_like(inputs, device=device),
+                do_sample=True,
+                temperature=g.temperature,
+                top_p=g.top_p,
+                top_k=0,
+                max_new_tokens=self.length,
+                min_new_tokens=1,
+                eos_token_id=self.eos,
+                pad_token_id=_pad_id(self.tokenizer),
+            ).cpu()
 
 
-def generate_corpus(spec: str, teacher, tokenizer, *, seed: int = 0, progress: bool = True) -> TokenizedCorpus:
+def generate_corpus(
+    spec: str, teacher, tokenizer, *, seed: int = 0, progress: bool = True
+) -> TokenizedCorpus:
     """The ``generated:`` corpus ``spec`` names (see :mod:`.sources`): sampled once, then read from the cache.
 
     ``train_ids`` and ``heldout_ids`` hold ``n_tokens`` tokens together; ``meta["from_cache"]`` tells
@@ -379,43 +497,82 @@ def generate_corpus(spec: str, teacher, tokenizer, *, seed: int = 0, progress: b
     for sample in sampler:
         sides[sample.side].add(sample.ids.tolist())
     stats = sampler.stats()
-    meta = {"spec": spec, "generated": True, **{k: stats[k] for k in ("n_samples", "n_train_docs", "n_heldout_docs", "n_train_tokens", "n_heldout_tokens")},
-            "settings": sampler.settings, "tokens_per_second": stats["tokens_per_second"]}  # fmt: skip
-    corpus = TokenizedCorpus(sides["train"].ids(), sides["heldout"].ids(), sampler.settings["tokenizer"], meta)
+    meta = {
+        "spec": spec,
+        "generated": True,
+        **{
+            k: stats[k]
+            for k in ("n_samples", "n_train_docs", "n_heldout_docs", "n_train_tokens", "n_heldout_tokens")
+        },
+        "settings": sampler.settings,
+        "tokens_per_second": stats["tokens_per_second"],
+    }
+    corpus = TokenizedCorpus(
+        sides["train"].ids(), sides["heldout"].ids(), sampler.settings["tokenizer"], meta
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     save_tokenized(corpus, path)
     corpus.meta.update(from_cache=False, cache_path=str(path))
     return corpus
 
 
-def generate_shards(spec: str, teacher, tokenizer, out, *, seed: int = 0, max_train_tokens: int | None = None, max_heldout_tokens: int | None = None,
-                    shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: bool = True) -> dict:  # fmt: skip
+def generate_shards(
+    spec: str,
+    teacher,
+    tokenizer,
+    out,
+    *,
+    seed: int = 0,
+    max_train_tokens: int | None = None,
+    max_heldout_tokens: int | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    progress: bool = True,
+) -> dict:
     """The ``generated:`` corpus ``spec`` sampled straight into a token shard folder ``out``
     (:mod:`.shards`): the samples :func:`generate_corpus` would cache, in the same order and with the
     same split, written as each batch arrives (memory: one batch). ``max_*_tokens`` cut each side as
     they cut a cached corpus, and sampling stops once both sides are full. The manifest's ``meta``
     records the settings and the sampling rate (``tokens_per_second``, wall time with the writes).
     A failure or an interrupt leaves no folder at ``out``. Returns the manifest."""
-    goal = max_train_tokens + max_heldout_tokens if max_train_tokens is not None and max_heldout_tokens is not None else None
+    goal = (
+        max_train_tokens + max_heldout_tokens
+        if max_train_tokens is not None and max_heldout_tokens is not None
+        else None
+    )
     sampler = TeacherSampler(spec, teacher, tokenizer, seed=seed, progress=progress, goal=goal)
-    with ShardWriter(out, tokenizer, source=spec, shard_tokens=shard_tokens, meta={"spec": spec, "generated": True}) as writer:
-        sides = {"train": DocumentStream(writer, "train", sampler.eos, max_train_tokens),
-                 "heldout": DocumentStream(writer, "heldout", sampler.eos, max_heldout_tokens)}  # fmt: skip
+    with ShardWriter(
+        out, tokenizer, source=spec, shard_tokens=shard_tokens, meta={"spec": spec, "generated": True}
+    ) as writer:
+        sides = {
+            "train": DocumentStream(writer, "train", sampler.eos, max_train_tokens),
+            "heldout": DocumentStream(writer, "heldout", sampler.eos, max_heldout_tokens),
+        }
         with contextlib.closing(iter(sampler)) as samples:
             for sample in samples:
                 sides[sample.side].add(sample.ids)
                 if all(side.full for side in sides.values()):
                     break
         device = next(teacher.parameters()).device
-        writer.meta.update(settings=sampler.settings, **sampler.stats(), device=str(device), teacher_dtype=str(next(teacher.parameters()).dtype).removeprefix("torch."),
-                           max_train_tokens=max_train_tokens, max_heldout_tokens=max_heldout_tokens)  # fmt: skip
+        writer.meta.update(
+            settings=sampler.settings,
+            **sampler.stats(),
+            device=str(device),
+            teacher_dtype=str(next(teacher.parameters()).dtype).removeprefix("torch."),
+            max_train_tokens=max_train_tokens,
+            max_heldout_tokens=max_heldout_tokens,
+        )
     return writer.manifest
 
 
 def _prompt_source(g, tokenizer) -> torch.Tensor:
     """The prompt corpus' training tokens (never its held-out text), tokenized through the corpus cache."""
     limit = _PROMPT_CORPUS_STREAM_TOKENS if can_stream(g.prompts) else None
-    ids = prepare_corpus(g.prompts, tokenizer, max_train_tokens=limit, max_heldout_tokens=0, text_field=g.field).train_ids
+    ids = prepare_corpus(
+        g.prompts, tokenizer, max_train_tokens=limit, max_heldout_tokens=0, text_field=g.field
+    ).train_ids
     if ids.numel() < g.prompt_len:
-        raise DataError(f"prompt corpus {g.prompts!r} has {ids.numel()} training tokens, fewer than prompt_len={g.prompt_len}", "lower prompt_len or use a larger corpus")
+        raise DataError(
+            f"prompt corpus {g.prompts!r} has {ids.numel()} training tokens, fewer than prompt_len={g.prompt_len}",
+            "lower prompt_len or use a larger corpus",
+        )
     return ids

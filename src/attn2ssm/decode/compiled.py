@@ -35,8 +35,8 @@ import types
 
 import torch
 
-from attn2ssm.decode.plan import run_layer
 from attn2ssm.decode.fusion import FUSION_KEYS
+from attn2ssm.decode.plan import run_layer
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +62,26 @@ class CompiledStep:
     def __init__(self, plan, backend=None):
         self.plan, self.backend = plan, backend or BACKEND
         self.parts = torch.get_num_threads()
-        for module in plan.model.modules():  # the row blocks of every product in the trace (see fusion.row_parts)
+        for (
+            module
+        ) in plan.model.modules():  # the row blocks of every product in the trace (see fusion.row_parts)
             module.__dict__["_row_parts"] = self.parts
         # where fusions live (or may come back after standard_layout): checked before every call
         holders = {id(m): m for step in plan.steps for m in (step.mixer, step.mlp)}
-        holders.update({id(m): m for m in plan.model.modules() if any(m.__dict__.get(k) is not None for k in FUSION_KEYS)})
+        holders.update(
+            {
+                id(m): m
+                for m in plan.model.modules()
+                if any(m.__dict__.get(k) is not None for k in FUSION_KEYS)
+            }
+        )
         self.fusion_slots = [(m, key) for m in holders.values() for key in FUSION_KEYS]
         # dynamo keeps compiled entries per code object, with a cap (8): each step gets its own copy
         # of _layers' code, or a process holding several students would run out of entries
         layers = types.FunctionType(CompiledStep._layers.__code__.replace(), globals(), "_layers")
-        self.fn = torch.compile(types.MethodType(layers, self), backend=self.backend, dynamic=False, fullgraph=True)
+        self.fn = torch.compile(
+            types.MethodType(layers, self), backend=self.backend, dynamic=False, fullgraph=True
+        )
         self.compiled_once = False
         self.failed: str | None = None
 
@@ -119,7 +129,8 @@ class CompiledStep:
         if first:
             logger.warning(
                 "compiling the decode step with torch.compile (%s): about a minute on a 2-core CPU the first time, "
-                "seconds once cached", self.backend,
+                "seconds once cached",
+                self.backend,
             )
             start = time.perf_counter()
         try:

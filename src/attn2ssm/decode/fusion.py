@@ -51,7 +51,9 @@ def is_plain_linear(module) -> bool:
     """An ``nn.Linear`` itself, or a decode-mode class standing for it (not a subclass someone
     wrapped it in)."""
     cls = module.__class__
-    return cls is nn.Linear or (cls.__mro__[1] is nn.Linear and getattr(cls, "_decode_base", None) is nn.Linear)
+    return cls is nn.Linear or (
+        cls.__mro__[1] is nn.Linear and getattr(cls, "_decode_base", None) is nn.Linear
+    )
 
 
 def row_parts(module: nn.Module) -> int:
@@ -94,10 +96,15 @@ class FusedLinears:
         pad = (-rows) % math.lcm(ROW_MULTIPLE, torch.get_num_threads())
         with torch.no_grad():
             first = linears[0].weight
-            self.weight = torch.cat([lin.weight for lin in linears] + [first.new_zeros(pad, first.shape[1])], dim=0)  # (Σout + pad, in)
+            self.weight = torch.cat(
+                [lin.weight for lin in linears] + [first.new_zeros(pad, first.shape[1])], dim=0
+            )  # (Σout + pad, in)
             self.bias = None
             if any(lin.bias is not None for lin in linears):
-                parts = [lin.bias if lin.bias is not None else self.weight.new_zeros(n) for lin, n in zip(linears, self.sizes)]
+                parts = [
+                    lin.bias if lin.bias is not None else self.weight.new_zeros(n)
+                    for lin, n in zip(linears, self.sizes)
+                ]
                 self.bias = torch.cat(parts + [self.weight.new_zeros(pad)])
             start = 0
             for lin, n in zip(linears, self.sizes):
@@ -106,13 +113,20 @@ class FusedLinears:
                     lin.bias.data = self.bias[start : start + n]
                 start += n
         self.classes = [lin.__class__ for lin in linears]
-        self.pointers = [(lin.weight.data_ptr(), None if lin.bias is None else lin.bias.data_ptr()) for lin in linears]
+        self.pointers = [
+            (lin.weight.data_ptr(), None if lin.bias is None else lin.bias.data_ptr()) for lin in linears
+        ]
 
     def valid(self) -> bool:
         """Does the fusion still hold?"""
         modules = self.owner._modules
         for name, lin, cls, (w, b) in zip(self.names, self.linears, self.classes, self.pointers):
-            if modules.get(name) is not lin or lin.__class__ is not cls or lin._forward_hooks or lin._forward_pre_hooks:
+            if (
+                modules.get(name) is not lin
+                or lin.__class__ is not cls
+                or lin._forward_hooks
+                or lin._forward_pre_hooks
+            ):
                 return False
             params = lin._parameters  # (not lin.weight: nn.Module.__getattr__ is slow on a hot path)
             if params["weight"].data_ptr() != w or (b is not None and params["bias"].data_ptr() != b):

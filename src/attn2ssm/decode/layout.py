@@ -30,7 +30,16 @@ import torch
 from torch import nn
 
 from attn2ssm.decode import mixers as decode_mixers
-from attn2ssm.decode.fusion import FusedLinears, call_linear, decode_class, drop_fusions, fusion_holds, is_plain_linear, release_fusions, row_parts
+from attn2ssm.decode.fusion import (
+    FusedLinears,
+    call_linear,
+    decode_class,
+    drop_fusions,
+    fusion_holds,
+    is_plain_linear,
+    release_fusions,
+    row_parts,
+)
 from attn2ssm.decode.model import attach_student
 from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.ops.rows import MEMO_KEY, block_linear, rows_linear
@@ -83,7 +92,9 @@ class _RMSNormDecode:
         w = self.weight
         if torch.is_grad_enabled() or x.dtype != torch.float32 or w.dtype != torch.float32:
             return super().forward(x)
-        return torch.mul(x, torch.mean(x * x, -1, keepdim=True).add_(self.__dict__["_rms_eps"]).rsqrt_()).mul_(w)
+        return torch.mul(
+            x, torch.mean(x * x, -1, keepdim=True).add_(self.__dict__["_rms_eps"]).rsqrt_()
+        ).mul_(w)
 
 
 @torch.no_grad()
@@ -107,14 +118,22 @@ def _same_outputs(module: nn.Module, new_class: type, width: int, dtype: torch.d
 
 
 def _fuse_gate_up(module: nn.Module) -> None:
-    module.__dict__["_fused_inputs"] = FusedLinears(module, ["gate_proj", "up_proj"], [module.gate_proj, module.up_proj])
+    module.__dict__["_fused_inputs"] = FusedLinears(
+        module, ["gate_proj", "up_proj"], [module.gate_proj, module.up_proj]
+    )
 
 
 def _fuse_gated_mlp(module: nn.Module) -> bool:
     gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
-    if not (is_plain_linear(gate) and is_plain_linear(up) and is_plain_linear(getattr(module, "down_proj", None))):
+    if not (
+        is_plain_linear(gate) and is_plain_linear(up) and is_plain_linear(getattr(module, "down_proj", None))
+    ):
         return False
-    if not callable(getattr(module, "act_fn", None)) or gate.in_features != up.in_features or module.__dict__.get("_fused_inputs") is not None:
+    if (
+        not callable(getattr(module, "act_fn", None))
+        or gate.in_features != up.in_features
+        or module.__dict__.get("_fused_inputs") is not None
+    ):
         return False
     new_class = decode_class(_GatedMLPDecode, type(module))
     _fuse_gate_up(module)

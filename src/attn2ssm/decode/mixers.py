@@ -22,7 +22,15 @@ from __future__ import annotations
 
 import torch
 
-from attn2ssm.decode.fusion import FusedLinears, ParamStack, call_linear, decode_class, drop_fusions, fusion_holds, is_plain_linear
+from attn2ssm.decode.fusion import (
+    FusedLinears,
+    ParamStack,
+    call_linear,
+    decode_class,
+    drop_fusions,
+    fusion_holds,
+    is_plain_linear,
+)
 from attn2ssm.mixers.feature_maps import HedgehogMap
 from attn2ssm.mixers.linear_attention import LinearAttentionMixer
 from attn2ssm.ops.linear_attention import linear_attention_step
@@ -50,7 +58,9 @@ def fuse_inputs(mixer) -> bool:
     linears = [getattr(mixer, n) for n in names]
     if len(linears) < 2 or not all(is_plain_linear(lin) for lin in linears):
         return False
-    mixer.__dict__["_fused_inputs"] = FusedLinears(mixer, names, linears)  # not a submodule: no state-dict entry
+    mixer.__dict__["_fused_inputs"] = FusedLinears(
+        mixer, names, linears
+    )  # not a submodule: no state-dict entry
     return True
 
 
@@ -66,7 +76,10 @@ class StackedMaps:
 
     def valid(self) -> bool:
         modules = self.owner._modules
-        if modules.get("feature_map_q") is not self.maps[0] or modules.get("feature_map_k") is not self.maps[1]:
+        if (
+            modules.get("feature_map_q") is not self.maps[0]
+            or modules.get("feature_map_k") is not self.maps[1]
+        ):
             return False
         if any(m._forward_hooks or m._forward_pre_hooks for m in self.maps):
             return False
@@ -104,7 +117,9 @@ def hedgehog_softmax_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if b == 1:  # views, no transposed (strided) operands: the common decode case
         z = torch.baddbmm(bias.view(heads, 1, -1), x.reshape(heads, 1, d), weight).view(1, heads, -1)
     else:
-        z = torch.baddbmm(bias[:, None, :], x.transpose(0, 1), weight).transpose(0, 1)  # (H, b, p) → (b, H, p)
+        z = torch.baddbmm(bias[:, None, :], x.transpose(0, 1), weight).transpose(
+            0, 1
+        )  # (H, b, p) → (b, H, p)
     if z.dtype != torch.float32:
         z = z.float()
     return torch.softmax(torch.cat([z, -z], dim=-1), dim=-1)
@@ -148,14 +163,18 @@ class LinearAttentionDecode(MixerDecode):
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], 1)
         if self.use_rope and position_embeddings is not None and self.rotary_dim:
             qk = self._rope(qk, *position_embeddings)
-        heads = qk.index_select(1, self._index("_qk_rows", qk.device))  # (b, 2h, d): q heads, then k heads repeated
+        heads = qk.index_select(
+            1, self._index("_qk_rows", qk.device)
+        )  # (b, 2h, d): q heads, then k heads repeated
         fq, fk = self._step_features(heads, seen)
         v = v.index_select(1, self._index("_kv_rows", v.device)).float()
         if mask is not None:  # a padded token adds nothing to the state
             m = mask.to(torch.float32).view(-1, 1, 1)
             fk, v = fk * m, v * m
         # in place in eager steps (no allocation); a traced step returns a new state (no copy-back)
-        y, state = linear_attention_step(fq, fk, v, states["linear"], eps=self.eps, inplace=not torch.compiler.is_compiling())
+        y, state = linear_attention_step(
+            fq, fk, v, states["linear"], eps=self.eps, inplace=not torch.compiler.is_compiling()
+        )
         if y.dtype != hidden_states.dtype:
             y = y.to(hidden_states.dtype)
         return call_linear(self.o_proj, y.view(b, 1, h * d)), {"linear": state}
@@ -165,11 +184,15 @@ class LinearAttentionDecode(MixerDecode):
         fused = self.__dict__.get("_fused_inputs")
         if fusion_holds(fused):
             return fused.matmul(x)
-        return torch.cat([call_linear(self.q_proj, x), call_linear(self.k_proj, x), call_linear(self.v_proj, x)], -1)
+        return torch.cat(
+            [call_linear(self.q_proj, x), call_linear(self.k_proj, x), call_linear(self.v_proj, x)], -1
+        )
 
     def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """q and k heads (b, h + kv, d) rotated together."""
-        if self.rotary_dim != self.head_dim:  # partial rotary (Phi, GPT-NeoX): the general form over (b, heads, 1, d)
+        if (
+            self.rotary_dim != self.head_dim
+        ):  # partial rotary (Phi, GPT-NeoX): the general form over (b, heads, 1, d)
             return apply_rotary(qk[:, :, None], cos, sin, self.rotary_dim)[:, :, 0]
         shared = self.__dict__.get("_signed_sin")
         if shared is None or torch.compiler.is_compiling():  # (a compiled step fuses it anyway)
@@ -183,7 +206,9 @@ class LinearAttentionDecode(MixerDecode):
         if fusion_holds(maps):
             features = hedgehog_softmax_step(heads, maps.weight.buffer, maps.bias.buffer)
             return features[:, :h], features[:, h:]
-        return map_step(self.feature_map_q, heads[:, :h], seen), map_step(self.feature_map_k, heads[:, h:], seen)
+        return map_step(self.feature_map_q, heads[:, :h], seen), map_step(
+            self.feature_map_k, heads[:, h:], seen
+        )
 
     def _index(self, key: str, device) -> torch.Tensor:
         """Kept per device: ``_qk_rows`` (2h,) rows of the (h + kv) roped q/k heads — every query
@@ -191,7 +216,11 @@ class LinearAttentionDecode(MixerDecode):
         cached = self.__dict__.get(key)
         if cached is None or cached.device != torch.device(device):
             kv_of = torch.arange(self.num_heads, device=device) // (self.num_heads // self.num_kv_heads)
-            cached = torch.cat([torch.arange(self.num_heads, device=device), self.num_heads + kv_of]) if key == "_qk_rows" else kv_of
+            cached = (
+                torch.cat([torch.arange(self.num_heads, device=device), self.num_heads + kv_of])
+                if key == "_qk_rows"
+                else kv_of
+            )
             self.__dict__[key] = cached
         return cached
 

@@ -30,16 +30,38 @@ class DecodeCausalLM(DecodeSaving):
     """Mixed into ``Attn2SSMForCausalLM``: one-token calls the decode plan can take go to it. The
     parameters are ``Attn2SSMForCausalLM.forward``'s, in its order (``generate`` reads them)."""
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None, labels=None,
-                use_cache=None, logits_to_keep=0, past_key_values=None, **kwargs):  # fmt: skip
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        past_key_values=None,
+        **kwargs,
+    ):
         plan = self.__dict__.get("_decode_plan")
         if plan is not None:
             picked = pick_cache(cache, past_key_values)
-            if plan.takes(input_ids, attention_mask, picked, inputs_embeds, labels, use_cache, logits_to_keep, kwargs):
+            if plan.takes(
+                input_ids, attention_mask, picked, inputs_embeds, labels, use_cache, logits_to_keep, kwargs
+            ):
                 return plan(input_ids, position_ids, kwargs.get("cache_position"), picked)
-        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                               inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep,
-                               past_key_values=past_key_values, **kwargs)  # fmt: skip
+        return super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
 
 
 def attach_student(model, causal_lm: bool) -> bool:

@@ -51,7 +51,13 @@ from attn2ssm.decode.model import attach_student
 from attn2ssm.hf_compat import CACHE_KWARG
 
 _PRE_NORM = ("input_layernorm", "post_attention_layernorm", "mlp")
-_SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm")
+_SANDWICH = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "mlp",
+    "post_feedforward_layernorm",
+)
 _STRUCTURES = {
     False: "x + mixer(input_layernorm(x)), then + mlp(post_attention_layernorm(·))",
     True: "x + post_attention_layernorm(mixer(input_layernorm(x))), then + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(·)))",
@@ -86,7 +92,12 @@ def _same_embeddings(a, b) -> bool:
     """Two layers' position embeddings (None or a (cos, sin) pair) hold the same values."""
     if a is None or b is None:
         return a is None and b is None
-    return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return (
+        isinstance(a, tuple)
+        and isinstance(b, tuple)
+        and len(a) == len(b)
+        and all(_close(x, y) for x, y in zip(a, b))
+    )
 
 
 class Step(NamedTuple):
@@ -124,19 +135,42 @@ class DecodePlan:
         cap = getattr(self.base.config, "final_logit_softcapping", None)
         self.softcap = float(cap) if cap else None
         # the rotary module's calls: [None] (one call, every layer gets it) or one layer type per call
-        self.rope_calls = [] if self.rotary is None else sorted(set(rope_types)) if rope_types is not None else [None]
+        self.rope_calls = (
+            [] if self.rotary is None else sorted(set(rope_types)) if rope_types is not None else [None]
+        )
         mixers = model.mixers()
         self.steps: list[Step] = []
         self.placed = []  # (parent, attribute, module): where every module the plan calls must still be
         for i, (layer, name) in enumerate(zip(layers, mixer_names)):
             sandwich = all(isinstance(getattr(layer, p, None), nn.Module) for p in _SANDWICH)
             parts = _SANDWICH if sandwich else _PRE_NORM
-            rope = None if self.rotary is None else self.rope_calls.index(rope_types[i] if rope_types is not None else None)
+            rope = (
+                None
+                if self.rotary is None
+                else self.rope_calls.index(rope_types[i] if rope_types is not None else None)
+            )
             if sandwich:
-                step = Step(i, layer.input_layernorm, mixers[i], layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-                            layer.mlp, layer.post_feedforward_layernorm, rope)  # fmt: skip
+                step = Step(
+                    i,
+                    layer.input_layernorm,
+                    mixers[i],
+                    layer.post_attention_layernorm,
+                    layer.pre_feedforward_layernorm,
+                    layer.mlp,
+                    layer.post_feedforward_layernorm,
+                    rope,
+                )
             else:
-                step = Step(i, layer.input_layernorm, mixers[i], None, layer.post_attention_layernorm, layer.mlp, None, rope)
+                step = Step(
+                    i,
+                    layer.input_layernorm,
+                    mixers[i],
+                    None,
+                    layer.post_attention_layernorm,
+                    layer.mlp,
+                    None,
+                    rope,
+                )
             self.steps.append(step)
             self.placed += [(layer, p, getattr(layer, p)) for p in parts] + [(layer, name, mixers[i])]
         self.placed += [(inner, "layers", inner.layers), (inner, "norm", self.norm)]
@@ -144,11 +178,17 @@ class DecodePlan:
             name = next((n for n, m in parent.named_children() if m is module), None)
             if name is not None:
                 self.placed.append((parent, name, module))
-        self.stepping = {i for i, m in mixers.items() if callable(getattr(m, "step", None))}  # layers whose mixer has a one-token step
-        self.cache_class = type(model.new_cache())  # the student's own cache (its remote-code copy's, for one)
+        self.stepping = {
+            i for i, m in mixers.items() if callable(getattr(m, "step", None))
+        }  # layers whose mixer has a one-token step
+        self.cache_class = type(
+            model.new_cache()
+        )  # the student's own cache (its remote-code copy's, for one)
         self.context = model.mixer_context
         # modules whose __call__ (and so whose hooks) the plan skips: they must have none
-        self.skipped = [model, self.base, inner, *layers] + [m for _, _, m in self.placed if not isinstance(m, nn.ModuleList)]
+        self.skipped = [model, self.base, inner, *layers] + [
+            m for _, _, m in self.placed if not isinstance(m, nn.ModuleList)
+        ]
         self.compiled = None  # a CompiledStep (opt-in: ``compile_step``)
 
     def compile_step(self, backend=None) -> str:
@@ -170,7 +210,9 @@ class DecodePlan:
         layers = getattr(inner, "layers", None)
         if not isinstance(layers, nn.ModuleList) or not isinstance(getattr(inner, "norm", None), nn.Module):
             return None, f"{type(inner).__name__} has no `layers` list and `norm`"
-        if not isinstance(inner.get_input_embeddings(), nn.Embedding) or not isinstance(base.get_output_embeddings(), nn.Linear):
+        if not isinstance(inner.get_input_embeddings(), nn.Embedding) or not isinstance(
+            base.get_output_embeddings(), nn.Linear
+        ):
             return None, "the input embedding or the LM head is not a plain Embedding / Linear"
         mixers = model.mixers()
         if sorted(mixers) != list(range(len(layers))):
@@ -179,7 +221,10 @@ class DecodePlan:
         for i, layer in enumerate(layers):
             name = next((n for n, m in layer.named_children() if m is mixers[i]), None)
             if name is None or any(not isinstance(getattr(layer, p, None), nn.Module) for p in _PRE_NORM):
-                return None, f"layer {i} ({type(layer).__name__}) is not input_layernorm → mixer → (norm →) mlp"
+                return (
+                    None,
+                    f"layer {i} ({type(layer).__name__}) is not input_layernorm → mixer → (norm →) mlp",
+                )
             names.append(name)
         rope_types, reason = cls._rope_types(inner, len(layers))
         if reason:
@@ -198,12 +243,18 @@ class DecodePlan:
         try:
             params = inspect.signature(rotary.forward).parameters
         except (TypeError, ValueError):
-            return None, f"{type(rotary).__name__}.forward has no readable signature, so its position embeddings cannot be reproduced"
+            return (
+                None,
+                f"{type(rotary).__name__}.forward has no readable signature, so its position embeddings cannot be reproduced",
+            )
         if "layer_type" not in params:
             return None, ""
         types = getattr(inner.config, "layer_types", None)
         if not isinstance(types, (list, tuple)) or len(types) < n_layers:
-            return None, f"{type(rotary).__name__} computes position embeddings per layer type, but the config has no layer_types for every layer"
+            return (
+                None,
+                f"{type(rotary).__name__} computes position embeddings per layer type, but the config has no layer_types for every layer",
+            )
         return list(types[:n_layers]), ""
 
     def position_embeddings(self, x: torch.Tensor, position_ids: torch.Tensor) -> list:
@@ -228,11 +279,15 @@ class DecodePlan:
 
         def capture(index):
             def hook(module, args, kwargs):
-                handed[index] = kwargs.get("position_embeddings")  # (passed positionally: not what the plan was written for)
+                handed[index] = kwargs.get(
+                    "position_embeddings"
+                )  # (passed positionally: not what the plan was written for)
 
             return hook
 
-        handles = [layer.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)]
+        handles = [
+            layer.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)
+        ]
         saved = [layer._modules[name] for layer, name in zip(layers, names)]
         for layer, name in zip(layers, names):
             layer._modules[name] = stub
@@ -257,7 +312,16 @@ class DecodePlan:
             mixer = layer._modules[name]
             layer._modules[name] = stub
             try:
-                ref = _first(layer(x, attention_mask=None, position_ids=pos, use_cache=False, cache_position=pos[0], position_embeddings=pe))
+                ref = _first(
+                    layer(
+                        x,
+                        attention_mask=None,
+                        position_ids=pos,
+                        use_cache=False,
+                        cache_position=pos[0],
+                        position_embeddings=pe,
+                    )
+                )
             except Exception as error:  # noqa: BLE001 - any failure means "no plan"
                 return f"{type(layer).__name__} could not be probed ({type(error).__name__}: {error})"
             finally:
@@ -287,12 +351,18 @@ class DecodePlan:
         return logits
 
     # -- running ----------------------------------------------------------------------------
-    def takes(self, input_ids, attention_mask, cache, inputs_embeds, labels, use_cache, logits_to_keep, kwargs: dict) -> bool:
+    def takes(
+        self, input_ids, attention_mask, cache, inputs_embeds, labels, use_cache, logits_to_keep, kwargs: dict
+    ) -> bool:
         """Can the plan answer this call of the student's forward (its arguments; ``cache`` the
         one it was given under either name, ``kwargs`` the rest)?"""
         if input_ids is None or inputs_embeds is not None or labels is not None or input_ids.shape[1] != 1:
             return False
-        if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask[:, -1:].all()):
+        if (
+            attention_mask is not None
+            and attention_mask.dim() == 2
+            and not bool(attention_mask[:, -1:].all())
+        ):
             return False  # padding in the new token
         if use_cache is None:
             use_cache = getattr(self.base.config, "use_cache", True)
@@ -301,10 +371,19 @@ class DecodePlan:
         return self.usable(cache, kwargs)
 
     def usable(self, cache, kwargs: dict) -> bool:
-        if any(k not in _ALLOWED_KWARGS for k in kwargs) or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+        if (
+            any(k not in _ALLOWED_KWARGS for k in kwargs)
+            or kwargs.get("output_attentions")
+            or kwargs.get("output_hidden_states")
+        ):
             return False
         config = self.base.config
-        if kwargs.get("return_dict") is False or torch.is_grad_enabled() or config.output_hidden_states or config.output_attentions:
+        if (
+            kwargs.get("return_dict") is False
+            or torch.is_grad_enabled()
+            or config.output_hidden_states
+            or config.output_attentions
+        ):
             return False
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return False
@@ -314,7 +393,9 @@ class DecodePlan:
         for module in self.skipped:
             if module._forward_hooks and not all(_inert(hook) for hook in module._forward_hooks.values()):
                 return False
-            if module._forward_pre_hooks and (len(module._forward_pre_hooks) > 1 or not hasattr(module, "mixer_type")):
+            if module._forward_pre_hooks and (
+                len(module._forward_pre_hooks) > 1 or not hasattr(module, "mixer_type")
+            ):
                 return False  # a mixer's one pre-hook records inputs for rollback, checked below
         for step in self.steps:
             layer = cache.mixer_layer(step.index)

@@ -39,11 +39,17 @@ def check_weight_format(dtype: str | None, quantize: str | None) -> tuple[torch.
     """``--dtype`` / ``--quantize`` checked: (torch dtype, "int8" or None); a one-line error otherwise."""
     dtype = dtype or "float32"
     if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r} is not a decode dtype here", f"choose from {', '.join(DTYPES)}, e.g. --dtype bfloat16")
+        raise ConfigError(
+            f"--dtype {dtype!r} is not a decode dtype here",
+            f"choose from {', '.join(DTYPES)}, e.g. --dtype bfloat16",
+        )
     if quantize in (None, "", "none"):
         return DTYPES[dtype], None
     if quantize not in QUANTIZE:
-        raise ConfigError(f"--quantize {quantize!r} is not a weight format here", f"use --quantize int8 (int8 weight-only, per-channel scales) or leave it out")
+        raise ConfigError(
+            f"--quantize {quantize!r} is not a weight format here",
+            "use --quantize int8 (int8 weight-only, per-channel scales) or leave it out",
+        )
     return DTYPES[dtype], quantize
 
 
@@ -73,7 +79,9 @@ class Int8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int8Linear":
         q, scales = quantize_per_channel_int8(linear.weight)
         bias = None if linear.bias is None else linear.bias.detach().to(dtype).clone()
-        return cls(q, scales.to(torch.bfloat16), bias)  # the kernel takes bfloat16 activations and scales (ops/quant.py)
+        return cls(
+            q, scales.to(torch.bfloat16), bias
+        )  # the kernel takes bfloat16 activations and scales (ops/quant.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self.qweight, self.scales, self.bias)
@@ -93,10 +101,15 @@ def apply_weight_format(model: nn.Module, dtype: str | None = "float32", quantiz
     linear layers in int8 (see the module docstring). Returns what changed: the format's name,
     how many linear layers were quantised and the bytes a one-token step reads (``weight_bytes``)."""
     torch_dtype, quantize = check_weight_format(dtype, quantize)
-    if torch_dtype == torch.bfloat16:  # on a CPU without native bf16, prefill slows; one-token steps (memory-bound) do not
+    if (
+        torch_dtype == torch.bfloat16
+    ):  # on a CPU without native bf16, prefill slows; one-token steps (memory-bound) do not
         with torch.enable_grad():  # (a first probe, not yet cached on disk, times a backward)
-            warn_if_slow_bf16(next(model.parameters()).device, "--dtype bfloat16",
-                              "prompts (prefill) and perplexity windows run that much slower; one-token decode steps read half the bytes and are not slowed")  # fmt: skip
+            warn_if_slow_bf16(
+                next(model.parameters()).device,
+                "--dtype bfloat16",
+                "prompts (prefill) and perplexity windows run that much slower; one-token decode steps read half the bytes and are not slowed",
+            )
     if torch_dtype != torch.float32:
         for module in model.modules():  # parameters only: buffers (RoPE's inv_freq) keep their float32
             for name, param in module.named_parameters(recurse=False):
@@ -111,8 +124,13 @@ def apply_weight_format(model: nn.Module, dtype: str | None = "float32", quantiz
                 if _is_linear(child):
                     setattr(parent, name, Int8Linear.from_linear(child, torch_dtype))
                     quantized += 1
-    return {"format": format_name(dtype, quantize), "dtype": str(torch_dtype).removeprefix("torch."), "quantize": quantize,
-            "int8_linears": quantized, "weight_bytes": step_weight_bytes(model)}  # fmt: skip
+    return {
+        "format": format_name(dtype, quantize),
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "quantize": quantize,
+        "int8_linears": quantized,
+        "weight_bytes": step_weight_bytes(model),
+    }
 
 
 def step_weight_bytes(model: nn.Module) -> int:

@@ -61,8 +61,11 @@ def calibrate_gated_delta(student, teacher, ids: torch.Tensor, layers=None) -> d
     """Set every ``gated_delta`` mixer with ``decay_init: calibrated`` (of ``layers`` only, when given:
     the ones a stepwise hybrid just converted, never a trained one) from its teacher layer's
     statistics on ``ids`` (b, l). Returns {layer: {"distance", "crowding", "alpha", "beta"}} (lists)."""
-    mixers = {i: m for i, m in student.mixers().items()
-              if isinstance(m, GatedDeltaMixer) and m.decay_init == "calibrated" and (layers is None or i in layers)}  # fmt: skip
+    mixers = {
+        i: m
+        for i, m in student.mixers().items()
+        if isinstance(m, GatedDeltaMixer) and m.decay_init == "calibrated" and (layers is None or i in layers)
+    }
     if not mixers:
         return {}
     io = capture_attention_io(teacher, ids, sorted(mixers))
@@ -71,11 +74,18 @@ def calibrate_gated_delta(student, teacher, ids: torch.Tensor, layers=None) -> d
     for i, mixer in mixers.items():
         x = io[i]
         probs = adapter.attention_probs(x.module, x.hidden_states, x.position_embeddings)
-        _, keys, _ = mixer.project_heads(x.hidden_states.to(mixer.k_proj.weight.dtype))  # (b, l, kv, d): the teacher's keys
+        _, keys, _ = mixer.project_heads(
+            x.hidden_states.to(mixer.k_proj.weight.dtype)
+        )  # (b, l, kv, d): the teacher's keys
         keys = mixer.repeat_kv(keys, 2)  # per query head, as the mixer reads them
         distance, crowding = head_statistics(probs, keys)
         alpha, beta = decays_from(distance, crowding)
         mixer.set_head_decays(alpha.cpu(), beta.cpu())
-        report[i] = {"distance": distance.tolist(), "crowding": crowding.tolist(), "alpha": alpha.tolist(), "beta": beta.tolist(),
-                     "beta_set": mixer.b_proj.bias is not None}  # fmt: skip
+        report[i] = {
+            "distance": distance.tolist(),
+            "crowding": crowding.tolist(),
+            "alpha": alpha.tolist(),
+            "beta": beta.tolist(),
+            "beta_set": mixer.b_proj.bias is not None,
+        }
     return report

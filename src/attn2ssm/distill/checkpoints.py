@@ -60,7 +60,10 @@ def latest_checkpoint(out: Path) -> Path | None:
         return None
     path = checkpoint_root(out) / pointer.read_text().strip()
     if not (path / "state.json").exists():
-        raise CheckpointError(f"checkpoint pointer names {path}, which is incomplete", f"delete {pointer} to restart from scratch")
+        raise CheckpointError(
+            f"checkpoint pointer names {path}, which is incomplete",
+            f"delete {pointer} to restart from scratch",
+        )
     return path
 
 

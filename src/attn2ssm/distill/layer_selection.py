@@ -60,16 +60,29 @@ def select_attention_layers(
         raise ConfigError(f"unknown mixer '{mixer}'", f"use one of: {', '.join(sorted(MIXERS))}")
     num_layers = teacher.config.num_hidden_layers
     if candidates is None:
-        candidates = list(range(num_layers)) if student is None else [i for i, k in enumerate(student.config.layer_plan) if k == ATTENTION]
+        candidates = (
+            list(range(num_layers))
+            if student is None
+            else [i for i, k in enumerate(student.config.layer_plan) if k == ATTENTION]
+        )
     if not 0 <= keep <= len(candidates):
-        raise ConfigError(f"keep={keep} attention layers is outside 0..{len(candidates)}", f"keep between 0 and the {len(candidates)} candidate layers")
+        raise ConfigError(
+            f"keep={keep} attention layers is outside 0..{len(candidates)}",
+            f"keep between 0 and the {len(candidates)} candidate layers",
+        )
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-        raise ConfigError(f"calibration input_ids have shape {tuple(input_ids.shape)}", "pass a (batch, length) tensor of token ids")
+        raise ConfigError(
+            f"calibration input_ids have shape {tuple(input_ids.shape)}",
+            "pass a (batch, length) tensor of token ids",
+        )
     device = next(teacher.parameters()).device
     ids = input_ids.to(device)
     mask = None if attention_mask is None else attention_mask.to(device)
     rows = batch_size or ids.shape[0]
-    batches = [(ids[s : s + rows], None if mask is None else mask[s : s + rows]) for s in range(0, ids.shape[0], rows)]
+    batches = [
+        (ids[s : s + rows], None if mask is None else mask[s : s + rows])
+        for s in range(0, ids.shape[0], rows)
+    ]
     counts = [float(b.numel() if m is None else m.sum()) for b, m in batches]
     total_tokens = max(sum(counts), 1.0)
 
@@ -83,7 +96,12 @@ def select_attention_layers(
             probe_was_training = probe.training
             probe.eval()
             layers = get_adapter(probe.base).decoder_layers(probe.base)
-            recorded = [_record_outputs(layers, lambda b=b, m=m: probe(input_ids=b, attention_mask=m, use_cache=False)) for b, m in batches]
+            recorded = [
+                _record_outputs(
+                    layers, lambda b=b, m=m: probe(input_ids=b, attention_mask=m, use_cache=False)
+                )
+                for b, m in batches
+            ]
             scores: list[float | None] = [None] * num_layers
             for layer in tqdm(candidates, desc="scoring layers", disable=not progress):
                 kl = 0.0
@@ -151,7 +169,13 @@ def auto_plan(
     """A plan keeping round(ratio·L) attention layers chosen by ``select_attention_layers``; returns (plan, scores)."""
     num_layers = teacher.config.num_hidden_layers
     keep, scores = select_attention_layers(
-        teacher, calibration_ids, mixer, mixer_options,
-        keep=keep_count(num_layers, attention_ratio), attention_mask=attention_mask, batch_size=batch_size, progress=progress,
-    )  # fmt: skip
+        teacher,
+        calibration_ids,
+        mixer,
+        mixer_options,
+        keep=keep_count(num_layers, attention_ratio),
+        attention_mask=attention_mask,
+        batch_size=batch_size,
+        progress=progress,
+    )
     return make_plan(num_layers, mixer, keep_attention=keep), scores

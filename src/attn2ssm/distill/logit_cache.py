@@ -59,14 +59,18 @@ def teacher_fingerprint(teacher: torch.nn.Module, mode: str) -> str:
     h = hashlib.sha256(mode.encode())
     config = getattr(teacher, "config", None)
     if config is not None:
-        cfg = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+        cfg = {
+            k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")
+        }
         h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, t in [*teacher.named_parameters(), *teacher.named_buffers()]:
             flat = t.detach().reshape(-1)
             stride = max(1, flat.numel() // _SAMPLE)
             wide = flat.double()
-            h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|{wide.sum().item()!r}|{wide.square().sum().item()!r}".encode())
+            h.update(
+                f"{name}|{tuple(t.shape)}|{t.dtype}|{wide.sum().item()!r}|{wide.square().sum().item()!r}".encode()
+            )
             h.update(flat[::stride].float().cpu().numpy().tobytes())
     return h.hexdigest()
 
@@ -84,7 +88,11 @@ def teacher_source_key(spec: str, dtype: torch.dtype, mode: str) -> str | None:
     if source.kind == "hub":
         return None
     folder = Path(source.location)
-    files = [folder / source.gguf_file] if source.gguf_file else sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+    files = (
+        [folder / source.gguf_file]
+        if source.gguf_file
+        else sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+    )
     h = hashlib.sha256(f"{dtype}|{mode}".encode())
     config = folder / "config.json"
     if config.is_file():
@@ -128,8 +136,17 @@ class LogitCache:
     None): every row must then be there. ``source`` ({"key": teacher_source_key(...), ...}) records
     which teacher files filled it, for such runs."""
 
-    def __init__(self, teacher: torch.nn.Module | None, top_k: int, mode: str, root: str | Path | None = None, chunk_size: int | str = 64, *,
-                 fingerprint: str | None = None, source: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        teacher: torch.nn.Module | None,
+        top_k: int,
+        mode: str,
+        root: str | Path | None = None,
+        chunk_size: int | str = 64,
+        *,
+        fingerprint: str | None = None,
+        source: dict | None = None,
+    ):
         self.top_k, self.chunk_size = int(top_k), chunk_size if chunk_size == "auto" else int(chunk_size)
         self.fingerprint = fingerprint or teacher_fingerprint(teacher, mode)
         base = Path(root).expanduser() if root else cache_dir() / "teacher_logits"
@@ -195,10 +212,16 @@ class LogitCache:
         idx = (idx - 32768).to(torch.int16) if vocab <= 65536 else idx.to(torch.int32)
         path = self.entry_path(digest)
         path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"indices": idx.contiguous(), "logprobs": entry.logprobs.cpu().contiguous(), "log_tail": entry.log_tail.cpu().contiguous()}
+        payload = {
+            "indices": idx.contiguous(),
+            "logprobs": entry.logprobs.cpu().contiguous(),
+            "log_tail": entry.log_tail.cpu().contiguous(),
+        }
         atomic_write_bytes(path, save(payload, metadata={"block_sha256": digest, "top_k": str(self.top_k)}))
 
-    def targets(self, teacher: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None) -> TopKTargets:
+    def targets(
+        self, teacher: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> TopKTargets:
         """(b, l) targets for ``ids``; padded positions (``mask`` 0, right padding) hold a dummy
         distribution with no tail, which the losses weigh by 0."""
         b, l = ids.shape
@@ -211,9 +234,11 @@ class LogitCache:
         self.stats.hits += b - len(missing)
         self.stats.misses += len(missing)
         if missing and teacher is None:
-            raise TrainingError(f"teacher-logit cache {self.dir}: {len(missing)} of this batch's {b} blocks are missing or unreadable "
-                                f"(e.g. {digests[missing[0]][:16]}), and this run did not load the teacher (the cache held them when it started)",
-                                "resume the run again: it loads the teacher when its cache lacks blocks, and stores them")  # fmt: skip
+            raise TrainingError(
+                f"teacher-logit cache {self.dir}: {len(missing)} of this batch's {b} blocks are missing or unreadable "
+                f"(e.g. {digests[missing[0]][:16]}), and this run did not load the teacher (the cache held them when it started)",
+                "resume the run again: it loads the teacher when its cache lacks blocks, and stores them",
+            )
         if missing:
             sub_ids = ids[missing]
             sub_mask = None if mask is None else mask[missing]
@@ -232,8 +257,19 @@ class LogitCache:
         )
         for r, entry in enumerate(rows):
             n = lengths[r]
-            out.indices[r, :n], out.logprobs[r, :n], out.log_tail[r, :n] = entry.indices, entry.logprobs, entry.log_tail
+            out.indices[r, :n], out.logprobs[r, :n], out.log_tail[r, :n] = (
+                entry.indices,
+                entry.logprobs,
+                entry.log_tail,
+            )
         return out.to(ids.device)
 
 
-__all__ = ["CacheStats", "LogitCache", "block_digest", "find_cache_dir", "teacher_fingerprint", "teacher_source_key"]
+__all__ = [
+    "CacheStats",
+    "LogitCache",
+    "block_digest",
+    "find_cache_dir",
+    "teacher_fingerprint",
+    "teacher_source_key",
+]

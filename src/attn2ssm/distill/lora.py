@@ -21,8 +21,12 @@ class LoRAAdapter(nn.Module):
     def __init__(self, linear: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
         super().__init__()
         self.scale = alpha / r
-        self.A = nn.Parameter(torch.empty(r, linear.in_features, dtype=linear.weight.dtype, device=linear.weight.device))
-        self.B = nn.Parameter(torch.zeros(linear.out_features, r, dtype=linear.weight.dtype, device=linear.weight.device))
+        self.A = nn.Parameter(
+            torch.empty(r, linear.in_features, dtype=linear.weight.dtype, device=linear.weight.device)
+        )
+        self.B = nn.Parameter(
+            torch.zeros(linear.out_features, r, dtype=linear.weight.dtype, device=linear.weight.device)
+        )
         nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))  # B = 0: the adapted model starts as the model
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
@@ -34,19 +38,28 @@ def _key(name: str) -> str:
     return name.replace(".", "__")
 
 
-def attach_lora(model: nn.Module, targets: list[str], r: int = 8, alpha: float = 16.0, dropout: float = 0.0) -> list[str]:
+def attach_lora(
+    model: nn.Module, targets: list[str], r: int = 8, alpha: float = 16.0, dropout: float = 0.0
+) -> list[str]:
     """Add adapters to every ``nn.Linear`` whose name ends with one of ``targets``; returns their names."""
     if hasattr(model, "lora"):
         raise RuntimeError("the model already carries LoRA adapters")
-    chosen = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.split(".")[-1] in targets]
+    chosen = [
+        (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.split(".")[-1] in targets
+    ]
     if not chosen:
-        raise ConfigError(f"LoRA targets {targets} match no linear layer", "use module names such as q_proj, k_proj, v_proj, o_proj")
+        raise ConfigError(
+            f"LoRA targets {targets} match no linear layer",
+            "use module names such as q_proj, k_proj, v_proj, o_proj",
+        )
     adapters = nn.ModuleDict()
     model._lora_hooks = []
     for name, linear in chosen:
         adapter = LoRAAdapter(linear, r, alpha, dropout)
         adapters[_key(name)] = adapter
-        model._lora_hooks.append(linear.register_forward_hook(lambda mod, args, out, a=adapter: out + a.delta(args[0])))
+        model._lora_hooks.append(
+            linear.register_forward_hook(lambda mod, args, out, a=adapter: out + a.delta(args[0]))
+        )
     model.lora = adapters
     return [n for n, _ in chosen]
 

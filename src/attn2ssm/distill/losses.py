@@ -45,7 +45,9 @@ def shift_for_next_token(logits: torch.Tensor, input_ids: torch.Tensor, mask: to
     return logits, targets, m
 
 
-def cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Next-token cross-entropy per real token. logits (b, l, V), input_ids (b, l), mask (b, l)."""
     flat, targets, m = shift_for_next_token(logits, input_ids, mask)
     n = m.sum().clamp_min(1)
@@ -53,10 +55,14 @@ def cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Ten
     return (losses * m).sum() / n
 
 
-def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def token_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Cross-entropy of ``logits`` at each position against ``targets`` at the *same* position
     (no shift: e.g. the teacher's argmax next token), per real token. logits (b, l, V)."""
-    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="none")
+    losses = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="none"
+    )
     m = torch.ones_like(losses) if mask is None else mask.reshape(-1).to(losses.dtype)
     return (losses * m).sum() / m.sum().clamp_min(1)
 
@@ -86,14 +92,20 @@ def kd_ce_loss(
     if labels == "data":
         ce = cross_entropy(student_logits, input_ids, mask)
     elif labels == "teacher":
-        top1 = teacher_logits.argmax() if isinstance(teacher_logits, TopKTargets) else teacher_logits.detach().argmax(-1)
+        top1 = (
+            teacher_logits.argmax()
+            if isinstance(teacher_logits, TopKTargets)
+            else teacher_logits.detach().argmax(-1)
+        )
         ce = token_cross_entropy(student_logits, top1, mask)
     else:
         raise ValueError(f"unknown labels {labels!r} (data | teacher)")
     return ce_weight * ce + kl_weight * kl, ce, kl
 
 
-def response_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def response_cross_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token CE summed over the tokens that ``loss_mask`` marks (e.g. assistant tokens).
 
     ``loss_mask`` (b, l) marks *target* tokens: position t is scored when token t+1 is marked.
@@ -109,7 +121,9 @@ def response_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, loss_m
 def sequence_logps(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """log p(response | prompt) per sequence: Σ over marked target tokens of log p(token). (b,)"""
     b, l, V = logits.shape
-    token_logp = -F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), input_ids[:, 1:].reshape(-1), reduction="none")
+    token_logp = -F.cross_entropy(
+        logits[:, :-1].reshape(-1, V).float(), input_ids[:, 1:].reshape(-1), reduction="none"
+    )
     return (token_logp.view(b, l - 1) * loss_mask[:, 1:].float()).sum(-1)
 
 
@@ -145,7 +159,9 @@ class _ChunkedForwardKL(torch.autograd.Function):
             pt = log_pt.exp()
             total = total + ((pt * (log_pt - log_ps)).sum(-1) * w).sum()
             if grad is not None:
-                grad[start : start + chunk] = ((log_ps.exp() - pt) * (w[:, None] * temperature)).to(grad.dtype)
+                grad[start : start + chunk] = ((log_ps.exp() - pt) * (w[:, None] * temperature)).to(
+                    grad.dtype
+                )
         ctx.save_for_backward(grad)
         return total * temperature**2
 
@@ -263,10 +279,19 @@ def forward_kl(
     weights = m / m.sum().clamp_min(1)
     if isinstance(teacher_logits, TopKTargets):
         if temperature != 1.0:
-            raise ValueError(f"cached teacher top-k targets are at temperature 1; got temperature {temperature}")
+            raise ValueError(
+                f"cached teacher top-k targets are at temperature 1; got temperature {temperature}"
+            )
         t = teacher_logits
         k = t.indices.shape[-1]
-        return _ChunkedTopKKL.apply(s, t.indices.reshape(-1, k), t.logprobs.reshape(-1, k), t.log_tail.reshape(-1), weights, int(chunk_size))
+        return _ChunkedTopKKL.apply(
+            s,
+            t.indices.reshape(-1, k),
+            t.logprobs.reshape(-1, k),
+            t.log_tail.reshape(-1),
+            weights,
+            int(chunk_size),
+        )
     t = teacher_logits.reshape(-1, V).detach()
     return _ChunkedForwardKL.apply(s, t, weights, float(temperature), int(chunk_size))
 
@@ -279,7 +304,14 @@ def _row_weights(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return mask.to(like.dtype)[:, None, :]
 
 
-def attention_cross_entropy(target: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor | None = None, *, form: str = "soft_ce", eps: float = 1e-12) -> torch.Tensor:
+def attention_cross_entropy(
+    target: torch.Tensor,
+    weights: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    form: str = "soft_ce",
+    eps: float = 1e-12,
+) -> torch.Tensor:
     """Hedgehog's attention distillation loss (Hedgehog Eq. 4, as in its listing).
 
     target: teacher softmax weights, weights: student weights, both (b, h, l, l) with rows that
@@ -297,14 +329,18 @@ def attention_cross_entropy(target: torch.Tensor, weights: torch.Tensor, mask: t
     return (per_row * rows).sum() / (rows.sum() * weights.shape[1]).clamp_min(1)
 
 
-def output_mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def output_mse(
+    student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean squared error between (b, l, hidden) outputs, averaged over hidden and real tokens."""
     per_token = (student.float() - teacher.float()).pow(2).mean(-1)
     m = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
     return (per_token * m).sum() / m.sum().clamp_min(1)
 
 
-def output_cosine(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def output_cosine(
+    student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """1 − cosine similarity of (b, l, hidden) outputs per token, averaged over real tokens (HedgeMamba's stage 1)."""
     per_token = 1.0 - F.cosine_similarity(student.float(), teacher.float(), dim=-1, eps=1e-8)
     m = torch.ones_like(per_token) if mask is None else mask.to(per_token.dtype)
@@ -320,7 +356,9 @@ def _real_token_mean(per_token: torch.Tensor, mask: torch.Tensor | None) -> torc
 MATRIX_NORMS = ("fro", "fro_squared", "row_squared")
 
 
-def matrix_distance(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None, *, norm: str = "fro") -> torch.Tensor:
+def matrix_distance(
+    student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None, *, norm: str = "fro"
+) -> torch.Tensor:
     """MOHAWK's matrix-orientation loss (MOHAWK Eq. 3) between (b, h, l, l) mixing matrices,
     e.g. a student mixer's materialised matrix and the teacher's attention probabilities.
 
@@ -353,7 +391,9 @@ def matrix_distance(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Te
 HIDDEN_DISTANCES = ("l2", "l2_squared", "mse")
 
 
-def hidden_distance(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None, *, form: str = "l2") -> torch.Tensor:
+def hidden_distance(
+    student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None = None, *, form: str = "l2"
+) -> torch.Tensor:
     """MOHAWK's hidden-state alignment loss (MOHAWK Eq. 4): a per-token distance between
     (b, l, hidden) outputs, averaged over real tokens.
 

@@ -88,15 +88,30 @@ from attn2ssm.distill.layer_selection import auto_plan, select_attention_layers
 from attn2ssm.distill.logit_cache import CacheStats, LogitCache, find_cache_dir, teacher_source_key
 from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
 from attn2ssm.distill.losses import cross_entropy, resolve_kl_chunk
-from attn2ssm.distill.recipe import RECOMPUTING, Recipe, StageConfig, resume_recipe, validate, validate_for_teacher
+from attn2ssm.distill.recipe import (
+    RECOMPUTING,
+    Recipe,
+    StageConfig,
+    resume_recipe,
+    validate,
+    validate_for_teacher,
+)
 from attn2ssm.distill.schedules import lr_multiplier
 from attn2ssm.distill.stages import STAGE_KINDS, StageKind, select_trainable
 from attn2ssm.errors import CheckpointError, ConfigError, Interrupted, OutputError, TrainingError
 from attn2ssm.eval.classification import evaluate_classifier, write_vision_report
 from attn2ssm.eval.report import write_report
 from attn2ssm.mixers.registry import ATTENTION
-from attn2ssm.paths import LOCK, atomic_write_text, check_writable, lock_dir, remove_stale_staging, replace_dir, writing
 from attn2ssm.ops.kernels import choose_kernels
+from attn2ssm.paths import (
+    LOCK,
+    atomic_write_text,
+    check_writable,
+    lock_dir,
+    remove_stale_staging,
+    replace_dir,
+    writing,
+)
 from attn2ssm.precision import choose_precision, warn_if_slow_bf16
 from attn2ssm.student.convert import convert, grow_student
 from attn2ssm.student.convert_vision import build_vision_student
@@ -105,12 +120,25 @@ from attn2ssm.student.plans import interleaved_keep, make_plan
 from attn2ssm.student.vision import Attn2SSMForImageClassification
 from attn2ssm.teachers.vision import load_vision_teacher
 
-__all__ = ["Distiller", "StepResult", "TrainerState", "distill", "latest_checkpoint", "resolve_kl_chunk", "resolve_teacher_dtype"]
+__all__ = [
+    "Distiller",
+    "StepResult",
+    "TrainerState",
+    "distill",
+    "latest_checkpoint",
+    "resolve_kl_chunk",
+    "resolve_teacher_dtype",
+]
+
 
 def resolve_teacher_dtype(requested: str, device_type: str, precision_used: str) -> torch.dtype:
     """``teacher_dtype``: auto = the mixed precision's dtype on CUDA (float32 under ``no``), float32 elsewhere."""
     if requested == "auto":
-        requested = {"bf16": "bfloat16", "fp16": "float16"}.get(precision_used, "float32") if device_type == "cuda" else "float32"
+        requested = (
+            {"bf16": "bfloat16", "fp16": "float16"}.get(precision_used, "float32")
+            if device_type == "cuda"
+            else "float32"
+        )
     return getattr(torch, requested)
 
 
@@ -150,14 +178,18 @@ class StageRun:
     seq_len: int
     n_items: int  # blocks or dataset examples the stage draws from
     steps: int
-    model: torch.nn.Module  # DDP-wrapped (FSDP: sharded in place) when the kind runs through the model's forward
+    model: (
+        torch.nn.Module
+    )  # DDP-wrapped (FSDP: sharded in place) when the kind runs through the model's forward
     unwrapped: torch.nn.Module
     params: list
     n_trainable_tensors: int
     optimizer: torch.optim.Optimizer  # accelerate's AcceleratedOptimizer (fp16: with the GradScaler)
     scheduler: torch.optim.lr_scheduler.LambdaLR  # on the plain optimizer, stepped only when it stepped
     logit_cache: object | None = None  # the stage's LogitCache (its `logit_cache` option), else None
-    param_names: list[str] = field(default_factory=list)  # the trainable parameters' names, in the optimizer's order
+    param_names: list[str] = field(
+        default_factory=list
+    )  # the trainable parameters' names, in the optimizer's order
     sharded: bool = False  # FSDP: the student is sharded across processes for this stage
 
 
@@ -165,14 +197,18 @@ def _index_keyed(state: dict, names: list[str]) -> dict:
     """An optimizer state dict keyed by parameter names (torch.distributed.checkpoint's full form)
     in the usual form, keyed by the parameters' positions: what ``optimizer.pt`` holds in every run."""
     index = {n: i for i, n in enumerate(names)}
-    return {"state": {index[n]: v for n, v in state["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}  # fmt: skip
+    return {
+        "state": {index[n]: v for n, v in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+    }
 
 
 def _name_keyed(state: dict, names: list[str]) -> dict:
     """``_index_keyed`` undone."""
-    return {"state": {names[i]: v for i, v in state["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}  # fmt: skip
+    return {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
 
 
 @torch.no_grad()
@@ -180,7 +216,7 @@ def _fold_lora(model_state: dict, scale: float) -> dict:
     """A full state dict with its LoRA adapters (``lora.<module path with __>.A/B``) folded into the
     adapted weights, W ← W + scale·B·A, as ``merge_lora`` does in a module; the adapters dropped."""
     out = {k: v for k, v in model_state.items() if not k.startswith("lora.")}
-    for key in {k[len("lora."):].rsplit(".", 1)[0] for k in model_state if k.startswith("lora.")}:
+    for key in {k[len("lora.") :].rsplit(".", 1)[0] for k in model_state if k.startswith("lora.")}:
         weight = f"{key.replace('__', '.')}.weight"
         A, B = model_state[f"lora.{key}.A"], model_state[f"lora.{key}.B"]
         out[weight] = out[weight] + (B @ A * scale).to(out[weight].dtype)
@@ -200,10 +236,15 @@ def _select_gpu(device: str) -> None:
         return
     index = int(device.split(":")[1])
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError(f"device={device} names one GPU, and this run has several processes", "use device: cuda (each process takes its own GPU)")
+        raise ConfigError(
+            f"device={device} names one GPU, and this run has several processes",
+            "use device: cuda (each process takes its own GPU)",
+        )
     if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-        raise ConfigError(f"device={device}: this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices",
-                          "use device: auto, or an index below the device count")  # fmt: skip
+        raise ConfigError(
+            f"device={device}: this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices",
+            "use device: auto, or an index below the device count",
+        )
     torch.cuda.set_device(index)
 
 
@@ -221,12 +262,16 @@ def _activation_checkpointing(model, enable: bool) -> None:
     """HF activation checkpointing of ``model``'s decoder layers, non-reentrant: each layer's forward
     (the mixer inside it too) is recomputed in the backward instead of keeping its activations."""
     if enable:
-        on = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x; older: gradient_checkpointing_enable
+        on = getattr(
+            model, "activation_checkpointing_enable", None
+        )  # transformers >= 5.2x; older: gradient_checkpointing_enable
         if on is not None:
             on(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if getattr(model, "_require_grads_hook", None) is not None:  # for reentrant checkpoints only: not needed here
+        if (
+            getattr(model, "_require_grads_hook", None) is not None
+        ):  # for reentrant checkpoints only: not needed here
             model.disable_input_require_grads()
     else:
         off = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
@@ -257,8 +302,17 @@ def _release_accelerate_state(mixed_precision: str) -> None:
 class Distiller:
     """Runs a recipe into a run directory. ``teacher``/``tokenizer`` may be passed in (tests, notebooks)."""
 
-    def __init__(self, recipe: Recipe, out: str | Path, *, resume: bool = False, overrides: list[str] | None = None, progress: bool = True,
-                 teacher=None, tokenizer=None):  # fmt: skip
+    def __init__(
+        self,
+        recipe: Recipe,
+        out: str | Path,
+        *,
+        resume: bool = False,
+        overrides: list[str] | None = None,
+        progress: bool = True,
+        teacher=None,
+        tokenizer=None,
+    ):
         """``resume``: continue the run in ``out`` with the recipe saved there (if any; else ``recipe``),
         with ``overrides`` (a resume's ``--set`` strings) applied where ``resume_recipe`` allows."""
         self.out = Path(out)
@@ -271,57 +325,91 @@ class Distiller:
             if saved.exists():
                 recipe, changes = resume_recipe(yaml.safe_load(saved.read_text()), overrides)
         validate(recipe)
-        if self.resume_from is None and recipe.images is None:  # what needs only the teacher's config.json, before anything loads or is written
+        if (
+            self.resume_from is None and recipe.images is None
+        ):  # what needs only the teacher's config.json, before anything loads or is written
             config = teacher.config if teacher is not None else teachers.read_teacher_config(recipe.teacher)
             if config is not None:
                 validate_for_teacher(recipe, config)
         self.recipe = recipe
         cpu = recipe.device == "cpu" or (recipe.device == "auto" and not torch.cuda.is_available())
         _select_gpu(recipe.device)
-        self.kernels = choose_kernels(recipe.kernels, "cpu" if cpu else "cuda")  # once per run (ops/kernels.py)
+        self.kernels = choose_kernels(
+            recipe.kernels, "cpu" if cpu else "cuda"
+        )  # once per run (ops/kernels.py)
         # auto: bf16 only where it is fast (CUDA with bf16, a CPU with native bf16); explicit bf16 on a slow CPU warns
         self.precision = choose_precision(recipe.mixed_precision, "cpu" if cpu else "cuda")
         if self.precision.used == "bf16":
-            warn_if_slow_bf16("cpu" if cpu else "cuda", "mixed_precision: bf16", "training will be that much slower: set mixed_precision: auto (or no)")
+            warn_if_slow_bf16(
+                "cpu" if cpu else "cuda",
+                "mixed_precision: bf16",
+                "training will be that much slower: set mixed_precision: auto (or no)",
+            )
         _release_accelerate_state(self.precision.used)
         self.acc = Accelerator(cpu=cpu, mixed_precision=self.precision.used)
         _cpu_fp16(self.acc)
         # a teacher passed in keeps the dtype its caller gave it (bench train reuses one across precisions)
-        self.teacher_dtype = resolve_teacher_dtype(recipe.teacher_dtype, "cpu" if cpu else "cuda", self.precision.used) if teacher is None else None
+        self.teacher_dtype = (
+            resolve_teacher_dtype(recipe.teacher_dtype, "cpu" if cpu else "cuda", self.precision.used)
+            if teacher is None
+            else None
+        )
         self._check_teacher_dtype()
         self.is_main = self.acc.is_main_process
         if self.acc.distributed_type == DistributedType.FSDP:
             if self.precision.used == "fp16":  # accelerate's FSDP clip unscales a trainable subset twice
-                raise ConfigError("mixed_precision fp16 under FSDP is not supported by this trainer", "use mixed_precision: bf16 (or auto) with configs/accelerate/fsdp.yaml")
+                raise ConfigError(
+                    "mixed_precision fp16 under FSDP is not supported by this trainer",
+                    "use mixed_precision: bf16 (or auto) with configs/accelerate/fsdp.yaml",
+                )
             if recipe.images is not None:
-                raise ConfigError("image recipes do not run under FSDP", "launch them without --config_file configs/accelerate/fsdp.yaml (their students are small)")
+                raise ConfigError(
+                    "image recipes do not run under FSDP",
+                    "launch them without --config_file configs/accelerate/fsdp.yaml (their students are small)",
+                )
         self._lock, self._made_out = None, False
         self._hold_run_dir()
         try:
             if resume:
                 self.resume_from = self._intact_checkpoint()
             elif (self.out / "checkpoints").exists() or (self.out / "student").exists():
-                raise ConfigError(f"run directory {self.out} already holds a run", "pass --resume to continue it, or choose another --out")
+                raise ConfigError(
+                    f"run directory {self.out} already holds a run",
+                    "pass --resume to continue it, or choose another --out",
+                )
         except BaseException:
             self.close()
             raise
         if changes and self.is_main:
-            print("--resume with --set: " + ", ".join(f"{key} {old!r} → {new!r}" for key, old, new in changes)
-                  + ("; the remaining steps compute with it (no longer bitwise an uninterrupted run)" if any(k.split(".")[-1] in RECOMPUTING for k, _, _ in changes) else ""),
-                  file=sys.stderr)  # fmt: skip
+            print(
+                "--resume with --set: "
+                + ", ".join(f"{key} {old!r} → {new!r}" for key, old, new in changes)
+                + (
+                    "; the remaining steps compute with it (no longer bitwise an uninterrupted run)"
+                    if any(k.split(".")[-1] in RECOMPUTING for k, _, _ in changes)
+                    else ""
+                ),
+                file=sys.stderr,
+            )
         self._asked: set[int] = set()  # signals received (SIGTERM / SIGINT): stop after the current step
         self.metrics_path = self.out / "metrics.jsonl"
         # filled by run(): the frozen teacher, the data, the student being trained
         self.teacher, self.tokenizer = teacher, tokenizer
-        self.teacher_config = None if teacher is None else teacher.config  # set without the weights by a teacherless run
+        self.teacher_config = (
+            None if teacher is None else teacher.config
+        )  # set without the weights by a teacherless run
         self.teacher_info: dict = {}
         # a teacherless run (_plan_teacherless): (top_k, dir) → (cache folder, fingerprint) of each remaining stage's logit cache
         self.cached_teacher: dict[tuple, tuple[Path, str]] | None = None
-        self._source_key: str | None = None  # the teacher spec's files, recorded in the logit caches this run fills
+        self._source_key: str | None = (
+            None  # the teacher spec's files, recorded in the logit caches this run fills
+        )
         self.corpus = None
         self.blocks: torch.Tensor | None = None  # training blocks (n, block_len)
         self.eval_blocks: torch.Tensor | None = None
-        self.block_sets: dict[int, tuple] = {}  # block length → (training, held-out) blocks: data.block_len's, and LM stages' own
+        self.block_sets: dict[
+            int, tuple
+        ] = {}  # block length → (training, held-out) blocks: data.block_len's, and LM stages' own
         self.stage_data: dict[int, object] = {}  # stage index → its own dataset (sft / dpo), loaded up front
         self.student: torch.nn.Module | None = None
         self.images = None  # image recipes (recipe.images): data.images.ImageData, the stages' dataset
@@ -336,8 +424,10 @@ class Distiller:
         name = str(self.teacher_dtype).removeprefix("torch.")
         for i, cfg in enumerate(self.recipe.stages):
             if not STAGE_KINDS[cfg.kind].through_model_forward:
-                raise ConfigError(f"stages[{i}] ({cfg.name}): a {name} teacher without mixed precision hands its {name} activations to the fp32 student modules of kind '{cfg.kind}'",
-                                  "set mixed_precision: bf16 (autocast meets them), or teacher_dtype: float32")  # fmt: skip
+                raise ConfigError(
+                    f"stages[{i}] ({cfg.name}): a {name} teacher without mixed precision hands its {name} activations to the fp32 student modules of kind '{cfg.kind}'",
+                    "set mixed_precision: bf16 (autocast meets them), or teacher_dtype: float32",
+                )
 
     def _hold_run_dir(self) -> None:
         """The run directory's lock (the main process takes it before anything is written), or an
@@ -376,10 +466,15 @@ class Distiller:
         chosen, skipped = choose_checkpoint(self.out)
         if chosen is None and skipped:
             (newest, reason), names = skipped[0], ", ".join(folder.name for folder, _ in skipped)
-            raise CheckpointError(f"no intact checkpoint in {self.out / 'checkpoints'}: {names} damaged ({newest.name}: {reason})",
-                                  "restart the run without --resume in a new --out")  # fmt: skip
+            raise CheckpointError(
+                f"no intact checkpoint in {self.out / 'checkpoints'}: {names} damaged ({newest.name}: {reason})",
+                "restart the run without --resume in a new --out",
+            )
         for folder, reason in skipped:
-            print(f"checkpoint {folder.name} is damaged ({reason}); resuming from {chosen.name}", file=sys.stderr)
+            print(
+                f"checkpoint {folder.name} is damaged ({reason}); resuming from {chosen.name}",
+                file=sys.stderr,
+            )
         return chosen
 
     # -- setup ---------------------------------------------------------------------------------
@@ -399,13 +494,21 @@ class Distiller:
             self.teacher_info = {"source": source.describe()}
             return
         self.cached_teacher = None
-        if self.teacher is None and self.recipe.images is None:  # loaded here from its spec: the caches it fills can say so
+        if (
+            self.teacher is None and self.recipe.images is None
+        ):  # loaded here from its spec: the caches it fills can say so
             self._source_key = teacher_source_key(self.recipe.teacher, self.teacher_dtype, self._mode())
-        if self.teacher is None and self.recipe.images is not None:  # an image classifier and its image processor
-            self.teacher, self.tokenizer, self.teacher_info = load_vision_teacher(self.recipe.teacher, progress=self.progress and self.is_main)
+        if (
+            self.teacher is None and self.recipe.images is not None
+        ):  # an image classifier and its image processor
+            self.teacher, self.tokenizer, self.teacher_info = load_vision_teacher(
+                self.recipe.teacher, progress=self.progress and self.is_main
+            )
             self.teacher.to(dtype=self.teacher_dtype)
         elif self.teacher is None:
-            self.teacher, self.tokenizer, source = teachers.load_teacher(self.recipe.teacher, check_supported=True, dtype=self.teacher_dtype)
+            self.teacher, self.tokenizer, source = teachers.load_teacher(
+                self.recipe.teacher, check_supported=True, dtype=self.teacher_dtype
+            )
             self.teacher_info = {"source": source.describe()}
         else:
             self.teacher_info = {"source": {"kind": "object", "location": type(self.teacher).__name__}}
@@ -418,7 +521,11 @@ class Distiller:
 
     def _remaining(self, state: TrainerState) -> list[int]:
         stages = self.recipe.stages
-        return [i for i in range(state.stage, len(stages)) if i not in state.finished and not (stages[i].tokens == 0 and stages[i].epochs is None)]
+        return [
+            i
+            for i in range(state.stage, len(stages))
+            if i not in state.finished and not (stages[i].tokens == 0 and stages[i].epochs is None)
+        ]
 
     def _plan_teacherless(self, state: TrainerState) -> bool:
         """Whether this run can go without the teacher's weights: it resumes (the student exists), every
@@ -427,10 +534,17 @@ class Distiller:
         spec's files (same files, dtype and mode: ``logit_cache.teacher_source_key``). Whether the
         caches hold every block is checked once the data is loaded (``_check_teacherless``)."""
         r = self.recipe
-        if self.resume_from is None or r.images is not None or any(needs_teacher(src.corpus) for src in r.data.source_list()):
+        if (
+            self.resume_from is None
+            or r.images is not None
+            or any(needs_teacher(src.corpus) for src in r.data.source_list())
+        ):
             return False
         stages = [r.stages[i] for i in self._remaining(state)]
-        if not stages or any(c.kind not in ("kd", "kd_ce") or c.logit_cache is None or c.attention_ratio is not None for c in stages):
+        if not stages or any(
+            c.kind not in ("kd", "kd_ce") or c.logit_cache is None or c.attention_ratio is not None
+            for c in stages
+        ):
             return False
         key = teacher_source_key(r.teacher, self.teacher_dtype, self._mode())
         if key is None:  # a hub id: its files are not on this disk to compare
@@ -455,9 +569,18 @@ class Distiller:
             cfg = self.recipe.stages[i]
             blocks, _ = self._stage_blocks(i)
             steps = self._stage_steps(cfg, len(blocks), self._block_len(cfg))
-            first = state.step if i == state.stage else 0  # every process's blocks of steps first..steps-1, in one draw
-            drawn = block_indices(len(blocks), self.recipe.seed + 1000 * i, first * cfg.batch_size, (steps - first) * cfg.batch_size)
-            need.setdefault((cfg.logit_cache.top_k, cfg.logit_cache.dir), set()).update((self._block_len(cfg), b) for b in drawn.tolist())
+            first = (
+                state.step if i == state.stage else 0
+            )  # every process's blocks of steps first..steps-1, in one draw
+            drawn = block_indices(
+                len(blocks),
+                self.recipe.seed + 1000 * i,
+                first * cfg.batch_size,
+                (steps - first) * cfg.batch_size,
+            )
+            need.setdefault((cfg.logit_cache.top_k, cfg.logit_cache.dir), set()).update(
+                (self._block_len(cfg), b) for b in drawn.tolist()
+            )
             blocks_of[self._block_len(cfg)] = blocks
         total = sum(len(b) for b in need.values())
         missing = 0
@@ -468,15 +591,21 @@ class Distiller:
         if self.is_main:
             folders = ", ".join(str(f) for f, _ in self.cached_teacher.values())
             if missing:
-                print(f"teacher-logit cache {folders} lacks {missing} of the {total} blocks the remaining steps draw: loading the teacher")
+                print(
+                    f"teacher-logit cache {folders} lacks {missing} of the {total} blocks the remaining steps draw: loading the teacher"
+                )
             else:
-                print(f"teacher weights not loaded: every remaining stage reads the teacher's top-k from {folders} "
-                      f"(all {total} blocks there); tokenizer and config from {self.recipe.teacher}")  # fmt: skip
+                print(
+                    f"teacher weights not loaded: every remaining stage reads the teacher's top-k from {folders} "
+                    f"(all {total} blocks there); tokenizer and config from {self.recipe.teacher}"
+                )
         if missing:
             self._load_teacher()
 
     def _load_data(self):
-        if self.recipe.images is not None:  # a stratified fraction of the training split + the full test split
+        if (
+            self.recipe.images is not None
+        ):  # a stratified fraction of the training split + the full test split
             self.images = load_image_data(self.recipe.images, self.tokenizer, self.recipe.seed)
             if self.is_main:
                 print(self.images.describe())
@@ -495,12 +624,30 @@ class Distiller:
         d = self.recipe.data
         check_block_len(block_len, getattr(self.teacher_config, "max_position_embeddings", None))
         # The most blocks one LM stage at this length draws: a mixture's size, and how far a hub source streams (None: epochs budgets only).
-        budget = max((math.ceil(s.tokens / (s.batch_size * block_len)) * s.batch_size for s in self.recipe.stages
-                      if s.data is None and s.epochs is None and self._block_len(s) == block_len), default=None)  # fmt: skip
-        with self.acc.main_process_first():  # one process tokenizes (or samples the teacher), the others read its cache
-            data = load_training_data(d.source_list(), self.tokenizer, block_len, seed=self.recipe.seed, max_train_tokens=d.max_train_tokens,
-                                      max_heldout_tokens=d.max_heldout_tokens, text_field=d.text_field, budget_blocks=budget or None, teacher=self.teacher,
-                                      progress=self.progress and self.is_main, compact=True)  # fmt: skip
+        budget = max(
+            (
+                math.ceil(s.tokens / (s.batch_size * block_len)) * s.batch_size
+                for s in self.recipe.stages
+                if s.data is None and s.epochs is None and self._block_len(s) == block_len
+            ),
+            default=None,
+        )
+        with (
+            self.acc.main_process_first()
+        ):  # one process tokenizes (or samples the teacher), the others read its cache
+            data = load_training_data(
+                d.source_list(),
+                self.tokenizer,
+                block_len,
+                seed=self.recipe.seed,
+                max_train_tokens=d.max_train_tokens,
+                max_heldout_tokens=d.max_heldout_tokens,
+                text_field=d.text_field,
+                budget_blocks=budget or None,
+                teacher=self.teacher,
+                progress=self.progress and self.is_main,
+                compact=True,
+            )
         if self.is_main and len(data.sources) > 1:
             print(data.describe())
         return data
@@ -517,24 +664,58 @@ class Distiller:
     def _build_student(self):
         if self.images is not None:
             s = self.recipe.student
-            student = (Attn2SSMForImageClassification.from_pretrained(self.resume_from, dtype=torch.float32) if self.resume_from is not None else
-                       build_vision_student(self.teacher, s.mixer, dict(s.mixer_options), depth=s.depth, layer_map_mode=s.layer_map, teacher_info=self.teacher_info))  # fmt: skip
+            student = (
+                Attn2SSMForImageClassification.from_pretrained(self.resume_from, dtype=torch.float32)
+                if self.resume_from is not None
+                else build_vision_student(
+                    self.teacher,
+                    s.mixer,
+                    dict(s.mixer_options),
+                    depth=s.depth,
+                    layer_map_mode=s.layer_map,
+                    teacher_info=self.teacher_info,
+                )
+            )
         elif self.resume_from is not None:
             student = Attn2SSMForCausalLM.from_pretrained(self.resume_from, dtype=torch.float32)
-        elif self.recipe.student.init_from:  # a trained student continued (student.init_from): no conversion, no calibration
+        elif (
+            self.recipe.student.init_from
+        ):  # a trained student continued (student.init_from): no conversion, no calibration
             teachers.check_weight_files(self.recipe.student.init_from)
             student = Attn2SSMForCausalLM.from_pretrained(self.recipe.student.init_from, dtype=torch.float32)
         else:
             s = self.recipe.student
             n_layers = s.depth or self.teacher.config.num_hidden_layers
             if s.keep_attention == "auto":
-                plan, scores = auto_plan(self.teacher, self._calibration_ids(), s.mixer, dict(s.mixer_options), s.attention_ratio, batch_size=2, progress=self.progress)
+                plan, scores = auto_plan(
+                    self.teacher,
+                    self._calibration_ids(),
+                    s.mixer,
+                    dict(s.mixer_options),
+                    s.attention_ratio,
+                    batch_size=2,
+                    progress=self.progress,
+                )
                 self._log_layer_scores(scores, plan)
             else:
-                plan = make_plan(n_layers, s.mixer, attention_ratio=s.attention_ratio, keep_attention=s.keep_attention,
-                                 placement=s.placement, align=s.align, where=s.where)  # fmt: skip
-            student = convert(self.teacher, plan, {s.mixer: dict(s.mixer_options)}, teacher_info=self.teacher_info, init=s.init,
-                              depth=s.depth, depth_map=s.layer_map)  # fmt: skip
+                plan = make_plan(
+                    n_layers,
+                    s.mixer,
+                    attention_ratio=s.attention_ratio,
+                    keep_attention=s.keep_attention,
+                    placement=s.placement,
+                    align=s.align,
+                    where=s.where,
+                )
+            student = convert(
+                self.teacher,
+                plan,
+                {s.mixer: dict(s.mixer_options)},
+                teacher_info=self.teacher_info,
+                init=s.init,
+                depth=s.depth,
+                depth_map=s.layer_map,
+            )
             self._calibrate(student)
         # fp32 master weights whatever the teacher's dtype (convert builds the student in the teacher's)
         self.student = student.to(device=self.acc.device, dtype=torch.float32)
@@ -547,14 +728,25 @@ class Distiller:
         report = calibrate_gated_delta(student, self.teacher, self._calibration_ids(), layers)
         if report and self.is_main:
             alphas = [a for r in report.values() for a in r["alpha"]]
-            print(f"gated delta-rule decays calibrated on the teacher's attention in {len(report)} layers "
-                  f"(per-head decay {min(alphas):.3f}..{max(alphas):.3f})")  # fmt: skip
+            print(
+                f"gated delta-rule decays calibrated on the teacher's attention in {len(report)} layers "
+                f"(per-head decay {min(alphas):.3f}..{max(alphas):.3f})"
+            )
             with self._writing("metrics.jsonl"):
-                append_jsonl(self.metrics_path, {"event": "decay_calibration", "step": 0, "layers": {str(i): r for i, r in report.items()}})
+                append_jsonl(
+                    self.metrics_path,
+                    {
+                        "event": "decay_calibration",
+                        "step": 0,
+                        "layers": {str(i): r for i, r in report.items()},
+                    },
+                )
 
     def _calibration_ids(self) -> torch.Tensor:
         """The first training blocks in the run's block order: what automatic layer selection scores on."""
-        blocks = self.block_sets[self.recipe.data.block_len][0]  # the run's blocks, whichever stage is current
+        blocks = self.block_sets[self.recipe.data.block_len][
+            0
+        ]  # the run's blocks, whichever stage is current
         n = min(self.recipe.student.auto_calibration_blocks, len(blocks))
         return blocks[block_indices(len(blocks), self.recipe.seed, 0, n)].to(self.acc.device)
 
@@ -563,7 +755,16 @@ class Distiller:
             kept = [i for i, k in enumerate(plan) if k == ATTENTION]
             print(f"automatic layer selection: keeping attention in layers {kept}")
             with self._writing("metrics.jsonl"):
-                append_jsonl(self.metrics_path, {"event": "layer_selection", "stage_index": stage_idx, "step": 0, "scores": scores, "keep_attention": kept})
+                append_jsonl(
+                    self.metrics_path,
+                    {
+                        "event": "layer_selection",
+                        "stage_index": stage_idx,
+                        "step": 0,
+                        "scores": scores,
+                        "keep_attention": kept,
+                    },
+                )
 
     def _grow_for_stage(self, stage_idx: int, cfg) -> None:
         """Stepwise hybrids: convert more attention layers before a stage with its own attention_ratio."""
@@ -577,15 +778,29 @@ class Distiller:
         if n_keep >= len(kept):
             return
         if s.keep_attention == "auto":
-            new_kept, scores = select_attention_layers(self.teacher, self._calibration_ids(), s.mixer, dict(s.mixer_options), keep=n_keep,
-                                                       batch_size=2, progress=self.progress, student=student)  # fmt: skip
-            self._log_layer_scores(scores, [ATTENTION if i in new_kept else s.mixer for i in range(len(plan))], stage_idx)
+            new_kept, scores = select_attention_layers(
+                self.teacher,
+                self._calibration_ids(),
+                s.mixer,
+                dict(s.mixer_options),
+                keep=n_keep,
+                batch_size=2,
+                progress=self.progress,
+                student=student,
+            )
+            self._log_layer_scores(
+                scores, [ATTENTION if i in new_kept else s.mixer for i in range(len(plan))], stage_idx
+            )
         else:  # spread the survivors evenly over the layers that still keep attention (nested schedules)
-            new_kept = [kept[r] for r in interleaved_keep(len(kept), n_keep / len(kept), s.align)] if n_keep else []
+            new_kept = (
+                [kept[r] for r in interleaved_keep(len(kept), n_keep / len(kept), s.align)] if n_keep else []
+            )
         new_plan = [k if k != ATTENTION or i in new_kept else s.mixer for i, k in enumerate(plan)]
         if self.is_main:
-            print(f"[stage {stage_idx + 1}] {cfg.name}: converting layers {[i for i in kept if i not in new_kept]} "
-                  f"(attention kept in {new_kept}, {n_keep}/{len(plan)})")
+            print(
+                f"[stage {stage_idx + 1}] {cfg.name}: converting layers {[i for i in kept if i not in new_kept]} "
+                f"(attention kept in {new_kept}, {n_keep}/{len(plan)})"
+            )
         grown = grow_student(student, self.teacher, new_plan)
         self._calibrate(grown, layers={i for i in kept if i not in new_kept})
         self.student = grown.to(self.acc.device)
@@ -595,9 +810,15 @@ class Distiller:
     def _gather(self, run: StageRun, stage_end: bool) -> tuple[dict, dict]:
         """FSDP: the full student and optimizer state on the main process (CPU), every process taking
         part; at the stage end LoRA is folded into the weights. Elsewhere: ({}, {})."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # only the main process receives them
+        options = StateDictOptions(
+            full_state_dict=True, cpu_offload=True
+        )  # only the main process receives them
         model_state = get_model_state_dict(run.model, options=options)
         optim_state = get_optimizer_state_dict(run.model, run.optimizer.optimizer, options=options)
         if not self.is_main:
@@ -615,7 +836,11 @@ class Distiller:
             name = checkpoint_name(state.stage, state.step)
             pointer = checkpoint_root(self.out) / "latest"
             kept = pointer.read_text().strip() if pointer.exists() else None
-            note = f" ({kept}, the last complete checkpoint, is intact)" if kept else " (no checkpoint is complete yet)"
+            note = (
+                f" ({kept}, the last complete checkpoint, is intact)"
+                if kept
+                else " (no checkpoint is complete yet)"
+            )
 
             def write(folder: Path) -> None:
                 everything = full_model if run.sharded else state_dict_without_lora(student)
@@ -623,15 +848,23 @@ class Distiller:
                 student.save_pretrained(folder, state_dict=plain)
                 optim = full_optim if run.sharded else run.optimizer.state_dict()
                 payload = {"optimizer": optim, "scheduler": run.scheduler.state_dict(), "rng": rng_state()}
-                if self.acc.scaler is not None:  # fp16: the loss scale and its growth count, for an exact resume
+                if (
+                    self.acc.scaler is not None
+                ):  # fp16: the loss scale and its growth count, for an exact resume
                     payload["scaler"] = self.acc.scaler.state_dict()
                 if run.sharded and any(k.startswith("lora.") for k in everything):
-                    payload["lora"] = {k[len("lora."):]: v for k, v in everything.items() if k.startswith("lora.")}
-                elif not run.sharded and hasattr(student, "lora"):  # a LoRA stage in progress: adapters travel beside the plain student
+                    payload["lora"] = {
+                        k[len("lora.") :]: v for k, v in everything.items() if k.startswith("lora.")
+                    }
+                elif not run.sharded and hasattr(
+                    student, "lora"
+                ):  # a LoRA stage in progress: adapters travel beside the plain student
                     payload["lora"] = student.lora.state_dict()
                 if hasattr(student, "stage_modules"):  # and so do a stage's training-only modules
                     payload["stage_modules"] = student.stage_modules.state_dict()
-                with open(folder / "optimizer.pt", "wb") as fh:  # through a file object, a failed write keeps its OSError
+                with open(
+                    folder / "optimizer.pt", "wb"
+                ) as fh:  # through a file object, a failed write keeps its OSError
                     torch.save(payload, fh)
                 atomic_write_text(folder / "state.json", json.dumps(asdict(state), indent=1))
 
@@ -661,14 +894,38 @@ class Distiller:
         source = d.source
         if is_teacher_source(source):  # the teacher's own replies to corpus-derived prompts, sampled once
             if load is load_preference_dataset:
-                raise ConfigError(f"stage '{cfg.name}': a teacher: source gives chat data, not preference pairs", "use it in an sft stage, and a preference dataset for dpo")
+                raise ConfigError(
+                    f"stage '{cfg.name}': a teacher: source gives chat data, not preference pairs",
+                    "use it in an sft stage, and a preference dataset for dpo",
+                )
             with self.acc.main_process_first():
-                source = str(build_teacher_sft_data(source, self.teacher, self.tokenizer, seed=self.recipe.seed, progress=self.progress and self.is_main))
-        dataset = load(source, self.tokenizer, format=d.format, max_len=d.max_len, max_examples=d.max_examples, stage=cfg.name)
+                source = str(
+                    build_teacher_sft_data(
+                        source,
+                        self.teacher,
+                        self.tokenizer,
+                        seed=self.recipe.seed,
+                        progress=self.progress and self.is_main,
+                    )
+                )
+        dataset = load(
+            source,
+            self.tokenizer,
+            format=d.format,
+            max_len=d.max_len,
+            max_examples=d.max_examples,
+            stage=cfg.name,
+        )
         if self.is_main:
             m = dataset.meta
-            print(f"[stage {stage_idx + 1}] {cfg.name}: {m['examples']} {m['format']} examples from {m['source']}"
-                  + (f" ({m['dropped']} dropped: no reply token within max_len={d.max_len})" if m["dropped"] else ""))
+            print(
+                f"[stage {stage_idx + 1}] {cfg.name}: {m['examples']} {m['format']} examples from {m['source']}"
+                + (
+                    f" ({m['dropped']} dropped: no reply token within max_len={d.max_len})"
+                    if m["dropped"]
+                    else ""
+                )
+            )
         return dataset
 
     def _prepare_stage_data(self, first_stage: int) -> None:
@@ -685,7 +942,9 @@ class Distiller:
         return math.ceil(cfg.tokens / (cfg.batch_size * seq_len))
 
     # -- the loop ------------------------------------------------------------------------------------
-    def _batch_indices(self, stage_idx: int, step: int, accum_i: int, stage_cfg, n_items: int | None = None) -> torch.Tensor:
+    def _batch_indices(
+        self, stage_idx: int, step: int, accum_i: int, stage_cfg, n_items: int | None = None
+    ) -> torch.Tensor:
         """This process's items (blocks, or dataset examples) for micro-batch ``accum_i`` of step ``step``."""
         world, rank = self.acc.num_processes, self.acc.process_index
         per = stage_cfg.batch_size // (stage_cfg.grad_accum * world)
@@ -695,7 +954,9 @@ class Distiller:
 
     def _step_indices(self, stage_idx: int, step: int, stage_cfg, n_items: int) -> torch.Tensor:
         """Every process's items of optimizer step ``step`` (the global batch)."""
-        return block_indices(n_items, self.recipe.seed + 1000 * stage_idx, step * stage_cfg.batch_size, stage_cfg.batch_size)
+        return block_indices(
+            n_items, self.recipe.seed + 1000 * stage_idx, step * stage_cfg.batch_size, stage_cfg.batch_size
+        )
 
     def _setup_stage(self, stage_idx: int, resume_payload: dict | None) -> StageRun:
         """The stage's data, adapters / training-only modules, trainable set, optimizer and schedule
@@ -710,17 +971,29 @@ class Distiller:
             )
         dataset = self.images.train if self.images is not None else None  # image stages: budgets count images
         if kind.data_formats is not None:
-            dataset = self.stage_data.pop(stage_idx) if stage_idx in self.stage_data else self._stage_dataset(stage_idx, cfg, kind)
+            dataset = (
+                self.stage_data.pop(stage_idx)
+                if stage_idx in self.stage_data
+                else self._stage_dataset(stage_idx, cfg, kind)
+            )
         if self.images is None and dataset is None:  # an LM stage: its block length's blocks
             self.blocks, self.eval_blocks = self._stage_blocks(stage_idx)
-        seq_len = 1 if self.images is not None else cfg.data.max_len if dataset is not None else self._block_len(cfg)
+        seq_len = (
+            1
+            if self.images is not None
+            else cfg.data.max_len
+            if dataset is not None
+            else self._block_len(cfg)
+        )
         n_items = len(dataset) if dataset is not None else len(self.blocks)
         unwrapped = self.acc.unwrap_model(self.student)
         if cfg.lora is not None:
             attach_lora(unwrapped, cfg.lora.targets, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout)
             if resume_payload is not None and "lora" in resume_payload:
                 unwrapped.lora.load_state_dict(resume_payload["lora"])
-        if hasattr(kind, "stage_modules"):  # attached before the optimizer so a resume finds the same parameter order
+        if hasattr(
+            kind, "stage_modules"
+        ):  # attached before the optimizer so a resume finds the same parameter order
             unwrapped.stage_modules = kind.stage_modules(unwrapped, self.teacher, cfg)
             if resume_payload is not None and "stage_modules" in resume_payload:
                 unwrapped.stage_modules.load_state_dict(resume_payload["stage_modules"])
@@ -728,11 +1001,21 @@ class Distiller:
         if hasattr(unwrapped, "stage_modules"):  # they exist only to be trained, whatever the patterns say
             unwrapped.stage_modules.requires_grad_(True)
         params = [p for p in unwrapped.parameters() if p.requires_grad]
-        param_names = [n for n, p in unwrapped.named_parameters() if p.requires_grad]  # the same order as params
+        param_names = [
+            n for n, p in unwrapped.named_parameters() if p.requires_grad
+        ]  # the same order as params
         sharded = kind.through_model_forward and self.acc.distributed_type == DistributedType.FSDP
-        optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        optimizer = torch.optim.AdamW(
+            params,
+            lr=cfg.optim.lr,
+            betas=(cfg.optim.beta1, cfg.optim.beta2),
+            eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay,
+        )
         steps = self._stage_steps(cfg, n_items, seq_len)
-        lam = lr_multiplier(cfg.schedule.kind, steps, cfg.schedule.warmup, cfg.schedule.decay, cfg.schedule.min_lr_ratio)
+        lam = lr_multiplier(
+            cfg.schedule.kind, steps, cfg.schedule.warmup, cfg.schedule.decay, cfg.schedule.min_lr_ratio
+        )
         # On the plain optimizer, stepped by _train_step only when the optimizer stepped (accelerate's
         # scheduler wrapper would also step it once per process under a multi-process launch).
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
@@ -741,9 +1024,13 @@ class Distiller:
                 optimizer.load_state_dict(resume_payload["optimizer"])
             scheduler.load_state_dict(resume_payload["scheduler"])
             set_rng_state(resume_payload["rng"])
-            if self.acc.scaler is not None and "scaler" in resume_payload:  # fp16: the loss scale and its growth count
+            if (
+                self.acc.scaler is not None and "scaler" in resume_payload
+            ):  # fp16: the loss scale and its growth count
                 self.acc.scaler.load_state_dict(resume_payload["scaler"])
-        cfg = replace(cfg, kl_chunk=resolve_kl_chunk(cfg.kl_chunk, self.acc.device.type, self._vocab(unwrapped)))
+        cfg = replace(
+            cfg, kl_chunk=resolve_kl_chunk(cfg.kl_chunk, self.acc.device.type, self._vocab(unwrapped))
+        )
         # accelerate holds every model and optimizer it prepared until told otherwise, and its
         # clip_grad_norm_ unscales (fp16) the gradients of each optimizer it holds: the last stage's
         # share parameters with this one's, which would be unscaled twice.
@@ -753,19 +1040,43 @@ class Distiller:
             # rides on it. Layer-local kinds never call the model's forward, so the model is not wrapped
             # and their gradients are averaged in _train_step.
             _activation_checkpointing(unwrapped, cfg.gradient_checkpointing)
-            model, optimizer = self.acc.prepare(unwrapped, optimizer)  # FSDP2: shards the student in place, remaps the optimizer
+            model, optimizer = self.acc.prepare(
+                unwrapped, optimizer
+            )  # FSDP2: shards the student in place, remaps the optimizer
         else:
             model, optimizer = unwrapped, self.acc.prepare_optimizer(optimizer)
-        if sharded and resume_payload is not None:  # the full (unsharded) state, each process keeping its shards
+        if (
+            sharded and resume_payload is not None
+        ):  # the full (unsharded) state, each process keeping its shards
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(model, optimizer.optimizer, _name_keyed(resume_payload["optimizer"], param_names),
-                                     options=StateDictOptions(full_state_dict=True))  # fmt: skip
+            set_optimizer_state_dict(
+                model,
+                optimizer.optimizer,
+                _name_keyed(resume_payload["optimizer"], param_names),
+                options=StateDictOptions(full_state_dict=True),
+            )
         params = [p for group in optimizer.param_groups for p in group["params"]]  # FSDP: the sharded ones
         self.student = model
         model.train()
-        return StageRun(stage_idx, cfg, kind, dataset, seq_len, n_items, steps, model, unwrapped, params, len(names), optimizer, scheduler,
-                        self._logit_cache(cfg, self._vocab(unwrapped)), param_names, sharded)  # fmt: skip
+        return StageRun(
+            stage_idx,
+            cfg,
+            kind,
+            dataset,
+            seq_len,
+            n_items,
+            steps,
+            model,
+            unwrapped,
+            params,
+            len(names),
+            optimizer,
+            scheduler,
+            self._logit_cache(cfg, self._vocab(unwrapped)),
+            param_names,
+            sharded,
+        )
 
     @staticmethod
     def _vocab(student) -> int:
@@ -779,16 +1090,42 @@ class Distiller:
         if cfg.logit_cache is None:
             return None
         if cfg.logit_cache.top_k > vocab:
-            raise ConfigError(f"stage '{cfg.name}': logit_cache.top_k={cfg.logit_cache.top_k} exceeds the teacher's vocabulary ({vocab})",
-                              f"set logit_cache.top_k to at most {vocab} (e.g. 64)")  # fmt: skip
+            raise ConfigError(
+                f"stage '{cfg.name}': logit_cache.top_k={cfg.logit_cache.top_k} exceeds the teacher's vocabulary ({vocab})",
+                f"set logit_cache.top_k to at most {vocab} (e.g. 64)",
+            )
         key = (cfg.logit_cache.top_k, cfg.logit_cache.dir)
         if key not in self.logit_caches:
-            if self.teacher is None:  # a teacherless run: the cache the teacher's spec filled, by its fingerprint
-                self.logit_caches[key] = LogitCache(None, cfg.logit_cache.top_k, self._mode(), cfg.logit_cache.dir, chunk_size=cfg.kl_chunk,
-                                                    fingerprint=self.cached_teacher[key][1])  # fmt: skip
+            if (
+                self.teacher is None
+            ):  # a teacherless run: the cache the teacher's spec filled, by its fingerprint
+                self.logit_caches[key] = LogitCache(
+                    None,
+                    cfg.logit_cache.top_k,
+                    self._mode(),
+                    cfg.logit_cache.dir,
+                    chunk_size=cfg.kl_chunk,
+                    fingerprint=self.cached_teacher[key][1],
+                )
             else:
-                source = {"key": self._source_key, "teacher": self.recipe.teacher, "dtype": str(self.teacher_dtype), "mode": self._mode()} if self._source_key else None
-                self.logit_caches[key] = LogitCache(self.teacher, cfg.logit_cache.top_k, self._mode(), cfg.logit_cache.dir, chunk_size=cfg.kl_chunk, source=source)
+                source = (
+                    {
+                        "key": self._source_key,
+                        "teacher": self.recipe.teacher,
+                        "dtype": str(self.teacher_dtype),
+                        "mode": self._mode(),
+                    }
+                    if self._source_key
+                    else None
+                )
+                self.logit_caches[key] = LogitCache(
+                    self.teacher,
+                    cfg.logit_cache.top_k,
+                    self._mode(),
+                    cfg.logit_cache.dir,
+                    chunk_size=cfg.kl_chunk,
+                    source=source,
+                )
         cache = self.logit_caches[key]
         cache.stats = CacheStats()  # counted per stage
         return cache
@@ -797,7 +1134,10 @@ class Distiller:
         """(tokens of the global batch, this process's micro-batches of optimizer step ``step``)."""
         cfg, world = run.cfg, self.acc.num_processes
         if run.dataset is None:
-            batches = ({"input_ids": self.blocks[self._batch_indices(run.index, step, a, cfg)].to(self.acc.device)} for a in range(cfg.grad_accum))
+            batches = (
+                {"input_ids": self.blocks[self._batch_indices(run.index, step, a, cfg)].to(self.acc.device)}
+                for a in range(cfg.grad_accum)
+            )
             return cfg.batch_size * run.seq_len, batches
         global_idx = self._step_indices(run.index, step, cfg, run.n_items).tolist()
         mean_loss_tokens = run.dataset.loss_tokens(global_idx) / (cfg.grad_accum * world)
@@ -837,14 +1177,23 @@ class Distiller:
             for p in run.params:
                 if p.grad is not None:
                     p.grad = self.acc.reduce(p.grad, "mean")
-        grad_norm = self.acc.clip_grad_norm_(run.params, cfg.clip) if cfg.clip else None  # fp16: unscales first
+        grad_norm = (
+            self.acc.clip_grad_norm_(run.params, cfg.clip) if cfg.clip else None
+        )  # fp16: unscales first
         names = list(sums)
         values = torch.stack([step_loss.double(), *(sums[k] for k in names)])
-        if world > 1:  # summed over processes, with the signals each was sent (so all stop after the same step)
-            asked = [torch.full((), float(signum in self._asked), dtype=torch.float64, device=device) for signum in (signal.SIGTERM, signal.SIGINT)]
+        if (
+            world > 1
+        ):  # summed over processes, with the signals each was sent (so all stop after the same step)
+            asked = [
+                torch.full((), float(signum in self._asked), dtype=torch.float64, device=device)
+                for signum in (signal.SIGTERM, signal.SIGINT)
+            ]
             values = self.acc.reduce(torch.cat([values, torch.stack(asked)]), "sum")
         if grad_norm is not None:
-            full = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # a DTensor under FSDP2
+            full = (
+                grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            )  # a DTensor under FSDP2
             values = torch.cat([values, full.detach().double().reshape(1)])
         host = values.tolist()  # the step's one host sync
         loss_value = host[0] / world
@@ -864,7 +1213,9 @@ class Distiller:
         if world > 1:
             term, interrupt = host[1 + len(names)], host[2 + len(names)]
             stop = signal.SIGTERM if term else signal.SIGINT if interrupt else 0
-        return StepResult(tokens, loss_value, metrics, host[-1] if grad_norm is not None else None, skipped, stop)
+        return StepResult(
+            tokens, loss_value, metrics, host[-1] if grad_norm is not None else None, skipped, stop
+        )
 
     def _log_step(self, run: StageRun, state: TrainerState, result: StepResult, tokens_per_s: float) -> None:
         """One metrics line (with a held-out evaluation every ``eval_every`` steps and at the end). A
@@ -872,18 +1223,34 @@ class Distiller:
         the data order stays a function of the step — and says ``"skipped": true``; its lr is the
         one the schedule still holds (a skipped step does not advance it)."""
         cfg = run.cfg
-        record = {"stage": cfg.name, "stage_index": run.index, "step": state.step, "tokens": state.tokens, "total_tokens": state.total_tokens,
-                  "loss": result.loss, "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "processes": self.acc.num_processes,
-                  "kernels": self.kernels.used, **{f"train_{k}": v for k, v in result.metrics.items()}}  # fmt: skip
+        record = {
+            "stage": cfg.name,
+            "stage_index": run.index,
+            "step": state.step,
+            "tokens": state.tokens,
+            "total_tokens": state.total_tokens,
+            "loss": result.loss,
+            "lr": run.scheduler.get_last_lr()[0],
+            "tokens_per_s": tokens_per_s,
+            "processes": self.acc.num_processes,
+            "kernels": self.kernels.used,
+            **{f"train_{k}": v for k, v in result.metrics.items()},
+        }
         if result.grad_norm is not None:
             record["grad_norm"] = result.grad_norm
         if result.skipped:
             record["skipped"] = True
         due = (cfg.eval_every and state.step % cfg.eval_every == 0) or state.step == run.steps
         if self.is_main and due and self.images is not None:
-            scores = evaluate_classifier(self.acc.unwrap_model(self.student), self.images.test, max_images=self.recipe.images.eval_images)
+            scores = evaluate_classifier(
+                self.acc.unwrap_model(self.student),
+                self.images.test,
+                max_images=self.recipe.images.eval_images,
+            )
             record["eval_loss"], record["eval_top1"] = scores["loss"], scores["top1"]
-        elif (self.is_main or run.sharded) and due and len(self.eval_blocks):  # FSDP: every process takes part in the forward
+        elif (
+            (self.is_main or run.sharded) and due and len(self.eval_blocks)
+        ):  # FSDP: every process takes part in the forward
             record["eval_loss"] = self._eval_loss(cfg)
             record["eval_ppl"] = math.exp(min(record["eval_loss"], 50))
         if self.is_main:
@@ -896,7 +1263,9 @@ class Distiller:
         state.finished.append(run.index)
         if run.cfg.gradient_checkpointing:
             _activation_checkpointing(run.unwrapped, False)
-        if run.sharded:  # the stage-end checkpoint folds LoRA into its full state dict, and every process reloads it
+        if (
+            run.sharded
+        ):  # the stage-end checkpoint folds LoRA into its full state dict, and every process reloads it
             return
         merge_lora(self.acc.unwrap_model(run.model))
         _drop_stage_modules(self.acc.unwrap_model(run.model))
@@ -912,9 +1281,17 @@ class Distiller:
             else:
                 shape = f"{cfg.batch_size} × {run.seq_len} tokens"
             n_train = sum(p.numel() for p in run.params)
-            print(f"[stage {stage_idx + 1}/{len(self.recipe.stages)}] {cfg.name} ({cfg.kind}): {run.steps} steps × {shape}, "
-                  f"{n_train / 1e6:.2f}M trainable params in {run.n_trainable_tensors} tensors")
-        bar = tqdm(total=run.steps, initial=state.step, desc=f"{cfg.name}", disable=not (self.progress and self.is_main), dynamic_ncols=True)
+            print(
+                f"[stage {stage_idx + 1}/{len(self.recipe.stages)}] {cfg.name} ({cfg.kind}): {run.steps} steps × {shape}, "
+                f"{n_train / 1e6:.2f}M trainable params in {run.n_trainable_tensors} tensors"
+            )
+        bar = tqdm(
+            total=run.steps,
+            initial=state.step,
+            desc=f"{cfg.name}",
+            disable=not (self.progress and self.is_main),
+            dynamic_ncols=True,
+        )
         clock, unsaved = time.perf_counter(), False  # unsaved: steps taken since the last checkpoint
         agreed = None  # several processes: the stop signal they agreed on in the last step's reduction
         try:
@@ -940,7 +1317,9 @@ class Distiller:
             bar.close()
         if run.logit_cache is not None and self.is_main:
             st = run.logit_cache.stats
-            print(f"[stage {stage_idx + 1}] teacher-logit cache: {st.hits} blocks read, {st.misses} computed and stored ({run.logit_cache.dir})")
+            print(
+                f"[stage {stage_idx + 1}] teacher-logit cache: {st.hits} blocks read, {st.misses} computed and stored ({run.logit_cache.dir})"
+            )
         if run.sharded:  # every process goes on from the stage-end checkpoint's full student, unsharded
             self.student = self._plain_student(latest_checkpoint(self.out))
             return
@@ -992,8 +1371,11 @@ class Distiller:
             self._save_checkpoint(state, run)
         ckpt = latest_checkpoint(self.out)
         saved = f"checkpoint {ckpt}" if ckpt else "nothing trained yet, no checkpoint"
-        raise Interrupted(f"stopped by {signal.Signals(signum).name} at stage {state.stage + 1}/{len(self.recipe.stages)} step {state.step}: {saved}",
-                          f"resume with: {self.resume_command}", exit_code=128 + signum)  # fmt: skip
+        raise Interrupted(
+            f"stopped by {signal.Signals(signum).name} at stage {state.stage + 1}/{len(self.recipe.stages)} step {state.step}: {saved}",
+            f"resume with: {self.resume_command}",
+            exit_code=128 + signum,
+        )
 
     def run(self) -> dict:
         """Train every stage still to run, write the student and the report; the run directory is released at the end."""
@@ -1011,14 +1393,19 @@ class Distiller:
             print(self.kernels.describe())
         state = TrainerState()
         if self.resume_from is not None:
-            state = from_dict(TrainerState, json.loads((self.resume_from / "state.json").read_text()), "state")
+            state = from_dict(
+                TrainerState, json.loads((self.resume_from / "state.json").read_text()), "state"
+            )
         self._load_teacher(state)
         self._load_data()
         self._check_teacherless(state)
         # Only now (a teacher or corpus that fails to load leaves --out as it was; close() removes a
         # folder that holds nothing but the lock it made): a killed run's leftovers, the recipe, the metrics.
         if self.is_main:
-            for folder in (self.out, checkpoint_root(self.out)):  # a killed run's half-written checkpoint or student (the lock is ours)
+            for folder in (
+                self.out,
+                checkpoint_root(self.out),
+            ):  # a killed run's half-written checkpoint or student (the lock is ours)
                 remove_stale_staging(folder, locked=True)
             with self._writing("recipe.yaml"):
                 atomic_write_text(self.out / "recipe.yaml", self.recipe.to_yaml())
@@ -1039,12 +1426,16 @@ class Distiller:
             if stage_idx > state.stage or stage_idx in state.finished:  # a new stage starts from scratch
                 if stage_idx in state.finished:
                     continue
-                state = TrainerState(stage=stage_idx, total_tokens=state.total_tokens, finished=state.finished)
+                state = TrainerState(
+                    stage=stage_idx, total_tokens=state.total_tokens, finished=state.finished
+                )
                 payload = None
             cfg = self.recipe.stages[stage_idx]
             if cfg.tokens == 0 and cfg.epochs is None:  # an optional stage, switched off
                 if self.is_main:
-                    print(f"[stage {stage_idx + 1}] {cfg.name}: skipped (tokens: 0; --set stages.{stage_idx}.tokens=N runs it)")
+                    print(
+                        f"[stage {stage_idx + 1}] {cfg.name}: skipped (tokens: 0; --set stages.{stage_idx}.tokens=N runs it)"
+                    )
                 state.finished.append(stage_idx)
                 continue
             if state.step == 0 and payload is None:  # a fresh stage (a resumed one already has its plan)
@@ -1061,8 +1452,12 @@ class Distiller:
 
     def run_settings(self) -> dict:
         """How this run computed, as results.json and the metrics log record it."""
-        return {"device": str(self.acc.device), "mixed_precision": self.precision.to_dict(), "kernels": self.kernels.to_dict(),
-                "processes": self.acc.num_processes}  # fmt: skip
+        return {
+            "device": str(self.acc.device),
+            "mixed_precision": self.precision.to_dict(),
+            "kernels": self.kernels.to_dict(),
+            "processes": self.acc.num_processes,
+        }
 
     def _finish(self) -> dict:
         self.acc.wait_for_everyone()
@@ -1083,7 +1478,14 @@ class Distiller:
                     raise
             with self._writing("the report"):
                 if self.images is not None:
-                    results = write_vision_report(self.out, self.recipe, self.teacher, student, self.images, seconds=round(time.perf_counter() - self.started, 1))
+                    results = write_vision_report(
+                        self.out,
+                        self.recipe,
+                        self.teacher,
+                        student,
+                        self.images,
+                        seconds=round(time.perf_counter() - self.started, 1),
+                    )
                 else:
                     results = self._write_report(student)
         self.acc.wait_for_everyone()
@@ -1099,15 +1501,43 @@ class Distiller:
         h = hashlib.sha256(self.corpus.heldout_ids.to("cpu", torch.int64).numpy().tobytes())
         h.update(f"|{window}|{e.stride or window // 2}|{e.max_tokens}|{e.batch_size}".encode())
         key = h.hexdigest()
-        known = next((p for p in (c.teacher_perplexity(key) for c in caches) if p is not None), None) if self.teacher is None else None
-        results = write_report(self.out, self.recipe, self.teacher, student, self.corpus, progress=self.progress, settings=self.run_settings(),
-                               teacher_ppl=known)  # fmt: skip
+        known = (
+            next((p for p in (c.teacher_perplexity(key) for c in caches) if p is not None), None)
+            if self.teacher is None
+            else None
+        )
+        results = write_report(
+            self.out,
+            self.recipe,
+            self.teacher,
+            student,
+            self.corpus,
+            progress=self.progress,
+            settings=self.run_settings(),
+            teacher_ppl=known,
+        )
         if self.teacher is not None:
             for cache in caches:
                 cache.record_perplexity(key, results["teacher_ppl"])
         return results
 
 
-def distill(recipe: Recipe, out: str | Path, *, resume: bool = False, overrides: list[str] | None = None, progress: bool = True, teacher=None,
-            tokenizer=None) -> dict:  # fmt: skip
-    return Distiller(recipe, out, resume=resume, overrides=overrides, progress=progress, teacher=teacher, tokenizer=tokenizer).run()
+def distill(
+    recipe: Recipe,
+    out: str | Path,
+    *,
+    resume: bool = False,
+    overrides: list[str] | None = None,
+    progress: bool = True,
+    teacher=None,
+    tokenizer=None,
+) -> dict:
+    return Distiller(
+        recipe,
+        out,
+        resume=resume,
+        overrides=overrides,
+        progress=progress,
+        teacher=teacher,
+        tokenizer=tokenizer,
+    ).run()

@@ -60,13 +60,27 @@ def heldout_prompts(ids: torch.Tensor, n: int, prompt_len: int, new_tokens: int)
 @torch.no_grad()
 def _greedy(model, prompt: torch.Tensor, new_tokens: int, pad_id: int) -> list[int]:
     ids = prompt[None].to(next(model.parameters()).device)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
+    )
     return out[0, ids.shape[1] :].tolist()
 
 
 @torch.no_grad()
-def generation_agreement(student, teacher, prompts: list[torch.Tensor], new_tokens: int = 32, pad_id: int = 0, progress: bool = True,
-                         references: list[list[int]] | None = None) -> dict:  # fmt: skip
+def generation_agreement(
+    student,
+    teacher,
+    prompts: list[torch.Tensor],
+    new_tokens: int = 32,
+    pad_id: int = 0,
+    progress: bool = True,
+    references: list[list[int]] | None = None,
+) -> dict:
     """Mean agreement of ``student`` with ``teacher`` over ``prompts`` (1-D token tensors).
     ``references`` (the teacher's continuations) can be passed to skip regenerating them."""
     rows = []
@@ -76,14 +90,16 @@ def generation_agreement(student, teacher, prompts: list[torch.Tensor], new_toke
         full = torch.cat([prompt, torch.tensor(ref)])[None].to(next(student.parameters()).device)
         logits = student(input_ids=full, use_cache=False).logits[0, prompt.numel() - 1 : -1]
         forced = (logits.argmax(-1).cpu() == torch.tensor(ref)).float().mean().item()
-        rows.append({
-            "token_agreement": sum(x == y for x, y in zip(mine, ref)) / len(ref),
-            "prefix_match": prefix_match(mine, ref),
-            "rouge_l": rouge_l(mine, ref),
-            "forced_agreement": forced,
-            "student": mine,
-            "teacher": ref,
-        })  # fmt: skip
+        rows.append(
+            {
+                "token_agreement": sum(x == y for x, y in zip(mine, ref)) / len(ref),
+                "prefix_match": prefix_match(mine, ref),
+                "rouge_l": rouge_l(mine, ref),
+                "forced_agreement": forced,
+                "student": mine,
+                "teacher": ref,
+            }
+        )
     keys = ("token_agreement", "prefix_match", "rouge_l", "forced_agreement")
     return {
         **{k: sum(r[k] for r in rows) / len(rows) for k in keys},

@@ -113,7 +113,10 @@ def _student_hidden(student) -> int | None:
 
 
 def _matches(student, teacher) -> bool:
-    return len(student.config.layer_plan) == teacher.config.num_hidden_layers and _student_hidden(student) == teacher.config.hidden_size
+    return (
+        len(student.config.layer_plan) == teacher.config.num_hidden_layers
+        and _student_hidden(student) == teacher.config.hidden_size
+    )
 
 
 @torch.no_grad()
@@ -149,7 +152,11 @@ def _layer_maps(student, teacher, input_ids, attention_mask=None, layers=None):
         p = next(mixer.parameters())
         s_pos = None if pos is None else tuple(t.to(device=p.device, dtype=p.dtype) for t in pos)
         s_mask = None if attention_mask is None else attention_mask.to(p.device)
-        a_s = mixer.attention_weights(hidden.to(device=p.device, dtype=p.dtype), s_pos, s_mask).float().to(a_t.device)
+        a_s = (
+            mixer.attention_weights(hidden.to(device=p.device, dtype=p.dtype), s_pos, s_mask)
+            .float()
+            .to(a_t.device)
+        )
         allowed = allowed_keys(hidden.shape[1], geometry.sliding_window, attention_mask, device=a_t.device)
         yield i, a_t, a_s, logits, allowed
 
@@ -227,7 +234,9 @@ def attention_fidelity(student, teacher, input_ids, attention_mask=None, *, laye
 
 def format_table(result: dict) -> str:
     """The per-layer table the CLI prints."""
-    head = f"{'layer':>5} {'KL(t‖s)':>9} {'H teacher':>10} {'H student':>10} {'ρ student':>10} {'ρ teacher':>10}"
+    head = (
+        f"{'layer':>5} {'KL(t‖s)':>9} {'H teacher':>10} {'H student':>10} {'ρ student':>10} {'ρ teacher':>10}"
+    )
     lines = [head]
 
     def row(name, r):
@@ -284,7 +293,10 @@ def plot_attention_maps(
     layers = _pick(mixer_layers) if layers is None else [i for i in layers if i in mixer_layers]
     if not layers:
         return []
-    maps = {i: (a_t[0].cpu(), a_s[0].cpu()) for i, a_t, a_s, _, _ in _layer_maps(student, teacher, ids, None, layers)}
+    maps = {
+        i: (a_t[0].cpu(), a_s[0].cpu())
+        for i, a_t, a_s, _, _ in _layer_maps(student, teacher, ids, None, layers)
+    }
     num_heads = next(iter(maps.values()))[0].shape[0]
     heads = _pick(list(range(num_heads))) if heads is None else [h for h in heads if 0 <= h < num_heads]
     length = ids.shape[1]
@@ -294,15 +306,21 @@ def plot_attention_maps(
         fig, axes = plt.subplots(nrows, ncols, figsize=(2.3 * ncols, 2.3 * nrows + 0.6), squeeze=False)
         for r, layer in enumerate(layers):
             a_t, a_s = maps[layer]
-            vmax = max(max(float(a_t[h].max()), float(a_s[h].max())) for h in heads)  # one scale per row (its colour bar)
+            vmax = max(
+                max(float(a_t[h].max()), float(a_s[h].max())) for h in heads
+            )  # one scale per row (its colour bar)
             vmax = max(vmax, 1e-6)
             for c, head in enumerate(heads):
                 pair = (a_t[head], a_s[head])
                 for j, (who, m) in enumerate(zip(("teacher", "student"), pair)):
                     ax = axes[r][2 * c + j]
                     if log:
-                        shown = m.clamp_min(1e-4).masked_fill(torch.ones_like(m, dtype=torch.bool).triu(1), float("nan"))
-                        im = ax.imshow(shown.numpy(), cmap="viridis", norm=LogNorm(vmin=1e-4, vmax=max(vmax, 1e-3)))
+                        shown = m.clamp_min(1e-4).masked_fill(
+                            torch.ones_like(m, dtype=torch.bool).triu(1), float("nan")
+                        )
+                        im = ax.imshow(
+                            shown.numpy(), cmap="viridis", norm=LogNorm(vmin=1e-4, vmax=max(vmax, 1e-3))
+                        )
                     else:
                         im = ax.imshow(m.numpy(), cmap="viridis", vmin=0.0, vmax=vmax)
                     ax.set_title(f"L{layer} h{head} {who}", fontsize=8)
@@ -311,7 +329,9 @@ def plot_attention_maps(
                 if c == len(heads) - 1:
                     fig.colorbar(im, ax=list(axes[r]), fraction=0.02, pad=0.01)
         scale = "log10 colour scale" if log else "linear colour scale"
-        fig.suptitle(f"attention weights, teacher vs student ({length} tokens, rows = queries, {scale})", fontsize=9)
+        fig.suptitle(
+            f"attention weights, teacher vs student ({length} tokens, rows = queries, {scale})", fontsize=9
+        )
         path = out_dir / f"{prefix}{'_log' if log else ''}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
@@ -345,9 +365,13 @@ def run_attention_eval(
     The teacher is ``against``, else the built-in ``smollm2-135m``.
     """
     if blocks < 0:
-        raise ConfigError(f"--blocks {blocks} is negative", "use --blocks 0 (only --text) or more, e.g. --blocks 4")
+        raise ConfigError(
+            f"--blocks {blocks} is negative", "use --blocks 0 (only --text) or more, e.g. --blocks 4"
+        )
     if blocks == 0 and not text:
-        raise ConfigError("--attention with --blocks 0 has nothing to score", 'pass --text "..." or --blocks N')
+        raise ConfigError(
+            "--attention with --blocks 0 has nothing to score", 'pass --text "..." or --blocks N'
+        )
     teacher_spec = against or DEFAULT_TEACHER
     student, teacher, tokenizer = _load_student_and_teacher(model_path, teacher_spec)
     out_dir = Path(out_dir) if out_dir else Path(model_path) / "eval"
@@ -357,7 +381,9 @@ def run_attention_eval(
         batch = _heldout_blocks(tokenizer, corpus, window, max_tokens, blocks)
         result = attention_fidelity(student, teacher, batch)
         report["heldout"] = {"corpus": corpus, "blocks": len(batch), "window": window, **result}
-        print(f"attention fidelity, teacher-forced: {len(batch)} held-out block(s) of {window} tokens from {corpus} (teacher {teacher_spec})")
+        print(
+            f"attention fidelity, teacher-forced: {len(batch)} held-out block(s) of {window} tokens from {corpus} (teacher {teacher_spec})"
+        )
         print(format_table(result))
         if heatmap_text is None:
             heatmap_text = tokenizer.decode(batch[0][:heatmap_tokens])
@@ -393,7 +419,9 @@ def _load_student_and_teacher(model_path: str, teacher_spec: str):
             "pass the student's own teacher with --against",
         )
     if not _mixer_layers(student):
-        raise ConfigError(f"{model_path} has no mixer with materialisable weights", "use a linear-attention student")
+        raise ConfigError(
+            f"{model_path} has no mixer with materialisable weights", "use a linear-attention student"
+        )
     return student, teacher, tokenizer
 
 

@@ -38,7 +38,14 @@ class ReportSettings:
     extra: dict = field(default_factory=dict)
 
 
-def _row(group: str, metric: str, teacher: float | None, student: float | None, higher_is_better: bool = True, **extra) -> dict:
+def _row(
+    group: str,
+    metric: str,
+    teacher: float | None,
+    student: float | None,
+    higher_is_better: bool = True,
+    **extra,
+) -> dict:
     """One table row. ``extra`` (the suite's rows): ``teacher_se`` / ``student_se`` (the standard error
     of a score that is a mean over items), ``n`` (items, or scored tokens), ``cpu_seconds``
     ({"teacher", "student"}: process CPU time each side cost, None where it came from a cache)."""
@@ -48,7 +55,15 @@ def _row(group: str, metric: str, teacher: float | None, student: float | None, 
             recovered = student / teacher
         elif not higher_is_better and student > 0 and teacher > 0:  # a reference of 0 (KL) has no ratio
             recovered = teacher / student
-    return {"group": group, "metric": metric, "teacher": teacher, "student": student, "recovered": recovered, "higher_is_better": higher_is_better, **extra}
+    return {
+        "group": group,
+        "metric": metric,
+        "teacher": teacher,
+        "student": student,
+        "recovered": recovered,
+        "higher_is_better": higher_is_better,
+        **extra,
+    }
 
 
 def _task_rows(teacher_record: dict, student_record: dict) -> list[dict]:
@@ -62,13 +77,33 @@ def _task_rows(teacher_record: dict, student_record: dict) -> list[dict]:
         n = items_scored(student_record, task)
         for key, value in metrics.items():
             name, _, _ = key.partition(",")
-            if name not in ("acc", "acc_norm", "exact_match", "perplexity", "word_perplexity") or not isinstance(value, (int, float)):
+            if name not in (
+                "acc",
+                "acc_norm",
+                "exact_match",
+                "perplexity",
+                "word_perplexity",
+            ) or not isinstance(value, (int, float)):
                 continue
             teacher = other.get(key)
             extra = {"n": n}
             if "perplexity" not in name and n:
-                extra.update(teacher_se=None if teacher is None else binomial_se(teacher, items_scored(teacher_record, task)), student_se=binomial_se(float(value), n))
-            rows.append(_row(f"lm-eval {task}", name, teacher, float(value), higher_is_better="perplexity" not in name, **extra))
+                extra.update(
+                    teacher_se=None
+                    if teacher is None
+                    else binomial_se(teacher, items_scored(teacher_record, task)),
+                    student_se=binomial_se(float(value), n),
+                )
+            rows.append(
+                _row(
+                    f"lm-eval {task}",
+                    name,
+                    teacher,
+                    float(value),
+                    higher_is_better="perplexity" not in name,
+                    **extra,
+                )
+            )
     return rows
 
 
@@ -89,16 +124,28 @@ class _Scores:
         from attn2ssm.eval.report import environment  # heavy: torch
 
         report = {
-            "student": str(self.student_path), "teacher": self.teacher_spec, "rows": self.rows, "details": self.details,
-            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.settings.__dict__.items()},
-            "seconds": time.time() - self.started, "environment": environment(),
-        }  # fmt: skip
+            "student": str(self.student_path),
+            "teacher": self.teacher_spec,
+            "rows": self.rows,
+            "details": self.details,
+            "settings": {
+                k: (list(v) if isinstance(v, tuple) else v) for k, v in self.settings.__dict__.items()
+            },
+            "seconds": time.time() - self.started,
+            "environment": environment(),
+        }
         atomic_write_text(self.out_dir / "report.json", json.dumps(report, indent=1, default=str))
         atomic_write_text(self.out_dir / "report.md", format_markdown(report))
         return report
 
 
-def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, settings: ReportSettings, progress: bool = True) -> dict:
+def compare_report(
+    student_path: str,
+    teacher_spec: str | None,
+    out_dir: Path,
+    settings: ReportSettings,
+    progress: bool = True,
+) -> dict:
     """Score the student and its teacher on the same inputs (see the module docstring), part by part."""
     from attn2ssm.student.loading import load_model_and_tokenizer  # heavy: transformers
 
@@ -111,7 +158,9 @@ def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, s
     corpora = _score_perplexity(scores, teacher, student, tokenizer, progress)
     scores.save()
     if settings.agreement_prompts:
-        _score_agreement(scores, teacher, student, tokenizer, corpora[settings.corpora[0]].heldout_ids, progress)
+        _score_agreement(
+            scores, teacher, student, tokenizer, corpora[settings.corpora[0]].heldout_ids, progress
+        )
     scores.save()
     if settings.needle_lengths:
         _score_passkey(scores, teacher, student, tokenizer, progress)
@@ -122,7 +171,9 @@ def compare_report(student_path: str, teacher_spec: str | None, out_dir: Path, s
     if settings.tasks:
         _score_tasks(scores)
     report = scores.save()
-    plot_recovered(scores.rows, out_dir / "report.png", f"{Path(str(student_path)).name} vs {report['teacher']}")
+    plot_recovered(
+        scores.rows, out_dir / "report.png", f"{Path(str(student_path)).name} vs {report['teacher']}"
+    )
     return report
 
 
@@ -133,11 +184,21 @@ def _score_perplexity(scores: _Scores, teacher, student, tokenizer, progress: bo
 
     settings, corpora = scores.settings, {}
     for corpus_spec in settings.corpora:
-        corpus = corpora[corpus_spec] = prepare_corpus(corpus_spec, tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0)
+        corpus = corpora[corpus_spec] = prepare_corpus(
+            corpus_spec, tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0
+        )
         kw = dict(window=settings.window, max_tokens=settings.max_tokens, progress=progress)
         t = perplexity(teacher, corpus.heldout_ids, desc=f"teacher {corpus_spec}", **kw)
         s = perplexity(student, corpus.heldout_ids, desc=f"student {corpus_spec}", **kw)
-        scores.rows.append(_row(f"perplexity {corpus_spec}", f"ppl ({s['tokens']} tokens, window {settings.window})", t["ppl"], s["ppl"], higher_is_better=False))
+        scores.rows.append(
+            _row(
+                f"perplexity {corpus_spec}",
+                f"ppl ({s['tokens']} tokens, window {settings.window})",
+                t["ppl"],
+                s["ppl"],
+                higher_is_better=False,
+            )
+        )
     return corpora
 
 
@@ -146,13 +207,24 @@ def _score_agreement(scores: _Scores, teacher, student, tokenizer, heldout_ids, 
     from attn2ssm.eval.agreement import generation_agreement, heldout_prompts  # heavy: torch
 
     settings = scores.settings
-    prompts = heldout_prompts(heldout_ids, settings.agreement_prompts, settings.agreement_prompt_len, settings.agreement_new_tokens)
+    prompts = heldout_prompts(
+        heldout_ids, settings.agreement_prompts, settings.agreement_prompt_len, settings.agreement_new_tokens
+    )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    agree = generation_agreement(student, teacher, prompts, settings.agreement_new_tokens, pad_id=pad, progress=progress)
+    agree = generation_agreement(
+        student, teacher, prompts, settings.agreement_new_tokens, pad_id=pad, progress=progress
+    )
     scores.details["generation_agreement"] = agree
     for key in ("token_agreement", "rouge_l", "forced_agreement"):
         scores.rows.append(_row("generation vs teacher", key, 1.0, agree[key]))
-    scores.rows.append(_row("generation vs teacher", "prefix_match (tokens)", float(settings.agreement_new_tokens), agree["prefix_match"]))
+    scores.rows.append(
+        _row(
+            "generation vs teacher",
+            "prefix_match (tokens)",
+            float(settings.agreement_new_tokens),
+            agree["prefix_match"],
+        )
+    )
 
 
 def _score_passkey(scores: _Scores, teacher, student, tokenizer, progress: bool) -> None:
@@ -161,10 +233,25 @@ def _score_passkey(scores: _Scores, teacher, student, tokenizer, progress: bool)
 
     settings, grids = scores.settings, {}
     for name, model in (("teacher", teacher), ("student", student)):
-        grids[name] = passkey_grid(model, tokenizer, settings.needle_lengths, settings.needle_depths, settings.needle_trials, progress=progress, desc=f"passkey {name}")
+        grids[name] = passkey_grid(
+            model,
+            tokenizer,
+            settings.needle_lengths,
+            settings.needle_depths,
+            settings.needle_trials,
+            progress=progress,
+            desc=f"passkey {name}",
+        )
     scores.details["passkey"] = grids
     plot_passkey(grids, scores.out_dir / "needle.png", "passkey retrieval (greedy, exact digits)")
-    scores.rows.append(_row("passkey", f"accuracy (lengths {list(settings.needle_lengths)})", grids["teacher"]["mean_accuracy"], grids["student"]["mean_accuracy"]))
+    scores.rows.append(
+        _row(
+            "passkey",
+            f"accuracy (lengths {list(settings.needle_lengths)})",
+            grids["teacher"]["mean_accuracy"],
+            grids["student"]["mean_accuracy"],
+        )
+    )
 
 
 def _score_fidelity(scores: _Scores, teacher, student, heldout_ids) -> None:
@@ -173,18 +260,33 @@ def _score_fidelity(scores: _Scores, teacher, student, heldout_ids) -> None:
 
     settings = scores.settings
     n = settings.fidelity_blocks * settings.window
-    if heldout_ids.numel() >= n and any(callable(getattr(m, "attention_weights", None)) for m in student.mixers().values()):
+    if heldout_ids.numel() >= n and any(
+        callable(getattr(m, "attention_weights", None)) for m in student.mixers().values()
+    ):
         ids = heldout_ids[:n].view(settings.fidelity_blocks, settings.window)
         fid = attention_fidelity(student, teacher, ids)
         scores.details["attention_fidelity"] = fid["mean"]
-        scores.rows.append(_row("attention fidelity", "KL(teacher‖student) per query row", 0.0, fid["mean"]["kl"], higher_is_better=False))
+        scores.rows.append(
+            _row(
+                "attention fidelity",
+                "KL(teacher‖student) per query row",
+                0.0,
+                fid["mean"]["kl"],
+                higher_is_better=False,
+            )
+        )
 
 
 def _score_tasks(scores: _Scores) -> None:
     """5. lm-eval tasks from the offline pack (each model loaded by lm-eval)."""
     settings, records = scores.settings, {}
     for name, path in (("teacher", scores.teacher_spec), ("student", scores.student_path)):
-        records[name] = run_lm_eval(path, list(settings.tasks), limit=settings.limit, output_path=scores.out_dir / f"lm_eval_{name}.json")
+        records[name] = run_lm_eval(
+            path,
+            list(settings.tasks),
+            limit=settings.limit,
+            output_path=scores.out_dir / f"lm_eval_{name}.json",
+        )
     scores.rows += _task_rows(records["teacher"], records["student"])
     scores.details["lm_eval_limit"] = settings.limit
 
@@ -205,20 +307,30 @@ def _with_se(value, se) -> str:
 def _cpu(seconds: dict | None) -> str:
     if not seconds:
         return "–"
-    return " / ".join("cached" if seconds.get(side) is None else f"{seconds[side]:,.0f}" for side in ("teacher", "student"))
+    return " / ".join(
+        "cached" if seconds.get(side) is None else f"{seconds[side]:,.0f}" for side in ("teacher", "student")
+    )
 
 
 def format_table(rows: list[dict]) -> list[str]:
     """The teacher-vs-student table; with the suite's columns (n, CPU s) where rows have them. A score
     with a standard error (a mean over items) is written in % ± its SE in points."""
     full = any("n" in r for r in rows)
-    head = ["group", "metric", "teacher", "student", "recovered"] + (["n", "CPU s (teacher / student)"] if full else [])
+    head = ["group", "metric", "teacher", "student", "recovered"] + (
+        ["n", "CPU s (teacher / student)"] if full else []
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         rec = "–" if r["recovered"] is None else f"{100 * r['recovered']:.1f} %"
         if r.get("ratio") is not None:  # perplexity: also the papers' student / teacher ratio
             rec += f" ({r['ratio']:.2f}×)"
-        cells = [r["group"], r["metric"], _with_se(r["teacher"], r.get("teacher_se")), _with_se(r["student"], r.get("student_se")), rec]
+        cells = [
+            r["group"],
+            r["metric"],
+            _with_se(r["teacher"], r.get("teacher_se")),
+            _with_se(r["student"], r.get("student_se")),
+            rec,
+        ]
         if full:
             cells += ["–" if r.get("n") is None else f"{r['n']:,}", _cpu(r.get("cpu_seconds"))]
         lines.append("| " + " | ".join(cells) + " |")
@@ -235,8 +347,11 @@ def format_markdown(report: dict) -> str:
     ]
     ex = report["details"].get("generation_agreement", {}).get("examples", [])
     if ex:
-        lines += ["", f"Generation agreement: {report['details']['generation_agreement']['prompts']} held-out prompts, "
-                  f"{report['details']['generation_agreement']['new_tokens']} greedy tokens each; the teacher's continuation is the reference."]  # fmt: skip
+        lines += [
+            "",
+            f"Generation agreement: {report['details']['generation_agreement']['prompts']} held-out prompts, "
+            f"{report['details']['generation_agreement']['new_tokens']} greedy tokens each; the teacher's continuation is the reference.",
+        ]
     if "passkey" in report["details"]:
         lines += ["", "![passkey retrieval](needle.png)"]
     lines += ["", "![recovered fraction](report.png)", ""]

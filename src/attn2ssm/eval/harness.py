@@ -83,7 +83,10 @@ def resolve_tasks(tasks, manager=None) -> list[str]:
     unknown = [t for t in names if t not in manager.all_tasks]
     if unknown:
         plural = "s" if len(unknown) > 1 else ""
-        raise ConfigError(f"unknown lm-eval task{plural} {', '.join(unknown)} (offline pack)", f"choose from: {describe_names(manager)}")
+        raise ConfigError(
+            f"unknown lm-eval task{plural} {', '.join(unknown)} (offline pack)",
+            f"choose from: {describe_names(manager)}",
+        )
     return list(dict.fromkeys(names))
 
 
@@ -112,8 +115,12 @@ def model_location(model: str | os.PathLike) -> dict:
         if (path / "config.json").exists():
             return {"pretrained": str(path.resolve())}
         if (path / "student" / "config.json").exists():
-            raise CheckpointError(f"{path} is a run directory, not a model", f"evaluate its student: {path / 'student'}")
-        raise CheckpointError(f"{path} has no config.json", "point at a student or teacher directory written by save_pretrained")
+            raise CheckpointError(
+                f"{path} is a run directory, not a model", f"evaluate its student: {path / 'student'}"
+            )
+        raise CheckpointError(
+            f"{path} has no config.json", "point at a student or teacher directory written by save_pretrained"
+        )
     source = resolve_teacher(str(model))  # built-in name → its cached HF copy; missing paths fail here
     args = {"pretrained": source.location}
     if source.gguf_file:
@@ -130,7 +137,7 @@ def doc_counts(name: str, manager=None) -> dict[str, int]:
     counts: dict[str, int] = {}
 
     def walk(tree) -> None:
-        for key, value in tree.items():
+        for value in tree.values():
             if isinstance(value, dict):
                 walk(value)
             else:
@@ -181,13 +188,18 @@ def run_lm_eval(
     manager = task_manager()
     names = resolve_tasks(tasks, manager)  # fail on a typo before any model loads
     if limit is not None and limit <= 0:
-        raise ConfigError(f"limit {limit} leaves nothing to score", "use a positive number of documents per task, or none for all")
+        raise ConfigError(
+            f"limit {limit} leaves nothing to score",
+            "use a positive number of documents per task, or none for all",
+        )
     if limit is not None and samples is not None:
         raise ConfigError("limit and samples both choose the documents to score", "give one of them")
     if num_fewshot < 0:
         raise ConfigError(f"num_fewshot {num_fewshot} is negative", "use 0 (zero-shot) or more")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    lm, model_args, wrapper_args, model_desc = _lm_for(model, tokenizer, dtype, batch_size, device, max_gen_toks)
+    lm, model_args, wrapper_args, model_desc = _lm_for(
+        model, tokenizer, dtype, batch_size, device, max_gen_toks
+    )
     started = time.time()
     with _quiet_pack_hint():
         results = lm_eval.simple_evaluate(
@@ -223,18 +235,26 @@ def run_lm_eval(
     return record
 
 
-def _lm_for(model, tokenizer, dtype: str | None, batch_size, device: str, max_gen_toks: int | None = None) -> tuple:
+def _lm_for(
+    model, tokenizer, dtype: str | None, batch_size, device: str, max_gen_toks: int | None = None
+) -> tuple:
     """What ``simple_evaluate`` is given for ``model``: ``(model, model_args, the args of the equivalent
     CLI command, a description)``; a loaded model is wrapped in lm-eval's ``HFLM`` here."""
     if isinstance(model, (str, os.PathLike)):
-        model_args = {**model_location(model), "trust_remote_code": True, **({"dtype": dtype} if dtype else {})}
+        model_args = {
+            **model_location(model),
+            "trust_remote_code": True,
+            **({"dtype": dtype} if dtype else {}),
+        }
         return "hf", model_args, model_args, model_args["pretrained"]
     from lm_eval.models.huggingface import HFLM  # optional: lm_eval (extra attn2ssm[eval])
 
     model_desc = getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
     tok = tokenizer if tokenizer is not None else model_desc or None
     extra = {} if max_gen_toks is None else {"max_gen_toks": max_gen_toks}
-    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size, device=device, trust_remote_code=True, **extra)
+    lm = HFLM(
+        pretrained=model, tokenizer=tok, batch_size=batch_size, device=device, trust_remote_code=True, **extra
+    )
     return lm, None, {"pretrained": model_desc, "trust_remote_code": True}, model_desc
 
 
@@ -248,7 +268,15 @@ def _equivalent_command(names: list[str], settings: dict) -> str:
     )
 
 
-def _record(results: dict, model_desc: str, names: list[str], settings: dict, command: str | None, started: float, log_samples: bool) -> dict:
+def _record(
+    results: dict,
+    model_desc: str,
+    names: list[str],
+    settings: dict,
+    command: str | None,
+    started: float,
+    log_samples: bool,
+) -> dict:
     """lm-eval's results with the settings, the commands and the versions that scored them."""
     record = {
         "model": model_desc,
@@ -317,13 +345,23 @@ def results_table(record: dict) -> str:
 def add_eval_task_args(parser) -> None:
     """Options of ``attn2ssm eval MODEL --tasks …`` (added to the existing ``eval`` sub-parser)."""
     g = parser.add_argument_group("lm-eval tasks (offline pack; needs attn2ssm[eval])")
-    g.add_argument("--tasks", default=None, help="instead of perplexity: comma-separated lm-eval tasks, e.g. arc_easy,hellaswag,mmlu "
-                   "(--tasks list prints them)")  # fmt: skip
+    g.add_argument(
+        "--tasks",
+        default=None,
+        help="instead of perplexity: comma-separated lm-eval tasks, e.g. arc_easy,hellaswag,mmlu "
+        "(--tasks list prints them)",
+    )
     g.add_argument("--limit", type=int, default=None, help="with --tasks: documents per task (default all)")
     g.add_argument("--num-fewshot", type=int, default=0, help="with --tasks: in-context examples (default 0)")
     g.add_argument("--batch-size", default="8", help="with --tasks: batch size, or 'auto' (default 8)")
-    g.add_argument("--device", default=None, help="with --tasks: cpu, cuda, cuda:1 … (default cuda if available)")
-    g.add_argument("--dtype", default=None, help="with --tasks: model dtype, e.g. float32, bfloat16 (default: the checkpoint's)")
+    g.add_argument(
+        "--device", default=None, help="with --tasks: cpu, cuda, cuda:1 … (default cuda if available)"
+    )
+    g.add_argument(
+        "--dtype",
+        default=None,
+        help="with --tasks: model dtype, e.g. float32, bfloat16 (default: the checkpoint's)",
+    )
 
 
 def cmd_eval_tasks(args) -> int:
@@ -331,13 +369,23 @@ def cmd_eval_tasks(args) -> int:
     if args.tasks.strip() == "list":
         print(describe_names(task_manager()))
         return 0
-    batch_size = args.batch_size if args.batch_size == "auto" else _positive_int(args.batch_size, "--batch-size")
+    batch_size = (
+        args.batch_size if args.batch_size == "auto" else _positive_int(args.batch_size, "--batch-size")
+    )
     output = args.json
     if output is None and Path(args.model).is_dir():
         output = Path(args.model) / "eval" / "lm_eval.json"
-    record = run_lm_eval(args.model, args.tasks, limit=args.limit, batch_size=batch_size, device=args.device,
-                         num_fewshot=args.num_fewshot, output_path=output, dtype=args.dtype,
-                         command="attn2ssm " + " ".join(shlex.quote(a) for a in sys.argv[1:]))  # fmt: skip
+    record = run_lm_eval(
+        args.model,
+        args.tasks,
+        limit=args.limit,
+        batch_size=batch_size,
+        device=args.device,
+        num_fewshot=args.num_fewshot,
+        output_path=output,
+        dtype=args.dtype,
+        command="attn2ssm " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+    )
     print(results_table(record))
     if output is not None:
         print(f"results: {output}")

@@ -56,7 +56,9 @@ def build_prompt(tokenizer, length: int, depth: float, key: str) -> list[int]:
 
     def prompt(n_filler: int) -> list[int]:
         before = round(n_filler * depth)
-        return encode(INSTRUCTION + FILLER * before + needle_text(key) + FILLER * (n_filler - before) + QUESTION)
+        return encode(
+            INSTRUCTION + FILLER * before + needle_text(key) + FILLER * (n_filler - before) + QUESTION
+        )
 
     # filler sentences tokenize differently when concatenated: estimate, then correct on the
     # real encoding until the prompt is the longest one that fits in ``length``
@@ -83,12 +85,21 @@ def _device(model) -> torch.device:
 @torch.no_grad()
 def passkey_trial(model, tokenizer, length: int, depth: float, key: str, max_new_tokens: int = 8) -> dict:
     ids = torch.tensor([build_prompt(tokenizer, length, depth, key)], device=_device(model))
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)  # fmt: skip
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
     answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     found = re.match(r"\s*(\d+)", answer)
-    return {"prompt_tokens": ids.shape[1], "answer": answer, "correct": bool(found and found.group(1) == key),
-            "recalled": key_recalled(model, tokenizer, ids[0].tolist(), key)}  # fmt: skip
+    return {
+        "prompt_tokens": ids.shape[1],
+        "answer": answer,
+        "correct": bool(found and found.group(1) == key),
+        "recalled": key_recalled(model, tokenizer, ids[0].tolist(), key),
+    }
 
 
 @torch.no_grad()
@@ -99,14 +110,27 @@ def key_recalled(model, tokenizer, prompt_ids: list[int], key: str) -> bool:
     answer = tokenizer(" " + key, add_special_tokens=False)["input_ids"]
     checked = [i for i, t in enumerate(answer) if any(c.isalnum() for c in tokenizer.decode([t]))]
     if not checked:
-        raise ValueError(f"the tokenizer encodes the key {key!r} without letters or digits; recall needs a tokenizer that keeps them")
+        raise ValueError(
+            f"the tokenizer encodes the key {key!r} without letters or digits; recall needs a tokenizer that keeps them"
+        )
     ids = torch.tensor([prompt_ids + answer], device=_device(model))
-    logits = model(input_ids=ids, logits_to_keep=len(answer) + 1).logits[0, :-1]  # predictions of answer[0..n-1]
+    logits = model(input_ids=ids, logits_to_keep=len(answer) + 1).logits[
+        0, :-1
+    ]  # predictions of answer[0..n-1]
     pred = logits.argmax(-1).tolist()
     return all(pred[i] == answer[i] for i in checked)
 
 
-def passkey_grid(model, tokenizer, lengths, depths, trials: int = 3, seed: int = 0, progress: bool = True, desc: str = "passkey") -> dict:
+def passkey_grid(
+    model,
+    tokenizer,
+    lengths,
+    depths,
+    trials: int = 3,
+    seed: int = 0,
+    progress: bool = True,
+    desc: str = "passkey",
+) -> dict:
     """Accuracy for every (length, depth) cell; keys are 5-digit numbers drawn from ``seed`` (the
     same keys for every model evaluated with the same seed)."""
     rng = random.Random(seed)
@@ -131,29 +155,91 @@ def passkey_grid(model, tokenizer, lengths, depths, trials: int = 3, seed: int =
         recall.append(recall_row)
     bar.close()
     cells = len(lengths) * len(depths)
-    return {"lengths": list(lengths), "depths": list(depths), "trials": trials, "seed": seed, "accuracy": acc,
-            "mean_accuracy": sum(map(sum, acc)) / cells, "recall": recall, "mean_recall": sum(map(sum, recall)) / cells,
-            "examples": examples}  # fmt: skip
+    return {
+        "lengths": list(lengths),
+        "depths": list(depths),
+        "trials": trials,
+        "seed": seed,
+        "accuracy": acc,
+        "mean_accuracy": sum(map(sum, acc)) / cells,
+        "recall": recall,
+        "mean_recall": sum(map(sum, recall)) / cells,
+        "examples": examples,
+    }
 
 
 # ------------------------------------------------------------------------------ RULER niah_single
 NIAH_FORMS = ("niah_single_1", "niah_single_2", "niah_single_3")
-NIAH_TEMPLATE = ("A special magic {kind} is hidden within the following text. Make sure to memorize it. I will quiz you about the {kind} afterwards.\n"
-                 "{context}\nWhat is the special magic {kind} for {key} mentioned in the provided text?")  # fmt: skip
+NIAH_TEMPLATE = (
+    "A special magic {kind} is hidden within the following text. Make sure to memorize it. I will quiz you about the {kind} afterwards.\n"
+    "{context}\nWhat is the special magic {kind} for {key} mentioned in the provided text?"
+)
 NIAH_NEEDLE = "One of the special magic {kind}s for {key} is: {value}."
 NIAH_ANSWER_PREFIX = "The special magic {kind} for {key} mentioned in the provided text is"
 NIAH_EXTRA_TOKENS = 4  # greedy tokens beyond the value's own
 NIAH_REPEAT = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 # RULER draws keys from wonderwords' adjective-noun pairs; a fixed list keeps the prompts reproducible offline
-_ADJECTIVES = ("ancient", "bitter", "calm", "curious", "dusty", "eager", "fancy", "gentle", "hollow", "icy", "jolly", "lazy",
-               "mighty", "nervous", "odd", "quiet", "rapid", "shiny", "tame", "upbeat", "vivid", "wary", "young", "zesty")  # fmt: skip
-_NOUNS = ("anchor", "badger", "candle", "dolphin", "engine", "falcon", "garden", "harbor", "island", "jacket", "kettle", "lantern",
-          "meadow", "needle", "orchard", "pebble", "quarry", "river", "saddle", "teapot", "umbrella", "violin", "walnut", "yacht")  # fmt: skip
+_ADJECTIVES = (
+    "ancient",
+    "bitter",
+    "calm",
+    "curious",
+    "dusty",
+    "eager",
+    "fancy",
+    "gentle",
+    "hollow",
+    "icy",
+    "jolly",
+    "lazy",
+    "mighty",
+    "nervous",
+    "odd",
+    "quiet",
+    "rapid",
+    "shiny",
+    "tame",
+    "upbeat",
+    "vivid",
+    "wary",
+    "young",
+    "zesty",
+)
+_NOUNS = (
+    "anchor",
+    "badger",
+    "candle",
+    "dolphin",
+    "engine",
+    "falcon",
+    "garden",
+    "harbor",
+    "island",
+    "jacket",
+    "kettle",
+    "lantern",
+    "meadow",
+    "needle",
+    "orchard",
+    "pebble",
+    "quarry",
+    "river",
+    "saddle",
+    "teapot",
+    "umbrella",
+    "violin",
+    "walnut",
+    "yacht",
+)
 
 
 def niah_form(form: str) -> tuple[str, str]:
     """(haystack kind, value kind) of a RULER single-needle form."""
-    forms = {"niah_single_1": ("repeat", "number"), "niah_single_2": ("essay", "number"), "niah_single_3": ("essay", "uuid")}
+    forms = {
+        "niah_single_1": ("repeat", "number"),
+        "niah_single_2": ("essay", "number"),
+        "niah_single_3": ("essay", "uuid"),
+    }
     if form not in forms:
         raise ValueError(f"unknown needle form {form!r}; choose from {', '.join(forms)}")
     return forms[form]
@@ -162,7 +248,11 @@ def niah_form(form: str) -> tuple[str, str]:
 def niah_key_value(form: str, rng: random.Random) -> tuple[str, str]:
     """A RULER key (adjective-noun) and value (7-digit number, or a version-4 UUID) drawn from ``rng``."""
     key = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
-    value = str(uuid.UUID(int=rng.getrandbits(128), version=4)) if niah_form(form)[1] == "uuid" else str(rng.randint(10**6, 10**7 - 1))
+    value = (
+        str(uuid.UUID(int=rng.getrandbits(128), version=4))
+        if niah_form(form)[1] == "uuid"
+        else str(rng.randint(10**6, 10**7 - 1))
+    )
     return key, value
 
 
@@ -188,7 +278,9 @@ def niah_text(form: str, key: str, value: str, n: int, depth: float, essay: list
     return question + " " + NIAH_ANSWER_PREFIX.format(kind=kind, key=key)
 
 
-def niah_prompt(tokenizer, form: str, length: int, depth: float, key: str, value: str, essay: list[str] | None = None) -> list[int]:
+def niah_prompt(
+    tokenizer, form: str, length: int, depth: float, key: str, value: str, essay: list[str] | None = None
+) -> list[int]:
     """Token ids of the longest prompt of ``form`` that fits in ``length`` tokens (its haystack grown
     unit by unit: a bisection over the number of units), the needle at ``depth`` ∈ [0, 1]."""
     if not 0.0 <= depth <= 1.0:
@@ -199,7 +291,9 @@ def niah_prompt(tokenizer, form: str, length: int, depth: float, key: str, value
 
     lo, hi = 0, 1
     if len(encode(0)) > length:
-        raise ValueError(f"a {form} prompt needs more than {length} tokens without any haystack; use a longer length")
+        raise ValueError(
+            f"a {form} prompt needs more than {length} tokens without any haystack; use a longer length"
+        )
     while len(encode(hi)) <= length:
         lo, hi = hi, hi * 2
     while hi - lo > 1:  # encode(lo) fits, encode(hi) does not
@@ -209,18 +303,31 @@ def niah_prompt(tokenizer, form: str, length: int, depth: float, key: str, value
 
 
 @torch.no_grad()
-def niah_trial(model, tokenizer, prompt_ids: list[int], value: str, extra_tokens: int = NIAH_EXTRA_TOKENS) -> dict:
+def niah_trial(
+    model, tokenizer, prompt_ids: list[int], value: str, extra_tokens: int = NIAH_EXTRA_TOKENS
+) -> dict:
     """Greedy continuation of ``extra_tokens`` more tokens than " VALUE" has; correct when the value
     appears in it (RULER's string match); recall teacher-forced (skipped, as true, when the greedy
     tokens begin with the answer's: the argmax already was the answer at every position)."""
     answer = tokenizer(" " + value, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([prompt_ids], device=_device(model))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(answer) + extra_tokens, do_sample=False, pad_token_id=pad)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=len(answer) + extra_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+    )
     new = out[0, ids.shape[1] :].tolist()
     text = tokenizer.decode(new, skip_special_tokens=True)
     recalled = new[: len(answer)] == answer or key_recalled(model, tokenizer, prompt_ids, value)
-    return {"prompt_tokens": len(prompt_ids), "answer": text, "correct": value.lower() in text.lower(), "recalled": bool(recalled)}
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "answer": text,
+        "correct": value.lower() in text.lower(),
+        "recalled": bool(recalled),
+    }
 
 
 def niah_depths(trials: int) -> list[float]:
@@ -228,8 +335,17 @@ def niah_depths(trials: int) -> list[float]:
     return [0.5] if trials == 1 else [t / (trials - 1) for t in range(trials)]
 
 
-def niah_grid(model, tokenizer, form: str, lengths, trials: int = 20, seed: int = 0, essay: list[str] | None = None,
-              progress: bool = True, desc: str = "niah") -> dict:  # fmt: skip
+def niah_grid(
+    model,
+    tokenizer,
+    form: str,
+    lengths,
+    trials: int = 20,
+    seed: int = 0,
+    essay: list[str] | None = None,
+    progress: bool = True,
+    desc: str = "niah",
+) -> dict:
     """Greedy accuracy and recall of ``form`` at each length over ``trials`` keys (depths evenly
     spread); keys, values and depths depend only on (form, length, seed), so every model evaluated
     with the same seed sees the same prompts; prompt + answer fit in the length. Per length also n
@@ -237,14 +353,26 @@ def niah_grid(model, tokenizer, form: str, lengths, trials: int = 20, seed: int 
     niah_form(form)
     if trials < 1:
         raise ValueError(f"trials {trials} must be at least 1")
-    out = {"form": form, "lengths": list(lengths), "trials": trials, "seed": seed, "accuracy": {}, "recall": {}, "n": {}, "cpu_seconds": {}, "examples": []}
+    out = {
+        "form": form,
+        "lengths": list(lengths),
+        "trials": trials,
+        "seed": seed,
+        "accuracy": {},
+        "recall": {},
+        "n": {},
+        "cpu_seconds": {},
+        "examples": [],
+    }
     bar = tqdm(total=len(lengths) * trials, desc=desc, disable=not progress, leave=False)
     for length in lengths:
         rng = random.Random(f"{form}/{length}/{seed}")
         cpu, hits, recalled = time.process_time(), 0, 0
         for t, depth in enumerate(niah_depths(trials)):
             key, value = niah_key_value(form, rng)
-            room = len(tokenizer(" " + value, add_special_tokens=False)["input_ids"]) + NIAH_EXTRA_TOKENS  # prompt + answer fit in length
+            room = (
+                len(tokenizer(" " + value, add_special_tokens=False)["input_ids"]) + NIAH_EXTRA_TOKENS
+            )  # prompt + answer fit in length
             ids = niah_prompt(tokenizer, form, length - room, depth, key, value, essay)
             r = niah_trial(model, tokenizer, ids, value, NIAH_EXTRA_TOKENS)
             hits += r["correct"]

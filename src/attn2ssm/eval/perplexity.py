@@ -23,8 +23,18 @@ def strided_windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, 
 
 
 @torch.no_grad()
-def perplexity(model, ids: torch.Tensor, *, window: int, stride: int | None = None, batch_size: int = 4, max_tokens: int | None = None, progress: bool = False,
-               desc: str = "perplexity", predictions: bool = False) -> dict:  # fmt: skip
+def perplexity(
+    model,
+    ids: torch.Tensor,
+    *,
+    window: int,
+    stride: int | None = None,
+    batch_size: int = 4,
+    max_tokens: int | None = None,
+    progress: bool = False,
+    desc: str = "perplexity",
+    predictions: bool = False,
+) -> dict:
     """Returns {"ppl", "nll", "tokens"} for a 1-D token stream ``ids``.
 
     ``predictions=True`` adds "argmax": the model's top-1 next-token guess for every scored
@@ -47,7 +57,7 @@ def perplexity(model, ids: torch.Tensor, *, window: int, stride: int | None = No
         by_len: dict[int, list] = {}
         for span in group:
             by_len.setdefault(span[1] - span[0], []).append(span)
-        for length, same in by_len.items():
+        for same in by_len.values():
             batch = torch.stack([ids[b:e] for b, e, _ in same]).to(device)
             logits = model(input_ids=batch, use_cache=False).logits.float()
             logp = F.log_softmax(logits[:, :-1], -1).gather(-1, batch[:, 1:, None]).squeeze(-1)  # (n, l-1)

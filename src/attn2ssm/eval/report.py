@@ -63,7 +63,12 @@ def plot_losses(metrics: list[dict], path: Path, title: str = "") -> Path | None
         ax.plot([r["total_tokens"] for r in recs], [r["loss"] for r in recs], label=f"{name} (train)")
         ev = [r for r in recs if "eval_loss" in r]
         if ev:
-            ax.plot([r["total_tokens"] for r in ev], [r["eval_loss"] for r in ev], "o--", label=f"{name} (held-out CE)")
+            ax.plot(
+                [r["total_tokens"] for r in ev],
+                [r["eval_loss"] for r in ev],
+                "o--",
+                label=f"{name} (held-out CE)",
+            )
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss")
     ax.set_yscale("log")
@@ -76,8 +81,17 @@ def plot_losses(metrics: list[dict], path: Path, title: str = "") -> Path | None
     return path
 
 
-def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: bool = True, settings: dict | None = None,
-                 teacher_ppl: float | None = None) -> dict:  # fmt: skip
+def write_report(
+    run_dir: Path,
+    recipe,
+    teacher,
+    student,
+    corpus,
+    *,
+    progress: bool = True,
+    settings: dict | None = None,
+    teacher_ppl: float | None = None,
+) -> dict:
     """Score teacher and student on the held-out text; write results.json (with ``settings``: how the
     run computed — device, mixed precision, kernels), report.md and loss.png.
 
@@ -88,8 +102,14 @@ def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: b
     e = recipe.eval
     window = e.window or recipe.data.block_len
     stride = e.stride or window // 2
-    kwargs = dict(window=window, stride=stride, batch_size=e.batch_size, max_tokens=e.max_tokens, progress=progress)
-    t = {"ppl": teacher_ppl} if teacher is None else perplexity(teacher, corpus.heldout_ids, desc="teacher perplexity", **kwargs)
+    kwargs = dict(
+        window=window, stride=stride, batch_size=e.batch_size, max_tokens=e.max_tokens, progress=progress
+    )
+    t = (
+        {"ppl": teacher_ppl}
+        if teacher is None
+        else perplexity(teacher, corpus.heldout_ids, desc="teacher perplexity", **kwargs)
+    )
     s = perplexity(student, corpus.heldout_ids, desc="student perplexity", **kwargs)
     metrics = read_metrics(run_dir)
     plot = plot_losses(metrics, run_dir / "loss.png", f"{recipe.name}: {recipe.student.mixer}")
@@ -111,11 +131,16 @@ def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: b
         "environment": environment(),
     }
     if teacher is None:
-        results["teacher_ppl_source"] = ("measured by an earlier run on the same teacher and held-out text (this run read the teacher from its logit cache)"
-                                         if t["ppl"] is not None else "not measured: this run read every teacher distribution from its logit cache "
-                                         "and never loaded the teacher")  # fmt: skip
+        results["teacher_ppl_source"] = (
+            "measured by an earlier run on the same teacher and held-out text (this run read the teacher from its logit cache)"
+            if t["ppl"] is not None
+            else "not measured: this run read every teacher distribution from its logit cache "
+            "and never loaded the teacher"
+        )
     atomic_write_text(run_dir / "results.json", json.dumps(results, indent=1))
-    if (run_dir / "student" / "config.json").is_file():  # its card, written before these results existed, gains them
+    if (
+        run_dir / "student" / "config.json"
+    ).is_file():  # its card, written before these results existed, gains them
         from attn2ssm.student.card import write_student_card  # heavy: transformers
 
         write_student_card(run_dir / "student")
@@ -130,7 +155,9 @@ def write_report(run_dir: Path, recipe, teacher, student, corpus, *, progress: b
         "",
         "| model | held-out perplexity |",
         "|---|---|",
-        f"| teacher | {t['ppl']:.2f} |" if t["ppl"] is not None else f"| teacher | – ({results['teacher_ppl_source']}) |",
+        f"| teacher | {t['ppl']:.2f} |"
+        if t["ppl"] is not None
+        else f"| teacher | – ({results['teacher_ppl_source']}) |",
         f"| student | {s['ppl']:.2f} |",
         "",
         "| stage | kind | tokens |",

@@ -39,8 +39,13 @@ from attn2ssm.errors import ConfigError, DataError
 from attn2ssm.paths import atomic_write_text
 
 SUITE_VERSION = 1  # part of every cache key: bump when a unit computes differently
-DOMAINS = {"emails": "email (mailing lists, 2002)", "kjv": "archaic English (KJV Bible)", "pydoc": "technical prose (Python reference)",
-           "sotu": "in-domain: SOTU addresses 2000-2021", "moby-dick": "in-domain: Moby Dick, last chapters"}  # fmt: skip
+DOMAINS = {
+    "emails": "email (mailing lists, 2002)",
+    "kjv": "archaic English (KJV Bible)",
+    "pydoc": "technical prose (Python reference)",
+    "sotu": "in-domain: SOTU addresses 2000-2021",
+    "moby-dick": "in-domain: Moby Dick, last chapters",
+}
 
 
 def binomial_se(p: float, n: int) -> float:
@@ -68,9 +73,19 @@ def pooled_accuracy(record: dict, metric: str) -> tuple[float, int]:
     for task, counts in record.get("n-samples", {}).items():
         value = record["results"].get(task, {}).get(f"{metric},none")
         if value is None:
-            value = next((v for k, v in record["results"].get(task, {}).items() if k.startswith(f"{metric},") and "stderr" not in k), None)
+            value = next(
+                (
+                    v
+                    for k, v in record["results"].get(task, {}).items()
+                    if k.startswith(f"{metric},") and "stderr" not in k
+                ),
+                None,
+            )
         if value is None:
-            raise ConfigError(f"lm-eval gave no {metric} for {task}", f"choose a metric the task reports (it has {', '.join(record['results'].get(task, {}))})")
+            raise ConfigError(
+                f"lm-eval gave no {metric} for {task}",
+                f"choose a metric the task reports (it has {', '.join(record['results'].get(task, {}))})",
+            )
         total += float(value) * counts["effective"]
         n += counts["effective"]
     if n == 0:
@@ -86,7 +101,9 @@ class TaskSpec:
     task: str
     metric: str = "acc"
     shots: int = 0
-    items: int | None = None  # a seeded random subset of this many documents (per subtask of a group); None: all
+    items: int | None = (
+        None  # a seeded random subset of this many documents (per subtask of a group); None: all
+    )
     label: str = ""  # its column in the anchors table
 
     @property
@@ -94,8 +111,16 @@ class TaskSpec:
         return f"{self.task} {self.shots}-shot" if self.shots else self.task
 
 
-CORE = (("arc_easy", "acc", "ARC-e"), ("arc_challenge", "acc_norm", "ARC-c"), ("hellaswag", "acc_norm", "HS"), ("piqa", "acc", "PIQA"),
-        ("winogrande", "acc", "WG"), ("boolq", "acc", "BoolQ"), ("lambada_openai", "acc", "LAMBADA"), ("openbookqa", "acc_norm", "OBQA"))  # fmt: skip
+CORE = (
+    ("arc_easy", "acc", "ARC-e"),
+    ("arc_challenge", "acc_norm", "ARC-c"),
+    ("hellaswag", "acc_norm", "HS"),
+    ("piqa", "acc", "PIQA"),
+    ("winogrande", "acc", "WG"),
+    ("boolq", "acc", "BoolQ"),
+    ("lambada_openai", "acc", "LAMBADA"),
+    ("openbookqa", "acc_norm", "OBQA"),
+)
 
 
 @dataclass
@@ -121,7 +146,10 @@ class SuiteSettings:
 
 def standard_tasks(items: int, mmlu_per_subject: int) -> tuple[TaskSpec, ...]:
     core = tuple(TaskSpec(task, metric, 0, items, label) for task, metric, label in CORE)
-    return core + (TaskSpec("mmlu", "acc", 0, mmlu_per_subject, "MMLU 0-shot"), TaskSpec("mmlu", "acc", 5, mmlu_per_subject, "MMLU 5-shot"))
+    return core + (
+        TaskSpec("mmlu", "acc", 0, mmlu_per_subject, "MMLU 0-shot"),
+        TaskSpec("mmlu", "acc", 5, mmlu_per_subject, "MMLU 5-shot"),
+    )
 
 
 def suite_settings(name: str = "standard", quick: bool = False) -> SuiteSettings:
@@ -135,9 +163,16 @@ def suite_settings(name: str = "standard", quick: bool = False) -> SuiteSettings
     if name != "standard":
         raise ConfigError(f"unknown suite {name!r}", "use --suite standard (with --quick for its cheap form)")
     if quick:
-        return SuiteSettings(name="standard --quick", max_tokens=4096, tasks=standard_tasks(100, 2), generation=TaskSpec("triviaqa", "exact_match", 0, 100, "TriviaQA EM"),
-                             niah_trials=5)  # fmt: skip
-    return SuiteSettings(tasks=standard_tasks(400, 7), generation=TaskSpec("triviaqa", "exact_match", 0, 400, "TriviaQA EM"))
+        return SuiteSettings(
+            name="standard --quick",
+            max_tokens=4096,
+            tasks=standard_tasks(100, 2),
+            generation=TaskSpec("triviaqa", "exact_match", 0, 100, "TriviaQA EM"),
+            niah_trials=5,
+        )
+    return SuiteSettings(
+        tasks=standard_tasks(400, 7), generation=TaskSpec("triviaqa", "exact_match", 0, 400, "TriviaQA EM")
+    )
 
 
 # ------------------------------------------------------------------------------------------------ units
@@ -171,16 +206,28 @@ def unit_key(unit: Unit, settings: SuiteSettings, inputs: dict) -> dict:
 
     key = {"suite_version": SUITE_VERSION, "unit": unit.id}
     if unit.kind == "ppl":
-        key.update(corpus=corpus_stamp(unit.params[0]), ids=inputs["ids_sha"][unit.params[0]], window=unit.params[1])
+        key.update(
+            corpus=corpus_stamp(unit.params[0]), ids=inputs["ids_sha"][unit.params[0]], window=unit.params[1]
+        )
     elif unit.kind == "task":
         from importlib.metadata import version
 
         from attn2ssm.eval.harness import _data_versions
 
-        key.update(task=asdict(unit.params[0]), seed=settings.seed, data=_data_versions(), lm_eval=version("lm_eval"), max_gen_toks=settings.max_gen_toks)
+        key.update(
+            task=asdict(unit.params[0]),
+            seed=settings.seed,
+            data=_data_versions(),
+            lm_eval=version("lm_eval"),
+            max_gen_toks=settings.max_gen_toks,
+        )
         key["task"].pop("label")
     else:
-        key.update(trials=settings.niah_trials, seed=settings.seed, essay=inputs["essay_sha"] if unit.params[0] != "niah_single_1" else None)
+        key.update(
+            trials=settings.niah_trials,
+            seed=settings.seed,
+            essay=inputs["essay_sha"] if unit.params[0] != "niah_single_1" else None,
+        )
     return key
 
 
@@ -224,7 +271,9 @@ class SideCache:
     def put(self, key: dict, scores: dict) -> None:
         self.entries[self._hash(key)] = scores
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.path, json.dumps({"model": self.model_id, "units": self.entries}, indent=1) + "\n")
+        atomic_write_text(
+            self.path, json.dumps({"model": self.model_id, "units": self.entries}, indent=1) + "\n"
+        )
 
 
 def model_identity(spec: str) -> str:
@@ -234,8 +283,14 @@ def model_identity(spec: str) -> str:
     path = Path(spec).expanduser()
     if not path.exists():
         return spec
-    files = sorted(p for p in path.glob("*") if p.is_file() and p.suffix in (".safetensors", ".bin", ".gguf", ".json"))
-    stamp = [f"{p.relative_to(path)}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in files] if path.is_dir() else [f"{path.stat().st_size}|{path.stat().st_mtime_ns}"]
+    files = sorted(
+        p for p in path.glob("*") if p.is_file() and p.suffix in (".safetensors", ".bin", ".gguf", ".json")
+    )
+    stamp = (
+        [f"{p.relative_to(path)}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in files]
+        if path.is_dir()
+        else [f"{path.stat().st_size}|{path.stat().st_mtime_ns}"]
+    )
     return f"{path.resolve()}#" + hashlib.sha256("\n".join(stamp).encode()).hexdigest()[:16]
 
 
@@ -248,11 +303,15 @@ def prepare_inputs(settings: SuiteSettings, tokenizer) -> dict:
 
     ids, sha = {}, {}
     for corpus in settings.corpora:
-        held = prepare_corpus(corpus, tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0).heldout_ids[: settings.max_tokens]
+        held = prepare_corpus(
+            corpus, tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0
+        ).heldout_ids[: settings.max_tokens]
         need = max(settings.windows) // 2 + 2
         if held.numel() < need:
-            raise DataError(f"corpus {corpus!r} has {held.numel()} held-out tokens, too few for windows up to {max(settings.windows)}",
-                            f"use corpora with at least {need} held-out tokens, or smaller windows")  # fmt: skip
+            raise DataError(
+                f"corpus {corpus!r} has {held.numel()} held-out tokens, too few for windows up to {max(settings.windows)}",
+                f"use corpora with at least {need} held-out tokens, or smaller windows",
+            )
         ids[corpus] = held
         sha[corpus] = hashlib.sha256(held.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
     essay, essay_sha = None, None
@@ -267,39 +326,80 @@ def _device(model):
     return str(next(model.parameters()).device)
 
 
-def score_unit(unit: Unit, model, tokenizer, settings: SuiteSettings, inputs: dict, progress: bool = True) -> dict:
+def score_unit(
+    unit: Unit, model, tokenizer, settings: SuiteSettings, inputs: dict, progress: bool = True
+) -> dict:
     """One model's scores of one unit: {row id: {value, se, n, cpu_seconds, wall_seconds, ...}}."""
     cpu, wall = time.process_time(), time.time()
     if unit.kind == "ppl":
         from attn2ssm.eval.perplexity import perplexity
 
         corpus, window = unit.params
-        r = perplexity(model, inputs["ids"][corpus], window=window, stride=window // 2, batch_size=max(1, 4096 // window), progress=progress, desc=f"{corpus} @{window}")
+        r = perplexity(
+            model,
+            inputs["ids"][corpus],
+            window=window,
+            stride=window // 2,
+            batch_size=max(1, 4096 // window),
+            progress=progress,
+            desc=f"{corpus} @{window}",
+        )
         out = {unit.id: {"value": r["ppl"], "se": None, "n": r["tokens"], "nll": r["nll"]}}
     elif unit.kind == "task":
         from attn2ssm.eval.harness import run_lm_eval
 
         spec = unit.params[0]
-        record = run_lm_eval(model, [spec.task], samples=task_samples(spec, settings.seed), num_fewshot=spec.shots, tokenizer=tokenizer,
-                             batch_size=settings.batch_size, device=_device(model), bootstrap_iters=0, max_gen_toks=settings.max_gen_toks)  # fmt: skip
+        record = run_lm_eval(
+            model,
+            [spec.task],
+            samples=task_samples(spec, settings.seed),
+            num_fewshot=spec.shots,
+            tokenizer=tokenizer,
+            batch_size=settings.batch_size,
+            device=_device(model),
+            bootstrap_iters=0,
+            max_gen_toks=settings.max_gen_toks,
+        )
         value, n = pooled_accuracy(record, spec.metric)
         out = {unit.id: {"value": value, "se": binomial_se(value, n), "n": n}}
     else:
         from attn2ssm.eval.needle import niah_grid
 
         form, length = unit.params
-        g = niah_grid(model, tokenizer, form, [length], settings.niah_trials, seed=settings.seed, essay=inputs["essay"], progress=progress, desc=f"{form} @{length}")
+        g = niah_grid(
+            model,
+            tokenizer,
+            form,
+            [length],
+            settings.niah_trials,
+            seed=settings.seed,
+            essay=inputs["essay"],
+            progress=progress,
+            desc=f"{form} @{length}",
+        )
         n, acc, rec = settings.niah_trials, g["accuracy"][str(length)], g["recall"][str(length)]
-        out = {unit.id: {"value": acc, "se": binomial_se(acc, n), "n": n, "example": g["examples"][0]},
-               f"{unit.id}/recall": {"value": rec, "se": binomial_se(rec, n), "n": n}}  # fmt: skip
+        out = {
+            unit.id: {"value": acc, "se": binomial_se(acc, n), "n": n, "example": g["examples"][0]},
+            f"{unit.id}/recall": {"value": rec, "se": binomial_se(rec, n), "n": n},
+        }
     cost = {"cpu_seconds": time.process_time() - cpu, "wall_seconds": time.time() - wall}
-    for i, scores in enumerate(out.values()):  # the unit's cost goes to its first row (recall comes with the greedy run)
+    for i, scores in enumerate(
+        out.values()
+    ):  # the unit's cost goes to its first row (recall comes with the greedy run)
         scores.update(cost if i == 0 else {"cpu_seconds": 0.0, "wall_seconds": 0.0})
     return out
 
 
-def score_side(model, tokenizer, settings: SuiteSettings, inputs: dict, cache: SideCache | None = None, progress: bool = True,
-               on_unit=None, loader=None) -> dict:  # fmt: skip
+def score_side(
+    model,
+    tokenizer,
+    settings: SuiteSettings,
+    inputs: dict,
+    cache: SideCache | None = None,
+    progress: bool = True,
+    on_unit=None,
+    loader=None,
+) -> dict:
     """Every unit of the suite for one model (from ``cache`` where it holds the unit); ``on_unit``
     is called after each unit with the scores so far (a killed run keeps its finished units).
     ``model`` may be None with a ``loader`` that returns it: it is called only if a unit is not cached."""
@@ -349,9 +449,30 @@ def pair_rows(settings: SuiteSettings, teacher: dict, student: dict) -> list[dic
         t, s = teacher.get(rid), student.get(rid)
         if t is None and s is None:
             continue
-        cpu = {side: (None if (x is None or x.get("cached")) else x.get("cpu_seconds")) for side, x in (("teacher", t), ("student", s))}
-        extra = {"id": rid, **({"domain": DOMAINS[rid.split("/")[1]]} if rid.startswith("ppl/") and rid.split("/")[1] in DOMAINS else {}), "teacher_se": (t or {}).get("se"), "student_se": (s or {}).get("se"), "n": (s or t)["n"], "cpu_seconds": cpu}
-        row = _row(group, metric, None if t is None else t["value"], None if s is None else s["value"], higher, **extra)
+        cpu = {
+            side: (None if (x is None or x.get("cached")) else x.get("cpu_seconds"))
+            for side, x in (("teacher", t), ("student", s))
+        }
+        extra = {
+            "id": rid,
+            **(
+                {"domain": DOMAINS[rid.split("/")[1]]}
+                if rid.startswith("ppl/") and rid.split("/")[1] in DOMAINS
+                else {}
+            ),
+            "teacher_se": (t or {}).get("se"),
+            "student_se": (s or {}).get("se"),
+            "n": (s or t)["n"],
+            "cpu_seconds": cpu,
+        }
+        row = _row(
+            group,
+            metric,
+            None if t is None else t["value"],
+            None if s is None else s["value"],
+            higher,
+            **extra,
+        )
         if rid.startswith("ppl/") and t and s:
             row["ratio"] = s["value"] / t["value"]  # student / teacher perplexity, the papers' form
         rows.append(row)
@@ -361,14 +482,28 @@ def pair_rows(settings: SuiteSettings, teacher: dict, student: dict) -> list[dic
 def anchors_table(rows: list[dict], settings: SuiteSettings) -> list[str]:
     """The tasks in the anchors' format: task columns; teacher, student and recovered rows."""
     by_id = {r["id"]: r for r in rows}
-    cols = [(t.label or t.name, f"task/{t.task}/{t.shots}") for t in settings.tasks if t.shots == 0 and t.task != "mmlu"]
+    cols = [
+        (t.label or t.name, f"task/{t.task}/{t.shots}")
+        for t in settings.tasks
+        if t.shots == 0 and t.task != "mmlu"
+    ]
     core = [rid for _, rid in cols if rid in by_id]
     cols.append(("avg (core)", None))
-    cols += [(t.label or t.name, f"task/{t.task}/{t.shots}") for t in settings.tasks if t.task == "mmlu" or t.shots]
+    cols += [
+        (t.label or t.name, f"task/{t.task}/{t.shots}") for t in settings.tasks if t.task == "mmlu" or t.shots
+    ]
     if settings.generation is not None:
-        cols.append((settings.generation.label or settings.generation.name, f"task/{settings.generation.task}/{settings.generation.shots}"))
+        cols.append(
+            (
+                settings.generation.label or settings.generation.name,
+                f"task/{settings.generation.task}/{settings.generation.shots}",
+            )
+        )
     longest = max(settings.niah_lengths) if settings.niah_lengths else None
-    cols += [(f"{f.replace('niah_single_', 'NIAH-')} @{longest}", f"niah/{f}/{longest}") for f in settings.niah_forms]
+    cols += [
+        (f"{f.replace('niah_single_', 'NIAH-')} @{longest}", f"niah/{f}/{longest}")
+        for f in settings.niah_forms
+    ]
 
     def cell(side: str, rid: str | None) -> float | None:
         if rid is None:  # the core average, over the core tasks scored
@@ -414,7 +549,13 @@ def summary(rows: list[dict], settings: SuiteSettings) -> list[tuple[str, float 
             out.append((t.label or t.name, mean([rid], "teacher"), mean([rid], "student")))
     if settings.generation is not None:
         rid = f"task/{settings.generation.task}/{settings.generation.shots}"
-        out.append((settings.generation.label or settings.generation.name, mean([rid], "teacher"), mean([rid], "student")))
+        out.append(
+            (
+                settings.generation.label or settings.generation.name,
+                mean([rid], "teacher"),
+                mean([rid], "student"),
+            )
+        )
     if settings.niah_lengths:
         longest = max(settings.niah_lengths)
         ids = [f"niah/{f}/{longest}" for f in settings.niah_forms]
@@ -424,7 +565,13 @@ def summary(rows: list[dict], settings: SuiteSettings) -> list[tuple[str, float 
         w = max(settings.windows)
         ids = [f"ppl/{c}/{w}" for c in other]
         t, st = mean(ids, "teacher", True), mean(ids, "student", True)
-        out.append((f"ppl ratio, other domains @{w}", 1.0 if t else None, None if t is None or st is None else st / t))
+        out.append(
+            (
+                f"ppl ratio, other domains @{w}",
+                1.0 if t else None,
+                None if t is None or st is None else st / t,
+            )
+        )
     return out
 
 
@@ -444,7 +591,7 @@ def format_suite_markdown(report: dict) -> str:
         (
             "Every row: the score, and where it is a mean over items (an accuracy, in %) ± its standard error in points (binomial: sqrt(p (1 - p) / n)); "
             "n = items (documents, trials), or scored tokens for perplexity; recovered = student / teacher (teacher / student for "
-            "perplexity); CPU s = process CPU seconds each side cost on this machine (\"cached\": the teacher's unit came from the cache; "
+            'perplexity); CPU s = process CPU seconds each side cost on this machine ("cached": the teacher\'s unit came from the cache; '
             "a needle's recall is computed with its greedy run)."
         ),
         "",
@@ -470,16 +617,36 @@ def settings_from_dict(d: dict) -> SuiteSettings:
     return SuiteSettings(**d)
 
 
-def suite_report(settings: SuiteSettings, teacher_spec: str, student_path: str, teacher_scores: dict, student_scores: dict, branch: str = "both") -> dict:
+def suite_report(
+    settings: SuiteSettings,
+    teacher_spec: str,
+    student_path: str,
+    teacher_scores: dict,
+    student_scores: dict,
+    branch: str = "both",
+) -> dict:
     import torch
 
     from attn2ssm.eval.report import environment
 
     rows = pair_rows(settings, teacher_scores, student_scores)
-    cost = {side: sum(s.get("cpu_seconds", 0.0) for s in scores.values() if not s.get("cached")) for side, scores in (("teacher", teacher_scores), ("student", student_scores))}
-    return {"student": str(student_path), "teacher": teacher_spec, "suite": settings.name, "branch": branch, "rows": rows, "settings": settings.as_dict(),
-            "cpu_seconds": cost, "threads": torch.get_num_threads(), "environment": environment(),
-            "teacher_scores": teacher_scores, "student_scores": student_scores}  # fmt: skip
+    cost = {
+        side: sum(s.get("cpu_seconds", 0.0) for s in scores.values() if not s.get("cached"))
+        for side, scores in (("teacher", teacher_scores), ("student", student_scores))
+    }
+    return {
+        "student": str(student_path),
+        "teacher": teacher_spec,
+        "suite": settings.name,
+        "branch": branch,
+        "rows": rows,
+        "settings": settings.as_dict(),
+        "cpu_seconds": cost,
+        "threads": torch.get_num_threads(),
+        "environment": environment(),
+        "teacher_scores": teacher_scores,
+        "student_scores": student_scores,
+    }
 
 
 def write_suite_report(report: dict, out_dir: Path) -> None:
@@ -489,15 +656,26 @@ def write_suite_report(report: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "suite.json", json.dumps(report, indent=1, default=str) + "\n")
     atomic_write_text(out_dir / "suite.md", format_suite_markdown(report))
-    plot_recovered(report["rows"], out_dir / "suite.png", f"{Path(str(report['student'])).name} vs {report['teacher']} (suite {report['suite']})")
+    plot_recovered(
+        report["rows"],
+        out_dir / "suite.png",
+        f"{Path(str(report['student'])).name} vs {report['teacher']} (suite {report['suite']})",
+    )
 
 
 def _branch_label(branch: str) -> str:
     return "" if branch == "both" else f" ({branch} branch only)"
 
 
-def run_suite(student_path: str, teacher_spec: str | None, out_dir: Path, settings: SuiteSettings, cache_dir: Path | None = None,
-              progress: bool = True, branch: str = "both") -> dict:  # fmt: skip
+def run_suite(
+    student_path: str,
+    teacher_spec: str | None,
+    out_dir: Path,
+    settings: SuiteSettings,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+    branch: str = "both",
+) -> dict:
     """Score teacher (cached per unit in ``cache_dir``, default ``<attn2ssm cache>/suite``) and
     student on the suite; write suite.json / suite.md / suite.png to ``out_dir`` after every unit.
     ``branch`` (both | window | linear) runs a LoLCATs-style student's mixers with one branch only
@@ -509,15 +687,22 @@ def run_suite(student_path: str, teacher_spec: str | None, out_dir: Path, settin
     from attn2ssm.mixers.linear_attention import set_window_branch
 
     student, tokenizer = load_model_and_tokenizer(student_path)
-    set_window_branch(student, branch, str(student_path))  # a student without a window branch: one line, before the teacher loads
+    set_window_branch(
+        student, branch, str(student_path)
+    )  # a student without a window branch: one line, before the teacher loads
     teacher, _ = load_model_and_tokenizer(teacher_spec)
     longest = max([*settings.windows, *settings.niah_lengths])
     for name, m in ((student_path, student), (teacher_spec, teacher)):
         limit = position_limit(m.config)
         if limit is not None and longest > limit:
-            raise ConfigError(f"{name} reads at most {limit} positions, and the suite needs {longest}", "evaluate a model with a longer context")
+            raise ConfigError(
+                f"{name} reads at most {limit} positions, and the suite needs {longest}",
+                "evaluate a model with a longer context",
+            )
     inputs = prepare_inputs(settings, tokenizer)
-    cache = SideCache(Path(cache_dir) if cache_dir else default_cache() / "suite", model_identity(teacher_spec))
+    cache = SideCache(
+        Path(cache_dir) if cache_dir else default_cache() / "suite", model_identity(teacher_spec)
+    )
     teacher_scores = score_side(teacher, tokenizer, settings, inputs, cache, progress)
     del teacher
 

@@ -34,10 +34,19 @@ from pathlib import Path
 import torch
 
 from attn2ssm.errors import ConfigError, ExportError
-from attn2ssm.export.llamacpp import OUTTYPES, QUANTIZE_TYPES, converter_dir, load_runtime, logits_in_subprocess, read_metadata, set_metadata, to_gguf
-from attn2ssm.paths import check_writable, remove_stale_staging, staging_beside, writing
+from attn2ssm.export.llamacpp import (
+    OUTTYPES,
+    QUANTIZE_TYPES,
+    converter_dir,
+    load_runtime,
+    logits_in_subprocess,
+    read_metadata,
+    set_metadata,
+    to_gguf,
+)
 from attn2ssm.export.native import export_native
 from attn2ssm.export.native_qwen35 import QWEN35_CLASS
+from attn2ssm.paths import check_writable, remove_stale_staging, staging_beside, writing
 
 PROBE_LENGTH = 24
 
@@ -47,9 +56,13 @@ class GGUFExport:
     out: Path
     outtype: str
     layer_types: list[str]  # the student's layers ("mamba" / "attention")
-    identity_layers: list[int]  # layers added for llama.cpp that compute the identity (a pure student's one attention layer)
+    identity_layers: list[
+        int
+    ]  # layers added for llama.cpp that compute the identity (a pure student's one attention layer)
     native_max_abs_diff: float  # the llama.cpp-form GraniteMoeHybrid vs the student, fp32, in transformers
-    llama_cpp_max_abs_diff: float | None  # the GGUF in llama.cpp vs the student (None: llama_cpp not importable)
+    llama_cpp_max_abs_diff: (
+        float | None
+    )  # the GGUF in llama.cpp vs the student (None: llama_cpp not importable)
     logit_scale: float  # max |student logit| on the probe, to read the differences against
     bytes: int
     notes: list[str] = field(default_factory=list)
@@ -73,58 +86,114 @@ def compare_in_llama_cpp(student, gguf: Path, length: int = PROBE_LENGTH) -> tup
     return float((theirs - mine).abs().max()), float(mine.abs().max())
 
 
-def export_gguf(student_dir: str | Path, out: str | Path, *, outtype: str = "f16", force: bool = False, threads: int | None = None, verify: bool = True) -> GGUFExport:
+def export_gguf(
+    student_dir: str | Path,
+    out: str | Path,
+    *,
+    outtype: str = "f16",
+    force: bool = False,
+    threads: int | None = None,
+    verify: bool = True,
+) -> GGUFExport:
     """Write the student in ``student_dir`` as one GGUF file ``out`` of ``outtype`` (``OUTTYPES``).
     Refused before anything runs when the student does not map exactly onto llama.cpp's
     GraniteHybrid; staged beside ``out`` and moved into place only when every step passed."""
-    from attn2ssm.student.modeling import Attn2SSMForCausalLM  # heavy: transformers (this module imports torch only)
+    from attn2ssm.student.modeling import (
+        Attn2SSMForCausalLM,
+    )  # heavy: transformers (this module imports torch only)
 
     out = Path(out)
     if outtype not in OUTTYPES:
-        raise ConfigError(f"--outtype {outtype!r} is not a GGUF type here", f"choose one of {', '.join(OUTTYPES)}")
+        raise ConfigError(
+            f"--outtype {outtype!r} is not a GGUF type here", f"choose one of {', '.join(OUTTYPES)}"
+        )
     if out.suffix != ".gguf":
-        raise ConfigError(f"--out {out} does not end in .gguf", "give the GGUF file to write, e.g. --out student-f16.gguf")
+        raise ConfigError(
+            f"--out {out} does not end in .gguf", "give the GGUF file to write, e.g. --out student-f16.gguf"
+        )
     if out.is_dir():
-        raise ConfigError(f"--out {out} is a directory", "give the GGUF file to write, e.g. --out student-f16.gguf")
+        raise ConfigError(
+            f"--out {out} is a directory", "give the GGUF file to write, e.g. --out student-f16.gguf"
+        )
     if out.exists() and not force:
-        raise ConfigError(f"--out {out} already exists", "pass --force to replace it, or choose another --out")
+        raise ConfigError(
+            f"--out {out} already exists", "pass --force to replace it, or choose another --out"
+        )
     converter_dir()  # the converter missing: one line naming make llama-cpp, before any work
     if outtype in QUANTIZE_TYPES:
         load_runtime()
     check_writable(out)
     remove_stale_staging(out.parent)  # what a killed export left beside it
-    with writing(out, "the GGUF file", "run the command again (what --out held is unchanged)"), staging_beside(out, "export") as tmp:
-        native = export_native(student_dir, tmp / "native", llama_cpp=True)  # refuses what llama.cpp cannot run exactly
+    with (
+        writing(out, "the GGUF file", "run the command again (what --out held is unchanged)"),
+        staging_beside(out, "export") as tmp,
+    ):
+        native = export_native(
+            student_dir, tmp / "native", llama_cpp=True
+        )  # refuses what llama.cpp cannot run exactly
         qwen35 = native.cls == QWEN35_CLASS
-        staged = to_gguf(tmp / "native", tmp / "model.gguf", outtype, tmp, threads, converter_args=("--no-mtp",) if qwen35 else ())
+        staged = to_gguf(
+            tmp / "native",
+            tmp / "model.gguf",
+            outtype,
+            tmp,
+            threads,
+            converter_args=("--no-mtp",) if qwen35 else (),
+        )
         notes = []
         if qwen35 and native.identity_layers:
-            notes.append(f"llama.cpp aborts on a qwen35 without attention layers (GGML_ASSERT(buffer): its hybrid memory's attention inputs), so layer {native.identity_layers[0]} is an identity layer "
-                         "(attention and MLP with zero weights: exact, one layer's KV cache and ~2% more weights)")  # fmt: skip
+            notes.append(
+                f"llama.cpp aborts on a qwen35 without attention layers (GGML_ASSERT(buffer): its hybrid memory's attention inputs), so layer {native.identity_layers[0]} is an identity layer "
+                "(attention and MLP with zero weights: exact, one layer's KV cache and ~2% more weights)"
+            )
         if "mamba" in native.layer_types:
-            notes.append("llama.cpp's GraniteHybrid runs Mamba-2 at expand 2: the Mamba layers carry as many zero heads as real ones (exact, at twice the mixer width)")
+            notes.append(
+                "llama.cpp's GraniteHybrid runs Mamba-2 at expand 2: the Mamba layers carry as many zero heads as real ones (exact, at twice the mixer width)"
+            )
         if native.identity_layers and not qwen35:
-            notes.append(f"llama.cpp aborts on a GraniteHybrid without attention layers, so layer {native.identity_layers[0]} is an identity layer "
-                         "(attention and MLP with zero weights: exact, one layer's KV cache and ~2% more weights)")  # fmt: skip
+            notes.append(
+                f"llama.cpp aborts on a GraniteHybrid without attention layers, so layer {native.identity_layers[0]} is an identity layer "
+                "(attention and MLP with zero weights: exact, one layer's KV cache and ~2% more weights)"
+            )
         if "mamba" in native.layer_types and ("attention" in native.layer_types or native.identity_layers):
             arch = read_metadata(staged)["general.architecture"]
-            context = int(json.loads((tmp / "native" / "config.json").read_text(encoding="utf-8"))["max_position_embeddings"])
+            context = int(
+                json.loads((tmp / "native" / "config.json").read_text(encoding="utf-8"))[
+                    "max_position_embeddings"
+                ]
+            )
             set_metadata(staged, f"{arch}.context_length", context)  # the converter's NoPE reading wrote 2^20
             if "attention" in native.layer_types:
                 set_metadata(staged, f"{arch}.rope.scaling.finetuned", "true")
-                notes.append(f"the converter reads GraniteMoeHybrid hybrids as NoPE; {arch}.rope.scaling.finetuned (llama.cpp's RoPE switch) "
-                             f"set back to true and the context length to {context}")  # fmt: skip
+                notes.append(
+                    f"the converter reads GraniteMoeHybrid hybrids as NoPE; {arch}.rope.scaling.finetuned (llama.cpp's RoPE switch) "
+                    f"set back to true and the context length to {context}"
+                )
         diff, scale = None, 0.0
         if verify and _runtime_available():
             student = Attn2SSMForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
             diff, scale = compare_in_llama_cpp(student, staged)
             if outtype == "f32" and not diff <= llama_cpp_tolerance(scale):
-                raise ExportError(f"the GGUF's logits in llama.cpp differ from the student's by {diff:.3g} on a probe (tolerance {llama_cpp_tolerance(scale):.3g})",
-                                  "nothing was written; this is a bug in the map or a llama.cpp change: report it with the student's config.json")  # fmt: skip
+                raise ExportError(
+                    f"the GGUF's logits in llama.cpp differ from the student's by {diff:.3g} on a probe (tolerance {llama_cpp_tolerance(scale):.3g})",
+                    "nothing was written; this is a bug in the map or a llama.cpp change: report it with the student's config.json",
+                )
         elif verify:
-            notes.append("llama_cpp is not importable, so the GGUF was not run: 'make llama-cpp' builds it and export checks the logits")
+            notes.append(
+                "llama_cpp is not importable, so the GGUF was not run: 'make llama-cpp' builds it and export checks the logits"
+            )
         os.replace(staged, out)
-    return GGUFExport(out, outtype, native.layer_types, native.identity_layers, native.max_abs_diff, diff, scale, out.stat().st_size, notes)
+    return GGUFExport(
+        out,
+        outtype,
+        native.layer_types,
+        native.identity_layers,
+        native.max_abs_diff,
+        diff,
+        scale,
+        out.stat().st_size,
+        notes,
+    )
 
 
 def _runtime_available() -> bool:

@@ -31,7 +31,9 @@ CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")  # convert_hf_to_gguf.py --outt
 # Further types through llama_model_quantize (name → llama_ftype; llama.h's LLAMA_FTYPE_MOSTLY_*).
 QUANTIZE_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
 OUTTYPES = (*CONVERTER_TYPES, *QUANTIZE_TYPES)
-_MAKE = "run 'make llama-cpp' (downloads the llama-cpp-python sdist, builds it into the venv: ~8 min on 2 cores)"
+_MAKE = (
+    "run 'make llama-cpp' (downloads the llama-cpp-python sdist, builds it into the venv: ~8 min on 2 cores)"
+)
 
 
 class LlamaCppMissing(Attn2SSMError):
@@ -59,12 +61,18 @@ def converter_dir() -> Path:
     if env:
         root = Path(env).expanduser()
         if not (root / "convert_hf_to_gguf.py").is_file():
-            raise LlamaCppMissing(f"$ATTN2SSM_LLAMA_CPP={env} has no convert_hf_to_gguf.py", "point it at a llama.cpp checkout, or unset it and " + _MAKE)
+            raise LlamaCppMissing(
+                f"$ATTN2SSM_LLAMA_CPP={env} has no convert_hf_to_gguf.py",
+                "point it at a llama.cpp checkout, or unset it and " + _MAKE,
+            )
         return root
     version = runtime_version() or LLAMA_CPP_PYTHON
     root = llama_cpp_source_dir(version) / "vendor" / "llama.cpp"
     if not (root / "convert_hf_to_gguf.py").is_file():
-        raise LlamaCppMissing(f"llama.cpp's converter (llama-cpp-python {version}'s convert_hf_to_gguf.py) is not in {root.parent.parent}", _MAKE)
+        raise LlamaCppMissing(
+            f"llama.cpp's converter (llama-cpp-python {version}'s convert_hf_to_gguf.py) is not in {root.parent.parent}",
+            _MAKE,
+        )
     return root
 
 
@@ -73,7 +81,9 @@ def load_runtime():
     try:
         import llama_cpp  # optional: llama-cpp-python ('make llama-cpp')
     except ImportError as exc:
-        raise LlamaCppMissing(f"llama-cpp-python is not importable ({exc.__class__.__name__}: {exc})", _MAKE) from None
+        raise LlamaCppMissing(
+            f"llama-cpp-python is not importable ({exc.__class__.__name__}: {exc})", _MAKE
+        ) from None
     return llama_cpp
 
 
@@ -83,18 +93,34 @@ def _run(cmd: list[str], what: str) -> str:
     if result.returncode != 0:
         lines = [line.strip() for line in (result.stderr + result.stdout).splitlines() if line.strip()]
         errors = [line for line in lines if "Error" in line or "error" in line] or lines
-        raise Attn2SSMError(f"{what} failed (exit {result.returncode}): {(errors or ['no output'])[-1][:300]}",
-                           "see the message; run the command by hand for the full log: " + " ".join(cmd))  # fmt: skip
+        raise Attn2SSMError(
+            f"{what} failed (exit {result.returncode}): {(errors or ['no output'])[-1][:300]}",
+            "see the message; run the command by hand for the full log: " + " ".join(cmd),
+        )
     return result.stderr
 
 
-def convert_hf(hf_dir: str | Path, out: str | Path, outtype: str = "f16", converter_args: tuple[str, ...] = ()) -> Path:
+def convert_hf(
+    hf_dir: str | Path, out: str | Path, outtype: str = "f16", converter_args: tuple[str, ...] = ()
+) -> Path:
     """A transformers checkpoint directory to a GGUF file through llama.cpp's own converter
     (``outtype`` one of ``CONVERTER_TYPES``; the others through ``quantize`` after an f32 pass);
     ``converter_args``: more of its flags (e.g. ``--no-mtp`` for a Qwen3.5 without MTP layers)."""
     if outtype not in CONVERTER_TYPES:
-        raise Attn2SSMError(f"{outtype!r} is not one of the converter's outtypes {CONVERTER_TYPES}", "convert to f32, then quantize()")
-    cmd = [sys.executable, str(converter_dir() / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out), "--outtype", outtype, *converter_args]
+        raise Attn2SSMError(
+            f"{outtype!r} is not one of the converter's outtypes {CONVERTER_TYPES}",
+            "convert to f32, then quantize()",
+        )
+    cmd = [
+        sys.executable,
+        str(converter_dir() / "convert_hf_to_gguf.py"),
+        str(hf_dir),
+        "--outfile",
+        str(out),
+        "--outtype",
+        outtype,
+        *converter_args,
+    ]
     _run(cmd, "llama.cpp's convert_hf_to_gguf.py")
     return Path(out)
 
@@ -103,7 +129,10 @@ def set_metadata(path: str | Path, key: str, value) -> None:
     """Set one scalar metadata value of a GGUF file in place with llama.cpp's gguf_set_metadata.py."""
     root = converter_dir()
     script = root / "gguf-py" / "gguf" / "scripts" / "gguf_set_metadata.py"
-    _run([sys.executable, str(script), str(path), key, str(value), "--force"], f"llama.cpp's gguf_set_metadata.py ({key})")
+    _run(
+        [sys.executable, str(script), str(path), key, str(value), "--force"],
+        f"llama.cpp's gguf_set_metadata.py ({key})",
+    )
 
 
 def read_metadata(path: str | Path) -> dict:
@@ -118,9 +147,14 @@ def read_metadata(path: str | Path) -> dict:
         "        out[k] = v if isinstance(v, (int, float, str, bool)) else str(v)\n"
         "print(json.dumps(out))"
     )
-    result = subprocess.run([sys.executable, "-c", code, str(root / "gguf-py"), str(path)], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(root / "gguf-py"), str(path)], capture_output=True, text=True
+    )
     if result.returncode != 0:
-        raise Attn2SSMError(f"could not read {path}'s GGUF metadata: {(result.stderr.strip().splitlines() or ['?'])[-1]}", "check that it is a GGUF file")
+        raise Attn2SSMError(
+            f"could not read {path}'s GGUF metadata: {(result.stderr.strip().splitlines() or ['?'])[-1]}",
+            "check that it is a GGUF file",
+        )
     return json.loads(result.stdout)
 
 
@@ -128,17 +162,29 @@ def quantize(src: str | Path, dst: str | Path, qtype: str, threads: int | None =
     """``src`` (an f32/f16 GGUF) quantised to ``qtype`` (``QUANTIZE_TYPES``) with llama.cpp's
     ``llama_model_quantize``; llama.cpp keeps the tensors it does not quantise (norms, SSM A/D/conv) as they are."""
     if qtype not in QUANTIZE_TYPES:
-        raise Attn2SSMError(f"{qtype!r} is not a quantisation type here", f"choose one of {', '.join(QUANTIZE_TYPES)}")
+        raise Attn2SSMError(
+            f"{qtype!r} is not a quantisation type here", f"choose one of {', '.join(QUANTIZE_TYPES)}"
+        )
     llama_cpp = load_runtime()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = QUANTIZE_TYPES[qtype]
     params.nthread = threads or 0
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
-        raise Attn2SSMError(f"llama_model_quantize could not write {qtype} from {src}", "check that the source is an f32/f16/bf16 GGUF")
+        raise Attn2SSMError(
+            f"llama_model_quantize could not write {qtype} from {src}",
+            "check that the source is an f32/f16/bf16 GGUF",
+        )
     return Path(dst)
 
 
-def to_gguf(hf_dir: str | Path, out: str | Path, outtype: str, work: str | Path, threads: int | None = None, converter_args: tuple[str, ...] = ()) -> Path:
+def to_gguf(
+    hf_dir: str | Path,
+    out: str | Path,
+    outtype: str,
+    work: str | Path,
+    threads: int | None = None,
+    converter_args: tuple[str, ...] = (),
+) -> Path:
     """``hf_dir`` → ``out`` at ``outtype`` (any of ``OUTTYPES``): the converter, then ``quantize``
     from f32 where the converter has no such type. ``work``: a folder for the f32 intermediate."""
     if outtype in CONVERTER_TYPES:
@@ -184,30 +230,59 @@ def logits_in_subprocess(path: str | Path, tokens: list[int]):
     load_runtime()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.npy"
-        result = subprocess.run([sys.executable, "-c", _LOGITS, str(path), ",".join(map(str, tokens)), str(out)], capture_output=True, text=True)
+        result = subprocess.run(
+            [sys.executable, "-c", _LOGITS, str(path), ",".join(map(str, tokens)), str(out)],
+            capture_output=True,
+            text=True,
+        )
         if result.returncode != 0 or not out.exists():
-            lines = [line.strip() for line in result.stderr.splitlines() if "GGML_ASSERT" in line or "Error" in line] or result.stderr.strip().splitlines()[-1:]
-            raise Attn2SSMError(f"llama.cpp could not run {Path(path).name} (exit {result.returncode}): {(lines or ['no output'])[0][:300]}",
-                                "the GGUF is not usable in this llama.cpp; report it with the student's config.json")  # fmt: skip
+            lines = [
+                line.strip()
+                for line in result.stderr.splitlines()
+                if "GGML_ASSERT" in line or "Error" in line
+            ] or result.stderr.strip().splitlines()[-1:]
+            raise Attn2SSMError(
+                f"llama.cpp could not run {Path(path).name} (exit {result.returncode}): {(lines or ['no output'])[0][:300]}",
+                "the GGUF is not usable in this llama.cpp; report it with the student's config.json",
+            )
         return np.load(out)
 
 
 _GGML_TYPES = {"f32": 0, "f16": 1}  # ggml.h's GGML_TYPE_F32 / GGML_TYPE_F16
+
+
 class GGUFModel:
     """One GGUF in ``llama_cpp.Llama`` with a context of ``n_ctx`` tokens: feed tokens, read the last
     token's logits, save and restore the whole context state (KV cells and recurrent states)."""
 
-    def __init__(self, path: str | Path, n_ctx: int, threads: int | None = None, *, logits_all: bool = False, flash_attn: bool = True,
-                 n_batch: int = 512, kv_type: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        path: str | Path,
+        n_ctx: int,
+        threads: int | None = None,
+        *,
+        logits_all: bool = False,
+        flash_attn: bool = True,
+        n_batch: int = 512,
+        kv_type: str | None = None,
+    ):
         """``kv_type``: the KV cache's type, "f32" or "f16" (None: llama.cpp's default, f16)."""
         llama_cpp = load_runtime()
         self._lib = llama_cpp
         self.path = Path(path)
         kv = {} if kv_type is None else {"type_k": _GGML_TYPES[kv_type], "type_v": _GGML_TYPES[kv_type]}
         self.llm = llama_cpp.Llama(
-            model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads, n_threads_batch=threads,
-            logits_all=logits_all, flash_attn=flash_attn, verbose=False, **kv,
-        )  # fmt: skip
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_batch=n_batch,
+            n_ubatch=n_batch,
+            n_threads=threads,
+            n_threads_batch=threads,
+            logits_all=logits_all,
+            flash_attn=flash_attn,
+            verbose=False,
+            **kv,
+        )
         self.n_vocab = self.llm.n_vocab()
 
     def feed(self, tokens: list[int]) -> None:
@@ -251,7 +326,9 @@ class GGUFModel:
         lib = self._lib
         buf = (lib.ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if lib.llama_state_set_data(self.llm.ctx, buf, len(data)) != len(data):
-            raise Attn2SSMError(f"llama.cpp could not restore a saved state of {self.path.name}", "this is a bug: report it")
+            raise Attn2SSMError(
+                f"llama.cpp could not restore a saved state of {self.path.name}", "this is a bug: report it"
+            )
         self.llm.n_tokens = n_tokens
 
     def close(self) -> None:

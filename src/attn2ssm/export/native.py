@@ -63,7 +63,13 @@ import torch
 
 from attn2ssm.adapters import get_adapter
 from attn2ssm.errors import CheckpointError, ConfigError, ExportError
-from attn2ssm.export.native_qwen35 import QWEN35_CLASS, qwen35_notes, qwen35_problem, to_qwen35, torch_reference_kernels
+from attn2ssm.export.native_qwen35 import (
+    QWEN35_CLASS,
+    qwen35_notes,
+    qwen35_problem,
+    to_qwen35,
+    torch_reference_kernels,
+)
 from attn2ssm.mixers.ssm_common import GATE_IDENTITY_BIAS
 from attn2ssm.paths import check_writable, remove_stale_staging, replace_dir, staging_beside, writing
 from attn2ssm.teachers import check_weight_files
@@ -87,14 +93,22 @@ _LAYER_TYPE = {"mamba2": "mamba", "attention": "attention"}
 # ------------------------------------------------------------------------------------ what exports
 def native_target(config) -> str:
     """The class a student exports to: ``QWEN35_CLASS`` when any mixer is gated_delta, else ``NATIVE_CLASS``."""
-    return QWEN35_CLASS if any(config.layer_plan[i] == "gated_delta" for i in config.mixer_layers) else NATIVE_CLASS
+    return (
+        QWEN35_CLASS
+        if any(config.layer_plan[i] == "gated_delta" for i in config.mixer_layers)
+        else NATIVE_CLASS
+    )
 
 
 def _mamba2_options(config) -> dict:
     """The student's effective mamba2 options (its saved ones over the mixer's defaults)."""
     from attn2ssm.mixers.mamba2 import Mamba2Mixer  # heavy: the mixers import transformers
 
-    defaults = {n: p.default for n, p in inspect.signature(Mamba2Mixer.__init__).parameters.items() if p.default is not inspect.Parameter.empty}
+    defaults = {
+        n: p.default
+        for n, p in inspect.signature(Mamba2Mixer.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
     return {**defaults, **((config.mixer_options or {}).get("mamba2") or {})}
 
 
@@ -109,53 +123,98 @@ def native_problem(config) -> tuple[str, str] | None:
     keep_as_is = "keep this student in attn2ssm's format (trust_remote_code=True)"
     if family not in FAMILIES:
         reason = _FAMILY_REASONS.get(family, "its blocks are not Llama-style pre-norm RMSNorm + gated MLP")
-        return f"{NATIVE_CLASS} cannot express {family} blocks: {reason}", f"export students of {', '.join(FAMILIES)} teachers, or {keep_as_is}"
+        return (
+            f"{NATIVE_CLASS} cannot express {family} blocks: {reason}",
+            f"export students of {', '.join(FAMILIES)} teachers, or {keep_as_is}",
+        )
     for i in config.mixer_layers:
         kind = config.layer_plan[i]
         if kind != "mamba2":
-            return (f"layer {i} is a '{kind}' mixer; {NATIVE_CLASS}'s layers are Mamba-2 (SSD) or attention",
-                    "distil with student.mixer: mamba2 and student.mixer_options: {norm: true, norm_eps: auto}")  # fmt: skip
+            return (
+                f"layer {i} is a '{kind}' mixer; {NATIVE_CLASS}'s layers are Mamba-2 (SSD) or attention",
+                "distil with student.mixer: mamba2 and student.mixer_options: {norm: true, norm_eps: auto}",
+            )
     act, eps = base.get("hidden_act", "silu"), base.get("rms_norm_eps")
     if act != "silu":
-        return f"the teacher's MLP activation is {act}; {NATIVE_CLASS} uses one hidden_act for the MLP and the Mamba conv (SiLU)", keep_as_is
+        return (
+            f"the teacher's MLP activation is {act}; {NATIVE_CLASS} uses one hidden_act for the MLP and the Mamba conv (SiLU)",
+            keep_as_is,
+        )
     if base.get("mlp_bias"):
-        return f"the teacher's MLP has biases (mlp_bias: true); {NATIVE_CLASS}'s shared MLP has none", keep_as_is
+        return (
+            f"the teacher's MLP has biases (mlp_bias: true); {NATIVE_CLASS}'s shared MLP has none",
+            keep_as_is,
+        )
     for i, g in enumerate(config.layer_geometry):
         if g["num_heads"] * g["head_dim"] != g["hidden_size"]:
-            return (f"layer {i} has {g['num_heads']} heads × {g['head_dim']} = {g['num_heads'] * g['head_dim']} ≠ hidden_size {g['hidden_size']}; "
-                    f"{NATIVE_CLASS} (and vLLM) take head_dim = hidden_size / heads", keep_as_is)  # fmt: skip
+            return (
+                f"layer {i} has {g['num_heads']} heads × {g['head_dim']} = {g['num_heads'] * g['head_dim']} ≠ hidden_size {g['hidden_size']}; "
+                f"{NATIVE_CLASS} (and vLLM) take head_dim = hidden_size / heads",
+                keep_as_is,
+            )
     if config.mixer_layers:
         o = _mamba2_options(config)
-        fix = "distil with student.mixer_options: {norm: true, norm_eps: auto}" + (f" (auto: the teacher's rms_norm_eps, {eps!r})" if eps is not None else "")
+        fix = "distil with student.mixer_options: {norm: true, norm_eps: auto}" + (
+            f" (auto: the teacher's rms_norm_eps, {eps!r})" if eps is not None else ""
+        )
         if o["sanity"]:
             return "the mixers are in sanity mode (no conv, gate, norm, Δ or A)", fix
         if not o["norm"]:
-            return f"the mamba2 mixers have no gated RMSNorm (norm: false); {NATIVE_CLASS} always normalises y·SiLU(z) per head, so no map is exact", fix
+            return (
+                f"the mamba2 mixers have no gated RMSNorm (norm: false); {NATIVE_CLASS} always normalises y·SiLU(z) per head, so no map is exact",
+                fix,
+            )
         if eps is None or not math.isclose(float(o["norm_eps"]), float(eps), rel_tol=1e-9, abs_tol=0.0):
-            return (f"the mixers' gated RMSNorm uses eps {float(o['norm_eps']):g} but {NATIVE_CLASS} uses the teacher's rms_norm_eps ({eps}) "
-                    "for it and for every block norm", fix)  # fmt: skip
+            return (
+                f"the mixers' gated RMSNorm uses eps {float(o['norm_eps']):g} but {NATIVE_CLASS} uses the teacher's rms_norm_eps ({eps}) "
+                "for it and for every block norm",
+                fix,
+            )
         if not o["d_conv"]:
-            return f"the mixers have no conv (d_conv: 0); {NATIVE_CLASS} always runs one, with SiLU", "distil with student.mixer_options.d_conv: 4 (the default)"
+            return (
+                f"the mixers have no conv (d_conv: 0); {NATIVE_CLASS} always runs one, with SiLU",
+                "distil with student.mixer_options.d_conv: 4 (the default)",
+            )
         if o["conv_activation"] not in ("silu",):
-            return (f"the mixers' conv has no activation (conv_activation: {o['conv_activation']}); {NATIVE_CLASS}'s conv applies hidden_act (SiLU)",
-                    "distil with student.mixer_options.conv_activation: silu (the default)")  # fmt: skip
+            return (
+                f"the mixers' conv has no activation (conv_activation: {o['conv_activation']}); {NATIVE_CLASS}'s conv applies hidden_act (SiLU)",
+                "distil with student.mixer_options.conv_activation: silu (the default)",
+            )
         if o["rope"] != "none":
-            return f"the mixers rotate B and C (rope: {o['rope']}); {NATIVE_CLASS}'s Mamba layers have no RoPE", "distil with student.mixer_options.rope: none (the default)"
+            return (
+                f"the mixers rotate B and C (rope: {o['rope']}); {NATIVE_CLASS}'s Mamba layers have no RoPE",
+                "distil with student.mixer_options.rope: none (the default)",
+            )
     kept = [i for i, kind in enumerate(config.layer_plan) if kind == "attention"]
     global_layers = [i for i, g in enumerate(config.layer_geometry) if g.get("sliding_window") is None]
     for i in kept:
         g = config.layer_geometry[i]
         if g.get("sliding_window") is not None:
-            keep = f"student.keep_attention: {global_layers}" if global_layers else "student.attention_ratio: 0 (a pure Mamba-2 student)"
-            return (f"layer {i} keeps sliding-window attention (window {g['sliding_window']}); {NATIVE_CLASS}'s attention is global",
-                    f"convert the sliding layers too: {keep}")  # fmt: skip
+            keep = (
+                f"student.keep_attention: {global_layers}"
+                if global_layers
+                else "student.attention_ratio: 0 (a pure Mamba-2 student)"
+            )
+            return (
+                f"layer {i} keeps sliding-window attention (window {g['sliding_window']}); {NATIVE_CLASS}'s attention is global",
+                f"convert the sliding layers too: {keep}",
+            )
         if g.get("softcap") is not None or g.get("has_qk_norm"):
-            return f"layer {i} keeps attention with soft-capping or q/k norms, which {NATIVE_CLASS} lacks", keep_as_is
+            return (
+                f"layer {i} keeps attention with soft-capping or q/k norms, which {NATIVE_CLASS} lacks",
+                keep_as_is,
+            )
         if g["rotary_dim"] != g["head_dim"]:
-            return f"layer {i} rotates {g['rotary_dim']} of {g['head_dim']} dims; {NATIVE_CLASS}'s RoPE is full", keep_as_is
+            return (
+                f"layer {i} rotates {g['rotary_dim']} of {g['head_dim']} dims; {NATIVE_CLASS}'s RoPE is full",
+                keep_as_is,
+            )
     scalings = {config.layer_geometry[i]["scaling"] for i in kept}
     if len(scalings) > 1:
-        return f"the kept attention layers scale q·k differently ({sorted(scalings)}); {NATIVE_CLASS} has one attention_multiplier", keep_as_is
+        return (
+            f"the kept attention layers scale q·k differently ({sorted(scalings)}); {NATIVE_CLASS} has one attention_multiplier",
+            keep_as_is,
+        )
     return None
 
 
@@ -168,15 +227,24 @@ def llama_cpp_problem(config) -> tuple[str, str] | None:
     o = _mamba2_options(config)
     fix = "distil with student.mixer_options: {gate: true, gate_bias: false} (and norm: true, norm_eps: auto)"
     if not o["gate"]:
-        return ("the mixers have no gate (gate: false), which the native map writes as a constant gate through the in_proj bias; "
-                "llama.cpp's Mamba-2 in_proj has no bias", fix)  # fmt: skip
+        return (
+            "the mixers have no gate (gate: false), which the native map writes as a constant gate through the in_proj bias; "
+            "llama.cpp's Mamba-2 in_proj has no bias",
+            fix,
+        )
     if o.get("gate_bias", True):
-        return "the mixers' gate has a bias (gate_bias: true, the default); llama.cpp's Mamba-2 in_proj has no bias", fix
+        return (
+            "the mixers' gate has a bias (gate_bias: true, the default); llama.cpp's Mamba-2 in_proj has no bias",
+            fix,
+        )
     for i in config.mixer_layers:
         g = config.layer_geometry[i]
         if g.get("qkv_bias") or g.get("o_bias"):
-            return (f"layer {i}'s mixer keeps the teacher's q/k/v/o biases (x, B, C and out_proj biases); llama.cpp's Mamba-2 has no "
-                    "in_proj or out_proj bias", "export --format native instead (transformers, vLLM)")  # fmt: skip
+            return (
+                f"layer {i}'s mixer keeps the teacher's q/k/v/o biases (x, B, C and out_proj biases); llama.cpp's Mamba-2 has no "
+                "in_proj or out_proj bias",
+                "export --format native instead (transformers, vLLM)",
+            )
     return None
 
 
@@ -199,10 +267,14 @@ def native_config(config, llama_cpp: bool = False):
     kept = [i for i, kind in enumerate(config.layer_plan) if kind == "attention"]
     mixers = config.mixer_layers
     opts = _mamba2_options(config) if mixers else {"d_conv": 4, "chunk_size": 256}
-    biases = any(config.layer_geometry[i].get("qkv_bias") or config.layer_geometry[i].get("o_bias") for i in kept)
+    biases = any(
+        config.layer_geometry[i].get("qkv_bias") or config.layer_geometry[i].get("o_bias") for i in kept
+    )
     expand = 2 if llama_cpp else 1  # h·d = hidden (native_problem), so expand·h heads of head_dim
     identity = llama_cpp and not kept  # the identity attention layer llama.cpp needs (module docstring)
-    layer_types = ["attention" if kind == "attention" else "mamba" for kind in config.layer_plan] + ["attention"] * identity
+    layer_types = ["attention" if kind == "attention" else "mamba" for kind in config.layer_plan] + [
+        "attention"
+    ] * identity
     return GraniteMoeHybridConfig(
         vocab_size=base["vocab_size"],
         hidden_size=g0["hidden_size"],
@@ -215,20 +287,26 @@ def native_config(config, llama_cpp: bool = False):
         num_key_value_heads=g0["num_kv_heads"],
         hidden_act=base.get("hidden_act", "silu"),
         max_position_embeddings=base.get("max_position_embeddings", 2048),
-        use_cache=bool(kept) or identity,  # see _notes: transformers' class cannot hold a cache without an attention layer
+        use_cache=bool(kept)
+        or identity,  # see _notes: transformers' class cannot hold a cache without an attention layer
         initializer_range=base.get("initializer_range", 0.02),
         rms_norm_eps=base["rms_norm_eps"],
         pad_token_id=base.get("pad_token_id"),
         bos_token_id=base.get("bos_token_id"),
         eos_token_id=base.get("eos_token_id"),
         tie_word_embeddings=bool(base.get("tie_word_embeddings", False)),
-        rope_parameters=dict(base.get("rope_parameters") or {"rope_type": "default", "rope_theta": base.get("rope_theta", 10000.0)}),
+        rope_parameters=dict(
+            base.get("rope_parameters")
+            or {"rope_type": "default", "rope_theta": base.get("rope_theta", 10000.0)}
+        ),
         attention_bias=bool(biases),
         attention_dropout=0.0,
         embedding_multiplier=1.0,
         residual_multiplier=1.0,
         logits_scaling=1.0,
-        attention_multiplier=float(config.layer_geometry[kept[0]]["scaling"]) if kept else g0["head_dim"] ** -0.5,
+        attention_multiplier=float(config.layer_geometry[kept[0]]["scaling"])
+        if kept
+        else g0["head_dim"] ** -0.5,
         position_embedding_type="rope" if kept else None,
         layer_types=layer_types,
         mamba_n_heads=expand * g0["num_heads"],
@@ -289,8 +367,10 @@ def mamba2_tensors(mixer, heads: int | None = None, proj_bias: bool = True) -> d
         for key in ("in_proj.bias", "out_proj.bias"):
             bias = out.pop(key)
             if bias.abs().max() > 0:
-                raise ExportError(f"layer {mixer.layer_idx}'s {key} is not zero and the target has no place for it",
-                                  "distil with student.mixer_options: {gate: true, gate_bias: false} on a teacher without q/k/v/o biases")  # fmt: skip
+                raise ExportError(
+                    f"layer {mixer.layer_idx}'s {key} is not zero and the target has no place for it",
+                    "distil with student.mixer_options: {gate: true, gate_bias: false} on a teacher without q/k/v/o biases",
+                )
     return out
 
 
@@ -324,8 +404,12 @@ def _mamba2_tensors(mixer) -> dict[str, torch.Tensor]:
 def attention_tensors(weights, with_bias: bool) -> dict[str, torch.Tensor]:
     """A kept attention layer's q/k/v/o (an adapter's ``AttentionWeights``), biases 0 where absent."""
     out = {}
-    for name, w, b in (("q_proj", weights.q, weights.q_bias), ("k_proj", weights.k, weights.k_bias),
-                       ("v_proj", weights.v, weights.v_bias), ("o_proj", weights.o, weights.o_bias)):  # fmt: skip
+    for name, w, b in (
+        ("q_proj", weights.q, weights.q_bias),
+        ("k_proj", weights.k, weights.k_bias),
+        ("v_proj", weights.v, weights.v_bias),
+        ("o_proj", weights.o, weights.o_bias),
+    ):
         out[f"{name}.weight"] = w.float()
         if with_bias:
             out[f"{name}.bias"] = b.float() if b is not None else torch.zeros(w.shape[0])
@@ -337,9 +421,18 @@ def identity_layer_tensors(cfg, prefix: str) -> dict[str, torch.Tensor]:
     MLP weight zero (norms 1), so attention averages zero values and o_proj and the MLP output 0."""
     hidden, d = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
     q, kv, ff = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.shared_intermediate_size
-    out = {f"{prefix}.input_layernorm.weight": torch.ones(hidden), f"{prefix}.post_attention_layernorm.weight": torch.ones(hidden),
-           f"{prefix}.shared_mlp.input_linear.weight": torch.zeros(2 * ff, hidden), f"{prefix}.shared_mlp.output_linear.weight": torch.zeros(hidden, ff)}  # fmt: skip
-    for name, rows, cols in (("q_proj", q, hidden), ("k_proj", kv, hidden), ("v_proj", kv, hidden), ("o_proj", hidden, q)):
+    out = {
+        f"{prefix}.input_layernorm.weight": torch.ones(hidden),
+        f"{prefix}.post_attention_layernorm.weight": torch.ones(hidden),
+        f"{prefix}.shared_mlp.input_linear.weight": torch.zeros(2 * ff, hidden),
+        f"{prefix}.shared_mlp.output_linear.weight": torch.zeros(hidden, ff),
+    }
+    for name, rows, cols in (
+        ("q_proj", q, hidden),
+        ("k_proj", kv, hidden),
+        ("v_proj", kv, hidden),
+        ("o_proj", hidden, q),
+    ):
         out[f"{prefix}.self_attn.{name}.weight"] = torch.zeros(rows, cols)
         if cfg.attention_bias:
             out[f"{prefix}.self_attn.{name}.bias"] = torch.zeros(rows)
@@ -358,7 +451,10 @@ def native_state_dict(student, native_cfg) -> dict[str, torch.Tensor]:
         used.add(key)
         return state[key]
 
-    out = {"model.embed_tokens.weight": take("model.embed_tokens.weight"), "model.norm.weight": take("model.norm.weight")}
+    out = {
+        "model.embed_tokens.weight": take("model.embed_tokens.weight"),
+        "model.norm.weight": take("model.norm.weight"),
+    }
     if "lm_head.weight" in state:
         out["lm_head.weight"] = take("lm_head.weight")
     for i, kind in enumerate(config.layer_plan):
@@ -375,19 +471,33 @@ def native_state_dict(student, native_cfg) -> dict[str, torch.Tensor]:
             tensors = attention_tensors(adapter.read_weights(module), native_cfg.attention_bias)
             out.update({f"{dst}.self_attn.{k}": v for k, v in tensors.items()})
         else:
-            out.update({f"{dst}.mamba.{k}": v for k, v in mamba2_tensors(module, native_cfg.mamba_n_heads, native_cfg.mamba_proj_bias).items()})
-    for i in range(len(config.layer_plan), native_cfg.num_hidden_layers):  # the identity layer (llama_cpp, pure students)
+            out.update(
+                {
+                    f"{dst}.mamba.{k}": v
+                    for k, v in mamba2_tensors(
+                        module, native_cfg.mamba_n_heads, native_cfg.mamba_proj_bias
+                    ).items()
+                }
+            )
+    for i in range(
+        len(config.layer_plan), native_cfg.num_hidden_layers
+    ):  # the identity layer (llama_cpp, pure students)
         out.update(identity_layer_tensors(native_cfg, f"model.layers.{i}"))
     left = sorted(set(state) - used)
     if left:
-        raise ExportError(f"the student has tensors {NATIVE_CLASS} has no place for: {left[:4]}", "keep this student in attn2ssm's format (trust_remote_code=True)")
+        raise ExportError(
+            f"the student has tensors {NATIVE_CLASS} has no place for: {left[:4]}",
+            "keep this student in attn2ssm's format (trust_remote_code=True)",
+        )
     return out
 
 
 def to_native(student, llama_cpp: bool = False):
     """The student as a ``GraniteMoeHybridForCausalLM`` in fp32 (``check_native`` first);
     ``llama_cpp``: in the form llama.cpp's converter and loader take (see the module docstring)."""
-    from transformers import GraniteMoeHybridForCausalLM  # heavy: transformers (this module imports torch only)
+    from transformers import (
+        GraniteMoeHybridForCausalLM,
+    )  # heavy: transformers (this module imports torch only)
 
     if native_target(student.config) == QWEN35_CLASS:
         return to_qwen35(student, llama_cpp)
@@ -405,22 +515,29 @@ class NativeExport:
     cls: str
     layer_types: list[str]
     max_abs_diff: float  # native vs student logits on the probe inputs (fp32; probe_inputs)
-    identity_layers: list[int] = field(default_factory=list)  # llama_cpp: the identity attention layer a pure student gets
+    identity_layers: list[int] = field(
+        default_factory=list
+    )  # llama_cpp: the identity attention layer a pure student gets
     notes: list[str] = field(default_factory=list)
 
 
 # Real text for the probe: a student's activations on language differ from those on random ids
 # (one export agreed to 4.4e-3 on random ids and differed by 2.0e-2 on a prompt).
-PROBE_TEXT = ("Fellow citizens, the state of our Union is strong. We have cut the deficit, created millions of jobs and "
-              "built schools across the country. Call me Ishmael. Some years ago, never mind how long precisely, having "
-              "little or no money in my purse, I thought I would sail about a little and see the watery part of the world.")  # fmt: skip
+PROBE_TEXT = (
+    "Fellow citizens, the state of our Union is strong. We have cut the deficit, created millions of jobs and "
+    "built schools across the country. Call me Ishmael. Some years ago, never mind how long precisely, having "
+    "little or no money in my purse, I thought I would sail about a little and see the watery part of the world."
+)
 
 
 def probe_inputs(vocab: int, max_len: int, tokenizer=None) -> list[torch.Tensor]:
     """The probe's token batches: two short random sequences, one random sequence past a 256-token
     scan chunk (where chunked forms hand state across chunks), and real text when a tokenizer is given."""
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, vocab, (2, min(24, max_len)), generator=gen), torch.randint(0, vocab, (1, min(300, max_len)), generator=gen)]
+    batches = [
+        torch.randint(0, vocab, (2, min(24, max_len)), generator=gen),
+        torch.randint(0, vocab, (1, min(300, max_len)), generator=gen),
+    ]
     if tokenizer is not None:
         ids = tokenizer(" ".join([PROBE_TEXT] * 4), return_tensors="pt")["input_ids"][:, :max_len]
         batches.append(ids.clamp_(max=vocab - 1))
@@ -443,16 +560,22 @@ def _notes(config) -> list[str]:
     notes = []
     kept = [i for i, kind in enumerate(config.layer_plan) if kind == "attention"]
     if config.mixer_layers and any(config.layer_geometry[i].get("qkv_bias") for i in config.mixer_layers):
-        notes.append("the mixers' x/B/C projections have biases (the teacher's q/k/v biases): transformers' class zeroes a padded "
-                     "position's layer input, not its projection, so in a LEFT-padded batch those biases reach the first d_conv-1 "
-                     "real tokens' conv; unpadded prompts (and engines that run each prompt alone, as vLLM does) are exact")  # fmt: skip
+        notes.append(
+            "the mixers' x/B/C projections have biases (the teacher's q/k/v biases): transformers' class zeroes a padded "
+            "position's layer input, not its projection, so in a LEFT-padded batch those biases reach the first d_conv-1 "
+            "real tokens' conv; unpadded prompts (and engines that run each prompt alone, as vLLM does) are exact"
+        )
     if kept and config.mixer_layers:
-        notes.append("llama.cpp's converter treats GraniteMoeHybrid hybrids' attention as NoPE; these kept layers use RoPE "
-                     "(attn2ssm export --format gguf sets llama.cpp's RoPE flag back)")  # fmt: skip
+        notes.append(
+            "llama.cpp's converter treats GraniteMoeHybrid hybrids' attention as NoPE; these kept layers use RoPE "
+            "(attn2ssm export --format gguf sets llama.cpp's RoPE flag back)"
+        )
     if not kept:
-        notes.append("no layer keeps attention: transformers' GraniteMoeHybrid builds a softmax mask from its cache and raises when "
-                     "the cache holds no attention layer, so config.json and generation_config.json set use_cache: false (exact, "
-                     "but generate recomputes the prefix each token); vLLM keeps its own recurrent state")  # fmt: skip
+        notes.append(
+            "no layer keeps attention: transformers' GraniteMoeHybrid builds a softmax mask from its cache and raises when "
+            "the cache holds no attention layer, so config.json and generation_config.json set use_cache: false (exact, "
+            "but generate recomputes the prefix each token); vLLM keeps its own recurrent state"
+        )
     return notes
 
 
@@ -471,14 +594,24 @@ def _fix_config_json(path: Path) -> None:
 PROBE_TOLERANCE = 1e-3
 
 
-def export_native(student_dir: str | Path, out: str | Path, *, force: bool = False, tolerance: float = PROBE_TOLERANCE, llama_cpp: bool = False) -> NativeExport:
+def export_native(
+    student_dir: str | Path,
+    out: str | Path,
+    *,
+    force: bool = False,
+    tolerance: float = PROBE_TOLERANCE,
+    llama_cpp: bool = False,
+) -> NativeExport:
     """Write the student in ``student_dir`` to ``out`` as a ``GraniteMoeHybridForCausalLM`` (gated delta-rule
     students: ``Qwen3_5ForCausalLM``) checkpoint:
     config.json (no ``auto_map``), model.safetensors (the student's dtype), tokenizer, README.md;
     no Python files. Refused (``ExportError``, nothing written) when the map would not be exact;
     ``out`` holding a model is kept unless ``force``. Staged beside ``out``, then moved into place.
     ``llama_cpp``: the form llama.cpp's converter takes (the GGUF route; see the module docstring)."""
-    from transformers import AutoTokenizer, GenerationConfig  # heavy: transformers (this module imports torch only)
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+    )  # heavy: transformers (this module imports torch only)
 
     import attn2ssm.student  # noqa: F401  heavy: transformers; registers the Auto classes
     from attn2ssm.student.card import native_card, read_results  # heavy: as above
@@ -489,13 +622,22 @@ def export_native(student_dir: str | Path, out: str | Path, *, force: bool = Fal
     try:
         saved = json.loads((student_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{student_dir} has no readable config.json ({exc.__class__.__name__})", "point at a student directory (a run's student/ folder)") from None
+        raise CheckpointError(
+            f"{student_dir} has no readable config.json ({exc.__class__.__name__})",
+            "point at a student directory (a run's student/ folder)",
+        ) from None
     if saved.get("model_type") != "attn2ssm":
-        raise CheckpointError(f"{student_dir} holds a {saved.get('model_type')!r} model, not an attn2ssm student", "point at a student directory (a run's student/ folder)")
+        raise CheckpointError(
+            f"{student_dir} holds a {saved.get('model_type')!r} model, not an attn2ssm student",
+            "point at a student directory (a run's student/ folder)",
+        )
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file", "give a directory for the exported model")
     if (out / "config.json").is_file() and not force:
-        raise ConfigError(f"--out {out} already holds a model (config.json)", "pass --force to replace it, or choose another --out")
+        raise ConfigError(
+            f"--out {out} already holds a model (config.json)",
+            "pass --force to replace it, or choose another --out",
+        )
     check_native(Attn2SSMConfig.from_dict(saved), llama_cpp)  # refuse before the weights load
     check_weight_files(student_dir)
     check_writable(out, beside=True)
@@ -506,12 +648,19 @@ def export_native(student_dir: str | Path, out: str | Path, *, force: bool = Fal
     cls = native_target(student.config)
     native = to_native(student, llama_cpp)
     tokenizer = AutoTokenizer.from_pretrained(student_dir)
-    with torch_reference_kernels() if cls == QWEN35_CLASS else contextlib.nullcontext():  # fla's Triton kernels cannot run here (CPU)
+    with (
+        torch_reference_kernels() if cls == QWEN35_CLASS else contextlib.nullcontext()
+    ):  # fla's Triton kernels cannot run here (CPU)
         diff, scale = probe_difference(student, native, native.config.vocab_size, tokenizer)
     if not diff <= tolerance * max(1.0, scale):
-        raise ExportError(f"the {cls} logits differ from the student's by {diff:.3g} on a probe (tolerance {tolerance * max(1.0, scale):.3g})",
-                          "nothing was written; this is a bug in the map: report it with the student's config.json")  # fmt: skip
-    with writing(out, "the exported model", "run the command again (what --out held is unchanged)"), staging_beside(out, "export") as staging:
+        raise ExportError(
+            f"the {cls} logits differ from the student's by {diff:.3g} on a probe (tolerance {tolerance * max(1.0, scale):.3g})",
+            "nothing was written; this is a bug in the map: report it with the student's config.json",
+        )
+    with (
+        writing(out, "the exported model", "run the command again (what --out held is unchanged)"),
+        staging_beside(out, "export") as staging,
+    ):
         native.to(dtype).save_pretrained(staging)
         if cls == NATIVE_CLASS:
             _fix_config_json(staging / "config.json")
@@ -523,7 +672,9 @@ def export_native(student_dir: str | Path, out: str | Path, *, force: bool = Fal
         generation.use_cache = native.config.use_cache
         generation.save_pretrained(staging)
         notes = _notes(student.config) if cls == NATIVE_CLASS else qwen35_notes(native.config)
-        (staging / "README.md").write_text(native_card(saved, read_results(student_dir), cls, notes), encoding="utf-8")
+        (staging / "README.md").write_text(
+            native_card(saved, read_results(student_dir), cls, notes), encoding="utf-8"
+        )
         replace_dir(staging, out)
     if cls == NATIVE_CLASS:
         layer_types = [_LAYER_TYPE.get(kind, "mamba") for kind in student.config.layer_plan]

@@ -67,7 +67,11 @@ def gated_delta_options(config) -> dict:
     """The student's effective gated_delta options (its saved ones over the mixer's defaults)."""
     from attn2ssm.mixers.gated_delta import GatedDeltaMixer  # heavy: the mixers import transformers
 
-    defaults = {n: p.default for n, p in inspect.signature(GatedDeltaMixer.__init__).parameters.items() if p.default is not inspect.Parameter.empty}
+    defaults = {
+        n: p.default
+        for n, p in inspect.signature(GatedDeltaMixer.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
     return {**defaults, **((config.mixer_options or {}).get("gated_delta") or {})}
 
 
@@ -77,46 +81,93 @@ def qwen35_problem(config) -> tuple[str, str] | None:
     base = config.base_config
     family = (config.teacher or {}).get("family") or base.get("model_type")
     if family not in QWEN35_FAMILIES:
-        why = "q/k/v projections with biases" if family == "qwen2" else "blocks that are not Llama-style pre-norm RMSNorm + SwiGLU"
-        return f"{QWEN35_CLASS} cannot express a {family} teacher's layers ({why})", f"export gated_delta students of {', '.join(QWEN35_FAMILIES)} teachers, or {_KEEP}"
+        why = (
+            "q/k/v projections with biases"
+            if family == "qwen2"
+            else "blocks that are not Llama-style pre-norm RMSNorm + SwiGLU"
+        )
+        return (
+            f"{QWEN35_CLASS} cannot express a {family} teacher's layers ({why})",
+            f"export gated_delta students of {', '.join(QWEN35_FAMILIES)} teachers, or {_KEEP}",
+        )
     kinds = sorted({config.layer_plan[i] for i in config.mixer_layers})
     if kinds != ["gated_delta"]:
-        return f"the student mixes {', '.join(kinds)} layers; {QWEN35_CLASS}'s linear layers are Gated DeltaNet only", f"distil with student.mixer: gated_delta, or {_KEEP}"
+        return (
+            f"the student mixes {', '.join(kinds)} layers; {QWEN35_CLASS}'s linear layers are Gated DeltaNet only",
+            f"distil with student.mixer: gated_delta, or {_KEEP}",
+        )
     kept = [i for i, kind in enumerate(config.layer_plan) if kind == "attention"]
     if kept:
-        return (f"layer {kept[0]} keeps softmax attention; {QWEN35_CLASS}'s attention RMS-normalises each q and k head, which no weights make "
-                "an identity, so the teacher's layer has no exact image (a pure gated_delta student exports)",
-                f"distil with student.attention_ratio: 0 (a pure gated_delta student), or {_KEEP}")  # fmt: skip
+        return (
+            f"layer {kept[0]} keeps softmax attention; {QWEN35_CLASS}'s attention RMS-normalises each q and k head, which no weights make "
+            "an identity, so the teacher's layer has no exact image (a pure gated_delta student exports)",
+            f"distil with student.attention_ratio: 0 (a pure gated_delta student), or {_KEEP}",
+        )
     if base.get("hidden_act", "silu") != "silu":
-        return f"the teacher's MLP activation is {base.get('hidden_act')}; {QWEN35_CLASS} uses one hidden_act (SiLU) for the MLP and the GDN conv", _KEEP
+        return (
+            f"the teacher's MLP activation is {base.get('hidden_act')}; {QWEN35_CLASS} uses one hidden_act (SiLU) for the MLP and the GDN conv",
+            _KEEP,
+        )
     if base.get("mlp_bias"):
         return f"the teacher's MLP has biases (mlp_bias: true); {QWEN35_CLASS}'s MLP has none", _KEEP
-    shapes = {(config.layer_geometry[i]["num_heads"], config.layer_geometry[i]["head_dim"]) for i in config.mixer_layers}
+    shapes = {
+        (config.layer_geometry[i]["num_heads"], config.layer_geometry[i]["head_dim"])
+        for i in config.mixer_layers
+    }
     if len(shapes) > 1:
-        return f"the mixers have different head shapes {sorted(shapes)}; {QWEN35_CLASS} has one linear-attention shape", _KEEP
+        return (
+            f"the mixers have different head shapes {sorted(shapes)}; {QWEN35_CLASS} has one linear-attention shape",
+            _KEEP,
+        )
     for i in config.mixer_layers:
         g = config.layer_geometry[i]
         if g.get("qkv_bias") or g.get("o_bias"):
-            return f"layer {i}'s mixer keeps the teacher's q/k/v/o biases; {QWEN35_CLASS}'s in_proj_qkv and out_proj have none", _KEEP
+            return (
+                f"layer {i}'s mixer keeps the teacher's q/k/v/o biases; {QWEN35_CLASS}'s in_proj_qkv and out_proj have none",
+                _KEEP,
+            )
     o = gated_delta_options(config)
     eps = base.get("rms_norm_eps")
     if not o["d_conv"]:
-        return f"the mixers have no conv (d_conv: 0); {QWEN35_CLASS} always runs one, with SiLU", "distil with student.mixer_options.gated_delta.d_conv: 4 (the default)"
+        return (
+            f"the mixers have no conv (d_conv: 0); {QWEN35_CLASS} always runs one, with SiLU",
+            "distil with student.mixer_options.gated_delta.d_conv: 4 (the default)",
+        )
     if o["conv_activation"] not in ("silu",):
-        return (f"the mixers' conv has no activation (conv_activation: {o['conv_activation']}); {QWEN35_CLASS}'s conv applies SiLU",
-                "distil with student.mixer_options.gated_delta.conv_activation: silu (the default)")  # fmt: skip
+        return (
+            f"the mixers' conv has no activation (conv_activation: {o['conv_activation']}); {QWEN35_CLASS}'s conv applies SiLU",
+            "distil with student.mixer_options.gated_delta.conv_activation: silu (the default)",
+        )
     if o["rope"] != "none":
-        return f"the mixers rotate q and k (rope: {o['rope']}); {QWEN35_CLASS}'s linear layers have no RoPE", "distil with student.mixer_options.gated_delta.rope: none (the default)"
+        return (
+            f"the mixers rotate q and k (rope: {o['rope']}); {QWEN35_CLASS}'s linear layers have no RoPE",
+            "distil with student.mixer_options.gated_delta.rope: none (the default)",
+        )
     if not o["gate"]:
-        return f"the mixers have no output gate (gate: false); {QWEN35_CLASS} always multiplies by SiLU(W_z u)", f"distil with {EXPORT_OPTIONS}"
+        return (
+            f"the mixers have no output gate (gate: false); {QWEN35_CLASS} always multiplies by SiLU(W_z u)",
+            f"distil with {EXPORT_OPTIONS}",
+        )
     if not o["norm"]:
-        return f"the mixers have no output norm (norm: false); {QWEN35_CLASS} always RMS-normalises each head's output", f"distil with {EXPORT_OPTIONS}"
-    for option, what in (("conv_bias", "conv1d"), ("beta_bias", "in_proj_b (β)"), ("gate_bias", "in_proj_z (the gate)")):
+        return (
+            f"the mixers have no output norm (norm: false); {QWEN35_CLASS} always RMS-normalises each head's output",
+            f"distil with {EXPORT_OPTIONS}",
+        )
+    for option, what in (
+        ("conv_bias", "conv1d"),
+        ("beta_bias", "in_proj_b (β)"),
+        ("gate_bias", "in_proj_z (the gate)"),
+    ):
         if o[option]:
-            return f"the mixers' {option} is true (the default); {QWEN35_CLASS}'s {what} has no bias", f"distil with {EXPORT_OPTIONS}"
+            return (
+                f"the mixers' {option} is true (the default); {QWEN35_CLASS}'s {what} has no bias",
+                f"distil with {EXPORT_OPTIONS}",
+            )
     if eps is None or not math.isclose(float(o["norm_eps"]), float(eps), rel_tol=1e-9, abs_tol=0.0):
-        return (f"the mixers' output norm uses eps {float(o['norm_eps']):g} but {QWEN35_CLASS} uses the teacher's rms_norm_eps ({eps}) for it",
-                f"distil with {EXPORT_OPTIONS}")  # fmt: skip
+        return (
+            f"the mixers' output norm uses eps {float(o['norm_eps']):g} but {QWEN35_CLASS} uses the teacher's rms_norm_eps ({eps}) for it",
+            f"distil with {EXPORT_OPTIONS}",
+        )
     return None
 
 
@@ -129,7 +180,9 @@ def qwen35_config(config, llama_cpp: bool = False):
     base = config.base_config
     g = config.layer_geometry[config.mixer_layers[0]]
     layer_types = ["linear_attention"] * len(config.layer_plan) + ["full_attention"] * bool(llama_cpp)
-    rope = dict(base.get("rope_parameters") or {"rope_type": "default", "rope_theta": base.get("rope_theta", 10000.0)})
+    rope = dict(
+        base.get("rope_parameters") or {"rope_type": "default", "rope_theta": base.get("rope_theta", 10000.0)}
+    )
     rope["partial_rotary_factor"] = 1.0  # the teacher's full RoPE (only the identity layer has attention)
     return Qwen3_5TextConfig(
         vocab_size=base["vocab_size"],
@@ -170,11 +223,20 @@ def gated_delta_tensors(mixer) -> dict[str, torch.Tensor]:
     """One of our ``GatedDeltaMixer``s as ``Qwen3_5GatedDeltaNet`` tensors (fp32), by name (an
     ``ExportError`` if one of the biases the target lacks is present: ``qwen35_problem`` first)."""
     h, kv, d = mixer.num_heads, mixer.num_kv_heads, mixer.head_dim
-    for name, module in (("q_proj", mixer.q_proj), ("k_proj", mixer.k_proj), ("v_proj", mixer.v_proj), ("o_proj", mixer.o_proj),
-                         ("gate", mixer.gate), ("b_proj", mixer.b_proj), ("conv", mixer.conv)):  # fmt: skip
+    for name, module in (
+        ("q_proj", mixer.q_proj),
+        ("k_proj", mixer.k_proj),
+        ("v_proj", mixer.v_proj),
+        ("o_proj", mixer.o_proj),
+        ("gate", mixer.gate),
+        ("b_proj", mixer.b_proj),
+        ("conv", mixer.conv),
+    ):
         if module is None or getattr(module, "bias", None) is not None:
-            raise ExportError(f"layer {mixer.layer_idx}'s {name} {'is missing' if module is None else 'has a bias'}; {QWEN35_CLASS} has no place for it",
-                              f"distil with {EXPORT_OPTIONS} on a teacher without q/k/v/o biases")  # fmt: skip
+            raise ExportError(
+                f"layer {mixer.layer_idx}'s {name} {'is missing' if module is None else 'has a bias'}; {QWEN35_CLASS} has no place for it",
+                f"distil with {EXPORT_OPTIONS} on a teacher without q/k/v/o biases",
+            )
     rows = _kv_rows(h, kv, d)
     w = lambda linear: linear.weight.detach().float()  # noqa: E731
     conv_rows = torch.cat([torch.arange(h * d), h * d + rows, h * d + kv * d + rows])
@@ -197,10 +259,19 @@ def identity_layer_tensors(cfg, prefix: str) -> dict[str, torch.Tensor]:
     the MLP output 0."""
     hidden, d, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    out = {f"{prefix}.{n}.weight": torch.zeros(hidden) for n in ("input_layernorm", "post_attention_layernorm")}
+    out = {
+        f"{prefix}.{n}.weight": torch.zeros(hidden) for n in ("input_layernorm", "post_attention_layernorm")
+    }
     out.update({f"{prefix}.self_attn.{n}.weight": torch.zeros(d) for n in ("q_norm", "k_norm")})
-    for name, shape in (("q_proj", (2 * q, hidden)), ("k_proj", (kv, hidden)), ("v_proj", (kv, hidden)), ("o_proj", (hidden, q)),
-                        ("mlp.gate_proj", (ff, hidden)), ("mlp.up_proj", (ff, hidden)), ("mlp.down_proj", (hidden, ff))):  # fmt: skip
+    for name, shape in (
+        ("q_proj", (2 * q, hidden)),
+        ("k_proj", (kv, hidden)),
+        ("v_proj", (kv, hidden)),
+        ("o_proj", (hidden, q)),
+        ("mlp.gate_proj", (ff, hidden)),
+        ("mlp.up_proj", (ff, hidden)),
+        ("mlp.down_proj", (hidden, ff)),
+    ):
         out[f"{prefix}.{'' if name.startswith('mlp') else 'self_attn.'}{name}.weight"] = torch.zeros(shape)
     return out
 
@@ -216,7 +287,10 @@ def qwen35_state_dict(student, cfg) -> dict[str, torch.Tensor]:
         used.add(key)
         return state[key] - 1.0 if centred else state[key]  # Qwen3.5's RMSNorm scales by 1 + w
 
-    out = {"model.embed_tokens.weight": take("model.embed_tokens.weight"), "model.norm.weight": take("model.norm.weight", centred=True)}
+    out = {
+        "model.embed_tokens.weight": take("model.embed_tokens.weight"),
+        "model.norm.weight": take("model.norm.weight", centred=True),
+    }
     if "lm_head.weight" in state:
         out["lm_head.weight"] = take("lm_head.weight")
     for i in range(len(config.layer_plan)):
@@ -255,7 +329,12 @@ def to_qwen35(student, llama_cpp: bool = False):
 
 # transformers 5.24 binds each of these to fla's (or causal_conv1d's) kernel at import whenever the
 # package is importable, whatever the device; fla's Triton kernels cannot run on a CPU.
-_KERNELIZED = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
+_KERNELIZED = (
+    "torch_chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)
 
 
 @contextlib.contextmanager
@@ -278,10 +357,14 @@ def qwen35_notes(cfg) -> list[str]:
     """What a user of the exported ``Qwen3_5TextConfig`` ``cfg`` should know (the model card's notes)."""
     notes = []
     if "full_attention" not in cfg.layer_types:
-        notes.append("no layer is attention: transformers' Qwen3.5 builds a softmax mask from its cache and raises when the cache holds "
-                     "no attention layer, so config.json and generation_config.json set use_cache: false (exact, but generate "
-                     "recomputes the prefix each token); llama.cpp keeps its own recurrent state")  # fmt: skip
-    return notes + ["transformers 5.24 runs Qwen3.5's Gated DeltaNet through fla's Triton kernels whenever flash-linear-attention is "
-            "importable, also on a CPU, where they fail: on a CPU, load it where fla is not installed (or on a GPU)",
-            "q and k are L2-normalised as x·rsqrt(|x|² + ε) by the target and as x / max(|x|, 1e-12) by the student: equal to float32 "
-            "noise for any key that is not ~0"]  # fmt: skip
+        notes.append(
+            "no layer is attention: transformers' Qwen3.5 builds a softmax mask from its cache and raises when the cache holds "
+            "no attention layer, so config.json and generation_config.json set use_cache: false (exact, but generate "
+            "recomputes the prefix each token); llama.cpp keeps its own recurrent state"
+        )
+    return notes + [
+        "transformers 5.24 runs Qwen3.5's Gated DeltaNet through fla's Triton kernels whenever flash-linear-attention is "
+        "importable, also on a CPU, where they fail: on a CPU, load it where fla is not installed (or on a GPU)",
+        "q and k are L2-normalised as x·rsqrt(|x|² + ε) by the target and as x / max(|x|, 1e-12) by the student: equal to float32 "
+        "noise for any key that is not ~0",
+    ]

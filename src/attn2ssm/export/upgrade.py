@@ -26,11 +26,15 @@ def upgrade_remote_code(directory: str | Path) -> list[Path]:
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
-        raise CheckpointError(f"{directory} has no config.json", "point attn2ssm upgrade at a saved student directory")
+        raise CheckpointError(
+            f"{directory} has no config.json", "point attn2ssm upgrade at a saved student directory"
+        )
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"{config_path} is not readable JSON ({error})", "restore the checkpoint's config.json") from None
+        raise CheckpointError(
+            f"{config_path} is not readable JSON ({error})", "restore the checkpoint's config.json"
+        ) from None
     if config.get("model_type") != "attn2ssm":
         raise CheckpointError(
             f"{directory} holds a {config.get('model_type', 'unknown')!r} model, not an attn2ssm student",

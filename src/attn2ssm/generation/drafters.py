@@ -71,7 +71,9 @@ class Drafter:
     def start(self, input_ids: torch.LongTensor, cache=None) -> None:
         """A new prompt (1, l). ``cache``: one that already holds all of it but the last token."""
 
-    def propose(self, text: list[int], k: int, sampling: dict | None, generator) -> tuple[list[int], list[torch.Tensor]]:
+    def propose(
+        self, text: list[int], k: int, sampling: dict | None, generator
+    ) -> tuple[list[int], list[torch.Tensor]]:
         """Up to ``k`` tokens to follow ``text``; with ``sampling`` (warp's keywords) also the
         distribution (V,) each token was drawn from."""
         raise NotImplementedError
@@ -88,7 +90,10 @@ class NgramDrafter(Drafter):
 
     def __init__(self, max_n: int = 3, min_n: int = 1, vocab_size: int | None = None):
         if not 1 <= min_n <= max_n:
-            raise ConfigError(f"n-gram drafting with min_n={min_n}, max_n={max_n}", "use 1 <= min_n <= max_n, e.g. min_n=1, max_n=3")
+            raise ConfigError(
+                f"n-gram drafting with min_n={min_n}, max_n={max_n}",
+                "use 1 <= min_n <= max_n, e.g. min_n=1, max_n=3",
+            )
         self.max_n, self.min_n, self.vocab_size = max_n, min_n, vocab_size
         self.index: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before text[indexed] are in the index
@@ -175,12 +180,18 @@ def make_drafter(draft, vocab_size: int) -> Drafter:
     if isinstance(draft, str):
         kind, _, n = draft.partition(":")
         if kind != "ngram" or (n and not n.isdigit()):
-            raise ConfigError(f"unknown drafter {draft!r}", "pass a draft model, 'ngram' or 'ngram:N' (prompt lookup of the last N..1 tokens)")
+            raise ConfigError(
+                f"unknown drafter {draft!r}",
+                "pass a draft model, 'ngram' or 'ngram:N' (prompt lookup of the last N..1 tokens)",
+            )
         return NgramDrafter(max_n=int(n) if n else 3, vocab_size=vocab_size)
     config = getattr(draft, "config", None)
     if config is None:
         raise ConfigError(f"a draft of type {type(draft).__name__}", "pass a model, 'ngram' or a Drafter")
     dv = config.get_text_config().vocab_size
     if dv != vocab_size:
-        raise ConfigError(f"the draft's vocabulary ({dv} tokens) differs from the target's ({vocab_size})", "use a draft that shares the target's tokenizer (a student of the same teacher)")
+        raise ConfigError(
+            f"the draft's vocabulary ({dv} tokens) differs from the target's ({vocab_size})",
+            "use a draft that shares the target's tokenizer (a student of the same teacher)",
+        )
     return ModelDrafter(draft)

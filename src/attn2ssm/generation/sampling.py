@@ -21,7 +21,9 @@ import torch
 from attn2ssm.errors import ConfigError
 
 
-def check_sampling(temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None, *, cli: bool = False) -> None:
+def check_sampling(
+    temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None, *, cli: bool = False
+) -> None:
     """Sampling settings in range: temperature >= 0 (0: greedy), top_k >= 0 (0: off), 0 < top_p <= 1.
     ``cli`` names them as ``generate``'s flags (``--top-p 2.0``), else as arguments (``top_p=2.0``)."""
 
@@ -29,14 +31,25 @@ def check_sampling(temperature: float = 1.0, top_k: int | None = None, top_p: fl
         return f"--{key.replace('_', '-')} {value}" if cli else f"{key}={value}"
 
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ConfigError(f"{name('temperature', temperature)} is not a temperature", f"use {name('temperature', 0)} for greedy decoding, or a positive value such as 0.8 to sample")
+        raise ConfigError(
+            f"{name('temperature', temperature)} is not a temperature",
+            f"use {name('temperature', 0)} for greedy decoding, or a positive value such as 0.8 to sample",
+        )
     if top_k is not None and top_k < 0:
-        raise ConfigError(f"{name('top_k', top_k)} is negative", f"keep the k most likely tokens, e.g. {name('top_k', 50)} (0: no top-k filter)")
+        raise ConfigError(
+            f"{name('top_k', top_k)} is negative",
+            f"keep the k most likely tokens, e.g. {name('top_k', 50)} (0: no top-k filter)",
+        )
     if top_p is not None and not 0 < top_p <= 1:
-        raise ConfigError(f"{name('top_p', top_p)} is outside (0, 1]", f"keep the tokens that make up that much probability, e.g. {name('top_p', 0.9)} (1: no top-p filter)")
+        raise ConfigError(
+            f"{name('top_p', top_p)} is outside (0, 1]",
+            f"keep the tokens that make up that much probability, e.g. {name('top_p', 0.9)} (1: no top-p filter)",
+        )
 
 
-def warp(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+def warp(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
     """logits (..., V) → probabilities (..., V) in fp32 after temperature, top-k and top-p."""
     if temperature <= 0:
         raise ValueError("temperature must be > 0 for sampling (use greedy decoding for temperature 0)")
@@ -63,7 +76,9 @@ def accept_greedy(verifier_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[
     return n, int(best[n])
 
 
-def accept_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None = None) -> tuple[int, int]:
+def accept_sampled(
+    p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[int, int]:
     """p (K+1, V) verifier probabilities, q (K, V) the draft's, drafts (K,) → (accepted, next token)."""
     k = drafts.shape[0]
     u = torch.rand(k, generator=generator, device=p.device) if k else None

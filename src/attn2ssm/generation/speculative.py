@@ -123,14 +123,20 @@ class DraftLength:
         plain = self.seconds.get(0)
         drafted = [j for j in self.seconds if j >= 1]
         if k == 0 or not drafted:
-            return None if plain is None else plain * (1.0 if k == 0 else self.PRIOR_VERIFY + self.PRIOR_PER_DRAFT * k)
+            return (
+                None
+                if plain is None
+                else plain * (1.0 if k == 0 else self.PRIOR_VERIFY + self.PRIOR_PER_DRAFT * k)
+            )
         lo = max((j for j in drafted if j < k), default=None)
         hi = min((j for j in drafted if j > k), default=None)
         if lo is not None and hi is not None:
             w = (k - lo) / (hi - lo)
             return (1 - w) * self.seconds[lo] + w * self.seconds[hi]
         j = lo if lo is not None else hi
-        per_draft = self.PRIOR_PER_DRAFT * (plain if plain is not None else self.seconds[j] / self.PRIOR_VERIFY)
+        per_draft = self.PRIOR_PER_DRAFT * (
+            plain if plain is not None else self.seconds[j] / self.PRIOR_VERIFY
+        )
         return self.seconds[j] + (k - j) * per_draft
 
     def expected_tokens(self, k: int) -> float:
@@ -147,7 +153,10 @@ class DraftLength:
         plain = self.seconds.get(0)
         if plain is None:  # no plain step timed yet: seconds in plain steps, by the priors
             draft = self.PRIOR_DRAFT_MODEL if self.draft is None else 0.0
-            cost = {k: 1.0 if k == 0 else self.PRIOR_VERIFY + self.PRIOR_PER_DRAFT * k + k * draft for k in range(limit + 1)}
+            cost = {
+                k: 1.0 if k == 0 else self.PRIOR_VERIFY + self.PRIOR_PER_DRAFT * k + k * draft
+                for k in range(limit + 1)
+            }
         else:
             draft = self.PRIOR_DRAFT_MODEL * plain if self.draft is None else self.draft
             cost = {k: self._round_seconds(k) + k * draft for k in range(limit + 1)}
@@ -187,16 +196,29 @@ def _stop_recording(cache) -> None:
             layer.record_past = False
 
 
-def _check_request(input_ids: torch.LongTensor, num_draft_tokens, do_sample: bool, temperature: float, top_k, top_p) -> None:
+def _check_request(
+    input_ids: torch.LongTensor, num_draft_tokens, do_sample: bool, temperature: float, top_k, top_p
+) -> None:
     """One prompt; at least 1 draft per round (or ``"auto"``); sampling settings that can sample."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ConfigError(f"speculative decoding takes one prompt (input_ids of shape (1, l)), got {tuple(input_ids.shape)}", "run prompts one at a time")
-    if num_draft_tokens != AUTO and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1):
-        raise ConfigError(f"num_draft_tokens={num_draft_tokens!r}", "draft at least 1 token per round (2-6 is typical), or pass 'auto'")
+        raise ConfigError(
+            f"speculative decoding takes one prompt (input_ids of shape (1, l)), got {tuple(input_ids.shape)}",
+            "run prompts one at a time",
+        )
+    if num_draft_tokens != AUTO and (
+        isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1
+    ):
+        raise ConfigError(
+            f"num_draft_tokens={num_draft_tokens!r}",
+            "draft at least 1 token per round (2-6 is typical), or pass 'auto'",
+        )
     if do_sample:
         check_sampling(temperature, top_k, top_p)
         if temperature == 0:
-            raise ConfigError("temperature=0 with do_sample=True", "sample at a positive temperature, or pass do_sample=False for greedy decoding")
+            raise ConfigError(
+                "temperature=0 with do_sample=True",
+                "sample at a positive temperature, or pass do_sample=False for greedy decoding",
+            )
 
 
 def _target_runner(target, input_ids: torch.LongTensor, cache) -> Runner:
@@ -204,7 +226,10 @@ def _target_runner(target, input_ids: torch.LongTensor, cache) -> Runner:
     ver = Runner(target)
     if cache is not None:
         if cache.get_seq_length() != input_ids.shape[1] - 1:
-            raise ConfigError(f"a prefilled cache holds {cache.get_seq_length()} tokens, not the prompt's {input_ids.shape[1] - 1} (all but the last)", "prefill both models on input_ids[:, :-1]")
+            raise ConfigError(
+                f"a prefilled cache holds {cache.get_seq_length()} tokens, not the prompt's {input_ids.shape[1] - 1} (all but the last)",
+                "prefill both models on input_ids[:, :-1]",
+            )
         ver.cache, ver.consumed = cache, input_ids.shape[1] - 1
     return ver
 
@@ -219,7 +244,9 @@ def _prefill(ver: Runner, drafter: Drafter, input_ids: torch.LongTensor, caches:
     return time.perf_counter() - t0
 
 
-def _verify(ver: Runner, text: list[int], drafts: list[int], q: list, sampling: dict | None, generator, device) -> tuple[int, int]:
+def _verify(
+    ver: Runner, text: list[int], drafts: list[int], q: list, sampling: dict | None, generator, device
+) -> tuple[int, int]:
     """One target forward over [pending; drafts] scores all k drafts and one token beyond: how many
     drafts the target keeps, and its own next token."""
     k = len(drafts)
@@ -296,7 +323,11 @@ def speculative_generate(
         # 1. draft up to k tokens (a free drafter is asked for one even when k = 0: a probe of α)
         t0 = time.perf_counter()
         drafts, q = drafter.propose(text, k, sampling, generator) if k else ([], [])
-        probe = drafter.propose(text, 1, None, None)[0] if policy is not None and not k and policy.free and room > 0 else []
+        probe = (
+            drafter.propose(text, 1, None, None)[0]
+            if policy is not None and not k and policy.free and room > 0
+            else []
+        )
         k = len(drafts)
         t1 = time.perf_counter()
 

@@ -73,9 +73,15 @@ class BiMambaMixer(nn.Module):
     ):
         super().__init__()
         if cls_position not in CLS_POSITIONS:
-            raise ConfigError(f"bimamba option cls_position={cls_position!r} is not valid", f"use one of: {', '.join(CLS_POSITIONS)}")
+            raise ConfigError(
+                f"bimamba option cls_position={cls_position!r} is not valid",
+                f"use one of: {', '.join(CLS_POSITIONS)}",
+            )
         if d_state < 1 or expand < 1:
-            raise ConfigError(f"bimamba d_state={d_state}, expand={expand} must be positive", "use e.g. d_state: 16, expand: 2 (Vim)")
+            raise ConfigError(
+                f"bimamba d_state={d_state}, expand={expand} must be positive",
+                "use e.g. d_state: 16, expand: 2 (Vim)",
+            )
         self.layer_idx = layer_idx
         self.hidden_size = geometry["hidden_size"]
         self.num_prefix_tokens = int(geometry.get("num_prefix_tokens", 0))
@@ -102,7 +108,9 @@ class BiMambaMixer(nn.Module):
             if self.A_log_init is not None:  # A ≈ 0, Ā ≈ I (as CAB)
                 d.A_log.fill_(self.A_log_init)
             else:  # S4D-real: A = −(1, …, N) for every channel (Vim's default)
-                d.A_log.copy_(torch.log(torch.arange(1, self.d_state + 1, dtype=torch.float32)).expand_as(d.A_log))
+                d.A_log.copy_(
+                    torch.log(torch.arange(1, self.d_state + 1, dtype=torch.float32)).expand_as(d.A_log)
+                )
             d.D.fill_(1.0)
 
     # -- token order ------------------------------------------------------------------------
@@ -124,7 +132,14 @@ class BiMambaMixer(nn.Module):
         low, B, C = d.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.softplus(d.dt_proj(low).float())
         A = -torch.exp(d.A_log.float())
-        return x.view(b, l, 1, self.d_inner), dt.view(b, l, 1, self.d_inner), A, B.view(b, l, 1, -1), C.view(b, l, 1, -1), d.D
+        return (
+            x.view(b, l, 1, self.d_inner),
+            dt.view(b, l, 1, self.d_inner),
+            A,
+            B.view(b, l, 1, -1),
+            C.view(b, l, 1, -1),
+            d.D,
+        )
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         """(b, l, hidden) → ((b, l, hidden), None), the attention module's return convention."""
@@ -135,7 +150,9 @@ class BiMambaMixer(nn.Module):
         fw = self._direction(self.fw, x)
         flipped = self._direction(self.bw, x.flip(1))  # the backward branch in its own (flipped) order
         bw = tuple(t.flip(1) if i in (0, 1, 3, 4) else t for i, t in enumerate(flipped))  # back to scan order
-        self.bc_tap(*(self._to_teacher(t, order) for d in (fw, bw) for t in (d[3], d[4])))  # B_fw, C_fw, B_bw, C_bw
+        self.bc_tap(
+            *(self._to_teacher(t, order) for d in (fw, bw) for t in (d[3], d[4]))
+        )  # B_fw, C_fw, B_bw, C_bw
         y = bidirectional_scan_chunked(fw, bw, chunk_size=self.chunk_size).reshape(b, l, self.d_inner)
         y = (0.5 * y).to(z.dtype) * F.silu(z)
         out = self.out_proj(y)

@@ -45,8 +45,21 @@ class DiscreteMamba2Mixer(Mamba2Mixer):
         sanity: bool = False,
         D_init: float = 0.0,
     ):
-        super().__init__(geometry, layer_idx, d_conv=d_conv, conv_activation=conv_activation, gate=gate, norm=norm, norm_eps=norm_eps, D=D,
-                         a_init_range=a_init_range, rope=rope, chunk_size=chunk_size, sanity=sanity, D_init=D_init)  # fmt: skip
+        super().__init__(
+            geometry,
+            layer_idx,
+            d_conv=d_conv,
+            conv_activation=conv_activation,
+            gate=gate,
+            norm=norm,
+            norm_eps=norm_eps,
+            D=D,
+            a_init_range=a_init_range,
+            rope=rope,
+            chunk_size=chunk_size,
+            sanity=sanity,
+            D_init=D_init,
+        )
 
     def make_decay_parameters(self, sanity: bool) -> None:
         """The decay's input projection W_a, b_a (none in sanity mode: a = 0)."""

@@ -52,13 +52,19 @@ _EXP_CLAMP = 30.0
 
 def _check_positive_int(map_name: str, option: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"feature map '{map_name}' option {option}={value!r} is not valid", f"use a positive integer for {option}")
+        raise ConfigError(
+            f"feature map '{map_name}' option {option}={value!r} is not valid",
+            f"use a positive integer for {option}",
+        )
     return value
 
 
 def _check_choice(map_name: str, option: str, value, choices) -> str:
     if value not in choices:
-        raise ConfigError(f"feature map '{map_name}' option {option}={value!r} is not valid", f"use one of: {', '.join(choices)}")
+        raise ConfigError(
+            f"feature map '{map_name}' option {option}={value!r} is not valid",
+            f"use one of: {', '.join(choices)}",
+        )
     return value
 
 
@@ -116,7 +122,9 @@ class ExpT(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, *, t: float = 1.0):
         super().__init__()
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
-            raise ConfigError(f"feature map 'exp_t' option t={t!r} is not valid", "use a finite number, e.g. t: 1.0 or 2.0")
+            raise ConfigError(
+                f"feature map 'exp_t' option t={t!r} is not valid", "use a finite number, e.g. t: 1.0 or 2.0"
+            )
         self.t = float(t)
         self.feature_dim = head_dim
 
@@ -156,9 +164,13 @@ class HedgehogMap(nn.Module):
 
     ACTIVATIONS = ("softmax", "exp", "softmax_half")
 
-    def __init__(self, num_heads: int, head_dim: int, *, feature_dim: int | None = None, activation: str = "softmax"):
+    def __init__(
+        self, num_heads: int, head_dim: int, *, feature_dim: int | None = None, activation: str = "softmax"
+    ):
         super().__init__()
-        self.proj_dim = _check_positive_int("hedgehog", "feature_dim", head_dim if feature_dim is None else feature_dim)
+        self.proj_dim = _check_positive_int(
+            "hedgehog", "feature_dim", head_dim if feature_dim is None else feature_dim
+        )
         self.activation = _check_choice("hedgehog", "activation", activation, self.ACTIVATIONS)
         self.feature_dim = 2 * self.proj_dim
         self.weight = nn.Parameter(_identity_like(num_heads, head_dim, self.proj_dim))
@@ -192,9 +204,13 @@ class T2RMap(nn.Module):
 
     INITS = ("identity", "random")
 
-    def __init__(self, num_heads: int, head_dim: int, *, feature_dim: int | None = None, init: str = "identity"):
+    def __init__(
+        self, num_heads: int, head_dim: int, *, feature_dim: int | None = None, init: str = "identity"
+    ):
         super().__init__()
-        self.feature_dim = _check_positive_int("t2r", "feature_dim", head_dim if feature_dim is None else feature_dim)
+        self.feature_dim = _check_positive_int(
+            "t2r", "feature_dim", head_dim if feature_dim is None else feature_dim
+        )
         _check_choice("t2r", "init", init, self.INITS)
         self.weight = nn.Parameter(torch.empty(num_heads, head_dim, self.feature_dim))
         self.bias = nn.Parameter(torch.zeros(num_heads, self.feature_dim))
@@ -229,7 +245,9 @@ class TaylorMap(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, *, symmetric: bool = False):
         super().__init__()
         if not isinstance(symmetric, bool):
-            raise ConfigError(f"feature map 'taylor' option symmetric={symmetric!r} is not valid", "use true or false")
+            raise ConfigError(
+                f"feature map 'taylor' option symmetric={symmetric!r} is not valid", "use true or false"
+            )
         d = head_dim
         self.head_dim, self.symmetric = d, symmetric
         self.scale = d**-0.25
@@ -302,12 +320,22 @@ class PerformerMap(nn.Module):
     STABILIZERS = ("sequence", "row", "none")
 
     def __init__(
-        self, num_heads: int, head_dim: int, *, num_features: int | None = None, seed: int = 0, stabilizer: str = "none"
+        self,
+        num_heads: int,
+        head_dim: int,
+        *,
+        num_features: int | None = None,
+        seed: int = 0,
+        stabilizer: str = "none",
     ):
         super().__init__()
-        self.feature_dim = _check_positive_int("performer", "num_features", head_dim if num_features is None else num_features)
+        self.feature_dim = _check_positive_int(
+            "performer", "num_features", head_dim if num_features is None else num_features
+        )
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ConfigError(f"feature map 'performer' option seed={seed!r} is not valid", "use an integer seed")
+            raise ConfigError(
+                f"feature map 'performer' option seed={seed!r} is not valid", "use an integer seed"
+            )
         self.seed, self.head_dim = seed, head_dim
         self.stabilizer = _check_choice("performer", "stabilizer", stabilizer, self.STABILIZERS)
         self.register_buffer("omega", orthogonal_gaussian(self.feature_dim, head_dim, seed), persistent=True)

@@ -47,7 +47,14 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.mixers.ssm_common import CausalConv, apply_conv, check_activation, check_norm_eps, init_identity_gate, store_states
+from attn2ssm.mixers.ssm_common import (
+    CausalConv,
+    apply_conv,
+    check_activation,
+    check_norm_eps,
+    init_identity_gate,
+    store_states,
+)
 from attn2ssm.ops.conv import causal_conv1d_state, causal_conv1d_step
 from attn2ssm.ops.gated_delta import gated_delta_chunked, gated_delta_quadratic, gated_delta_step
 
@@ -101,20 +108,31 @@ class GatedDeltaMixer(AttentionLikeMixer):
     ):
         super().__init__(geometry, layer_idx)
         if decay_init not in DECAY_INITS:
-            raise ConfigError(f"gated_delta option decay_init={decay_init!r} is not valid", f"use one of: {', '.join(DECAY_INITS)}")
+            raise ConfigError(
+                f"gated_delta option decay_init={decay_init!r} is not valid",
+                f"use one of: {', '.join(DECAY_INITS)}",
+            )
         for name, value in (("alpha_init", alpha_init), ("beta_init", beta_init)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
-                raise ConfigError(f"gated_delta option {name}={value!r} is not in (0, 1)", f"use e.g. {name}: 0.5")
+                raise ConfigError(
+                    f"gated_delta option {name}={value!r} is not in (0, 1)", f"use e.g. {name}: 0.5"
+                )
         if rope not in ("none", "before"):
-            raise ConfigError(f"gated_delta option rope={rope!r} is not valid", "use rope: none (default) or before")
+            raise ConfigError(
+                f"gated_delta option rope={rope!r} is not valid", "use rope: none (default) or before"
+            )
         if not beta_bias and beta_init != 0.5:
-            raise ConfigError(f"gated_delta option beta_init={beta_init!r} needs b_proj's bias, and beta_bias is false (every head starts at β = 1/2)",
-                              "leave beta_init out (0.5), or set beta_bias: true")  # fmt: skip
+            raise ConfigError(
+                f"gated_delta option beta_init={beta_init!r} needs b_proj's bias, and beta_bias is false (every head starts at β = 1/2)",
+                "leave beta_init out (0.5), or set beta_bias: true",
+            )
         self.decay_init, self.alpha_init, self.beta_init = decay_init, float(alpha_init), float(beta_init)
         self.use_rope, self.chunk_size = rope == "before", chunk_size
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         self.conv_activation = check_activation(conv_activation)
-        self.conv = CausalConv((h + 2 * kv) * d, d_conv, bias=bool(conv_bias)) if d_conv else None  # over [q, k, v] before the GQA repeat
+        self.conv = (
+            CausalConv((h + 2 * kv) * d, d_conv, bias=bool(conv_bias)) if d_conv else None
+        )  # over [q, k, v] before the GQA repeat
         self.a_proj = nn.Linear(self.hidden_size, h, bias=False)
         self.b_proj = nn.Linear(self.hidden_size, h, bias=bool(beta_bias))
         self.dt_bias = nn.Parameter(torch.empty(h))
@@ -138,7 +156,9 @@ class GatedDeltaMixer(AttentionLikeMixer):
         self.a_proj.weight.zero_()
         self.b_proj.weight.zero_()
         self.A_log.zero_()  # A = 1: the decay is exp(−softplus(·)), set by dt_bias
-        self.set_head_decays(torch.full((self.num_heads,), self.alpha_init), torch.full((self.num_heads,), self.beta_init))
+        self.set_head_decays(
+            torch.full((self.num_heads,), self.alpha_init), torch.full((self.num_heads,), self.beta_init)
+        )
 
     @torch.no_grad()
     def set_head_decays(self, alpha: torch.Tensor, beta: torch.Tensor) -> None:
@@ -207,7 +227,9 @@ class GatedDeltaMixer(AttentionLikeMixer):
         if m is not None:  # a padded token enters the conv window as 0 (as the chunked form)
             qkv = qkv * m.to(qkv.dtype)
         if self.conv is not None:
-            qkv, new["conv"] = causal_conv1d_step(qkv[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation)
+            qkv, new["conv"] = causal_conv1d_step(
+                qkv[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation
+            )
             qkv = qkv[:, None]
         q, k, v = self._split(qkv)
         g, beta = self._gates(u, inputs)
@@ -231,9 +253,21 @@ class GatedDeltaMixer(AttentionLikeMixer):
         qkv, conv_state = self._conv(pre_conv, states, mask)
         q, k, v = self._split(qkv)
         g, beta = self._gates(hidden_states, inputs)
-        o, ssm = gated_delta_chunked(q, k, v, g, beta, mask, states.get("ssm"), chunk_size=self.chunk_size, backend=self.context.kernels)
+        o, ssm = gated_delta_chunked(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            mask,
+            states.get("ssm"),
+            chunk_size=self.chunk_size,
+            backend=self.context.kernels,
+        )
         if layer is not None and layer.record_past:  # a speculative verify: say how to stop after any prefix
-            layer.set_rollback(lambda start, keep: self._states_after(start, keep, pre_conv, q, k, v, g, beta, mask))
+            layer.set_rollback(
+                lambda start, keep: self._states_after(start, keep, pre_conv, q, k, v, g, beta, mask)
+            )
         store_states(layer, ssm, conv_state, l)
         return self._output(o, hidden_states, inputs), None
 
@@ -242,8 +276,18 @@ class GatedDeltaMixer(AttentionLikeMixer):
         q, k, v, g, β it computed (a speculative rollback: no projection is run again)."""
         m = None if mask is None else mask[:, :keep]
         new = dict(start)
-        _, new["ssm"] = gated_delta_chunked(q[:, :keep], k[:, :keep], v[:, :keep], g[:, :keep], beta[:, :keep], m, start.get("ssm"),
-                                            chunk_size=self.chunk_size)  # fmt: skip
+        _, new["ssm"] = gated_delta_chunked(
+            q[:, :keep],
+            k[:, :keep],
+            v[:, :keep],
+            g[:, :keep],
+            beta[:, :keep],
+            m,
+            start.get("ssm"),
+            chunk_size=self.chunk_size,
+        )
         if self.conv is not None:
-            new["conv"] = causal_conv1d_state(pre_conv[:, :keep], self.conv.kernel, state=start.get("conv"), mask=m)
+            new["conv"] = causal_conv1d_state(
+                pre_conv[:, :keep], self.conv.kernel, state=start.get("conv"), mask=m
+            )
         return new

@@ -90,9 +90,14 @@ class HedgeMambaMixer(AttentionLikeMixer):
     ):
         super().__init__(geometry, layer_idx)
         if rope not in ROPE_PLACEMENTS:
-            raise ConfigError(f"hedgemamba option rope={rope!r} is not valid", f"use one of: {', '.join(ROPE_PLACEMENTS)}")
+            raise ConfigError(
+                f"hedgemamba option rope={rope!r} is not valid", f"use one of: {', '.join(ROPE_PLACEMENTS)}"
+            )
         if not A_init <= 0.0:
-            raise ConfigError(f"hedgemamba option A_init={A_init} is positive", "use A_init <= 0 (0 = no decay, the identity init)")
+            raise ConfigError(
+                f"hedgemamba option A_init={A_init} is positive",
+                "use A_init <= 0 (0 = no decay, the identity init)",
+            )
         opts = feature_map_options or {}
         self.feature_map_q = build_feature_map(feature_map, self.num_heads, self.head_dim, **opts)
         self.feature_map_k = build_feature_map(feature_map, self.num_heads, self.head_dim, **opts)
@@ -124,7 +129,9 @@ class HedgeMambaMixer(AttentionLikeMixer):
         extras = ("conv.", "gate.", "dt_proj.", "A")
         missing = [k for k in result.missing_keys if not k.startswith(extras)]
         if result.unexpected_keys or missing:
-            raise ValueError(f"linear-attention weights do not fit this hedgemamba mixer: unexpected {result.unexpected_keys[:5]}, missing {missing[:5]}")
+            raise ValueError(
+                f"linear-attention weights do not fit this hedgemamba mixer: unexpected {result.unexpected_keys[:5]}, missing {missing[:5]}"
+            )
 
     # -- the pieces ------------------------------------------------------------------------
     def _features(self, x, position_embeddings, offset: int | None, inputs=None):
@@ -133,7 +140,9 @@ class HedgeMambaMixer(AttentionLikeMixer):
         q, k, v = self.project_qkv(x, position_embeddings if self.rope == "before_map" else None, inputs)
         maps = (self.feature_map_q, self.feature_map_k)
         if offset is None and any(getattr(m, "uses_positions", False) for m in maps):
-            raise ValueError(f"{type(self.feature_map_q).__name__} needs the token's position: pass step(..., seen=)")
+            raise ValueError(
+                f"{type(self.feature_map_q).__name__} needs the token's position: pass step(..., seen=)"
+            )
         positions = None if offset is None else torch.arange(offset, offset + x.shape[1], device=x.device)
         fq, fk = self.feature_map_q(q, positions), self.feature_map_k(k, positions)  # (b, h, l, f)
         if self.rope == "after_map" and position_embeddings is not None and self.rotary_dim:
@@ -195,7 +204,9 @@ class HedgeMambaMixer(AttentionLikeMixer):
         module docstring: (output, {"ssm": S_t, "conv": its window})."""
         new = {}
         m = None if mask is None else mask.to(torch.float32).view(-1, 1, 1)
-        x = u if m is None else u * m.to(u.dtype)  # a padded token enters the conv window as 0 (as the chunked form)
+        x = (
+            u if m is None else u * m.to(u.dtype)
+        )  # a padded token enters the conv window as 0 (as the chunked form)
         if self.conv is not None:
             x, new["conv"] = causal_conv1d_step(x[:, 0], self.conv.weight, self.conv.bias, states["conv"])
             x = x[:, None]
@@ -221,6 +232,15 @@ class HedgeMambaMixer(AttentionLikeMixer):
         inputs = self.project_inputs(x)
         C, B, v = self._features(x, position_embeddings, 0 if layer is None else layer.seen, inputs)
         a, xv, _ = self._scan_inputs(x, v, inputs)
-        y, ssm = ssd_chunked(xv, a, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size, backend=self.context.kernels)
+        y, ssm = ssd_chunked(
+            xv,
+            a,
+            B,
+            C,
+            mask=mask,
+            state=states.get("ssm"),
+            chunk_size=self.chunk_size,
+            backend=self.context.kernels,
+        )
         store_states(layer, ssm, conv_state, l)
         return self._output(y, hidden_states), None

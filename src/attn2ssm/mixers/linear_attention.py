@@ -17,10 +17,10 @@ from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.feature_maps import build_feature_map
 from attn2ssm.ops.linear_attention import (
     linear_attention_chunked,
-    window_linear_attention_chunked,
     linear_attention_quadratic,
     linear_attention_step,
     window_linear_attention,
+    window_linear_attention_chunked,
 )
 
 
@@ -49,22 +49,37 @@ class LinearAttentionMixer(AttentionLikeMixer):
         self.feature_map_k = build_feature_map(feature_map, self.num_heads, self.head_dim, **opts)
         self.chunk_size, self.eps = chunk_size, eps
         if rope not in ("before_map", "none"):
-            raise ConfigError(f"linear_attention option rope={rope!r} is not valid", "use rope: before_map (default) or none")
+            raise ConfigError(
+                f"linear_attention option rope={rope!r} is not valid",
+                "use rope: before_map (default) or none",
+            )
         self.use_rope = rope == "before_map"
         # LoLCATs-style: the last `window` keys get exact softmax weights γ_h·exp(q·k·scale − max),
         # older keys linear weights; γ_h = sigmoid(window_factor_h) is learned per head.
         if window < 0 or not 0.0 < window_gamma < 1.0:
-            raise ConfigError(f"window={window}, window_gamma={window_gamma} are out of range", "use window >= 0 and 0 < window_gamma < 1")
+            raise ConfigError(
+                f"window={window}, window_gamma={window_gamma} are out of range",
+                "use window >= 0 and 0 < window_gamma < 1",
+            )
         self.window, self.scaling = window, geometry.get("scaling", self.head_dim**-0.5)
         if window:
             # γ = sigmoid(factor) starts at window_gamma. Plain floats: __init__ runs on the meta
             # device when transformers loads a model, where a tensor has no value to read back.
-            self.window_factor = torch.nn.Parameter(torch.full((self.num_heads,), math.log(window_gamma / (1.0 - window_gamma))))
+            self.window_factor = torch.nn.Parameter(
+                torch.full((self.num_heads,), math.log(window_gamma / (1.0 - window_gamma)))
+            )
         # Scheduled sliding-window dropout ("Paying Attention to Hybrid Attention"): a window + linear
         # student learns to bypass its linear branch; with probability window_dropout a training
         # forward runs the linear branch alone, so it has to carry the sequence.
-        if isinstance(window_dropout, bool) or not isinstance(window_dropout, (int, float)) or not 0.0 <= window_dropout < 1.0:
-            raise ConfigError(f"linear_attention option window_dropout={window_dropout!r} is not in [0, 1)", "use e.g. window_dropout: 0.25, or 0")
+        if (
+            isinstance(window_dropout, bool)
+            or not isinstance(window_dropout, (int, float))
+            or not 0.0 <= window_dropout < 1.0
+        ):
+            raise ConfigError(
+                f"linear_attention option window_dropout={window_dropout!r} is not in [0, 1)",
+                "use e.g. window_dropout: 0.25, or 0",
+            )
         self.window_dropout = float(window_dropout)
         # Which branch runs (an evaluation-time ablation, not saved): both | window (the softmax window
         # alone) | linear (every key through the feature maps: linear attention without the window).
@@ -83,7 +98,12 @@ class LinearAttentionMixer(AttentionLikeMixer):
         return fq, fk, v
 
     def _window_kwargs(self) -> dict:
-        return {"scaling": self.scaling, "window": self.window, "gamma": torch.sigmoid(self.window_factor), "eps": self.eps}
+        return {
+            "scaling": self.scaling,
+            "window": self.window,
+            "gamma": torch.sigmoid(self.window_factor),
+            "eps": self.eps,
+        }
 
     def attention_weights(self, hidden_states, position_embeddings=None, mask=None):
         """The materialised (b, h, l, l) mixing matrix for this input (quadratic form)."""
@@ -94,7 +114,9 @@ class LinearAttentionMixer(AttentionLikeMixer):
         attention transfer, which needs both and runs on short blocks."""
         if self.window:
             q, k, v, fq, fk = self._qkv_features(hidden_states, position_embeddings)
-            y, _, weights = window_linear_attention(q, k, v, fq, fk, mask=mask, return_weights=True, **self._window_kwargs())
+            y, _, weights = window_linear_attention(
+                q, k, v, fq, fk, mask=mask, return_weights=True, **self._window_kwargs()
+            )
             return self.merge_heads(y), weights
         fq, fk, v = self.features(hidden_states, position_embeddings)
         y, weights = linear_attention_quadratic(fq, fk, v, mask, eps=self.eps)
@@ -106,8 +128,12 @@ class LinearAttentionMixer(AttentionLikeMixer):
         → (output, {"linear": new state}). ``seen`` is read only by a position-aware feature map."""
         maps = (self.feature_map_q, self.feature_map_k)
         if seen is None and any(getattr(m, "uses_positions", False) for m in maps):
-            raise ValueError(f"{type(self.feature_map_q).__name__} needs the token's position: pass step(..., seen=)")
-        _, _, v, fq, fk = self._qkv_features(hidden_states, position_embeddings, offset=0 if seen is None else seen)
+            raise ValueError(
+                f"{type(self.feature_map_q).__name__} needs the token's position: pass step(..., seen=)"
+            )
+        _, _, v, fq, fk = self._qkv_features(
+            hidden_states, position_embeddings, offset=0 if seen is None else seen
+        )
         fq, fk, v = fq[:, :, 0], fk[:, :, 0], v[:, :, 0]  # (b, h, ·)
         if mask is not None:  # a padded token adds nothing to the state
             m = mask.view(-1, 1, 1)
@@ -120,7 +146,12 @@ class LinearAttentionMixer(AttentionLikeMixer):
 
     def _branch(self) -> str:
         """The branch this forward runs: ``branch``, or the linear one alone for a window-dropout draw."""
-        if self.window and self.training and self.window_dropout and float(torch.rand(())) < self.window_dropout:
+        if (
+            self.window
+            and self.training
+            and self.window_dropout
+            and float(torch.rand(())) < self.window_dropout
+        ):
             return "linear"
         return self.branch if self.window else "both"
 
@@ -129,7 +160,9 @@ class LinearAttentionMixer(AttentionLikeMixer):
         layer = self.cache_layer(kwargs)
         if l == 1 and layer is not None and self.can_step(layer):
             return self.step_layer(hidden_states, position_embeddings, layer, self.padding_mask(1)), None
-        q, k, v, fq, fk = self._qkv_features(hidden_states, position_embeddings, offset=0 if layer is None else layer.seen)
+        q, k, v, fq, fk = self._qkv_features(
+            hidden_states, position_embeddings, offset=0 if layer is None else layer.seen
+        )
         mask = self.padding_mask(l)
         branch = self._branch()
         if branch == "window":  # features zeroed: the window's softmax alone (renormalised within it)
@@ -137,7 +170,9 @@ class LinearAttentionMixer(AttentionLikeMixer):
         if self.window and branch != "linear":
             return self._window_forward(q, k, v, fq, fk, mask, layer), None
         state = None if layer is None else layer.states.get("linear")
-        y, state = linear_attention_chunked(fq, fk, v, mask, state, chunk_size=self.chunk_size, eps=self.eps, backend=self.context.kernels)
+        y, state = linear_attention_chunked(
+            fq, fk, v, mask, state, chunk_size=self.chunk_size, eps=self.eps, backend=self.context.kernels
+        )
         if layer is not None:
             layer.states["linear"] = state
             layer.advance(l)
@@ -151,10 +186,14 @@ class LinearAttentionMixer(AttentionLikeMixer):
         state = None if layer is None else layer.states.get("window")
         opts = self._window_kwargs()
         if q.is_cuda and state is None:
-            y, state = window_linear_attention_chunked(q, k, v, fq, fk, mask=mask, chunk_size=self.chunk_size, return_state=layer is not None, **opts)
+            y, state = window_linear_attention_chunked(
+                q, k, v, fq, fk, mask=mask, chunk_size=self.chunk_size, return_state=layer is not None, **opts
+            )
         else:
             outs = []
-            pieces = [t.split(self.chunk_size, dim=2) for t in (q, k, v, fq, fk)]  # split: linear-time backward
+            pieces = [
+                t.split(self.chunk_size, dim=2) for t in (q, k, v, fq, fk)
+            ]  # split: linear-time backward
             masks = [None] * len(pieces[0]) if mask is None else mask.split(self.chunk_size, dim=1)
             for qc, kc, vc, fqc, fkc, mc in zip(*pieces, masks):
                 o, state = window_linear_attention(qc, kc, vc, fqc, fkc, mask=mc, state=state, **opts)
@@ -164,7 +203,6 @@ class LinearAttentionMixer(AttentionLikeMixer):
             layer.states["window"] = state
             layer.advance(q.shape[2])
         return self.merge_heads(y)
-
 
 
 BRANCHES = ("both", "window", "linear")
@@ -179,8 +217,10 @@ def set_window_branch(model, branch: str, name: str = "the model") -> int:
         raise ConfigError(f"--branch {branch!r} is not a branch", f"use one of: {', '.join(BRANCHES)}")
     mixers = [m for m in model.modules() if isinstance(m, LinearAttentionMixer) and m.window]
     if not mixers and branch != "both":
-        raise ConfigError(f"{name} has no mixer with a softmax window, so it has no {branch} branch to evaluate alone",
-                          "--branch window|linear applies to LoLCATs-style students (linear_attention with window > 0)")  # fmt: skip
+        raise ConfigError(
+            f"{name} has no mixer with a softmax window, so it has no {branch} branch to evaluate alone",
+            "--branch window|linear applies to LoLCATs-style students (linear_attention with window > 0)",
+        )
     for m in mixers:
         m.branch = branch
     return len(mixers)

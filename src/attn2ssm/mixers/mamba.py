@@ -32,7 +32,15 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
-from attn2ssm.mixers.ssm_common import A_log_identity, CausalConv, apply_conv, check_activation, dt_bias_init, init_shared_parameters, store_states
+from attn2ssm.mixers.ssm_common import (
+    A_log_identity,
+    CausalConv,
+    apply_conv,
+    check_activation,
+    dt_bias_init,
+    init_shared_parameters,
+    store_states,
+)
 from attn2ssm.mixers.taps import Tap
 from attn2ssm.ops.conv import causal_conv1d_step
 from attn2ssm.ops.selective_scan import selective_scan_chunked, selective_scan_step
@@ -68,11 +76,20 @@ class MambaMixer(AttentionLikeMixer):
         d = self.head_dim
         d_state = min(d_state or d, d)  # capped at head_dim: a group never spans two heads
         if d % d_state:
-            raise ConfigError(f"mamba d_state={d_state} does not divide head_dim={d}", f"use a divisor of {d} (e.g. 16) or d_state: null for head_dim")
+            raise ConfigError(
+                f"mamba d_state={d_state} does not divide head_dim={d}",
+                f"use a divisor of {d} (e.g. 16) or d_state: null for head_dim",
+            )
         if expand < 1 or (sanity and expand != 1):
-            raise ConfigError(f"mamba expand={expand} is not valid{' in sanity mode' if sanity else ''}", "use expand >= 1 (expand: 1 with sanity: true)")
+            raise ConfigError(
+                f"mamba expand={expand} is not valid{' in sanity mode' if sanity else ''}",
+                "use expand >= 1 (expand: 1 with sanity: true)",
+            )
         if rope not in ("none", "before"):
-            raise ConfigError(f"mamba option rope={rope!r} is not valid", "use rope: none (default, as Mamba in the Llama) or before")
+            raise ConfigError(
+                f"mamba option rope={rope!r} is not valid",
+                "use rope: none (default, as Mamba in the Llama) or before",
+            )
         self.d_state, self.expand, self.sanity = d_state, expand, sanity
         self.use_rope, self.chunk_size = rope == "before", chunk_size
         self.scaling = geometry.get("scaling", d**-0.5)
@@ -89,7 +106,9 @@ class MambaMixer(AttentionLikeMixer):
             self.dt_rank = dt_rank or math.ceil(self.hidden_size / 16)
             self.dt_down = nn.Linear(self.hidden_size, self.dt_rank, bias=False)
             self.dt_up = nn.Linear(self.dt_rank, expand * self.d_inner, bias=True)
-            self.A_log = nn.Parameter(torch.empty(expand * self.groups, d_state, d_state))  # (copies·groups, p, n)
+            self.A_log = nn.Parameter(
+                torch.empty(expand * self.groups, d_state, d_state)
+            )  # (copies·groups, p, n)
         self.init_new_parameters()
 
     @torch.no_grad()
@@ -104,7 +123,9 @@ class MambaMixer(AttentionLikeMixer):
             if self.A_log_init is not None:  # A ≈ 0: no decay at the start (as CAB)
                 self.A_log.fill_(self.A_log_init)
             else:  # S4D-real: A = −(1, 2, …, N) along the state for every channel.
-                self.A_log.copy_(torch.log(torch.arange(1, self.d_state + 1, dtype=torch.float32)).expand_as(self.A_log))
+                self.A_log.copy_(
+                    torch.log(torch.arange(1, self.d_state + 1, dtype=torch.float32)).expand_as(self.A_log)
+                )
 
     def _groups(self, t: torch.Tensor) -> torch.Tensor:
         """(b, l, h·d) → (b, l, copies·groups, d_state), the copies stacked along the group dim."""
@@ -150,7 +171,9 @@ class MambaMixer(AttentionLikeMixer):
         if m is not None:  # a padded token enters the conv window as 0 (as the chunked form)
             x = x * m.to(x.dtype)
         if self.conv is not None:
-            x, new["conv"] = causal_conv1d_step(x[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation)
+            x, new["conv"] = causal_conv1d_step(
+                x[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation
+            )
             x = x[:, None]
         xg, dt, A = self._scan_inputs(u, x, inputs)
         if m is not None:  # and leaves the state alone: Δ = 0 (decay 1, no input)
@@ -172,7 +195,16 @@ class MambaMixer(AttentionLikeMixer):
         x, B, C = self._bc(hidden_states, position_embeddings, inputs)
         x, conv_state = apply_conv(self.conv, x, states, mask, self.conv_activation, self.context.kernels)
         xg, dt, A = self._scan_inputs(hidden_states, x, inputs)
-        y, ssm = selective_scan_chunked(xg, dt, A, B, C, mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size,
-                                        backend=self.context.kernels)  # fmt: skip
+        y, ssm = selective_scan_chunked(
+            xg,
+            dt,
+            A,
+            B,
+            C,
+            mask=mask,
+            state=states.get("ssm"),
+            chunk_size=self.chunk_size,
+            backend=self.context.kernels,
+        )
         store_states(layer, ssm, conv_state, l)
         return self._output(y, x, hidden_states, inputs), None

@@ -87,12 +87,19 @@ class Mamba2Mixer(AttentionLikeMixer):
         self.A_log_init = A_log_identity(self.mixer_type, A_init)  # None: A drawn from A_init_range
         self.bc_tap = Tap()  # shows B and C, as the scan reads them, to a stage that hooks it (CAB)
         if rope not in ("none", "before"):
-            raise ConfigError(f"{self.mixer_type} option rope={rope!r} is not valid", "use rope: none (default, as Mamba in the Llama) or before")
+            raise ConfigError(
+                f"{self.mixer_type} option rope={rope!r} is not valid",
+                "use rope: none (default, as Mamba in the Llama) or before",
+            )
         self.use_rope, self.chunk_size, self.sanity = rope == "before", chunk_size, sanity
         self.scaling = geometry.get("scaling", self.head_dim**-0.5)
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         self.conv_activation = check_activation(conv_activation)
-        self.dt_range, self.A_init_range, self.a_init_range = (dt_min, dt_max), tuple(A_init_range), tuple(a_init_range)
+        self.dt_range, self.A_init_range, self.a_init_range = (
+            (dt_min, dt_max),
+            tuple(A_init_range),
+            tuple(a_init_range),
+        )
         if sanity:
             d_conv, gate, norm, D = 0, False, False, False
         # conv over [x (kv·d), B (kv·d), C (h·d)] before the GQA repeat, as Mamba in the Llama's Mamba-2.
@@ -148,7 +155,10 @@ class Mamba2Mixer(AttentionLikeMixer):
         them (after the conv)."""
         b, l, _ = xbc.shape
         kvw = self.num_kv_heads * self.head_dim
-        self.bc_tap(xbc[..., kvw : 2 * kvw].reshape(b, l, self.num_kv_heads, -1), xbc[..., 2 * kvw :].reshape(b, l, self.num_heads, -1))
+        self.bc_tap(
+            xbc[..., kvw : 2 * kvw].reshape(b, l, self.num_kv_heads, -1),
+            xbc[..., 2 * kvw :].reshape(b, l, self.num_heads, -1),
+        )
 
     def _decay(self, u, inputs=None):
         """(log-decay a (b, l, h) ≤ 0, input scale Δ (b, l, h) or None): a = Δ·A, Δ = softplus(W_Δ u + b_Δ)."""
@@ -178,7 +188,9 @@ class Mamba2Mixer(AttentionLikeMixer):
         y = M x (+ D x). Used by layer-local stages and plots; no cache."""
         xbc = self._xbc(hidden_states, position_embeddings)
         if self.conv is not None:
-            xbc, _ = causal_conv1d(xbc, self.conv.weight, self.conv.bias, mask=mask, activation=self.conv_activation)
+            xbc, _ = causal_conv1d(
+                xbc, self.conv.weight, self.conv.bias, mask=mask, activation=self.conv_activation
+            )
         x, B, C = self._split(xbc)
         a, dt = self._decay(hidden_states)
         x_in = x if dt is None else x * dt[..., None].to(x.dtype)
@@ -197,7 +209,9 @@ class Mamba2Mixer(AttentionLikeMixer):
         if m is not None:  # a padded token enters the conv window as 0 (as the chunked form)
             xbc = xbc * m.to(xbc.dtype)
         if self.conv is not None:
-            xbc, new["conv"] = causal_conv1d_step(xbc[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation)
+            xbc, new["conv"] = causal_conv1d_step(
+                xbc[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation
+            )
             xbc = xbc[:, None]
         self._show_bc(xbc)
         x, B, C = self._split(xbc)  # (b, 1, h, ·)
@@ -220,17 +234,29 @@ class Mamba2Mixer(AttentionLikeMixer):
         mask = self.padding_mask(l)
         inputs = self.project_inputs(hidden_states)
         pre_conv = self._xbc(hidden_states, position_embeddings, inputs)
-        xbc, conv_state = apply_conv(self.conv, pre_conv, states, mask, self.conv_activation, self.context.kernels)
+        xbc, conv_state = apply_conv(
+            self.conv, pre_conv, states, mask, self.conv_activation, self.context.kernels
+        )
         self._show_bc(xbc)
         x, B, C = self._split(xbc)
         a, dt = self._decay(hidden_states, inputs)
         # the scan in float32 whatever the weights' dtype (as ``step`` and mamba_ssm's kernels): a
         # bfloat16 cumulative decay drifts, and the carried state stays float32 for the steps after
         x_in = x.float() if dt is None else x.float() * dt[..., None]
-        y, ssm = ssd_chunked(x_in, a.float(), B.float(), C.float(), mask=mask, state=states.get("ssm"), chunk_size=self.chunk_size,
-                             backend=self.context.kernels)  # fmt: skip
+        y, ssm = ssd_chunked(
+            x_in,
+            a.float(),
+            B.float(),
+            C.float(),
+            mask=mask,
+            state=states.get("ssm"),
+            chunk_size=self.chunk_size,
+            backend=self.context.kernels,
+        )
         if layer is not None and layer.record_past:  # a speculative verify: say how to stop after any prefix
-            layer.set_rollback(lambda start, keep: self._states_after(start, keep, pre_conv, x_in, a, B, mask))
+            layer.set_rollback(
+                lambda start, keep: self._states_after(start, keep, pre_conv, x_in, a, B, mask)
+            )
         store_states(layer, ssm, conv_state, l)
         return self._output(y.to(x.dtype), x, hidden_states, inputs), None
 
@@ -242,5 +268,7 @@ class Mamba2Mixer(AttentionLikeMixer):
         new = dict(start)
         new["ssm"] = ssd_state(x_in[:, :keep], a[:, :keep], B[:, :keep], mask=m, state=start.get("ssm"))
         if self.conv is not None:
-            new["conv"] = causal_conv1d_state(pre_conv[:, :keep], self.conv.kernel, state=start.get("conv"), mask=m)
+            new["conv"] = causal_conv1d_state(
+                pre_conv[:, :keep], self.conv.kernel, state=start.get("conv"), mask=m
+            )
         return new

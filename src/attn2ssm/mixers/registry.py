@@ -16,7 +16,15 @@ from attn2ssm.mixers.mamba import MambaMixer
 from attn2ssm.mixers.mamba2 import Mamba2Mixer
 
 MIXERS: dict[str, type[nn.Module]] = {
-    cls.mixer_type: cls for cls in (LinearAttentionMixer, MambaMixer, Mamba2Mixer, DiscreteMamba2Mixer, HedgeMambaMixer, GatedDeltaMixer)
+    cls.mixer_type: cls
+    for cls in (
+        LinearAttentionMixer,
+        MambaMixer,
+        Mamba2Mixer,
+        DiscreteMamba2Mixer,
+        HedgeMambaMixer,
+        GatedDeltaMixer,
+    )
 }
 
 # Non-causal mixers for encoders (vision transformers): never in a causal LM's plan.
@@ -27,10 +35,17 @@ ATTENTION = "attention"  # a layer-plan entry that keeps the teacher's attention
 
 def check_mixer_options(kind: str, options: dict | None) -> None:
     """Every key of ``options`` is a constructor option of mixer ``kind`` (a known one)."""
-    valid = [n for n in inspect.signature({**MIXERS, **ENCODER_MIXERS}[kind].__init__).parameters if n not in ("self", "geometry", "layer_idx")]
+    valid = [
+        n
+        for n in inspect.signature({**MIXERS, **ENCODER_MIXERS}[kind].__init__).parameters
+        if n not in ("self", "geometry", "layer_idx")
+    ]
     unknown = sorted(set(options or {}) - set(valid))
     if unknown:
-        raise ConfigError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for mixer '{kind}'", f"valid options: {', '.join(valid)}")
+        raise ConfigError(
+            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for mixer '{kind}'",
+            f"valid options: {', '.join(valid)}",
+        )
 
 
 def build_mixer(kind: str, geometry: dict, layer_idx: int, options: dict | None = None) -> nn.Module:

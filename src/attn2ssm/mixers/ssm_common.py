@@ -25,7 +25,10 @@ GATE_IDENTITY_BIAS = 1.2784645427610738
 def dt_bias_init(n: int, dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4) -> torch.Tensor:
     """Biases b with softplus(b) log-uniform in [dt_min, dt_max] (floored), as Mamba initialises Δ."""
     if not 0.0 < dt_min <= dt_max:
-        raise ConfigError(f"dt_min={dt_min}, dt_max={dt_max} are not a valid range", "use 0 < dt_min <= dt_max, e.g. 0.001 and 0.1")
+        raise ConfigError(
+            f"dt_min={dt_min}, dt_max={dt_max} are not a valid range",
+            "use 0 < dt_min <= dt_max, e.g. 0.001 and 0.1",
+        )
     dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp_min(floor)
     return dt + torch.log(-torch.expm1(-dt))  # inverse of softplus
 
@@ -36,7 +39,10 @@ def A_log_identity(kind: str, A_init: float | None) -> float | None:
     if A_init is None:
         return None
     if isinstance(A_init, bool) or not isinstance(A_init, (int, float)) or not A_init < 0:
-        raise ConfigError(f"{kind} option A_init={A_init!r} is not a negative number", "use a small negative A such as -1e-4 (A = −exp(A_log) cannot be 0), or null for the default")
+        raise ConfigError(
+            f"{kind} option A_init={A_init!r} is not a negative number",
+            "use a small negative A such as -1e-4 (A = −exp(A_log) cannot be 0), or null for the default",
+        )
     return math.log(-A_init)
 
 
@@ -53,10 +59,14 @@ class CausalConv(nn.Module):
     def __init__(self, channels: int, kernel: int, bias: bool = True):
         super().__init__()
         if kernel < 1:
-            raise ConfigError(f"d_conv={kernel} is not a valid kernel size", "use d_conv >= 1 (4 in Mamba), or conv: false")
+            raise ConfigError(
+                f"d_conv={kernel} is not a valid kernel size", "use d_conv >= 1 (4 in Mamba), or conv: false"
+            )
         self.kernel = kernel
         self.weight = nn.Parameter(torch.empty(channels, kernel))
-        self.bias = nn.Parameter(torch.empty(channels)) if bias else None  # None: no bias (Qwen3.5's GDN conv has none)
+        self.bias = (
+            nn.Parameter(torch.empty(channels)) if bias else None
+        )  # None: no bias (Qwen3.5's GDN conv has none)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -99,16 +109,20 @@ def check_norm_eps(kind: str, eps) -> float:
     """The gated norm's ε as a float; a ConfigError unless it is a positive number (YAML reads
     ``1e-5`` without a dot as a string: taken as the number it spells)."""
     if eps == AUTO:
-        raise ConfigError(f"{kind} option norm_eps: auto reached a mixer built without its teacher",
-                          "build students through attn2ssm.student.convert (it resolves auto), or give a number such as 1.0e-5")  # fmt: skip
+        raise ConfigError(
+            f"{kind} option norm_eps: auto reached a mixer built without its teacher",
+            "build students through attn2ssm.student.convert (it resolves auto), or give a number such as 1.0e-5",
+        )
     if isinstance(eps, str):
         try:
             eps = float(eps)
         except ValueError:
             pass
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ConfigError(f"{kind} option norm_eps={eps!r} is not a positive number",
-                          "use auto (the teacher's rms_norm_eps), a number such as 1.0e-5, or leave it out (1e-6)")  # fmt: skip
+        raise ConfigError(
+            f"{kind} option norm_eps={eps!r} is not a positive number",
+            "use auto (the teacher's rms_norm_eps), a number such as 1.0e-5, or leave it out (1e-6)",
+        )
     return float(eps)
 
 
@@ -130,10 +144,15 @@ def resolve_norm_eps(kind: str, options: dict | None, config) -> dict:
         return options
     eps = teacher_norm_eps(config)
     if eps is None:
-        raise ConfigError(f"{kind} option norm_eps: auto needs the teacher's rms_norm_eps, and its config has none",
-                          "give the gated norm's ε as a number, e.g. norm_eps: 1.0e-5")  # fmt: skip
+        raise ConfigError(
+            f"{kind} option norm_eps: auto needs the teacher's rms_norm_eps, and its config has none",
+            "give the gated norm's ε as a number, e.g. norm_eps: 1.0e-5",
+        )
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ConfigError(f"{kind} option norm_eps: auto found the teacher's norm ε {eps!r}, not a positive number", "give norm_eps as a positive number, e.g. 1.0e-5")
+        raise ConfigError(
+            f"{kind} option norm_eps: auto found the teacher's norm ε {eps!r}, not a positive number",
+            "give norm_eps as a positive number, e.g. 1.0e-5",
+        )
     options["norm_eps"] = float(eps)
     return options
 
@@ -168,7 +187,9 @@ def apply_conv(conv: CausalConv | None, x, states: dict, mask, activation, backe
     ``causal_conv1d_step`` itself.) ``backend``: the kernels (ops/kernels.py)."""
     if conv is None:
         return x, None
-    return causal_conv1d(x, conv.weight, conv.bias, state=states.get("conv"), mask=mask, activation=activation, backend=backend)
+    return causal_conv1d(
+        x, conv.weight, conv.bias, state=states.get("conv"), mask=mask, activation=activation, backend=backend
+    )
 
 
 def store_states(layer, ssm, conv_state, length: int) -> None:

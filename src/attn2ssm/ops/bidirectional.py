@@ -29,12 +29,16 @@ def _flip(t: torch.Tensor) -> torch.Tensor:
     return t.flip(1)
 
 
-def bidirectional_scan_chunked(fw: tuple, bw: tuple, chunk_size: int = 64, backend: str = "auto") -> torch.Tensor:
+def bidirectional_scan_chunked(
+    fw: tuple, bw: tuple, chunk_size: int = 64, backend: str = "auto"
+) -> torch.Tensor:
     """Forward scan + flipped-back scan of the flipped backward inputs. Returns y (b, l, g, p) = y_fw + y_bw."""
     x, dt, A, B, C, D = fw
     y_f, _ = selective_scan_chunked(x, dt, A, B, C, D=D, chunk_size=chunk_size, backend=backend)
     x, dt, A, B, C, D = bw
-    y_b, _ = selective_scan_chunked(_flip(x), _flip(dt), A, _flip(B), _flip(C), D=D, chunk_size=chunk_size, backend=backend)
+    y_b, _ = selective_scan_chunked(
+        _flip(x), _flip(dt), A, _flip(B), _flip(C), D=D, chunk_size=chunk_size, backend=backend
+    )
     return y_f + _flip(y_b)
 
 

@@ -47,14 +47,18 @@ def linear_attention_fla(q, k, v, mask=None, state: LinearAttentionState | None 
     pad_f, (qp, kp) = _even(q, k)
     pad_d, (vp,) = _even(v)
     kv0 = F.pad(state.kv, (0, pad_d, 0, pad_f)).contiguous()
-    num, kv = chunk_simple_gla(_bthk(qp), _bthk(kp), _bthk(vp), g=None, scale=1.0, initial_state=kv0, output_final_state=True)
+    num, kv = chunk_simple_gla(
+        _bthk(qp), _bthk(kp), _bthk(vp), g=None, scale=1.0, initial_state=kv0, output_final_state=True
+    )
     num = num[..., :d].transpose(1, 2).float()  # (b, h, l, d)
     k_sum = state.k_sum[:, :, None] + k.float().cumsum(2)  # (b, h, l, f): Σ φk up to each token
     den = (q.float() * k_sum).sum(-1, keepdim=True)
     # a row without keys (padding) is 0 either way; a 1 there keeps the gradient into a 16-bit numerator finite
     den = torch.where(den > 0, den, torch.ones_like(den))
     out = num / (den + eps)
-    return out.to(dtype), LinearAttentionState(kv[:, :, :f, :d].float(), k_sum[:, :, -1] if l else state.k_sum)
+    return out.to(dtype), LinearAttentionState(
+        kv[:, :, :f, :d].float(), k_sum[:, :, -1] if l else state.k_sum
+    )
 
 
 def ssd_fla(x, a, B, C, mask=None, D=None, state=None):
@@ -71,8 +75,15 @@ def ssd_fla(x, a, B, C, mask=None, D=None, state=None):
     pad_n, (Bp, Cp) = _even(B, C)
     pad_p, (xp,) = _even(x)
     h0 = None if state is None else F.pad(state.float().transpose(-1, -2), (0, pad_p, 0, pad_n)).contiguous()
-    y, s = chunk_simple_gla(Cp.contiguous(), Bp.contiguous(), xp.contiguous(), g=a.float().contiguous(), scale=1.0,
-                            initial_state=h0, output_final_state=True)  # fmt: skip
+    y, s = chunk_simple_gla(
+        Cp.contiguous(),
+        Bp.contiguous(),
+        xp.contiguous(),
+        g=a.float().contiguous(),
+        scale=1.0,
+        initial_state=h0,
+        output_final_state=True,
+    )
     y = y[..., :p].float()
     if D is not None:
         D = D.float()
@@ -91,9 +102,17 @@ def causal_conv1d_fla(x, weight, bias=None, state=None, mask=None, activation=No
     k = weight.shape[-1]
     if mask is not None:
         x = x * mask.to(x.dtype)[..., None]
-    h0 = None if state is None else F.pad(state.to(x.dtype), (1, 0)).contiguous()  # fla keeps k inputs, the oldest is never read
-    y, s = causal_conv1d(x.contiguous(), weight.to(x.dtype).contiguous(), None if bias is None else bias.to(x.dtype),
-                         initial_state=h0, output_final_state=True, activation=activation)  # fmt: skip
+    h0 = (
+        None if state is None else F.pad(state.to(x.dtype), (1, 0)).contiguous()
+    )  # fla keeps k inputs, the oldest is never read
+    y, s = causal_conv1d(
+        x.contiguous(),
+        weight.to(x.dtype).contiguous(),
+        None if bias is None else bias.to(x.dtype),
+        initial_state=h0,
+        output_final_state=True,
+        activation=activation,
+    )
     return y.to(dtype), s[..., 1:].float() if s.shape[-1] == k else s.float()
 
 
@@ -111,8 +130,16 @@ def gated_delta_fla(q, k, v, g, beta, mask=None, state=None, *, scale: float | N
     pad_k, (qp, kp) = _even(q, k)
     pad_v, (vp,) = _even(v)
     h0 = None if state is None else F.pad(state.float(), (0, pad_v, 0, pad_k)).contiguous()
-    o, s = chunk_gated_delta_rule(qp.contiguous(), kp.contiguous(), vp.contiguous(), g.float().contiguous(), beta.to(q.dtype).contiguous(),
-                                  scale=d_k**-0.5 if scale is None else scale, initial_state=h0, output_final_state=True)  # fmt: skip
+    o, s = chunk_gated_delta_rule(
+        qp.contiguous(),
+        kp.contiguous(),
+        vp.contiguous(),
+        g.float().contiguous(),
+        beta.to(q.dtype).contiguous(),
+        scale=d_k**-0.5 if scale is None else scale,
+        initial_state=h0,
+        output_final_state=True,
+    )
     o = o[..., :d_v]
     if mask is not None:
         o = o * mask.to(o.dtype)[..., None, None]

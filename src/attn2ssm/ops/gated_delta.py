@@ -74,7 +74,19 @@ def _heads_first(*ts):
     return [t.transpose(1, 2) for t in ts]  # (b, l, h, …) → (b, h, l, …)
 
 
-def gated_delta_chunked(q, k, v, g, beta, mask=None, state=None, *, scale: float | None = None, chunk_size: int = 64, backend: str = "torch"):
+def gated_delta_chunked(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    mask=None,
+    state=None,
+    *,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    backend: str = "torch",
+):
     """Training and prefill: blocks of ``chunk_size`` tokens (loop-free inside each), the state
     carried across them. Returns (o (b, l, h, d_v) in v's dtype, final state (b, h, d_k, d_v) float32).
     ``backend`` (ops/kernels.py): "fla" / "auto" run fla's ``chunk_gated_delta_rule`` where it can."""
@@ -100,7 +112,9 @@ def gated_delta_chunked(q, k, v, g, beta, mask=None, state=None, *, scale: float
     return o.to(dtype), s
 
 
-def gated_delta_quadratic(q, k, v, g, beta, mask=None, state=None, *, scale: float | None = None, return_matrix: bool = False):
+def gated_delta_quadratic(
+    q, k, v, g, beta, mask=None, state=None, *, scale: float | None = None, return_matrix: bool = False
+):
     """The whole sequence as one block. Returns (o, final state) and, with ``return_matrix``, also
     the materialised map M (b, h, l, l) with o = M v when there is no initial state (padded rows and
     columns 0)."""

@@ -76,13 +76,19 @@ def choose_kernels(requested: str, device_type: str) -> KernelChoice:
     if requested == "torch":
         return KernelChoice(requested, "torch", "as requested")
     if requested == "fla" and not on_gpu:
-        raise ConfigError("kernels=fla runs Triton kernels on CUDA, and this run is on the CPU", "use kernels: auto or torch on a CPU")
+        raise ConfigError(
+            "kernels=fla runs Triton kernels on CUDA, and this run is on the CPU",
+            "use kernels: auto or torch on a CPU",
+        )
     if not on_gpu:
         return KernelChoice(requested, "torch", "on the CPU the PyTorch forms are the kernels")
     problem = fla_problem()
     if requested == "fla":
         if problem:
-            raise ConfigError(f"kernels=fla, but {problem}", "pip install 'attn2ssm[gpu]' (fla-core, triton), or use kernels: torch")
+            raise ConfigError(
+                f"kernels=fla, but {problem}",
+                "pip install 'attn2ssm[gpu]' (fla-core, triton), or use kernels: torch",
+            )
         return KernelChoice(requested, "fla", "as requested")
     if problem:
         return KernelChoice(requested, "torch", problem)
@@ -98,5 +104,7 @@ def resolve_backend(backend: str, tensor) -> str:
         raise ValueError(f"backend must be one of {KERNELS}, got {backend!r}")
     usable = (tensor.is_cuda or _interpreted()) and fla_problem() is None
     if backend == "fla" and not usable:
-        raise RuntimeError(f"backend 'fla' asked for a {tensor.device.type} tensor, where fla cannot run ({fla_problem() or 'not CUDA'})")
+        raise RuntimeError(
+            f"backend 'fla' asked for a {tensor.device.type} tensor, where fla cannot run ({fla_problem() or 'not CUDA'})"
+        )
     return "fla" if usable else "torch"

@@ -82,7 +82,15 @@ def _exclusive_cumsum(t: torch.Tensor, dim: int, shift: int = 1) -> torch.Tensor
 
 
 def linear_attention_chunked(
-    q, k, v, mask=None, state: LinearAttentionState | None = None, *, chunk_size: int = 64, eps: float = 1e-6, backend: str = "torch"
+    q,
+    k,
+    v,
+    mask=None,
+    state: LinearAttentionState | None = None,
+    *,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+    backend: str = "torch",
 ):
     """Causal form for training and prefill, loop-free: quadratic inside (C × C) chunks, every
     chunk's incoming state an exclusive cumulative sum of the chunks' φkᵀv before it (all chunks
@@ -101,7 +109,9 @@ def linear_attention_chunked(
         return v.new_zeros(b, h, 0, d).to(dtype), state
     c = min(chunk_size, l)
     n = -(-l // c)
-    qb, kb, vb = (_blocks(t, n, c) for t in (q, k, v))  # (b, h, n, c, ·); padded positions are zero: no key, no output
+    qb, kb, vb = (
+        _blocks(t, n, c) for t in (q, k, v)
+    )  # (b, h, n, c, ·); padded positions are zero: no key, no output
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     intra = (qb @ kb.transpose(-1, -2)).masked_fill(~causal, 0.0)  # (b, h, n, c, c)
     chunk_kv = kb.transpose(-1, -2) @ vb  # (b, h, n, f, d)
@@ -135,10 +145,14 @@ def linear_attention_step(q, k, v, state: LinearAttentionState, *, eps: float = 
     num = torch.bmm(qf, kv)  # (b·h, 1, d)
     den = torch.bmm(qf, k_sum.reshape(b * h, f, 1))  # (b·h, 1, 1)
     out = num.div_(den.add_(eps)).view(b, h, d)
-    return (out if dtype == torch.float32 else out.to(dtype)), (state if inplace else LinearAttentionState(kv.view(b, h, f, d), k_sum))
+    return (out if dtype == torch.float32 else out.to(dtype)), (
+        state if inplace else LinearAttentionState(kv.view(b, h, f, d), k_sum)
+    )
 
 
-def linear_attention_sequential(q, k, v, mask=None, state: LinearAttentionState | None = None, *, eps: float = 1e-6):
+def linear_attention_sequential(
+    q, k, v, mask=None, state: LinearAttentionState | None = None, *, eps: float = 1e-6
+):
     """Token-by-token loop over ``linear_attention_step`` — the reference the others are tested against."""
     b, h, l, f = q.shape
     q, k, v = _apply_mask(q.float(), k.float(), v.float(), mask)
@@ -186,7 +200,21 @@ class WindowState:
         return cls(z(b, h, f, d), z(b, h, f), z(b, h, 0, d), z(b, h, 0, d), z(b, h, 0, f), z(b, 0))
 
 
-def window_linear_attention(q, k, v, fq, fk, *, scaling: float, window: int, gamma: torch.Tensor, mask=None, state: WindowState | None = None, eps: float = 1e-6, return_weights: bool = False):
+def window_linear_attention(
+    q,
+    k,
+    v,
+    fq,
+    fk,
+    *,
+    scaling: float,
+    window: int,
+    gamma: torch.Tensor,
+    mask=None,
+    state: WindowState | None = None,
+    eps: float = 1e-6,
+    return_weights: bool = False,
+):
     """One block of queries against [cached window; block] keys plus the linear state.
 
     Weight of key j for query i (unnormalised): γ_h·exp(s_ij − m_i) if i − j < window (s = q·k·scaling,
@@ -206,7 +234,9 @@ def window_linear_attention(q, k, v, fq, fk, *, scaling: float, window: int, gam
     fkeys = torch.cat([state.fkeys, fk * m[:, None, :, None]], 2)
     valid = torch.cat([state.valid, m], 1)  # (b, L)
     cached, total = state.keys.shape[2], keys.shape[2]
-    dist = (torch.arange(l, device=q.device) + cached)[:, None] - torch.arange(total, device=q.device)[None, :]
+    dist = (torch.arange(l, device=q.device) + cached)[:, None] - torch.arange(total, device=q.device)[
+        None, :
+    ]
     key_ok = valid[:, None, None, :] > 0  # (b, 1, 1, L)
     in_window = (dist >= 0) & (dist < window) & key_ok
     outside = (dist >= window) & key_ok
@@ -226,14 +256,29 @@ def window_linear_attention(q, k, v, fq, fk, *, scaling: float, window: int, gam
     leave = max(total - keep, 0)
     kv = state.kv + fkeys[:, :, :leave].transpose(-1, -2) @ values[:, :, :leave]
     k_sum = state.k_sum + fkeys[:, :, :leave].sum(2)
-    new_state = WindowState(kv, k_sum, keys[:, :, leave:], values[:, :, leave:], fkeys[:, :, leave:], valid[:, leave:])
+    new_state = WindowState(
+        kv, k_sum, keys[:, :, leave:], values[:, :, leave:], fkeys[:, :, leave:], valid[:, leave:]
+    )
     if return_weights:
         return out.to(dtype), new_state, weights / (den[..., None] + eps)
     return out.to(dtype), new_state
 
 
-def window_linear_attention_chunked(q, k, v, fq, fk, *, scaling: float, window: int, gamma: torch.Tensor, mask=None,
-                                    chunk_size: int = 64, eps: float = 1e-6, return_state: bool = False):  # fmt: skip
+def window_linear_attention_chunked(
+    q,
+    k,
+    v,
+    fq,
+    fk,
+    *,
+    scaling: float,
+    window: int,
+    gamma: torch.Tensor,
+    mask=None,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+    return_state: bool = False,
+):
     """``window_linear_attention`` over a whole sequence from an empty state, loop-free.
 
     With chunks of C ≥ window tokens, a query's softmax window lies in its own chunk and the one
@@ -245,7 +290,6 @@ def window_linear_attention_chunked(q, k, v, fq, fk, *, scaling: float, window: 
     """
     dtype = v.dtype
     b, h, l, d = q.shape
-    f = fq.shape[-1]
     q, k, v, fq, fk = (t.float() for t in (q, k, v, fq, fk))
     m = torch.ones(b, l, device=q.device) if mask is None else mask.float()
     c = max(chunk_size, window, 1)
@@ -257,16 +301,26 @@ def window_linear_attention_chunked(q, k, v, fq, fk, *, scaling: float, window: 
     prev = lambda t: torch.cat([torch.zeros_like(t[:, :, :1]), t[:, :, :-1]], 2)  # noqa: E731  (the chunk before; none for the first)
     keys, values, fkeys = (torch.cat([prev(t), t], 3) for t in (kb, vb, fkb))  # (b, h, n, 2c, ·)
     key_ok = torch.cat([prev(valid), valid], 3)[:, :, :, None, :]  # (b, 1, n, 1, 2c)
-    dist = (torch.arange(c, device=q.device) + c)[:, None] - torch.arange(2 * c, device=q.device)[None, :]  # (c, 2c)
+    dist = (torch.arange(c, device=q.device) + c)[:, None] - torch.arange(2 * c, device=q.device)[
+        None, :
+    ]  # (c, 2c)
     in_window = (dist >= 0) & (dist < window) & key_ok
     outside = (dist >= window) & key_ok
-    scores = ((qb @ keys.transpose(-1, -2)) * scaling).masked_fill(~in_window, float("-inf"))  # (b, h, n, c, 2c)
+    scores = ((qb @ keys.transpose(-1, -2)) * scaling).masked_fill(
+        ~in_window, float("-inf")
+    )  # (b, h, n, c, 2c)
     row_max = scores.amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    weights = torch.exp(scores - row_max) * gamma.float()[None, :, None, None, None] + (fqb @ fkeys.transpose(-1, -2)) * outside
+    weights = (
+        torch.exp(scores - row_max) * gamma.float()[None, :, None, None, None]
+        + (fqb @ fkeys.transpose(-1, -2)) * outside
+    )
     chunk_kv = fkb.transpose(-1, -2) @ vb  # (b, h, n, f, d)
     chunk_k = fkb.sum(3)
-    older_kv, older_k = _exclusive_cumsum(chunk_kv, 2, shift=2), _exclusive_cumsum(chunk_k, 2, shift=2)  # keys before the previous chunk
+    older_kv, older_k = (
+        _exclusive_cumsum(chunk_kv, 2, shift=2),
+        _exclusive_cumsum(chunk_k, 2, shift=2),
+    )  # keys before the previous chunk
     num = weights @ values + fqb @ older_kv
     den = weights.sum(-1) + (fqb @ older_k[..., None]).squeeze(-1)
     den = torch.where(den > 0, den, torch.ones_like(den))  # rows with no visible key (padding): 0, not 0/0
@@ -275,5 +329,12 @@ def window_linear_attention_chunked(q, k, v, fq, fk, *, scaling: float, window: 
     if return_state:  # as the block form leaves it: the last window − 1 tokens cached, the rest in the sums
         leave = max(l - max(window - 1, 0), 0)
         v_, fk_ = v[:, :, :leave], fk[:, :, :leave]
-        state = WindowState(fk_.transpose(-1, -2) @ v_, fk_.sum(2), k[:, :, leave:], v[:, :, leave:], fk[:, :, leave:], m[:, leave:])
+        state = WindowState(
+            fk_.transpose(-1, -2) @ v_,
+            fk_.sum(2),
+            k[:, :, leave:],
+            v[:, :, leave:],
+            fk[:, :, leave:],
+            m[:, leave:],
+        )
     return out.to(dtype), state

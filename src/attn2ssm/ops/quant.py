@@ -25,7 +25,9 @@ def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     """(out, in) float weight → (int8 (out, in), float32 scales (out,)) with ``W ≈ q * scale[:, None]``.
     An all-zero row gets scale 1 (its q is 0 either way), never a division by zero."""
     if weight.dim() != 2:
-        raise ValueError(f"quantize_per_channel_int8 takes a (out, in) weight, got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"quantize_per_channel_int8 takes a (out, in) weight, got shape {tuple(weight.shape)}"
+        )
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
     scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
@@ -33,12 +35,16 @@ def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return q.contiguous(), scales
 
 
-def dequantize_per_channel_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_per_channel_int8(
+    q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The float weight an int8 one stands for: ``q * scales[:, None]`` in ``dtype``."""
     return (q.float() * scales.float()[:, None]).to(dtype)
 
 
-def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear_reference(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``int8_linear`` computed plainly: the dequantised weight in float32, the result in x's dtype."""
     bias = None if bias is None else bias.float()
     return F.linear(x.float(), dequantize_per_channel_int8(q, scales), bias).to(x.dtype)
@@ -47,7 +53,9 @@ def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor
 _PACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``F.linear(x, q * scales[:, None], bias)`` without materialising the float weight.
 
     x: (..., in) float; q: (out, in) int8; scales: (out,) float (bfloat16 for the kernel: keep them
@@ -62,6 +70,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: to
     # F.linear 51 us): float32 inputs are rounded to bfloat16 for the product (relative 2^-9, below
     # the weight's own int8 rounding) and the result handed back in float32.
     a = x.reshape(-1, width).to(torch.bfloat16).contiguous()
-    y = torch.ops.aten._weight_int8pack_mm(a, q, scales if scales.dtype == torch.bfloat16 else scales.to(torch.bfloat16))
+    y = torch.ops.aten._weight_int8pack_mm(
+        a, q, scales if scales.dtype == torch.bfloat16 else scales.to(torch.bfloat16)
+    )
     y = y.view(*x.shape[:-1], out).to(x.dtype)
     return y if bias is None else y + bias.to(y.dtype)

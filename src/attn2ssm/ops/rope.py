@@ -39,7 +39,9 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def apply_rotary_full(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed: torch.Tensor | None = None) -> torch.Tensor:
+def apply_rotary_full(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, signed: torch.Tensor | None = None
+) -> torch.Tensor:
     """``apply_rotary`` when every dim rotates, in a few small ops (the decode step's form):
     x (..., d) with cos, sin broadcasting against it; rotate_half(x)·sin is computed as
     swap_halves(x)·signed_sin(sin), the same products exactly. ``signed``: signed_sin(sin) when

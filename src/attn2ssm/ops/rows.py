@@ -31,7 +31,9 @@ def row_blocks(weight: torch.Tensor, parts: int) -> torch.Tensor:
     return weight.view(parts, weight.shape[0] // parts, weight.shape[1]).transpose(1, 2)
 
 
-def block_product(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+def block_product(
+    x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, rows: int
+) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for ``blocks = row_blocks(W, parts)`` and ``rows`` rows of x."""
     parts, width, part = blocks.shape
     y = torch.bmm(x.reshape(1, rows, width).expand(parts, rows, width), blocks)  # (parts, rows, out/parts)
@@ -58,7 +60,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return rows_linear(x, weight, bias, torch.get_num_threads())
 
 
-def block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, memo: dict) -> torch.Tensor:
+def block_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, memo: dict
+) -> torch.Tensor:
     """``linear`` with the weight's row-block view kept in ``memo`` (e.g. a module's ``__dict__``)
     for the weight's storage and the thread count: a decode step makes ~150 of these products,
     and the fewer small ops around each the better. Eager code only (storage pointers cannot be

@@ -151,7 +151,9 @@ class _ChunkedScan(torch.autograd.Function):
         return dx, ddt, dA, dB, dC, g_next, None
 
 
-def selective_scan_chunked(x, dt, A, B, C, mask=None, D=None, state=None, chunk_size: int = 64, backend: str = "torch"):
+def selective_scan_chunked(
+    x, dt, A, B, C, mask=None, D=None, state=None, chunk_size: int = 64, backend: str = "torch"
+):
     """Training / prefill form; any length. Returns (y (b, l, g, p), final state (b, g, p, n)).
 
     ``state``: initial state (b, g, p, n) or None (zeros). ``backend`` (ops/kernels.py): fla has no
@@ -171,7 +173,9 @@ def selective_scan_chunked(x, dt, A, B, C, mask=None, D=None, state=None, chunk_
     def tm(t):
         return t.transpose(0, 1).contiguous()
 
-    y, h = _ChunkedScan.apply(tm(x), tm(dt), A.float().contiguous(), tm(B), tm(C), h0, max(1, int(chunk_size)))
+    y, h = _ChunkedScan.apply(
+        tm(x), tm(dt), A.float().contiguous(), tm(B), tm(C), h0, max(1, int(chunk_size))
+    )
     return _finish(y.transpose(0, 1), x, D, m, dtype), h
 
 
@@ -204,8 +208,6 @@ def selective_scan_sequential(x, dt, A, B, C, mask=None, D=None, state=None):
     return _finish(y, x, D, m, dtype), state
 
 
-
-
 # ------------------------------------------------------------------------------------ CUDA path
 def _selective_scan_fn():
     """``mamba_ssm``'s ``selective_scan_fn`` if it imports, else None (imported lazily)."""
@@ -228,8 +230,12 @@ def _selective_scan_cuda(x, dt, A, B, C, mask, D):
         return t.reshape(b, l, g * p).transpose(1, 2).contiguous()
 
     y, last = _selective_scan_fn()(
-        channels(x), channels(dt), A.float().reshape(g * p, n), B.permute(0, 2, 3, 1).contiguous(),
-        C.permute(0, 2, 3, 1).contiguous(), return_last_state=True,
-    )  # fmt: skip
+        channels(x),
+        channels(dt),
+        A.float().reshape(g * p, n),
+        B.permute(0, 2, 3, 1).contiguous(),
+        C.permute(0, 2, 3, 1).contiguous(),
+        return_last_state=True,
+    )
     y = y.float().transpose(1, 2).reshape(b, l, g, p)
     return _finish(y, x, D, m, dtype), last.float().reshape(b, g, p, n)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from attn2ssm.ops.kernels import resolve_backend
 
+
 def segsum(x: torch.Tensor) -> torch.Tensor:
     """(..., T) → (..., T, T): out[i, j] = x_{j+1} + … + x_i for i ≥ j (0 on the diagonal), -inf above.
 
@@ -185,5 +186,3 @@ def ssd_sequential(x, a, B, C, mask=None, D=None, state=None):
         state = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[-1])
     y = torch.stack(ys, 1) if ys else x.new_zeros(x.shape)
     return _finish(y, x, D, m, dtype), state
-
-

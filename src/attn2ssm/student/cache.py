@@ -34,7 +34,9 @@ def _map_state(value, fn):
     if isinstance(value, torch.Tensor):
         return fn(value)
     if dataclasses.is_dataclass(value):
-        return dataclasses.replace(value, **{f.name: _map_state(getattr(value, f.name), fn) for f in dataclasses.fields(value)})
+        return dataclasses.replace(
+            value, **{f.name: _map_state(getattr(value, f.name), fn) for f in dataclasses.fields(value)}
+        )
     if isinstance(value, (tuple, list)):
         return type(value)(_map_state(v, fn) for v in value)
     return value
@@ -81,10 +83,15 @@ class MixerStateLayer(CacheLayerMixin):
         self._commit()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.states = {k: _map_state(v, lambda t: t.index_select(0, beam_idx.to(t.device))) for k, v in self.states.items()}
+        self.states = {
+            k: _map_state(v, lambda t: t.index_select(0, beam_idx.to(t.device)))
+            for k, v in self.states.items()
+        }
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.states = {k: _map_state(v, lambda t: t.repeat_interleave(repeats, dim=0)) for k, v in self.states.items()}
+        self.states = {
+            k: _map_state(v, lambda t: t.repeat_interleave(repeats, dim=0)) for k, v in self.states.items()
+        }
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.states = {k: _map_state(v, lambda t: t[indices]) for k, v in self.states.items()}
@@ -119,14 +126,20 @@ class MixerStateLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (transformers' sign convention); 0 commits."""
         if tokens_to_remove > 0:
-            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as transformers does")
+            raise ValueError(
+                f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as transformers does"
+            )
         remove = -tokens_to_remove
         if remove == 0:
             self._commit()
             return
         snapshot = self._snapshot
         if snapshot is None or self.seen - remove < snapshot[0]:
-            reason = "recording is off" if not self.record_past else f"only the last {self.seen - (snapshot[0] if snapshot else self.seen)} tokens were recorded"
+            reason = (
+                "recording is off"
+                if not self.record_past
+                else f"only the last {self.seen - (snapshot[0] if snapshot else self.seen)} tokens were recorded"
+            )
             raise RuntimeError(
                 f"cannot remove {remove} tokens from a recurrent state ({reason}); call cache.activate_past_recording() "
                 "before the forwards you may want to undo"
@@ -156,7 +169,10 @@ class MixerStateLayer(CacheLayerMixin):
         pe = None
         if self._inputs[0][2] is not None:
             pe = tuple(torch.cat(parts, 1)[:, :keep] for parts in zip(*(p for _, _, p, _ in self._inputs)))
-        masks = [m if m is not None else torch.ones(h.shape[:2], dtype=torch.long, device=h.device) for _, h, _, m in self._inputs]
+        masks = [
+            m if m is not None else torch.ones(h.shape[:2], dtype=torch.long, device=h.device)
+            for _, h, _, m in self._inputs
+        ]
         mask = torch.cat(masks, 1)[:, :keep]
         context, saved = mixer.context, mixer.context.padding_mask
         context.padding_mask = None if bool(mask.all()) else mask

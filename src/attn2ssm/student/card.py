@@ -43,7 +43,9 @@ def teacher_name(config: dict) -> tuple[str, str | None]:
     source = teacher.get("source") or {}
     location = source.get("location")
     hub_id = source.get("hub_id") or (location if source.get("kind") == "hub" else None)
-    local = source.get("kind") in ("dir", "gguf", "builtin") or (isinstance(location, str) and location.startswith(("/", "~", ".")))
+    local = source.get("kind") in ("dir", "gguf", "builtin") or (
+        isinstance(location, str) and location.startswith(("/", "~", "."))
+    )
     shown_location = None if local or not location else location
     if local and location and not source.get("name"):
         shown_location = location.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
@@ -65,7 +67,9 @@ def _plan_lines(config: dict) -> list[str]:
     plan = list(config.get("layer_plan") or [])
     kept = [i for i, kind in enumerate(plan) if kind == "attention"]
     kinds = sorted({kind for kind in plan if kind != "attention"})
-    lines = [f"- **Layers**: {len(plan) - len(kept)} of {len(plan)} converted; softmax attention kept in layers {kept or 'none'}."]
+    lines = [
+        f"- **Layers**: {len(plan) - len(kept)} of {len(plan)} converted; softmax attention kept in layers {kept or 'none'}."
+    ]
     for kind in kinds:
         options = (config.get("mixer_options") or {}).get(kind) or {}
         shown = ", ".join(f"{k}={v}" for k, v in sorted(options.items())) or "defaults"
@@ -88,7 +92,10 @@ def _results_lines(results: dict | None) -> list[str]:
         lines.append(f"- **Recipe**: `{results['recipe']}`")
     stages = results.get("stages") or []
     if stages:
-        lines.append("- **Stages**: " + " → ".join(f"{s.get('name')} ({s.get('kind')}, {_tokens(s.get('tokens'))})" for s in stages))
+        lines.append(
+            "- **Stages**: "
+            + " → ".join(f"{s.get('name')} ({s.get('kind')}, {_tokens(s.get('tokens'))})" for s in stages)
+        )
     if results.get("train_tokens") is not None:
         lines.append(f"- **Training budget**: {results['train_tokens']:,} tokens (all stages)")
     if results.get("corpus"):
@@ -105,23 +112,34 @@ def _results_lines(results: dict | None) -> list[str]:
 def _unmeasured_lines(results: dict | None) -> list[str]:
     if results:
         return []
-    return ["", "## Distillation", "", ("Not recorded with this folder (no `results.json` beside it): a student written by `attn2ssm "
+    return [
+        "",
+        "## Distillation",
+        "",
+        (
+            "Not recorded with this folder (no `results.json` beside it): a student written by `attn2ssm "
             "convert` (mixers initialised from the teacher's attention, untrained), a run's checkpoint or a model saved from Python. "
-            "`attn2ssm distill` writes the recipe, token budget and measured ratio to the teacher into its final `student/` card.")]
+            "`attn2ssm distill` writes the recipe, token budget and measured ratio to the teacher into its final `student/` card."
+        ),
+    ]
 
 
 def student_card(config: dict, results: dict | None = None) -> str:
     """The model card of a saved student (config: its ``config.json`` as a dict)."""
     name, hub_id = teacher_name(config)
-    family = (config.get("teacher") or {}).get("family") or (config.get("base_config") or {}).get("model_type", "?")
+    family = (config.get("teacher") or {}).get("family") or (config.get("base_config") or {}).get(
+        "model_type", "?"
+    )
     kinds = sorted({kind for kind in config.get("layer_plan") or [] if kind != "attention"})
     hybrid = "attention" in (config.get("layer_plan") or [])
     lines = _front_matter(hub_id, ["attn2ssm", "distillation", *kinds, *(["hybrid"] if hybrid else [])])
     lines += [
         f"# {' + '.join(kinds) or 'attention'} student of {name}",
         "",
-        (f"Distilled from **{name}** ({family} architecture) with attn2ssm: the teacher with some "
-        "attention modules replaced by sequence mixers; embeddings, norms, MLPs and the LM head are the teacher's."),
+        (
+            f"Distilled from **{name}** ({family} architecture) with attn2ssm: the teacher with some "
+            "attention modules replaced by sequence mixers; embeddings, norms, MLPs and the LM head are the teacher's."
+        ),
         "",
         *_plan_lines(config),
         f"- **Weights**: {config.get('dtype') or config.get('torch_dtype') or 'float32'}",
@@ -130,8 +148,10 @@ def student_card(config: dict, results: dict | None = None) -> str:
         "",
         "## How to load",
         "",
-        ("The modeling code is in this folder (`attn2ssm_*.py`), so attn2ssm need not be installed, but transformers must be "
-        "allowed to run it (`trust_remote_code=True`):"),
+        (
+            "The modeling code is in this folder (`attn2ssm_*.py`), so attn2ssm need not be installed, but transformers must be "
+            "allowed to run it (`trust_remote_code=True`):"
+        ),
         "",
         "```python",
         "import torch",
@@ -143,10 +163,12 @@ def student_card(config: dict, results: dict | None = None) -> str:
         "print(tokenizer.decode(model.generate(**ids, max_new_tokens=32)[0]))",
         "```",
         "",
-        ("`dtype` applies to the whole model (Mamba-style `A_log` / `D` stay float32); `dtype=\"auto\"` keeps the saved one. "
-        "`AutoModel` (no LM head: hidden states) loads the same way. Where attn2ssm is installed, `import attn2ssm.student` "
-        "registers the classes and `trust_remote_code` is not needed. `generate` decodes with a recurrent cache (constant "
-        "memory per mixer layer, KV only for kept attention layers)."),
+        (
+            '`dtype` applies to the whole model (Mamba-style `A_log` / `D` stay float32); `dtype="auto"` keeps the saved one. '
+            "`AutoModel` (no LM head: hidden states) loads the same way. Where attn2ssm is installed, `import attn2ssm.student` "
+            "registers the classes and `trust_remote_code` is not needed. `generate` decodes with a recurrent cache (constant "
+            "memory per mixer layer, KV only for kept attention layers)."
+        ),
         *_peft_lines(config),
         *_native_lines(config),
         "",
@@ -158,14 +180,22 @@ def _peft_lines(config: dict) -> list[str]:
     """How to put LoRA on this student with peft (its learned feature maps are not nn.Linear)."""
     plan, options = config.get("layer_plan") or [], config.get("mixer_options") or {}
     default_map = {"linear_attention": "elu", "hedgemamba": "hedgehog"}  # the mixers' own defaults
-    learned = any(kind in plan and (options.get(kind) or {}).get("feature_map", default) in ("hedgehog", "t2r") for kind, default in default_map.items())
+    learned = any(
+        kind in plan and (options.get(kind) or {}).get("feature_map", default) in ("hedgehog", "t2r")
+        for kind, default in default_map.items()
+    )
     if not learned:
         return []
-    return ["", ("LoRA with peft (>= 0.17): the learned feature maps hold per-head weights (heads × head_dim × features), not "
-                 "`nn.Linear`s, so name them in `target_parameters`, e.g. `LoraConfig(target_modules=[\"q_proj\", \"k_proj\", "
-                 "\"v_proj\", \"o_proj\"], target_parameters=[\"feature_map_q.weight\", \"feature_map_k.weight\"])` (one rank-r "
-                 "update per head), or train them whole with `modules_to_save=[\"feature_map_q\", \"feature_map_k\"]`. "
-                 "`merge_and_unload()` gives back a plain student.")]
+    return [
+        "",
+        (
+            "LoRA with peft (>= 0.17): the learned feature maps hold per-head weights (heads × head_dim × features), not "
+            '`nn.Linear`s, so name them in `target_parameters`, e.g. `LoraConfig(target_modules=["q_proj", "k_proj", '
+            '"v_proj", "o_proj"], target_parameters=["feature_map_q.weight", "feature_map_k.weight"])` (one rank-r '
+            'update per head), or train them whole with `modules_to_save=["feature_map_q", "feature_map_k"]`. '
+            "`merge_and_unload()` gives back a plain student."
+        ),
+    ]
 
 
 def _native_lines(config: dict) -> list[str]:
@@ -173,8 +203,13 @@ def _native_lines(config: dict) -> list[str]:
     kinds = {kind for kind in plan if kind != "attention"}
     if kinds != {"mamba2"}:
         return []
-    return ["", ("Mamba-2 students of Llama-family teachers with the gated norm on can also be written as a plain transformers "
-            "`GraniteMoeHybridForCausalLM` (no remote code; served by vLLM): `attn2ssm export DIR --format native --out NATIVE_DIR`.")]
+    return [
+        "",
+        (
+            "Mamba-2 students of Llama-family teachers with the gated norm on can also be written as a plain transformers "
+            "`GraniteMoeHybridForCausalLM` (no remote code; served by vLLM): `attn2ssm export DIR --format native --out NATIVE_DIR`."
+        ),
+    ]
 
 
 def native_card(config: dict, results: dict | None, cls: str, notes: list[str] = ()) -> str:
@@ -183,14 +218,28 @@ def native_card(config: dict, results: dict | None, cls: str, notes: list[str] =
     plan = list(config.get("layer_plan") or [])
     hybrid = "attention" in plan
     gdn = cls == "Qwen3_5ForCausalLM"
-    mixer, tag, form, engine = (("Gated DeltaNet", "gated-deltanet", "dense MLP, zero-centred norms", None) if gdn else
-                                ("Mamba-2", "mamba2", "dense shared MLP, multipliers 1", "GraniteMoeHybrid"))  # fmt: skip
-    lines = _front_matter(hub_id, ["attn2ssm", "distillation", tag, *(["hybrid"] if hybrid else []), "qwen3_5" if gdn else "granitemoehybrid"])
+    mixer, tag, form, engine = (
+        ("Gated DeltaNet", "gated-deltanet", "dense MLP, zero-centred norms", None)
+        if gdn
+        else ("Mamba-2", "mamba2", "dense shared MLP, multipliers 1", "GraniteMoeHybrid")
+    )
+    lines = _front_matter(
+        hub_id,
+        [
+            "attn2ssm",
+            "distillation",
+            tag,
+            *(["hybrid"] if hybrid else []),
+            "qwen3_5" if gdn else "granitemoehybrid",
+        ],
+    )
     lines += [
         f"# {mixer} {'hybrid ' if hybrid else ''}student of {name}, as {cls}",
         "",
-        (f"Distilled from **{name}** with attn2ssm and exported with `attn2ssm export --format native`: a plain transformers "
-        f"`{cls}` checkpoint ({form}), no remote code. Its logits equal the attn2ssm student's."),
+        (
+            f"Distilled from **{name}** with attn2ssm and exported with `attn2ssm export --format native`: a plain transformers "
+            f"`{cls}` checkpoint ({form}), no remote code. Its logits equal the attn2ssm student's."
+        ),
         "",
         *_plan_lines(config),
         *_results_lines(results),
@@ -204,8 +253,11 @@ def native_card(config: dict, results: dict | None, cls: str, notes: list[str] =
         'tokenizer = AutoTokenizer.from_pretrained("PATH_OR_HUB_ID")',
         "```",
         "",
-        (f"Engines that serve {engine} load it as it is, e.g. `vllm serve PATH_OR_HUB_ID`." if not gdn else
-         "llama.cpp runs it as its `qwen35` architecture: `attn2ssm export STUDENT --format gguf` writes the GGUF."),
+        (
+            f"Engines that serve {engine} load it as it is, e.g. `vllm serve PATH_OR_HUB_ID`."
+            if not gdn
+            else "llama.cpp runs it as its `qwen35` architecture: `attn2ssm export STUDENT --format gguf` writes the GGUF."
+        ),
         "",
     ]
     if notes:

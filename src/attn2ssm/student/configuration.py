@@ -42,7 +42,9 @@ _LOCAL_SOURCES = ("dir", "gguf", "builtin")  # teachers.TeacherSource kinds whos
 
 
 def _is_local_path(value) -> bool:
-    return isinstance(value, str) and (os.path.isabs(value) or value.startswith(("~", "./", "../")) or "\\" in value)
+    return isinstance(value, str) and (
+        os.path.isabs(value) or value.startswith(("~", "./", "../")) or "\\" in value
+    )
 
 
 def scrub_local_paths(teacher: dict) -> dict:
@@ -51,7 +53,11 @@ def scrub_local_paths(teacher: dict) -> dict:
     no ``name``, its last component is kept as the name. Hub ids stay."""
     teacher = dict(teacher)
     source = teacher.get("source")
-    if isinstance(source, dict) and source.get("location") and (source.get("kind") in _LOCAL_SOURCES or _is_local_path(source["location"])):
+    if (
+        isinstance(source, dict)
+        and source.get("location")
+        and (source.get("kind") in _LOCAL_SOURCES or _is_local_path(source["location"]))
+    ):
         source = dict(source)
         location = source.pop("location")
         if not source.get("name"):
@@ -81,7 +87,9 @@ class Attn2SSMConfig(PretrainedConfig):
         self.attention_paths = list(attention_paths or [])
         self.layer_geometry = list(layer_geometry or [])
         self.mixer_options = dict(mixer_options or {})  # mixer kind → constructor options
-        self.teacher = scrub_local_paths(teacher or {})  # provenance: source (names, no paths), family, model_type
+        self.teacher = scrub_local_paths(
+            teacher or {}
+        )  # provenance: source (names, no paths), family, model_type
         self.teacher_layers = None if teacher_layers is None else [int(j) for j in teacher_layers]
         if self.base_config:  # read through the family's config so aliases (GPT-2's n_layer, …) resolve
             base = self.build_base_config()

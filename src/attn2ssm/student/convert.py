@@ -68,12 +68,24 @@ def _config_for_depth(config, source: list[int]) -> dict:
     for name in _LAYER_COUNTS:  # the map is non-decreasing, so "first m layers" stays a prefix
         if isinstance(d.get(name), int):
             d[name] = sum(j < d[name] for j in source)
-    if d.get("scale_attn_by_inverse_layer_idx"):  # GPT-2 scales attention by 1/(layer index + 1): tied to the index
-        raise ConfigError("the teacher scales attention by its layer index (scale_attn_by_inverse_layer_idx)", "convert at the teacher's depth (depth: null)")
+    if d.get(
+        "scale_attn_by_inverse_layer_idx"
+    ):  # GPT-2 scales attention by 1/(layer index + 1): tied to the index
+        raise ConfigError(
+            "the teacher scales attention by its layer index (scale_attn_by_inverse_layer_idx)",
+            "convert at the teacher's depth (depth: null)",
+        )
     handled = {*_PER_LAYER_VALUES, *_LAYER_INDEX_LISTS}
-    unknown = [k for k, v in d.items() if "layer" in k and k not in handled and isinstance(v, (list, tuple)) and len(v) == n_teacher]
+    unknown = [
+        k
+        for k, v in d.items()
+        if "layer" in k and k not in handled and isinstance(v, (list, tuple)) and len(v) == n_teacher
+    ]
     if unknown:
-        raise ConfigError(f"teacher config field(s) {unknown} look per-layer and cannot be remapped to {n} layers", "convert at the teacher's depth (depth: null)")
+        raise ConfigError(
+            f"teacher config field(s) {unknown} look per-layer and cannot be remapped to {n} layers",
+            "convert at the teacher's depth (depth: null)",
+        )
     return d
 
 
@@ -82,22 +94,28 @@ def _layer_prefix(attention_path: str) -> str:
     return attention_path.rpartition(".")[0] + "."
 
 
-def _state_for_depth(state: dict, teacher_paths: list[str], student_paths: list[str], source: list[int]) -> dict:
+def _state_for_depth(
+    state: dict, teacher_paths: list[str], student_paths: list[str], source: list[int]
+) -> dict:
     """The teacher's state dict with student layer i's tensors taken from teacher layer source[i]."""
     if teacher_paths == student_paths and source == list(range(len(teacher_paths))):
         return state
     t_prefixes = [_layer_prefix(p) for p in teacher_paths]
-    out = {k: v for k, v in state.items() if not k.startswith(tuple(t_prefixes))}  # embeddings, final norm, head
+    out = {
+        k: v for k, v in state.items() if not k.startswith(tuple(t_prefixes))
+    }  # embeddings, final norm, head
     for i, j in enumerate(source):
         t, s = t_prefixes[j], _layer_prefix(student_paths[i])
-        out.update({s + k[len(t):]: v for k, v in state.items() if k.startswith(t)})
+        out.update({s + k[len(t) :]: v for k, v in state.items() if k.startswith(t)})
     return out
 
 
 def resolve_options(mixer_options: dict | None, teacher_config) -> dict:
     """Mixer options by kind with every value that names a teacher setting made concrete
     (``norm_eps: auto`` → the teacher's rms_norm_eps), so a saved student records the number."""
-    return {kind: resolve_norm_eps(kind, opts, teacher_config) for kind, opts in (mixer_options or {}).items()}
+    return {
+        kind: resolve_norm_eps(kind, opts, teacher_config) for kind, opts in (mixer_options or {}).items()
+    }
 
 
 def _student_paths(adapter, base_config: dict) -> list[str]:
@@ -135,7 +153,10 @@ def convert(
     config = teacher.config
     paths = adapter.attention_module_paths(teacher)
     if depth is not None and depth < 1:
-        raise ConfigError(f"student depth {depth} is not a number of layers", "use depth >= 1, or null for the teacher's depth")
+        raise ConfigError(
+            f"student depth {depth} is not a number of layers",
+            "use depth >= 1, or null for the teacher's depth",
+        )
     source = layer_map(depth, len(paths), depth_map) if depth is not None else list(range(len(paths)))
     if len(layer_plan) != len(source):
         raise ValueError(f"layer plan has {len(layer_plan)} entries but the student has {len(source)} layers")
@@ -161,7 +182,9 @@ def convert(
     )
     param = next(teacher.parameters())
     student = Attn2SSMForCausalLM(student_config).to(dtype=param.dtype, device=param.device)
-    keep_fp32_parameters(student)  # a half-precision teacher: A_log / D stay float32, as from_pretrained keeps them
+    keep_fp32_parameters(
+        student
+    )  # a half-precision teacher: A_log / D stay float32, as from_pretrained keeps them
     state = _state_for_depth(teacher.state_dict(), paths, student_paths, source)
     result = student.base.load_state_dict(state, strict=False)
     mixer_prefixes = tuple(student_paths[i] + "." for i in student_config.mixer_layers)
@@ -196,7 +219,10 @@ def converted_layer(student: Attn2SSMForCausalLM, layer: int, kind: str, options
     """
     config = student.config
     if config.layer_plan[layer] != ATTENTION:
-        raise ConfigError(f"layer {layer} is already a '{config.layer_plan[layer]}' mixer", "convert only layers that keep attention")
+        raise ConfigError(
+            f"layer {layer} is already a '{config.layer_plan[layer]}' mixer",
+            "convert only layers that keep attention",
+        )
     path = config.attention_paths[layer]
     attention = student.base.get_submodule(path)
     options = resolve_norm_eps(kind, options, config.base_config)
@@ -228,16 +254,30 @@ def converted_layer(student: Attn2SSMForCausalLM, layer: int, kind: str, options
 def _check_growth(old_plan: list[str], new_plan: list[str]) -> list[int]:
     """Layers that ``new_plan`` newly converts; a ConfigError unless it only adds mixers."""
     if len(new_plan) != len(old_plan):
-        raise ConfigError(f"new layer plan has {len(new_plan)} entries but the student has {len(old_plan)} layers", "give one entry per layer")
+        raise ConfigError(
+            f"new layer plan has {len(new_plan)} entries but the student has {len(old_plan)} layers",
+            "give one entry per layer",
+        )
     for i, kind in enumerate(new_plan):
         if kind != ATTENTION and kind not in MIXERS:
-            raise ConfigError(f"unknown mixer '{kind}' at layer {i} of the new plan", f"use one of: {', '.join(sorted([*MIXERS, ATTENTION]))}")
+            raise ConfigError(
+                f"unknown mixer '{kind}' at layer {i} of the new plan",
+                f"use one of: {', '.join(sorted([*MIXERS, ATTENTION]))}",
+            )
     for i, (old, new) in enumerate(zip(old_plan, new_plan)):
         if old != ATTENTION and new == ATTENTION:
-            raise ConfigError(f"new plan turns trained '{old}' layer {i} back into attention", "a grown plan keeps every mixer layer of the student and only converts attention layers")
+            raise ConfigError(
+                f"new plan turns trained '{old}' layer {i} back into attention",
+                "a grown plan keeps every mixer layer of the student and only converts attention layers",
+            )
         if old != ATTENTION and new != old:
-            raise ConfigError(f"new plan changes layer {i} from '{old}' to '{new}'", "keep each trained layer's mixer kind; convert a fresh student for a different mixer")
-    return [i for i, (old, new) in enumerate(zip(old_plan, new_plan)) if old == ATTENTION and new != ATTENTION]
+            raise ConfigError(
+                f"new plan changes layer {i} from '{old}' to '{new}'",
+                "keep each trained layer's mixer kind; convert a fresh student for a different mixer",
+            )
+    return [
+        i for i, (old, new) in enumerate(zip(old_plan, new_plan)) if old == ATTENTION and new != ATTENTION
+    ]
 
 
 def grow_student(
@@ -265,14 +305,24 @@ def grow_student(
     teacher_paths = adapter.attention_module_paths(teacher)
     paths = list(old_config.attention_paths)
     source = old_config.teacher_layers or list(range(len(paths)))  # teacher layer of each student layer
-    same_layout = paths == teacher_paths if old_config.teacher_layers is None else max(source) < len(teacher_paths)
-    if not same_layout or teacher.config.model_type != old_config.teacher.get("model_type", teacher.config.model_type):
-        raise ConfigError(f"teacher ({len(teacher_paths)} attention layers at {teacher_paths[0] if teacher_paths else '-'}…) does not match the student", "pass the teacher the student was converted from")
+    same_layout = (
+        paths == teacher_paths if old_config.teacher_layers is None else max(source) < len(teacher_paths)
+    )
+    if not same_layout or teacher.config.model_type != old_config.teacher.get(
+        "model_type", teacher.config.model_type
+    ):
+        raise ConfigError(
+            f"teacher ({len(teacher_paths)} attention layers at {teacher_paths[0] if teacher_paths else '-'}…) does not match the student",
+            "pass the teacher the student was converted from",
+        )
     options = copy.deepcopy(dict(old_config.mixer_options))
     used = {kind for kind in old_config.layer_plan if kind != ATTENTION}
     for kind, opts in resolve_options(mixer_options, teacher.config).items():
         if kind in used and dict(opts or {}) != dict(options.get(kind) or {}):
-            raise ConfigError(f"mixer_options for '{kind}' differ from the trained student's {options.get(kind) or {}}", f"leave '{kind}' out of mixer_options: grown layers reuse the student's options")
+            raise ConfigError(
+                f"mixer_options for '{kind}' differ from the trained student's {options.get(kind) or {}}",
+                f"leave '{kind}' out of mixer_options: grown layers reuse the student's options",
+            )
         options[kind] = dict(opts or {})
 
     config = copy.deepcopy(old_config)
@@ -296,6 +346,8 @@ def grow_student(
     if stray:
         raise RuntimeError(f"grown student and student disagree on weights: {stray[:5]}")
     for i in added:
-        grown.base.get_submodule(paths[i]).load_attention_weights(adapter.read_weights(teacher.get_submodule(teacher_paths[source[i]])))
+        grown.base.get_submodule(paths[i]).load_attention_weights(
+            adapter.read_weights(teacher.get_submodule(teacher_paths[source[i]]))
+        )
     grown.train(student.training)
     return grown

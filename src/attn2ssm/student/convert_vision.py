@@ -19,23 +19,41 @@ from attn2ssm.student.plans import layer_map
 from attn2ssm.student.vision import Attn2SSMForImageClassification
 
 
-def build_vision_student(teacher, mixer: str = "bimamba", mixer_options: dict | None = None, *, depth: int | None = None,
-                         layer_map_mode: str = "paper", teacher_info: dict | None = None) -> Attn2SSMForImageClassification:  # fmt: skip
+def build_vision_student(
+    teacher,
+    mixer: str = "bimamba",
+    mixer_options: dict | None = None,
+    *,
+    depth: int | None = None,
+    layer_map_mode: str = "paper",
+    teacher_info: dict | None = None,
+) -> Attn2SSMForImageClassification:
     """A fresh ``Attn2SSMForImageClassification`` shaped after ``teacher`` (a ViT/DeiT classifier or its config holder)."""
     adapter = get_adapter(teacher)
     if not getattr(adapter, "encoder", False):
-        raise ConfigError(f"teacher family '{adapter.family}' is a causal LM, not an image classifier", "use a ViT/DeiT teacher for an image recipe, or drop `images:` for a language recipe")
+        raise ConfigError(
+            f"teacher family '{adapter.family}' is a causal LM, not an image classifier",
+            "use a ViT/DeiT teacher for an image recipe, or drop `images:` for a language recipe",
+        )
     if mixer not in ENCODER_MIXERS:
-        raise ConfigError(f"mixer '{mixer}' is not an encoder mixer", f"use student.mixer: {' or '.join(ENCODER_MIXERS)} for an image recipe")
+        raise ConfigError(
+            f"mixer '{mixer}' is not an encoder mixer",
+            f"use student.mixer: {' or '.join(ENCODER_MIXERS)} for an image recipe",
+        )
     config = teacher.config
     n_teacher = config.num_hidden_layers
     n = depth or n_teacher
     if n < 1:
-        raise ConfigError(f"student.depth={depth} is not a number of layers", "set student.depth to at least 1, or null for the teacher's depth")
+        raise ConfigError(
+            f"student.depth={depth} is not a number of layers",
+            "set student.depth to at least 1, or null for the teacher's depth",
+        )
     source = list(range(n)) if n == n_teacher else layer_map(n, n_teacher, layer_map_mode)
     base = config.to_dict()
     base["num_hidden_layers"] = n
-    base["architectures"] = [type(teacher).__name__]  # DeiT maps to two classifier classes: pick the teacher's
+    base["architectures"] = [
+        type(teacher).__name__
+    ]  # DeiT maps to two classifier classes: pick the teacher's
     paths = adapter.attention_module_paths(teacher)
     layer_prefix = paths[0].rsplit(".", 2)[0]  # "vit.layers"
     student_config = Attn2SSMConfig(

@@ -41,14 +41,20 @@ def load_model_and_tokenizer(path: str):
 
     p = Path(path)
     if p.is_dir() and not (p / "config.json").exists():
-        fix = (f"pass {p / 'student'} (a distillation run keeps its student there)" if (p / "student" / "config.json").exists() else
-               "pass a student directory (written by 'attn2ssm convert', or a run's student/ folder), a model directory, a .gguf file or a hub id")  # fmt: skip
+        fix = (
+            f"pass {p / 'student'} (a distillation run keeps its student there)"
+            if (p / "student" / "config.json").exists()
+            else "pass a student directory (written by 'attn2ssm convert', or a run's student/ folder), a model directory, a .gguf file or a hub id"
+        )
         raise CheckpointError(f"{p} holds no model: config.json is missing", fix)
     if p.is_dir() and (p / "config.json").exists():
         try:
             cfg = json.loads((p / "config.json").read_text())
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{p / 'config.json'} is not readable JSON ({first_line(exc)})", "restore the file or point at another model directory") from exc
+            raise CheckpointError(
+                f"{p / 'config.json'} is not readable JSON ({first_line(exc)})",
+                "restore the file or point at another model directory",
+            ) from exc
         if cfg.get("model_type") == "attn2ssm":
             check_weight_files(p)
             try:

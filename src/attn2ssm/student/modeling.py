@@ -136,7 +136,9 @@ class Attn2SSMPreTrainedModel(PreTrainedModel):
         return Attn2SSMCache(self.config)
 
     # -- running the family's model with the mixers fed ------------------------------------------
-    def _begin_forward(self, family_config, cache, past_key_values, input_ids, inputs_embeds, attention_mask, use_cache):
+    def _begin_forward(
+        self, family_config, cache, past_key_values, input_ids, inputs_embeds, attention_mask, use_cache
+    ):
         """What every forward does first: the cache under either name, the sequence length, the
         padding mask published to the mixers, and ``use_cache`` defaulted from the family config.
         Returns (cache, length, use_cache)."""
@@ -159,7 +161,9 @@ class Attn2SSMPreTrainedModel(PreTrainedModel):
     def _student_cache(self, cache, use_cache: bool):
         if use_cache and (cache is None or not isinstance(cache, Attn2SSMCache)):
             if cache is not None and cache.get_seq_length() > 0:
-                raise ValueError("pass an Attn2SSMCache (model.new_cache()) to a student, not a plain KV cache")
+                raise ValueError(
+                    "pass an Attn2SSMCache (model.new_cache()) to a student, not a plain KV cache"
+                )
             cache = self.new_cache()
         return cache if use_cache else None
 
@@ -200,12 +204,16 @@ class Attn2SSMModel(Attn2SSMPreTrainedModel):
         prefix = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)].base_model_prefix
         outside = [p for p in config.attention_paths if not p.startswith(prefix + ".")]
         if outside:
-            raise ValueError(f"attention path {outside[0]!r} is not inside the family's base model ({prefix!r}): load with AutoModelForCausalLM")
+            raise ValueError(
+                f"attention path {outside[0]!r} is not inside the family's base model ({prefix!r}): load with AutoModelForCausalLM"
+            )
         self.prefix = prefix
         # a saved student's keys outside the base model (its LM head) are expected to be left over
         self._keys_to_ignore_on_load_unexpected = [rf"^base\.(?!{re.escape(prefix)}\.)"]
         self.base = nn.Module()  # a plain holder: keys read base.<prefix>.… as in the saved student
-        family = AutoModel.from_config(base_config, attn_implementation=config.base_attn_implementation, dtype=torch.get_default_dtype())
+        family = AutoModel.from_config(
+            base_config, attn_implementation=config.base_attn_implementation, dtype=torch.get_default_dtype()
+        )
         setattr(self.base, prefix, family)
         self._swap_in_mixers()
         self._finish_init()
@@ -226,10 +234,21 @@ class Attn2SSMModel(Attn2SSMPreTrainedModel):
     ):
         """As the family's base model's ``forward`` (``last_hidden_state`` after the final norm)."""
         family = self._family_model()
-        cache, length, use_cache = self._begin_forward(family.config, cache, past_key_values, input_ids, inputs_embeds, attention_mask, use_cache)
+        cache, length, use_cache = self._begin_forward(
+            family.config, cache, past_key_values, input_ids, inputs_embeds, attention_mask, use_cache
+        )
         cache = self._student_cache(cache, use_cache)
-        return self._run_family(family, cache, length, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)  # fmt: skip
+        return self._run_family(
+            family,
+            cache,
+            length,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
 
 
 class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
@@ -239,7 +258,9 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
         # Kept attention layers run the teacher's attention implementation (eager for soft-capped
         # Gemma-2, SDPA for most); None lets transformers pick the family's default. Built in the
         # dtype this student is being built in (see the module docstring).
-        self.base = AutoModelForCausalLM.from_config(base_config, attn_implementation=config.base_attn_implementation, dtype=torch.get_default_dtype())
+        self.base = AutoModelForCausalLM.from_config(
+            base_config, attn_implementation=config.base_attn_implementation, dtype=torch.get_default_dtype()
+        )
         self._swap_in_mixers()
         self._finish_init()
 
@@ -253,7 +274,10 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """``generate`` gets our hybrid cache (KV + recurrent states) instead of a plain DynamicCache,
         under the name this transformers keeps it (``CACHE_KWARG``)."""
-        wants_default = generation_config.use_cache is not False and generation_config.cache_implementation in (None, "dynamic")
+        wants_default = (
+            generation_config.use_cache is not False
+            and generation_config.cache_implementation in (None, "dynamic")
+        )
         if model_kwargs.get(CACHE_KWARG) is None and wants_default:
             model_kwargs[CACHE_KWARG] = self.new_cache()
             if generation_config.is_assistant:  # a draft model gets rolled back after each verification
@@ -277,7 +301,20 @@ class Attn2SSMForCausalLM(Attn2SSMPreTrainedModel, GenerationMixin):
     ):
         """As the family's ``ForCausalLM.forward``; the cache is taken as ``cache=`` (transformers
         >= 5.24) or ``past_key_values=`` (earlier), whichever the caller uses."""
-        cache, length, use_cache = self._begin_forward(self.base.config, cache, past_key_values, input_ids, inputs_embeds, attention_mask, use_cache)
+        cache, length, use_cache = self._begin_forward(
+            self.base.config, cache, past_key_values, input_ids, inputs_embeds, attention_mask, use_cache
+        )
         cache = self._student_cache(cache, use_cache)
-        return self._run_family(self.base, cache, length, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)  # fmt: skip
+        return self._run_family(
+            self.base,
+            cache,
+            length,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )

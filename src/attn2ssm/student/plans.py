@@ -35,7 +35,9 @@ def _check_choice(what: str, value: str, valid: tuple[str, ...]) -> None:
 def keep_count(num_layers: int, ratio: float) -> int:
     """How many of ``num_layers`` layers keep attention at ``ratio``: round(ratio·L), ratio checked."""
     if not 0.0 <= ratio <= 1.0:
-        raise ConfigError(f"attention ratio {ratio} is outside [0, 1]", "use e.g. student.attention_ratio=0.25")
+        raise ConfigError(
+            f"attention ratio {ratio} is outside [0, 1]", "use e.g. student.attention_ratio=0.25"
+        )
     return round(ratio * num_layers)
 
 
@@ -87,7 +89,10 @@ def nested_keep(num_layers: int, ratios: list[float], align: str = "first") -> l
     for ratio in ratios[1:]:
         prev, n = stages[-1], keep_count(num_layers, ratio)
         if n > len(prev):
-            raise ConfigError(f"stepwise ratios {list(ratios)} grow the attention layers ({len(prev)} → {n})", "list attention ratios from largest to smallest, e.g. [0.5, 0.25, 0.125]")
+            raise ConfigError(
+                f"stepwise ratios {list(ratios)} grow the attention layers ({len(prev)} → {n})",
+                "list attention ratios from largest to smallest, e.g. [0.5, 0.25, 0.125]",
+            )
         stages.append([prev[r] for r in _spread(len(prev), n, align)] if n else [])
     return stages
 
@@ -112,7 +117,10 @@ def make_plan(
         raise ConfigError(f"unknown mixer '{mixer}'", f"use one of: {', '.join(sorted(MIXERS))}")
     _check_choice("placement", placement, PLACEMENTS)
     if isinstance(keep_attention, str):
-        raise ConfigError(f"keep_attention={keep_attention!r} is not a list of layer indices", "list the indices, or call attn2ssm.distill.layer_selection.auto_plan(teacher, calibration_ids, …) to choose them")
+        raise ConfigError(
+            f"keep_attention={keep_attention!r} is not a list of layer indices",
+            "list the indices, or call attn2ssm.distill.layer_selection.auto_plan(teacher, calibration_ids, …) to choose them",
+        )
     if keep_attention is not None:
         keep = list(keep_attention)
     elif placement == "interleaved":
@@ -121,7 +129,9 @@ def make_plan(
         keep = clustered_keep(num_layers, attention_ratio, where)
     bad = [i for i in keep if not 0 <= i < num_layers]
     if bad:
-        raise ConfigError(f"keep_attention has layer indices {bad} outside 0..{num_layers - 1}", "list valid layer indices")
+        raise ConfigError(
+            f"keep_attention has layer indices {bad} outside 0..{num_layers - 1}", "list valid layer indices"
+        )
     return [ATTENTION if i in keep else mixer for i in range(num_layers)]
 
 
@@ -144,7 +154,10 @@ def layer_map(n_student: int, n_teacher: int, mode: str = "endpoints") -> list[i
     """
     _check_choice("layer map", mode, LAYER_MAPS)
     if n_student < 1 or n_teacher < 1:
-        raise ConfigError(f"cannot map {n_student} student layers onto {n_teacher} teacher layers", "both depths must be at least 1")
+        raise ConfigError(
+            f"cannot map {n_student} student layers onto {n_teacher} teacher layers",
+            "both depths must be at least 1",
+        )
     if mode == "paper":
         return [-(-(i + 1) * n_teacher // n_student) - 1 for i in range(n_student)]  # ⌈(i+1)·T/L⌉ − 1
     if n_student == 1:

@@ -41,12 +41,19 @@ def _source(module: str) -> str:
 def _attn2ssm_imports(source: str) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "attn2ssm" and node.level == 0:
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] == "attn2ssm"
+            and node.level == 0
+        ):
             found.add(node.module)
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == "attn2ssm":
-                    raise ValueError(f"use 'from {alias.name} import …' in modeling code, not 'import {alias.name}'")
+                    raise ValueError(
+                        f"use 'from {alias.name} import …' in modeling code, not 'import {alias.name}'"
+                    )
     return found
 
 
@@ -83,4 +90,3 @@ def write_remote_code(directory: str | Path, roots=ROOT_MODULES) -> list[Path]:
         path.write_text(flat, encoding="utf-8")
         written.append(path)
     return written
-

@@ -37,7 +37,9 @@ class Attn2SSMForImageClassification(Attn2SSMPreTrainedModel):
     def __init__(self, config: Attn2SSMConfig):
         super().__init__(config)
         base_config = config.build_base_config()
-        self.base = AutoModelForImageClassification.from_config(base_config, attn_implementation=config.base_attn_implementation, dtype=torch.get_default_dtype())
+        self.base = AutoModelForImageClassification.from_config(
+            base_config, attn_implementation=config.base_attn_implementation, dtype=torch.get_default_dtype()
+        )
         self._swap_in_mixers()
         self._finish_init()
 
@@ -59,4 +61,6 @@ class Attn2SSMForImageClassification(Attn2SSMPreTrainedModel):
         }
         PreTrainedModel.save_pretrained(self, save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
-            write_remote_code(save_directory, roots=("attn2ssm.student.configuration", "attn2ssm.student.vision"))
+            write_remote_code(
+                save_directory, roots=("attn2ssm.student.configuration", "attn2ssm.student.vision")
+            )

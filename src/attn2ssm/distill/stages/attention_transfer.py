@@ -50,5 +50,3 @@ class AttentionTransferStage(TeacherForcedStage):
             layer = layer + opts["output_cosine"] * cos
             metrics["cos"] = cos.detach()
         return layer, metrics
-
-

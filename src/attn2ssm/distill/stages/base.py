@@ -32,14 +32,25 @@ class StageKind:
         unknown = sorted(set(cfg.losses) - set(self.loss_defaults))
         if unknown:
             valid = ", ".join(self.loss_defaults) or "(none)"
-            raise ConfigError(f"stage '{cfg.name}' ({self.name}): unknown losses key(s) {', '.join(unknown)}", f"valid keys: {valid}")
+            raise ConfigError(
+                f"stage '{cfg.name}' ({self.name}): unknown losses key(s) {', '.join(unknown)}",
+                f"valid keys: {valid}",
+            )
         opts = {**self.loss_defaults, **cfg.losses}
         for key, value in opts.items():
             if key in self.loss_choices:
                 if value not in self.loss_choices[key]:
-                    raise ConfigError(f"stage '{cfg.name}' ({self.name}): losses.{key} is {value!r}", f"use one of: {', '.join(self.loss_choices[key])}")
-            elif isinstance(self.loss_defaults[key], float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ConfigError(f"stage '{cfg.name}' ({self.name}): losses.{key} must be a number, got {value!r}", f"set losses.{key} to e.g. {self.loss_defaults[key]}")
+                    raise ConfigError(
+                        f"stage '{cfg.name}' ({self.name}): losses.{key} is {value!r}",
+                        f"use one of: {', '.join(self.loss_choices[key])}",
+                    )
+            elif isinstance(self.loss_defaults[key], float) and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+            ):
+                raise ConfigError(
+                    f"stage '{cfg.name}' ({self.name}): losses.{key} must be a number, got {value!r}",
+                    f"set losses.{key} to e.g. {self.loss_defaults[key]}",
+                )
         return opts
 
     def loss(self, student, teacher, batch: dict, cfg) -> tuple[torch.Tensor, dict]:
@@ -86,7 +97,9 @@ class TeacherForcedStage(StageKind):
     def check_mixer(self, i: int, mixer, opts: dict, cfg) -> None:
         """Raise a ConfigError, before any compute, if layer ``i``'s mixer cannot take this loss."""
 
-    def layer_loss(self, mixer, io, adapter, mask, opts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def layer_loss(
+        self, mixer, io, adapter, mask, opts: dict
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
     def loss(self, student, teacher, batch, cfg):
@@ -94,7 +107,10 @@ class TeacherForcedStage(StageKind):
         student = getattr(student, "module", student)
         mixers = student.mixers()
         if not mixers:
-            raise ConfigError(f"stage '{cfg.name}': the student has no mixer layers to transfer to", "convert at least one layer")
+            raise ConfigError(
+                f"stage '{cfg.name}': the student has no mixer layers to transfer to",
+                "convert at least one layer",
+            )
         for i, mixer in mixers.items():
             self.check_mixer(i, mixer, opts, cfg)
         mask = batch.get("attention_mask")
@@ -166,8 +182,15 @@ def _match(pattern: str, names: list[str], groups: dict[str, set[str]], field_na
     hits = groups[pattern] if pattern in groups else {n for n in names if fnmatch.fnmatchcase(n, pattern)}
     if not hits:
         example = names[len(names) // 2] if names else "?"
-        what = "no kept softmax-attention layer (the student has none)" if pattern == "attention" else "no parameter"
-        raise ConfigError(f"{field_name} pattern '{pattern}' matches {what}", f"use a group ({', '.join(PARAMETER_GROUPS)}) or a glob like '{example}'")
+        what = (
+            "no kept softmax-attention layer (the student has none)"
+            if pattern == "attention"
+            else "no parameter"
+        )
+        raise ConfigError(
+            f"{field_name} pattern '{pattern}' matches {what}",
+            f"use a group ({', '.join(PARAMETER_GROUPS)}) or a glob like '{example}'",
+        )
     return hits
 
 
@@ -188,7 +211,10 @@ def select_trainable(student: nn.Module, patterns: list[str], frozen: list[str] 
     for pattern in frozen:
         chosen -= _match(pattern, names, groups, "frozen")
     if not chosen:
-        raise ConfigError(f"trainable {list(patterns)} minus frozen {list(frozen)} leaves no parameter to train", "drop a frozen pattern or widen trainable")
+        raise ConfigError(
+            f"trainable {list(patterns)} minus frozen {list(frozen)} leaves no parameter to train",
+            "drop a frozen pattern or widen trainable",
+        )
     for name, param in student.named_parameters():
         param.requires_grad_(name in chosen)
     return sorted(chosen)

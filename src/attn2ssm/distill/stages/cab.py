@@ -101,12 +101,21 @@ class Bridges(nn.Module):
     ``pairs``: student layer → teacher layer. ``widths``: student layer → (B in, K out, C in, Q out).
     """
 
-    def __init__(self, pairs: dict[int, int], widths: dict[int, tuple[int, int, int, int]], hidden: int = 0, sharing: str = "per_layer"):
+    def __init__(
+        self,
+        pairs: dict[int, int],
+        widths: dict[int, tuple[int, int, int, int]],
+        hidden: int = 0,
+        sharing: str = "per_layer",
+    ):
         super().__init__()
         self.pairs = dict(pairs)
         keys = {i: ("all" if sharing == "shared" else str(i)) for i in pairs}
         if sharing == "shared" and len(set(widths.values())) > 1:
-            raise ConfigError("bridges: shared needs every aligned layer to have the same B/C and K/Q widths", "use bridges: per_layer")
+            raise ConfigError(
+                "bridges: shared needs every aligned layer to have the same B/C and K/Q widths",
+                "use bridges: per_layer",
+            )
         self.key_of = keys
         self.phi_B, self.phi_C = nn.ModuleDict(), nn.ModuleDict()
         for i, key in keys.items():
@@ -135,7 +144,9 @@ def aligned_layers(student, teacher, mode: str = "student") -> dict[int, int]:
     return {i: source[i] for i in student.config.mixer_layers}
 
 
-def build_bridges(student, teacher, *, hidden: int = 0, sharing: str = "per_layer", mode: str = "student") -> Bridges:
+def build_bridges(
+    student, teacher, *, hidden: int = 0, sharing: str = "per_layer", mode: str = "student"
+) -> Bridges:
     """Fresh bridges for ``student``'s mixer layers, in the student's dtype and device."""
     from attn2ssm.adapters import get_adapter
 
@@ -143,14 +154,25 @@ def build_bridges(student, teacher, *, hidden: int = 0, sharing: str = "per_laye
     pairs = aligned_layers(student, teacher, mode)
     mixers = student.mixers()
     if not pairs:
-        raise ConfigError("the student has no mixer layers to align", "convert at least one layer to mamba2, discrete_mamba2 or mamba")
+        raise ConfigError(
+            "the student has no mixer layers to align",
+            "convert at least one layer to mamba2, discrete_mamba2 or mamba",
+        )
     widths = {}
     for i, j in pairs.items():
         m = mixers[i]
         if not isinstance(getattr(m, "bc_tap", None), Tap):
-            raise ConfigError(f"layer {i} is a '{m.mixer_type}' mixer, which has no per-token B and C to align", "use mamba2, discrete_mamba2 or mamba for a bridge_alignment stage")
+            raise ConfigError(
+                f"layer {i} is a '{m.mixer_type}' mixer, which has no per-token B and C to align",
+                "use mamba2, discrete_mamba2 or mamba for a bridge_alignment stage",
+            )
         g = adapter.geometry(teacher.config, j)
-        widths[i] = (m.num_kv_heads * m.head_dim, g.num_kv_heads * g.head_dim, m.num_heads * m.head_dim, g.num_heads * g.head_dim)
+        widths[i] = (
+            m.num_kv_heads * m.head_dim,
+            g.num_kv_heads * g.head_dim,
+            m.num_heads * m.head_dim,
+            g.num_heads * g.head_dim,
+        )
     ref = next(student.parameters())
     return Bridges(pairs, widths, hidden, sharing).to(dtype=ref.dtype, device=ref.device)
 
@@ -163,7 +185,9 @@ class _Stop(Exception):
     pass
 
 
-def teacher_qk(adapter, attn: nn.Module, hidden_states: torch.Tensor, position_embeddings, rope: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_qk(
+    adapter, attn: nn.Module, hidden_states: torch.Tensor, position_embeddings, rope: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher layer's K (b, l, kv, d) and Q (b, l, h, d): after q/k norms, before 1/√d; RoPE if ``rope``."""
     if rope:
         q, k = adapter.qk(attn, hidden_states, position_embeddings)
@@ -176,14 +200,18 @@ def teacher_qk(adapter, attn: nn.Module, hidden_states: torch.Tensor, position_e
 
 
 @torch.no_grad()
-def capture_teacher_qk(teacher, input_ids, layers: list[int], attention_mask=None, *, rope: bool = False, logits: bool = False):
+def capture_teacher_qk(
+    teacher, input_ids, layers: list[int], attention_mask=None, *, rope: bool = False, logits: bool = False
+):
     """Teacher layer → (K, Q) per token for ``layers``, and the teacher's logits if ``logits``
     (otherwise the forward stops after the last layer's attention: no later layer, no LM head)."""
     from attn2ssm.adapters import capture_teacher_attention, get_adapter
 
     adapter = get_adapter(teacher)
     io, out = capture_teacher_attention(teacher, input_ids, layers, attention_mask, logits=logits)
-    captured = {j: teacher_qk(adapter, x.module, x.hidden_states, x.position_embeddings, rope) for j, x in io.items()}
+    captured = {
+        j: teacher_qk(adapter, x.module, x.hidden_states, x.position_embeddings, rope) for j, x in io.items()
+    }
     return captured, out
 
 
@@ -236,31 +264,54 @@ class BridgeAlignmentStage(StageKind):
     # The bridges are used outside the student's forward: the trainer runs the stage unwrapped
     # and averages gradients across processes itself, as for layer-local kinds.
     through_model_forward = False
-    loss_defaults = {"b_weight": 1.0, "c_weight": 1.0, "kl_weight": 0.0, "ce_weight": 0.0, "hidden": 0,
-                     "targets": "pre_rope", "bridges": "per_layer", "layer_map": "student"}  # fmt: skip
+    loss_defaults = {
+        "b_weight": 1.0,
+        "c_weight": 1.0,
+        "kl_weight": 0.0,
+        "ce_weight": 0.0,
+        "hidden": 0,
+        "targets": "pre_rope",
+        "bridges": "per_layer",
+        "layer_map": "student",
+    }
     loss_choices = {"targets": TARGETS, "bridges": SHARING, "layer_map": ("student", *LAYER_MAPS)}
 
     def options(self, cfg) -> dict:
         opts = super().options(cfg)
         hidden = opts["hidden"]
         if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 0:
-            raise ConfigError(f"stage '{cfg.name}' ({self.name}): losses.hidden is {hidden!r}", "set losses.hidden to a width such as 256, or 0 for each bridge's output width")
+            raise ConfigError(
+                f"stage '{cfg.name}' ({self.name}): losses.hidden is {hidden!r}",
+                "set losses.hidden to a width such as 256, or 0 for each bridge's output width",
+            )
         return opts
 
     def stage_modules(self, student, teacher, cfg) -> Bridges:
         """The training-only modules of this stage: fresh bridges for the student's mixer layers."""
         opts = self.options(cfg)
-        return build_bridges(student, teacher, hidden=opts["hidden"], sharing=opts["bridges"], mode=opts["layer_map"])
+        return build_bridges(
+            student, teacher, hidden=opts["hidden"], sharing=opts["bridges"], mode=opts["layer_map"]
+        )
 
     def loss(self, student, teacher, batch, cfg):
         opts = self.options(cfg)
         student = getattr(student, "module", student)
         bridges = getattr(student, "stage_modules", None)
         if not isinstance(bridges, Bridges):
-            raise ConfigError(f"stage '{cfg.name}': the student carries no bridges", "run bridge_alignment stages through the distillation trainer (attn2ssm distill)")
+            raise ConfigError(
+                f"stage '{cfg.name}': the student carries no bridges",
+                "run bridge_alignment stages through the distillation trainer (attn2ssm distill)",
+            )
         ids, mask = batch["input_ids"], batch.get("attention_mask")
         want_kl, want_logits = bool(opts["kl_weight"]), bool(opts["kl_weight"] or opts["ce_weight"])
-        targets, t_logits = capture_teacher_qk(teacher, ids, sorted(set(bridges.pairs.values())), mask, rope=opts["targets"] == "post_rope", logits=want_kl)
+        targets, t_logits = capture_teacher_qk(
+            teacher,
+            ids,
+            sorted(set(bridges.pairs.values())),
+            mask,
+            rope=opts["targets"] == "post_rope",
+            logits=want_kl,
+        )
         feats, s_logits = capture_student_bc(student, ids, sorted(bridges.pairs), mask, logits=want_logits)
         b_pairs, c_pairs = [], []
         for i, j in sorted(bridges.pairs.items()):
@@ -268,7 +319,9 @@ class BridgeAlignmentStage(StageKind):
             phi_B, phi_C = bridges.pair(i)
             b_pairs.append((phi_B(B).unflatten(-1, K.shape[-2:]), K))
             c_pairs.append((phi_C(C).unflatten(-1, Q.shape[-2:]), Q))
-        loss, b, c = attention_bridge_loss(b_pairs, c_pairs, mask, b_weight=opts["b_weight"], c_weight=opts["c_weight"])
+        loss, b, c = attention_bridge_loss(
+            b_pairs, c_pairs, mask, b_weight=opts["b_weight"], c_weight=opts["c_weight"]
+        )
         metrics = {"align_B": b.detach(), "align_C": c.detach()}
         if opts["kl_weight"]:
             kl = forward_kl(s_logits, t_logits, mask, temperature=cfg.temperature, chunk_size=cfg.kl_chunk)

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from attn2ssm.distill.stages.cab import SHARING, Bridges, aligned_layers, attention_bridge_loss
-from attn2ssm.distill.losses import forward_kl
 from attn2ssm.distill.stages.vision import ImageStage, softened_kl
 from attn2ssm.errors import ConfigError
 
@@ -38,8 +37,14 @@ ALIGN_TOKENS = ("all", "patches")
 # losses (pure functions)
 
 
-def bidirectional_bridge_loss(feats: dict, targets: dict, bridges: Bridges, mask: torch.Tensor | None = None,
-                              b_weight: float = 1.0, c_weight: float = 1.0) -> tuple[torch.Tensor, dict]:  # fmt: skip
+def bidirectional_bridge_loss(
+    feats: dict,
+    targets: dict,
+    bridges: Bridges,
+    mask: torch.Tensor | None = None,
+    b_weight: float = 1.0,
+    c_weight: float = 1.0,
+) -> tuple[torch.Tensor, dict]:
     """L_fw + L_bw (CAB §3.3). ``feats[i]`` = {"fw": (B, C), "bw": (B, C)} of student layer i,
     each (b, l, groups, n) in token order; ``targets[j]`` = (K, Q) of teacher layer j, (b, l, heads, d).
     Returns the loss and its unweighted terms per direction."""
@@ -61,7 +66,9 @@ def bidirectional_bridge_loss(feats: dict, targets: dict, bridges: Bridges, mask
 # what each side computes
 
 
-def build_vision_bridges(student, teacher, *, hidden: int = 0, sharing: str = "per_layer", mode: str = "student") -> Bridges:
+def build_vision_bridges(
+    student, teacher, *, hidden: int = 0, sharing: str = "per_layer", mode: str = "student"
+) -> Bridges:
     """Bridges from each bimamba layer's B, C (d_state wide) to its teacher layer's K, Q (heads·head_dim)."""
     from attn2ssm.adapters import get_adapter
 
@@ -72,7 +79,10 @@ def build_vision_bridges(student, teacher, *, hidden: int = 0, sharing: str = "p
     for i, j in pairs.items():
         m = mixers[i]
         if getattr(m, "mixer_type", None) != "bimamba":
-            raise ConfigError(f"layer {i} is a '{getattr(m, 'mixer_type', type(m).__name__)}' mixer, not bimamba", "use student.mixer: bimamba for vision_cab")
+            raise ConfigError(
+                f"layer {i} is a '{getattr(m, 'mixer_type', type(m).__name__)}' mixer, not bimamba",
+                "use student.mixer: bimamba for vision_cab",
+            )
         g = adapter.geometry(teacher.config, j)
         widths[i] = (m.d_state, g.num_kv_heads * g.head_dim, m.d_state, g.num_heads * g.head_dim)
     ref = next(student.parameters())
@@ -148,22 +158,44 @@ class VisionCABStage(ImageStage):
 
     name = "vision_cab"
     through_model_forward = False  # the bridges live outside the student's forward (as in cab.py)
-    loss_defaults = {"align_weight": 1.0, "b_weight": 1.0, "c_weight": 1.0, "kl_weight": 1.0, "ce_weight": 0.0, "align_until": 1.0,
-                     "hidden": 0, "bridges": "per_layer", "layer_map": "student", "align_tokens": "all"}  # fmt: skip
-    loss_choices = {"bridges": SHARING, "layer_map": ("student", "endpoints", "paper"), "align_tokens": ALIGN_TOKENS}
+    loss_defaults = {
+        "align_weight": 1.0,
+        "b_weight": 1.0,
+        "c_weight": 1.0,
+        "kl_weight": 1.0,
+        "ce_weight": 0.0,
+        "align_until": 1.0,
+        "hidden": 0,
+        "bridges": "per_layer",
+        "layer_map": "student",
+        "align_tokens": "all",
+    }
+    loss_choices = {
+        "bridges": SHARING,
+        "layer_map": ("student", "endpoints", "paper"),
+        "align_tokens": ALIGN_TOKENS,
+    }
 
     def options(self, cfg) -> dict:
         opts = super().options(cfg)
         hidden = opts["hidden"]
         if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 0:
-            raise ConfigError(f"stage '{cfg.name}' ({self.name}): losses.hidden is {hidden!r}", "set losses.hidden to a width such as 64, or 0 for each bridge's output width")
+            raise ConfigError(
+                f"stage '{cfg.name}' ({self.name}): losses.hidden is {hidden!r}",
+                "set losses.hidden to a width such as 64, or 0 for each bridge's output width",
+            )
         if not 0.0 <= opts["align_until"] <= 1.0:
-            raise ConfigError(f"stage '{cfg.name}' ({self.name}): losses.align_until is {opts['align_until']}", "use a fraction of the stage's steps in [0, 1], e.g. 1.0 (throughout) or 0.17 (App. A.1)")
+            raise ConfigError(
+                f"stage '{cfg.name}' ({self.name}): losses.align_until is {opts['align_until']}",
+                "use a fraction of the stage's steps in [0, 1], e.g. 1.0 (throughout) or 0.17 (App. A.1)",
+            )
         return opts
 
     def stage_modules(self, student, teacher, cfg) -> Bridges:
         opts = self.options(cfg)
-        return build_vision_bridges(student, teacher, hidden=opts["hidden"], sharing=opts["bridges"], mode=opts["layer_map"])
+        return build_vision_bridges(
+            student, teacher, hidden=opts["hidden"], sharing=opts["bridges"], mode=opts["layer_map"]
+        )
 
     def aligning(self, opts: dict, batch: dict) -> bool:
         """Is the alignment term on at this batch's step? (``batch["step"]`` of ``batch["steps"]``)."""
@@ -176,7 +208,10 @@ class VisionCABStage(ImageStage):
         student = getattr(student, "module", student)
         bridges = getattr(student, "stage_modules", None)
         if not isinstance(bridges, Bridges):
-            raise ConfigError(f"stage '{cfg.name}': the student carries no bridges", "run vision_cab stages through the distillation trainer (attn2ssm distill)")
+            raise ConfigError(
+                f"stage '{cfg.name}': the student carries no bridges",
+                "run vision_cab stages through the distillation trainer (attn2ssm distill)",
+            )
         pixels = batch["pixel_values"]
         align = self.aligning(opts, batch) and opts["align_weight"] > 0
         layers = sorted(bridges.pairs) if align else []
@@ -185,8 +220,14 @@ class VisionCABStage(ImageStage):
         loss, metrics = s_logits.new_zeros(()).float(), {}
         if align:
             some_k = next(iter(targets.values()))[0]
-            mask = patch_mask(student, some_k.shape[0], some_k.shape[1], pixels.device) if opts["align_tokens"] == "patches" else None
-            attn, metrics = bidirectional_bridge_loss(feats, targets, bridges, mask, opts["b_weight"], opts["c_weight"])
+            mask = (
+                patch_mask(student, some_k.shape[0], some_k.shape[1], pixels.device)
+                if opts["align_tokens"] == "patches"
+                else None
+            )
+            attn, metrics = bidirectional_bridge_loss(
+                feats, targets, bridges, mask, opts["b_weight"], opts["c_weight"]
+            )
             loss = loss + opts["align_weight"] * attn
             metrics["align"] = attn.detach()
         else:  # keep the bridges in the graph so every process reduces the same parameters
@@ -198,5 +239,3 @@ class VisionCABStage(ImageStage):
             ce = F.cross_entropy(s_logits.float(), batch["labels"])
             loss, metrics["ce"] = loss + opts["ce_weight"] * ce, ce.detach()
         return loss, metrics
-
-

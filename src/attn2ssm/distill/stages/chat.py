@@ -41,7 +41,13 @@ class SFTStage(StageKind):
         if opts["kl_weight"]:
             t_logits = teacher_targets(teacher, ids, mask, batch)
             # position t predicts token t+1: score the positions whose next token is the assistant's
-            kl = forward_kl(s_logits[:, :-1], t_logits[:, :-1], loss_mask[:, 1:], temperature=cfg.temperature, chunk_size=cfg.kl_chunk)
+            kl = forward_kl(
+                s_logits[:, :-1],
+                t_logits[:, :-1],
+                loss_mask[:, 1:],
+                temperature=cfg.temperature,
+                chunk_size=cfg.kl_chunk,
+            )
             kl = kl * (count.clamp_min(1) / norm)  # forward_kl normalises by this batch's count
             loss = loss + opts["kl_weight"] * kl
             metrics["kl"] = kl.detach()
@@ -64,8 +70,12 @@ class DPOStage(StageKind):
         ids, mask, loss_mask = _stack_pairs(batch)
         n = batch["chosen_input_ids"].shape[0]
         with torch.no_grad():
-            ref = sequence_logps(teacher(input_ids=ids, attention_mask=mask, use_cache=False).logits, ids, loss_mask)
-        policy = sequence_logps(student(input_ids=ids, attention_mask=mask, use_cache=False).logits, ids, loss_mask)
+            ref = sequence_logps(
+                teacher(input_ids=ids, attention_mask=mask, use_cache=False).logits, ids, loss_mask
+            )
+        policy = sequence_logps(
+            student(input_ids=ids, attention_mask=mask, use_cache=False).logits, ids, loss_mask
+        )
         loss = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], opts["beta"])
         with torch.no_grad():
             rewards = opts["beta"] * (policy - ref)
@@ -86,8 +96,9 @@ def _stack_pairs(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
     out = []
     for key in ("input_ids", "attention_mask", "loss_mask"):
-        parts = [torch.nn.functional.pad(batch[f"{side}_{key}"], (0, width - batch[f"{side}_{key}"].shape[1])) for side in ("chosen", "rejected")]
+        parts = [
+            torch.nn.functional.pad(batch[f"{side}_{key}"], (0, width - batch[f"{side}_{key}"].shape[1]))
+            for side in ("chosen", "rejected")
+        ]
         out.append(torch.cat(parts))
     return tuple(out)
-
-

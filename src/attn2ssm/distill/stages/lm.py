@@ -13,7 +13,9 @@ class CrossEntropyStage(StageKind):
     name = "ce"
 
     def loss(self, student, teacher, batch, cfg):
-        logits = student(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False).logits
+        logits = student(
+            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False
+        ).logits
         loss = cross_entropy(logits, batch["input_ids"], batch.get("attention_mask"))
         return loss, {"ce": loss.detach()}
 
@@ -64,8 +66,15 @@ class KDCrossEntropyStage(StageKind):
         ids, mask = batch["input_ids"], batch.get("attention_mask")
         t_logits = teacher_targets(teacher, ids, mask, batch)
         s_logits = student(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        loss, ce, kl = kd_ce_loss(s_logits, t_logits, ids, mask, ce_weight=opts["ce_weight"], kl_weight=opts["kl_weight"],
-                                  labels=opts["labels"], temperature=cfg.temperature, chunk_size=cfg.kl_chunk)
+        loss, ce, kl = kd_ce_loss(
+            s_logits,
+            t_logits,
+            ids,
+            mask,
+            ce_weight=opts["ce_weight"],
+            kl_weight=opts["kl_weight"],
+            labels=opts["labels"],
+            temperature=cfg.temperature,
+            chunk_size=cfg.kl_chunk,
+        )
         return loss, {"ce": ce.detach(), "kl": kl.detach()}
-
-

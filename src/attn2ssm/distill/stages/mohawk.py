@@ -33,7 +33,9 @@ class MatrixOrientationStage(TeacherForcedStage):
             )
 
     def layer_loss(self, mixer, io, adapter, mask, opts):
-        _, M = mixing_matrix(mixer, io.hidden_states, io.position_embeddings, mask, skip=opts["skip"] == "include")
+        _, M = mixing_matrix(
+            mixer, io.hidden_states, io.position_embeddings, mask, skip=opts["skip"] == "include"
+        )
         with torch.no_grad():
             target = adapter.attention_probs(io.module, io.hidden_states, io.position_embeddings, mask)
         dist = matrix_distance(M, target, mask, norm=opts["matrix_norm"])
@@ -56,5 +58,3 @@ class HiddenAlignmentStage(TeacherForcedStage):
     def layer_loss(self, mixer, io, adapter, mask, opts):
         dist = hidden_distance(teacher_forced_output(mixer, io, mask), io.output, mask, form=opts["distance"])
         return dist, {"hidden": dist.detach()}
-
-

