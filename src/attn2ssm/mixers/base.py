@@ -171,6 +171,19 @@ class AttentionLikeMixer(nn.Module):
         return y
 
     # -- HF call plumbing ----------------------------------------------------------------------
+    def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
+        """HF's attention call: one token with a cache layer ``step`` can take → ``step``; else ``mix``
+        over the whole sequence (chunked, with the cache's states carried in and stored). Returns
+        (y, None): no attention weights."""
+        layer = self.cache_layer(kwargs)
+        if hidden_states.shape[1] == 1 and layer is not None and self.can_step(layer):
+            return self.step_layer(hidden_states, position_embeddings, layer, self.padding_mask(1)), None
+        return self.mix(hidden_states, position_embeddings, layer), None
+
+    def mix(self, hidden_states, position_embeddings, layer):
+        """(b, l, hidden) → (b, l, hidden) over the sequence, ``layer``: this layer's cache states or None."""
+        raise NotImplementedError
+
     def cache_layer(self, kwargs: dict):
         """This layer's ``MixerStateLayer`` in the student cache, or None when running without one.
         A cache passed to this call (under any name transformers has used) wins over the one the

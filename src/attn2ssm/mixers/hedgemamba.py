@@ -221,11 +221,8 @@ class HedgeMambaMixer(AttentionLikeMixer):
     def can_step(self, layer) -> bool:
         return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
 
-    def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
+    def mix(self, hidden_states, position_embeddings, layer):
         b, l, _ = hidden_states.shape
-        layer = self.cache_layer(kwargs)
-        if l == 1 and layer is not None and self.can_step(layer):
-            return self.step_layer(hidden_states, position_embeddings, layer, self.padding_mask(1)), None
         states = {} if layer is None else layer.states
         mask = self.padding_mask(l)
         x, conv_state = apply_conv(self.conv, hidden_states, states, mask, None, self.context.kernels)
@@ -243,4 +240,4 @@ class HedgeMambaMixer(AttentionLikeMixer):
             backend=self.context.kernels,
         )
         store_states(layer, ssm, conv_state, l)
-        return self._output(y, hidden_states), None
+        return self._output(y, hidden_states)

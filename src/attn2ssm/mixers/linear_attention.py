@@ -155,11 +155,8 @@ class LinearAttentionMixer(AttentionLikeMixer):
             return "linear"
         return self.branch if self.window else "both"
 
-    def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
+    def mix(self, hidden_states, position_embeddings, layer):
         b, l, _ = hidden_states.shape
-        layer = self.cache_layer(kwargs)
-        if l == 1 and layer is not None and self.can_step(layer):
-            return self.step_layer(hidden_states, position_embeddings, layer, self.padding_mask(1)), None
         q, k, v, fq, fk = self._qkv_features(
             hidden_states, position_embeddings, offset=0 if layer is None else layer.seen
         )
@@ -168,7 +165,7 @@ class LinearAttentionMixer(AttentionLikeMixer):
         if branch == "window":  # features zeroed: the window's softmax alone (renormalised within it)
             fk = torch.zeros_like(fk)
         if self.window and branch != "linear":
-            return self._window_forward(q, k, v, fq, fk, mask, layer), None
+            return self._window_forward(q, k, v, fq, fk, mask, layer)
         state = None if layer is None else layer.states.get("linear")
         y, state = linear_attention_chunked(
             fq, fk, v, mask, state, chunk_size=self.chunk_size, eps=self.eps, backend=self.context.kernels
@@ -176,7 +173,7 @@ class LinearAttentionMixer(AttentionLikeMixer):
         if layer is not None:
             layer.states["linear"] = state
             layer.advance(l)
-        return self.merge_heads(y), None
+        return self.merge_heads(y)
 
     def _window_forward(self, q, k, v, fq, fk, mask, layer):
         """LoLCATs' window + linear over a prefill. fla has no kernel for it (the window's row max is

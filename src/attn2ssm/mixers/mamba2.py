@@ -225,11 +225,8 @@ class Mamba2Mixer(AttentionLikeMixer):
     def can_step(self, layer) -> bool:
         return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
 
-    def forward(self, hidden_states, *args, position_embeddings=None, **kwargs):
+    def mix(self, hidden_states, position_embeddings, layer):
         b, l, _ = hidden_states.shape
-        layer = self.cache_layer(kwargs)
-        if l == 1 and layer is not None and self.can_step(layer):
-            return self.step_layer(hidden_states, position_embeddings, layer, self.padding_mask(1)), None
         states = {} if layer is None else layer.states
         mask = self.padding_mask(l)
         inputs = self.project_inputs(hidden_states)
@@ -258,7 +255,7 @@ class Mamba2Mixer(AttentionLikeMixer):
                 lambda start, keep: self._states_after(start, keep, pre_conv, x_in, a, B, mask)
             )
         store_states(layer, ssm, conv_state, l)
-        return self._output(y.to(x.dtype), x, hidden_states, inputs), None
+        return self._output(y.to(x.dtype), x, hidden_states, inputs)
 
     def _states_after(self, start: dict, keep: int, pre_conv, x_in, a, B, mask) -> dict:
         """The states after the first ``keep`` tokens of a forward that began at ``start`` and
