@@ -52,10 +52,11 @@ from attn2ssm.mixers.ssm_common import (
     apply_conv,
     check_activation,
     check_norm_eps,
+    conv_step,
     init_identity_gate,
     store_states,
 )
-from attn2ssm.ops.conv import causal_conv1d_state, causal_conv1d_step
+from attn2ssm.ops.conv import causal_conv1d_state
 from attn2ssm.ops.gated_delta import gated_delta_chunked, gated_delta_quadratic, gated_delta_step
 
 DECAY_INITS = ("calibrated", "plain")
@@ -223,14 +224,9 @@ class GatedDeltaMixer(AttentionLikeMixer):
         new = {}
         inputs = self.project_inputs(u)
         qkv = self._qkv(u, position_embeddings, inputs)  # (b, 1, c)
-        m = None if mask is None else mask.to(torch.float32).view(-1, 1, 1)
-        if m is not None:  # a padded token enters the conv window as 0 (as the chunked form)
-            qkv = qkv * m.to(qkv.dtype)
-        if self.conv is not None:
-            qkv, new["conv"] = causal_conv1d_step(
-                qkv[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation
-            )
-            qkv = qkv[:, None]
+        qkv, conv_state, m = conv_step(self.conv, qkv, states, mask, self.conv_activation)
+        if conv_state is not None:
+            new["conv"] = conv_state
         q, k, v = self._split(qkv)
         g, beta = self._gates(u, inputs)
         if m is not None:  # and leaves the state alone: decay 1, no write

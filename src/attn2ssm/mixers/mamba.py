@@ -37,12 +37,12 @@ from attn2ssm.mixers.ssm_common import (
     CausalConv,
     apply_conv,
     check_activation,
+    conv_step,
     dt_bias_init,
     init_shared_parameters,
     store_states,
 )
 from attn2ssm.mixers.taps import Tap
-from attn2ssm.ops.conv import causal_conv1d_step
 from attn2ssm.ops.selective_scan import selective_scan_chunked, selective_scan_step
 
 
@@ -167,14 +167,9 @@ class MambaMixer(AttentionLikeMixer):
         new = {}
         inputs = self.project_inputs(u)
         x, B, C = self._bc(u, position_embeddings, inputs)
-        m = None if mask is None else mask.view(-1, 1, 1)
-        if m is not None:  # a padded token enters the conv window as 0 (as the chunked form)
-            x = x * m.to(x.dtype)
-        if self.conv is not None:
-            x, new["conv"] = causal_conv1d_step(
-                x[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation
-            )
-            x = x[:, None]
+        x, conv_state, m = conv_step(self.conv, x, states, mask, self.conv_activation)
+        if conv_state is not None:
+            new["conv"] = conv_state
         xg, dt, A = self._scan_inputs(u, x, inputs)
         if m is not None:  # and leaves the state alone: Δ = 0 (decay 1, no input)
             dt = dt * m[..., None].to(dt.dtype)

@@ -48,12 +48,13 @@ from attn2ssm.mixers.ssm_common import (
     apply_conv,
     check_activation,
     check_norm_eps,
+    conv_step,
     dt_bias_init,
     init_shared_parameters,
     store_states,
 )
 from attn2ssm.mixers.taps import Tap
-from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_state, causal_conv1d_step
+from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_state
 from attn2ssm.ops.ssd import ssd_chunked, ssd_quadratic, ssd_state, ssd_step
 
 
@@ -205,14 +206,9 @@ class Mamba2Mixer(AttentionLikeMixer):
         new = {}
         inputs = self.project_inputs(u)
         xbc = self._xbc(u, position_embeddings, inputs)  # (b, 1, c)
-        m = None if mask is None else mask.to(torch.float32).view(-1, 1, 1)
-        if m is not None:  # a padded token enters the conv window as 0 (as the chunked form)
-            xbc = xbc * m.to(xbc.dtype)
-        if self.conv is not None:
-            xbc, new["conv"] = causal_conv1d_step(
-                xbc[:, 0], self.conv.weight, self.conv.bias, states["conv"], activation=self.conv_activation
-            )
-            xbc = xbc[:, None]
+        xbc, conv_state, m = conv_step(self.conv, xbc, states, mask, self.conv_activation)
+        if conv_state is not None:
+            new["conv"] = conv_state
         self._show_bc(xbc)
         x, B, C = self._split(xbc)  # (b, 1, h, ·)
         a, dt = self._decay(u, inputs)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn2ssm.errors import ConfigError
-from attn2ssm.ops.conv import causal_conv1d
+from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
 
 # SiLU(b) = b·σ(b) = 1 at b ≈ 1.27846: a zero-weight gate with this bias multiplies by exactly 1.
 GATE_IDENTITY_BIAS = 1.2784645427610738
@@ -184,12 +184,26 @@ def init_shared_parameters(mixer) -> None:
 def apply_conv(conv: CausalConv | None, x, states: dict, mask, activation, backend: str = "torch"):
     """x (b, l, c) through the mixer's causal conv, continuing from ``states["conv"]`` if there is
     one. Returns (x, new conv state or None without a conv). (A one-token ``step`` calls
-    ``causal_conv1d_step`` itself.) ``backend``: the kernels (ops/kernels.py)."""
+    ``conv_step``.) ``backend``: the kernels (ops/kernels.py)."""
     if conv is None:
         return x, None
     return causal_conv1d(
         x, conv.weight, conv.bias, state=states.get("conv"), mask=mask, activation=activation, backend=backend
     )
+
+
+def conv_step(conv: CausalConv | None, x, states: dict, mask, activation):
+    """One token x (b, 1, c) through the causal conv against ``states["conv"]``. Returns (x, new conv
+    state or None without a conv, m): ``m`` (b, 1, 1) float32 from ``mask`` (b, 1), or None. A
+    padded token enters the conv window as 0 (as in the chunked form); the caller uses ``m`` to leave
+    its recurrent state alone for that row."""
+    m = None if mask is None else mask.to(torch.float32).view(-1, 1, 1)
+    if m is not None:
+        x = x * m.to(x.dtype)
+    if conv is None:
+        return x, None, m
+    x, state = causal_conv1d_step(x[:, 0], conv.weight, conv.bias, states["conv"], activation=activation)
+    return x[:, None], state, m
 
 
 def store_states(layer, ssm, conv_state, length: int) -> None:
