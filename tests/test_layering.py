@@ -11,6 +11,9 @@ one way and no two packages import each other:
 plus the rules the ranks alone do not say: ``bench/`` is imported only by ``cli/``; ``export/``
 only by ``cli/`` and ``bench/``. And, as before: ``ops/`` holds pure functions (no module class,
 no class swapping, no module-global state); ``decode/`` keeps no module-global state.
+
+And the layout: no function (methods and nested ones included) over 80 lines, no ``cli/`` module
+over 300.
 """
 
 import ast
@@ -194,6 +197,52 @@ def test_the_checks_can_fail(where, source, expect):
         assert found == []
     else:
         assert any(expect in f for f in found), found
+
+
+MAX_FUNCTION_LINES = 80
+MAX_CLI_MODULE_LINES = 300
+
+
+def long_functions(path: Path, tree: ast.AST, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """``path:name:lines`` for every function in the file (methods and nested ones included) longer
+    than ``limit`` lines, counted from its ``def`` to its last line (docstring included)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > limit:
+                found.append(f"{path.relative_to(ROOT)}:{node.name}:{lines}")
+    return found
+
+
+def test_no_function_over_80_lines():
+    offenders = [found for path in _files() for found in long_functions(path, _parse(path))]
+    assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines (split them):\n" + "\n".join(offenders)
+
+
+def _function_source(name: str, lines: int, indent: str = "") -> str:
+    body = "".join(f"{indent}    x{i} = {i}\n" for i in range(lines - 1))
+    return f"{indent}def {name}():\n{body}"
+
+
+def test_the_function_length_check_can_fail():
+    """A method or a nested function counts; 80 lines (def included) pass, 81 do not."""
+    method = "class C:\n" + _function_source("short", 3, "    ") + _function_source("long", 81, "    ")
+    nested = "def outer():\n" + _function_source("inner", 81, "    ") + "    return inner\n"
+    assert long_functions(ROOT / "x.py", ast.parse(method)) == ["x.py:long:81"]
+    assert long_functions(ROOT / "x.py", ast.parse(nested)) == ["x.py:outer:83", "x.py:inner:81"]
+    assert long_functions(ROOT / "x.py", ast.parse(_function_source("f", 80))) == []
+
+
+def test_cli_modules_are_short():
+    """One module per command group, each short enough to read: a long group keeps subcommands in
+    modules beside it (bench_generate, data_info, ...)."""
+    long = []
+    for path in _files("cli"):
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > MAX_CLI_MODULE_LINES:
+            long.append(f"{path.relative_to(ROOT)}: {lines} lines")
+    assert not long, f"cli modules over {MAX_CLI_MODULE_LINES} lines (split them): " + "; ".join(long)
 
 
 def test_test_modules_have_unique_names():

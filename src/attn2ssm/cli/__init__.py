@@ -1,7 +1,9 @@
 """``attn2ssm convert | distill | eval | generate | bench (generate | quality | train) | data (shards | info) | export | recipes | upgrade``.
 
 One module per command group (``convert``, ``distill``, ``eval``, ``generate``, ``bench``, ``data``,
-``export`` (export and upgrade), ``recipes``), each with ``add_parser(subparsers)`` and its ``run`` function(s);
+``export`` (export and upgrade), ``recipes``), each with ``add_parser(subparsers)`` and its ``run`` function(s)
+(a group too long for one module keeps subcommands in modules beside it: ``bench_generate``,
+``bench_quality``, ``bench_train``, ``data_info``, ``eval_report``);
 this module puts their parsers together and runs the command. Every user-facing failure is an
 ``Attn2SSMError``: printed as one line, no traceback (``--debug`` shows it).
 """

@@ -1,15 +1,15 @@
 """``attn2ssm eval``: held-out perplexity, attention fidelity (--attention), lm-eval tasks (--tasks),
-the teacher-vs-student report (--report), or the evaluation suite (--suite standard [--quick])."""
+the teacher-vs-student report (--report), or the evaluation suite (--suite standard [--quick]); the
+last two run from ``cli.eval_report``."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from attn2ssm.cli.parsing import int_list
+from attn2ssm.cli.eval_report import run_report, run_suite_command
 from attn2ssm.errors import ConfigError, DataError
-from attn2ssm.eval.compare import ReportSettings, compare_report, format_markdown
-from attn2ssm.eval.harness import add_eval_task_args, cmd_eval_tasks, resolve_tasks
+from attn2ssm.eval.harness import add_eval_task_args, cmd_eval_tasks
 
 
 def add_parser(subparsers) -> None:
@@ -26,6 +26,15 @@ def add_parser(subparsers) -> None:
         help="int8: score MODEL with int8 weight-only linears (as generate --quantize int8; --dtype sets the rest)",
     )
     e.add_argument("--json", default=None, help="also write results to this JSON file")
+    _add_attention_args(e)
+    _add_report_args(e)
+    _add_suite_args(e)
+    add_eval_task_args(e)
+    e.set_defaults(func=run)
+
+
+def _add_attention_args(e) -> None:
+    """--attention: a student's attention fidelity to its teacher, and where its files go."""
     e.add_argument(
         "--attention",
         action="store_true",
@@ -48,6 +57,10 @@ def add_parser(subparsers) -> None:
         help="with --attention: where attention_fidelity.json and the PNGs go (default MODEL/eval); "
         "with --report: where the report goes (default MODEL/eval/report); with --suite: where suite.{json,md,png} go (default MODEL/eval/suite)",
     )
+
+
+def _add_report_args(e) -> None:
+    """--report: the teacher-vs-student report's needles and agreement prompts."""
     e.add_argument(
         "--report",
         action="store_true",
@@ -71,6 +84,10 @@ def add_parser(subparsers) -> None:
         default=16,
         help="with --report: held-out prompts for generation agreement (0 = skip)",
     )
+
+
+def _add_suite_args(e) -> None:
+    """--suite: the evaluation suite, its quick form and teacher cache; --branch."""
     e.add_argument(
         "--suite",
         default=None,
@@ -97,8 +114,6 @@ def add_parser(subparsers) -> None:
         "(linear_attention with a softmax window): window (the sliding-window softmax alone), linear (linear attention without the "
         "window) or both (as trained, the default); --suite then writes MODEL/eval/suite-<branch>",
     )
-    add_eval_task_args(e)
-    e.set_defaults(func=run)
 
 
 def run(args) -> int:
@@ -173,8 +188,39 @@ def run(args) -> int:
 def _perplexity(args) -> int:
     """Held-out perplexity of MODEL (and of --against beside it): a table, and --json."""
     from attn2ssm.data import prepare_corpus  # heavy: torch
-    from attn2ssm.decode.quantize import apply_weight_format, check_weight_format  # heavy: torch
     from attn2ssm.eval.perplexity import perplexity  # heavy: torch
+
+    model, tokenizer, teacher = _perplexity_models(args)
+    corpus = prepare_corpus(args.corpus, tokenizer, max_heldout_tokens=args.max_tokens, max_train_tokens=0)
+    if corpus.heldout_ids.numel() < 2:
+        raise DataError(
+            f"corpus {args.corpus!r} has no held-out text to score ({corpus.heldout_ids.numel()} tokens)",
+            "use a corpus with several documents or paragraphs (the last ~5% of a single document is held out)",
+        )
+    rows = [
+        (
+            role,
+            name,
+            perplexity(
+                m,
+                corpus.heldout_ids,
+                window=args.window,
+                stride=args.stride,
+                max_tokens=args.max_tokens,
+                progress=True,
+            ),
+        )
+        for role, name, m in (("model", args.model, model), ("teacher", args.against, teacher))
+        if m is not None
+    ]
+    _print_perplexity(args, rows)
+    return 0
+
+
+def _perplexity_models(args):
+    """MODEL (in its --branch, --dtype and --quantize), its tokenizer and the --against teacher (or None),
+    all loaded before any scoring (a bad --against fails now), each checked to read --window positions."""
+    from attn2ssm.decode.quantize import apply_weight_format, check_weight_format  # heavy: torch
     from attn2ssm.student.loading import (
         load_model_and_tokenizer,
         position_limit,
@@ -187,9 +233,7 @@ def _perplexity(args) -> int:
 
         set_window_branch(model, args.branch, args.model)
     apply_weight_format(model, args.dtype, args.quantize)  # the forms generate --dtype / --quantize decode in
-    teacher = (
-        load_model_and_tokenizer(args.against)[0] if args.against else None
-    )  # before any scoring: a bad --against fails now
+    teacher = load_model_and_tokenizer(args.against)[0] if args.against else None
     for name, m in ((args.model, model), (args.against, teacher)):
         limit = position_limit(m.config) if m is not None else None
         if limit is not None and args.window > limit:
@@ -197,41 +241,11 @@ def _perplexity(args) -> int:
                 f"--window {args.window} is longer than {name} reads positions for (at most {limit})",
                 f"use --window {limit} or less",
             )
-    corpus = prepare_corpus(args.corpus, tokenizer, max_heldout_tokens=args.max_tokens, max_train_tokens=0)
-    if corpus.heldout_ids.numel() < 2:
-        raise DataError(
-            f"corpus {args.corpus!r} has no held-out text to score ({corpus.heldout_ids.numel()} tokens)",
-            "use a corpus with several documents or paragraphs (the last ~5% of a single document is held out)",
-        )
-    rows = [
-        (
-            "model",
-            args.model,
-            perplexity(
-                model,
-                corpus.heldout_ids,
-                window=args.window,
-                stride=args.stride,
-                max_tokens=args.max_tokens,
-                progress=True,
-            ),
-        )
-    ]
-    if teacher is not None:
-        rows.append(
-            (
-                "teacher",
-                args.against,
-                perplexity(
-                    teacher,
-                    corpus.heldout_ids,
-                    window=args.window,
-                    stride=args.stride,
-                    max_tokens=args.max_tokens,
-                    progress=True,
-                ),
-            )
-        )
+    return model, tokenizer, teacher
+
+
+def _print_perplexity(args, rows: list[tuple[str, str, dict]]) -> None:
+    """The (role, name, result) rows as a table, and written to --json."""
     branch = f", {args.branch} branch" if args.branch not in (None, "both") else ""
     print(
         f"held-out perplexity on {args.corpus} ({rows[0][2]['tokens']} tokens, window {args.window}{branch})"
@@ -252,67 +266,3 @@ def _perplexity(args) -> int:
                 indent=1,
             )
         )
-    return 0
-
-
-def run_report(args) -> int:
-    """``eval --report``: the teacher-vs-student report (markdown printed, report.md/json/png written)."""
-    lengths = int_list("--needle-lengths", args.needle_lengths) if args.needle_lengths else ()
-    depths = _floats("--needle-depths", args.needle_depths)
-    if any(not 0 <= d <= 1 for d in depths):
-        raise ConfigError(
-            f"--needle-depths {args.needle_depths!r} has depths outside 0..1",
-            "write fractions, e.g. --needle-depths 0,0.5,1",
-        )
-    tasks = tuple(resolve_tasks(args.tasks)) if args.tasks else ()
-    settings = ReportSettings(
-        corpora=tuple(c.strip() for c in args.corpus.split(",") if c.strip()),
-        window=args.window,
-        max_tokens=args.max_tokens,
-        tasks=tasks,
-        limit=args.limit,
-        needle_lengths=lengths,
-        needle_depths=depths,
-        needle_trials=args.needle_trials,
-        agreement_prompts=args.agreement_prompts,
-        fidelity_blocks=args.blocks,
-    )
-    out = Path(args.out_dir) if args.out_dir else Path(args.model) / "eval" / "report"
-    report = compare_report(args.model, args.against, out, settings)
-    print(format_markdown(report))
-    print(f"wrote {out / 'report.md'}, report.json and report.png")
-    return 0
-
-
-def run_suite_command(args) -> int:
-    """``eval --suite standard [--quick]``: the suite's table (printed; suite.json / .md / .png written)."""
-    from attn2ssm.eval.suite import (
-        format_suite_markdown,
-        run_suite,
-        suite_settings,
-    )  # heavy: torch (when run)
-    from attn2ssm.teachers import resolve_teacher
-
-    settings = suite_settings(
-        args.suite, quick=args.quick
-    )  # an unknown suite: one line, before anything loads
-    resolve_teacher(args.against or "smollm2-135m")  # a missing teacher path fails before the student loads
-    branch = args.branch or "both"
-    out = (
-        Path(args.out_dir)
-        if args.out_dir
-        else Path(args.model) / "eval" / ("suite" if branch == "both" else f"suite-{branch}")
-    )
-    report = run_suite(args.model, args.against, out, settings, cache_dir=args.suite_cache, branch=branch)
-    print(format_suite_markdown(report))
-    print(f"wrote {out / 'suite.md'}, suite.json and suite.png")
-    return 0
-
-
-def _floats(flag: str, text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise ConfigError(
-            f"{flag} {text!r} is not a comma-separated list of numbers", f"write e.g. {flag} 0,0.5,1"
-        ) from None
