@@ -657,16 +657,29 @@ def _passkey_by_length(grid: dict, metric: str = "accuracy") -> dict:
 def evaluate_student(student_dir: Path, reference: TeacherReference, progress: bool = True) -> dict:
     """Every metric of one cell; the student is the only model this loads (the teacher only for
     references not cached yet)."""
-    from attn2ssm.data import prepare_corpus
-    from attn2ssm.errors import DataError
-    from attn2ssm.eval.agreement import generation_agreement, heldout_prompts
-    from attn2ssm.eval.needle import passkey_grid
-    from attn2ssm.eval.perplexity import perplexity
     from attn2ssm.student.loading import load_model_and_tokenizer
 
     s = reference.settings
     start = time.time()
     student, tokenizer = load_model_and_tokenizer(str(student_dir))
+    heldout = _heldout(s, tokenizer)
+    record: dict = {"perplexity": _perplexity_record(student, reference, heldout, progress)}
+    if s.agreement_prompts:
+        record["generation_agreement"] = _agreement_record(student, tokenizer, reference, heldout, progress)
+    if s.passkey_lengths:
+        record["passkey"] = _passkey_record(student, tokenizer, reference, progress)
+    if s.suite is not None:
+        record["suite"] = suite_record(student, tokenizer, reference, progress)
+    del student
+    record["eval_seconds"] = time.time() - start
+    return record
+
+
+def _heldout(s: EvalSettings, tokenizer) -> dict:
+    """Each corpus's held-out ids (up to ``s.eval_tokens``); a ``DataError`` when one is too short for the windows."""
+    from attn2ssm.data import prepare_corpus
+    from attn2ssm.errors import DataError
+
     heldout = {}
     for corpus in s.corpora:
         ids = prepare_corpus(
@@ -678,9 +691,16 @@ def evaluate_student(student_dir: Path, reference: TeacherReference, progress: b
                 "use a larger corpus or smaller --windows",
             )
         heldout[corpus] = ids
+    return heldout
+
+
+def _perplexity_record(student, reference: TeacherReference, heldout: dict, progress: bool) -> dict:
+    """Per corpus and window: the student's perplexity beside the teacher's, and their top-1 agreement."""
+    from attn2ssm.eval.perplexity import perplexity
+
     ppl: dict = {}
     for corpus, ids in heldout.items():
-        for window in s.windows:
+        for window in reference.settings.windows:
             teacher = reference.perplexity(corpus, ids, window)
             mine = perplexity(
                 student,
@@ -699,54 +719,62 @@ def evaluate_student(student_dir: Path, reference: TeacherReference, progress: b
                 "tokens": mine["tokens"],
                 "top1_agreement": (mine["argmax"] == teacher["argmax"].long()).float().mean().item(),
             }
-    record: dict = {"perplexity": ppl}
-    if s.agreement_prompts:
-        prompts = heldout_prompts(
-            heldout[s.corpora[0]], s.agreement_prompts, s.agreement_prompt_len, s.agreement_new_tokens
+    return ppl
+
+
+def _agreement_record(student, tokenizer, reference: TeacherReference, heldout: dict, progress: bool) -> dict:
+    """The student's greedy continuations of held-out prompts of the first corpus against the teacher's."""
+    from attn2ssm.eval.agreement import generation_agreement, heldout_prompts
+
+    s = reference.settings
+    prompts = heldout_prompts(
+        heldout[s.corpora[0]], s.agreement_prompts, s.agreement_prompt_len, s.agreement_new_tokens
+    )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    refs = reference.continuations(prompts, pad)
+    agree = generation_agreement(
+        student, None, prompts, s.agreement_new_tokens, pad_id=pad, progress=progress, references=refs
+    )
+    record = {
+        k: agree[k]
+        for k in (
+            "token_agreement",
+            "prefix_match",
+            "rouge_l",
+            "forced_agreement",
+            "prompts",
+            "new_tokens",
         )
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        refs = reference.continuations(prompts, pad)
-        agree = generation_agreement(
-            student, None, prompts, s.agreement_new_tokens, pad_id=pad, progress=progress, references=refs
-        )
-        record["generation_agreement"] = {
-            k: agree[k]
-            for k in (
-                "token_agreement",
-                "prefix_match",
-                "rouge_l",
-                "forced_agreement",
-                "prompts",
-                "new_tokens",
-            )
-        }
-        record["generation_agreement"]["corpus"] = s.corpora[0]
-    if s.passkey_lengths:
-        teacher_grid = reference.passkey(tokenizer)
-        grid = passkey_grid(
-            student,
-            tokenizer,
-            s.passkey_lengths,
-            s.passkey_depths,
-            s.passkey_trials,
-            seed=s.passkey_seed,
-            progress=progress,
-            desc="student passkey",
-        )
-        record["passkey"] = {
-            "accuracy": _passkey_by_length(grid),
-            "teacher_accuracy": _passkey_by_length(teacher_grid),
-            "mean_accuracy": grid["mean_accuracy"],
-            "recall": _passkey_by_length(grid, "recall"),
-            "teacher_recall": _passkey_by_length(teacher_grid, "recall"),
-            "depths": list(s.passkey_depths),
-            "trials": s.passkey_trials,
-        }
-    if s.suite is not None:
-        record["suite"] = suite_record(student, tokenizer, reference, progress)
-    del student
-    record["eval_seconds"] = time.time() - start
+    }
+    record["corpus"] = s.corpora[0]
     return record
+
+
+def _passkey_record(student, tokenizer, reference: TeacherReference, progress: bool) -> dict:
+    """The student's passkey accuracy and recall by length, beside the teacher's."""
+    from attn2ssm.eval.needle import passkey_grid
+
+    s = reference.settings
+    teacher_grid = reference.passkey(tokenizer)
+    grid = passkey_grid(
+        student,
+        tokenizer,
+        s.passkey_lengths,
+        s.passkey_depths,
+        s.passkey_trials,
+        seed=s.passkey_seed,
+        progress=progress,
+        desc="student passkey",
+    )
+    return {
+        "accuracy": _passkey_by_length(grid),
+        "teacher_accuracy": _passkey_by_length(teacher_grid),
+        "mean_accuracy": grid["mean_accuracy"],
+        "recall": _passkey_by_length(grid, "recall"),
+        "teacher_recall": _passkey_by_length(teacher_grid, "recall"),
+        "depths": list(s.passkey_depths),
+        "trials": s.passkey_trials,
+    }
 
 
 def suite_record(student, tokenizer, reference: TeacherReference, progress: bool = True) -> dict:

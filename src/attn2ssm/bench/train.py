@@ -193,6 +193,30 @@ def _fill_cache(distiller, run) -> dict:
     }
 
 
+def _timed_steps(distiller, run, steps: int, progress) -> tuple[list[float], int]:
+    """Run ``steps`` + 1 training steps (the first a warm-up); the seconds of each but the first and
+    the tokens of the last step."""
+    times, tokens = [], 0
+    for step in range(steps + 1):
+        _sync(distiller.acc.device)
+        t0 = time.perf_counter()
+        tokens, *_ = distiller._train_step(run, step)
+        _sync(distiller.acc.device)
+        if step:
+            times.append(time.perf_counter() - t0)
+        progress()
+    return times, tokens
+
+
+def _profiled_ops(distiller, run, step: int) -> list[dict]:
+    """The top ops (``_top_ops``) of one more training step under the CPU profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        distiller._train_step(run, step)
+    return _top_ops(prof)
+
+
 def _measure(
     settings: TrainBenchSettings,
     case: str,
@@ -207,15 +231,12 @@ def _measure(
 
     recipe = _recipe(settings, case, length, precision, kernels)
     with tempfile.TemporaryDirectory(prefix="attn2ssm-bench-train-") as tmp:
-        if (
-            recipe.stages[0].logit_cache is not None
-        ):  # a private cache: the point measures hits, and leaves nothing behind
+        # a private cache: the point measures hits, and leaves nothing behind
+        if recipe.stages[0].logit_cache is not None:
             recipe.stages[0].logit_cache = replace(recipe.stages[0].logit_cache, dir=f"{tmp}/logit_cache")
         distiller = Distiller(recipe, f"{tmp}/run", progress=False, teacher=teacher, tokenizer=tokenizer)
-        used, kernels_used = (
-            distiller.precision.used,
-            distiller.kernels.used,
-        )  # auto resolved for this machine
+        # auto resolved for this machine
+        used, kernels_used = distiller.precision.used, distiller.kernels.used
         distiller._load_teacher()
         distiller._load_data()
         distiller._build_student()
@@ -223,22 +244,8 @@ def _measure(
         if len(distiller.blocks) < run.steps * recipe.stages[0].batch_size:
             raise ValueError(f"corpus too small for {run.steps} steps of {length}-token blocks")
         cache = _fill_cache(distiller, run) if run.logit_cache is not None else None
-        times, tokens = [], 0
-        for step in range(settings.steps + 1):
-            _sync(distiller.acc.device)
-            t0 = time.perf_counter()
-            tokens, *_ = distiller._train_step(run, step)
-            _sync(distiller.acc.device)
-            if step:
-                times.append(time.perf_counter() - t0)
-            progress()
-        ops = []
-        if settings.profile:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                distiller._train_step(run, settings.steps + 1)
-            ops = _top_ops(prof)
+        times, tokens = _timed_steps(distiller, run, settings.steps, progress)
+        ops = _profiled_ops(distiller, run, settings.steps + 1) if settings.profile else []
         batch = recipe.stages[0].batch_size
         batches = [
             distiller.blocks[i * batch : (i + 1) * batch].to(distiller.acc.device)

@@ -144,6 +144,14 @@ def write_report(
         from attn2ssm.student.card import write_student_card  # heavy: transformers
 
         write_student_card(run_dir / "student")
+    markdown = _report_markdown(recipe, results, plan, window, stride, t, s, plot)
+    atomic_write_text(run_dir / "report.md", markdown)
+    return results
+
+
+def _report_markdown(recipe, results: dict, plan, window: int, stride: int, t: dict, s: dict, plot) -> str:
+    """report.md: the run, the held-out perplexities of teacher (``t``) and student (``s``), the
+    stages and the loss curve (``plot``, when there is one)."""
     lines = [
         f"# {recipe.name}",
         "",
@@ -167,5 +175,4 @@ def write_report(
     ]
     if plot:
         lines += ["![loss curve](loss.png)", ""]
-    atomic_write_text(run_dir / "report.md", "\n".join(lines))
-    return results
+    return "\n".join(lines)

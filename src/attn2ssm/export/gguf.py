@@ -103,22 +103,7 @@ def export_gguf(
     )  # heavy: transformers (this module imports torch only)
 
     out = Path(out)
-    if outtype not in OUTTYPES:
-        raise ConfigError(
-            f"--outtype {outtype!r} is not a GGUF type here", f"choose one of {', '.join(OUTTYPES)}"
-        )
-    if out.suffix != ".gguf":
-        raise ConfigError(
-            f"--out {out} does not end in .gguf", "give the GGUF file to write, e.g. --out student-f16.gguf"
-        )
-    if out.is_dir():
-        raise ConfigError(
-            f"--out {out} is a directory", "give the GGUF file to write, e.g. --out student-f16.gguf"
-        )
-    if out.exists() and not force:
-        raise ConfigError(
-            f"--out {out} already exists", "pass --force to replace it, or choose another --out"
-        )
+    _check_request(out, outtype, force)
     converter_dir()  # the converter missing: one line naming make llama-cpp, before any work
     if outtype in QUANTIZE_TYPES:
         load_runtime()
@@ -140,35 +125,7 @@ def export_gguf(
             threads,
             converter_args=("--no-mtp",) if qwen35 else (),
         )
-        notes = []
-        if qwen35 and native.identity_layers:
-            notes.append(
-                f"llama.cpp aborts on a qwen35 without attention layers (GGML_ASSERT(buffer): its hybrid memory's attention inputs), so layer {native.identity_layers[0]} is an identity layer "
-                "(attention and MLP with zero weights: exact, one layer's KV cache and ~2% more weights)"
-            )
-        if "mamba" in native.layer_types:
-            notes.append(
-                "llama.cpp's GraniteHybrid runs Mamba-2 at expand 2: the Mamba layers carry as many zero heads as real ones (exact, at twice the mixer width)"
-            )
-        if native.identity_layers and not qwen35:
-            notes.append(
-                f"llama.cpp aborts on a GraniteHybrid without attention layers, so layer {native.identity_layers[0]} is an identity layer "
-                "(attention and MLP with zero weights: exact, one layer's KV cache and ~2% more weights)"
-            )
-        if "mamba" in native.layer_types and ("attention" in native.layer_types or native.identity_layers):
-            arch = read_metadata(staged)["general.architecture"]
-            context = int(
-                json.loads((tmp / "native" / "config.json").read_text(encoding="utf-8"))[
-                    "max_position_embeddings"
-                ]
-            )
-            set_metadata(staged, f"{arch}.context_length", context)  # the converter's NoPE reading wrote 2^20
-            if "attention" in native.layer_types:
-                set_metadata(staged, f"{arch}.rope.scaling.finetuned", "true")
-                notes.append(
-                    f"the converter reads GraniteMoeHybrid hybrids as NoPE; {arch}.rope.scaling.finetuned (llama.cpp's RoPE switch) "
-                    f"set back to true and the context length to {context}"
-                )
+        notes = _layout_notes(native, staged, tmp / "native")
         diff, scale = None, 0.0
         if verify and _runtime_available():
             student = Attn2SSMForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
@@ -194,6 +151,60 @@ def export_gguf(
         out.stat().st_size,
         notes,
     )
+
+
+def _check_request(out: Path, outtype: str, force: bool) -> None:
+    """A ``ConfigError`` for an unknown ``outtype``, an ``out`` that is not a .gguf file, or one that
+    exists without ``force``."""
+    if outtype not in OUTTYPES:
+        raise ConfigError(
+            f"--outtype {outtype!r} is not a GGUF type here", f"choose one of {', '.join(OUTTYPES)}"
+        )
+    if out.suffix != ".gguf":
+        raise ConfigError(
+            f"--out {out} does not end in .gguf", "give the GGUF file to write, e.g. --out student-f16.gguf"
+        )
+    if out.is_dir():
+        raise ConfigError(
+            f"--out {out} is a directory", "give the GGUF file to write, e.g. --out student-f16.gguf"
+        )
+    if out.exists() and not force:
+        raise ConfigError(
+            f"--out {out} already exists", "pass --force to replace it, or choose another --out"
+        )
+
+
+def _layout_notes(native, staged: Path, native_dir: Path) -> list[str]:
+    """What llama.cpp's form of the student changed (identity layer, zero Mamba heads), as notes;
+    a hybrid's GGUF ``staged`` gets its context length (and RoPE switch) back from ``native_dir``."""
+    qwen35, notes = native.cls == QWEN35_CLASS, []
+    if qwen35 and native.identity_layers:
+        notes.append(
+            f"llama.cpp aborts on a qwen35 without attention layers (GGML_ASSERT(buffer): its hybrid memory's attention inputs), so layer {native.identity_layers[0]} is an identity layer "
+            "(attention and MLP with zero weights: exact, one layer's KV cache and ~2% more weights)"
+        )
+    if "mamba" in native.layer_types:
+        notes.append(
+            "llama.cpp's GraniteHybrid runs Mamba-2 at expand 2: the Mamba layers carry as many zero heads as real ones (exact, at twice the mixer width)"
+        )
+    if native.identity_layers and not qwen35:
+        notes.append(
+            f"llama.cpp aborts on a GraniteHybrid without attention layers, so layer {native.identity_layers[0]} is an identity layer "
+            "(attention and MLP with zero weights: exact, one layer's KV cache and ~2% more weights)"
+        )
+    if "mamba" in native.layer_types and ("attention" in native.layer_types or native.identity_layers):
+        arch = read_metadata(staged)["general.architecture"]
+        context = int(
+            json.loads((native_dir / "config.json").read_text(encoding="utf-8"))["max_position_embeddings"]
+        )
+        set_metadata(staged, f"{arch}.context_length", context)  # the converter's NoPE reading wrote 2^20
+        if "attention" in native.layer_types:
+            set_metadata(staged, f"{arch}.rope.scaling.finetuned", "true")
+            notes.append(
+                f"the converter reads GraniteMoeHybrid hybrids as NoPE; {arch}.rope.scaling.finetuned (llama.cpp's RoPE switch) "
+                f"set back to true and the context length to {context}"
+            )
+    return notes
 
 
 def _runtime_available() -> bool:

@@ -55,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,8 +64,13 @@ from attn2ssm.adapters import get_adapter
 from attn2ssm.errors import CheckpointError, ConfigError, ExportError
 from attn2ssm.export.native_qwen35 import (
     QWEN35_CLASS,
+    conv_problem,
+    first_problem,
+    mlp_problem,
+    norm_eps_differs,
     qwen35_notes,
     qwen35_problem,
+    teacher_family,
     to_qwen35,
     torch_reference_kernels,
 )
@@ -88,6 +92,7 @@ _FAMILY_REASONS = {
 # Legacy layer-type names in config.json: vLLM, llama.cpp's converter and transformers < 5 read
 # these; transformers 5 maps them to "linear_attention" / "full_attention" on load.
 _LAYER_TYPE = {"mamba2": "mamba", "attention": "attention"}
+_KEEP = "keep this student in attn2ssm's format (trust_remote_code=True)"
 
 
 # ------------------------------------------------------------------------------------ what exports
@@ -118,15 +123,29 @@ def native_problem(config) -> tuple[str, str] | None:
     Gated delta-rule students: ``QWEN35_CLASS``'s (``qwen35_problem``)."""
     if native_target(config) == QWEN35_CLASS:
         return qwen35_problem(config)
-    base = config.base_config
-    family = (config.teacher or {}).get("family") or base.get("model_type")
-    keep_as_is = "keep this student in attn2ssm's format (trust_remote_code=True)"
-    if family not in FAMILIES:
-        reason = _FAMILY_REASONS.get(family, "its blocks are not Llama-style pre-norm RMSNorm + gated MLP")
-        return (
-            f"{NATIVE_CLASS} cannot express {family} blocks: {reason}",
-            f"export students of {', '.join(FAMILIES)} teachers, or {keep_as_is}",
-        )
+    return first_problem(
+        config,
+        _family_problem,
+        _mixer_kind_problem,
+        _mlp_problem,
+        _head_dim_problem,
+        _mamba2_problem,
+        _kept_attention_problem,
+    )
+
+
+def _family_problem(config) -> tuple[str, str] | None:
+    family = teacher_family(config)
+    if family in FAMILIES:
+        return None
+    reason = _FAMILY_REASONS.get(family, "its blocks are not Llama-style pre-norm RMSNorm + gated MLP")
+    return (
+        f"{NATIVE_CLASS} cannot express {family} blocks: {reason}",
+        f"export students of {', '.join(FAMILIES)} teachers, or {_KEEP}",
+    )
+
+
+def _mixer_kind_problem(config) -> tuple[str, str] | None:
     for i in config.mixer_layers:
         kind = config.layer_plan[i]
         if kind != "mamba2":
@@ -134,57 +153,55 @@ def native_problem(config) -> tuple[str, str] | None:
                 f"layer {i} is a '{kind}' mixer; {NATIVE_CLASS}'s layers are Mamba-2 (SSD) or attention",
                 "distil with student.mixer: mamba2 and student.mixer_options: {norm: true, norm_eps: auto}",
             )
-    act, eps = base.get("hidden_act", "silu"), base.get("rms_norm_eps")
-    if act != "silu":
-        return (
-            f"the teacher's MLP activation is {act}; {NATIVE_CLASS} uses one hidden_act for the MLP and the Mamba conv (SiLU)",
-            keep_as_is,
-        )
-    if base.get("mlp_bias"):
-        return (
-            f"the teacher's MLP has biases (mlp_bias: true); {NATIVE_CLASS}'s shared MLP has none",
-            keep_as_is,
-        )
+    return None
+
+
+def _mlp_problem(config) -> tuple[str, str] | None:
+    return mlp_problem(
+        config.base_config, NATIVE_CLASS, "one hidden_act for the MLP and the Mamba conv (SiLU)", "shared MLP"
+    )
+
+
+def _head_dim_problem(config) -> tuple[str, str] | None:
     for i, g in enumerate(config.layer_geometry):
         if g["num_heads"] * g["head_dim"] != g["hidden_size"]:
             return (
                 f"layer {i} has {g['num_heads']} heads × {g['head_dim']} = {g['num_heads'] * g['head_dim']} ≠ hidden_size {g['hidden_size']}; "
                 f"{NATIVE_CLASS} (and vLLM) take head_dim = hidden_size / heads",
-                keep_as_is,
+                _KEEP,
             )
-    if config.mixer_layers:
-        o = _mamba2_options(config)
-        fix = "distil with student.mixer_options: {norm: true, norm_eps: auto}" + (
-            f" (auto: the teacher's rms_norm_eps, {eps!r})" if eps is not None else ""
+    return None
+
+
+def _mamba2_problem(config) -> tuple[str, str] | None:
+    """A mamba2 option the target cannot express: sanity mode, the gated RMSNorm and its eps, conv, RoPE."""
+    if not config.mixer_layers:
+        return None
+    o, eps = _mamba2_options(config), config.base_config.get("rms_norm_eps")
+    fix = "distil with student.mixer_options: {norm: true, norm_eps: auto}" + (
+        f" (auto: the teacher's rms_norm_eps, {eps!r})" if eps is not None else ""
+    )
+    if o["sanity"]:
+        return "the mixers are in sanity mode (no conv, gate, norm, Δ or A)", fix
+    if not o["norm"]:
+        return (
+            f"the mamba2 mixers have no gated RMSNorm (norm: false); {NATIVE_CLASS} always normalises y·SiLU(z) per head, so no map is exact",
+            fix,
         )
-        if o["sanity"]:
-            return "the mixers are in sanity mode (no conv, gate, norm, Δ or A)", fix
-        if not o["norm"]:
-            return (
-                f"the mamba2 mixers have no gated RMSNorm (norm: false); {NATIVE_CLASS} always normalises y·SiLU(z) per head, so no map is exact",
-                fix,
-            )
-        if eps is None or not math.isclose(float(o["norm_eps"]), float(eps), rel_tol=1e-9, abs_tol=0.0):
-            return (
-                f"the mixers' gated RMSNorm uses eps {float(o['norm_eps']):g} but {NATIVE_CLASS} uses the teacher's rms_norm_eps ({eps}) "
-                "for it and for every block norm",
-                fix,
-            )
-        if not o["d_conv"]:
-            return (
-                f"the mixers have no conv (d_conv: 0); {NATIVE_CLASS} always runs one, with SiLU",
-                "distil with student.mixer_options.d_conv: 4 (the default)",
-            )
-        if o["conv_activation"] not in ("silu",):
-            return (
-                f"the mixers' conv has no activation (conv_activation: {o['conv_activation']}); {NATIVE_CLASS}'s conv applies hidden_act (SiLU)",
-                "distil with student.mixer_options.conv_activation: silu (the default)",
-            )
-        if o["rope"] != "none":
-            return (
-                f"the mixers rotate B and C (rope: {o['rope']}); {NATIVE_CLASS}'s Mamba layers have no RoPE",
-                "distil with student.mixer_options.rope: none (the default)",
-            )
+    if norm_eps_differs(o, eps):
+        return (
+            f"the mixers' gated RMSNorm uses eps {float(o['norm_eps']):g} but {NATIVE_CLASS} uses the teacher's rms_norm_eps ({eps}) "
+            "for it and for every block norm",
+            fix,
+        )
+    return conv_problem(
+        o, NATIVE_CLASS, "student.mixer_options", "hidden_act (SiLU)", "B and C", "Mamba layers"
+    )
+
+
+def _kept_attention_problem(config) -> tuple[str, str] | None:
+    """A kept attention layer that is sliding, soft-capped, q/k-normed or partly rotated, or kept
+    layers that scale q·k differently."""
     kept = [i for i, kind in enumerate(config.layer_plan) if kind == "attention"]
     global_layers = [i for i, g in enumerate(config.layer_geometry) if g.get("sliding_window") is None]
     for i in kept:
@@ -202,18 +219,18 @@ def native_problem(config) -> tuple[str, str] | None:
         if g.get("softcap") is not None or g.get("has_qk_norm"):
             return (
                 f"layer {i} keeps attention with soft-capping or q/k norms, which {NATIVE_CLASS} lacks",
-                keep_as_is,
+                _KEEP,
             )
         if g["rotary_dim"] != g["head_dim"]:
             return (
                 f"layer {i} rotates {g['rotary_dim']} of {g['head_dim']} dims; {NATIVE_CLASS}'s RoPE is full",
-                keep_as_is,
+                _KEEP,
             )
     scalings = {config.layer_geometry[i]["scaling"] for i in kept}
     if len(scalings) > 1:
         return (
             f"the kept attention layers scale q·k differently ({sorted(scalings)}); {NATIVE_CLASS} has one attention_multiplier",
-            keep_as_is,
+            _KEEP,
         )
     return None
 
@@ -608,36 +625,15 @@ def export_native(
     no Python files. Refused (``ExportError``, nothing written) when the map would not be exact;
     ``out`` holding a model is kept unless ``force``. Staged beside ``out``, then moved into place.
     ``llama_cpp``: the form llama.cpp's converter takes (the GGUF route; see the module docstring)."""
-    from transformers import (
-        AutoTokenizer,
-        GenerationConfig,
-    )  # heavy: transformers (this module imports torch only)
+    from transformers import AutoTokenizer  # heavy: transformers (this module imports torch only)
 
     import attn2ssm.student  # noqa: F401  heavy: transformers; registers the Auto classes
-    from attn2ssm.student.card import native_card, read_results  # heavy: as above
     from attn2ssm.student.configuration import Attn2SSMConfig  # heavy: as above
     from attn2ssm.student.modeling import Attn2SSMForCausalLM  # heavy: as above
 
     student_dir, out = Path(student_dir), Path(out)
-    try:
-        saved = json.loads((student_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(
-            f"{student_dir} has no readable config.json ({exc.__class__.__name__})",
-            "point at a student directory (a run's student/ folder)",
-        ) from None
-    if saved.get("model_type") != "attn2ssm":
-        raise CheckpointError(
-            f"{student_dir} holds a {saved.get('model_type')!r} model, not an attn2ssm student",
-            "point at a student directory (a run's student/ folder)",
-        )
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file", "give a directory for the exported model")
-    if (out / "config.json").is_file() and not force:
-        raise ConfigError(
-            f"--out {out} already holds a model (config.json)",
-            "pass --force to replace it, or choose another --out",
-        )
+    saved = _saved_student_config(student_dir)
+    _check_out(out, force)
     check_native(Attn2SSMConfig.from_dict(saved), llama_cpp)  # refuse before the weights load
     check_weight_files(student_dir)
     check_writable(out, beside=True)
@@ -657,6 +653,51 @@ def export_native(
             f"the {cls} logits differ from the student's by {diff:.3g} on a probe (tolerance {tolerance * max(1.0, scale):.3g})",
             "nothing was written; this is a bug in the map: report it with the student's config.json",
         )
+    notes = _write_native(native, dtype, tokenizer, student.config, saved, student_dir, out)
+    if cls == NATIVE_CLASS:
+        layer_types = [_LAYER_TYPE.get(kind, "mamba") for kind in student.config.layer_plan]
+    else:
+        layer_types = ["linear_attention"] * len(student.config.layer_plan)
+    identity = list(range(len(layer_types), native.config.num_hidden_layers))
+    return NativeExport(out, cls, layer_types, diff, identity, notes)
+
+
+def _saved_student_config(student_dir: Path) -> dict:
+    """``student_dir``'s config.json (a ``CheckpointError`` unless it is an attn2ssm student's)."""
+    try:
+        saved = json.loads((student_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{student_dir} has no readable config.json ({exc.__class__.__name__})",
+            "point at a student directory (a run's student/ folder)",
+        ) from None
+    if saved.get("model_type") != "attn2ssm":
+        raise CheckpointError(
+            f"{student_dir} holds a {saved.get('model_type')!r} model, not an attn2ssm student",
+            "point at a student directory (a run's student/ folder)",
+        )
+    return saved
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """A ``ConfigError`` when ``out`` is a file, or holds a model and ``force`` is off."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file", "give a directory for the exported model")
+    if (out / "config.json").is_file() and not force:
+        raise ConfigError(
+            f"--out {out} already holds a model (config.json)",
+            "pass --force to replace it, or choose another --out",
+        )
+
+
+def _write_native(native, dtype, tokenizer, config, saved: dict, student_dir: Path, out: Path) -> list[str]:
+    """Stage ``native`` (in ``dtype``), the tokenizer, a generation config and the card beside
+    ``out``, then move them into place; the card's notes."""
+    from transformers import GenerationConfig  # heavy: transformers (this module imports torch only)
+
+    from attn2ssm.student.card import native_card, read_results  # heavy: as above
+
+    cls = native_target(config)
     with (
         writing(out, "the exported model", "run the command again (what --out held is unchanged)"),
         staging_beside(out, "export") as staging,
@@ -671,14 +712,9 @@ def export_native(
             generation = GenerationConfig.from_model_config(native.config)
         generation.use_cache = native.config.use_cache
         generation.save_pretrained(staging)
-        notes = _notes(student.config) if cls == NATIVE_CLASS else qwen35_notes(native.config)
+        notes = _notes(config) if cls == NATIVE_CLASS else qwen35_notes(native.config)
         (staging / "README.md").write_text(
             native_card(saved, read_results(student_dir), cls, notes), encoding="utf-8"
         )
         replace_dir(staging, out)
-    if cls == NATIVE_CLASS:
-        layer_types = [_LAYER_TYPE.get(kind, "mamba") for kind in student.config.layer_plan]
-    else:
-        layer_types = ["linear_attention"] * len(student.config.layer_plan)
-    identity = list(range(len(layer_types), native.config.num_hidden_layers))
-    return NativeExport(out, cls, layer_types, diff, identity, notes)
+    return notes

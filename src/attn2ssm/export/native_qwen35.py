@@ -75,21 +75,96 @@ def gated_delta_options(config) -> dict:
     return {**defaults, **((config.mixer_options or {}).get("gated_delta") or {})}
 
 
+def teacher_family(config) -> str | None:
+    """The teacher's family: the one the recipe named, else the base config's ``model_type``."""
+    return (config.teacher or {}).get("family") or config.base_config.get("model_type")
+
+
+def first_problem(config, *checks) -> tuple[str, str] | None:
+    """The first (reason, fix) that one of ``checks`` (each config -> (reason, fix) or None) finds, in order."""
+    for check in checks:
+        problem = check(config)
+        if problem is not None:
+            return problem
+    return None
+
+
+def mlp_problem(base: dict, cls: str, activation: str, mlp: str) -> tuple[str, str] | None:
+    """(reason, fix) when the teacher's MLP (its ``base`` config) is not the SiLU, bias-free one of
+    ``cls``; ``activation``: what ``cls``'s one hidden_act is used for, ``mlp``: its MLP's name."""
+    act = base.get("hidden_act", "silu")
+    if act != "silu":
+        return f"the teacher's MLP activation is {act}; {cls} uses {activation}", _KEEP
+    if base.get("mlp_bias"):
+        return f"the teacher's MLP has biases (mlp_bias: true); {cls}'s {mlp} has none", _KEEP
+    return None
+
+
+def conv_problem(
+    options: dict, cls: str, prefix: str, applies: str, rotated: str, layers: str
+) -> tuple[str, str] | None:
+    """(reason, fix) when a mixer's ``options`` (the settings under ``prefix``) lack the conv with
+    SiLU that ``cls`` always runs (``applies``), or rotate ``rotated`` where ``cls``'s ``layers`` have
+    no RoPE; else None."""
+    if not options["d_conv"]:
+        return (
+            f"the mixers have no conv (d_conv: 0); {cls} always runs one, with SiLU",
+            f"distil with {prefix}.d_conv: 4 (the default)",
+        )
+    if options["conv_activation"] not in ("silu",):
+        return (
+            f"the mixers' conv has no activation (conv_activation: {options['conv_activation']}); {cls}'s conv applies {applies}",
+            f"distil with {prefix}.conv_activation: silu (the default)",
+        )
+    if options["rope"] != "none":
+        return (
+            f"the mixers rotate {rotated} (rope: {options['rope']}); {cls}'s {layers} have no RoPE",
+            f"distil with {prefix}.rope: none (the default)",
+        )
+    return None
+
+
+def norm_eps_differs(options: dict, eps) -> bool:
+    """Whether a mixer's output-norm eps (``options``) is not the teacher's rms_norm_eps ``eps`` (None: unknown)."""
+    return eps is None or not math.isclose(float(options["norm_eps"]), float(eps), rel_tol=1e-9, abs_tol=0.0)
+
+
 def qwen35_problem(config) -> tuple[str, str] | None:
     """(reason, fix) of the first thing ``QWEN35_CLASS`` cannot express in a student whose mixers
     are gated_delta, or None when it maps exactly. Reads the config only (no weights)."""
-    base = config.base_config
-    family = (config.teacher or {}).get("family") or base.get("model_type")
-    if family not in QWEN35_FAMILIES:
-        why = (
-            "q/k/v projections with biases"
-            if family == "qwen2"
-            else "blocks that are not Llama-style pre-norm RMSNorm + SwiGLU"
-        )
-        return (
-            f"{QWEN35_CLASS} cannot express a {family} teacher's layers ({why})",
-            f"export gated_delta students of {', '.join(QWEN35_FAMILIES)} teachers, or {_KEEP}",
-        )
+    return first_problem(
+        config,
+        _family_problem,
+        _layers_problem,
+        _mlp_problem,
+        _projections_problem,
+        _options_problem,
+    )
+
+
+def _family_problem(config) -> tuple[str, str] | None:
+    family = teacher_family(config)
+    if family in QWEN35_FAMILIES:
+        return None
+    why = (
+        "q/k/v projections with biases"
+        if family == "qwen2"
+        else "blocks that are not Llama-style pre-norm RMSNorm + SwiGLU"
+    )
+    return (
+        f"{QWEN35_CLASS} cannot express a {family} teacher's layers ({why})",
+        f"export gated_delta students of {', '.join(QWEN35_FAMILIES)} teachers, or {_KEEP}",
+    )
+
+
+def _mlp_problem(config) -> tuple[str, str] | None:
+    return mlp_problem(
+        config.base_config, QWEN35_CLASS, "one hidden_act (SiLU) for the MLP and the GDN conv", "MLP"
+    )
+
+
+def _layers_problem(config) -> tuple[str, str] | None:
+    """Mixers other than gated_delta, or a kept softmax attention layer."""
     kinds = sorted({config.layer_plan[i] for i in config.mixer_layers})
     if kinds != ["gated_delta"]:
         return (
@@ -103,13 +178,11 @@ def qwen35_problem(config) -> tuple[str, str] | None:
             "an identity, so the teacher's layer has no exact image (a pure gated_delta student exports)",
             f"distil with student.attention_ratio: 0 (a pure gated_delta student), or {_KEEP}",
         )
-    if base.get("hidden_act", "silu") != "silu":
-        return (
-            f"the teacher's MLP activation is {base.get('hidden_act')}; {QWEN35_CLASS} uses one hidden_act (SiLU) for the MLP and the GDN conv",
-            _KEEP,
-        )
-    if base.get("mlp_bias"):
-        return f"the teacher's MLP has biases (mlp_bias: true); {QWEN35_CLASS}'s MLP has none", _KEEP
+    return None
+
+
+def _projections_problem(config) -> tuple[str, str] | None:
+    """Mixers of different head shapes, or with the teacher's q/k/v/o biases."""
     shapes = {
         (config.layer_geometry[i]["num_heads"], config.layer_geometry[i]["head_dim"])
         for i in config.mixer_layers
@@ -126,23 +199,18 @@ def qwen35_problem(config) -> tuple[str, str] | None:
                 f"layer {i}'s mixer keeps the teacher's q/k/v/o biases; {QWEN35_CLASS}'s in_proj_qkv and out_proj have none",
                 _KEEP,
             )
+    return None
+
+
+def _options_problem(config) -> tuple[str, str] | None:
+    """A gated_delta option the target cannot express: conv, RoPE, gate, norm, biases, norm eps."""
     o = gated_delta_options(config)
-    eps = base.get("rms_norm_eps")
-    if not o["d_conv"]:
-        return (
-            f"the mixers have no conv (d_conv: 0); {QWEN35_CLASS} always runs one, with SiLU",
-            "distil with student.mixer_options.gated_delta.d_conv: 4 (the default)",
-        )
-    if o["conv_activation"] not in ("silu",):
-        return (
-            f"the mixers' conv has no activation (conv_activation: {o['conv_activation']}); {QWEN35_CLASS}'s conv applies SiLU",
-            "distil with student.mixer_options.gated_delta.conv_activation: silu (the default)",
-        )
-    if o["rope"] != "none":
-        return (
-            f"the mixers rotate q and k (rope: {o['rope']}); {QWEN35_CLASS}'s linear layers have no RoPE",
-            "distil with student.mixer_options.gated_delta.rope: none (the default)",
-        )
+    eps = config.base_config.get("rms_norm_eps")
+    conv = conv_problem(
+        o, QWEN35_CLASS, "student.mixer_options.gated_delta", "SiLU", "q and k", "linear layers"
+    )
+    if conv is not None:
+        return conv
     if not o["gate"]:
         return (
             f"the mixers have no output gate (gate: false); {QWEN35_CLASS} always multiplies by SiLU(W_z u)",
@@ -163,7 +231,7 @@ def qwen35_problem(config) -> tuple[str, str] | None:
                 f"the mixers' {option} is true (the default); {QWEN35_CLASS}'s {what} has no bias",
                 f"distil with {EXPORT_OPTIONS}",
             )
-    if eps is None or not math.isclose(float(o["norm_eps"]), float(eps), rel_tol=1e-9, abs_tol=0.0):
+    if norm_eps_differs(o, eps):
         return (
             f"the mixers' output norm uses eps {float(o['norm_eps']):g} but {QWEN35_CLASS} uses the teacher's rms_norm_eps ({eps}) for it",
             f"distil with {EXPORT_OPTIONS}",

@@ -275,6 +275,20 @@ def _forget(ver: Runner, keep: int) -> None:
     _stop_recording(ver.cache)
 
 
+def _draft(
+    drafter: Drafter, policy: DraftLength | None, text: list[int], k: int, room: int, sampling, generator
+):
+    """(drafts, their draft probabilities, probe): up to ``k`` drafts after ``text``; ``probe``: with
+    ``k`` = 0, a free drafter's one token for ``policy`` to test α on (else [])."""
+    drafts, q = drafter.propose(text, k, sampling, generator) if k else ([], [])
+    probe = (
+        drafter.propose(text, 1, None, None)[0]
+        if policy is not None and not k and policy.free and room > 0
+        else []
+    )
+    return drafts, q, probe
+
+
 @torch.no_grad()
 def speculative_generate(
     target,
@@ -322,12 +336,7 @@ def speculative_generate(
 
         # 1. draft up to k tokens (a free drafter is asked for one even when k = 0: a probe of α)
         t0 = time.perf_counter()
-        drafts, q = drafter.propose(text, k, sampling, generator) if k else ([], [])
-        probe = (
-            drafter.propose(text, 1, None, None)[0]
-            if policy is not None and not k and policy.free and room > 0
-            else []
-        )
+        drafts, q, probe = _draft(drafter, policy, text, k, room, sampling, generator)
         k = len(drafts)
         t1 = time.perf_counter()
 
