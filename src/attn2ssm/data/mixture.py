@@ -179,63 +179,108 @@ def load_training_data(
     )  # a spec's own ?field= then works
 
     def prepare(i: int, cap: int | None) -> TokenizedCorpus:
-        spec = sources[i].corpus
-        if is_shards(spec):  # ids written once (data/shards.py): nothing to tokenize
-            return read_shards(
-                spec, tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens, compact=compact
-            )
-        if is_generated(spec):
-            corpus = _generated(spec, tokenizer, teacher, seed, cap, max_heldout_tokens, progress)
-        elif is_chat(spec):  # the teacher's answers, sampled once, then a local .jsonl corpus
-            if teacher is None:
-                raise DataError(
-                    f"{spec!r} is answered by the teacher, and none was given",
-                    "pass teacher= (the trainer does)",
-                )
-            path = build_chat_corpus(spec, teacher, tokenizer, seed=seed, progress=progress)
-            corpus = prepare_corpus(
-                str(path), tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens
-            )
-        else:
-            corpus = prepare_corpus(
-                spec,
-                tokenizer,
-                max_train_tokens=cap,
-                max_heldout_tokens=max_heldout_tokens,
-                text_field=field_,
-            )
-        if compact:
-            narrow = compact_dtype(len(tokenizer))
-            corpus = TokenizedCorpus(
-                corpus.train_ids.to(narrow),
-                corpus.heldout_ids.to(narrow),
-                corpus.tokenizer_fingerprint,
-                corpus.meta,
-            )
-        return corpus
+        return _prepare_source(
+            sources[i].corpus,
+            tokenizer,
+            cap,
+            max_heldout_tokens,
+            text_field=field_,
+            seed=seed,
+            teacher=teacher,
+            progress=progress,
+            compact=compact,
+        )
 
     if len(sources) == 1:
         cap = _cap(sources[0], 1.0, max_train_tokens, budget_blocks, block_len)
-        corpus = prepare(0, cap)
-        blocks, eval_blocks = (
-            pack_blocks(corpus.train_ids, block_len),
-            pack_blocks(corpus.heldout_ids, block_len),
-        )
-        info = _info(sources[0], 1.0, corpus, len(blocks), len(blocks), len(eval_blocks), cap)
-        only = (
-            torch.zeros(len(blocks), dtype=torch.long),
-            torch.zeros(len(eval_blocks), dtype=torch.long),
-        )  # all from source 0
-        if compact:
-            blocks, eval_blocks = TokenBlocks([blocks]), TokenBlocks([eval_blocks])
-            corpus = TokenizedCorpus(
-                _NO_IDS,
-                corpus.heldout_ids.long(),
-                corpus.tokenizer_fingerprint,
-                {**corpus.meta, "compact": True},
-            )
-        return TrainingData(blocks, eval_blocks, corpus, *only, [info])
+        return _one_source(sources[0], prepare(0, cap), cap, block_len, compact)
+    return _mixture(sources, shares, prepare, block_len, seed, max_train_tokens, budget_blocks, compact)
 
+
+def _prepare_source(
+    spec: str,
+    tokenizer,
+    cap: int | None,
+    max_heldout_tokens: int | None,
+    *,
+    text_field: str | None,
+    seed: int,
+    teacher,
+    progress: bool,
+    compact: bool,
+) -> TokenizedCorpus:
+    """One source's training and held-out ids, ``cap`` training tokens at most (None: all of it)."""
+    if is_shards(spec):  # ids written once (data/shards.py): nothing to tokenize
+        return read_shards(
+            spec, tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens, compact=compact
+        )
+    if is_generated(spec):
+        corpus = _generated(spec, tokenizer, teacher, seed, cap, max_heldout_tokens, progress)
+    elif is_chat(spec):  # the teacher's answers, sampled once, then a local .jsonl corpus
+        if teacher is None:
+            raise DataError(
+                f"{spec!r} is answered by the teacher, and none was given",
+                "pass teacher= (the trainer does)",
+            )
+        path = build_chat_corpus(spec, teacher, tokenizer, seed=seed, progress=progress)
+        corpus = prepare_corpus(
+            str(path), tokenizer, max_train_tokens=cap, max_heldout_tokens=max_heldout_tokens
+        )
+    else:
+        corpus = prepare_corpus(
+            spec,
+            tokenizer,
+            max_train_tokens=cap,
+            max_heldout_tokens=max_heldout_tokens,
+            text_field=text_field,
+        )
+    if compact:
+        narrow = compact_dtype(len(tokenizer))
+        corpus = TokenizedCorpus(
+            corpus.train_ids.to(narrow),
+            corpus.heldout_ids.to(narrow),
+            corpus.tokenizer_fingerprint,
+            corpus.meta,
+        )
+    return corpus
+
+
+def _one_source(
+    source, corpus: TokenizedCorpus, cap: int | None, block_len: int, compact: bool
+) -> TrainingData:
+    """A single source's blocks, in corpus order."""
+    blocks, eval_blocks = (
+        pack_blocks(corpus.train_ids, block_len),
+        pack_blocks(corpus.heldout_ids, block_len),
+    )
+    info = _info(source, 1.0, corpus, len(blocks), len(blocks), len(eval_blocks), cap)
+    only = (
+        torch.zeros(len(blocks), dtype=torch.long),
+        torch.zeros(len(eval_blocks), dtype=torch.long),
+    )  # all from source 0
+    if compact:
+        blocks, eval_blocks = TokenBlocks([blocks]), TokenBlocks([eval_blocks])
+        corpus = TokenizedCorpus(
+            _NO_IDS,
+            corpus.heldout_ids.long(),
+            corpus.tokenizer_fingerprint,
+            {**corpus.meta, "compact": True},
+        )
+    return TrainingData(blocks, eval_blocks, corpus, *only, [info])
+
+
+def _mixture(
+    sources: list,
+    shares: list[float],
+    prepare,
+    block_len: int,
+    seed: int,
+    max_train_tokens: int | None,
+    budget_blocks: int | None,
+    compact: bool,
+) -> TrainingData:
+    """Several sources' blocks, interleaved by weight (see the module docstring);
+    ``prepare(i, cap)`` prepares source ``i``."""
     counts = apportion(shares, budget_blocks) if budget_blocks else None
     caps = [
         _cap(s, shares[i], max_train_tokens, counts[i] if counts else None, block_len)
@@ -257,16 +302,7 @@ def load_training_data(
         blocks = TokenBlocks(parts, source_of, row)
     else:
         blocks, source_of = mix_blocks(parts, counts, seed)
-
-    held = [
-        c.heldout_ids[: c.heldout_ids.numel() // block_len * block_len].view(-1, block_len) for c in corpora
-    ]
-    src, pos = interleave([len(h) for h in held], shares)
-    if not len(src):
-        raise DataError(
-            f"no source has {block_len} held-out tokens for one evaluation block",
-            "raise data.max_heldout_tokens, add a source with more documents, or lower data.block_len",
-        )
+    held, src, pos = _heldout_blocks(corpora, shares, block_len)
     infos = [
         _info(s, shares[i], c, len(parts[i]), counts[i], len(held[i]), caps[i])
         for i, (s, c) in enumerate(zip(sources, corpora))
@@ -286,6 +322,21 @@ def load_training_data(
             blocks.reshape(-1), eval_blocks.reshape(-1), corpora[0].tokenizer_fingerprint, meta
         )
     return TrainingData(blocks, eval_blocks, corpus, source_of, src, infos)
+
+
+def _heldout_blocks(corpora: list[TokenizedCorpus], shares: list[float], block_len: int):
+    """Each source's held-out blocks and their order, interleaved by share without repetition:
+    ``(held, source, index within source)``."""
+    held = [
+        c.heldout_ids[: c.heldout_ids.numel() // block_len * block_len].view(-1, block_len) for c in corpora
+    ]
+    src, pos = interleave([len(h) for h in held], shares)
+    if not len(src):
+        raise DataError(
+            f"no source has {block_len} held-out tokens for one evaluation block",
+            "raise data.max_heldout_tokens, add a source with more documents, or lower data.block_len",
+        )
+    return held, src, pos
 
 
 _NO_IDS = torch.zeros(0, dtype=torch.long)  # compact: the training ids live in the blocks only

@@ -161,25 +161,58 @@ def build_teacher_sft_data(
     render = lambda p: tokenizer.apply_chat_template(
         [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
     )  # noqa: E731
+    passages = seed_passages(corpus, n, seed=seed)
+    prompts = _fitting_prompts(passages, instructions, tokenizer, render, context - max_new_tokens)
+    records = _teacher_replies(
+        teacher, tokenizer, prompts, render, max_new_tokens, batch_size, corpus, progress
+    )
+    if not records:
+        raise ConfigError(
+            f"the teacher gave no non-empty reply to {n} prompts from {corpus!r}",
+            "check the teacher's chat template, or give a chat dataset",
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _fitting_prompts(
+    passages: list[str], instructions: tuple[str, ...], tokenizer, render, room: int
+) -> list[str]:
+    """Passage ``i`` asked ``instructions[i % len(instructions)]``, the passage shortened until the
+    rendered prompt takes at most ``room`` tokens (or is down to 4 words)."""
     prompts = []
-    for i, passage in enumerate(seed_passages(corpus, n, seed=seed)):
+    for i, passage in enumerate(passages):
         words = passage.split()
         while True:  # shorten the passage until the rendered prompt fits
             prompt = instructions[i % len(instructions)].format(text=" ".join(words))
             if (
-                len(tokenizer(render(prompt), add_special_tokens=False)["input_ids"]) + max_new_tokens
-                <= context
+                len(tokenizer(render(prompt), add_special_tokens=False)["input_ids"]) <= room
                 or len(words) <= 4
             ):
                 break
             words = words[: len(words) * 3 // 4]
         prompts.append(prompt)
+    return prompts
+
+
+def _teacher_replies(
+    teacher,
+    tokenizer,
+    prompts: list[str],
+    render,
+    max_new_tokens: int,
+    batch_size: int,
+    corpus: str,
+    progress: bool,
+) -> list[dict]:
+    """The teacher's greedy reply to each prompt, as chat records (empty replies dropped)."""
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     records = []
     try:
         with _sampling(teacher) as device:
             for start in tqdm(
-                range(0, n, batch_size), desc=f"teacher replies ({corpus})", disable=not progress
+                range(0, len(prompts), batch_size), desc=f"teacher replies ({corpus})", disable=not progress
             ):
                 chunk = prompts[start : start + batch_size]
                 texts = [render(p) for p in chunk]
@@ -200,14 +233,7 @@ def build_teacher_sft_data(
                         )
     finally:
         tokenizer.padding_side = side
-    if not records:
-        raise ConfigError(
-            f"the teacher gave no non-empty reply to {n} prompts from {corpus!r}",
-            "check the teacher's chat template, or give a chat dataset",
-        )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
-    return path
+    return records
 
 
 def build_chat_corpus(spec: str, teacher, tokenizer, *, seed: int = 0, progress: bool = True) -> Path:

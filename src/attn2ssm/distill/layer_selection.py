@@ -75,14 +75,7 @@ def select_attention_layers(
             f"calibration input_ids have shape {tuple(input_ids.shape)}",
             "pass a (batch, length) tensor of token ids",
         )
-    device = next(teacher.parameters()).device
-    ids = input_ids.to(device)
-    mask = None if attention_mask is None else attention_mask.to(device)
-    rows = batch_size or ids.shape[0]
-    batches = [
-        (ids[s : s + rows], None if mask is None else mask[s : s + rows])
-        for s in range(0, ids.shape[0], rows)
-    ]
+    batches = _calibration_batches(teacher, input_ids, attention_mask, batch_size)
     counts = [float(b.numel() if m is None else m.sum()) for b, m in batches]
     total_tokens = max(sum(counts), 1.0)
 
@@ -90,32 +83,63 @@ def select_attention_layers(
     teacher.eval()
     try:
         with torch.no_grad():
-            reference = [teacher(input_ids=b, attention_mask=m, use_cache=False).logits for b, m in batches]
-            # the teacher as a student we can swap layers in (or the given student)
-            probe = convert(teacher, [ATTENTION] * num_layers) if student is None else student
-            probe_was_training = probe.training
-            probe.eval()
-            layers = get_adapter(probe.base).decoder_layers(probe.base)
-            recorded = [
-                _record_outputs(
-                    layers, lambda b=b, m=m: probe(input_ids=b, attention_mask=m, use_cache=False)
-                )
-                for b, m in batches
-            ]
-            scores: list[float | None] = [None] * num_layers
-            for layer in tqdm(candidates, desc="scoring layers", disable=not progress):
-                kl = 0.0
-                with converted_layer(probe, layer, mixer, mixer_options):
-                    for (b, m), t_logits, n, outputs in zip(batches, reference, counts, recorded):
-                        with _replayed(layers[:layer], outputs):
-                            s_logits = probe(input_ids=b, attention_mask=m, use_cache=False).logits
-                        kl += forward_kl(s_logits, t_logits, m).item() * n
-                scores[layer] = max(0.0, kl / total_tokens)  # KL ≥ 0; clamp round-off below zero
-            probe.train(probe_was_training)
+            scores = _layer_scores(
+                teacher, student, batches, counts, total_tokens, candidates, mixer, mixer_options, progress
+            )
     finally:
         teacher.train(was_training)
     ranked = sorted(candidates, key=lambda i: (-scores[i], i))
     return sorted(ranked[:keep]), scores
+
+
+def _calibration_batches(teacher, input_ids, attention_mask, batch_size: int | None) -> list[tuple]:
+    """The calibration rows on the teacher's device, as ``(ids, mask or None)`` forwards of
+    ``batch_size`` rows (None: all of them in one)."""
+    device = next(teacher.parameters()).device
+    ids = input_ids.to(device)
+    mask = None if attention_mask is None else attention_mask.to(device)
+    rows = batch_size or ids.shape[0]
+    return [
+        (ids[s : s + rows], None if mask is None else mask[s : s + rows])
+        for s in range(0, ids.shape[0], rows)
+    ]
+
+
+def _layer_scores(
+    teacher,
+    student,
+    batches: list[tuple],
+    counts: list[float],
+    total_tokens: float,
+    candidates: list[int],
+    mixer: str,
+    mixer_options: dict | None,
+    progress: bool,
+) -> list[float | None]:
+    """Each candidate layer's score (see ``select_attention_layers``), None for the others; run
+    under ``torch.no_grad`` with the teacher in eval mode."""
+    num_layers = teacher.config.num_hidden_layers
+    reference = [teacher(input_ids=b, attention_mask=m, use_cache=False).logits for b, m in batches]
+    # the teacher as a student we can swap layers in (or the given student)
+    probe = convert(teacher, [ATTENTION] * num_layers) if student is None else student
+    probe_was_training = probe.training
+    probe.eval()
+    layers = get_adapter(probe.base).decoder_layers(probe.base)
+    recorded = [
+        _record_outputs(layers, lambda b=b, m=m: probe(input_ids=b, attention_mask=m, use_cache=False))
+        for b, m in batches
+    ]
+    scores: list[float | None] = [None] * num_layers
+    for layer in tqdm(candidates, desc="scoring layers", disable=not progress):
+        kl = 0.0
+        with converted_layer(probe, layer, mixer, mixer_options):
+            for (b, m), t_logits, n, outputs in zip(batches, reference, counts, recorded):
+                with _replayed(layers[:layer], outputs):
+                    s_logits = probe(input_ids=b, attention_mask=m, use_cache=False).logits
+                kl += forward_kl(s_logits, t_logits, m).item() * n
+        scores[layer] = max(0.0, kl / total_tokens)  # KL ≥ 0; clamp round-off below zero
+    probe.train(probe_was_training)
+    return scores
 
 
 def _record_outputs(layers: nn.ModuleList, forward) -> list:

@@ -352,12 +352,18 @@ def resume_recipe(
 
 
 def validate(recipe: Recipe) -> None:
-    from attn2ssm.distill.stages import (
-        STAGE_KINDS,
-    )  # heavy: the stage kinds, mixers and plans import transformers
-    from attn2ssm.mixers.registry import ENCODER_MIXERS, MIXERS, check_mixer_options  # heavy: as above
-    from attn2ssm.student.plans import LAYER_MAPS  # heavy: as above
+    _validate_run_settings(recipe)
+    _validate_stages(recipe)
+    _validate_student(recipe)
+    _validate_attention_schedule(recipe)
+    if recipe.data.block_len < 2:
+        raise ConfigError("data.block_len must be at least 2", "set data.block_len=256 for example")
+    _validate_eval(recipe)
+    _validate_data(recipe.data)
 
+
+def _validate_run_settings(recipe: Recipe) -> None:
+    """Kernels, device, mixed precision and the teacher's dtype."""
     check_kernels(recipe.kernels, "recipe.kernels")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", recipe.device):
         raise ConfigError(
@@ -373,6 +379,13 @@ def validate(recipe: Recipe) -> None:
             f"recipe.teacher_dtype={recipe.teacher_dtype!r} is not a dtype",
             f"use one of: {', '.join(TEACHER_DTYPES)}",
         )
+
+
+def _validate_stages(recipe: Recipe) -> None:
+    from attn2ssm.distill.stages import (
+        STAGE_KINDS,
+    )  # heavy: the stage kinds, mixers and plans import transformers
+
     if not recipe.stages:
         raise ConfigError("the recipe has no stages", "add at least one entry under 'stages'")
     for i, stage in enumerate(recipe.stages):
@@ -381,53 +394,64 @@ def validate(recipe: Recipe) -> None:
             raise ConfigError(
                 f"{where}: unknown kind '{stage.kind}'", f"use one of: {', '.join(STAGE_KINDS)}"
             )
-        STAGE_KINDS[stage.kind].options(stage)  # unknown `losses` keys fail here, before any loading
+        kind = STAGE_KINDS[stage.kind]
+        kind.options(stage)  # unknown `losses` keys fail here, before any loading
         if stage.schedule.kind not in ("warmup_cosine", "wsd", "constant"):
             raise ConfigError(
                 f"{where}: unknown schedule '{stage.schedule.kind}'", "use warmup_cosine, wsd or constant"
             )
-        if stage.tokens < 0 or stage.batch_size <= 0 or stage.grad_accum <= 0:
-            raise ConfigError(
-                f"{where}: batch_size and grad_accum must be positive, tokens positive or 0 (the stage skipped)",
-                "fix the stage's budget",
-            )
-        if stage.block_len is not None:
-            kind = STAGE_KINDS[stage.kind]
-            if kind.data_formats is not None or kind.image_task:
-                raise ConfigError(
-                    f"{where}: kind '{stage.kind}' does not train on the recipe's corpus blocks, so block_len does not apply",
-                    f"remove stages.{i}.block_len (its own dataset has data.max_len)",
-                )
-            if (
-                isinstance(stage.block_len, bool)
-                or not isinstance(stage.block_len, int)
-                or stage.block_len < 2
-            ):
-                raise ConfigError(
-                    f"{where}: block_len={stage.block_len!r} is not a block length",
-                    f"set stages.{i}.block_len to at least 2 tokens, e.g. 4096, or null for data.block_len",
-                )
-        if stage.batch_size % stage.grad_accum:
-            raise ConfigError(
-                f"{where}: batch_size {stage.batch_size} is not divisible by grad_accum {stage.grad_accum}",
-                "make batch_size a multiple of grad_accum",
-            )
-        if stage.epochs is not None and stage.epochs <= 0:
-            raise ConfigError(
-                f"{where}: epochs must be positive, got {stage.epochs}",
-                "set epochs to e.g. 1, or leave it unset to use tokens",
-            )
+        _validate_stage_budget(stage, kind, i, where)
         _validate_stage_numbers(stage, i, where)
-        _validate_stage_data(stage, STAGE_KINDS[stage.kind], i, where)
-        if STAGE_KINDS[stage.kind].image_task != (recipe.images is not None):
+        _validate_stage_data(stage, kind, i, where)
+        if kind.image_task != (recipe.images is not None):
             raise ConfigError(
                 f"{where}: kind '{stage.kind}' {'needs' if recipe.images is None else 'cannot use'} the recipe's images",
                 "image recipes (with `images:`) use vision_ce, vision_kd or vision_cab stages; language recipes the others",
             )
         if stage.logit_cache is not None:
-            _validate_logit_cache(stage, STAGE_KINDS[stage.kind], i, where)
+            _validate_logit_cache(stage, kind, i, where)
         if stage.gradient_checkpointing:
-            _validate_checkpointing(stage, STAGE_KINDS[stage.kind], i, where)
+            _validate_checkpointing(stage, kind, i, where)
+
+
+def _validate_stage_budget(stage: StageConfig, kind, i: int, where: str) -> None:
+    """Tokens, batch size, gradient accumulation, block length and epochs."""
+    if stage.tokens < 0 or stage.batch_size <= 0 or stage.grad_accum <= 0:
+        raise ConfigError(
+            f"{where}: batch_size and grad_accum must be positive, tokens positive or 0 (the stage skipped)",
+            "fix the stage's budget",
+        )
+    if stage.block_len is not None:
+        if kind.data_formats is not None or kind.image_task:
+            raise ConfigError(
+                f"{where}: kind '{stage.kind}' does not train on the recipe's corpus blocks, so block_len does not apply",
+                f"remove stages.{i}.block_len (its own dataset has data.max_len)",
+            )
+        if isinstance(stage.block_len, bool) or not isinstance(stage.block_len, int) or stage.block_len < 2:
+            raise ConfigError(
+                f"{where}: block_len={stage.block_len!r} is not a block length",
+                f"set stages.{i}.block_len to at least 2 tokens, e.g. 4096, or null for data.block_len",
+            )
+    if stage.batch_size % stage.grad_accum:
+        raise ConfigError(
+            f"{where}: batch_size {stage.batch_size} is not divisible by grad_accum {stage.grad_accum}",
+            "make batch_size a multiple of grad_accum",
+        )
+    if stage.epochs is not None and stage.epochs <= 0:
+        raise ConfigError(
+            f"{where}: epochs must be positive, got {stage.epochs}",
+            "set epochs to e.g. 1, or leave it unset to use tokens",
+        )
+
+
+def _validate_student(recipe: Recipe) -> None:
+    from attn2ssm.mixers.registry import (  # heavy: the mixers and plans import transformers
+        ENCODER_MIXERS,
+        MIXERS,
+        check_mixer_options,
+    )
+    from attn2ssm.student.plans import LAYER_MAPS  # heavy: as above
+
     s = recipe.student
     for name, value, valid in (
         ("placement", s.placement, ("interleaved", "clustered")),
@@ -439,21 +463,7 @@ def validate(recipe: Recipe) -> None:
         if value not in valid:
             raise ConfigError(f"student.{name}={value!r} is not valid", f"use one of: {', '.join(valid)}")
     if s.init_from is not None:
-        if recipe.images is not None:
-            raise ConfigError(
-                "student.init_from continues a language student; image recipes build theirs",
-                "drop student.init_from",
-            )
-        if not (Path(s.init_from).expanduser() / "config.json").is_file():
-            raise ConfigError(
-                f"student.init_from={s.init_from!r} is no student directory (no config.json there)",
-                "point it at a run's student/ folder (written by attn2ssm distill)",
-            )
-        if any(stage.attention_ratio is not None for stage in recipe.stages):
-            raise ConfigError(
-                "student.init_from keeps the saved student's layers, and a stage sets attention_ratio (a conversion)",
-                "drop the stages' attention_ratio, or start from the teacher",
-            )
+        _validate_init_from(recipe)
     mixers = ENCODER_MIXERS if recipe.images is not None else MIXERS
     if s.mixer not in mixers:
         raise ConfigError(
@@ -471,6 +481,31 @@ def validate(recipe: Recipe) -> None:
             f"student.attention_ratio={s.attention_ratio} is outside [0, 1]",
             "set the fraction of layers that keep attention, e.g. student.attention_ratio=0.25",
         )
+    _validate_keep_attention(s)
+
+
+def _validate_init_from(recipe: Recipe) -> None:
+    """student.init_from: a saved language student's folder, and no stage converting more layers."""
+    s = recipe.student
+    if recipe.images is not None:
+        raise ConfigError(
+            "student.init_from continues a language student; image recipes build theirs",
+            "drop student.init_from",
+        )
+    if not (Path(s.init_from).expanduser() / "config.json").is_file():
+        raise ConfigError(
+            f"student.init_from={s.init_from!r} is no student directory (no config.json there)",
+            "point it at a run's student/ folder (written by attn2ssm distill)",
+        )
+    if any(stage.attention_ratio is not None for stage in recipe.stages):
+        raise ConfigError(
+            "student.init_from keeps the saved student's layers, and a stage sets attention_ratio (a conversion)",
+            "drop the stages' attention_ratio, or start from the teacher",
+        )
+
+
+def _validate_keep_attention(s: StudentConfig) -> None:
+    """student.keep_attention ('auto' or layer indices) and student.depth, alone and together."""
     if isinstance(s.keep_attention, str) and s.keep_attention != "auto":
         raise ConfigError(
             f"student.keep_attention={s.keep_attention!r} is not valid",
@@ -501,7 +536,11 @@ def validate(recipe: Recipe) -> None:
                 f"student.keep_attention has entries {bad} that are not layer indices {within}",
                 "list the layers that keep attention, e.g. student.keep_attention=[3, 7]",
             )
-    ratio = s.attention_ratio
+
+
+def _validate_attention_schedule(recipe: Recipe) -> None:
+    """The stages' attention_ratio: a stepwise schedule only ever lowers it."""
+    ratio = recipe.student.attention_ratio
     for i, stage in enumerate(recipe.stages):
         if stage.attention_ratio is None:
             continue
@@ -511,8 +550,9 @@ def validate(recipe: Recipe) -> None:
                 "a stepwise schedule only converts more layers: list decreasing ratios, e.g. student.attention_ratio=0.5 then 0.25",
             )
         ratio = stage.attention_ratio
-    if recipe.data.block_len < 2:
-        raise ConfigError("data.block_len must be at least 2", "set data.block_len=256 for example")
+
+
+def _validate_eval(recipe: Recipe) -> None:
     e = recipe.eval
     window = e.window or recipe.data.block_len
     _check_ranges(
@@ -534,7 +574,6 @@ def validate(recipe: Recipe) -> None:
             ("batch_size", e.batch_size, e.batch_size >= 1, "a positive number of windows, e.g. 4"),
         ),
     )
-    _validate_data(recipe.data)
 
 
 def validate_for_teacher(recipe: Recipe, config) -> None:
@@ -623,79 +662,7 @@ def _check_ranges(prefix: str, checks, where: str | None = None) -> None:
 
 def _validate_stage_numbers(stage: StageConfig, i: int, where: str) -> None:
     """Optimizer, schedule and loss numbers that torch would refuse mid-run, or take and misbehave with."""
-    o, sc = stage.optim, stage.schedule
-    _check_ranges(
-        f"stages.{i}",
-        (
-            (
-                "optim.lr",
-                o.lr,
-                o.lr >= 0,
-                "a positive learning rate, e.g. 1e-3 (0 leaves the weights as they are)",
-            ),
-            ("optim.beta1", o.beta1, 0 <= o.beta1 < 1, "a value in [0, 1), e.g. 0.9"),
-            ("optim.beta2", o.beta2, 0 <= o.beta2 < 1, "a value in [0, 1), e.g. 0.95"),
-            ("optim.eps", o.eps, o.eps > 0, "a small positive number, e.g. 1e-8"),
-            ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "0 or a positive number, e.g. 0.01"),
-            (
-                "schedule.warmup",
-                sc.warmup,
-                sc.warmup >= 0,
-                "a fraction of the steps (< 1) or a number of steps, e.g. 0.05",
-            ),
-            (
-                "schedule.decay",
-                sc.decay,
-                sc.decay >= 0,
-                "a fraction of the steps (< 1) or a number of steps, e.g. 0.2",
-            ),
-            (
-                "schedule.min_lr_ratio",
-                sc.min_lr_ratio,
-                0 <= sc.min_lr_ratio <= 1,
-                "a fraction of the peak lr in [0, 1], e.g. 0.1",
-            ),
-            ("clip", stage.clip, stage.clip >= 0, "a gradient-norm limit, or 0 for no clipping, e.g. 1.0"),
-            ("temperature", stage.temperature, stage.temperature > 0, "a positive number, e.g. 1"),
-            (
-                "kl_chunk",
-                stage.kl_chunk,
-                stage.kl_chunk == "auto" or (type(stage.kl_chunk) is int and stage.kl_chunk >= 1),
-                "auto (by device) or a positive number of tokens, e.g. 64",
-            ),
-            (
-                "gradient_checkpointing",
-                stage.gradient_checkpointing,
-                isinstance(stage.gradient_checkpointing, bool),
-                "true or false",
-            ),
-            (
-                "eval_every",
-                stage.eval_every,
-                stage.eval_every >= 0,
-                "a number of steps, or 0 to evaluate at the stage end only",
-            ),
-            (
-                "eval_batches",
-                stage.eval_batches,
-                stage.eval_batches >= 1,
-                "a positive number of batches, e.g. 4",
-            ),
-            (
-                "save_every",
-                stage.save_every,
-                stage.save_every >= 0,
-                "a number of steps, or 0 to save at the stage end only",
-            ),
-            (
-                "keep_checkpoints",
-                stage.keep_checkpoints,
-                stage.keep_checkpoints >= 1,
-                "a positive number of checkpoints, e.g. 2",
-            ),
-        ),
-        where,
-    )
+    _check_ranges(f"stages.{i}", _optim_checks(stage) + _stage_run_checks(stage), where)
     if stage.lora is not None:
         lo = stage.lora
         _check_ranges(
@@ -707,6 +674,85 @@ def _validate_stage_numbers(stage: StageConfig, i: int, where: str) -> None:
             ),
             where,
         )
+
+
+def _optim_checks(stage: StageConfig) -> tuple:
+    """``_check_ranges`` checks of the stage's optimizer and schedule numbers."""
+    o, sc = stage.optim, stage.schedule
+    return (
+        (
+            "optim.lr",
+            o.lr,
+            o.lr >= 0,
+            "a positive learning rate, e.g. 1e-3 (0 leaves the weights as they are)",
+        ),
+        ("optim.beta1", o.beta1, 0 <= o.beta1 < 1, "a value in [0, 1), e.g. 0.9"),
+        ("optim.beta2", o.beta2, 0 <= o.beta2 < 1, "a value in [0, 1), e.g. 0.95"),
+        ("optim.eps", o.eps, o.eps > 0, "a small positive number, e.g. 1e-8"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, "0 or a positive number, e.g. 0.01"),
+        (
+            "schedule.warmup",
+            sc.warmup,
+            sc.warmup >= 0,
+            "a fraction of the steps (< 1) or a number of steps, e.g. 0.05",
+        ),
+        (
+            "schedule.decay",
+            sc.decay,
+            sc.decay >= 0,
+            "a fraction of the steps (< 1) or a number of steps, e.g. 0.2",
+        ),
+        (
+            "schedule.min_lr_ratio",
+            sc.min_lr_ratio,
+            0 <= sc.min_lr_ratio <= 1,
+            "a fraction of the peak lr in [0, 1], e.g. 0.1",
+        ),
+    )
+
+
+def _stage_run_checks(stage: StageConfig) -> tuple:
+    """``_check_ranges`` checks of the stage's clipping, loss, memory, evaluation and checkpoint numbers."""
+    return (
+        ("clip", stage.clip, stage.clip >= 0, "a gradient-norm limit, or 0 for no clipping, e.g. 1.0"),
+        ("temperature", stage.temperature, stage.temperature > 0, "a positive number, e.g. 1"),
+        (
+            "kl_chunk",
+            stage.kl_chunk,
+            stage.kl_chunk == "auto" or (type(stage.kl_chunk) is int and stage.kl_chunk >= 1),
+            "auto (by device) or a positive number of tokens, e.g. 64",
+        ),
+        (
+            "gradient_checkpointing",
+            stage.gradient_checkpointing,
+            isinstance(stage.gradient_checkpointing, bool),
+            "true or false",
+        ),
+        (
+            "eval_every",
+            stage.eval_every,
+            stage.eval_every >= 0,
+            "a number of steps, or 0 to evaluate at the stage end only",
+        ),
+        (
+            "eval_batches",
+            stage.eval_batches,
+            stage.eval_batches >= 1,
+            "a positive number of batches, e.g. 4",
+        ),
+        (
+            "save_every",
+            stage.save_every,
+            stage.save_every >= 0,
+            "a number of steps, or 0 to save at the stage end only",
+        ),
+        (
+            "keep_checkpoints",
+            stage.keep_checkpoints,
+            stage.keep_checkpoints >= 1,
+            "a positive number of checkpoints, e.g. 2",
+        ),
+    )
 
 
 def _validate_stage_data(stage: StageConfig, kind, i: int, where: str) -> None:

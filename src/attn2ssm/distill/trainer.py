@@ -299,6 +299,20 @@ def _release_accelerate_state(mixed_precision: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _report_resume_changes(changes: list) -> None:
+    """A resume's ``--set`` changes, on stderr (by the main process)."""
+    print(
+        "--resume with --set: "
+        + ", ".join(f"{key} {old!r} → {new!r}" for key, old, new in changes)
+        + (
+            "; the remaining steps compute with it (no longer bitwise an uninterrupted run)"
+            if any(k.split(".")[-1] in RECOMPUTING for k, _, _ in changes)
+            else ""
+        ),
+        file=sys.stderr,
+    )
+
+
 class Distiller:
     """Runs a recipe into a run directory. ``teacher``/``tokenizer`` may be passed in (tests, notebooks)."""
 
@@ -319,6 +333,17 @@ class Distiller:
         self.progress = progress
         self.resume_from: Path | None = None  # the intact checkpoint a resumed run continues from
         self.resume_command = f"attn2ssm distill --out {shlex.quote(str(self.out))} --resume"
+        recipe, changes = self._checked_recipe(recipe, resume, overrides, teacher)
+        self.recipe = recipe
+        self._setup_accelerator(teacher)
+        self._claim_run_dir(resume)
+        if changes and self.is_main:
+            _report_resume_changes(changes)
+        self._init_run_state(teacher, tokenizer)
+
+    def _checked_recipe(self, recipe: Recipe, resume: bool, overrides, teacher) -> tuple[Recipe, list]:
+        """``(recipe, changes)``: the recipe to run, validated (on a resume the one saved in the run
+        directory, with the ``--set`` changes ``resume_recipe`` allowed)."""
         changes = []
         if resume:
             saved = self.out / "recipe.yaml"
@@ -331,7 +356,12 @@ class Distiller:
             config = teacher.config if teacher is not None else teachers.read_teacher_config(recipe.teacher)
             if config is not None:
                 validate_for_teacher(recipe, config)
-        self.recipe = recipe
+        return recipe, changes
+
+    def _setup_accelerator(self, teacher) -> None:
+        """Device, kernels, precision, the accelerator and the teacher's dtype (a teacher passed in
+        keeps its own)."""
+        recipe = self.recipe
         cpu = recipe.device == "cpu" or (recipe.device == "auto" and not torch.cuda.is_available())
         _select_gpu(recipe.device)
         self.kernels = choose_kernels(
@@ -367,6 +397,10 @@ class Distiller:
                     "image recipes do not run under FSDP",
                     "launch them without --config_file configs/accelerate/fsdp.yaml (their students are small)",
                 )
+
+    def _claim_run_dir(self, resume: bool) -> None:
+        """Lock the run directory; a resume finds its intact checkpoint, a new run needs a directory
+        that holds no run."""
         self._lock, self._made_out = None, False
         self._hold_run_dir()
         try:
@@ -380,17 +414,9 @@ class Distiller:
         except BaseException:
             self.close()
             raise
-        if changes and self.is_main:
-            print(
-                "--resume with --set: "
-                + ", ".join(f"{key} {old!r} → {new!r}" for key, old, new in changes)
-                + (
-                    "; the remaining steps compute with it (no longer bitwise an uninterrupted run)"
-                    if any(k.split(".")[-1] in RECOMPUTING for k, _, _ in changes)
-                    else ""
-                ),
-                file=sys.stderr,
-            )
+
+    def _init_run_state(self, teacher, tokenizer) -> None:
+        """What run() fills in, empty until then."""
         self._asked: set[int] = set()  # signals received (SIGTERM / SIGINT): stop after the current step
         self.metrics_path = self.out / "metrics.jsonl"
         # filled by run(): the frozen teacher, the data, the student being trained
@@ -969,6 +995,48 @@ class Distiller:
                 f"stage '{cfg.name}': batch_size {cfg.batch_size} is not divisible by grad_accum × processes = {cfg.grad_accum * world}",
                 "make batch_size a multiple of grad_accum × number of processes",
             )
+        dataset, seq_len, n_items = self._stage_items(stage_idx, cfg, kind)
+        unwrapped = self.acc.unwrap_model(self.student)
+        names = self._stage_trainable(unwrapped, cfg, kind, resume_payload)
+        params = [p for p in unwrapped.parameters() if p.requires_grad]
+        param_names = [
+            n for n, p in unwrapped.named_parameters() if p.requires_grad
+        ]  # the same order as params
+        sharded = kind.through_model_forward and self.acc.distributed_type == DistributedType.FSDP
+        optimizer, scheduler, steps = self._stage_optimizer(
+            params, cfg, n_items, seq_len, sharded, resume_payload
+        )
+        cfg = replace(
+            cfg, kl_chunk=resolve_kl_chunk(cfg.kl_chunk, self.acc.device.type, self._vocab(unwrapped))
+        )
+        model, optimizer = self._prepare_stage_model(
+            unwrapped, optimizer, cfg, kind, sharded, param_names, resume_payload
+        )
+        params = [p for group in optimizer.param_groups for p in group["params"]]  # FSDP: the sharded ones
+        self.student = model
+        model.train()
+        return StageRun(
+            stage_idx,
+            cfg,
+            kind,
+            dataset,
+            seq_len,
+            n_items,
+            steps,
+            model,
+            unwrapped,
+            params,
+            len(names),
+            optimizer,
+            scheduler,
+            self._logit_cache(cfg, self._vocab(unwrapped)),
+            param_names,
+            sharded,
+        )
+
+    def _stage_items(self, stage_idx: int, cfg, kind) -> tuple[object | None, int, int]:
+        """``(dataset, seq_len, n_items)``: the stage's own dataset (None for corpus blocks, which it
+        puts in ``self.blocks``), its sequence length and how many items it draws from."""
         dataset = self.images.train if self.images is not None else None  # image stages: budgets count images
         if kind.data_formats is not None:
             dataset = (
@@ -986,7 +1054,11 @@ class Distiller:
             else self._block_len(cfg)
         )
         n_items = len(dataset) if dataset is not None else len(self.blocks)
-        unwrapped = self.acc.unwrap_model(self.student)
+        return dataset, seq_len, n_items
+
+    def _stage_trainable(self, unwrapped, cfg, kind, resume_payload: dict | None) -> list:
+        """Attach the stage's LoRA adapters and training-only modules (restored on a resume) and set
+        the trainable parameters; returns the names ``select_trainable`` picked."""
         if cfg.lora is not None:
             attach_lora(unwrapped, cfg.lora.targets, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout)
             if resume_payload is not None and "lora" in resume_payload:
@@ -1000,11 +1072,14 @@ class Distiller:
         names = select_trainable(unwrapped, cfg.trainable, cfg.frozen)
         if hasattr(unwrapped, "stage_modules"):  # they exist only to be trained, whatever the patterns say
             unwrapped.stage_modules.requires_grad_(True)
-        params = [p for p in unwrapped.parameters() if p.requires_grad]
-        param_names = [
-            n for n, p in unwrapped.named_parameters() if p.requires_grad
-        ]  # the same order as params
-        sharded = kind.through_model_forward and self.acc.distributed_type == DistributedType.FSDP
+        return names
+
+    def _stage_optimizer(
+        self, params: list, cfg, n_items: int, seq_len: int, sharded: bool, resume_payload: dict | None
+    ):
+        """``(optimizer, scheduler, steps)``: the stage's AdamW and its schedule over its steps, restored
+        from ``resume_payload`` (with the RNG and the fp16 loss scale; an FSDP optimizer's state only
+        once sharded)."""
         optimizer = torch.optim.AdamW(
             params,
             lr=cfg.optim.lr,
@@ -1020,7 +1095,7 @@ class Distiller:
         # scheduler wrapper would also step it once per process under a multi-process launch).
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
         if resume_payload is not None:
-            if not sharded:  # FSDP: once the parameters are sharded (below)
+            if not sharded:  # FSDP: once the parameters are sharded (_prepare_stage_model)
                 optimizer.load_state_dict(resume_payload["optimizer"])
             scheduler.load_state_dict(resume_payload["scheduler"])
             set_rng_state(resume_payload["rng"])
@@ -1028,9 +1103,20 @@ class Distiller:
                 self.acc.scaler is not None and "scaler" in resume_payload
             ):  # fp16: the loss scale and its growth count
                 self.acc.scaler.load_state_dict(resume_payload["scaler"])
-        cfg = replace(
-            cfg, kl_chunk=resolve_kl_chunk(cfg.kl_chunk, self.acc.device.type, self._vocab(unwrapped))
-        )
+        return optimizer, scheduler, steps
+
+    def _prepare_stage_model(
+        self,
+        unwrapped,
+        optimizer,
+        cfg,
+        kind,
+        sharded: bool,
+        param_names: list[str],
+        resume_payload: dict | None,
+    ):
+        """``(model, optimizer)`` prepared by accelerate for the stage (an FSDP resume's optimizer
+        state loaded into the shards)."""
         # accelerate holds every model and optimizer it prepared until told otherwise, and its
         # clip_grad_norm_ unscales (fp16) the gradients of each optimizer it holds: the last stage's
         # share parameters with this one's, which would be unscaled twice.
@@ -1056,27 +1142,7 @@ class Distiller:
                 _name_keyed(resume_payload["optimizer"], param_names),
                 options=StateDictOptions(full_state_dict=True),
             )
-        params = [p for group in optimizer.param_groups for p in group["params"]]  # FSDP: the sharded ones
-        self.student = model
-        model.train()
-        return StageRun(
-            stage_idx,
-            cfg,
-            kind,
-            dataset,
-            seq_len,
-            n_items,
-            steps,
-            model,
-            unwrapped,
-            params,
-            len(names),
-            optimizer,
-            scheduler,
-            self._logit_cache(cfg, self._vocab(unwrapped)),
-            param_names,
-            sharded,
-        )
+        return model, optimizer
 
     @staticmethod
     def _vocab(student) -> int:
