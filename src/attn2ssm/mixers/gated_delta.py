@@ -49,6 +49,7 @@ from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.ssm_common import (
     CausalConv,
+    ConvRecurrence,
     apply_conv,
     check_activation,
     check_norm_eps,
@@ -85,7 +86,7 @@ class HeadRMSNormGated(nn.Module):
         return of.to(o.dtype)
 
 
-class GatedDeltaMixer(AttentionLikeMixer):
+class GatedDeltaMixer(ConvRecurrence, AttentionLikeMixer):
     mixer_type = "gated_delta"
     input_linears = ("q_proj", "k_proj", "v_proj", "gate", "a_proj", "b_proj")
 
@@ -233,9 +234,6 @@ class GatedDeltaMixer(AttentionLikeMixer):
             g, beta = g * m, beta * m
         o, new["ssm"] = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], states["ssm"])
         return self._output(o[:, None], u, inputs), new
-
-    def can_step(self, layer) -> bool:
-        return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
 
     def mix(self, hidden_states, position_embeddings, layer):
         b, l, _ = hidden_states.shape

@@ -56,7 +56,13 @@ from torch import nn
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.feature_maps import build_feature_map
-from attn2ssm.mixers.ssm_common import CausalConv, apply_conv, init_shared_parameters, store_states
+from attn2ssm.mixers.ssm_common import (
+    CausalConv,
+    ConvRecurrence,
+    apply_conv,
+    init_shared_parameters,
+    store_states,
+)
 from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_step
 from attn2ssm.ops.rope import apply_rotary
 from attn2ssm.ops.ssd import ssd_chunked, ssd_quadratic, ssd_step
@@ -67,7 +73,7 @@ DT_IDENTITY_BIAS = math.log(math.e - 1.0)
 ROPE_PLACEMENTS = ("before_map", "after_map", "none")
 
 
-class HedgeMambaMixer(AttentionLikeMixer):
+class HedgeMambaMixer(ConvRecurrence, AttentionLikeMixer):
     mixer_type = "hedgemamba"
     # q/k/v and Δ read the conv output; the gate reads the layer input, so it is not one of them
     input_linears = ("q_proj", "k_proj", "v_proj", "dt_proj")
@@ -217,9 +223,6 @@ class HedgeMambaMixer(AttentionLikeMixer):
             a, xv = a * m, xv * m[..., None]
         y, new["ssm"] = ssd_step(xv[:, 0], a[:, 0], B[:, 0].float(), C[:, 0].float(), states["ssm"])
         return self._output(y[:, None], u), new
-
-    def can_step(self, layer) -> bool:
-        return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
 
     def mix(self, hidden_states, position_embeddings, layer):
         b, l, _ = hidden_states.shape

@@ -35,6 +35,7 @@ from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.ssm_common import (
     A_log_identity,
     CausalConv,
+    ConvRecurrence,
     apply_conv,
     check_activation,
     conv_step,
@@ -46,7 +47,7 @@ from attn2ssm.mixers.taps import Tap
 from attn2ssm.ops.selective_scan import selective_scan_chunked, selective_scan_step
 
 
-class MambaMixer(AttentionLikeMixer):
+class MambaMixer(ConvRecurrence, AttentionLikeMixer):
     mixer_type = "mamba"
     input_linears = ("q_proj", "k_proj", "v_proj", "gate", "dt_down")
 
@@ -175,9 +176,6 @@ class MambaMixer(AttentionLikeMixer):
             dt = dt * m[..., None].to(dt.dtype)
         y, new["ssm"] = selective_scan_step(xg[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], states["ssm"])
         return self._output(y[:, None], x, u, inputs), new
-
-    def can_step(self, layer) -> bool:
-        return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
 
     def mix(self, hidden_states, position_embeddings, layer):
         b, l, _ = hidden_states.shape

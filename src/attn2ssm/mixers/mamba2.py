@@ -44,6 +44,7 @@ from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.ssm_common import (
     A_log_identity,
     CausalConv,
+    ConvRecurrence,
     GatedRMSNorm,
     apply_conv,
     check_activation,
@@ -58,7 +59,7 @@ from attn2ssm.ops.conv import causal_conv1d, causal_conv1d_state
 from attn2ssm.ops.ssd import ssd_chunked, ssd_quadratic, ssd_state, ssd_step
 
 
-class Mamba2Mixer(AttentionLikeMixer):
+class Mamba2Mixer(ConvRecurrence, AttentionLikeMixer):
     mixer_type = "mamba2"
     input_linears = ("q_proj", "k_proj", "v_proj", "gate", "dt_proj")
 
@@ -217,9 +218,6 @@ class Mamba2Mixer(AttentionLikeMixer):
             a, x_in = a * m, x_in * m[..., None]
         y, new["ssm"] = ssd_step(x_in[:, 0], a[:, 0].float(), B[:, 0].float(), C[:, 0].float(), states["ssm"])
         return self._output(y.to(x.dtype)[:, None], x, u, inputs), new
-
-    def can_step(self, layer) -> bool:
-        return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
 
     def mix(self, hidden_states, position_embeddings, layer):
         b, l, _ = hidden_states.shape

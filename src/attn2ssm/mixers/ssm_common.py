@@ -192,6 +192,14 @@ def apply_conv(conv: CausalConv | None, x, states: dict, mask, activation, backe
     )
 
 
+class ConvRecurrence:
+    """Mixin of the recurrent mixers with an optional short causal conv (Mamba, Mamba-2, HedgeMamba,
+    the gated delta rule): ``step`` needs the recurrent state and, with a conv, its window."""
+
+    def can_step(self, layer) -> bool:
+        return "ssm" in layer.states and (self.conv is None or "conv" in layer.states)
+
+
 def conv_step(conv: CausalConv | None, x, states: dict, mask, activation):
     """One token x (b, 1, c) through the causal conv against ``states["conv"]``. Returns (x, new conv
     state or None without a conv, m): ``m`` (b, 1, 1) float32 from ``mask`` (b, 1), or None. A
