@@ -19,6 +19,10 @@ Both are clipped (α to [0.5, 0.9999], β to [0.05, 0.95]) and written with
 these per-head constants and learns the data-dependent part. A mixer without b_proj's bias
 (``beta_bias: false``, the form that exports to Qwen3.5 exactly) has no place for a per-head β: it
 gets the decays only, keeps β = 1/2, and its report says ``beta_set: false``.
+
+``calibrate_kept_attention`` does the same for a hybrid's kept attention layers in Qwen3.5's form
+(``student.kept_attention: qwen35``): their q/k norm weights from the teacher's q and k on the same
+blocks (student/kept_attention.py says which scale and why).
 """
 
 from __future__ import annotations
@@ -87,5 +91,27 @@ def calibrate_gated_delta(student, teacher, ids: torch.Tensor, layers=None) -> d
             "alpha": alpha.tolist(),
             "beta": beta.tolist(),
             "beta_set": mixer.b_proj.bias is not None,
+        }
+    return report
+
+
+@torch.no_grad()
+def calibrate_kept_attention(student, teacher, ids: torch.Tensor) -> dict[int, dict]:
+    """Set the q/k norm weights of every kept attention layer in Qwen3.5's form
+    (``student.kept_attention: qwen35``, student/kept_attention.py) from its teacher layer's q and k
+    on ``ids`` (b, l): the least-squares scale that maps the normalised q (k) back to the teacher's.
+    Returns {layer: {"q_norm", "k_norm"}} (the weights' mean, for the log)."""
+    layers = {i: m for i, m in student.kept_attention_layers().items() if hasattr(m, "set_norm_weights")}
+    if not layers:
+        return {}
+    source = student.config.teacher_layers or list(range(len(student.config.layer_plan)))
+    io = capture_attention_io(teacher, ids, sorted({source[i] for i in layers}))
+    report = {}
+    for i, module in layers.items():
+        hidden = io[source[i]].hidden_states.to(module.q_proj.weight.dtype)
+        module.set_norm_weights(*module.heads(hidden))
+        report[i] = {
+            "q_norm": module.q_norm.weight.float().mean().item(),
+            "k_norm": module.k_norm.weight.float().mean().item(),
         }
     return report

@@ -108,6 +108,10 @@ class StudentConfig:
         "attention"  # attention (mixers start from q/k/v/o, Mamba in the Llama) | random (ablation baseline)
     )
     auto_calibration_blocks: int = 8
+    # The form of the layers that keep attention: teacher (as they are) | qwen35 (per-head q/k RMSNorm
+    # before RoPE and a sigmoid output gate from the start, student/kept_attention.py: what a gated_delta
+    # hybrid needs to export to Qwen3_5ForCausalLM / llama.cpp's qwen35 exactly)
+    kept_attention: str = "teacher"
     # Student layers (null: the teacher's). Layer i is built from teacher layer layer_map(depth, T)[i]:
     # a proportional subset when shallower, layers repeated when deeper (plans.layer_map: endpoints
     # keeps first and last; paper is CAB's Eq. 7 with its off-by-one fixed).
@@ -450,6 +454,7 @@ def _validate_student(recipe: Recipe) -> None:
         MIXERS,
         check_mixer_options,
     )
+    from attn2ssm.student.kept_attention import KEPT_ATTENTION  # heavy: as above
     from attn2ssm.student.plans import LAYER_MAPS  # heavy: as above
 
     s = recipe.student
@@ -459,11 +464,17 @@ def _validate_student(recipe: Recipe) -> None:
         ("where", s.where, ("first", "middle", "last")),
         ("init", s.init, ("attention", "random")),
         ("layer_map", s.layer_map, LAYER_MAPS),
+        ("kept_attention", s.kept_attention, KEPT_ATTENTION),
     ):
         if value not in valid:
             raise ConfigError(f"student.{name}={value!r} is not valid", f"use one of: {', '.join(valid)}")
     if s.init_from is not None:
         _validate_init_from(recipe)
+    if recipe.images is not None and s.kept_attention != "teacher":
+        raise ConfigError(
+            f"student.kept_attention={s.kept_attention} rewrites a language student's kept attention layers; image students keep none",
+            "drop student.kept_attention",
+        )
     mixers = ENCODER_MIXERS if recipe.images is not None else MIXERS
     if s.mixer not in mixers:
         raise ConfigError(

@@ -72,7 +72,7 @@ from attn2ssm.data import (
 from attn2ssm.data.images import load_image_data
 from attn2ssm.data.sources import needs_teacher
 from attn2ssm.data.teacher_samples import build_teacher_sft_data, is_teacher_source
-from attn2ssm.distill.calibration import calibrate_gated_delta
+from attn2ssm.distill.calibration import calibrate_gated_delta, calibrate_kept_attention
 from attn2ssm.distill.checkpoints import (
     append_jsonl,
     checkpoint_name,
@@ -741,8 +741,10 @@ class Distiller:
                 init=s.init,
                 depth=s.depth,
                 depth_map=s.layer_map,
+                kept_attention=s.kept_attention,
             )
             self._calibrate(student)
+            self._calibrate_kept_attention(student)
         # fp32 master weights whatever the teacher's dtype (convert builds the student in the teacher's)
         self.student = student.to(device=self.acc.device, dtype=torch.float32)
         student.mixer_context.kernels = self.kernels.used
@@ -763,6 +765,24 @@ class Distiller:
                     self.metrics_path,
                     {
                         "event": "decay_calibration",
+                        "step": 0,
+                        "layers": {str(i): r for i, r in report.items()},
+                    },
+                )
+
+    def _calibrate_kept_attention(self, student) -> None:
+        """A fresh hybrid's kept attention layers in Qwen3.5's form (``student.kept_attention:
+        qwen35``): their q/k norm weights from the teacher's q and k on the calibration blocks (logged)."""
+        report = calibrate_kept_attention(student, self.teacher, self._calibration_ids())
+        if report and self.is_main:
+            print(
+                f"q/k norms of {len(report)} kept attention layers (Qwen3.5 form) calibrated on the teacher's q and k"
+            )
+            with self._writing("metrics.jsonl"):
+                append_jsonl(
+                    self.metrics_path,
+                    {
+                        "event": "kept_attention_calibration",
                         "step": 0,
                         "layers": {str(i): r for i, r in report.items()},
                     },

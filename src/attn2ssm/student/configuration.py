@@ -4,6 +4,9 @@ The base model's config is kept whole (``base_config``) so the student is rebuil
 teacher family's own Hugging Face code. Per layer, ``layer_plan[i]`` names the mixer that
 replaces attention (or ``"attention"`` to keep it), ``attention_paths[i]`` says where that
 module lives, and ``layer_geometry[i]`` records its shapes (heads, head_dim, RoPE, …).
+``kept_attention`` says what form the ``"attention"`` layers take: the teacher's own module
+(``"teacher"``) or Qwen3.5's (``"qwen35"``: per-head q/k RMSNorm and a sigmoid output gate, see
+student/kept_attention.py).
 A student may be shallower or deeper than its teacher (``convert(..., depth=N)``):
 ``base_config`` then describes N layers and ``teacher_layers[i]`` names the teacher layer that
 student layer i was built from (None: layer i from layer i).
@@ -79,6 +82,7 @@ class Attn2SSMConfig(PretrainedConfig):
         teacher: dict | None = None,
         base_attn_implementation: str | None = None,
         teacher_layers: list[int] | None = None,
+        kept_attention: str = "teacher",
         **kwargs,
     ):
         self.base_attn_implementation = base_attn_implementation
@@ -91,6 +95,8 @@ class Attn2SSMConfig(PretrainedConfig):
             teacher or {}
         )  # provenance: source (names, no paths), family, model_type
         self.teacher_layers = None if teacher_layers is None else [int(j) for j in teacher_layers]
+        # the kept attention layers' form: "teacher" (as they are) or "qwen35" (student/kept_attention.py)
+        self.kept_attention = kept_attention
         if self.base_config:  # read through the family's config so aliases (GPT-2's n_layer, …) resolve
             base = self.build_base_config()
             for name in _MIRRORED:

@@ -26,6 +26,12 @@ from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.registry import ATTENTION, MIXERS, build_mixer
 from attn2ssm.mixers.ssm_common import resolve_norm_eps
 from attn2ssm.student.configuration import Attn2SSMConfig
+from attn2ssm.student.kept_attention import (
+    KEPT_ATTENTION,
+    NEW_PARAMETERS,
+    QWEN35,
+    QWEN35_FORM_FAMILIES,
+)
 from attn2ssm.student.modeling import (
     Attn2SSMForCausalLM,
     _get_submodule_parent,
@@ -137,6 +143,7 @@ def convert(
     init: str = "attention",
     depth: int | None = None,
     depth_map: str = "endpoints",
+    kept_attention: str = "teacher",
 ) -> Attn2SSMForCausalLM:
     """Return a student (same dtype/device as the teacher) initialised from the teacher's weights.
 
@@ -145,7 +152,8 @@ def convert(
     default random init (the ablation baseline) — everything else is the teacher's either way.
     ``depth`` (default: the teacher's) sets the student's number of layers; layer i is built from
     teacher layer ``layer_map(depth, T, depth_map)[i]``, recorded in ``config.teacher_layers``.
-    ``layer_plan`` has one entry per *student* layer.
+    ``layer_plan`` has one entry per *student* layer. ``kept_attention``: the form of the layers that
+    keep attention, the teacher's (``"teacher"``) or Qwen3.5's (``"qwen35"``, student/kept_attention.py).
     """
     if init not in ("attention", "random"):
         raise ConfigError(f"unknown init {init!r}", "use init: attention (default) or random")
@@ -161,6 +169,7 @@ def convert(
     if len(layer_plan) != len(source):
         raise ValueError(f"layer plan has {len(layer_plan)} entries but the student has {len(source)} layers")
     attn_modules = [teacher.get_submodule(p) for p in paths]
+    _check_kept_attention(kept_attention, adapter.family, config)
     geometry = []
     for j in source:
         g = adapter.geometry(config, j).to_dict()
@@ -179,6 +188,7 @@ def convert(
         teacher={"family": adapter.family, "model_type": config.model_type, **(teacher_info or {})},
         base_attn_implementation=getattr(config, "_attn_implementation", None),
         teacher_layers=None if source == list(range(len(paths))) else source,
+        kept_attention=kept_attention,
     )
     param = next(teacher.parameters())
     student = Attn2SSMForCausalLM(student_config).to(dtype=param.dtype, device=param.device)
@@ -188,9 +198,17 @@ def convert(
     state = _state_for_depth(teacher.state_dict(), paths, student_paths, source)
     result = student.base.load_state_dict(state, strict=False)
     mixer_prefixes = tuple(student_paths[i] + "." for i in student_config.mixer_layers)
-    stray = [k for k in (*result.missing_keys, *result.unexpected_keys) if not k.startswith(mixer_prefixes)]
+    new_prefixes = tuple(f"{p}.{n}." for p in student_paths for n in NEW_PARAMETERS)  # qwen35 form
+    stray = [
+        k
+        for k in (*result.missing_keys, *result.unexpected_keys)
+        if not k.startswith(mixer_prefixes) and not (kept_attention == QWEN35 and k.startswith(new_prefixes))
+    ]
     if stray:
         raise RuntimeError(f"student and teacher weights disagree: {stray[:5]}")
+    for module in student.kept_attention_layers().values():
+        if hasattr(module, "init_from_teacher"):
+            module.init_from_teacher()
     for i, mixer in student.mixers().items():
         if init == "attention":
             mixer.load_attention_weights(adapter.read_weights(attn_modules[source[i]]))
@@ -202,6 +220,27 @@ def convert(
                 mixer.init_new_parameters()
     student.eval()
     return student
+
+
+def _check_kept_attention(kept_attention: str, family: str, config) -> None:
+    """``kept_attention`` is a form this teacher's attention layers can take (a ConfigError if not)."""
+    if kept_attention not in KEPT_ATTENTION:
+        raise ConfigError(
+            f"student.kept_attention={kept_attention!r} is not a form of attention layer",
+            f"use one of: {', '.join(KEPT_ATTENTION)}",
+        )
+    if kept_attention != QWEN35:
+        return
+    if family not in QWEN35_FORM_FAMILIES:
+        raise ConfigError(
+            f"student.kept_attention=qwen35 rewrites {', '.join(QWEN35_FORM_FAMILIES)} attention layers, not a {family} teacher's",
+            "leave student.kept_attention at teacher",
+        )
+    if getattr(config, "rms_norm_eps", None) is None:
+        raise ConfigError(
+            "student.kept_attention=qwen35 takes its q/k norms' eps from the teacher's rms_norm_eps, which it has none of",
+            "leave student.kept_attention at teacher",
+        )
 
 
 def _first_param(module: nn.Module) -> torch.Tensor:

@@ -44,6 +44,7 @@ from attn2ssm.mixers.base import MixerContext
 from attn2ssm.mixers.registry import build_mixer
 from attn2ssm.student.cache import Attn2SSMCache
 from attn2ssm.student.configuration import Attn2SSMConfig
+from attn2ssm.student.kept_attention import QWEN35, Qwen35FormAttention
 
 # Parameters (state-dict key patterns) kept in float32 when the student is bf16 or fp16: Mamba's
 # A_log and D, HedgeMamba's raw decay A. transformers upcasts them on load (from_pretrained);
@@ -100,6 +101,27 @@ class Attn2SSMPreTrainedModel(PreTrainedModel):
             mixer.context = self.mixer_context
             parent, name = _get_submodule_parent(self.base, config.attention_paths[i])
             setattr(parent, name, mixer)
+        if getattr(config, "kept_attention", "teacher") == QWEN35:
+            self._kept_attention_in_qwen35_form()
+
+    def _kept_attention_in_qwen35_form(self) -> None:
+        """Every kept attention layer as a ``Qwen35FormAttention`` made from the family's module."""
+        config = self.config
+        eps = float(config.base_config["rms_norm_eps"])
+        for i, kind in enumerate(config.layer_plan):
+            if kind != "attention":
+                continue
+            g, path = config.layer_geometry[i], config.attention_paths[i]
+            attention = self.base.get_submodule(path)
+            form = Qwen35FormAttention(attention, g["num_heads"], g["head_dim"], g.get("rotary_dim", 0), eps)
+            parent, name = _get_submodule_parent(self.base, path)
+            setattr(parent, name, form)
+
+    def kept_attention_layers(self) -> dict[int, nn.Module]:
+        """Layer index → kept attention module, for every layer that keeps softmax attention."""
+        mixers = set(self.config.mixer_layers)
+        paths = self.config.attention_paths
+        return {i: self.base.get_submodule(p) for i, p in enumerate(paths) if i not in mixers}
 
     def _finish_init(self) -> None:
         self.post_init()

@@ -11,6 +11,7 @@ from torch import nn
 from attn2ssm.adapters import get_adapter
 from attn2ssm.adapters.capture import capture_attention_io
 from attn2ssm.errors import ConfigError
+from attn2ssm.student.kept_attention import NEW_PARAMETERS, Qwen35FormAttention
 
 
 class StageKind:
@@ -145,7 +146,8 @@ def parameter_groups(student: nn.Module) -> dict[str, set[str]]:
     so they hold across HF families:
 
     * ``mixers``: the swapped layers' mixers; ``feature_maps``: their feature maps / window factors;
-    * ``attention``: the kept softmax-attention modules of a hybrid;
+    * ``attention``: the kept softmax-attention modules of a hybrid (in Qwen3.5's form, their new
+      q/k norms and output gate are ``mixers``, not ``attention``: student/kept_attention.py);
     * ``mlps``: each decoder layer's feed-forward submodule (``mlp``; ``feed_forward``, ``ffn``, …);
     * ``embeddings``: input/output embeddings and any other ``nn.Embedding`` (e.g. GPT-2's positions);
     * ``norms``: every module whose class name contains "Norm", outside the mixers;
@@ -155,8 +157,16 @@ def parameter_groups(student: nn.Module) -> dict[str, set[str]]:
     base = student.base
     names = {n for n, _ in student.named_parameters()}
     mixers = _names_of(student, [base.get_submodule(cfg.attention_paths[i]) for i in cfg.mixer_layers])
-    kept = [i for i in range(len(cfg.attention_paths)) if i not in set(cfg.mixer_layers)]
-    attention = _names_of(student, [base.get_submodule(cfg.attention_paths[i]) for i in kept])
+    kept = [
+        base.get_submodule(p) for i, p in enumerate(cfg.attention_paths) if i not in set(cfg.mixer_layers)
+    ]
+    # a kept layer in Qwen3.5's form (student.kept_attention: qwen35): its new q/k norms and gate
+    # train with the mixers; its q/k/v/o are the teacher's attention
+    new = _names_of(
+        student, [getattr(m, n) for m in kept if isinstance(m, Qwen35FormAttention) for n in NEW_PARAMETERS]
+    )
+    mixers |= new
+    attention = _names_of(student, kept) - new
     ffns = []
     for path in cfg.attention_paths:
         layer = base.get_submodule(_layer_path(path))
