@@ -207,3 +207,110 @@ def test_cli_refusal_is_one_line_and_writes_nothing(tmp_path, capsys):
         capsys, ["export", str(tmp_path / "student"), "--format", "native", "--out", str(tmp_path / "native")]
     )
     assert "conv_bias" in err and "beta_bias: false" in err and not (tmp_path / "native").exists()
+
+
+# ------------------------------------------------------------------------------------------ hybrids
+HYBRID_PLAN = [GDN, "attention", GDN, "attention"]  # 4 layers: kept attention at 1 and 3
+HYBRID_FAMILIES = ("llama", "smollm2")  # 2:1 GQA untied, 3:1 GQA tied
+
+
+def _hybrid(family: str):
+    """A gated_delta hybrid of ``family`` with ``student.kept_attention: qwen35``, every new
+    parameter (the kept layers' q/k norms and gate too) moved off its init."""
+    teacher = _teacher(family, layers=4)
+    student = convert(teacher, HYBRID_PLAN, {GDN: EXPORT_FORM}, kept_attention="qwen35")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for mixer in student.mixers().values():
+            for name, p in mixer.named_parameters():
+                if not name.startswith(("q_proj", "k_proj", "v_proj", "o_proj")):
+                    p.add_(0.1 * torch.randn_like(p))
+        for name, p in student.named_parameters():
+            if name.endswith(("norm.weight", "g_proj.weight")) and "mixer" not in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return student.eval()
+
+
+@pytest.fixture(scope="module")
+def exported_hybrids(tmp_path_factory):
+    """Each hybrid converted, saved, exported through the CLI, run by transformers alone."""
+    root = tmp_path_factory.mktemp("native_qwen35_hybrid")
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 256, (2, 100), generator=gen)  # positions up to 99: RoPE's slow dims turn
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = 0, 0
+    single = ids[:1]
+    students = {}
+    for family in HYBRID_FAMILIES:
+        student = _hybrid(family)
+        student.save_pretrained(root / family / "student")
+        make_tokenizer().save_pretrained(root / family / "student")
+        argv = [
+            "export",
+            str(root / family / "student"),
+            "--format",
+            "native",
+            "--out",
+            str(root / family / "native"),
+        ]
+        assert main(argv) == 0
+        torch.save((ids, mask, single), root / family / "batch.pt")
+        students[family] = student
+    return root, students, run_remote(REMOTE, root), (ids, mask, single)
+
+
+def test_hybrid_checkpoint_names_each_layers_kind(exported_hybrids):
+    root, students, remote, _ = exported_hybrids
+    for family in students:
+        config = json.loads((root / family / "native" / "config.json").read_text())
+        assert config["architectures"] == [QWEN35_CLASS] and "auto_map" not in config
+        assert (
+            config["layer_types"] == ["linear_attention", "full_attention"] * 2
+            and config["use_cache"] is True
+        )
+        assert config["num_key_value_heads"] == students[family].config.layer_geometry[1]["num_kv_heads"]
+        assert config["rope_parameters"]["partial_rotary_factor"] == 1.0
+        assert remote[family]["native"], remote[family]
+
+
+def test_hybrid_logits_equal_the_students(exported_hybrids):
+    """Qwen3.5's interleaved M-RoPE on text positions (three equal position rows) is the teacher's
+    1-D RoPE: checked here numerically, with the q/k norms before RoPE, the gate's interleave in
+    q_proj, GQA and the zero-centred norms."""
+    root, students, _, (ids, mask, single) = exported_hybrids
+    real = mask.bool()
+    for family, student in students.items():
+        theirs = torch.load(root / family / "native_out.pt")
+        with torch.no_grad():
+            mine = student(
+                input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False
+            ).logits
+            mine_alone = student(input_ids=single, use_cache=False).logits
+        torch.testing.assert_close(theirs["alone"], mine_alone, rtol=0, atol=1e-4, msg=family)
+        torch.testing.assert_close(theirs["logits"][real], mine[real], rtol=0, atol=1e-4, msg=family)
+
+
+def test_hybrid_greedy_generation_equals_the_students_with_and_without_a_cache(exported_hybrids):
+    _, students, remote, (ids, mask, single) = exported_hybrids
+    for family, student in students.items():
+        alone = student.generate(input_ids=single, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
+        batch = student.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0
+        ).tolist()
+        for key in ("default", "cached", "uncached"):
+            assert remote[family][key].get("greedy_alone") == alone, (family, key, remote[family][key])
+            assert remote[family][key]["greedy"] == batch, (family, key)
+
+
+def test_hybrid_in_the_teachers_form_is_refused_naming_the_option():
+    config = convert(_teacher("llama", layers=4), HYBRID_PLAN, {GDN: EXPORT_FORM}).config
+    reason, fix = native_problem(config)
+    assert "RMS-normalises each q and k head" in reason and "student.kept_attention: qwen35" in fix
+
+
+def test_hybrid_with_a_sliding_window_is_refused():
+    config = convert(
+        _teacher("mistral", layers=4), HYBRID_PLAN, {GDN: EXPORT_FORM}, kept_attention="qwen35"
+    ).config
+    reason, fix = native_problem(config)
+    assert "sliding window" in reason and fix

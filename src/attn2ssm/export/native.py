@@ -39,8 +39,9 @@ attention layers (its hybrid memory's attention inputs are built but never alloc
 identity layer follows the last one: attention and MLP whose q/k/v/o and MLP weights are zero,
 which add exactly 0 to the residual (one layer's KV cache and ~2 % more weights).
 
-Students whose mixers are gated delta-rule layers go to ``Qwen3_5ForCausalLM`` instead (pure ones
-only; the map and why in export/native_qwen35.py): ``native_target`` picks the class, and the
+Students whose mixers are gated delta-rule layers go to ``Qwen3_5ForCausalLM`` instead (pure ones,
+and hybrids whose kept attention layers have Qwen3.5's form, ``student.kept_attention: qwen35``; the
+map and why in export/native_qwen35.py): ``native_target`` picks the class, and the
 functions below hand such a student to that module.
 
 Only exact maps are written: anything the class cannot express is a one-line ``ExportError``
@@ -656,8 +657,8 @@ def export_native(
     notes = _write_native(native, dtype, tokenizer, student.config, saved, student_dir, out)
     if cls == NATIVE_CLASS:
         layer_types = [_LAYER_TYPE.get(kind, "mamba") for kind in student.config.layer_plan]
-    else:
-        layer_types = ["linear_attention"] * len(student.config.layer_plan)
+    else:  # Qwen3.5's names: linear_attention / full_attention
+        layer_types = list(native.config.layer_types[: len(student.config.layer_plan)])
     identity = list(range(len(layer_types), native.config.num_hidden_layers))
     return NativeExport(out, cls, layer_types, diff, identity, notes)
 

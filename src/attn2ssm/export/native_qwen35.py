@@ -61,6 +61,8 @@ QWEN35_CLASS = "Qwen3_5ForCausalLM"
 QWEN35_FAMILIES = ("llama", "mistral")  # Qwen2's q/k/v biases have no place (no projection bias)
 EXPORT_OPTIONS = "student.mixer_options: {gated_delta: {gate_bias: false, beta_bias: false, conv_bias: false, norm_eps: auto}}"
 _KEEP = "keep this student in attn2ssm's format (trust_remote_code=True)"
+KEPT_OPTION = "student.kept_attention: qwen35"
+LAYER_TYPES = {False: "linear_attention", True: "full_attention"}  # by "is it a kept attention layer"
 
 
 def gated_delta_options(config) -> dict:
@@ -136,6 +138,7 @@ def qwen35_problem(config) -> tuple[str, str] | None:
         config,
         _family_problem,
         _layers_problem,
+        _kept_problem,
         _mlp_problem,
         _projections_problem,
         _options_problem,
@@ -164,20 +167,59 @@ def _mlp_problem(config) -> tuple[str, str] | None:
 
 
 def _layers_problem(config) -> tuple[str, str] | None:
-    """Mixers other than gated_delta, or a kept softmax attention layer."""
+    """Mixers other than gated_delta, or a softmax attention layer kept in the teacher's form."""
     kinds = sorted({config.layer_plan[i] for i in config.mixer_layers})
     if kinds != ["gated_delta"]:
         return (
             f"the student mixes {', '.join(kinds)} layers; {QWEN35_CLASS}'s linear layers are Gated DeltaNet only",
             f"distil with student.mixer: gated_delta, or {_KEEP}",
         )
-    kept = [i for i, kind in enumerate(config.layer_plan) if kind == "attention"]
-    if kept:
+    kept = kept_layers(config)
+    if kept and getattr(config, "kept_attention", "teacher") != "qwen35":
         return (
-            f"layer {kept[0]} keeps softmax attention; {QWEN35_CLASS}'s attention RMS-normalises each q and k head, which no weights make "
-            "an identity, so the teacher's layer has no exact image (a pure gated_delta student exports)",
-            f"distil with student.attention_ratio: 0 (a pure gated_delta student), or {_KEEP}",
+            f"layer {kept[0]} keeps the teacher's softmax attention; {QWEN35_CLASS}'s attention RMS-normalises each q and k head and "
+            "gates its output, which no weights make an identity, so the teacher's layer has no exact image",
+            f"distil with {KEPT_OPTION} (the kept layers in Qwen3.5's form from the start), or student.attention_ratio: 0, or {_KEEP}",
         )
+    return None
+
+
+def kept_layers(config) -> list[int]:
+    """The layers that keep softmax attention."""
+    return [i for i, kind in enumerate(config.layer_plan) if kind == "attention"]
+
+
+def _kept_problem(config) -> tuple[str, str] | None:
+    """Kept attention layers (in Qwen3.5's form) that the class's one attention shape cannot hold:
+    partial RoPE, a sliding window, biases, or layers of different shapes."""
+    kept = kept_layers(config)
+    shapes = {
+        tuple(config.layer_geometry[i][k] for k in ("num_heads", "num_kv_heads", "head_dim")) for i in kept
+    }
+    if len(shapes) > 1:
+        return (
+            f"the kept attention layers have different head shapes {sorted(shapes)}; {QWEN35_CLASS} has one",
+            _KEEP,
+        )
+    base = config.base_config
+    window = base.get("sliding_window")
+    if kept and window is not None and window < base.get("max_position_embeddings", 2048):
+        return (
+            f"the teacher's attention sees a sliding window of {window} tokens; {QWEN35_CLASS}'s attention layers see every token",
+            f"distil with student.attention_ratio: 0 (no attention layer), or {_KEEP}",
+        )
+    for i in kept:
+        g = config.layer_geometry[i]
+        if g.get("rotary_dim", g["head_dim"]) != g["head_dim"]:
+            return (
+                f"layer {i}'s attention rotates {g['rotary_dim']} of {g['head_dim']} head dims; the export writes full RoPE",
+                _KEEP,
+            )
+        if g.get("qkv_bias") or g.get("o_bias"):
+            return (
+                f"layer {i}'s attention has q/k/v/o biases; {QWEN35_CLASS} writes none (attention_bias: false)",
+                _KEEP,
+            )
     return None
 
 
@@ -247,24 +289,28 @@ def qwen35_config(config, llama_cpp: bool = False):
 
     base = config.base_config
     g = config.layer_geometry[config.mixer_layers[0]]
-    layer_types = ["linear_attention"] * len(config.layer_plan) + ["full_attention"] * bool(llama_cpp)
+    kept = kept_layers(config)
+    a = config.layer_geometry[kept[0]] if kept else g  # the attention layers' shape
+    layer_types = [LAYER_TYPES[kind == "attention"] for kind in config.layer_plan]
+    layer_types += ["full_attention"] * (bool(llama_cpp) and not kept)  # the identity layer
     rope = dict(
         base.get("rope_parameters") or {"rope_type": "default", "rope_theta": base.get("rope_theta", 10000.0)}
     )
-    rope["partial_rotary_factor"] = 1.0  # the teacher's full RoPE (only the identity layer has attention)
+    rope["partial_rotary_factor"] = 1.0  # the teacher's full RoPE (Qwen3.5's default rotates a quarter)
     return Qwen3_5TextConfig(
         vocab_size=base["vocab_size"],
         hidden_size=g["hidden_size"],
         intermediate_size=base["intermediate_size"],
         num_hidden_layers=len(layer_types),
-        num_attention_heads=g["num_heads"],
-        num_key_value_heads=g["num_kv_heads"],
-        head_dim=g["head_dim"],
+        num_attention_heads=a["num_heads"],
+        num_key_value_heads=a["num_kv_heads"],
+        head_dim=a["head_dim"],
         hidden_act="silu",
         max_position_embeddings=base.get("max_position_embeddings", 2048),
         initializer_range=base.get("initializer_range", 0.02),
         rms_norm_eps=base["rms_norm_eps"],
-        use_cache=bool(llama_cpp),  # see qwen35_notes: transformers' cache needs an attention layer
+        use_cache="full_attention"
+        in layer_types,  # see qwen35_notes: transformers' cache needs an attention layer
         tie_word_embeddings=bool(base.get("tie_word_embeddings", False)),
         rope_parameters=rope,
         attention_bias=False,
@@ -321,6 +367,34 @@ def gated_delta_tensors(mixer) -> dict[str, torch.Tensor]:
     }
 
 
+def attention_tensors(module) -> dict[str, torch.Tensor]:
+    """A kept attention layer in Qwen3.5's form (student/kept_attention.py) as ``Qwen3_5Attention``
+    tensors (fp32): q_proj holds each head's query rows then its gate rows ([q_j | g_j] per head j),
+    the norms are zero-centred (w − 1)."""
+    if not hasattr(module, "g_proj"):
+        raise ExportError(
+            f"layer {module.layer_idx} keeps the teacher's attention; {QWEN35_CLASS}'s has q/k norms and an output gate",
+            f"distil with {KEPT_OPTION}",
+        )
+    d = module.head_dim
+    w = lambda linear: linear.weight.detach().float()  # noqa: E731
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if getattr(module, name).bias is not None:
+            raise ExportError(f"layer {module.layer_idx}'s {name} has a bias; {QWEN35_CLASS} has none", _KEEP)
+    q, gate = (
+        w(module.q_proj).view(-1, d, w(module.q_proj).shape[1]),
+        w(module.g_proj).view(-1, d, w(module.g_proj).shape[1]),
+    )
+    return {
+        "q_proj.weight": torch.cat([q, gate], dim=1).reshape(-1, q.shape[-1]),
+        "k_proj.weight": w(module.k_proj),
+        "v_proj.weight": w(module.v_proj),
+        "o_proj.weight": w(module.o_proj),
+        "q_norm.weight": module.q_norm.weight.detach().float() - 1.0,  # Qwen3.5's RMSNorm scales by 1 + w
+        "k_norm.weight": module.k_norm.weight.detach().float() - 1.0,
+    }
+
+
 def identity_layer_tensors(cfg, prefix: str) -> dict[str, torch.Tensor]:
     """A full-attention + MLP layer of ``cfg`` that adds exactly 0 to the residual: q/k/v/o and MLP
     weights zero (zero-centred norms at 0, i.e. scale 1): attention averages zero values, o_proj and
@@ -369,8 +443,11 @@ def qwen35_state_dict(student, cfg) -> dict[str, torch.Tensor]:
             out[f"{dst}.mlp.{p}_proj.weight"] = take(f"{src}.mlp.{p}_proj.weight")
         prefix = f"{config.attention_paths[i]}."
         used.update(k for k in state if k.startswith(prefix))
-        mixer = student.base.get_submodule(config.attention_paths[i])
-        out.update({f"{dst}.linear_attn.{k}": v for k, v in gated_delta_tensors(mixer).items()})
+        module = student.base.get_submodule(config.attention_paths[i])
+        if config.layer_plan[i] == "attention":
+            out.update({f"{dst}.self_attn.{k}": v for k, v in attention_tensors(module).items()})
+        else:
+            out.update({f"{dst}.linear_attn.{k}": v for k, v in gated_delta_tensors(module).items()})
     for i in range(len(config.layer_plan), cfg.num_hidden_layers):  # the identity layer (llama_cpp)
         out.update(identity_layer_tensors(cfg, f"model.layers.{i}"))
     left = sorted(set(state) - used)
