@@ -5,9 +5,15 @@ DeltaNet layers and one identity attention layer) gives the student's logits on 
 and its greedy tokens (with transformers' cache, which the attention layer makes possible) in
 transformers' Qwen3_5ForCausalLM; the identity layer's weights are all zero.
 
+A hybrid (``student.kept_attention: qwen35``) needs no identity layer: its own attention layers are
+llama.cpp's, at the plan's layers (the converter writes ``qwen35.attention.recurrent_layers`` per
+layer from ``layer_types``, so any placement maps, not only a regular ``full_attention_interval``).
+
 Slow (``-m slow``; skipped without ``make llama-cpp``): a pure student of the built-in teacher,
 every new mixer parameter and block norm moved off its init, exported to f32 GGUF, gives the HF
-student's greedy tokens and logits in llama.cpp; a q8_0 export (the converter's own) runs.
+student's greedy tokens and logits in llama.cpp; a q8_0 export (the converter's own) runs; and so
+does a hybrid whose kept layers (Qwen3.5's form, their norms and gate off their init too) sit at
+irregular places.
 """
 
 import os
@@ -63,6 +69,52 @@ def test_llama_cpp_form_equals_the_student_in_transformers(family):
         greedy = native.generate(
             input_ids=ids[:1, :12], max_new_tokens=8, do_sample=False, pad_token_id=0, use_cache=True
         )
+    assert (
+        greedy.tolist()
+        == student.generate(
+            input_ids=ids[:1, :12], max_new_tokens=8, do_sample=False, pad_token_id=0
+        ).tolist()
+    )
+
+
+def _hybrid(teacher, kept: list[int], scale: float = 0.1):
+    """A gated_delta hybrid of ``teacher`` keeping ``kept`` in Qwen3.5's form, off every init."""
+    n = teacher.config.num_hidden_layers
+    plan = ["attention" if i in kept else GDN for i in range(n)]
+    student = convert(teacher, plan, {GDN: EXPORT_FORM}, kept_attention="qwen35")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        perturb_new_mixer_parameters(student, scale)
+        for module in student.kept_attention_layers().values():
+            for p in (module.g_proj.weight, module.q_norm.weight, module.k_norm.weight):
+                p.add_(scale * torch.randn_like(p))
+    return student.eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "smollm2"])
+def test_hybrid_llama_cpp_form_has_no_identity_layer_and_equals_the_student(family):
+    config = tiny_config(family)
+    config.num_hidden_layers = 4
+    torch.manual_seed(0)
+    teacher = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    student = _hybrid(teacher, kept=[0, 3])
+    native = to_native(student, llama_cpp=True)
+    assert list(native.config.layer_types) == [
+        "full_attention",
+        "linear_attention",
+        "linear_attention",
+        "full_attention",
+    ]
+    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = 0, 0
+    with torch.no_grad(), torch_reference_kernels():
+        mine = student(
+            input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False
+        ).logits
+        theirs = native(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(theirs[mask.bool()], mine[mask.bool()], rtol=0, atol=1e-4)
+        greedy = native.generate(input_ids=ids[:1, :12], max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert (
         greedy.tolist()
         == student.generate(
@@ -164,3 +216,50 @@ def test_q8_0_export_runs(builtin_gdn_student, tmp_path):
     model = GGUFModel(result.out, n_ctx=64, threads=2)
     assert len(model.greedy(tok(PROMPTS[0])["input_ids"], 8)) == 8
     model.close()
+
+
+HYBRID_KEPT = [2, 9, 10, 23, 29]  # irregular: no full_attention_interval expresses it
+
+
+@pytest.mark.slow
+def test_hybrid_f32_gguf_decodes_the_students_greedy_tokens_in_llama_cpp(tmp_path, capsys):
+    from attn2ssm.export.gguf import llama_cpp_tolerance
+    from attn2ssm.export.llamacpp import GGUFModel, read_metadata
+    from attn2ssm.teachers import load_teacher
+
+    root = _needs_llama_cpp()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ATTN2SSM_CACHE", str(_real_cache()))
+    mp.setenv("ATTN2SSM_LLAMA_CPP", str(root))
+    try:
+        teacher, tok, _ = load_teacher("smollm2-135m")
+        student = _hybrid(teacher, HYBRID_KEPT, scale=0.02)
+        directory = tmp_path / "student"
+        student.save_pretrained(directory)
+        tok.save_pretrained(directory)
+        gguf = tmp_path / "hybrid.gguf"
+        assert (
+            main(["export", str(directory), "--format", "gguf", "--out", str(gguf), "--outtype", "f32"]) == 0
+        )
+        out = capsys.readouterr().out
+        assert "within tolerance" in out and "identity layer" not in out, out
+        meta = read_metadata(gguf)
+        assert (
+            meta["general.architecture"] == "qwen35" and meta["qwen35.block_count"] == 30
+        )  # no identity layer
+        model = GGUFModel(gguf, n_ctx=128, threads=2, flash_attn=False, kv_type="f32", logits_all=True)
+        for prompt in PROMPTS:
+            ids = tok(prompt, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                hf = student.generate(
+                    input_ids=ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id
+                )
+                logits = student(input_ids=ids, use_cache=False).logits[0]
+            assert model.greedy(ids[0].tolist(), 24) == hf[0, ids.shape[1] :].tolist(), prompt
+            model.reset()
+            model.feed(ids[0].tolist())
+            theirs = torch.from_numpy(model.all_logits())[:, : logits.shape[-1]]
+            assert (theirs - logits).abs().max() <= llama_cpp_tolerance(float(logits.abs().max())), prompt
+        model.close()
+    finally:
+        mp.undo()
