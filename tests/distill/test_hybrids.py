@@ -301,3 +301,34 @@ def test_gated_delta_decays_calibrated_on_a_fresh_student_and_on_grown_layers_on
     for layer in (0, 1):
         (dt_bias,) = [v for k, v in final.items() if f"layers.{layer}." in k and k.endswith("dt_bias")]
         assert dt_bias.std() > 0
+
+
+def test_kept_attention_in_qwen35_form_calibrates_trains_with_the_mixers_and_exports(run_overrides, tmp_path):
+    """student.kept_attention: qwen35 — the kept layer's q/k norms are calibrated at build (logged),
+    its gate and norms train in a `trainable: [mixers]` stage, and the run's student exports to
+    Qwen3_5ForCausalLM (the export probes it against the student)."""
+    from attn2ssm.export.native import export_native
+
+    out = tmp_path / "run"
+    overrides = run_overrides(
+        **{
+            "stages": "[" + KD_CE % ("kd", ", trainable: [mixers]") + "]",
+            "student.mixer": "gated_delta",
+            "student.mixer_options": "{gate_bias: false, beta_bias: false, conv_bias: false, norm_eps: auto}",
+            "student.attention_ratio": 0.5,
+            "student.kept_attention": "qwen35",
+        }
+    )
+    distill(load_recipe(BASE_RECIPE, overrides), out, progress=False)
+    student = Attn2SSMForCausalLM.from_pretrained(out / "student")
+    assert student.config.kept_attention == "qwen35"
+    (i, kept), *_ = student.kept_attention_layers().items()
+    assert kept.g_proj.weight.abs().max() > 0  # trained off its zero init
+    assert [r for r in _records(out) if r.get("event") == "kept_attention_calibration"]
+    result = export_native(out / "student", tmp_path / "native")
+    assert result.layer_types[i] == "full_attention" and "linear_attention" in result.layer_types
+
+
+def test_kept_attention_form_is_validated_in_one_line():
+    with pytest.raises(ConfigError, match="student.kept_attention='gated' is not valid"):
+        load_recipe(BASE_RECIPE, ["student.kept_attention=gated"])
