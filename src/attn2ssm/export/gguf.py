@@ -6,8 +6,9 @@ temporary folder and turned into GGUF by llama.cpp's own ``convert_hf_to_gguf.py
 from the llama-cpp-python sdist that ``make llama-cpp`` unpacks); types the converter lacks are
 quantised from its f32 output with ``llama_model_quantize``.
 
-Pure gated delta-rule students take the Qwen3.5 route (export/native_qwen35.py): the native
-export with one identity attention layer (llama.cpp's hybrid memory needs one), converted as
+Gated delta-rule students take the Qwen3.5 route (export/native_qwen35.py): the native export (a
+pure one with one identity attention layer, which llama.cpp's hybrid memory needs; a hybrid with
+``student.kept_attention: qwen35`` as it is, its attention layers named per layer), converted as
 llama.cpp's ``qwen35`` with ``--no-mtp`` (the converter otherwise asserts that a Qwen3.5 has
 multi-token-prediction layers); nothing is set back afterwards (the converter reads it as written).
 

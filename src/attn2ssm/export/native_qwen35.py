@@ -1,4 +1,4 @@
-"""Pure gated delta-rule students as ``Qwen3_5ForCausalLM`` (transformers) and llama.cpp's ``qwen35``.
+"""Gated delta-rule students (pure, or hybrids in Qwen3.5's form) as ``Qwen3_5ForCausalLM`` and llama.cpp's ``qwen35``.
 
 Why Qwen3.5: of the three Gated DeltaNet homes in transformers 5.24 it is the dense one with the
 same layer as our mixer (Qwen3-Next's blocks are mixture-of-experts and its q/k/v/z projection is
@@ -32,13 +32,28 @@ teacher's ``rms_norm_eps`` for the output norm), on a teacher without q/k/v/o bi
 One difference stays below float32 noise: q and k are L2-normalised as x / max(|x|, 1e-12) here
 and as x · rsqrt(|x|² + ε) there (ε 1e-6 in transformers, the teacher's ``rms_norm_eps`` in llama.cpp).
 
-Hybrids are refused: Qwen3.5's softmax layers RMS-normalise every q and k head (``q_norm``,
-``k_norm``) and gate the output with a sigmoid (q_proj's second half). The gate can start as the
-identity (zero rows: sigmoid(0) = 1/2, o_proj doubled), but no weight makes an RMSNorm the
-identity — it divides each query and key by its own RMS, which changes every softmax — so a
-teacher's kept attention layer has no exact image in the class.
+Hybrids: Qwen3.5's softmax layers (``Qwen3_5Attention``) RMS-normalise every q and k head
+(``q_norm``, ``k_norm``, zero-centred, ε = rms_norm_eps) before RoPE and gate the output with a
+sigmoid (q_proj's rows are, per head j, j's d query rows then j's d gate rows). The gate can start
+as the identity (zero rows: sigmoid(0) = 1/2, o_proj doubled), but no weight makes an RMSNorm the
+identity, so a teacher's kept attention layer has no exact image and such a hybrid is refused. A
+hybrid distilled with ``student.kept_attention: qwen35`` (student/kept_attention.py) has that form
+from the start and maps one to one, per kept layer:
 
-For llama.cpp (``llama_cpp=True``, the GGUF route): llama.cpp (0.3.36) aborts on a ``qwen35``
+    q_proj ← [q_proj rows of head j | g_proj rows of head j] for each head j,  k_proj, v_proj, o_proj as they are
+    q_norm ← w_q − 1,  k_norm ← w_k − 1                                         (zero-centred)
+
+with ``layer_types`` full_attention there and linear_attention elsewhere, the teacher's GQA
+(num_key_value_heads), head_dim, scaling 1/√d, rope_theta / rope_parameters and
+``partial_rotary_factor`` 1.0 (Qwen3.5's default rotates a quarter of each head; a Llama all of it).
+Qwen3.5's RoPE is an interleaved M-RoPE, but text positions are three equal rows, so every frequency
+reads the same position and it is the teacher's 1-D RoPE (the tests check it numerically, up to
+position 99). Refused besides: a sliding window shorter than the context (Mistral), partial RoPE,
+attention biases (``_kept_problem``).
+
+For llama.cpp (``llama_cpp=True``, the GGUF route): a hybrid maps as it is (the converter writes
+``qwen35.attention.recurrent_layers`` per layer from ``layer_types``, so any placement of the kept
+layers works, not only a regular ``full_attention_interval``). llama.cpp (0.3.36) aborts on a ``qwen35``
 without attention layers (``GGML_ASSERT(buffer)``: its hybrid memory's attention inputs are built
 but never allocated, as for GraniteHybrid), so a pure student gets one identity layer at the end — a
 full-attention layer and MLP whose weights are all zero (norm weights 0, i.e. 1 zero-centred),
