@@ -196,19 +196,7 @@ def convert(
         student
     )  # a half-precision teacher: A_log / D stay float32, as from_pretrained keeps them
     state = _state_for_depth(teacher.state_dict(), paths, student_paths, source)
-    result = student.base.load_state_dict(state, strict=False)
-    mixer_prefixes = tuple(student_paths[i] + "." for i in student_config.mixer_layers)
-    new_prefixes = tuple(f"{p}.{n}." for p in student_paths for n in NEW_PARAMETERS)  # qwen35 form
-    stray = [
-        k
-        for k in (*result.missing_keys, *result.unexpected_keys)
-        if not k.startswith(mixer_prefixes) and not (kept_attention == QWEN35 and k.startswith(new_prefixes))
-    ]
-    if stray:
-        raise RuntimeError(f"student and teacher weights disagree: {stray[:5]}")
-    for module in student.kept_attention_layers().values():
-        if hasattr(module, "init_from_teacher"):
-            module.init_from_teacher()
+    _load_teacher_state(student, state)
     for i, mixer in student.mixers().items():
         if init == "attention":
             mixer.load_attention_weights(adapter.read_weights(attn_modules[source[i]]))
@@ -220,6 +208,26 @@ def convert(
                 mixer.init_new_parameters()
     student.eval()
     return student
+
+
+def _load_teacher_state(student, state: dict) -> None:
+    """The teacher's tensors into ``student`` (all but the mixers' and a Qwen3.5-form kept layer's
+    new ones, which must be all that is left over); then each such kept layer's start from them."""
+    config = student.config
+    result = student.base.load_state_dict(state, strict=False)
+    mixer_prefixes = tuple(config.attention_paths[i] + "." for i in config.mixer_layers)
+    new_prefixes = tuple(f"{p}.{n}." for p in config.attention_paths for n in NEW_PARAMETERS)
+    stray = [
+        k
+        for k in (*result.missing_keys, *result.unexpected_keys)
+        if not k.startswith(mixer_prefixes)
+        and not (config.kept_attention == QWEN35 and k.startswith(new_prefixes))
+    ]
+    if stray:
+        raise RuntimeError(f"student and teacher weights disagree: {stray[:5]}")
+    for module in student.kept_attention_layers().values():
+        if hasattr(module, "init_from_teacher"):
+            module.init_from_teacher()
 
 
 def _check_kept_attention(kept_attention: str, family: str, config) -> None:
