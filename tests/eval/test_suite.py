@@ -7,7 +7,10 @@ import math
 import pytest
 import torch
 
+from attn2ssm.errors import ConfigError
 from attn2ssm.eval.suite import (
+    CORE,
+    ROW_GROUPS,
     SideCache,
     SuiteSettings,
     TaskSpec,
@@ -18,6 +21,7 @@ from attn2ssm.eval.suite import (
     plan_units,
     pooled_accuracy,
     run_suite,
+    select_rows,
     suite_settings,
     task_samples,
     with_overrides,
@@ -278,6 +282,35 @@ def test_suite_flags_are_one_line_errors(capsys, tmp_path):
     assert "unknown suite 'huge'" in one_line_error(capsys, ["eval", str(tmp_path), "--suite", "huge"])
     assert "different evaluations" in one_line_error(
         capsys, ["eval", str(tmp_path), "--suite", "standard", "--report"]
+    )
+
+
+def test_select_rows_keeps_the_named_groups_and_their_units():
+    full = suite_settings("standard", quick=True)
+    ids = {u.id for u in plan_units(full)}
+    ppl = select_rows(full, "perplexity")
+    assert [u.kind for u in plan_units(ppl)] == ["ppl"] * 10
+    mmlu_needles = select_rows(full, "mmlu, needles")
+    assert {u.id for u in plan_units(mmlu_needles)} == {
+        "task/mmlu/0",
+        "task/mmlu/5",
+        *(f"niah/{f}/{n}" for f in full.niah_forms for n in full.niah_lengths),
+    }
+    core = select_rows(full, "tasks,generation")
+    assert [u.params[0].task for u in plan_units(core)] == [t for t, _, _ in CORE] + ["triviaqa"]
+    everything = select_rows(full, ",".join(ROW_GROUPS))
+    assert {u.id for u in plan_units(everything)} == ids  # same ids: the teacher's cache is shared
+    assert select_rows(full, None) is full
+    with pytest.raises(ConfigError, match="unknown ones \\['ppl'\\]"):
+        select_rows(full, "ppl")
+
+
+def test_rows_flag_is_a_one_line_error(capsys, tmp_path):
+    assert "--rows chooses rows of the suite" in one_line_error(
+        capsys, ["eval", str(tmp_path), "--rows", "perplexity"]
+    )
+    assert "unknown ones ['bogus']" in one_line_error(
+        capsys, ["eval", str(tmp_path), "--suite", "standard", "--rows", "bogus"]
     )
 
 

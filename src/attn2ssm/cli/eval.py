@@ -102,6 +102,13 @@ def _add_suite_args(e) -> None:
         help="with --suite: fewer items, trials and tokens (larger standard errors; the table says them)",
     )
     e.add_argument(
+        "--rows",
+        default=None,
+        metavar="GROUPS",
+        help="with --suite: only these row groups (comma-separated): perplexity, tasks (the 0-shot core tasks), "
+        "mmlu, generation, needles; default every row",
+    )
+    e.add_argument(
         "--suite-cache",
         default=None,
         help="with --suite: where the teacher's scores are cached (default <attn2ssm cache>/suite)",
@@ -119,6 +126,8 @@ def _add_suite_args(e) -> None:
 def run(args) -> int:
     if args.quick and not args.suite:
         raise ConfigError("--quick is a form of the suite", "add --suite standard")
+    if args.rows and not args.suite:
+        raise ConfigError("--rows chooses rows of the suite", "add --suite standard")
     modes = [
         flag
         for flag, on in (

@@ -45,13 +45,14 @@ def run_suite_command(args) -> int:
     from attn2ssm.eval.suite import (
         format_suite_markdown,
         run_suite,
+        select_rows,
         suite_settings,
     )  # heavy: torch (when run)
     from attn2ssm.teachers import resolve_teacher
 
-    settings = suite_settings(
-        args.suite, quick=args.quick
-    )  # an unknown suite: one line, before anything loads
+    settings = select_rows(
+        suite_settings(args.suite, quick=args.quick), args.rows
+    )  # an unknown suite or row group: one line, before anything loads
     resolve_teacher(args.against or "smollm2-135m")  # a missing teacher path fails before the student loads
     branch = args.branch or "both"
     out = (

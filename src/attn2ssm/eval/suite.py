@@ -175,6 +175,33 @@ def suite_settings(name: str = "standard", quick: bool = False) -> SuiteSettings
     )
 
 
+ROW_GROUPS = ("perplexity", "tasks", "mmlu", "generation", "needles")
+
+
+def select_rows(settings: SuiteSettings, groups: str | None) -> SuiteSettings:
+    """``settings`` keeping only the row groups named in ``groups`` (comma-separated, of
+    ``ROW_GROUPS``: perplexity, tasks — the 0-shot core tasks —, mmlu, generation, needles);
+    None keeps every row. Row ids, cache keys and item choices are unchanged, so a partial run's
+    rows equal the same rows of a full one, and the teacher's cached units are reused."""
+    if groups is None:
+        return settings
+    chosen = [g.strip() for g in groups.split(",") if g.strip()]
+    unknown = [g for g in chosen if g not in ROW_GROUPS]
+    if unknown or not chosen:
+        raise ConfigError(
+            f"--rows {groups!r} names no row group or unknown ones {unknown}",
+            f"choose from {', '.join(ROW_GROUPS)}, e.g. --rows perplexity,needles",
+        )
+    keep = set(chosen)
+    return replace(
+        settings,
+        corpora=settings.corpora if "perplexity" in keep else (),
+        tasks=tuple(t for t in settings.tasks if ("mmlu" if t.task == "mmlu" else "tasks") in keep),
+        generation=settings.generation if "generation" in keep else None,
+        niah_forms=settings.niah_forms if "needles" in keep else (),
+    )
+
+
 # ------------------------------------------------------------------------------------------------ units
 @dataclass(frozen=True)
 class Unit:
