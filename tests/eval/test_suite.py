@@ -65,6 +65,7 @@ def test_standard_and_quick_settings_meet_their_standard_errors():
         n = spec.items * (57 if spec.task == "mmlu" else 1)
         assert binomial_se(0.5, n) <= 0.0251, spec
     assert [t.shots for t in std.tasks if t.task == "mmlu"] == [0, 5] and std.generation.task == "triviaqa"
+    assert std.generation.shots == quick.generation.shots == 5  # 0-shot, the instruct teacher answers nothing
     assert std.niah_trials >= 20 and std.niah_lengths == (1024, 2048, 4096) and std.windows == (1024, 2048)
     assert set(std.corpora) >= {"emails", "kjv", "pydoc", "sotu", "moby-dick"}
     assert (

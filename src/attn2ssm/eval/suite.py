@@ -15,8 +15,10 @@ cost. The rows (docs/evaluation.md has the settings and the costs):
   error sqrt(p (1 - p) / n) is at most ~2.5 points at p = 0.5;
 - **needle in a haystack** in RULER's three single-needle forms at 1k, 2k and 4k tokens
   (:mod:`attn2ssm.eval.needle`): greedy match and teacher-forced recall;
-- one **generation-scored** task: TriviaQA exact match on greedy short answers ("When Perplexity
-  Lies": log-likelihood scoring hides what a student loses when it has to generate).
+- one **generation-scored** task: TriviaQA exact match on greedy short answers, 5-shot ("When
+  Perplexity Lies": log-likelihood scoring hides what a student loses when it has to generate). The
+  shots give the answer format: 0-shot, the built-in instruct teacher ends its turn at once after
+  "Answer:" (``<|im_end|>``) and scores 0 of 100.
 
 A *unit* is what one computation yields (a perplexity, a task, a needle form at one length) and is
 cached on its own: the teacher's units in a cache directory keyed by the teacher and the unit's
@@ -167,11 +169,12 @@ def suite_settings(name: str = "standard", quick: bool = False) -> SuiteSettings
             name="standard --quick",
             max_tokens=4096,
             tasks=standard_tasks(100, 2),
-            generation=TaskSpec("triviaqa", "exact_match", 0, 100, "TriviaQA EM"),
+            generation=TaskSpec("triviaqa", "exact_match", 5, 100, "TriviaQA EM 5-shot"),
             niah_trials=5,
         )
     return SuiteSettings(
-        tasks=standard_tasks(400, 7), generation=TaskSpec("triviaqa", "exact_match", 0, 400, "TriviaQA EM")
+        tasks=standard_tasks(400, 7),
+        generation=TaskSpec("triviaqa", "exact_match", 5, 400, "TriviaQA EM 5-shot"),
     )
 
 
@@ -458,7 +461,9 @@ def row_labels(settings: SuiteSettings) -> list[tuple[str, str, str, bool]]:
             rows.append((unit.id, f"perplexity {corpus}", f"ppl @{window}", False))
         elif unit.kind == "task":
             spec = unit.params[0]
-            kind = "generation, greedy" if spec == settings.generation else f"{spec.shots}-shot"
+            kind = f"{spec.shots}-shot"
+            if spec == settings.generation:
+                kind = "generation, greedy" + (f", {kind}" if spec.shots else "")
             rows.append((unit.id, f"{spec.task} ({kind})", spec.metric, True))
         else:
             form, length = unit.params
