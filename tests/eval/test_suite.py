@@ -21,9 +21,11 @@ from attn2ssm.eval.suite import (
     plan_units,
     pooled_accuracy,
     run_suite,
+    select_needles,
     select_rows,
     suite_settings,
     task_samples,
+    unit_key,
     with_overrides,
 )
 from tiny_models import SENTENCES, make_tokenizer, one_line_error, tiny_config
@@ -312,6 +314,36 @@ def test_rows_flag_is_a_one_line_error(capsys, tmp_path):
     )
     assert "unknown ones ['bogus']" in one_line_error(
         capsys, ["eval", str(tmp_path), "--suite", "standard", "--rows", "bogus"]
+    )
+
+
+def test_select_needles_sets_lengths_and_trials_and_keeps_shared_units_keys():
+    full = suite_settings("standard")
+    short = select_needles(full, lengths=(2048, 1024, 1024))
+    assert short.niah_lengths == (1024, 2048) and short.niah_trials == 20
+    assert [u.id for u in plan_units(short) if u.kind == "niah"] == [
+        f"niah/{f}/{n}" for f in full.niah_forms for n in (1024, 2048)
+    ]
+    inputs = {"essay_sha": "e"}
+    shared = next(u for u in plan_units(full) if u.id == "niah/niah_single_2/1024")
+    assert unit_key(shared, short, inputs) == unit_key(shared, full, inputs)  # the 1k unit is cached once
+    more = select_needles(suite_settings("standard", quick=True), trials=20)
+    assert more.niah_trials == 20 and more.niah_lengths == full.niah_lengths
+    assert unit_key(shared, more, inputs)["trials"] == 20
+    assert unit_key(shared, suite_settings("standard", quick=True), inputs)["trials"] == 5
+    assert select_needles(full) == full
+    with pytest.raises(ConfigError, match="at least 256 tokens"):
+        select_needles(full, lengths=(128, 1024))
+    with pytest.raises(ConfigError, match="not a count of trials"):
+        select_needles(full, trials=0)
+
+
+def test_needle_flags_with_the_suite_are_one_line_errors(capsys, tmp_path):
+    assert "at least 256 tokens" in one_line_error(
+        capsys, ["eval", str(tmp_path), "--suite", "standard", "--needle-lengths", "100"]
+    )
+    assert "--needle-trials 0 is not a count" in one_line_error(
+        capsys, ["eval", str(tmp_path), "--suite", "standard", "--needle-trials", "0"]
     )
 
 

@@ -70,14 +70,21 @@ def _add_report_args(e) -> None:
     e.add_argument(
         "--needle-lengths",
         default=None,
-        help="with --report: passkey context lengths in tokens, e.g. 256,512,1024",
+        help="with --report: passkey context lengths in tokens, e.g. 256,512,1024; with --suite: the "
+        "needles' lengths instead of the suite's 1024,2048,4096",
     )
     e.add_argument(
         "--needle-depths",
         default="0,0.25,0.5,0.75,1",
         help="with --report: needle depths (fractions of the filler)",
     )
-    e.add_argument("--needle-trials", type=int, default=3)
+    e.add_argument(
+        "--needle-trials",
+        type=int,
+        default=None,
+        help="keys per length and depth with --report (default 3); with --suite: trials per needle form and "
+        "length instead of the suite's (20, --quick 5)",
+    )
     e.add_argument(
         "--agreement-prompts",
         type=int,

@@ -29,7 +29,7 @@ def run_report(args) -> int:
         limit=args.limit,
         needle_lengths=lengths,
         needle_depths=depths,
-        needle_trials=args.needle_trials,
+        needle_trials=3 if args.needle_trials is None else args.needle_trials,
         agreement_prompts=args.agreement_prompts,
         fidelity_blocks=args.blocks,
     )
@@ -45,14 +45,17 @@ def run_suite_command(args) -> int:
     from attn2ssm.eval.suite import (
         format_suite_markdown,
         run_suite,
+        select_needles,
         select_rows,
         suite_settings,
     )  # heavy: torch (when run)
     from attn2ssm.teachers import resolve_teacher
 
-    settings = select_rows(
-        suite_settings(args.suite, quick=args.quick), args.rows
-    )  # an unknown suite or row group: one line, before anything loads
+    settings = select_needles(
+        select_rows(suite_settings(args.suite, quick=args.quick), args.rows),
+        lengths=int_list("--needle-lengths", args.needle_lengths) if args.needle_lengths else None,
+        trials=args.needle_trials,
+    )  # an unknown suite, row group or needle setting: one line, before anything loads
     resolve_teacher(args.against or "smollm2-135m")  # a missing teacher path fails before the student loads
     branch = args.branch or "both"
     out = (

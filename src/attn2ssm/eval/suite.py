@@ -205,6 +205,27 @@ def select_rows(settings: SuiteSettings, groups: str | None) -> SuiteSettings:
     )
 
 
+def select_needles(
+    settings: SuiteSettings, lengths: tuple[int, ...] | None = None, trials: int | None = None
+) -> SuiteSettings:
+    """``settings`` with the needles at other ``lengths`` (tokens) and/or ``trials`` per form and
+    length; None keeps the suite's. Each unit's cache key names its length and trials, so a length
+    both runs share is cached once and gives the same numbers, e.g. the standard 20 trials at 1k and
+    2k only (``--needle-lengths 1024,2048``) where 4k's cost is not wanted."""
+    if lengths is not None:
+        if not lengths or any(n < 256 for n in lengths):
+            raise ConfigError(
+                f"--needle-lengths {','.join(map(str, lengths)) or '(empty)'} needs lengths of at least 256 tokens",
+                "write e.g. --needle-lengths 1024,2048",
+            )
+        settings = replace(settings, niah_lengths=tuple(sorted(set(lengths))))
+    if trials is not None:
+        if trials < 1:
+            raise ConfigError(f"--needle-trials {trials} is not a count of trials", "write e.g. --needle-trials 20")
+        settings = replace(settings, niah_trials=trials)
+    return settings
+
+
 # ------------------------------------------------------------------------------------------------ units
 @dataclass(frozen=True)
 class Unit:
