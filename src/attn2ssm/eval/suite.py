@@ -221,7 +221,9 @@ def select_needles(
         settings = replace(settings, niah_lengths=tuple(sorted(set(lengths))))
     if trials is not None:
         if trials < 1:
-            raise ConfigError(f"--needle-trials {trials} is not a count of trials", "write e.g. --needle-trials 20")
+            raise ConfigError(
+                f"--needle-trials {trials} is not a count of trials", "write e.g. --needle-trials 20"
+            )
         settings = replace(settings, niah_trials=trials)
     return settings
 
