@@ -155,3 +155,34 @@ def test_16_bit_odd_head_dims_are_padded(device):
     )
     assert state.shape == (b, h, p, n)
     _close(got, want, 1e-2, "output")
+
+
+def test_mixed_dtypes_meet_in_one(device):
+    """Under mixed precision a mixer's L2-normalised keys or features come out fp32 beside 16-bit
+    values, and fla's ``tl.dot`` refuses fp32 × 16-bit operands (seen on an H200 in the first GPU
+    run): the adapters cast them to one dtype — the widest here, with no autocast — and return the
+    values' dtype. Each form against its PyTorch form on fp32 inputs."""
+    g = torch.Generator().manual_seed(5)
+    b, l, h, d = 1, LENGTH, 2, 8
+    q, k = (F.normalize(torch.randn(b, l, h, d, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(b, l, h, d, generator=g).half().float()  # exact in fp16
+    decay, beta = -torch.rand(b, l, h, generator=g) * 0.3, torch.rand(b, l, h, generator=g)
+    want, _ = gated_delta_chunked(q, k, v, decay, beta, chunk_size=16)
+    got, _ = gated_delta_fla(
+        q.to(device), k.to(device), v.to(device, torch.float16), decay.to(device), beta.to(device)
+    )
+    assert got.dtype == torch.float16
+    _close(got, want, 2e-3, "gated delta output")
+
+    fq, fk = (torch.rand(b, h, l, d, generator=g) for _ in range(2))  # non-negative features, fp32
+    vh = v.transpose(1, 2)
+    want, _ = linear_attention_chunked(fq, fk, vh, backend="torch")
+    got, _ = linear_attention_fla(fq.to(device), fk.to(device), vh.to(device, torch.float16))
+    assert got.dtype == torch.float16
+    _close(got, want, 2e-3, "linear attention output")
+
+    B, C = (0.1 * torch.randn(b, l, h, d, generator=g) for _ in range(2))
+    want, _ = ssd_chunked(v, decay, B, C, backend="torch")
+    got, _ = ssd_fla(v.to(device, torch.float16), decay.to(device), B.to(device), C.to(device))
+    assert got.dtype == torch.float16
+    _close(got, want, 2e-3, "ssd output")

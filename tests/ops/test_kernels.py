@@ -85,3 +85,49 @@ def test_a_named_gpu_that_is_not_there_is_one_line(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="several processes"):
         _select_gpu("cuda:0")
+
+
+def test_students_built_inside_building_with_start_with_its_kernels(monkeypatch):
+    from attn2ssm.mixers.base import MixerContext
+
+    monkeypatch.delenv("ATTN2SSM_KERNELS", raising=False)
+    assert MixerContext().kernels == "auto"
+    with kernels.building_with("torch"):
+        assert MixerContext().kernels == "torch"
+        with kernels.building_with("fla"):
+            assert MixerContext().kernels == "fla"
+        assert MixerContext().kernels == "torch"
+    monkeypatch.setenv("ATTN2SSM_KERNELS", "torch")
+    assert MixerContext().kernels == "torch"  # outside a run the environment is the default
+    with pytest.raises(ConfigError, match="not a kernel choice"):
+        with kernels.building_with("cuda"):
+            pass
+    assert kernels.default_kernels() == "torch"  # a refused name leaves nothing behind
+
+
+def test_a_run_s_kernels_hold_from_its_first_forward(run_overrides, tmp_path, monkeypatch):
+    """kernels: torch reaches the forwards a run makes before training — automatic layer selection's
+    probes, decay calibration, a stepwise stage's grown student — not only the training steps (on a
+    GPU those forwards ran fla's kernels under kernels: torch, the default "auto" of a new student)."""
+    import attn2ssm.ops.gated_delta as gated_delta_ops
+    from attn2ssm.distill.recipe import load_recipe
+    from attn2ssm.distill.trainer import distill
+    from tiny_models import BASE_RECIPE
+
+    monkeypatch.delenv("ATTN2SSM_KERNELS", raising=False)
+    asked: list[str] = []
+    real = gated_delta_ops.resolve_backend
+    monkeypatch.setattr(gated_delta_ops, "resolve_backend", lambda b, t: asked.append(b) or real(b, t))
+    stage = "{name: %s, kind: kd, tokens: 256, batch_size: 4, save_every: 1, optim: {lr: 0.01}%s}"
+    overrides = run_overrides(
+        **{
+            "stages": "[" + stage % ("half", "") + ", " + stage % ("none", ", attention_ratio: 0.0") + "]",
+            "student.mixer": "gated_delta",
+            "student.mixer_options": "{}",
+            "student.attention_ratio": 0.5,
+            "student.keep_attention": "auto",
+            "kernels": "torch",
+        }
+    )
+    distill(load_recipe(BASE_RECIPE, overrides), tmp_path / "run", progress=False)
+    assert len(asked) > 4 and set(asked) == {"torch"}

@@ -102,7 +102,7 @@ from attn2ssm.errors import CheckpointError, ConfigError, Interrupted, OutputErr
 from attn2ssm.eval.classification import evaluate_classifier, write_vision_report
 from attn2ssm.eval.report import write_report
 from attn2ssm.mixers.registry import ATTENTION
-from attn2ssm.ops.kernels import choose_kernels
+from attn2ssm.ops.kernels import building_with, choose_kernels
 from attn2ssm.paths import (
     LOCK,
     atomic_write_text,
@@ -1501,7 +1501,8 @@ class Distiller:
         if self.resume_from is not None:
             payload = torch.load(self.resume_from / "optimizer.pt", weights_only=False)
         self._prepare_stage_data(state.stage)
-        self._build_student()
+        with building_with(self.kernels.used):  # conversion, layer selection, calibration
+            self._build_student()
         if self.resume_from is not None and self.is_main:  # only now that the checkpoint has loaded
             print(f"resuming from {self.resume_from.name}: stage {state.stage + 1}, step {state.step}")
             with self._writing("metrics.jsonl"):
@@ -1529,7 +1530,8 @@ class Distiller:
                 # on whether the run was resumed at this boundary: seed it from (seed, stage).
                 torch.manual_seed(self.recipe.seed + 7919 * (stage_idx + 1))
                 random.seed(self.recipe.seed + 7919 * (stage_idx + 1))
-                self._grow_for_stage(stage_idx, self.recipe.stages[stage_idx])
+                with building_with(self.kernels.used):
+                    self._grow_for_stage(stage_idx, self.recipe.stages[stage_idx])
             self._run_stage(stage_idx, state, payload)
             payload = None
         if signum := self._stop_asked():  # every stage is checkpointed: only the student and report are left

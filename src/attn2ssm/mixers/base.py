@@ -12,13 +12,13 @@ in 5.24, see hf_compat.py), the context has not.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from attn2ssm.hf_compat import explicit_cache
+from attn2ssm.ops.kernels import default_kernels
 from attn2ssm.ops.rope import apply_rotary
 
 
@@ -28,9 +28,10 @@ class MixerContext:
 
     padding_mask: torch.Tensor | None = None  # (b, l) 1 = real token, for the tokens of this forward
     cache: object | None = None  # the student cache of this forward (None: no cache)
-    # what the chunked forms run: auto | torch | fla (ops/kernels.py); a run sets it once, and
-    # ATTN2SSM_KERNELS, where set, is the default of a model loaded outside a run
-    kernels: str = field(default_factory=lambda: os.environ.get("ATTN2SSM_KERNELS", "auto"))
+    # what the chunked forms run: auto | torch | fla (ops/kernels.py); a run sets it once (and builds
+    # its students inside building_with), and ATTN2SSM_KERNELS, where set, is the default of a model
+    # loaded outside a run
+    kernels: str = field(default_factory=default_kernels)
 
 
 class HeadRMSNorm(nn.Module):

@@ -10,9 +10,15 @@ eps, padding (zeroed inputs), even K/V for 16-bit inputs.
   log-decay; exact at a = 0), D added here; fla's state is (K, V) = (n, p), ours (p, n).
 * ``causal_conv1d_fla`` — ``conv.causal_conv1d``: fla's ``causal_conv1d``; its state holds the
   last W inputs, ours the last W − 1.
+
+fla's kernels take their matrix operands in one dtype (``tl.dot`` refuses fp32 × bf16), while under
+mixed precision a mixer's features or L2-normalised keys come out fp32 beside 16-bit values:
+``_one_dtype`` casts them to the autocast dtype where autocast is on, else to the widest of them.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +30,17 @@ def _even(*tensors: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
     """fla asserts even head dims for 16-bit inputs: pad the last dim of each to even (zeros); returns the pad."""
     pad = tensors[0].shape[-1] % 2 if tensors[0].dtype in (torch.float16, torch.bfloat16) else 0
     return pad, [F.pad(t, (0, pad)) if pad else t for t in tensors]
+
+
+def _one_dtype(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The kernels' matrix operands in one dtype: autocast's where it is on (they are matrix products
+    there), else the widest of theirs."""
+    device = tensors[0].device.type
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    else:
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    return [t.to(dtype) for t in tensors]
 
 
 def _bthk(t: torch.Tensor) -> torch.Tensor:
@@ -42,6 +59,7 @@ def linear_attention_fla(q, k, v, mask=None, state: LinearAttentionState | None 
     if mask is not None:  # a padded token is neither a key nor a query
         m = mask[:, None, :, None].to(q.dtype)
         q, k, v = q * m, k * m, v * m
+    q, k, v = _one_dtype(q, k, v)
     if state is None:
         state = LinearAttentionState.zeros(b, h, f, d, device=q.device)
     pad_f, (qp, kp) = _even(q, k)
@@ -72,6 +90,7 @@ def ssd_fla(x, a, B, C, mask=None, D=None, state=None):
     if mask is not None:  # a padded token leaves the state alone: decay 1, no input
         m = mask.to(x.dtype)[..., None, None]
         x, B, C, a = x * m, B * m, C * m, a * mask.to(a.dtype)[..., None]
+    x, B, C = _one_dtype(x, B, C)
     pad_n, (Bp, Cp) = _even(B, C)
     pad_p, (xp,) = _even(x)
     h0 = None if state is None else F.pad(state.float().transpose(-1, -2), (0, pad_p, 0, pad_n)).contiguous()
@@ -127,6 +146,7 @@ def gated_delta_fla(q, k, v, g, beta, mask=None, state=None, *, scale: float | N
         m = mask.to(q.dtype)[..., None]
         q, k = q * m[..., None], k * m[..., None]
         g, beta = g * mask.to(g.dtype)[..., None], beta * mask.to(beta.dtype)[..., None]
+    q, k, v = _one_dtype(q, k, v)
     pad_k, (qp, kp) = _even(q, k)
     pad_v, (vp,) = _even(v)
     h0 = None if state is None else F.pad(state.float(), (0, pad_v, 0, pad_k)).contiguous()

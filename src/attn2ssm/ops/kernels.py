@@ -13,13 +13,17 @@ run models, or ``ATTN2SSM_KERNELS`` in the environment, which wins):
 
 A run resolves the setting once (``choose_kernels``), logs it and records it; the student's mixers
 then pass the resolved name to every chunked form (``backend=``), which ``resolve_backend``
-turns into what runs for the tensors at hand.
+turns into what runs for the tensors at hand. A student built inside ``building_with(name)`` (the
+run's conversion, layer selection's probes, decay calibration: forwards made before the run hands
+the student its setting) starts with that name (``default_kernels``), so ``kernels: torch`` holds
+from the run's first forward.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import cache
 
@@ -27,6 +31,23 @@ from attn2ssm.errors import ConfigError
 
 KERNELS = ("auto", "torch", "fla")
 ENV = "ATTN2SSM_KERNELS"
+_BUILDING: list[str] = []  # the names of the enclosing ``building_with`` blocks, innermost last
+
+
+def default_kernels() -> str:
+    """What a newly built student's mixers run: the innermost ``building_with``'s name, else
+    ``ATTN2SSM_KERNELS``, else ``auto``."""
+    return _BUILDING[-1] if _BUILDING else os.environ.get(ENV, "auto")
+
+
+@contextmanager
+def building_with(kernels: str):
+    """Students built inside start with ``kernels`` (a run's resolved choice) instead of the default."""
+    _BUILDING.append(check_kernels(kernels))
+    try:
+        yield
+    finally:
+        _BUILDING.pop()
 
 
 @cache
