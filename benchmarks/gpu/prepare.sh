@@ -15,6 +15,8 @@
 #                             train side and held-out side kept apart as prepare_corpus splits them
 #                             (sotu: addresses before 2000 train, 2000-2021 held out; moby-dick: last
 #                             14 chapters held out); the held-out sides are scored on the device.
+#   .g36/shards/{recall,recall-long}/  key-value recall passages (training text: the needles' answer format)
+#   .g36/shards/{emails,kjv,pydoc}/    the suite's held-out domains, held-out side only (scored, never trained)
 #   bash benchmarks/gpu/prepare.sh train36
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
@@ -48,6 +50,13 @@ tail -c +$(( (PART1_MIB << 20) + 1 )) ".g36/$name.xz" > ".g36/part2/$name.xz.par
 cp .g36/gguf.sha256 .g36/part1/ && mv .g36/gguf.sha256 .g36/part2/
 for corpus in sotu moby-dick; do
   PYTHONPATH=src $PY -m attn2ssm data shards "$corpus" --out ".g36/shards/$corpus" --no-progress
+done
+# key-value recall passages from sotu's training addresses (the needles' answer format; long ones for the
+# 4096-token stage), and the suite's three held-out domains as held-out-only shards (scored, never trained)
+PYTHONPATH=src $PY -m attn2ssm data shards "recall:1024:sotu" --out .g36/shards/recall --no-progress
+PYTHONPATH=src $PY -m attn2ssm data shards "recall:400:sotu?max_words=2800" --out .g36/shards/recall-long --no-progress
+for corpus in emails kjv pydoc; do
+  PYTHONPATH=src $PY -m attn2ssm data shards "$corpus" --out ".g36/shards/$corpus" --max-tokens 0 --heldout-tokens 40000 --no-progress
 done
 tree_mib=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
 echo "sizes (MiB): tracked tree $((tree_mib >> 20)), .whl $(( $(du -sb .whl | cut -f1) >> 20 )), part1 $(( $(du -sb .g36/part1 | cut -f1) >> 20 )), part2 $(( $(du -sb .g36/part2 | cut -f1) >> 20 )), shards $(( $(du -sb .g36/shards | cut -f1) >> 20 ))"

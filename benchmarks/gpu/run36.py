@@ -202,6 +202,14 @@ def _versions() -> dict:
     return out
 
 
+def _json_or_none(path: Path):
+    """A file's JSON, or None where a failed step left it empty or cut short (the results still get written)."""
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None
+
+
 def cmd_results(args) -> None:
     work = Path(args.work)
     result: dict = {
@@ -226,8 +234,7 @@ def cmd_results(args) -> None:
         if (work / name).exists():
             result[name.removesuffix(".json")] = json.loads((work / name).read_text())
     result["probes"] = {
-        p.name.removesuffix(".rates.json"): json.loads(p.read_text())
-        for p in sorted(work.glob("probe-*.rates.json"))
+        p.name.removesuffix(".rates.json"): _json_or_none(p) for p in sorted(work.glob("probe-*.rates.json"))
     }
     teacher = Path(args.teacher) if args.teacher else None
     n_teacher = _params(teacher) if teacher and teacher.exists() else None

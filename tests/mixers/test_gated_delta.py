@@ -57,6 +57,15 @@ def test_plain_start_and_set_head_decays():
     torch.testing.assert_close(beta[0, 0], torch.linspace(0.1, 0.9, 9), atol=1e-6, rtol=1e-5)
 
 
+def test_set_head_decays_takes_statistics_from_another_device():
+    """Calibration measures α, β where the teacher runs and the mixer may live elsewhere (on a GPU the
+    student did, and the measured values came from the CPU): the mixer takes them onto its own
+    device. Here the mixer is on the meta device, the values on the CPU."""
+    mixer = convert(tiny_model("gqa_9x3"), ["gated_delta"] * 2).mixers()[0].to("meta")
+    mixer.set_head_decays(torch.linspace(0.5, 0.999, 9), torch.linspace(0.1, 0.9, 9))
+    assert mixer.dt_bias.device.type == "meta" and mixer.b_proj.bias.device.type == "meta"
+
+
 def test_the_layer_is_its_definition(student):
     """Conv off, written out with the plain loop: S ← S α(I − β k kᵀ) + β v kᵀ, o = S q / √d."""
     teacher = tiny_model("gqa_9x3")

@@ -84,7 +84,7 @@ def calibrate_gated_delta(student, teacher, ids: torch.Tensor, layers=None) -> d
         keys = mixer.repeat_kv(keys, 2)  # per query head, as the mixer reads them
         distance, crowding = head_statistics(probs, keys)
         alpha, beta = decays_from(distance, crowding)
-        mixer.set_head_decays(alpha.cpu(), beta.cpu())
+        mixer.set_head_decays(alpha, beta)
         report[i] = {
             "distance": distance.tolist(),
             "crowding": crowding.tolist(),

@@ -167,10 +167,12 @@ class GatedDeltaMixer(ConvRecurrence, AttentionLikeMixer):
         """Start head h at decay α_h and write strength β_h (with W_a, W_b at zero): what a
         calibration measured, or the constants of ``alpha_init`` / ``beta_init``. Without b_proj's
         bias (``beta_bias: false``) β stays 1/2 and only the decays are set."""
-        alpha = alpha.float().clamp(1e-4, 1 - 1e-6)
+        alpha = alpha.to(self.dt_bias.device).float().clamp(1e-4, 1 - 1e-6)  # measured where the teacher is
         self.dt_bias.copy_(inverse_softplus(-torch.log(alpha) / torch.exp(self.A_log.float())))
         if self.b_proj.bias is not None:
-            self.b_proj.bias.copy_(torch.logit(beta.float().clamp(1e-4, 1 - 1e-4)))
+            self.b_proj.bias.copy_(
+                torch.logit(beta.to(self.b_proj.bias.device).float().clamp(1e-4, 1 - 1e-4))
+            )
 
     # -- the pieces ------------------------------------------------------------------------
     def _qkv(self, u, position_embeddings, inputs=None):
