@@ -82,3 +82,23 @@ def test_compare_report_writes_table_and_plots(pair, tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["rows"] == json.loads(
         json.dumps(report["rows"])
     )
+
+
+def test_report_flags_reach_the_settings_and_an_absent_one_keeps_its_default(monkeypatch, tmp_path):
+    """``eval --report``: --needle-trials given reaches ReportSettings; absent, the settings' own
+    default holds (the CLI writes no second copy of it)."""
+    import attn2ssm.cli.eval_report as eval_report
+    from attn2ssm.cli import main
+
+    seen = []
+
+    def capture(model, against, out, settings):
+        seen.append(settings)
+        return {}  # nothing loaded, nothing run
+
+    monkeypatch.setattr(eval_report, "compare_report", capture)
+    monkeypatch.setattr(eval_report, "format_markdown", lambda report: "")
+    for extra in ([], ["--needle-trials", "7"]):
+        assert main(["eval", str(tmp_path), "--report", "--needle-lengths", "512", *extra]) == 0
+    assert [s.needle_trials for s in seen] == [ReportSettings().needle_trials, 7]
+    assert seen[0].needle_lengths == (512,)

@@ -29,9 +29,11 @@ def run_report(args) -> int:
         limit=args.limit,
         needle_lengths=lengths,
         needle_depths=depths,
-        needle_trials=3 if args.needle_trials is None else args.needle_trials,
         agreement_prompts=args.agreement_prompts,
         fidelity_blocks=args.blocks,
+        **(
+            {} if args.needle_trials is None else {"needle_trials": args.needle_trials}
+        ),  # else the report's default
     )
     out = Path(args.out_dir) if args.out_dir else Path(args.model) / "eval" / "report"
     report = compare_report(args.model, args.against, out, settings)
