@@ -131,3 +131,15 @@ def test_a_run_s_kernels_hold_from_its_first_forward(run_overrides, tmp_path, mo
     )
     distill(load_recipe(BASE_RECIPE, overrides), tmp_path / "run", progress=False)
     assert len(asked) > 4 and set(asked) == {"torch"}
+
+
+def test_fla_operands_meet_in_one_dtype():
+    """The fla adapters' operands: autocast's dtype where autocast is on (the H200 run's case: fp32
+    keys beside bf16 values), else the widest of theirs; nothing here imports fla."""
+    from attn2ssm.ops.fla import _one_dtype
+
+    q, v = torch.ones(2, dtype=torch.float32), torch.ones(2, dtype=torch.bfloat16)
+    assert [t.dtype for t in _one_dtype(q, v)] == [torch.float32, torch.float32]
+    assert [t.dtype for t in _one_dtype(v, v.half())] == [torch.float32, torch.float32]  # bf16 + fp16: fp32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert [t.dtype for t in _one_dtype(q, v)] == [torch.bfloat16, torch.bfloat16]
