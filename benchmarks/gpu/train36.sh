@@ -37,7 +37,7 @@ DEADLINE_S=${DEADLINE_S:-560}                   # call 2 ends by then (timeout_s
 # sampling: HF generate ran at 2.5-2.9k tokens/s on an H200 (batch 256), so by default only a 2^16-token
 # probe (~30 s) is sampled and the mixture gives it a small share (README: "The first GPU run")
 GEN_PROBE=${GEN_PROBE:-65536}; GEN_S=${GEN_S:-0}; GEN_BATCH=${GEN_BATCH:-256}; GEN_LEN=${GEN_LEN:-256}; GEN_MAX=${GEN_MAX:-0}
-STEP_TOKENS=${STEP_TOKENS:-32768}; PROBE_STEPS=${PROBE_STEPS:-4}
+STEP_TOKENS=${STEP_TOKENS:-32768}; PROBE_STEPS=${PROBE_STEPS:-4}; CHECK_S=${CHECK_S:-150}
 EVAL_S=${EVAL_S:-110}; OVERHEAD_S=${OVERHEAD_S:-35}; FINAL_SHARE=${FINAL_SHARE:-0.3}; MAX_TOKENS=${MAX_TOKENS:-0}
 EVAL_TOKENS=${EVAL_TOKENS:-16384}; NEEDLE_LENGTHS=${NEEDLE_LENGTHS:-1024,2048,4096}; NEEDLE_TRIALS=${NEEDLE_TRIALS:-4}
 WINDOWS=${WINDOWS:-1024,2048,4096}
@@ -66,12 +66,12 @@ fi
 copier() { while sleep 10; do for r in "$WORK"/runs/*/; do [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$OUT/metrics_$(basename "$r").jsonl"; done; done; }
 copier & COPIER=$!
 CHECK_PID=
-if [ "$DEVICE" != cpu ] && [ "${CHECK_S:-150}" -gt 0 ]; then
+if [ "$DEVICE" != cpu ] && [ "$CHECK_S" -gt 0 ]; then
   # beside the teacher's conversion and sampling (the GPU is idle then): fla's gated delta-rule form in
   # bf16 (what training runs) and the mixed-dtype case on this GPU against the CPU's fp32 form; -x prints
   # a failure at once (a check cut off by its timeout keeps what it printed). The first probe waits for
   # it: a failed comparison sends every run to the torch forms (the first GPU run saw bf16 fail here).
-  ( ATTN2SSM_KERNEL_TESTS=cuda TRITON_F32_DEFAULT=ieee timeout "${CHECK_S:-150}" $PY -m pytest -x -q --tb=short -p no:cacheprovider \
+  ( ATTN2SSM_KERNEL_TESTS=cuda TRITON_F32_DEFAULT=ieee timeout "$CHECK_S" $PY -m pytest -x -q --tb=short -p no:cacheprovider \
       tests/kernels/test_fla_forms.py -k "(test_gated_delta and dtype2) or mixed" > "$OUT/kernel_check.txt" 2>&1
     echo "exit $?" >> "$OUT/kernel_check.txt" ) &
   CHECK_PID=$!
@@ -139,13 +139,11 @@ for base in $RECIPES; do
   probe=$WORK/probe-$base; rm -rf "$probe" "$probe.yaml"
   $PY benchmarks/gpu/run36.py recipe "$base" "$probe.yaml" --teacher "$TEACHER" --sources "$SOURCES" --block-len 1024 --step-tokens "$STEP_TOKENS" \
     --tokens $(( PROBE_STEPS * STEP_TOKENS )),$(( PROBE_STEPS * STEP_TOKENS )) --precision "$PRECISION" --eval-tokens 2048 | tee -a "$LOG"
-  if ! timeout 150 $PY -m attn2ssm distill "$probe.yaml" --out "$probe" --kernels "$KERNELS" --no-progress 2>&1 | tail -n 5 | tee -a "$LOG" \
-    && [ "$KERNELS" = fla ]; then
+  run_probe() { rm -rf "$probe"; timeout 150 $PY -m attn2ssm distill "$probe.yaml" --out "$probe" --kernels "$KERNELS" --no-progress 2>&1 | tail -n 5 | tee -a "$LOG"; }
+  if ! run_probe && [ "$KERNELS" = fla ]; then
     log "$base: the probe failed with kernels fla: every run from here uses the torch forms"
-    KERNELS=torch; rm -rf "$probe"
-    timeout 150 $PY -m attn2ssm distill "$probe.yaml" --out "$probe" --kernels "$KERNELS" --no-progress 2>&1 | tail -n 5 | tee -a "$LOG"
+    KERNELS=torch; run_probe
   fi
-  echo "$KERNELS" > "$WORK/kernels_used"
   $PY benchmarks/gpu/run36.py rates "$probe/metrics.jsonl" > "$probe.rates.json" || { log "probe failed"; exit 1; }
   mark "probe $base"
   # seconds for this recipe's training: what is left, less the evaluation and the runs' fixed costs, shared by the recipes still to run

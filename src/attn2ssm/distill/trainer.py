@@ -747,7 +747,6 @@ class Distiller:
             self._calibrate_kept_attention(student)
         # fp32 master weights whatever the teacher's dtype (convert builds the student in the teacher's)
         self.student = student.to(device=self.acc.device, dtype=torch.float32)
-        student.mixer_context.kernels = self.kernels.used
 
     def _calibrate(self, student, layers=None) -> None:
         """A fresh student's (or only ``layers`` of it) gated delta-rule mixers with ``decay_init:
@@ -850,7 +849,6 @@ class Distiller:
         grown = grow_student(student, self.teacher, new_plan)
         self._calibrate(grown, layers={i for i in kept if i not in new_kept})
         self.student = grown.to(self.acc.device)
-        self.student.mixer_context.kernels = self.kernels.used
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _gather(self, run: StageRun, stage_end: bool) -> tuple[dict, dict]:
@@ -1414,9 +1412,8 @@ class Distiller:
         _drop_stage_modules(self.student)
 
     def _plain_student(self, folder: Path):
-        student = Attn2SSMForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.acc.device)
-        student.mixer_context.kernels = self.kernels.used
-        return student
+        with building_with(self.kernels.used):
+            return Attn2SSMForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.acc.device)
 
     # -- stopping on a signal ---------------------------------------------------------------------
     @contextlib.contextmanager
