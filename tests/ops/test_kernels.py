@@ -63,6 +63,109 @@ def test_resolve_backend_per_tensor(fla):
         resolve_backend("cuda", x)
 
 
+@pytest.mark.parametrize(
+    ("capability", "triton", "tilelang", "wrong"),
+    [
+        ((9, 0), (3, 6, 0), False, True),  # the H200 run's machine: fla refused the backward
+        ((9, 0), (3, 4, 0), False, True),
+        ((9, 0), (3, 7, 0), False, True),
+        ((9, 0), (3, 7, 1), False, False),  # fixed Triton
+        ((9, 0), (3, 3, 1), False, False),  # before the fault
+        ((9, 0), (3, 6, 0), True, False),  # fla's TileLang backend takes the function
+        ((8, 0), (3, 6, 0), False, False),  # an A100
+        ((10, 0), (3, 6, 0), False, False),  # a Blackwell
+    ],
+)
+def test_fla_gated_backward_problem_follows_fla_s_guard(monkeypatch, capability, triton, tilelang, wrong):
+    monkeypatch.setattr(kernels, "_GATED_CHECKED", {})
+    monkeypatch.setattr(kernels, "_capability", lambda device: capability)
+    monkeypatch.setattr(kernels, "_triton_version", lambda: triton)
+    monkeypatch.setattr(kernels, "_tilelang_takes_over", lambda: tilelang)
+    problem = kernels.fla_gated_backward_problem(torch.device("cuda", 0))
+    if wrong:
+        assert "fla issue #640" in problem and "triton>=3.7.1 or tilelang" in problem
+        assert ".".join(map(str, triton)) in problem
+    else:
+        assert problem is None
+    assert kernels.fla_gated_backward_problem(torch.device("cpu")) is None  # the interpreter's case
+
+
+def test_a_wrong_gated_backward_sends_training_to_the_pytorch_forms(fla, monkeypatch):
+    """Where fla's gated backward is known wrong, a call that will be differentiated runs the PyTorch
+    form (``fla`` asked or ``auto``), with a warning; inference and ungated calls keep fla."""
+    fla(None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # fla counts as usable on this CPU tensor
+    monkeypatch.setattr(kernels, "_WARNED", set())
+    x = torch.zeros(2)
+    assert resolve_backend("fla", x, gated_backward=True) == "fla"  # no known fault
+    monkeypatch.setattr(
+        kernels, "fla_gated_backward_problem", lambda device: "fla's gated chunk backward is wrong"
+    )
+    with pytest.warns(
+        RuntimeWarning, match="train with the PyTorch form: fla's gated chunk backward is wrong"
+    ):
+        assert resolve_backend("fla", x, gated_backward=True) == "torch"
+    assert resolve_backend("auto", x, gated_backward=True) == "torch"
+    assert resolve_backend("fla", x) == "fla" and resolve_backend("auto", x, gated_backward=False) == "fla"
+    leaf = torch.zeros(2, requires_grad=True)
+    assert kernels.needs_backward(x, None, leaf) and not kernels.needs_backward(x, None)
+    with torch.no_grad():
+        assert not kernels.needs_backward(leaf)
+
+
+@pytest.mark.parametrize("op", ["gated_delta", "ssd"])
+def test_the_gated_forms_ask_for_a_safe_backward_only_when_training(fla, monkeypatch, op):
+    """gated_delta_chunked and ssd_chunked tell the dispatch whether they will be differentiated: with
+    the gated backward known wrong, a training call runs the PyTorch form, a no-grad call fla's."""
+    import attn2ssm.ops.fla as fla_ops
+    from attn2ssm.ops.gated_delta import gated_delta_chunked, gated_delta_sequential
+    from attn2ssm.ops.ssd import ssd_chunked
+
+    fla(None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kernels, "fla_gated_backward_problem", lambda device: "wrong here")
+    called = []
+    monkeypatch.setattr(fla_ops, f"{op}_fla", lambda *a, **kw: called.append(op) or ("fla", None))
+    torch.manual_seed(0)
+    b, l, h, d = 1, 12, 2, 4
+    if op == "gated_delta":
+        q, k = (torch.nn.functional.normalize(torch.randn(b, l, h, d), dim=-1) for _ in range(2))
+        v, g, beta = torch.randn(b, l, h, d), -torch.rand(b, l, h), torch.rand(b, l, h)
+        args = (q, k, v, g, beta)
+        run = lambda *t: gated_delta_chunked(*t, chunk_size=4, backend="fla")  # noqa: E731
+    else:
+        args = (
+            torch.randn(b, l, h, d),
+            -torch.rand(b, l, h),
+            torch.randn(b, l, h, 3),
+            torch.randn(b, l, h, 3),
+        )
+        run = lambda *t: ssd_chunked(*t, chunk_size=4, backend="fla")  # noqa: E731
+    with torch.no_grad():
+        assert run(*args)[0] == "fla" and called == [op]
+    trained = [t.clone().requires_grad_(i == 2) for i, t in enumerate(args)]
+    with pytest.warns(RuntimeWarning, match="wrong here"):
+        monkeypatch.setattr(kernels, "_WARNED", set())
+        out, _ = run(*trained)
+    assert called == [op] and out.requires_grad  # the PyTorch form ran, and it trains
+    if op == "gated_delta":
+        torch.testing.assert_close(out, gated_delta_sequential(*trained)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_run_records_fla_s_gated_backward_fault(fla, monkeypatch):
+    fla(None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(kernels, "fla_gated_backward_problem", lambda device: "wrong here")
+    for requested in ("auto", "fla"):
+        choice = choose_kernels(requested, "cuda")
+        assert choice.used == "fla" and choice.reason.endswith(
+            "the gated delta rule and SSD train with the PyTorch forms: wrong here"
+        )
+    monkeypatch.setattr(kernels, "fla_gated_backward_problem", lambda device: None)
+    assert choose_kernels("auto", "cuda").reason == "fla's Triton kernels import"
+
+
 def test_the_recipe_takes_kernels_and_checks_the_device():
     from attn2ssm.distill.recipe import load_recipe
 
@@ -117,7 +220,9 @@ def test_a_run_s_kernels_hold_from_its_first_forward(run_overrides, tmp_path, mo
     monkeypatch.delenv("ATTN2SSM_KERNELS", raising=False)
     asked: list[str] = []
     real = gated_delta_ops.resolve_backend
-    monkeypatch.setattr(gated_delta_ops, "resolve_backend", lambda b, t: asked.append(b) or real(b, t))
+    monkeypatch.setattr(
+        gated_delta_ops, "resolve_backend", lambda b, t, **kw: asked.append(b) or real(b, t, **kw)
+    )
     stage = "{name: %s, kind: kd, tokens: 256, batch_size: 4, save_every: 1, optim: {lr: 0.01}%s}"
     overrides = run_overrides(
         **{

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from attn2ssm.ops.kernels import resolve_backend
+from attn2ssm.ops.kernels import needs_backward, resolve_backend
 from attn2ssm.ops.ssd import segsum
 
 
@@ -90,7 +90,7 @@ def gated_delta_chunked(
     """Training and prefill: blocks of ``chunk_size`` tokens (loop-free inside each), the state
     carried across them. Returns (o (b, l, h, d_v) in v's dtype, final state (b, h, d_k, d_v) float32).
     ``backend`` (ops/kernels.py): "fla" / "auto" run fla's ``chunk_gated_delta_rule`` where it can."""
-    if resolve_backend(backend, q) == "fla":
+    if resolve_backend(backend, q, gated_backward=needs_backward(q, k, v, g, beta, state)) == "fla":
         from attn2ssm.ops.fla import gated_delta_fla  # optional: attn2ssm[gpu]
 
         return gated_delta_fla(q, k, v, g, beta, mask, state, scale=scale)

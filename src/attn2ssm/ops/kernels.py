@@ -11,6 +11,10 @@ run models, or ``ATTN2SSM_KERNELS`` in the environment, which wins):
   the PyTorch form runs;
 * ``auto`` — ``fla`` on CUDA when it imports, else ``torch``.
 
+One known fault is routed around: fla's gated chunk backward (the gated delta rule's and SSD's) is
+wrong on Hopper GPUs under Triton 3.4–3.7.0 (fla refuses it); there a call that will be
+differentiated runs the PyTorch form, inference keeps fla's (``fla_gated_backward_problem``).
+
 A run resolves the setting once (``choose_kernels``), logs it and records it; the student's mixers
 then pass the resolved name to every chunked form (``backend=``), which ``resolve_backend``
 turns into what runs for the tensors at hand. A student built inside ``building_with(name)`` (the
@@ -22,10 +26,13 @@ from the run's first forward.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import cache
+
+import torch
 
 from attn2ssm.errors import ConfigError
 
@@ -110,15 +117,26 @@ def choose_kernels(requested: str, device_type: str) -> KernelChoice:
                 f"kernels=fla, but {problem}",
                 "pip install 'attn2ssm[gpu]' (fla-core, triton), or use kernels: torch",
             )
-        return KernelChoice(requested, "fla", "as requested")
+        return KernelChoice(requested, "fla", "as requested" + _gated_note(device_type))
     if problem:
         return KernelChoice(requested, "torch", problem)
-    return KernelChoice(requested, "fla", "fla's Triton kernels import")
+    return KernelChoice(requested, "fla", "fla's Triton kernels import" + _gated_note(device_type))
 
 
-def resolve_backend(backend: str, tensor) -> str:
+def _gated_note(device_type: str) -> str:
+    """The run's record of fla's known gated-backward fault on its GPU (resolve_backend acts on it)."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return ""
+    problem = fla_gated_backward_problem(torch.device("cuda", torch.cuda.current_device()))
+    return f"; the gated delta rule and SSD train with the PyTorch forms: {problem}" if problem else ""
+
+
+def resolve_backend(backend: str, tensor, *, gated_backward: bool = False) -> str:
     """What a chunked form runs for ``tensor``: ``fla`` only where it can (CUDA, or the interpreter
-    on a CPU) and imports; ``auto`` picks it there; anything else runs the PyTorch form."""
+    on a CPU) and imports; ``auto`` picks it there; anything else runs the PyTorch form.
+    ``gated_backward``: the call will be differentiated through fla's gated chunk backward (the
+    gated delta rule, SSD); where ``fla_gated_backward_problem`` knows that backward to be wrong
+    here, the PyTorch form runs instead (``fla`` too: fla itself would refuse it), with a warning."""
     if backend == "torch":
         return "torch"
     if backend not in ("auto", "fla"):
@@ -128,4 +146,65 @@ def resolve_backend(backend: str, tensor) -> str:
         raise RuntimeError(
             f"backend 'fla' asked for a {tensor.device.type} tensor, where fla cannot run ({fla_problem() or 'not CUDA'})"
         )
+    if usable and gated_backward:
+        problem = fla_gated_backward_problem(tensor.device)
+        if problem:
+            _warn_once(f"the gated forms train with the PyTorch form: {problem}")
+            return "torch"
     return "fla" if usable else "torch"
+
+
+def needs_backward(*tensors) -> bool:
+    """Whether an op on ``tensors`` will be differentiated (grad mode on, one of them requires grad)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# fla's own guard (fla/ops/common/chunk_o.py, ``chunk_bwd_dqkwg``, fla issue #640): with a gate, the
+# chunked backward gives wrong gradients on Hopper (compute capability 9.x) under Triton >= 3.4.0 and
+# < 3.7.1, unless fla's TileLang backend takes that function; fla 0.6.0 raises there in the backward.
+_BAD_TRITON = ((3, 4, 0), (3, 7, 1))
+
+
+def _triton_version() -> tuple[int, ...]:
+    import triton
+
+    return tuple(int(p) for p in re.findall(r"\d+", triton.__version__)[:3])
+
+
+def _capability(device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _tilelang_takes_over() -> bool:
+    try:
+        from fla.backends import TileLangBackend
+    except ImportError:  # an fla without backends: no TileLang path
+        return False
+    return bool(TileLangBackend.is_available() and TileLangBackend().is_enabled())
+
+
+def fla_gated_backward_problem(device) -> str | None:
+    """Why fla's gated chunk backward must not train on ``device`` (None: no known fault)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return None  # the interpreter: no Hopper
+    key = (_capability(device), _triton_version())
+    if key not in _GATED_CHECKED:
+        (major, _), version = key
+        bad = major == 9 and _BAD_TRITON[0] <= version < _BAD_TRITON[1] and not _tilelang_takes_over()
+        _GATED_CHECKED[key] = (
+            "fla's gated chunk backward is wrong on Hopper GPUs under Triton "
+            f"{'.'.join(map(str, version))} (fla issue #640): install triton>=3.7.1 or tilelang for the fused kernels"
+            if bad
+            else None
+        )
+    return _GATED_CHECKED[key]
+
+
+_GATED_CHECKED: dict = {}
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
