@@ -53,15 +53,20 @@ def test_a_key_written_with_beta_one_is_replaced():
     torch.testing.assert_close(o, new)
 
 
+# the chunked form's two schedules (a loop of blocks: the CPU's; every block at once: CUDA's)
+SCHEDULES = pytest.mark.parametrize("at_once", [False, True], ids=["block-loop", "at-once"])
+
+
+@SCHEDULES
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("chunk", [1, 4, 8, 64])
-def test_forms_agree(padded, with_state, chunk):
+def test_forms_agree(padded, with_state, chunk, at_once):
     q, k, v, g, beta, state = _inputs()
     mask = _padding(2, 29) if padded else None
     s0 = state if with_state else None
     ref, ref_state = gated_delta_sequential(q, k, v, g, beta, mask, s0)
-    out, out_state = gated_delta_chunked(q, k, v, g, beta, mask, s0, chunk_size=chunk)
+    out, out_state = gated_delta_chunked(q, k, v, g, beta, mask, s0, chunk_size=chunk, blocks_at_once=at_once)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out_state, ref_state, atol=1e-5, rtol=1e-5)
     quad, quad_state = gated_delta_quadratic(q, k, v, g, beta, mask, s0)
@@ -71,10 +76,11 @@ def test_forms_agree(padded, with_state, chunk):
         assert out[0, :5].abs().max() == 0
 
 
-def test_padding_leaves_the_state_alone():
+@SCHEDULES
+def test_padding_leaves_the_state_alone(at_once):
     q, k, v, g, beta, state = _inputs(b=1)
     mask = torch.zeros(1, 29)
-    _, s = gated_delta_chunked(q, k, v, g, beta, mask, state, chunk_size=8)
+    _, s = gated_delta_chunked(q, k, v, g, beta, mask, state, chunk_size=8, blocks_at_once=at_once)
     torch.testing.assert_close(s, state)
 
 
@@ -88,32 +94,61 @@ def test_the_matrix_maps_v_to_o():
     assert M[0, :, :5].abs().max() == 0 and M[0, :, :, :5].abs().max() == 0  # padded rows and columns
 
 
-def test_pieces_with_a_carried_state_equal_one_pass():
+@SCHEDULES
+def test_pieces_with_a_carried_state_equal_one_pass(at_once):
     q, k, v, g, beta, _ = _inputs()
-    full, full_state = gated_delta_chunked(q, k, v, g, beta, chunk_size=8)
+    full, full_state = gated_delta_chunked(q, k, v, g, beta, chunk_size=8, blocks_at_once=at_once)
     s, outs = None, []
-    for a, b in ((0, 7), (7, 8), (8, 20), (20, 29)):
+    for a, b in ((0, 7), (7, 8), (8, 20), (20, 29), (29, 29)):
         o, s = gated_delta_chunked(
-            q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], state=s, chunk_size=8
+            q[:, a:b],
+            k[:, a:b],
+            v[:, a:b],
+            g[:, a:b],
+            beta[:, a:b],
+            state=s,
+            chunk_size=8,
+            blocks_at_once=at_once,
         )
         outs.append(o)
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s, full_state, atol=1e-5, rtol=1e-5)
 
 
-def test_chunked_gradients_equal_the_sequential_ones():
+@SCHEDULES
+def test_chunked_gradients_equal_the_sequential_ones(at_once):
     inputs = [t.clone().requires_grad_() for t in _inputs(l=21)[:5]]
     twins = [t.detach().clone().requires_grad_() for t in inputs]
     weights = torch.randn(2, 21, 3, 6)
-    (gated_delta_chunked(*inputs, chunk_size=8)[0] * weights).sum().backward()
+    (gated_delta_chunked(*inputs, chunk_size=8, blocks_at_once=at_once)[0] * weights).sum().backward()
     (gated_delta_sequential(*twins)[0] * weights).sum().backward()
     for a, b in zip(inputs, twins):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4)
 
 
-def test_half_precision_inputs_compute_in_fp32():
+@SCHEDULES
+def test_half_precision_inputs_compute_in_fp32(at_once):
     q, k, v, g, beta, _ = _inputs()
-    out, _ = gated_delta_chunked(q.half(), k.half(), v.half(), g, beta, chunk_size=8)
-    ref, _ = gated_delta_chunked(q.half().float(), k.half().float(), v.half().float(), g, beta, chunk_size=8)
+    out, _ = gated_delta_chunked(q.half(), k.half(), v.half(), g, beta, chunk_size=8, blocks_at_once=at_once)
+    ref, _ = gated_delta_chunked(
+        q.half().float(), k.half().float(), v.half().float(), g, beta, chunk_size=8, blocks_at_once=at_once
+    )
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_the_cpu_default_is_the_block_loop(monkeypatch):
+    """On a CPU tensor the chunked form loops over blocks (faster there: their tensors stay in cache);
+    every block at once is asked for explicitly (it is CUDA's default)."""
+    import attn2ssm.ops.gated_delta as ops
+
+    ran = []
+    for name in ("_block", "_blocks_at_once"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _n=name, _r=real, **kw: ran.append(_n) or _r(*a, **kw))
+    q, k, v, g, beta, _ = _inputs()
+    gated_delta_chunked(q, k, v, g, beta, chunk_size=8)
+    assert set(ran) == {"_block"} and len(ran) == 4  # 29 tokens: 4 blocks of 8
+    ran.clear()
+    gated_delta_chunked(q, k, v, g, beta, chunk_size=8, blocks_at_once=True)
+    assert ran == ["_blocks_at_once"]

@@ -32,6 +32,7 @@ was (α = 1, β = 0, k = 0) and its output is 0. Math in float32; outputs in v's
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from attn2ssm.ops.kernels import needs_backward, resolve_backend
 from attn2ssm.ops.ssd import segsum
@@ -74,6 +75,41 @@ def _heads_first(*ts):
     return [t.transpose(1, 2) for t in ts]  # (b, l, h, …) → (b, h, l, …)
 
 
+def _blocks_at_once(q, k, v, g, beta, s, scale: float):
+    """Every block in one pass: q, k (b, h, n, c, d_k), v (b, h, n, c, d_v), g, beta (b, h, n, c),
+    s the state entering the first block. Returns (o (b, h, n, c, d_v), the state after the last).
+
+    What does not need a block's entering state is computed for all n blocks together: the decays,
+    one triangular solve (U₀ = (I + L)⁻¹ diag(β) V, W = (I + L)⁻¹ diag(βγ) K, so that U = U₀ − W H₀ —
+    ``_block``'s solve with the state taken out), the intra-block scores. The loop over blocks keeps
+    the state's two products (U = U₀ − W H, H' = γ_end H + Kᵀ diag(γ_end/γ) U), and the outputs are
+    one batched product after it: ~5 kernels a block forward instead of ``_block``'s ~35."""
+    d_v = v.shape[-1]
+    g_cum = g.cumsum(-1)  # within each block
+    gamma = torch.exp(g_cum)  # γ
+    decay = torch.exp(segsum(g))  # Γ (b, h, n, c, c), 0 above the diagonal
+    eye = torch.eye(g.shape[-1], dtype=q.dtype, device=q.device)
+    lower = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)  # L
+    rhs = torch.cat([beta[..., None] * v, (beta * gamma)[..., None] * k], -1)  # [diag(β) V, diag(βγ) K]
+    solved = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+    k_out = (torch.exp(g_cum[..., -1:] - g_cum)[..., None] * k).transpose(-1, -2)  # Kᵀ diag(γ_end / γ), ≤ 1
+    # blocks first and contiguous, so a block's slice is a plain batch of matrices; unbind, not
+    # indexing in the loop: the backward of each index would write a full-size zero gradient
+    u0, w, k_out, g_end = (
+        t.movedim(2, 0).contiguous().unbind(0)
+        for t in (solved[..., :d_v], solved[..., d_v:], k_out, gamma[..., -1, None, None])
+    )
+    entering, written = [], []
+    for u0_i, w_i, k_i, e_i in zip(u0, w, k_out, g_end):
+        entering.append(s)
+        u = u0_i - w_i @ s
+        written.append(u)
+        s = e_i * s + k_i @ u
+    states, u = torch.stack(entering, 2), torch.stack(written, 2)  # (b, h, n, d_k, d_v), (b, h, n, c, d_v)
+    scores = (q @ k.transpose(-1, -2)) * decay  # tril(Γ ⊙ Q Kᵀ)
+    return scale * ((gamma[..., None] * q) @ states + scores @ u), s
+
+
 def gated_delta_chunked(
     q,
     k,
@@ -85,10 +121,17 @@ def gated_delta_chunked(
     *,
     scale: float | None = None,
     chunk_size: int = 64,
+    blocks_at_once: bool | None = None,
     backend: str = "torch",
 ):
-    """Training and prefill: blocks of ``chunk_size`` tokens (loop-free inside each), the state
-    carried across them. Returns (o (b, l, h, d_v) in v's dtype, final state (b, h, d_k, d_v) float32).
+    """Training and prefill: blocks of ``chunk_size`` tokens, the state carried across them.
+    Returns (o (b, l, h, d_v) in v's dtype, final state (b, h, d_k, d_v) float32).
+
+    Two schedules of the same arithmetic, tested equal: a loop of ``_block`` calls (the CPU's: a
+    block's tensors stay in cache: 14–38 % faster there than the other, measured fwd+bwd at 1024–4096 tokens), or ``_blocks_at_once`` (the
+    default on CUDA: ~7× fewer kernel launches a block; the first GPU run's torch form, a ``_block``
+    loop, was 5.5× slower a token at 4096 than at 1024, which is what a launch-bound loop does).
+    ``blocks_at_once`` forces one (None: by the tensors' device).
     ``backend`` (ops/kernels.py): "fla" / "auto" run fla's ``chunk_gated_delta_rule`` where it can."""
     if resolve_backend(backend, q, gated_backward=needs_backward(q, k, v, g, beta, state)) == "fla":
         from attn2ssm.ops.fla import gated_delta_fla  # optional: attn2ssm[gpu]
@@ -100,13 +143,25 @@ def gated_delta_chunked(
     d_v = v.shape[-1]
     s = q.new_zeros(b, h, d_k, d_v) if state is None else state.float()
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)
-    outs = []
     c = max(1, int(chunk_size))
-    # split, not slicing in the loop: the backward of each slice would write a full-length zero gradient
-    for qc, kc, vc, gc, bc in zip(*(t.split(c, dim=2) for t in (q, k, v, g, beta))):
-        o, s = _block(qc, kc, vc, gc, bc, s, _scale(scale, d_k))
-        outs.append(o)
-    o = torch.cat(outs, 2).transpose(1, 2) if outs else v.new_zeros(b, 0, h, d_v)
+    if l == 0:
+        o = v.new_zeros(b, 0, h, d_v)
+    elif q.is_cuda if blocks_at_once is None else blocks_at_once:
+        c = min(c, l)
+        pad = (-l) % c  # padded tokens: no key, no write, no decay (α = 1, β = 0, k = 0)
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+        n = (l + pad) // c
+        blocks = (t.reshape(b, h, n, c, *t.shape[3:]) for t in (q, k, v, g, beta))
+        o, s = _blocks_at_once(*blocks, s, _scale(scale, d_k))
+        o = o.reshape(b, h, n * c, d_v)[:, :, :l].transpose(1, 2)
+    else:
+        outs = []
+        # split, not slicing in the loop: the backward of each slice would write a full-length zero gradient
+        for qc, kc, vc, gc, bc in zip(*(t.split(c, dim=2) for t in (q, k, v, g, beta))):
+            o, s = _block(qc, kc, vc, gc, bc, s, _scale(scale, d_k))
+            outs.append(o)
+        o = torch.cat(outs, 2).transpose(1, 2)
     if m is not None:
         o = o * m[..., None, None]
     return o.to(dtype), s
