@@ -5,7 +5,7 @@ Every package (and every leaf module at the top of ``attn2ssm``) has a rank; a f
 attn2ssm code only from its own package or from a package of lower rank. So dependencies point
 one way and no two packages import each other:
 
-    leaf utilities (errors, config, paths, precision, hf_compat) < ops < mixers, adapters, data
+    leaf utilities (errors, config, paths, precision, devices, hf_compat) < ops < mixers, adapters, data
     < teachers < student < decode < generation < eval, export < distill < bench < cli
 
 plus the rules the ranks alone do not say: ``bench/`` is imported only by ``cli/``; ``export/``
@@ -33,6 +33,7 @@ RANKS = {
     "config": 0,
     "paths": 0,
     "precision": 0,
+    "devices": 0,
     "hf_compat": 0,
     "ops": 1,
     "mixers": 2,
@@ -51,7 +52,7 @@ RANKS = {
     "__init__": 11,  # the package root and `python -m attn2ssm`
 }
 # Leaf utilities may import one another (paths uses errors, precision uses paths): by these ranks.
-LEAF_RANKS = {"errors": 0, "config": 1, "paths": 1, "precision": 2, "hf_compat": 0}
+LEAF_RANKS = {"errors": 0, "config": 1, "paths": 1, "precision": 2, "devices": 1, "hf_compat": 0}
 ONLY_IMPORTED_BY = {"bench": {"cli"}, "export": {"cli", "bench"}}
 
 

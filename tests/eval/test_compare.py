@@ -92,7 +92,7 @@ def test_report_flags_reach_the_settings_and_an_absent_one_keeps_its_default(mon
 
     seen = []
 
-    def capture(model, against, out, settings):
+    def capture(model, against, out, settings, device=None):
         seen.append(settings)
         return {}  # nothing loaded, nothing run
 

@@ -155,18 +155,10 @@ def _sampling_teacher(args):
     """The teacher on --device in --dtype, and its tokenizer."""
     import torch  # heavy: torch
 
+    from attn2ssm.devices import resolve_device
     from attn2ssm.teachers import load_teacher  # heavy: transformers
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except RuntimeError:
-        raise ConfigError(f"--device {args.device!r} is not a device", "write cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            f"--device {args.device} asks for a GPU and torch sees none",
-            "drop --device (the CPU samples, slowly) or run where a GPU is",
-        )
+    device = resolve_device(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
     )

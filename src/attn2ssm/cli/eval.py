@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from attn2ssm.cli.eval_report import run_report, run_suite_command
+from attn2ssm.devices import resolve_device
 from attn2ssm.errors import ConfigError, DataError
 from attn2ssm.eval.harness import add_eval_task_args, cmd_eval_tasks
 
@@ -188,6 +189,7 @@ def run(args) -> int:
 
         run_attention_eval(
             args.model,
+            device=resolve_device(args.device),
             against=args.against,
             corpus=args.corpus,
             window=args.window,
@@ -243,13 +245,14 @@ def _perplexity_models(args):
     )  # heavy: torch + transformers
 
     check_weight_format(args.dtype, args.quantize)
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    device = resolve_device(args.device)
+    model, tokenizer = load_model_and_tokenizer(args.model, device)
     if args.branch is not None:
         from attn2ssm.mixers.linear_attention import set_window_branch  # heavy: torch
 
         set_window_branch(model, args.branch, args.model)
     apply_weight_format(model, args.dtype, args.quantize)  # the forms generate --dtype / --quantize decode in
-    teacher = load_model_and_tokenizer(args.against)[0] if args.against else None
+    teacher = load_model_and_tokenizer(args.against, device)[0] if args.against else None
     for name, m in ((args.model, model), (args.against, teacher)):
         limit = position_limit(m.config) if m is not None else None
         if limit is not None and args.window > limit:

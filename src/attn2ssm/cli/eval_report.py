@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from attn2ssm.cli.parsing import int_list
+from attn2ssm.devices import resolve_device
 from attn2ssm.errors import ConfigError
 from attn2ssm.eval.compare import ReportSettings, compare_report, format_markdown
 from attn2ssm.eval.harness import resolve_tasks
@@ -36,7 +37,7 @@ def run_report(args) -> int:
         ),  # else the report's default
     )
     out = Path(args.out_dir) if args.out_dir else Path(args.model) / "eval" / "report"
-    report = compare_report(args.model, args.against, out, settings)
+    report = compare_report(args.model, args.against, out, settings, device=resolve_device(args.device))
     print(format_markdown(report))
     print(f"wrote {out / 'report.md'}, report.json and report.png")
     return 0
@@ -65,7 +66,15 @@ def run_suite_command(args) -> int:
         if args.out_dir
         else Path(args.model) / "eval" / ("suite" if branch == "both" else f"suite-{branch}")
     )
-    report = run_suite(args.model, args.against, out, settings, cache_dir=args.suite_cache, branch=branch)
+    report = run_suite(
+        args.model,
+        args.against,
+        out,
+        settings,
+        cache_dir=args.suite_cache,
+        branch=branch,
+        device=resolve_device(args.device),
+    )
     print(format_suite_markdown(report))
     print(f"wrote {out / 'suite.md'}, suite.json and suite.png")
     return 0

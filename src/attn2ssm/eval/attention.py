@@ -217,8 +217,8 @@ def attention_fidelity(student, teacher, input_ids, attention_mask=None, *, laye
     spearman_rows_teacher}], "mean": {metric: mean over layers}, "tokens": b·l real tokens}``.
     """
     mask = attention_mask
-    if mask is not None and mask.dim() == 1:
-        mask = mask[None]
+    if mask is not None:  # beside the maps, on the teacher's device
+        mask = (mask[None] if mask.dim() == 1 else mask).to(next(teacher.parameters()).device)
     out = []
     for i, a_t, a_s, logits, allowed in _layer_maps(student, teacher, input_ids, mask, layers):
         out.append({"layer": i, **_layer_metrics(a_t, a_s, logits, allowed, mask)})
@@ -355,6 +355,7 @@ def run_attention_eval(
     out_dir=None,
     json_path=None,
     heatmap_tokens: int = 128,
+    device=None,
 ) -> dict:
     """``attn2ssm eval MODEL --attention``: load the student and its teacher, score, print, write.
 
@@ -373,7 +374,7 @@ def run_attention_eval(
             "--attention with --blocks 0 has nothing to score", 'pass --text "..." or --blocks N'
         )
     teacher_spec = against or DEFAULT_TEACHER
-    student, teacher, tokenizer = _load_student_and_teacher(model_path, teacher_spec)
+    student, teacher, tokenizer = _load_student_and_teacher(model_path, teacher_spec, device)
     out_dir = Path(out_dir) if out_dir else Path(model_path) / "eval"
     report: dict = {"student": str(model_path), "teacher": teacher_spec, "metrics": list(METRICS), "eps": EPS}
     heatmap_text = text
@@ -400,18 +401,18 @@ def run_attention_eval(
     return report
 
 
-def _load_student_and_teacher(model_path: str, teacher_spec: str):
+def _load_student_and_teacher(model_path: str, teacher_spec: str, device=None):
     """The student at ``model_path``, its teacher and the student's tokenizer; a model that is not a
     student, a teacher of another shape, or a student without materialisable weights is an error."""
     from attn2ssm.student.loading import load_model_and_tokenizer  # heavy: transformers
 
-    student, tokenizer = load_model_and_tokenizer(model_path)
+    student, tokenizer = load_model_and_tokenizer(model_path, device)
     if getattr(student.config, "model_type", None) != "attn2ssm":
         raise ConfigError(
             f"{model_path} is not a student: --attention compares a student with its teacher",
             "point at a student directory (from 'attn2ssm convert' or a run's student/)",
         )
-    teacher, _ = load_model_and_tokenizer(teacher_spec)
+    teacher, _ = load_model_and_tokenizer(teacher_spec, device)
     if not _matches(student, teacher):
         raise ConfigError(
             f"teacher {teacher_spec} ({teacher.config.num_hidden_layers} layers, hidden {teacher.config.hidden_size}) does not "

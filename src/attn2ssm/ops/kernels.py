@@ -32,8 +32,6 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import cache
 
-import torch
-
 from attn2ssm.errors import ConfigError
 
 KERNELS = ("auto", "torch", "fla")
@@ -125,6 +123,8 @@ def choose_kernels(requested: str, device_type: str) -> KernelChoice:
 
 def _gated_note(device_type: str) -> str:
     """The run's record of fla's known gated-backward fault on its GPU (resolve_backend acts on it)."""
+    import torch
+
     if device_type != "cuda" or not torch.cuda.is_available():
         return ""
     problem = fla_gated_backward_problem(torch.device("cuda", torch.cuda.current_device()))
@@ -156,6 +156,8 @@ def resolve_backend(backend: str, tensor, *, gated_backward: bool = False) -> st
 
 def needs_backward(*tensors) -> bool:
     """Whether an op on ``tensors`` will be differentiated (grad mode on, one of them requires grad)."""
+    import torch  # heavy: torch (this module is read by the CLI's flag checks)
+
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
@@ -172,6 +174,8 @@ def _triton_version() -> tuple[int, ...]:
 
 
 def _capability(device) -> tuple[int, int]:
+    import torch
+
     return torch.cuda.get_device_capability(device)
 
 

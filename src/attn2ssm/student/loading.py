@@ -31,9 +31,10 @@ def position_limit(config) -> int | None:
     return None
 
 
-def load_model_and_tokenizer(path: str):
+def load_model_and_tokenizer(path: str, device=None):
     """A student directory (loaded with the installed attn2ssm code) or any teacher spec →
-    (model in eval mode, tokenizer). Used by the CLI, evaluation and benchmarks."""
+    (model in eval mode, tokenizer), on ``device`` (None: the CPU; the commands pass
+    ``devices.resolve_device(--device)``). Used by the CLI, evaluation and benchmarks."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -68,6 +69,6 @@ def load_model_and_tokenizer(path: str):
                 ) from exc
             if tokenizer.pad_token is None:
                 tokenizer.pad_token = tokenizer.eos_token
-            return model.eval(), tokenizer
-    model, tokenizer, _ = load_teacher(path)
+            return model.eval().to(device or "cpu"), tokenizer
+    model, tokenizer, _ = load_teacher(path, device=device)
     return model, tokenizer
