@@ -8,11 +8,12 @@ runs, their token budgets from measured rates, and one results JSON.
     python benchmarks/gpu/run36.py results OUT.json --work DIR ...   device, versions, tokens, wall time, tokens/s, MFU
 
 Budgets: a probe run of a few steps per stage gives each stage's tokens/s (r1 for the first stage,
-r2 for the KD stage); the main run's T tokens split 1:3 between its two stages take
-T * (0.25 / r1 + 0.75 / r2) seconds, so T = safety * S / (0.25 / r1 + 0.75 / r2); the final KD stage
+r2 for the KD stage); the main run's T tokens split as the base recipe splits its two stages (share
+f to the first: gdn_hybrid25 3:1, f = 0.75) take T * (f / r1 + (1 - f) / r2) seconds, so
+T = safety * S / (f / r1 + (1 - f) / r2); the final KD stage
 on 4096-token blocks gets safety * F * r2 * long_factor tokens (long_factor: the 4096-token rate as
-a share of the 1024-token one, assumed 0.8 — attention layers cost more per token at 4k; the run's
-own metrics give the real rate).
+a share of the 1024-token one; train36.sh plans it after the main run, from that run's own rates,
+with LONG_FACTOR = 0.25: the third GPU run measured 0.18).
 
 MFU: model FLOPs per training token of a KD step = 2 N_teacher (the frozen teacher's forward) +
 6 N_student (the student's forward and backward, weight gradients counted for every parameter: the
@@ -49,6 +50,15 @@ def _base_recipe(base: str) -> dict:
     recipes = builtin_recipes()
     path = recipes[base] if base in recipes else Path(base)
     return yaml.safe_load(Path(path).read_text())
+
+
+def _first_share(base: str | None) -> float:
+    """The base recipe's own split between its first two trained stages (gdn_hybrid25: 3:1 for the
+    hidden alignment; the third GPU run's fixed 1:3 inverted it)."""
+    if base is None:
+        raise SystemExit("plan needs --recipe BASE (its stages' split) or --first-share")
+    first, second = [s["tokens"] for s in _base_recipe(base)["stages"] if s.get("tokens") != 0][:2]
+    return first / (first + second)
 
 
 def cmd_recipe(args) -> None:
@@ -155,8 +165,9 @@ def cmd_plan(args) -> None:
     if len(rates) < 2:
         raise SystemExit(f"the probe measured {len(rates)} stage(s), the plan needs two")
     r1, r2 = rates[0]["tokens_per_s"], rates[-1]["tokens_per_s"]
-    total = args.safety * args.seconds / (args.first_share / r1 + (1 - args.first_share) / r2)
-    t1, t2 = int(total * args.first_share), int(total * (1 - args.first_share))
+    share = args.first_share if args.first_share is not None else _first_share(args.recipe)
+    total = args.safety * args.seconds / (share / r1 + (1 - share) / r2)
+    t1, t2 = int(total * share), int(total * (1 - share))
     t3 = int(args.safety * args.final_seconds * r2 * args.long_factor)
     if args.max_tokens:
         t1, t2, t3 = (min(t, args.max_tokens) for t in (t1, t2, t3))
@@ -297,9 +308,10 @@ def main() -> None:
     b.add_argument("probe")
     b.add_argument("--seconds", type=float, required=True)
     b.add_argument("--final-seconds", type=float, required=True)
-    b.add_argument("--first-share", type=float, default=0.25)
+    b.add_argument("--recipe", default=None, help="the base recipe: its first two stages' token split")
+    b.add_argument("--first-share", type=float, default=None, help="instead of --recipe's split")
     b.add_argument("--safety", type=float, default=0.8)
-    b.add_argument("--long-factor", type=float, default=0.8)
+    b.add_argument("--long-factor", type=float, default=0.25)
     b.add_argument("--max-tokens", type=int, default=0, help="cap every stage (smoke tests)")
     b.set_defaults(func=cmd_plan)
     s = sub.add_parser("results")

@@ -36,9 +36,13 @@ RECIPES=${RECIPES:-gdn_hybrid25}               # or "gdn_hybrid25 linear_hybrid2
 DEADLINE_S=${DEADLINE_S:-560}                   # call 2 ends by then (timeout_s 600)
 # sampling: HF generate ran at 2.5-2.9k tokens/s on an H200 (batch 256), so by default only a 2^16-token
 # probe (~30 s) is sampled and the mixture gives it a small share (README: "The first GPU run")
-GEN_PROBE=${GEN_PROBE:-65536}; GEN_S=${GEN_S:-0}; GEN_BATCH=${GEN_BATCH:-256}; GEN_LEN=${GEN_LEN:-256}; GEN_MAX=${GEN_MAX:-0}
+# (~50 ms a decode step at batch 256, overhead-bound: batch 1024 should sample ~4x as fast; not yet measured)
+GEN_PROBE=${GEN_PROBE:-65536}; GEN_S=${GEN_S:-0}; GEN_BATCH=${GEN_BATCH:-1024}; GEN_LEN=${GEN_LEN:-256}; GEN_MAX=${GEN_MAX:-0}
 STEP_TOKENS=${STEP_TOKENS:-32768}; PROBE_STEPS=${PROBE_STEPS:-4}; CHECK_S=${CHECK_S:-150}
 EVAL_S=${EVAL_S:-110}; OVERHEAD_S=${OVERHEAD_S:-35}; FINAL_SHARE=${FINAL_SHARE:-0.3}; MAX_TOKENS=${MAX_TOKENS:-0}
+# the 4096-token stage's tokens/s as a share of the main run's KD rate (0.18 measured in the third run, with the
+# gated delta rule's block loop; its all-blocks-at-once CUDA schedule since should do better)
+LONG_FACTOR=${LONG_FACTOR:-0.25}
 EVAL_TOKENS=${EVAL_TOKENS:-16384}; NEEDLE_LENGTHS=${NEEDLE_LENGTHS:-1024,2048,4096}; NEEDLE_TRIALS=${NEEDLE_TRIALS:-4}
 WINDOWS=${WINDOWS:-1024,2048,4096}
 MIX=${MIX:-gen:0.1,sotu:0.45,moby-dick:0.25,recall:0.1,recall-long:0.1}  # NAME:WEIGHT (below)
@@ -150,7 +154,7 @@ for base in $RECIPES; do
   share=$(( ( $(left) - EVAL_S * n_recipes - 2 * OVERHEAD_S * n_recipes ) / n_recipes ))
   [ "$share" -lt 20 ] && share=20
   main_s=$($PY -c "print(int($share * (1 - $FINAL_SHARE)))"); final_s=$($PY -c "print(int($share * $FINAL_SHARE))")
-  read -r t1 t2 t3 < <($PY benchmarks/gpu/run36.py plan "$probe.rates.json" --seconds "$main_s" --final-seconds "$final_s" --max-tokens "$MAX_TOKENS")
+  read -r t1 t2 t3 < <($PY benchmarks/gpu/run36.py plan "$probe.rates.json" --seconds "$main_s" --final-seconds "$final_s" --max-tokens "$MAX_TOKENS" --long-factor "$LONG_FACTOR" --recipe "$base")
   [ -n "${t3:-}" ] || { log "$base: no budgets (the probe measured no stage's rate)"; continue; }
   log "$base: $share s of training: stage 1 $t1, stage 2 $t2 tokens (1024), final $t3 tokens (4096); rates $(tr -d '\n ' < "$probe.rates.json")"
   run=$WORK/runs/$base; final=$WORK/runs/$base-final4096
@@ -159,6 +163,14 @@ for base in $RECIPES; do
   timeout $(( main_s + OVERHEAD_S + 60 )) $PY -m attn2ssm distill "$run.yaml" --out "$run" --kernels "$KERNELS" --no-progress 2>&1 | tail -n 12 | tee -a "$LOG"
   mark "main $base"
   [ -d "$run/student" ] || { log "$base: the main run did not finish (resume: attn2ssm distill --out $run --resume)"; continue; }
+  # the final stage gets the seconds actually left (the third run's probe under-measured the main run 2.4x,
+  # which ended in a quarter of its share), at the main run's own KD rate times LONG_FACTOR
+  recipes_after=$(( n_recipes - $(echo $RECIPES | tr ' ' '\n' | grep -n -x "$base" | cut -d: -f1) ))
+  final_s=$(( $(left) - EVAL_S * (recipes_after + 1) - OVERHEAD_S - share * recipes_after ))
+  [ "$final_s" -lt 10 ] && final_s=10
+  $PY benchmarks/gpu/run36.py rates "$run/metrics.jsonl" > "$run.rates.json" && \
+    read -r _ _ t3 < <($PY benchmarks/gpu/run36.py plan "$run.rates.json" --seconds 0 --final-seconds "$final_s" --max-tokens "$MAX_TOKENS" --long-factor "$LONG_FACTOR" --first-share 0.5)
+  log "$base: final stage: $final_s s, $t3 tokens (4096)"
   $PY benchmarks/gpu/run36.py recipe "$base" "$final.yaml" --teacher "$TEACHER" --sources "$SOURCES" --block-len 4096 --step-tokens "$STEP_TOKENS" \
     --tokens "$t3" --init-from "$run/student" --precision "$PRECISION" | tee -a "$LOG"
   timeout $(( final_s + OVERHEAD_S + 60 )) $PY -m attn2ssm distill "$final.yaml" --out "$final" --kernels "$KERNELS" --no-progress 2>&1 | tail -n 12 | tee -a "$LOG"

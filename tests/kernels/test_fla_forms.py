@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from attn2ssm.ops.conv import causal_conv1d
 from attn2ssm.ops.fla import causal_conv1d_fla, gated_delta_fla, linear_attention_fla, ssd_fla
 from attn2ssm.ops.gated_delta import gated_delta_chunked
+from attn2ssm.ops.kernels import fla_gated_backward_problem
 from attn2ssm.ops.linear_attention import LinearAttentionState, linear_attention_chunked
 from attn2ssm.ops.ssd import ssd_chunked
 from conftest import ON_CUDA
@@ -47,6 +48,14 @@ def _leaf(t, device="cpu", dtype=None):
 def _leaves(tensors, dtype, device):
     """The fla side's inputs (cast, on the device) and the reference's (fp32, CPU)."""
     return [_leaf(t, device, dtype) for t in tensors], [_leaf(t) for t in tensors]
+
+
+def _skip_a_known_wrong_backward(device) -> None:
+    """After the forward's checks: fla's gated chunk backward where fla knows it wrong (Hopper under
+    Triton 3.4–3.7.0, where fla raises) is not compared; training runs the PyTorch form there."""
+    problem = fla_gated_backward_problem(torch.device(device))
+    if problem:
+        pytest.skip(f"forward checked; backward not run: {problem}")
 
 
 @pytest.mark.parametrize("dtype, tol", DTYPES)
@@ -87,6 +96,7 @@ def test_ssd(dtype, tol, device):
     got, got_state = ssd_fla(xm, am, Bm, Cm, mask.to(device), D.to(device), state.to(device))
     _close(got, want, 5 * tol, "output")
     _close(got_state, want_state, 10 * tol, "state")
+    _skip_a_known_wrong_backward(device)
     w = torch.randn(want.shape, generator=g)
     (want * w).sum().backward()
     (got.float() * w.to(device)).sum().backward()
@@ -107,6 +117,7 @@ def test_gated_delta(dtype, tol, device):
     got, got_state = gated_delta_fla(*mine, gm, bm, mask.to(device), state.to(device))
     _close(got, want, 5 * tol, "output")
     _close(got_state, want_state, 10 * tol, "state")
+    _skip_a_known_wrong_backward(device)
     w = torch.randn(want.shape, generator=g)
     (want * w).sum().backward()
     (got.float() * w.to(device)).sum().backward()
