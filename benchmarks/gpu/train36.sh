@@ -79,6 +79,10 @@ if [ "$DEVICE" != cpu ] && [ "$CHECK_S" -gt 0 ]; then
       tests/kernels/test_fla_forms.py -k "(test_gated_delta and dtype2) or mixed" > "$OUT/kernel_check.txt" 2>&1
     echo "exit $?" >> "$OUT/kernel_check.txt" ) &
   CHECK_PID=$!
+  # not waited for: the PyTorch forms on CUDA against the CPU (the gated delta rule's all-blocks-at-once
+  # schedule, new since the third run, in every student form: logits, cache forms, generation, backward)
+  ( ATTN2SSM_KERNELS=torch timeout "$CHECK_S" $PY -m pytest -x -q --tb=short -p no:cacheprovider tests/test_cuda.py -k gated_delta \
+      > "$OUT/torch_cuda_check.txt" 2>&1; echo "exit $?" >> "$OUT/torch_cuda_check.txt" ) &
 fi
 finish() {
   kill "$COPIER" 2>/dev/null
