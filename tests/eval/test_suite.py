@@ -175,6 +175,17 @@ def test_side_cache_keeps_units_by_key(tmp_path):
     assert SideCache(tmp_path, "teacher-y").get({"unit": "a"}) is None
 
 
+def test_a_gpu_s_teacher_units_are_cached_apart(tmp_path):
+    """The CPU's cache keeps its name (the units already scored stay found); a GPU's is another."""
+    from attn2ssm.eval.suite import teacher_cache
+
+    cpu = teacher_cache(tmp_path, "teacher-x")
+    assert cpu.path == SideCache(tmp_path, "teacher-x").path
+    assert teacher_cache(tmp_path, "teacher-x", torch.device("cpu")).path == cpu.path
+    cuda = teacher_cache(tmp_path, "teacher-x", torch.device("cuda", 1))
+    assert cuda.path != cpu.path and cuda.path == teacher_cache(tmp_path, "teacher-x", "cuda").path
+
+
 # ------------------------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):

@@ -329,6 +329,14 @@ class SideCache:
         )
 
 
+def teacher_cache(directory: Path, teacher_spec: str, device=None) -> SideCache:
+    """The teacher's units scored on ``device``: a GPU's are cached apart from the CPU's (other
+    kernels, other last digits; a greedy needle may differ), so a student is always set against a
+    teacher scored where it was; the CPU's cache keeps its name."""
+    kind = "cpu" if device is None else str(device).split(":")[0]
+    return SideCache(directory, model_identity(teacher_spec) + ("" if kind == "cpu" else f"@{kind}"))
+
+
 def model_identity(spec: str) -> str:
     """What names a model's weights for the cache: a built-in name or hub id as given, a directory
     with the sizes and modification times of its weight and config files (its own files only: an
@@ -756,9 +764,7 @@ def run_suite(
                 "evaluate a model with a longer context",
             )
     inputs = prepare_inputs(settings, tokenizer)
-    cache = SideCache(
-        Path(cache_dir) if cache_dir else default_cache() / "suite", model_identity(teacher_spec)
-    )
+    cache = teacher_cache(Path(cache_dir) if cache_dir else default_cache() / "suite", teacher_spec, device)
     teacher_scores = score_side(teacher, tokenizer, settings, inputs, cache, progress)
     del teacher
 
