@@ -741,7 +741,8 @@ def run_suite(
     device=None,
 ) -> dict:
     """Score teacher (cached per unit in ``cache_dir``, default ``<attn2ssm cache>/suite``) and
-    student on the suite, both on ``device`` (None: the CPU); write suite.json / suite.md / suite.png to ``out_dir`` after every unit.
+    student on the suite, both on ``device`` (None: the CPU); write suite.json / suite.md /
+    suite.png to ``out_dir`` after every unit.
     ``branch`` (both | window | linear) runs a LoLCATs-style student's mixers with one branch only
     (:func:`attn2ssm.mixers.linear_attention.set_window_branch`; the student's scores are never cached)."""
     from attn2ssm.paths import cache_dir as default_cache

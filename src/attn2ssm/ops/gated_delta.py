@@ -128,9 +128,10 @@ def gated_delta_chunked(
     Returns (o (b, l, h, d_v) in v's dtype, final state (b, h, d_k, d_v) float32).
 
     Two schedules of the same arithmetic, tested equal: a loop of ``_block`` calls (the CPU's: a
-    block's tensors stay in cache: 14–38 % faster there than the other, measured fwd+bwd at 1024–4096 tokens), or ``_blocks_at_once`` (the
-    default on CUDA: ~7× fewer kernel launches a block; the first GPU run's torch form, a ``_block``
-    loop, was 5.5× slower a token at 4096 than at 1024, which is what a launch-bound loop does).
+    block's tensors stay in cache, 14–38 % faster there than the other, measured fwd+bwd at
+    1024–4096 tokens), or ``_blocks_at_once`` (the default on CUDA: ~7× fewer kernel launches a
+    block; the first GPU run's torch form, a ``_block`` loop, was 5.5× slower a token at 4096 than
+    at 1024, which is what a launch-bound loop does).
     ``blocks_at_once`` forces one (None: by the tensors' device).
     ``backend`` (ops/kernels.py): "fla" / "auto" run fla's ``chunk_gated_delta_rule`` where it can."""
     if resolve_backend(backend, q, gated_backward=needs_backward(q, k, v, g, beta, state)) == "fla":

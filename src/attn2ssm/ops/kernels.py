@@ -167,6 +167,7 @@ def needs_backward(*tensors) -> bool:
 _BAD_TRITON = ((3, 4, 0), (3, 7, 1))
 
 
+@cache  # read once: the check runs in every training forward of a gated mixer on CUDA
 def _triton_version() -> tuple[int, ...]:
     import triton
 
