@@ -22,6 +22,7 @@ from attn2ssm.eval.suite import (
     pooled_accuracy,
     run_suite,
     select_needles,
+    select_perplexity,
     select_rows,
     suite_settings,
     task_samples,
@@ -349,6 +350,41 @@ def test_select_needles_sets_lengths_and_trials_and_keeps_shared_units_keys():
         select_needles(full, trials=0)
 
 
+def test_select_perplexity_sets_corpora_and_windows_and_keeps_shared_units_keys():
+    full = suite_settings("standard", quick=True)
+    demo = select_perplexity(full, corpora=("emails", " kjv", "pydoc", "kjv"), windows=(1024,))
+    assert demo.corpora == ("emails", "kjv", "pydoc") and demo.windows == (1024,)
+    assert [u.id for u in plan_units(demo) if u.kind == "ppl"] == [
+        "ppl/emails/1024",
+        "ppl/kjv/1024",
+        "ppl/pydoc/1024",
+    ]
+    inputs = {"ids_sha": {"emails": "abc"}}
+    shared = next(u for u in plan_units(full) if u.id == "ppl/emails/1024")
+    assert unit_key(shared, demo, inputs) == unit_key(shared, full, inputs)  # the demo's rows are cached once
+    assert select_perplexity(full, windows=(2048, 1024, 2048)).windows == (1024, 2048)
+    assert select_perplexity(full) == full
+    with pytest.raises(ConfigError, match="names no corpus"):
+        select_perplexity(full, corpora=(" ", ""))
+    with pytest.raises(ConfigError, match="at least 16 tokens"):
+        select_perplexity(full, windows=(8, 1024))
+
+
+def test_perplexity_flags_are_one_line_errors(capsys, tmp_path):
+    assert "--windows chooses rows of the suite" in one_line_error(
+        capsys, ["eval", str(tmp_path), "--windows", "1024"]
+    )
+    assert "--corpora chooses rows of the suite" in one_line_error(
+        capsys, ["eval", str(tmp_path), "--corpora", "kjv"]
+    )
+    assert "--windows 'x' is not a comma-separated list" in one_line_error(
+        capsys, ["eval", str(tmp_path), "--suite", "standard", "--windows", "x"]
+    )
+    assert "at least 16 tokens" in one_line_error(
+        capsys, ["eval", str(tmp_path), "--suite", "standard", "--windows", "8"]
+    )
+
+
 def test_needle_flags_with_the_suite_are_one_line_errors(capsys, tmp_path):
     assert "at least 256 tokens" in one_line_error(
         capsys, ["eval", str(tmp_path), "--suite", "standard", "--needle-lengths", "100"]
@@ -435,3 +471,35 @@ def test_eval_suite_command_prints_and_writes(pair, tmp_path, monkeypatch, capsy
     printed = capsys.readouterr().out
     assert "| model | PIQA | avg (core) | NIAH-1 @400 |" in printed and f"wrote {out / 'suite.md'}" in printed
     assert json.loads((out / "suite.json").read_text())["suite"] == "standard --quick"
+
+
+def test_eval_suite_perplexity_rows_alone(pair, tmp_path, monkeypatch, capsys):
+    """``make demo``'s table: ``--rows perplexity --corpora ... --windows ...`` scores those rows only
+    and prints no (empty) accuracy table."""
+    from attn2ssm.cli import main
+    from attn2ssm.eval import suite
+
+    root, corpus = pair
+    tiny = SuiteSettings(
+        name="standard --quick",
+        corpora=("sotu",),  # replaced by --corpora: nothing is fetched
+        windows=(32, 64),
+        max_tokens=200,
+        tasks=(TaskSpec("piqa", "acc", 0, 2, "PIQA"),),
+        niah_forms=("niah_single_1",),
+        niah_lengths=(400,),
+        niah_trials=1,
+        batch_size=2,
+    )
+    monkeypatch.setattr(suite, "suite_settings", lambda name, quick=False: tiny)
+    out = tmp_path / "suite"
+    argv = ["eval", str(root / "student"), "--suite", "standard", "--quick", "--rows", "perplexity"]
+    argv += ["--corpora", str(corpus), "--windows", "64", "--against", str(root / "teacher")]
+    assert main(argv + ["--out", str(out), "--suite-cache", str(tmp_path / "cache")]) == 0
+    report = json.loads((out / "suite.json").read_text())
+    assert [r["id"] for r in report["rows"]] == [f"ppl/{corpus}/64"]
+    row = report["rows"][0]
+    assert row["teacher"] > 1 and row["student"] > 1 and row["n"] == 199
+    printed = capsys.readouterr().out
+    assert "Accuracies" not in printed and "| model |" not in printed
+    assert f"| perplexity {corpus} | ppl @64 |" in printed

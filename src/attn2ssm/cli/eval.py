@@ -117,6 +117,17 @@ def _add_suite_args(e) -> None:
         "mmlu, generation, needles; default every row",
     )
     e.add_argument(
+        "--corpora",
+        default=None,
+        help="with --suite: the perplexity rows' held-out corpora instead of the suite's five (comma-separated "
+        "corpus specs: built-ins, a local file or folder, ...), e.g. emails,kjv,pydoc",
+    )
+    e.add_argument(
+        "--windows",
+        default=None,
+        help="with --suite: the perplexity rows' windows in tokens instead of 1024,2048, e.g. 1024",
+    )
+    e.add_argument(
         "--suite-cache",
         default=None,
         help="with --suite: where the teacher's scores are cached (default <attn2ssm cache>/suite)",
@@ -134,8 +145,9 @@ def _add_suite_args(e) -> None:
 def run(args) -> int:
     if args.quick and not args.suite:
         raise ConfigError("--quick is a form of the suite", "add --suite standard")
-    if args.rows and not args.suite:
-        raise ConfigError("--rows chooses rows of the suite", "add --suite standard")
+    for flag, value in (("--rows", args.rows), ("--corpora", args.corpora), ("--windows", args.windows)):
+        if value is not None and not args.suite:
+            raise ConfigError(f"{flag} chooses rows of the suite", "add --suite standard")
     modes = [
         flag
         for flag, on in (

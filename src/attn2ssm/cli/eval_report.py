@@ -49,6 +49,7 @@ def run_suite_command(args) -> int:
         format_suite_markdown,
         run_suite,
         select_needles,
+        select_perplexity,
         select_rows,
         suite_settings,
     )  # heavy: torch (when run)
@@ -58,7 +59,12 @@ def run_suite_command(args) -> int:
         select_rows(suite_settings(args.suite, quick=args.quick), args.rows),
         lengths=int_list("--needle-lengths", args.needle_lengths) if args.needle_lengths else None,
         trials=args.needle_trials,
-    )  # an unknown suite, row group or needle setting: one line, before anything loads
+    )
+    settings = select_perplexity(
+        settings,
+        corpora=tuple(args.corpora.split(",")) if args.corpora is not None else None,
+        windows=int_list("--windows", args.windows) if args.windows else None,
+    )  # an unknown suite, row group, needle or perplexity setting: one line, before anything loads
     resolve_teacher(args.against or "smollm2-135m")  # a missing teacher path fails before the student loads
     branch = args.branch or "both"
     out = (

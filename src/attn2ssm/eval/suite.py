@@ -205,6 +205,29 @@ def select_rows(settings: SuiteSettings, groups: str | None) -> SuiteSettings:
     )
 
 
+def select_perplexity(
+    settings: SuiteSettings, corpora: tuple[str, ...] | None = None, windows: tuple[int, ...] | None = None
+) -> SuiteSettings:
+    """``settings`` with the perplexity rows on other ``corpora`` (any corpus spec of docs/data.md:
+    a built-in, a local file or folder, a mixture) and/or at other ``windows`` (tokens); None keeps the
+    suite's. A (corpus, window) row both runs share has the same cache key and numbers, so e.g.
+    ``--corpora emails,kjv,pydoc --windows 1024`` (what ``make demo`` prints) is three rows of the
+    full table at a fifth of its perplexity cost."""
+    if corpora is not None:
+        chosen = tuple(dict.fromkeys(c.strip() for c in corpora if c.strip()))
+        if not chosen:
+            raise ConfigError("--corpora names no corpus", "write e.g. --corpora emails,kjv,pydoc")
+        settings = replace(settings, corpora=chosen)
+    if windows is not None:
+        if not windows or any(w < 16 for w in windows):
+            raise ConfigError(
+                f"--windows {','.join(map(str, windows)) or '(empty)'} needs windows of at least 16 tokens",
+                "write e.g. --windows 1024,2048",
+            )
+        settings = replace(settings, windows=tuple(sorted(set(windows))))
+    return settings
+
+
 def select_needles(
     settings: SuiteSettings, lengths: tuple[int, ...] | None = None, trials: int | None = None
 ) -> SuiteSettings:
@@ -644,13 +667,20 @@ def format_suite_markdown(report: dict) -> str:
     settings = settings_from_dict(report["settings"])
     rows = report["rows"]
     cost = report.get("cpu_seconds", {})
+    accuracies = (  # the anchors' table, where the run scored anything but perplexity
+        [
+            "Accuracies in %, teacher / student / recovered (student / teacher):",
+            "",
+            *anchors_table(rows, settings),
+            "",
+        ]
+        if settings.tasks or settings.generation is not None or settings.niah_forms
+        else []
+    )
     lines = [
         f"# {report['student']}{_branch_label(report.get('branch', 'both'))} vs teacher {report['teacher']}: suite {settings.name}",
         "",
-        "Accuracies in %, teacher / student / recovered (student / teacher):",
-        "",
-        *anchors_table(rows, settings),
-        "",
+        *accuracies,
         (
             "Every row: the score, and where it is a mean over items (an accuracy, in %) ± its standard error in points (binomial: sqrt(p (1 - p) / n)); "
             "n = items (documents, trials), or scored tokens for perplexity; recovered = student / teacher (teacher / student for "
