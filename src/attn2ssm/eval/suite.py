@@ -219,13 +219,18 @@ def select_perplexity(
             raise ConfigError("--corpora names no corpus", "write e.g. --corpora emails,kjv,pydoc")
         settings = replace(settings, corpora=chosen)
     if windows is not None:
-        if not windows or any(w < 16 for w in windows):
-            raise ConfigError(
-                f"--windows {','.join(map(str, windows)) or '(empty)'} needs windows of at least 16 tokens",
-                "write e.g. --windows 1024,2048",
-            )
-        settings = replace(settings, windows=tuple(sorted(set(windows))))
+        settings = replace(settings, windows=_lengths("--windows", "windows", windows, 16))
     return settings
+
+
+def _lengths(flag: str, what: str, values: tuple[int, ...], least: int) -> tuple[int, ...]:
+    """``values`` (token counts) sorted and deduplicated; one line if any is below ``least``."""
+    if not values or any(n < least for n in values):
+        raise ConfigError(
+            f"{flag} {','.join(map(str, values)) or '(empty)'} needs {what} of at least {least} tokens",
+            f"write e.g. {flag} 1024,2048",
+        )
+    return tuple(sorted(set(values)))
 
 
 def select_needles(
@@ -236,12 +241,7 @@ def select_needles(
     both runs share is cached once and gives the same numbers, e.g. the standard 20 trials at 1k and
     2k only (``--needle-lengths 1024,2048``) where 4k's cost is not wanted."""
     if lengths is not None:
-        if not lengths or any(n < 256 for n in lengths):
-            raise ConfigError(
-                f"--needle-lengths {','.join(map(str, lengths)) or '(empty)'} needs lengths of at least 256 tokens",
-                "write e.g. --needle-lengths 1024,2048",
-            )
-        settings = replace(settings, niah_lengths=tuple(sorted(set(lengths))))
+        settings = replace(settings, niah_lengths=_lengths("--needle-lengths", "lengths", lengths, 256))
     if trials is not None:
         if trials < 1:
             raise ConfigError(
