@@ -26,7 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import run_info, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import run_info, write_json  # noqa: E402  (benchmarks/ on sys.path first)
 
 ROOT = Path(__file__).resolve().parent.parent
 
