@@ -2,24 +2,15 @@
 on held-out perplexity, parts merge, the plot draws (the runs themselves are CLI distillations,
 tested elsewhere)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from attn2ssm.distill.recipe import load_recipe
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "alignment_comparison.py"
+from bench_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def ac():
-    import sys
-
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("alignment_comparison", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("alignment_comparison.py", "alignment_comparison", siblings=True)
     return mod
 
 

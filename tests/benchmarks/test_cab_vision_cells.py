@@ -5,21 +5,18 @@ that writes what the trainer writes (recipe.yaml, results.json), so no model tra
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import yaml
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cab_vision.py"
+from bench_scripts import load_benchmark
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    spec = importlib.util.spec_from_file_location("cab_vision_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("cab_vision.py", "cab_vision_bench")
     calls = []
 
     def fake_distill(recipe, out, progress=False):

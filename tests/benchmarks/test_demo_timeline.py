@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "demo_timeline.py"
+from bench_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def timeline():
-    spec = importlib.util.spec_from_file_location("demo_timeline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("demo_timeline.py", "demo_timeline")
     return module
 
 

@@ -3,24 +3,19 @@ through the real trainer and the JSON records perplexities, orderings, budgets a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
 
+from bench_scripts import load_benchmark
 from tiny_models import make_tokenizer, tiny_config
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hybrid_ablation.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("hybrid_ablation", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("hybrid_ablation.py", "hybrid_ablation")
     return module
 
 

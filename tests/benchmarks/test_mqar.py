@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mqar.py"
+from bench_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def mqar():
-    spec = importlib.util.spec_from_file_location("mqar_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_benchmark("mqar.py", "mqar_benchmark")
     return module
 
 

@@ -3,24 +3,19 @@ of its own class, the classes nest as they should, and main() runs end to end on
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench_scripts import load_benchmark
 from tiny_models import SENTENCES, make_tokenizer, tiny_config
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "structured_matrix_fit.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("structured_matrix_fit", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("structured_matrix_fit.py", "structured_matrix_fit")
     return module
 
 
