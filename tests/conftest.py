@@ -27,6 +27,17 @@ def _private_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test, restored after (tiny models gain nothing from threads, and on
+    a busy 2-core machine their spin-waiting makes sampling many times slower). Modules that want it
+    for every test say ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ------------------------------------------------ a tiny teacher directory and corpus (distill and bench tests)
 @pytest.fixture(scope="session")
 def tiny_setup(tmp_path_factory):

@@ -38,14 +38,7 @@ BATCH, LENGTH, TOL = 2, 12, 1e-5
 PAD = 3  # left padding of row 0 in the padding tests
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy CPU their spin-waiting
-    makes this file several times slower; restored afterwards for other test modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

@@ -16,13 +16,6 @@ def bench():
     return module
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_tiny_run_writes_json_and_png(bench, tmp_path, one_thread):
     out = tmp_path / "scan.json"
     argv = [

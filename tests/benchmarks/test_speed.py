@@ -17,13 +17,6 @@ def bench():
     return module
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_quick_run_writes_json_with_all_methods(bench, tmp_path, one_thread):
     out = tmp_path / "speed.json"
     result = bench.main(

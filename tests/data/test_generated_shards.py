@@ -20,12 +20,7 @@ from tiny_models import tiny_config
 SPEC = "generated:2000?length=40&batch=7&temperature=1.5"  # 52 samples, 2 of them held out (seed 0)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

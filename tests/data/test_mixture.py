@@ -41,13 +41,7 @@ def write_corpus(root, letter, n_docs=30, words=60, seed=0):
     return str(root)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine they can make sampling 100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def as_rows(blocks):

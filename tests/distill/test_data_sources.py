@@ -15,13 +15,7 @@ from tiny_models import BASE_RECIPE
 MIXTURE = "[{corpus: sotu, weight: 0.5}, {corpus: moby-dick, weight: 0.2}, {corpus: 'hf:org/big', weight: 0.3, max_tokens: 1000000}]"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine they can make sampling 100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_sources_in_a_recipe():
