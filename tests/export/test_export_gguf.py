@@ -16,7 +16,6 @@ import os
 import socket
 import subprocess
 import sys
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from attn2ssm.export.native import check_native, llama_cpp_problem, mamba2_tenso
 from attn2ssm.mixers.mamba2 import Mamba2Mixer
 from attn2ssm.student.convert import convert
 from cache_forms import positions
+from real_cache import PROMPTS, needs_llama_cpp, real_cache
 from tiny_models import make_tokenizer, one_line_error, perturb_new_mixer_parameters, tiny_config
 
 MAMBA2 = "mamba2"
@@ -199,46 +199,16 @@ def test_gguf_export_flags_are_one_line_errors(student_dir, tmp_path, capsys, mo
 
 
 # ------------------------------------------------------------------------------------------ llama.cpp (slow)
-def _real_cache() -> Path:
-    return Path(os.environ.get("ATTN2SSM_REAL_CACHE", str(Path.home() / ".cache" / "attn2ssm")))
-
-
-def _needs_llama_cpp():
-    from attn2ssm.export.llamacpp import LLAMA_CPP_PYTHON, runtime_version
-
-    if find_spec("llama_cpp") is None:
-        pytest.skip(
-            "llama_cpp is not importable: run 'make llama-cpp' (builds llama-cpp-python into the venv, ~8 min on 2 cores)"
-        )
-    root = (
-        _real_cache()
-        / "llama-cpp"
-        / f"llama_cpp_python-{runtime_version() or LLAMA_CPP_PYTHON}"
-        / "vendor"
-        / "llama.cpp"
-    )
-    if not (root / "convert_hf_to_gguf.py").is_file():
-        pytest.skip(f"llama.cpp's converter is not in {root}: run 'make llama-cpp'")
-    return root
-
-
-PROMPTS = [
-    "The state of the Union is",
-    "In the beginning of the year, the Congress",
-    "My fellow citizens, tonight",
-]
-
-
 @pytest.fixture(scope="module")
 def builtin_students(tmp_path_factory):
     """Students of the built-in teacher, pure and 25 % attention, built with the GGUF options and
     every mixer parameter moved off its init (D, conv, norm weights) so each mapped tensor counts."""
-    root = _needs_llama_cpp()
+    root = needs_llama_cpp()
     from attn2ssm.student.plans import make_plan
     from attn2ssm.teachers import load_teacher
 
     mp = pytest.MonkeyPatch()
-    mp.setenv("ATTN2SSM_CACHE", str(_real_cache()))  # the converted teacher, as the other slow tests use it
+    mp.setenv("ATTN2SSM_CACHE", str(real_cache()))  # the converted teacher, as the other slow tests use it
     mp.setenv("ATTN2SSM_LLAMA_CPP", str(root))
     teacher, tok, _ = load_teacher("smollm2-135m")
     out = {}

@@ -16,10 +16,6 @@ does a hybrid whose kept layers (Qwen3.5's form, their norms and gate off their 
 irregular places.
 """
 
-import os
-from importlib.util import find_spec
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -29,6 +25,7 @@ from attn2ssm.export.native import to_native
 from attn2ssm.export.native_qwen35 import torch_reference_kernels
 from attn2ssm.student.convert import convert
 from cache_forms import positions
+from real_cache import PROMPTS, needs_llama_cpp, real_cache
 from tiny_models import perturb_new_mixer_parameters, tiny_config
 
 GDN = "gated_delta"
@@ -124,44 +121,14 @@ def test_hybrid_llama_cpp_form_has_no_identity_layer_and_equals_the_student(fami
 
 
 # ------------------------------------------------------------------------------------- slow
-def _real_cache() -> Path:
-    return Path(os.environ.get("ATTN2SSM_REAL_CACHE", str(Path.home() / ".cache" / "attn2ssm")))
-
-
-def _needs_llama_cpp():
-    from attn2ssm.export.llamacpp import LLAMA_CPP_PYTHON, runtime_version
-
-    if find_spec("llama_cpp") is None:
-        pytest.skip(
-            "llama_cpp is not importable: run 'make llama-cpp' (builds llama-cpp-python into the venv, ~8 min on 2 cores)"
-        )
-    root = (
-        _real_cache()
-        / "llama-cpp"
-        / f"llama_cpp_python-{runtime_version() or LLAMA_CPP_PYTHON}"
-        / "vendor"
-        / "llama.cpp"
-    )
-    if not (root / "convert_hf_to_gguf.py").is_file():
-        pytest.skip(f"llama.cpp's converter is not in {root}: run 'make llama-cpp'")
-    return root
-
-
-PROMPTS = [
-    "The state of the Union is",
-    "In the beginning of the year, the Congress",
-    "My fellow citizens, tonight",
-]
-
-
 @pytest.fixture(scope="module")
 def builtin_gdn_student(tmp_path_factory):
     """A pure gated_delta student of the built-in teacher in the export form, off its init."""
-    root = _needs_llama_cpp()
+    root = needs_llama_cpp()
     from attn2ssm.teachers import load_teacher
 
     mp = pytest.MonkeyPatch()
-    mp.setenv("ATTN2SSM_CACHE", str(_real_cache()))
+    mp.setenv("ATTN2SSM_CACHE", str(real_cache()))
     mp.setenv("ATTN2SSM_LLAMA_CPP", str(root))
     teacher, tok, _ = load_teacher("smollm2-135m")
     torch.manual_seed(0)
@@ -227,9 +194,9 @@ def test_hybrid_f32_gguf_decodes_the_students_greedy_tokens_in_llama_cpp(tmp_pat
     from attn2ssm.export.llamacpp import GGUFModel, read_metadata
     from attn2ssm.teachers import load_teacher
 
-    root = _needs_llama_cpp()
+    root = needs_llama_cpp()
     mp = pytest.MonkeyPatch()
-    mp.setenv("ATTN2SSM_CACHE", str(_real_cache()))
+    mp.setenv("ATTN2SSM_CACHE", str(real_cache()))
     mp.setenv("ATTN2SSM_LLAMA_CPP", str(root))
     try:
         teacher, tok, _ = load_teacher("smollm2-135m")
