@@ -10,8 +10,7 @@ from bench_scripts import load_benchmark
 
 @pytest.fixture(scope="module")
 def ac():
-    mod = load_benchmark("alignment_comparison.py", "alignment_comparison", siblings=True)
-    return mod
+    return load_benchmark("alignment_comparison.py")
 
 
 def test_every_variant_names_a_loadable_recipe_and_budgets_scale(ac):

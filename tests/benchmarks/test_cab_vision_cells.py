@@ -16,7 +16,7 @@ from bench_scripts import load_benchmark
 
 @pytest.fixture
 def bench(monkeypatch):
-    module = load_benchmark("cab_vision.py", "cab_vision_bench")
+    module = load_benchmark("cab_vision.py")
     calls = []
 
     def fake_distill(recipe, out, progress=False):

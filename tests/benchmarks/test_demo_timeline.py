@@ -11,8 +11,7 @@ from bench_scripts import load_benchmark
 
 @pytest.fixture(scope="module")
 def timeline():
-    module = load_benchmark("demo_timeline.py", "demo_timeline")
-    return module
+    return load_benchmark("demo_timeline.py")
 
 
 def _events(*pairs):

@@ -15,8 +15,7 @@ from tiny_models import make_tokenizer, tiny_config
 
 @pytest.fixture(scope="module")
 def bench():
-    module = load_benchmark("hybrid_ablation.py", "hybrid_ablation")
-    return module
+    return load_benchmark("hybrid_ablation.py")
 
 
 def test_tiny_run_writes_json_and_png(bench, tmp_path):

@@ -13,8 +13,7 @@ from bench_scripts import load_benchmark
 
 @pytest.fixture(scope="module")
 def mqar():
-    module = load_benchmark("mqar.py", "mqar_benchmark")
-    return module
+    return load_benchmark("mqar.py")
 
 
 CONFIGS = [

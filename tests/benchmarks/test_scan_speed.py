@@ -12,8 +12,7 @@ from bench_scripts import load_benchmark
 
 @pytest.fixture(scope="module")
 def bench():
-    module = load_benchmark("scan_speed.py", "scan_speed")
-    return module
+    return load_benchmark("scan_speed.py")
 
 
 def test_tiny_run_writes_json_and_png(bench, tmp_path, one_thread):

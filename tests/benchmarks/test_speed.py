@@ -13,8 +13,7 @@ from bench_scripts import load_benchmark
 
 @pytest.fixture(scope="module")
 def bench():
-    module = load_benchmark("linear_attention_speed.py", "linear_attention_speed")
-    return module
+    return load_benchmark("linear_attention_speed.py")
 
 
 def test_quick_run_writes_json_with_all_methods(bench, tmp_path, one_thread):

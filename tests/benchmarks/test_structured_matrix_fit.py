@@ -15,8 +15,7 @@ from tiny_models import SENTENCES, make_tokenizer, tiny_config
 
 @pytest.fixture(scope="module")
 def bench():
-    module = load_benchmark("structured_matrix_fit.py", "structured_matrix_fit")
-    return module
+    return load_benchmark("structured_matrix_fit.py")
 
 
 def _gen(seed=0):

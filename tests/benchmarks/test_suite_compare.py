@@ -12,8 +12,7 @@ from bench_scripts import load_benchmark
 
 @pytest.fixture(scope="module")
 def bench():
-    module = load_benchmark("suite_compare.py", "suite_compare")
-    return module
+    return load_benchmark("suite_compare.py")
 
 
 def _row(rid, teacher, student, recovered):
