@@ -280,6 +280,7 @@ def test_cell_is_distilled_scored_and_written(setup, grid):
         f"--set stages.1.tokens=128 --teacher {setup.teacher}"
     )
     assert cell["stage_tokens"] == [256, 128] and cell["train_tokens"] == 384 and cell["steps"] == 6
+    assert cell["data"] == {"corpus": str(setup.root / "corpus"), "block_len": 32}  # the recipe's, resolved
     assert len(_runs(grid / "tiny-384")) == 1 and _runs(grid / "tiny-384")[0]["returncode"] == 0
     assert cell["wall_seconds"] > cell["train_seconds"] > 0 and cell["train_tokens_per_s"] == pytest.approx(
         384 / cell["train_seconds"]
@@ -335,7 +336,7 @@ def test_cell_is_distilled_scored_and_written(setup, grid):
 
     assert (grid.parent / "results" / "quality.png").read_bytes()[:4] == b"\x89PNG"
     md = (grid.parent / "results" / "quality.md").read_text()
-    assert "| teacher |" in md and f"`{cell['command']}`" in md and "| tiny | 384 |" in md
+    assert "| teacher |" in md and f"`{cell['command']}`" in md and "| tiny | 384 | corpus · 32 |" in md
 
 
 def test_second_invocation_reuses_the_cell_and_only_adds_cells(setup, grid, tmp_path, capsys):
@@ -353,6 +354,28 @@ def test_second_invocation_reuses_the_cell_and_only_adds_cells(setup, grid, tmp_
     assert main(_args(setup, grid, "--families", "tiny", "--budgets", "192,384")) == 0
     assert "[1/2] tiny@192: cached" in capsys.readouterr().out
     assert (grid / "tiny-384" / "cell.json").read_bytes() == before and len(_runs(grid / "tiny-192")) == 1
+
+
+def test_plan_lists_each_cell_with_its_status_data_and_command_and_runs_nothing(
+    setup, grid, tmp_path, capsys
+):
+    grid = _copy(grid, tmp_path)
+    capsys.readouterr()
+    assert main(_args(setup, grid, "--families", "tiny", "--budgets", "192,384", "--plan")) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and not (grid / "tiny-192").exists()
+    todo, done = (line.split() for line in lines)
+    assert todo[:5] == ["tiny@192", "todo", "corpus", "·", "32"] and done[:5] == [
+        "tiny@384",
+        "done",
+        "corpus",
+        "·",
+        "32",
+    ]
+    assert lines[1].endswith(
+        f"attn2ssm distill {setup.recipe} --out {grid / 'tiny-384'} --resume --set stages.0.tokens=256 "
+        f"--set stages.1.tokens=128 --teacher {setup.teacher}"
+    )
 
 
 def test_cells_of_an_earlier_grid_json_survive_a_session_without_their_run_dirs(setup, grid, tmp_path):
@@ -562,9 +585,12 @@ def test_the_suite_is_added_to_a_cached_cell_without_retraining(setup, grid, tmp
     cell = plan_cells(settings)[0]
     assert cell.status(settings.eval) == "suite"  # scored on everything but the suite
     before = json.loads((grid / "tiny-384" / "cell.json").read_text())
+    del before["data"]  # a cell recorded before cells said what they trained on: the rescoring adds it
+    (grid / "tiny-384" / "cell.json").write_text(json.dumps(before))
     result = run_grid(settings, progress=False)
     after = json.loads((grid / "tiny-384" / "cell.json").read_text())
     assert len(_runs(grid / "tiny-384")) == 1  # no distill run
+    assert after["data"] == cell.data == {"corpus": str(setup.root / "corpus"), "block_len": 32}
     assert (
         after["perplexity"] == before["perplexity"] and after["passkey"] == before["passkey"]
     )  # the cached numbers kept
@@ -585,7 +611,8 @@ def test_the_suite_is_added_to_a_cached_cell_without_retraining(setup, grid, tmp
     md = (grid.parent / "results" / "quality.md").read_text()
     assert (
         "Suite tiny" in md
-        and "| family | tokens | core avg | NIAH @400 | ppl ratio, other domains @32 | suite CPU s |" in md
+        and "| family | tokens | data | core avg | NIAH @400 | ppl ratio, other domains @32 | suite CPU s |"
+        in md
     )
     assert cell.status(settings.eval) == "done"
     # another student-side change only: the teacher's rows come from the cache, numbers unchanged
@@ -628,15 +655,20 @@ def test_suite_columns_and_panels_of_a_grid():
             "rows": pair_rows(suite, teacher, student),
             "cpu_seconds": 90.0,
         }
-    result["cells"][-1]["suite"] = None  # a cell scored before the suite: dashes
+    result["cells"][-1]["suite"] = None  # a cell scored before the suite: named below the table
+    result["cells"][0]["data"] = {"corpus": "mix:general", "block_len": 2048}
     lines = sb.format_suite_columns(result)
     assert (
         lines[2]
-        == "| family | tokens | core avg | MMLU 5-shot | TQA | NIAH @100 | ppl ratio, other domains @64 | suite CPU s |"
+        == "| family | tokens | data | core avg | MMLU 5-shot | TQA | NIAH @100 | ppl ratio, other domains @64 | suite CPU s |"
     )
-    assert lines[4] == "| teacher | – | 50.0 | 25.0 | 50.0 | 100.0 | 1.00× | – |"
-    assert lines[5] == "| a | 65,536 | 25.0 · 50% | 12.5 · 50% | 25.0 · 50% | 50.0 · 50% | 2.00× | 1.5 min |"
-    assert lines[-1].startswith("| b | 262,144 | – |")
+    assert lines[4] == "| teacher | – | – | 50.0 | 25.0 | 50.0 | 100.0 | 1.00× | – |"
+    assert (
+        lines[5]
+        == "| a | 65,536 | mix:general · 2048 | 25.0 · 50% | 12.5 · 50% | 25.0 · 50% | 50.0 · 50% | 2.00× | 1.5 min |"
+    )
+    assert lines[7].startswith("| b | 65,536 | – | ") and lines[8] == "" and len(lines) == 10
+    assert lines[-1].startswith("Not scored on the suite (1 cells") and lines[-1].endswith(": b@262,144.")
     path = sb.plot_quality(result, Path(os.environ.get("TMPDIR", "/tmp")) / f"suite-panels-{os.getpid()}.png")
     assert path.read_bytes()[:4] == b"\x89PNG"
     path.unlink()

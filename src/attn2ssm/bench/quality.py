@@ -277,6 +277,9 @@ class Cell:
     stage_tokens: list[int]
     teacher: str
     recipe_yaml: str  # the resolved recipe distill will save as recipe.yaml
+    data: (
+        dict  # what the student trains on: {"corpus": ..., "block_len": ...} (the scoreboard's "data" column)
+    )
 
     @property
     def name(self) -> str:
@@ -364,9 +367,17 @@ def plan_cells(settings: GridSettings) -> list[Cell]:
                 shares,
                 settings.teacher,
                 yaml.safe_dump(yaml.safe_load(resolved.to_yaml()), sort_keys=True),
+                training_data(resolved),
             )
         )
     return cells
+
+
+def training_data(recipe) -> dict:
+    """The recipe's training text and block length, as a cell records them: a named corpus or
+    built-in mixture by name, a listed mixture by its weights and sources."""
+    data = recipe.data
+    return {"corpus": data.corpus if data.corpus else data.describe(), "block_len": data.block_len}
 
 
 def read_cell(run_dir: Path) -> dict | None:
@@ -800,7 +811,7 @@ def rescore_suite(cell: Cell, reference: TeacherReference, progress: bool = True
     loaded and scored on the suite alone; nothing is retrained, the cell's other numbers are kept."""
     from attn2ssm.student.loading import load_model_and_tokenizer
 
-    record = read_cell(cell.run_dir)
+    record = {**read_cell(cell.run_dir), "data": cell.data}  # the same recipe (status "suite")
     student, tokenizer = load_model_and_tokenizer(str(cell.run_dir / "student"))
     try:
         record["suite"] = suite_record(student, tokenizer, reference, progress)
@@ -853,6 +864,7 @@ def fill_cell(cell: Cell, reference: TeacherReference, progress: bool = True) ->
         "command": cell.command,
         "run_dir": str(cell.run_dir),
         "teacher": cell.teacher,
+        "data": cell.data,
         **scores,
         **training_stats(cell.run_dir),
         "recipe_sha": cell.recipe_sha,
@@ -992,6 +1004,11 @@ def _passkey_cell(passkey: dict, length: str) -> str:
     return f"{acc:.0%}" if recall is None else f"{acc:.0%} · {recall:.0%}"
 
 
+def _data_cell(data: dict | None) -> str:
+    """ "corpus · block length" ("–" for a cell recorded before cells said what they trained on)."""
+    return "–" if not data else f"{_corpus_label(data['corpus'])} · {data['block_len']}"
+
+
 def format_markdown(result: dict) -> str:
     s = result["settings"]
     cols = [(c, str(w)) for c in s["corpora"] for w in s["windows"]]
@@ -1000,6 +1017,7 @@ def format_markdown(result: dict) -> str:
     head = [
         "family",
         "tokens",
+        "data",
         *[f"{_corpus_label(c)} @{w}" for c, w in cols],
         "greedy agree",
         *[f"passkey {L}" for L in lengths],
@@ -1013,7 +1031,7 @@ def format_markdown(result: dict) -> str:
         f"teacher on the same windows. Greedy agree: share of {s['agreement_new_tokens']} greedy tokens equal to the teacher's, "
         f"{s['agreement_prompts']} held-out prompts of {_corpus_label(s['corpora'][0])}. Passkey: {len(s['passkey_depths'])} depths × {s['passkey_trials']} keys, "
         f"greedy accuracy · recall (the answer teacher-forced: every digit-bearing token is the argmax; recall without accuracy means the "
-        f"key was retrieved but the model answers in another form).",
+        f"key was retrieved but the model answers in another form). Data: the training text · its block length in tokens.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -1027,6 +1045,7 @@ def format_markdown(result: dict) -> str:
         + " | ".join(
             [
                 "teacher",
+                "–",
                 "–",
                 *teacher_cells,
                 "100%",
@@ -1049,6 +1068,7 @@ def format_markdown(result: dict) -> str:
         row = [
             r["family"],
             f"{r['tokens']:,}",
+            _data_cell(r.get("data")),
             *ppl,
             "–" if agree is None else f"{agree:.0%}",
             *[_passkey_cell(passkey, L) for L in lengths],
@@ -1085,7 +1105,7 @@ def format_suite_columns(result: dict) -> list[str]:
     first = next(iter(scored.values()))
     labels = [label for label, _, _ in summary(first["suite"]["rows"], suite)]
     teacher = {label: t for label, t, _ in summary(first["suite"]["rows"], suite)}
-    head = ["family", "tokens", *labels, "suite CPU s"]
+    head = ["family", "tokens", "data", *labels, "suite CPU s"]
     lines = [
         f"Suite {suite.name} ({len(suite.tasks)} tasks, needles {len(suite.niah_forms)} forms × {suite.niah_trials} trials per length; "
         f"rows, SEs and n in each cell's cell.json): accuracies in %, student · recovered (student / teacher); the perplexity ratio is "
@@ -1093,19 +1113,18 @@ def format_suite_columns(result: dict) -> list[str]:
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
-        "| teacher | – | "
+        "| teacher | – | – | "
         + " | ".join(
             "–" if teacher[lb] is None else ("1.00×" if lb.startswith("ppl") else f"{100 * teacher[lb]:.1f}")
             for lb in labels
         )
         + " | – |",
     ]
+    unscored = []
     for r in result["cells"]:
         rec = scored.get((r["family"], r["tokens"]))
         if rec is None:
-            lines.append(
-                "| " + " | ".join([r["family"], f"{r['tokens']:,}", *["–"] * len(labels), "–"]) + " |"
-            )
+            unscored.append(f"{r['family']}@{r['tokens']:,}")
             continue
         cells = []
         for label, t, st in summary(rec["suite"]["rows"], suite):
@@ -1115,11 +1134,14 @@ def format_suite_columns(result: dict) -> list[str]:
                 cells.append(f"{st:.2f}×")
             else:
                 cells.append(f"{100 * st:.1f} · " + ("–" if not t else f"{100 * st / t:.0f}%"))
-        lines.append(
-            "| "
-            + " | ".join([r["family"], f"{r['tokens']:,}", *cells, _secs(rec["suite"].get("cpu_seconds"))])
-            + " |"
-        )
+        row = [r["family"], f"{r['tokens']:,}", _data_cell(r.get("data")), *cells]
+        lines.append("| " + " | ".join([*row, _secs(rec["suite"].get("cpu_seconds"))]) + " |")
+    if unscored:
+        lines += [
+            "",
+            f"Not scored on the suite ({len(unscored)} cells: rerun the grid with their run directories to score them "
+            f"without retraining, or retrain them with --only): {', '.join(unscored)}.",
+        ]
     return lines
 
 
@@ -1301,5 +1323,6 @@ def _plot_sweep(result: dict, families: list[str], windows: list[str], path: Pat
 
 def format_plan(cells: list[Cell], settings: EvalSettings) -> str:
     return "\n".join(
-        f"{c.name:<28} {c.status(settings):<8} stages {c.stage_tokens}  {c.command}" for c in cells
+        f"{c.name:<28} {c.status(settings):<8} {_data_cell(c.data):<20} stages {c.stage_tokens}  {c.command}"
+        for c in cells
     )
