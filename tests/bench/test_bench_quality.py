@@ -623,6 +623,25 @@ def test_the_suite_is_added_to_a_cached_cell_without_retraining(setup, grid, tmp
     assert all(r["cpu_seconds"]["teacher"] is None for r in again["suite"]["rows"])
 
 
+def test_an_invocation_without_the_suite_keeps_the_cells_scored_on_it(setup, grid, tmp_path):
+    """--suite none adds or rescores cells without the suite; the table of those scored on it stays."""
+    pytest.importorskip("lm_eval", reason="needs lm_eval (pip install -e '.[eval]')")
+    grid = _copy(grid, tmp_path)
+    settings = _settings(setup, grid, [("tiny", 384)])
+    settings.eval = dataclasses.replace(settings.eval, suite=_tiny_suite(setup))
+    run_grid(settings, progress=False)
+    assert main(_args(setup, grid, "--only", "tiny@192")) == 0  # _args: --suite none
+    result = json.loads((grid.parent / "results" / "quality.json").read_text())
+    assert result["suite"] == settings.eval.suite.as_dict()
+    assert [c["tokens"] for c in result["cells"]] == [192, 384] and result["cells"][0].get("suite") is None
+    md = (grid.parent / "results" / "quality.md").read_text()
+    assert "Suite tiny" in md and "| tiny | 384 | corpus · 32 | " in md.split("Suite tiny")[1]
+    assert md.rstrip().endswith(
+        "Not scored on the suite (1 cells: rerun the grid with their run directories "
+        "to score them without retraining, or retrain them with --only): tiny@192."
+    )
+
+
 def test_suite_columns_and_panels_of_a_grid():
     import attn2ssm.bench.quality as sb
     from attn2ssm.eval.suite import SuiteSettings, TaskSpec, pair_rows

@@ -946,6 +946,17 @@ def earlier_cells(
     return kept
 
 
+def _earlier_suite(json_path: Path, teacher: str) -> dict | None:
+    """The suite settings the grid JSON at ``json_path`` was written with for this teacher: an
+    invocation with ``--suite none`` scores no cell on the suite but keeps the table of the cells
+    scored on it."""
+    try:
+        old = json.loads(Path(json_path).read_text())
+    except (OSError, ValueError):
+        return None
+    return old.get("suite") if isinstance(old, dict) and old.get("teacher") == teacher else None
+
+
 def write_outputs(
     settings: GridSettings, reference: TeacherReference, command: str, selected: list[str] | None = None
 ) -> dict:
@@ -962,7 +973,7 @@ def write_outputs(
         "grid_dir": str(settings.grid_dir),
         "families": {r["family"]: r["recipe"] for r in records},
         "settings": settings.eval.as_dict(),
-        "suite": settings.eval.suite_dict(),
+        "suite": settings.eval.suite_dict() or _earlier_suite(settings.json_path, settings.teacher),
         "teacher_reference": reference.cached_summary(),
         "cells": [{k: v for k, v in r.items() if k not in ("eval_settings", "recipe_sha")} for r in records],
         "stale_cells": stale,
