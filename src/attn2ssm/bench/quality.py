@@ -277,9 +277,8 @@ class Cell:
     stage_tokens: list[int]
     teacher: str
     recipe_yaml: str  # the resolved recipe distill will save as recipe.yaml
-    data: (
-        dict  # what the student trains on: {"corpus": ..., "block_len": ...} (the scoreboard's "data" column)
-    )
+    # what the student trains on, {"corpus": ..., "block_len": ...}: the scoreboard's "data" column
+    data: dict
 
     @property
     def name(self) -> str:
@@ -923,15 +922,8 @@ def earlier_cells(
     """The cells of the grid JSON at ``json_path`` (written by an earlier invocation, perhaps on
     another machine) that were scored with these settings for this teacher and are not in ``have``
     (family, tokens); each says so in ``"from"``. Nothing from a missing or unreadable file."""
-    try:
-        old = json.loads(Path(json_path).read_text())
-    except (OSError, ValueError):
-        return []
-    if (
-        not isinstance(old, dict)
-        or old.get("teacher") != teacher
-        or old.get("settings") != settings.as_dict()
-    ):
+    old = _grid_json(json_path)
+    if old.get("teacher") != teacher or old.get("settings") != settings.as_dict():
         return []
     kept = []
     for rec in old.get("cells", []):
@@ -950,11 +942,17 @@ def _earlier_suite(json_path: Path, teacher: str) -> dict | None:
     """The suite settings the grid JSON at ``json_path`` was written with for this teacher: an
     invocation with ``--suite none`` scores no cell on the suite but keeps the table of the cells
     scored on it."""
+    old = _grid_json(json_path)
+    return old.get("suite") if old.get("teacher") == teacher else None
+
+
+def _grid_json(json_path: Path) -> dict:
+    """A grid JSON written earlier (perhaps on another machine); {} when missing or unreadable."""
     try:
         old = json.loads(Path(json_path).read_text())
     except (OSError, ValueError):
-        return None
-    return old.get("suite") if isinstance(old, dict) and old.get("teacher") == teacher else None
+        return {}
+    return old if isinstance(old, dict) else {}
 
 
 def write_outputs(
@@ -1150,8 +1148,8 @@ def format_suite_columns(result: dict) -> list[str]:
     if unscored:
         lines += [
             "",
-            f"Not scored on the suite ({len(unscored)} cells: rerun the grid with their run directories to score them "
-            f"without retraining, or retrain them with --only): {', '.join(unscored)}.",
+            f"Not scored on the suite (rerun the grid with their run directories to score them without retraining, "
+            f"or retrain them with --only): {', '.join(unscored)}.",
         ]
     return lines
 
