@@ -36,7 +36,7 @@ import types
 import torch
 
 from attn2ssm.decode.fusion import FUSION_KEYS
-from attn2ssm.decode.plan import run_layer
+from attn2ssm.decode.step import run_layer
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,6 @@ its decode-mode class (model.py), whose ``forward`` asks the plan; dropped by
 from __future__ import annotations
 
 import inspect
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -48,6 +47,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from attn2ssm.decode.fusion import call_linear
 from attn2ssm.decode.model import attach_student
+from attn2ssm.decode.step import Step, run_layer
 from attn2ssm.hf_compat import CACHE_KWARG
 
 _PRE_NORM = ("input_layernorm", "post_attention_layernorm", "mlp")
@@ -98,29 +98,6 @@ def _same_embeddings(a, b) -> bool:
         and len(a) == len(b)
         and all(_close(x, y) for x, y in zip(a, b))
     )
-
-
-class Step(NamedTuple):
-    """One layer as the plan runs it. ``mixer_norm`` / ``mlp_norm_out`` are the sandwich norms
-    after the mixer and the MLP (None in a pre-norm layer); ``rope`` indexes the plan's position
-    embeddings (``DecodePlan.position_embeddings``), None where the layer gets none."""
-
-    index: int
-    norm_in: nn.Module
-    mixer: nn.Module
-    mixer_norm: nn.Module | None
-    mlp_norm_in: nn.Module
-    mlp: nn.Module
-    mlp_norm_out: nn.Module | None
-    rope: int | None
-
-
-def run_layer(step: Step, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The rest of a layer once its mixer gave y for input x (the eager plan and the compiled step
-    share it)."""
-    x = x + (y if step.mixer_norm is None else step.mixer_norm.forward(y))
-    h = step.mlp.forward(step.mlp_norm_in.forward(x))
-    return x + (h if step.mlp_norm_out is None else step.mlp_norm_out.forward(h))
 
 
 class DecodePlan:

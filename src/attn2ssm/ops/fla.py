@@ -23,7 +23,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from attn2ssm.ops.linear_attention import LinearAttentionState
+from attn2ssm.ops.linear_state import LinearAttentionState
 
 
 def _even(*tensors: torch.Tensor) -> tuple[int, list[torch.Tensor]]:

@@ -20,24 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from attn2ssm.ops.kernels import resolve_backend
-
-
-@dataclass
-class LinearAttentionState:
-    """Running sums of one causal linear-attention layer.
-
-    kv: (b, h, f, d) = Σ φ(k_s) v_sᵀ    k_sum: (b, h, f) = Σ φ(k_s)
-    """
-
-    kv: torch.Tensor
-    k_sum: torch.Tensor
-
-    @classmethod
-    def zeros(cls, b: int, h: int, f: int, d: int, device=None) -> "LinearAttentionState":
-        return cls(
-            torch.zeros(b, h, f, d, device=device, dtype=torch.float32),
-            torch.zeros(b, h, f, device=device, dtype=torch.float32),
-        )
+from attn2ssm.ops.linear_state import LinearAttentionState
 
 
 def _apply_mask(q, k, v, mask):
