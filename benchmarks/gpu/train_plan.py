@@ -70,9 +70,8 @@ def cmd_recipe(args) -> None:
     for item in args.sources.split(","):
         folder, _, weight = item.rpartition(":")
         manifest = json.loads((Path(folder) / "manifest.json").read_text())
-        if (
-            sum(f["tokens"] for f in manifest["sides"]["train"]) < 4 * args.block_len
-        ):  # too few tokens for blocks of this length
+        # too few tokens for blocks of this length
+        if sum(f["tokens"] for f in manifest["sides"]["train"]) < 4 * args.block_len:
             print(f"leaving out {folder}: fewer than 4 blocks of {args.block_len} tokens")
             continue
         sources.append({"corpus": f"shards:{folder}", "weight": float(weight)})

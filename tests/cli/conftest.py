@@ -123,12 +123,8 @@ def slow(ws):
             "student.keep_attention=[5]",
         ],
         "truncated_gguf": ["convert", "--teacher", ws.truncated_gguf, "--out", out / "gguf-student"],
-        "generate_no_folder": [
-            "generate",
-            "runs/no-such-run-attn2ssm-test",
-            "--prompt",
-            "hi",
-        ],  # relative, one slash: also a hub id
+        # relative, one slash: also a hub id
+        "generate_no_folder": ["generate", "runs/no-such-run-attn2ssm-test", "--prompt", "hi"],
         "recipes": ["recipes"],
         "recipe_quickstart": ["recipes", "quickstart"],
     }

@@ -21,9 +21,8 @@ def test_data_shards_and_info(tiny_setup, tmp_path, capsys):
     from attn2ssm.data.shards import read_manifest
 
     teacher, corpus = tiny_setup
-    killed = (
-        tmp_path / f".text.shards-abcd1234.{2**22 + 7}@{socket.gethostname()}"
-    )  # what a SIGKILLed writer left (no such pid)
+    # what a SIGKILLed writer left (no such pid)
+    killed = tmp_path / f".text.shards-abcd1234.{2**22 + 7}@{socket.gethostname()}"
     killed.mkdir()
     assert (
         main(
@@ -126,9 +125,8 @@ def test_data_shards_and_info(tiny_setup, tmp_path, capsys):
         )
         == 0
     )
-    assert (
-        "train            2,000 tokens" in capsys.readouterr().out
-    )  # room for 3,932 ids, 122 held out: all 2,000 training ones fit
+    # room for 3,932 ids, 122 held out: all 2,000 training ones fit
+    assert "train            2,000 tokens" in capsys.readouterr().out
     assert sum(f.stat().st_size for f in (tmp_path / "cut").iterdir()) <= 0.07 * 2**20
 
 

@@ -87,6 +87,5 @@ def test_keep_attention_beyond_the_teachers_layers(slow, ws):
 
 def test_empty_corpus(slow, ws):
     assert_one_line_error(result_of(slow, "empty_corpus"), "empty corpus", str(ws.empty))
-    assert not (
-        ws.root / "out" / "run-empty"
-    ).exists()  # a corpus that fails to load leaves no recipe.yaml behind
+    # a corpus that fails to load leaves no recipe.yaml behind
+    assert not (ws.root / "out" / "run-empty").exists()

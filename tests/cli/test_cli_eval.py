@@ -25,9 +25,10 @@ def test_eval_of_a_student_with_a_truncated_weights_file(slow):
     assert_one_line_error(
         result_of(slow, "eval_damaged"), str(damaged / "model.safetensors"), "damaged or incomplete"
     )
+    # nothing added
     assert sorted(p.name for p in damaged.iterdir()) == sorted(
         p.name for p in Path(slow["student_dir"]).iterdir()
-    )  # nothing added
+    )
     assert (damaged / "model.safetensors").stat().st_size == 10_000
 
 

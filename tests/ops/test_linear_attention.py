@@ -208,9 +208,8 @@ def test_window_covering_everything_is_softmax():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "chunk, window", [(4, 4), (4, 3), (5, 2), (3, 5), (64, 4)]
-)  # window > chunk: chunks of max(chunk, window)
+# window > chunk: chunks of max(chunk, window)
+@pytest.mark.parametrize("chunk, window", [(4, 4), (4, 3), (5, 2), (3, 5), (64, 4)])
 def test_loop_free_window_form_equals_the_definition_its_state_and_gradients(chunk, window):
     from attn2ssm.ops.linear_attention import window_linear_attention_chunked
 

@@ -83,9 +83,8 @@ def test_dt_one_a_zero_is_linear_attention():
     expected = torch.einsum("bgts,bsgp->btgp", scores, x)
     y_q, W = selective_scan_quadratic(x, dt, A, B, C, return_matrix=True)
     torch.testing.assert_close(y_q, expected, **TOL)
-    torch.testing.assert_close(
-        W, scores[:, :, None].expand(-1, -1, 4, -1, -1), **TOL
-    )  # same matrix for every channel
+    # same matrix for every channel
+    torch.testing.assert_close(W, scores[:, :, None].expand(-1, -1, 4, -1, -1), **TOL)
     for chunk in (1, 5):
         torch.testing.assert_close(
             selective_scan_chunked(x, dt, A, B, C, chunk_size=chunk)[0], expected, **TOL
@@ -130,9 +129,8 @@ def test_gradients_chunked_match_quadratic():
         ).sum().backward()
         for t, r in zip(leaves, ref):
             torch.testing.assert_close(t.grad, r, **TOL)
-    assert torch.all(leaves[0].grad[1, :3] == 0) and torch.all(
-        leaves[1].grad[1, :3] == 0
-    )  # padding: no gradient
+    # padding: no gradient
+    assert torch.all(leaves[0].grad[1, :3] == 0) and torch.all(leaves[1].grad[1, :3] == 0)
 
 
 def test_gradients_through_state_and_final_state():
