@@ -111,8 +111,9 @@ def imported_modules(path: Path, tree: ast.AST, modules=MODULES) -> list[tuple[s
             found += [(alias.name, node) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
-                parents = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            if node.level:  # one dot: this file's package; each further dot: one package up
+                parents = package.split(".")
+                parents = parents[: len(parents) - node.level + 1]
                 base = ".".join([*parents, *([node.module] if node.module else [])])
             submodules = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
             found += [(module, node) for module in submodules]
