@@ -78,9 +78,8 @@ def test_stale_staging_is_removed_and_live_or_foreign_staging_is_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         names[k] for k in ("live", "other_host", "untagged", "trainer_tmp")
     )
-    assert remove_stale_staging(tmp_path, locked=True) == [
-        ".tmp-student"
-    ]  # the lock holder owns its .tmp-* folders
+    # the lock holder owns its .tmp-* folders
+    assert remove_stale_staging(tmp_path, locked=True) == [".tmp-student"]
 
 
 def test_an_old_output_set_aside_comes_back_when_its_replacement_never_arrived(tmp_path):
@@ -145,9 +144,8 @@ def test_write_failure_finds_the_os_reason_however_it_is_wrapped():
     except RuntimeError as exc:
         wrapped = exc
     assert write_failure(wrapped).errno == errno.ENOSPC
-    rust = Exception(
-        "Error while serializing: I/O error: No space left on device (os error 28)"
-    )  # safetensors
+    # safetensors
+    rust = Exception("Error while serializing: I/O error: No space left on device (os error 28)")
     assert write_failure(rust).errno == errno.ENOSPC
     assert write_failure(OSError("disk full")) is None  # no errno: not recognisable
     assert write_failure(RuntimeError("shape mismatch")) is None

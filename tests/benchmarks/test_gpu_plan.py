@@ -1,4 +1,4 @@
-"""benchmarks/gpu/run36.py plan: the GPU run's token budgets from measured rates, split between the
+"""benchmarks/gpu/train_plan.py plan: the GPU run's token budgets from measured rates, split between the
 main run's two stages as the base recipe splits them (the third GPU run's fixed 1:3 inverted
 gdn_hybrid25's 3:1 and gave hidden alignment 12 steps)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "run36.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "train_plan.py"
 
 
 def _plan(tmp_path, *flags):

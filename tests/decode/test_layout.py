@@ -257,9 +257,8 @@ def test_a_hedgehog_students_stacked_maps_decode_save_undo_and_step_aside(tmp_pa
         def forward(self, x, positions=None):
             return self.inner(x, positions) ** 2
 
-    plain = tiny_student(
-        "gqa_9x3", "linear_attention", options={"feature_map": "hedgehog"}
-    )  # same weights, no decode mode
+    # same weights, no decode mode
+    plain = tiny_student("gqa_9x3", "linear_attention", options={"feature_map": "hedgehog"})
     original = mixer.feature_map_k
     mixer.feature_map_k, plain.mixers()[0].feature_map_k = (
         Squared(original),

@@ -232,9 +232,8 @@ def test_position_embeddings_the_plan_cannot_reproduce_mean_no_plan(monkeypatch)
     monkeypatch.setattr(rotary, "forward", original)
     model = tiny_student("gemma3", "linear_attention")
     config = model.base.config
-    monkeypatch.setattr(
-        config, "layer_types", list(reversed(config.layer_types))
-    )  # the plan would read these
+    # the plan would read these
+    monkeypatch.setattr(config, "layer_types", list(reversed(config.layer_types)))
     inner_forward = type(model.base.model).forward
 
     def hf_with_the_original_types(self, *args, **kwargs):

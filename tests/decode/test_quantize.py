@@ -62,9 +62,8 @@ def test_int8_swaps_every_linear_and_counts_a_quarter_of_the_bytes(models):
     assert len(swapped) == len(linears) == q.weight_format["int8_linears"] and not any(
         isinstance(m, torch.nn.Linear) for m in q.modules()
     )
-    assert (
-        swapped[-1].qweight.dtype == torch.int8 and swapped[-1].out_features == fp32.config.vocab_size
-    )  # the lm_head too
+    # the lm_head too
+    assert swapped[-1].qweight.dtype == torch.int8 and swapped[-1].out_features == fp32.config.vocab_size
     linear_bytes = sum(m.weight.numel() for m in linears)
     assert step_weight_bytes(fp32) - step_weight_bytes(q) == pytest.approx(3 * linear_bytes, rel=0.02)
     assert q.model.embed_tokens.weight.dtype == torch.float32  # a step reads one row of it

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from accelerate_launch import accelerate_launch
 from attn2ssm.distill.lora import attach_lora, merge_lora
 from attn2ssm.distill.trainer import _fold_lora, _index_keyed, _name_keyed, latest_checkpoint
 from tiny_models import BASE_RECIPE
@@ -105,18 +106,7 @@ def test_two_fsdp_processes_train_like_one_and_resume_after_sigkill(run_override
     assert r1.returncode == 0, r1.stderr[-2000:]
     script = tmp_path / "forced_fsdp.py"
     script.write_text(FORCED_FSDP)
-    launch = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(CONFIG),
-        "--num_processes",
-        "2",
-        "--mixed_precision",
-        "no",
-        str(script),
-    ]
+    launch = accelerate_launch(script, config_file=CONFIG)
     two = tmp_path / "two"
     killed = subprocess.run(
         [*launch, "distill", BASE_RECIPE, "--out", str(two), "--no-progress", *sets],

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import attn2ssm
+from accelerate_launch import accelerate_launch
 from attn2ssm.distill.losses import forward_kl, resolve_kl_chunk
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.stages import STAGE_KINDS
@@ -516,27 +517,15 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(run_ove
     script = tmp_path / "signal_one_rank.py"
     script.write_text(SIGNAL_ONE_RANK)
     out = tmp_path / "run"
-    launch = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        str(script),
+    launch = accelerate_launch(
+        script,
         "distill",
         BASE_RECIPE,
         "--out",
-        str(out),
+        out,
         "--no-progress",
         *[a for s in run_overrides() for a in ("--set", s)],
-    ]
+    )
     proc = subprocess.run(
         launch, env=_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=900
     )

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from accelerate_launch import accelerate_launch
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill, latest_checkpoint
 from attn2ssm.errors import ConfigError, TrainingError
@@ -196,25 +197,8 @@ def test_two_processes_give_the_same_loss_curve(run_overrides, tmp_path):
         timeout=900,
     )
     assert r1.returncode == 0, r1.stderr[-2000:]
-    # On a machine without GPUs, --multi_gpu spawns 2 torch.distributed workers that use gloo on the CPU
-    # (accelerate's --cpu with several processes would need mpirun).
-    launcher = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-    ]
     r2 = subprocess.run(
-        [
-            *launcher,
+        accelerate_launch(
             "-m",
             "attn2ssm",
             "distill",
@@ -223,7 +207,7 @@ def test_two_processes_give_the_same_loss_curve(run_overrides, tmp_path):
             str(two),
             "--no-progress",
             *sum((["--set", s] for s in sets), []),
-        ],
+        ),
         env=env,
         capture_output=True,
         text=True,

@@ -102,9 +102,8 @@ def _prompts():
     passage = torch.randint(0, 256, (1, 12), generator=g)
     return {
         "distinct": torch.randperm(256, generator=g)[:9][None],  # lookup finds nothing in the prompt
-        "copy": torch.cat(
-            [passage, torch.randint(0, 256, (1, 3), generator=g), passage[:, :4]], 1
-        ),  # a passage to repeat
+        # a passage to repeat
+        "copy": torch.cat([passage, torch.randint(0, 256, (1, 3), generator=g), passage[:, :4]], 1),
         "random": torch.randint(0, 32, (1, 20), generator=g),  # many short matches, most wrong
     }
 
@@ -290,10 +289,8 @@ def test_draft_length_prices_a_model_drafts_tokens_without_its_catch_up():
     assert policy.draft is None
     policy.observe(2, 2, 0.017, 0.008)
     assert policy.draft == pytest.approx(0.004)
-    policy.kept, policy.tried = (
-        1.0,
-        2.0,
-    )  # α = 0.5: k = 2 gives 1.75 tokens in 17 + 8 ms = 70/s < a plain step's 100/s
+    # α = 0.5: k = 2 gives 1.75 tokens in 17 + 8 ms = 70/s < a plain step's 100/s
+    policy.kept, policy.tried = 1.0, 2.0
     assert policy.choose(room=10) == 0
     policy.draft = 0.0  # free drafts: 1.75 / 17 ms = 103/s > 100/s
     assert policy.choose(room=10) >= 1

@@ -126,8 +126,8 @@ def test_beam_search_with_the_cache_equals_beam_search_without(kind):
         ("llama", "linear_attention", 0.0, None, True),  # mixers rotating with RoPE
         ("llama", "linear_attention", 0.0, {"rope": "none"}, False),
         ("llama", "hedgemamba", 0.0, {"rope": "none"}, False),
-        ("gpt2", "mamba2", 0.0, None, True),
-    ],  # learned absolute positions (wpe)
+        ("gpt2", "mamba2", 0.0, None, True),  # learned absolute positions (wpe)
+    ],
 )
 def test_position_limit(family, kind, ratio, options, limited):
     """A student bounded by positions reads at most its teacher's max_position_embeddings; one with
@@ -136,9 +136,8 @@ def test_position_limit(family, kind, ratio, options, limited):
 
     model = tiny_student(family, kind, ratio, options)
     assert position_limit(model.config) == (model.config.max_position_embeddings if limited else None)
-    assert (
-        position_limit(model.base.config) == model.config.max_position_embeddings
-    )  # a plain transformers model: its own
+    # a plain transformers model: its own
+    assert position_limit(model.base.config) == model.config.max_position_embeddings
     if not limited:
         prompt = torch.randint(
             3, 256, (1, model.config.max_position_embeddings + 4), generator=torch.Generator().manual_seed(0)

@@ -55,9 +55,8 @@ def test_remote_code_generation(kind, tmp_path):
     remote_class = get_class_from_dynamic_module(
         "attn2ssm_student_modeling.Attn2SSMForCausalLM", tmp_path / "draft"
     )
-    remote = remote_class.from_pretrained(
-        tmp_path / "draft"
-    ).eval()  # (AutoModel would pick attn2ssm's own class here)
+    # (AutoModel would pick attn2ssm's own class here)
+    remote = remote_class.from_pretrained(tmp_path / "draft").eval()
     assert type(remote).__module__.startswith("transformers_modules")
     assert enable_decode_plan(remote), remote.decode_plan_reason
     reason = remote.__dict__["_decode_plan"].compile_step("eager")

@@ -60,8 +60,8 @@ def reference(m, u, order):
         (1, "middle", [1, 2, 3, 4, 0, 5, 6, 7, 8]),  # ViT: 8 patches, class token after the first 4 (Vim)
         (1, "first", list(range(9))),  # class token scanned where the teacher has it
         (2, "middle", [2, 3, 4, 0, 1, 5, 6, 7, 8]),  # DeiT: class + distillation token, 7 patches
-        (0, "middle", list(range(9))),
-    ],  # no class token: nothing moves
+        (0, "middle", list(range(9))),  # no class token: nothing moves
+    ],
 )
 def test_mixer_equals_quadratic_reference(prefix, cls_position, order):
     m = make(prefix, cls_position=cls_position)

@@ -152,17 +152,14 @@ def test_taylor_kernel_is_second_order_exp(symmetric):
 def test_performer_approximates_softmax_kernel():
     d = 16
     fm = build_feature_map("performer", 1, d, num_features=4096, seed=0, stabilizer="none")
-    q, k = (
-        _x(1, 1, 16, d, seed=0, scale=0.3),
-        _x(1, 1, 16, d, seed=1, scale=0.3),
-    )  # small norms: ‖x/d^¼‖ ≈ 0.6
+    # small norms: ‖x/d^¼‖ ≈ 0.6
+    q, k = _x(1, 1, 16, d, seed=0, scale=0.3), _x(1, 1, 16, d, seed=1, scale=0.3)
     approx = (fm(q) @ fm(k).transpose(-1, -2)).flatten()
     exact = torch.exp(q @ k.transpose(-1, -2) / math.sqrt(d)).flatten()
     rel = (approx - exact).abs() / exact
     assert rel.max() < 0.05 and rel.mean() < 0.02
-    assert (
-        torch.corrcoef(torch.stack([approx, exact]))[0, 1] > 0.95
-    )  # it tracks the variation, not just the mean
+    # it tracks the variation, not just the mean
+    assert torch.corrcoef(torch.stack([approx, exact]))[0, 1] > 0.95
 
 
 def test_performer_omega_is_block_orthogonal_and_seeded():

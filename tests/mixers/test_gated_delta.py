@@ -35,10 +35,8 @@ def test_initialised_from_attention_with_gqa(student):
         (mixer.o_proj, attn.o_proj),
     ):
         assert torch.equal(mine.weight, theirs.weight)
-    assert mixer.k_proj.weight.shape == (24, 72) and mixer.q_proj.weight.shape == (
-        72,
-        72,
-    )  # k, v at the 3 KV heads' width
+    # k, v at the 3 KV heads' width
+    assert mixer.k_proj.weight.shape == (24, 72) and mixer.q_proj.weight.shape == (72, 72)
 
 
 def test_plain_start_and_set_head_decays():
@@ -125,11 +123,8 @@ def test_prefill_pieces_and_steps_equal_one_forward(student):
             torch.testing.assert_close(parts[real], full[real], atol=1e-4, rtol=1e-4)
 
 
-EXPORT_FORM = {
-    "gate_bias": False,
-    "beta_bias": False,
-    "conv_bias": False,
-}  # what Qwen3.5 / llama.cpp's qwen35 hold (export/native_qwen35.py)
+# what Qwen3.5 / llama.cpp's qwen35 hold (export/native_qwen35.py)
+EXPORT_FORM = {"gate_bias": False, "beta_bias": False, "conv_bias": False}
 
 
 def test_bias_free_form_starts_at_half_beta_and_calibrates_decays_only():

@@ -179,9 +179,8 @@ def test_gated_norm_eps_option(kind, gqa_teacher):
     v = (y * F.silu(z)).view(2, 5, norm.num_heads, -1)
     expected = (v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5)).view(2, 5, -1) * norm.weight
     torch.testing.assert_close(norm(y, z), expected, rtol=1e-5, atol=1e-6)
-    assert (
-        norm(y, z) - default.mixers()[0].norm(y, z) * norm.weight
-    ).abs().max() > 1e-3  # ε matters at this scale
+    # ε matters at this scale
+    assert (norm(y, z) - default.mixers()[0].norm(y, z) * norm.weight).abs().max() > 1e-3
     for bad in (0, -1e-5, "small", True):
         with pytest.raises(ConfigError, match="norm_eps"):
             convert(gqa_teacher, [kind] * 2, {kind: {"norm": True, "norm_eps": bad}})

@@ -22,10 +22,8 @@ KINDS = [
     ("linear_attention", {"feature_map": "cosformer"}),  # position-aware: the step reads ``seen``
     ("hedgemamba", None),
 ]
-RECURRENT = {
-    "ssm",
-    "linear",
-}  # the scan's state (a conv window takes a zero for a padded token, as the chunked form)
+# the scan's state (a conv window takes a zero for a padded token, as the chunked form)
+RECURRENT = {"ssm", "linear"}
 
 
 def _tensors(state) -> list:

@@ -5,18 +5,12 @@ import torch
 import torch.nn.functional as F
 
 from attn2ssm.ops.conv import SHORT, causal_conv1d, causal_conv1d_state, causal_conv1d_step
+from op_forms import in_pieces, left_padding
 
 
 def _inputs(b=2, l=13, c=5, k=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(b, l, c, generator=g), torch.randn(c, k, generator=g), torch.randn(c, generator=g)
-
-
-def _left_padding(b, l, pads):
-    mask = torch.ones(b, l)
-    for i, p in enumerate(pads):
-        mask[i, :p] = 0
-    return mask
 
 
 def test_matches_nn_conv1d_definition():
@@ -45,16 +39,14 @@ def test_both_forms_match_nn_conv1d_with_a_state(l):
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_pieces_and_steps_equal_one_pass_with_padding(activation, k):
     x, w, bias = _inputs(k=k)
-    mask = _left_padding(2, 13, [0, 4])
+    mask = left_padding(2, 13, [0, 4])
     full, full_state = causal_conv1d(x, w, bias, mask=mask, activation=activation)
     # pieces, including ones shorter than k-1 (the old state must shift, not be replaced)
-    state, outs, start = None, [], 0
-    for n in [1, 2, 5, 1, 4]:
-        part = slice(start, start + n)
-        y, state = causal_conv1d(x[:, part], w, bias, state=state, mask=mask[:, part], activation=activation)
-        outs.append(y)
-        start += n
-    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-6, rtol=1e-6)
+    pieces, state = in_pieces(
+        lambda t, s: causal_conv1d(x[:, t], w, bias, state=s, mask=mask[:, t], activation=activation),
+        [1, 3, 8, 9, 13],
+    )
+    torch.testing.assert_close(pieces, full, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(state, full_state, atol=0, rtol=0)
     # token by token; the step has no mask, so padded inputs are zeroed by the caller
     xm = x * mask[..., None]
@@ -70,7 +62,7 @@ def test_pieces_and_steps_equal_one_pass_with_padding(activation, k):
 def test_padded_inputs_are_zeroed():
     """Left padding: the real tokens' outputs equal those of the unpadded sequence."""
     x, w, bias = _inputs()
-    mask = _left_padding(2, 13, [0, 4])
+    mask = left_padding(2, 13, [0, 4])
     x_junk = x.clone()
     x_junk[1, :4] = 1e3  # whatever sits under the padding must not leak
     y, state = causal_conv1d(x_junk, w, bias, mask=mask)
@@ -109,7 +101,7 @@ def test_state_alone_equals_the_step_at_every_position(k):
     """``causal_conv1d_state`` over the first t tokens (every t), from a carried state, with left
     padding, equals the state ``causal_conv1d_step`` reaches token by token."""
     x, w, bias = _inputs(l=7, k=k)
-    mask = _left_padding(2, 7, [0, 3])
+    mask = left_padding(2, 7, [0, 3])
     start = torch.randn(2, 5, k - 1, generator=torch.Generator().manual_seed(2))
     xm, stepped = x * mask[..., None], start
     for t in range(8):

@@ -11,6 +11,7 @@ from attn2ssm.ops.gated_delta import (
     gated_delta_sequential,
     gated_delta_step,
 )
+from op_forms import in_pieces
 
 
 def _inputs(b=2, l=29, h=3, dk=8, dv=6, seed=0):
@@ -98,20 +99,13 @@ def test_the_matrix_maps_v_to_o():
 def test_pieces_with_a_carried_state_equal_one_pass(at_once):
     q, k, v, g, beta, _ = _inputs()
     full, full_state = gated_delta_chunked(q, k, v, g, beta, chunk_size=8, blocks_at_once=at_once)
-    s, outs = None, []
-    for a, b in ((0, 7), (7, 8), (8, 20), (20, 29), (29, 29)):
-        o, s = gated_delta_chunked(
-            q[:, a:b],
-            k[:, a:b],
-            v[:, a:b],
-            g[:, a:b],
-            beta[:, a:b],
-            state=s,
-            chunk_size=8,
-            blocks_at_once=at_once,
-        )
-        outs.append(o)
-    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+    pieces, s = in_pieces(
+        lambda t, s: gated_delta_chunked(
+            q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state=s, chunk_size=8, blocks_at_once=at_once
+        ),
+        [7, 8, 20, 29, 29],
+    )
+    torch.testing.assert_close(pieces, full, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s, full_state, atol=1e-5, rtol=1e-5)
 
 

@@ -12,6 +12,7 @@ from attn2ssm.ops.linear_attention import (
     linear_attention_sequential,
     linear_attention_step,
 )
+from op_forms import in_pieces, left_padding
 
 
 def _inputs(b=2, h=3, l=37, f=8, d=5, seed=0):
@@ -22,18 +23,11 @@ def _inputs(b=2, h=3, l=37, f=8, d=5, seed=0):
     return q, k, v
 
 
-def _left_padding(b, l, pads):
-    mask = torch.ones(b, l)
-    for i, p in enumerate(pads):
-        mask[i, :p] = 0
-    return mask
-
-
 @pytest.mark.parametrize("chunk", [1, 4, 16, 64])
 @pytest.mark.parametrize("padded", [False, True])
 def test_three_forms_agree(chunk, padded):
     q, k, v = _inputs()
-    mask = _left_padding(2, 37, [0, 5]) if padded else None
+    mask = left_padding(2, 37, [0, 5]) if padded else None
     out_q, weights = linear_attention_quadratic(q, k, v, mask)
     out_c, state_c = linear_attention_chunked(q, k, v, mask, chunk_size=chunk)
     out_r, state_r = linear_attention_sequential(q, k, v, mask)
@@ -56,14 +50,12 @@ def test_state_carry_equals_one_pass():
     """Prefill in pieces (chunked prefill / decode) gives the one-pass result."""
     q, k, v = _inputs(l=40)
     full, _ = linear_attention_chunked(q, k, v, chunk_size=8)
-    state = None
-    outs = []
-    for a, b in [(0, 13), (13, 14), (14, 40)]:
-        o, state = linear_attention_chunked(
-            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], state=state, chunk_size=8
-        )
-        outs.append(o)
-    torch.testing.assert_close(torch.cat(outs, 2), full, atol=1e-5, rtol=1e-5)
+    pieces, _ = in_pieces(
+        lambda t, s: linear_attention_chunked(q[:, :, t], k[:, :, t], v[:, :, t], state=s, chunk_size=8),
+        [13, 14, 40],
+        dim=2,
+    )
+    torch.testing.assert_close(pieces, full, atol=1e-5, rtol=1e-5)
 
 
 def test_the_step_continues_a_chunked_prefill_and_keeps_the_old_state():
@@ -110,7 +102,7 @@ def test_matches_explicit_definition():
 
 def test_noncausal_matches_quadratic():
     q, k, v = _inputs()
-    mask = _left_padding(2, 37, [0, 3])
+    mask = left_padding(2, 37, [0, 3])
     ref, _ = linear_attention_quadratic(q, k, v, mask, causal=False)
     out = linear_attention_noncausal(q, k, v, mask)
     torch.testing.assert_close(out[1, :, 3:], ref[1, :, 3:], atol=1e-5, rtol=1e-5)
@@ -216,9 +208,8 @@ def test_window_covering_everything_is_softmax():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "chunk, window", [(4, 4), (4, 3), (5, 2), (3, 5), (64, 4)]
-)  # window > chunk: chunks of max(chunk, window)
+# window > chunk: chunks of max(chunk, window)
+@pytest.mark.parametrize("chunk, window", [(4, 4), (4, 3), (5, 2), (3, 5), (64, 4)])
 def test_loop_free_window_form_equals_the_definition_its_state_and_gradients(chunk, window):
     from attn2ssm.ops.linear_attention import window_linear_attention_chunked
 

@@ -15,9 +15,8 @@ from attn2ssm.ops.quant import (
 
 def _weight(out=48, width=40, seed=0):
     g = torch.Generator().manual_seed(seed)
-    w = (
-        torch.randn(out, width, generator=g) * torch.logspace(-3, 1, out)[:, None]
-    )  # rows of very different size
+    # rows of very different size
+    w = torch.randn(out, width, generator=g) * torch.logspace(-3, 1, out)[:, None]
     w[3] = 0.0  # an all-zero row
     return w
 
@@ -53,9 +52,8 @@ def test_int8_linear_matches_the_dequantised_float32_reference(dtype, rows):
     bias = torch.randn(64)
     x = torch.randn(2, rows, 96).to(dtype)
     y = int8_linear(x, q, scales, bias.to(dtype))
-    exact = F.linear(
-        x.float(), w, bias
-    )  # not the int8 weight: the quantisation shows beside the kernel's rounding
+    # not the int8 weight: the quantisation shows beside the kernel's rounding
+    exact = F.linear(x.float(), w, bias)
     assert (y.float() - exact).abs().max() > 0
     ref = F.linear(x.float(), q.float() * scales[:, None], bias)  # float32, weight dequantised
     assert y.dtype == dtype and y.shape == (2, rows, 64)

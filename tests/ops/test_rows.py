@@ -14,10 +14,8 @@ def test_block_matmul_equals_f_linear(threads, rows):
     """Every route (blocks over 2 threads, out not divisible by 3 threads, 5 rows, autograd on)
     gives F.linear's result."""
     g = torch.Generator().manual_seed(rows)
-    w, b = (
-        torch.randn(98, 40, generator=g),
-        torch.randn(98, generator=g),
-    )  # 98: blocks for 2 threads, not for 3
+    # 98: blocks for 2 threads, not for 3
+    w, b = torch.randn(98, 40, generator=g), torch.randn(98, generator=g)
     x = torch.randn(rows, 1, 40, generator=g)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -35,10 +33,8 @@ def test_block_matmul_equals_f_linear(threads, rows):
 @pytest.mark.parametrize("parts", [1, 2, 7])
 def test_rows_linear_and_the_memoised_block_linear_equal_f_linear(parts):
     g = torch.Generator().manual_seed(parts)
-    w, b = (
-        torch.randn(98, 40, generator=g),
-        torch.randn(98, generator=g),
-    )  # 98 = 2·49: blocks for 2 and 7 parts
+    # 98 = 2·49: blocks for 2 and 7 parts
+    w, b = torch.randn(98, 40, generator=g), torch.randn(98, generator=g)
     x = torch.randn(1, 1, 40, generator=g)
     torch.testing.assert_close(rows_linear(x, w, b, parts), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     old = torch.get_num_threads()

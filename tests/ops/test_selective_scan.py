@@ -11,6 +11,7 @@ from attn2ssm.ops.selective_scan import (
     selective_scan_sequential,
     selective_scan_step,
 )
+from op_forms import in_pieces, left_padding
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -24,13 +25,6 @@ def _inputs(b=2, l=37, g=3, p=4, n=5, seed=0):
     C = torch.randn(b, l, g, n, generator=gen)
     D = torch.randn(g, p, generator=gen)
     return x, dt, A, B, C, D
-
-
-def _left_padding(b, l, pads):
-    mask = torch.ones(b, l)
-    for i, p in enumerate(pads):
-        mask[i, :p] = 0
-    return mask
 
 
 def _step_loop(x, dt, A, B, C, D, mask=None, state=None):
@@ -47,7 +41,7 @@ def _step_loop(x, dt, A, B, C, D, mask=None, state=None):
 @pytest.mark.parametrize("padded", [False, True])
 def test_all_forms_agree(chunk, padded):
     x, dt, A, B, C, D = _inputs()
-    mask = _left_padding(2, 37, [0, 6]) if padded else None
+    mask = left_padding(2, 37, [0, 6]) if padded else None
     y_q = selective_scan_quadratic(x, dt, A, B, C, mask=mask, D=D)
     y_c, s_c = selective_scan_chunked(x, dt, A, B, C, mask=mask, D=D, chunk_size=chunk)
     y_s, s_s = selective_scan_sequential(x, dt, A, B, C, mask=mask, D=D)
@@ -89,9 +83,8 @@ def test_dt_one_a_zero_is_linear_attention():
     expected = torch.einsum("bgts,bsgp->btgp", scores, x)
     y_q, W = selective_scan_quadratic(x, dt, A, B, C, return_matrix=True)
     torch.testing.assert_close(y_q, expected, **TOL)
-    torch.testing.assert_close(
-        W, scores[:, :, None].expand(-1, -1, 4, -1, -1), **TOL
-    )  # same matrix for every channel
+    # same matrix for every channel
+    torch.testing.assert_close(W, scores[:, :, None].expand(-1, -1, 4, -1, -1), **TOL)
     for chunk in (1, 5):
         torch.testing.assert_close(
             selective_scan_chunked(x, dt, A, B, C, chunk_size=chunk)[0], expected, **TOL
@@ -103,27 +96,19 @@ def test_state_carry_equals_one_pass(chunk):
     """Prefill in pieces (lengths not multiples of the chunk), starting from a non-zero state."""
     x, dt, A, B, C, D = _inputs(l=40)
     s0 = torch.randn(2, 3, 4, 5)
-    mask = _left_padding(2, 40, [0, 3])
+    mask = left_padding(2, 40, [0, 3])
     full, s_full = selective_scan_chunked(x, dt, A, B, C, mask=mask, D=D, state=s0, chunk_size=chunk)
     ref, s_ref = selective_scan_sequential(x, dt, A, B, C, mask=mask, D=D, state=s0)
     torch.testing.assert_close(full, ref, **TOL)
     torch.testing.assert_close(s_full, s_ref, **TOL)
-    state, outs = s0, []
-    for lo, hi in [(0, 13), (13, 14), (14, 40)]:
-        part = slice(lo, hi)
-        y, state = selective_scan_chunked(
-            x[:, part],
-            dt[:, part],
-            A,
-            B[:, part],
-            C[:, part],
-            mask=mask[:, part],
-            D=D,
-            state=state,
-            chunk_size=chunk,
-        )
-        outs.append(y)
-    torch.testing.assert_close(torch.cat(outs, 1), full, **TOL)
+    pieces, state = in_pieces(
+        lambda t, s: selective_scan_chunked(
+            x[:, t], dt[:, t], A, B[:, t], C[:, t], mask=mask[:, t], D=D, state=s, chunk_size=chunk
+        ),
+        [13, 14, 40],
+        s0,
+    )
+    torch.testing.assert_close(pieces, full, **TOL)
     torch.testing.assert_close(state, s_full, **TOL)
     y, state = _step_loop(x, dt, A, B, C, D, mask, state=s0)
     torch.testing.assert_close(y, full, **TOL)
@@ -132,7 +117,7 @@ def test_state_carry_equals_one_pass(chunk):
 
 def test_gradients_chunked_match_quadratic():
     leaves = [t.requires_grad_(True) for t in _inputs(l=19)]
-    mask = _left_padding(2, 19, [0, 3])
+    mask = left_padding(2, 19, [0, 3])
     g = torch.randn(2, 19, 3, 4)
     (selective_scan_quadratic(*leaves[:5], mask=mask, D=leaves[5]) * g).sum().backward()
     ref = [t.grad.clone() for t in leaves]
@@ -144,9 +129,8 @@ def test_gradients_chunked_match_quadratic():
         ).sum().backward()
         for t, r in zip(leaves, ref):
             torch.testing.assert_close(t.grad, r, **TOL)
-    assert torch.all(leaves[0].grad[1, :3] == 0) and torch.all(
-        leaves[1].grad[1, :3] == 0
-    )  # padding: no gradient
+    # padding: no gradient
+    assert torch.all(leaves[0].grad[1, :3] == 0) and torch.all(leaves[1].grad[1, :3] == 0)
 
 
 def test_gradients_through_state_and_final_state():
@@ -228,7 +212,7 @@ def test_bad_backend():
 )
 def test_cuda_kernel_matches_torch():
     x, dt, A, B, C, D = (t.cuda() for t in _inputs(l=100))
-    mask = _left_padding(2, 100, [0, 7]).cuda()
+    mask = left_padding(2, 100, [0, 7]).cuda()
     ref = selective_scan_chunked(x, dt, A, B, C, mask=mask, D=D, backend="torch")
     out = selective_scan_chunked(x, dt, A, B, C, mask=mask, D=D, backend="auto")
     torch.testing.assert_close(out[0], ref[0], atol=1e-4, rtol=1e-4)

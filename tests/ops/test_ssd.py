@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from attn2ssm.ops.ssd import segsum, ssd_chunked, ssd_quadratic, ssd_sequential, ssd_state, ssd_step
+from op_forms import in_pieces, left_padding
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -16,13 +17,6 @@ def _inputs(b=2, l=37, h=3, p=4, n=5, seed=0, decay=0.3):
     C = torch.randn(b, l, h, n, generator=g) / n**0.5
     D = torch.randn(h, generator=g)
     return x, a, B, C, D
-
-
-def _left_padding(b, l, pads):
-    mask = torch.ones(b, l)
-    for i, p in enumerate(pads):
-        mask[i, :p] = 0
-    return mask
 
 
 def _step_loop(x, a, B, C, D, mask=None, state=None):
@@ -57,7 +51,7 @@ def test_segsum_sums_terms_not_differences_of_prefixes():
 @pytest.mark.parametrize("padded", [False, True])
 def test_all_forms_agree(chunk, padded):
     x, a, B, C, D = _inputs()
-    mask = _left_padding(2, 37, [0, 6]) if padded else None
+    mask = left_padding(2, 37, [0, 6]) if padded else None
     y_q = ssd_quadratic(x, a, B, C, mask=mask, D=D)
     y_c, s_c = ssd_chunked(x, a, B, C, mask=mask, D=D, chunk_size=chunk)
     y_s, s_s = ssd_sequential(x, a, B, C, mask=mask, D=D)
@@ -76,7 +70,7 @@ def test_all_forms_agree(chunk, padded):
 
 def test_matrix_form():
     x, a, B, C, D = _inputs(l=9)
-    mask = _left_padding(2, 9, [0, 2])
+    mask = left_padding(2, 9, [0, 2])
     y, M = ssd_quadratic(x, a, B, C, mask=mask, D=D, return_matrix=True)
     assert M.shape == (2, 3, 9, 9)
     assert torch.all(M.triu(1) == 0)
@@ -100,26 +94,19 @@ def test_state_carry_equals_one_pass(chunk):
     """Prefill in pieces (lengths not multiples of the chunk), starting from a non-zero state."""
     x, a, B, C, D = _inputs(l=40)
     s0 = torch.randn(2, 3, 4, 5)
-    mask = _left_padding(2, 40, [0, 3])
+    mask = left_padding(2, 40, [0, 3])
     full, s_full = ssd_chunked(x, a, B, C, mask=mask, D=D, state=s0, chunk_size=chunk)
     ref, s_ref = ssd_sequential(x, a, B, C, mask=mask, D=D, state=s0)
     torch.testing.assert_close(full, ref, **TOL)
     torch.testing.assert_close(s_full, s_ref, **TOL)
-    state, outs = s0, []
-    for lo, hi in [(0, 13), (13, 14), (14, 40)]:
-        part = slice(lo, hi)
-        y, state = ssd_chunked(
-            x[:, part],
-            a[:, part],
-            B[:, part],
-            C[:, part],
-            mask=mask[:, part],
-            D=D,
-            state=state,
-            chunk_size=chunk,
-        )
-        outs.append(y)
-    torch.testing.assert_close(torch.cat(outs, 1), full, **TOL)
+    pieces, state = in_pieces(
+        lambda t, s: ssd_chunked(
+            x[:, t], a[:, t], B[:, t], C[:, t], mask=mask[:, t], D=D, state=s, chunk_size=chunk
+        ),
+        [13, 14, 40],
+        s0,
+    )
+    torch.testing.assert_close(pieces, full, **TOL)
     torch.testing.assert_close(state, s_full, **TOL)
     y, state = _step_loop(x, a, B, C, D, mask, state=s0)
     torch.testing.assert_close(y, full, **TOL)
@@ -127,7 +114,7 @@ def test_state_carry_equals_one_pass(chunk):
 
 def test_gradients_chunked_match_quadratic():
     leaves = [t.requires_grad_(True) for t in _inputs(l=19)]
-    mask = _left_padding(2, 19, [0, 3])
+    mask = left_padding(2, 19, [0, 3])
     g = torch.randn(2, 19, 3, 4)
     (ssd_quadratic(*leaves[:4], mask=mask, D=leaves[4]) * g).sum().backward()
     ref = [t.grad.clone() for t in leaves]
@@ -238,7 +225,7 @@ def test_state_alone_equals_the_step_at_every_position(padded, start):
     with left padding or not, equals ``ssd_step`` applied token by token up to t, and over all
     tokens equals the chunked form's state: the three ways a state is reached agree."""
     x, a, B, C, D = _inputs(l=9, decay=2.0)
-    mask = _left_padding(2, 9, [0, 3]) if padded else None
+    mask = left_padding(2, 9, [0, 3]) if padded else None
     state = torch.randn(2, 3, 4, 5, generator=torch.Generator().manual_seed(3)) if start else None
     m = torch.ones(2, 9) if mask is None else mask
     stepped = state

@@ -249,9 +249,8 @@ def test_a_runs_card_gains_recipe_budget_and_ratio(tmp_path, monkeypatch):
         json.dumps({"stage": "finetune", "total_tokens": 65536, "loss": 1.0}) + "\n"
     )
     recipe = load_recipe("hybrid50")
-    teacher = (
-        SimpleNamespace()
-    )  # perplexity is faked; None would mean a run that never loaded its teacher (logit cache)
+    # perplexity is faked; None would mean a run that never loaded its teacher (logit cache)
+    teacher = SimpleNamespace()
     report.write_report(
         tmp_path,
         recipe,

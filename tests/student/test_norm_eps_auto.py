@@ -59,9 +59,8 @@ def test_auto_without_a_usable_teacher_eps_is_one_line():
     with pytest.raises(
         ConfigError, match="needs the teacher's rms_norm_eps, and its config has none"
     ) as info:
-        resolve_options(
-            {"mamba2": AUTO}, {"model_type": "some_family", "hidden_size": 64}
-        )  # a config without a norm ε
+        # a config without a norm ε
+        resolve_options({"mamba2": AUTO}, {"model_type": "some_family", "hidden_size": 64})
     assert "\n" not in str(info.value)
 
 

@@ -68,9 +68,8 @@ def test_adapter_finds_attention_heads_and_prefix_tokens(make, prefix, path):
     out, _ = attn(h)
     v = attn.v_proj(h).view(2, -1, 2, 8).transpose(1, 2)
     torch.testing.assert_close(attn.o_proj((probs @ v).transpose(1, 2).flatten(2)), out, atol=1e-5, rtol=1e-4)
-    assert "vit" not in supported_families() and "vit" in supported_families(
-        encoders=True
-    )  # not a causal LM teacher
+    # not a causal LM teacher
+    assert "vit" not in supported_families() and "vit" in supported_families(encoders=True)
 
 
 def test_student_save_reload_and_remote_code_without_attn2ssm(tmp_path):

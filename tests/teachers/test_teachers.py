@@ -264,23 +264,22 @@ def test_a_truncated_student_is_one_line_naming_the_file(tmp_path, llama_dir):
     assert_one_line(
         info, str(damaged / "model.safetensors"), "damaged or incomplete", "rerun the convert / distill"
     )
-    assert load_model_and_tokenizer(str(tmp_path / "student"))[0].config.layer_plan == [
-        "mamba2",
-        "mamba2",
-    ]  # the intact one loads
+    # the intact one loads
+    assert load_model_and_tokenizer(str(tmp_path / "student"))[0].config.layer_plan == ["mamba2", "mamba2"]
 
 
 @pytest.mark.parametrize(
     "head",
     [
         b"GGUF\x03\x00\x00\x00",  # the version, then nothing
+        # a key cut short
         b"GGUF"
         + (3).to_bytes(4, "little")
         + (0).to_bytes(8, "little")
         + (1).to_bytes(8, "little")
         + (20).to_bytes(8, "little")
         + b"general.arch",
-    ],  # a key cut short
+    ],
 )
 def test_a_truncated_gguf_file_is_one_line(tmp_path, head):
     (tmp_path / "cut.gguf").write_bytes(head)

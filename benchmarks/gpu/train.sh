@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 36, the first GPU-trained students, in two back-to-back device calls (the second within the
+# The first GPU-trained students (issue 36), in two back-to-back device calls (the second within the
 # machine's 30 s warm window: ignored files the first leaves in the repo are still there).
-# Prepare here first: bash benchmarks/gpu/prepare.sh train36, then through the device tool:
-#   call 1: carry [".whl", ".g36/part1"]          command: bash benchmarks/gpu/train36.sh 1   timeout_s: 120
-#   call 2: carry [".g36/part2", ".g36/shards"]   command: bash benchmarks/gpu/train36.sh 2   timeout_s: 600
-# Call 1 (~10 s): installs the wheels into .g36run/site, keeps GGUF part 1 in .g36run/, records the GPU.
+# Prepare here first: bash benchmarks/gpu/prepare.sh train, then through the device tool:
+#   call 1: carry [".whl", ".gpu_train/part1"]          command: bash benchmarks/gpu/train.sh 1   timeout_s: 120
+#   call 2: carry [".gpu_train/part2", ".gpu_train/shards"]   command: bash benchmarks/gpu/train.sh 2   timeout_s: 600
+# Call 1 (~10 s): installs the wheels into .gpu_train_run/site, keeps GGUF part 1 in .gpu_train_run/, records the GPU.
 # Call 2 (<= DEADLINE_S, 560 s): joins the GGUF and checks its SHA-256, converts it to an HF teacher,
 #   while fla's bf16 gated delta-rule form is checked against the CPU's fp32 form in the background (a
 #   failure sends every run to the torch forms); the teacher samples GEN_PROBE tokens on the GPU (its
@@ -19,16 +19,16 @@
 #   at NEEDLE_LENGTHS with 20 trials per length (5 depths x 4). Not the whole --suite: its task pack
 #   (52 MiB) and lm-eval's wheels do not fit the two calls' carry beside the teacher (README: "The
 #   first GPU run").
-# $OUT gets results36.json (device, versions, tokens, wall time, tokens/s, MFU, evaluation),
-# train36.log, and each run's metrics.jsonl (copied every 10 s while it trains). The run directories
-# stay in .g36run/runs/ (resumable: attn2ssm distill --out DIR --resume, while the machine is warm).
+# $OUT gets results.json (device, versions, tokens, wall time, tokens/s, MFU, evaluation),
+# train.log, and each run's metrics.jsonl (copied every 10 s while it trains). The run directories
+# stay in .gpu_train_run/runs/ (resumable: attn2ssm distill --out DIR --resume, while the machine is warm).
 # CPU smoke test: DEVICE=cpu TEACHER_DIR=<tiny teacher> ... (README).
 set -uo pipefail
 CALL=${1:?call 1 or 2}
 T0=$(date +%s)
-OUT=${OUT:-/tmp/attn2ssm-g36}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/attn2ssm-gpu-train}; mkdir -p "$OUT"
 PY=${PY:-python3}
-WORK=${WORK:-.g36run}; mkdir -p "$WORK"
+WORK=${WORK:-.gpu_train_run}; mkdir -p "$WORK"
 DEVICE=${DEVICE:-cuda}
 KERNELS=${KERNELS:-$([ "$DEVICE" = cpu ] && echo torch || echo fla)}  # call 2 falls back to torch if the fla probe fails
 PRECISION=${PRECISION:-$([ "$DEVICE" = cpu ] && echo no || echo bf16)}
@@ -48,7 +48,7 @@ WINDOWS=${WINDOWS:-1024,2048,4096}
 MIX=${MIX:-gen:0.1,sotu:0.45,moby-dick:0.25,recall:0.1,recall-long:0.1}  # NAME:WEIGHT (below)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 ATTN2SSM_CACHE=${ATTN2SSM_CACHE:-$PWD/$WORK/cache}
 [ -d "$WORK/site" ] && export PYTHONPATH=$PWD/$WORK/site:$PWD/src || export PYTHONPATH=$PWD/src
-LOG=$OUT/train36.log
+LOG=$OUT/train.log
 log() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
 left() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
 gguf_name=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -58,7 +58,7 @@ if [ "$CALL" = 1 ]; then
   if [ -d .whl ]; then
     timeout 90 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl || { log "pip install failed"; exit 1; }
   fi
-  cp .g36/part1/* "$WORK/" && (cd "$WORK" && sha256sum -c parts.sha256) | tee -a "$LOG" || { log "part 1 damaged"; exit 1; }
+  cp .gpu_train/part1/* "$WORK/" && (cd "$WORK" && sha256sum -c parts.sha256) | tee -a "$LOG" || { log "part 1 damaged"; exit 1; }
   mv "$WORK/parts.sha256" "$WORK/part1.sha256"
   PYTHONPATH=$PWD/$WORK/site:$PWD/src $PY -c "import torch, triton, transformers, gguf; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'gguf', __import__('importlib.metadata').metadata.version('gguf'), 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$LOG"
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
@@ -87,7 +87,7 @@ fi
 finish() {
   kill "$COPIER" 2>/dev/null
   for r in "$WORK"/runs/*/; do [ -f "$r/metrics.jsonl" ] && cp "$r/metrics.jsonl" "$OUT/metrics_$(basename "$r").jsonl"; done
-  timeout 60 $PY benchmarks/gpu/run36.py results "$OUT/results36.json" --work "$WORK" --teacher "${TEACHER:-}" --kernels "$KERNELS" --precision "$PRECISION" 2>&1 | tee -a "$LOG"
+  timeout 60 $PY benchmarks/gpu/train_plan.py results "$OUT/results.json" --work "$WORK" --teacher "${TEACHER:-}" --kernels "$KERNELS" --precision "$PRECISION" 2>&1 | tee -a "$LOG"
   log "call 2 ended"
 }
 trap finish EXIT
@@ -99,11 +99,11 @@ if [ -n "${TEACHER_DIR:-}" ]; then  # smoke tests: a given HF teacher, no GGUF
 else
   log "joining the GGUF"
   dest=$ATTN2SSM_CACHE/teachers/smollm2-135m; mkdir -p "$dest"
-  cp .g36/part2/*.part1 "$WORK/" || { log "part 2 missing"; exit 1; }
-  (cd .g36/part2 && sha256sum -c parts.sha256) || { log "part 2 damaged"; exit 1; }
+  cp .gpu_train/part2/*.part1 "$WORK/" || { log "part 2 missing"; exit 1; }
+  (cd .gpu_train/part2 && sha256sum -c parts.sha256) || { log "part 2 damaged"; exit 1; }
   [ -f "$WORK/$gguf_name.xz.part0" ] || { log "part 1 missing: call 1 did not run on this machine (or it went back): run call 1 again"; exit 1; }
   cat "$WORK/$gguf_name.xz.part0" "$WORK/$gguf_name.xz.part1" | xz -d > "$dest/$gguf_name" || { log "xz failed"; exit 1; }
-  gsum=$PWD/.g36/part2/gguf.sha256
+  gsum=$PWD/.gpu_train/part2/gguf.sha256
   (cd "$dest" && sha256sum -c "$gsum") | tee -a "$LOG" || { log "GGUF SHA-256 differs"; exit 1; }
   log "converting the GGUF to an HF teacher"
   TEACHER=$(timeout 180 $PY -c "from attn2ssm.teachers.text import _builtin_hf_dir; print(_builtin_hf_dir('smollm2-135m'))" | tail -1) || { log "conversion failed"; exit 1; }
@@ -113,7 +113,7 @@ log "teacher: $TEACHER"; mark teacher
 [ "${STOP_AFTER:-}" = teacher ] && exit 0  # smoke tests of the join and conversion alone
 
 # ---- the generated corpus: a probe measures the sampling rate, then GEN_S seconds of it
-SH=.g36/shards
+SH=.gpu_train/shards
 rm -rf "$WORK/gen-probe" "$WORK/gen"
 timeout 120 $PY -m attn2ssm data shards "generated:$GEN_PROBE?batch=$GEN_BATCH&length=$GEN_LEN" --teacher "$TEACHER" --out "$WORK/gen-probe" \
   --device "$DEVICE" --no-progress 2>&1 | tail -n 8 | tee -a "$LOG"
@@ -145,24 +145,24 @@ if [ -n "$CHECK_PID" ]; then
 fi
 for base in $RECIPES; do
   probe=$WORK/probe-$base; rm -rf "$probe" "$probe.yaml"
-  $PY benchmarks/gpu/run36.py recipe "$base" "$probe.yaml" --teacher "$TEACHER" --sources "$SOURCES" --block-len 1024 --step-tokens "$STEP_TOKENS" \
+  $PY benchmarks/gpu/train_plan.py recipe "$base" "$probe.yaml" --teacher "$TEACHER" --sources "$SOURCES" --block-len 1024 --step-tokens "$STEP_TOKENS" \
     --tokens $(( PROBE_STEPS * STEP_TOKENS )),$(( PROBE_STEPS * STEP_TOKENS )) --precision "$PRECISION" --eval-tokens 2048 | tee -a "$LOG"
   run_probe() { rm -rf "$probe"; timeout 150 $PY -m attn2ssm distill "$probe.yaml" --out "$probe" --kernels "$KERNELS" --no-progress 2>&1 | tail -n 5 | tee -a "$LOG"; }
   if ! run_probe && [ "$KERNELS" = fla ]; then
     log "$base: the probe failed with kernels fla: every run from here uses the torch forms"
     KERNELS=torch; run_probe
   fi
-  $PY benchmarks/gpu/run36.py rates "$probe/metrics.jsonl" > "$probe.rates.json" || { log "probe failed"; exit 1; }
+  $PY benchmarks/gpu/train_plan.py rates "$probe/metrics.jsonl" > "$probe.rates.json" || { log "probe failed"; exit 1; }
   mark "probe $base"
   # seconds for this recipe's training: what is left, less the evaluation and the runs' fixed costs, shared by the recipes still to run
   share=$(( ( $(left) - EVAL_S * n_recipes - 2 * OVERHEAD_S * n_recipes ) / n_recipes ))
   [ "$share" -lt 20 ] && share=20
   main_s=$($PY -c "print(int($share * (1 - $FINAL_SHARE)))"); final_s=$($PY -c "print(int($share * $FINAL_SHARE))")
-  read -r t1 t2 t3 < <($PY benchmarks/gpu/run36.py plan "$probe.rates.json" --seconds "$main_s" --final-seconds "$final_s" --max-tokens "$MAX_TOKENS" --long-factor "$LONG_FACTOR" --recipe "$base")
+  read -r t1 t2 t3 < <($PY benchmarks/gpu/train_plan.py plan "$probe.rates.json" --seconds "$main_s" --final-seconds "$final_s" --max-tokens "$MAX_TOKENS" --long-factor "$LONG_FACTOR" --recipe "$base")
   [ -n "${t3:-}" ] || { log "$base: no budgets (the probe measured no stage's rate)"; continue; }
   log "$base: $share s of training: stage 1 $t1, stage 2 $t2 tokens (1024), final $t3 tokens (4096); rates $(tr -d '\n ' < "$probe.rates.json")"
   run=$WORK/runs/$base; final=$WORK/runs/$base-final4096
-  $PY benchmarks/gpu/run36.py recipe "$base" "$run.yaml" --teacher "$TEACHER" --sources "$SOURCES" --block-len 1024 --step-tokens "$STEP_TOKENS" \
+  $PY benchmarks/gpu/train_plan.py recipe "$base" "$run.yaml" --teacher "$TEACHER" --sources "$SOURCES" --block-len 1024 --step-tokens "$STEP_TOKENS" \
     --tokens "$t1,$t2" --precision "$PRECISION" | tee -a "$LOG"
   timeout $(( main_s + OVERHEAD_S + 60 )) $PY -m attn2ssm distill "$run.yaml" --out "$run" --kernels "$KERNELS" --no-progress 2>&1 | tail -n 12 | tee -a "$LOG"
   mark "main $base"
@@ -172,10 +172,10 @@ for base in $RECIPES; do
   recipes_after=$(( n_recipes - $(echo $RECIPES | tr ' ' '\n' | grep -n -x "$base" | cut -d: -f1) ))
   final_s=$(( $(left) - EVAL_S * (recipes_after + 1) - OVERHEAD_S - share * recipes_after ))
   [ "$final_s" -lt 10 ] && final_s=10
-  $PY benchmarks/gpu/run36.py rates "$run/metrics.jsonl" > "$run.rates.json" && \
-    read -r _ _ t3 < <($PY benchmarks/gpu/run36.py plan "$run.rates.json" --seconds 0 --final-seconds "$final_s" --max-tokens "$MAX_TOKENS" --long-factor "$LONG_FACTOR" --first-share 0.5)
+  $PY benchmarks/gpu/train_plan.py rates "$run/metrics.jsonl" > "$run.rates.json" && \
+    read -r _ _ t3 < <($PY benchmarks/gpu/train_plan.py plan "$run.rates.json" --seconds 0 --final-seconds "$final_s" --max-tokens "$MAX_TOKENS" --long-factor "$LONG_FACTOR" --first-share 0.5)
   log "$base: final stage: $final_s s, $t3 tokens (4096)"
-  $PY benchmarks/gpu/run36.py recipe "$base" "$final.yaml" --teacher "$TEACHER" --sources "$SOURCES" --block-len 4096 --step-tokens "$STEP_TOKENS" \
+  $PY benchmarks/gpu/train_plan.py recipe "$base" "$final.yaml" --teacher "$TEACHER" --sources "$SOURCES" --block-len 4096 --step-tokens "$STEP_TOKENS" \
     --tokens "$t3" --init-from "$run/student" --precision "$PRECISION" | tee -a "$LOG"
   timeout $(( final_s + OVERHEAD_S + 60 )) $PY -m attn2ssm distill "$final.yaml" --out "$final" --kernels "$KERNELS" --no-progress 2>&1 | tail -n 12 | tee -a "$LOG"
   mark "final $base"

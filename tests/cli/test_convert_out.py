@@ -154,9 +154,10 @@ def test_an_unwritable_out_is_one_line_before_the_teacher_loads_or_while_writing
 
     out = tmp_path / "new" / "out"
     real_access, real_load = os.access, attn2ssm.teachers.load_teacher
+    # as if tmp_path were read-only
     monkeypatch.setattr(
         os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode)
-    )  # as if tmp_path were read-only
+    )
     monkeypatch.setattr(
         attn2ssm.teachers,
         "load_teacher",
@@ -172,9 +173,8 @@ def test_an_unwritable_out_is_one_line_before_the_teacher_loads_or_while_writing
     monkeypatch.setattr(os, "access", real_access)
     monkeypatch.setattr(attn2ssm.teachers, "load_teacher", real_load)
 
-    def denied(
-        self, directory, *args, **kwargs
-    ):  # access(2) said yes, the write says no (ACLs, NFS root squash, a race)
+    # access(2) said yes, the write says no (ACLs, NFS root squash, a race)
+    def denied(self, directory, *args, **kwargs):
         raise PermissionError(
             errno.EACCES, os.strerror(errno.EACCES), str(Path(directory) / "model.safetensors")
         )

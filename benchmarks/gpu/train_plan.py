@@ -1,18 +1,18 @@
-"""The helpers of benchmarks/gpu/train36.sh (issue 36, the first GPU-trained students): the recipes it
+"""The helpers of benchmarks/gpu/train.sh (the first GPU-trained students, issue 36): the recipes it
 runs, their token budgets from measured rates, and one results JSON.
 
-    python benchmarks/gpu/run36.py recipe BASE OUT.yaml --teacher DIR --sources DIR:W,... --block-len N
+    python benchmarks/gpu/train_plan.py recipe BASE OUT.yaml --teacher DIR --sources DIR:W,... --block-len N
                                    --step-tokens S --tokens T1[,T2] [--init-from STUDENT] [--precision bf16]
-    python benchmarks/gpu/run36.py rates METRICS.jsonl            median tokens/s per stage (steps after the first two)
-    python benchmarks/gpu/run36.py plan PROBE.json --seconds S --final-seconds F [--safety 0.8] [--long-factor 0.8]
-    python benchmarks/gpu/run36.py results OUT.json --work DIR ...   device, versions, tokens, wall time, tokens/s, MFU
+    python benchmarks/gpu/train_plan.py rates METRICS.jsonl            median tokens/s per stage (steps after the first two)
+    python benchmarks/gpu/train_plan.py plan PROBE.json --seconds S --final-seconds F [--safety 0.8] [--long-factor 0.8]
+    python benchmarks/gpu/train_plan.py results OUT.json --work DIR ...   device, versions, tokens, wall time, tokens/s, MFU
 
 Budgets: a probe run of a few steps per stage gives each stage's tokens/s (r1 for the first stage,
 r2 for the KD stage); the main run's T tokens split as the base recipe splits its two stages (share
 f to the first: gdn_hybrid25 3:1, f = 0.75) take T * (f / r1 + (1 - f) / r2) seconds, so
 T = safety * S / (f / r1 + (1 - f) / r2); the final KD stage
 on 4096-token blocks gets safety * F * r2 * long_factor tokens (long_factor: the 4096-token rate as
-a share of the 1024-token one; train36.sh plans it after the main run, from that run's own rates,
+a share of the 1024-token one; train.sh plans it after the main run, from that run's own rates,
 with LONG_FACTOR = 0.25: the third GPU run measured 0.18).
 
 MFU: model FLOPs per training token of a KD step = 2 N_teacher (the frozen teacher's forward) +
@@ -70,9 +70,8 @@ def cmd_recipe(args) -> None:
     for item in args.sources.split(","):
         folder, _, weight = item.rpartition(":")
         manifest = json.loads((Path(folder) / "manifest.json").read_text())
-        if (
-            sum(f["tokens"] for f in manifest["sides"]["train"]) < 4 * args.block_len
-        ):  # too few tokens for blocks of this length
+        # too few tokens for blocks of this length
+        if sum(f["tokens"] for f in manifest["sides"]["train"]) < 4 * args.block_len:
             print(f"leaving out {folder}: fewer than 4 blocks of {args.block_len} tokens")
             continue
         sources.append({"corpus": f"shards:{folder}", "weight": float(weight)})
