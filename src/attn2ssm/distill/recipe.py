@@ -20,7 +20,10 @@ import yaml
 from attn2ssm.adapters import get_adapter
 from attn2ssm.config import apply_overrides, from_dict, load_yaml
 from attn2ssm.data import check_block_len
+from attn2ssm.data.builtin import names as builtin_corpora
 from attn2ssm.data.sources import (
+    MIX_PREFIX,
+    MIXTURES,
     expand_mixture,
     is_chat,
     is_generated,
@@ -289,11 +292,23 @@ def load_recipe(name_or_path: str | None = None, overrides: list[str] | None = N
 def recipe_from_dict(raw: dict, overrides: list[str] | None = None) -> Recipe:
     """A validated recipe from its dict form (a YAML file's), with ``--set`` overrides applied."""
     raw = apply_overrides(copy.deepcopy(raw), overrides)
+    _check_corpus_given(raw)
     if raw.get("mixed_precision") is False:  # YAML 1.1 reads a bare `no` as false
         raw["mixed_precision"] = "no"
     recipe = from_dict(Recipe, raw, "recipe")
     validate(recipe)
     return recipe
+
+
+def _check_corpus_given(raw: dict) -> None:
+    """``data.corpus: null`` with no ``data.sources`` names nothing to train on (left out, it is sotu)."""
+    data = raw.get("data")
+    if isinstance(data, dict) and "corpus" in data and data["corpus"] is None and not data.get("sources"):
+        raise ConfigError(
+            "data.corpus is null and data.sources lists nothing, so the recipe names no corpus",
+            f"set data.corpus to a built-in corpus ({', '.join([*builtin_corpora(), *(MIX_PREFIX + m for m in MIXTURES)])}), a file or "
+            "folder, hf:<dataset>, generated:<n_tokens> or chat:<corpus>, or list data.sources",
+        )
 
 
 # What `--set` may change on `--resume`: settings that leave the steps already taken as they were.
@@ -596,9 +611,12 @@ def validate_for_teacher(recipe: Recipe, config) -> None:
     adapter = get_adapter(config)
     limit = getattr(config, "max_position_embeddings", None)
     check_block_len(recipe.data.block_len, limit)
-    for stage in recipe.stages:
-        if stage.block_len is not None:
-            check_block_len(stage.block_len, limit)
+    for i, stage in enumerate(recipe.stages):
+        if stage.block_len is not None and limit is not None and stage.block_len > limit:
+            raise ConfigError(
+                f"stages[{i}] ({stage.name}): block_len {stage.block_len} exceeds the teacher's maximum of {limit} positions",
+                f"set stages.{i}.block_len to at most {limit}, or null for data.block_len",
+            )
     if limit is not None and (recipe.eval.window or 0) > limit:
         raise ConfigError(
             f"eval.window {recipe.eval.window} exceeds the teacher's maximum of {limit} positions",
