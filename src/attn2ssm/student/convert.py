@@ -74,9 +74,8 @@ def _config_for_depth(config, source: list[int]) -> dict:
     for name in _LAYER_COUNTS:  # the map is non-decreasing, so "first m layers" stays a prefix
         if isinstance(d.get(name), int):
             d[name] = sum(j < d[name] for j in source)
-    if d.get(
-        "scale_attn_by_inverse_layer_idx"
-    ):  # GPT-2 scales attention by 1/(layer index + 1): tied to the index
+    # GPT-2 scales attention by 1/(layer index + 1): tied to the index
+    if d.get("scale_attn_by_inverse_layer_idx"):
         raise ConfigError(
             "the teacher scales attention by its layer index (scale_attn_by_inverse_layer_idx)",
             "convert at the teacher's depth (depth: null)",
@@ -107,9 +106,8 @@ def _state_for_depth(
     if teacher_paths == student_paths and source == list(range(len(teacher_paths))):
         return state
     t_prefixes = [_layer_prefix(p) for p in teacher_paths]
-    out = {
-        k: v for k, v in state.items() if not k.startswith(tuple(t_prefixes))
-    }  # embeddings, final norm, head
+    # embeddings, final norm, head
+    out = {k: v for k, v in state.items() if not k.startswith(tuple(t_prefixes))}
     for i, j in enumerate(source):
         t, s = t_prefixes[j], _layer_prefix(student_paths[i])
         out.update({s + k[len(t) :]: v for k, v in state.items() if k.startswith(t)})
@@ -192,9 +190,8 @@ def convert(
     )
     param = next(teacher.parameters())
     student = Attn2SSMForCausalLM(student_config).to(dtype=param.dtype, device=param.device)
-    keep_fp32_parameters(
-        student
-    )  # a half-precision teacher: A_log / D stay float32, as from_pretrained keeps them
+    # a half-precision teacher: A_log / D stay float32, as from_pretrained keeps them
+    keep_fp32_parameters(student)
     state = _state_for_depth(teacher.state_dict(), paths, student_paths, source)
     _load_teacher_state(student, state)
     for i, mixer in student.mixers().items():
