@@ -34,7 +34,8 @@ TEACHER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def check_corpus_given(raw: dict) -> None:
-    """The raw recipe (before its dataclasses fill defaults): ``data.corpus: null`` with no ``data.sources`` names nothing to train on (left out, it is sotu)."""
+    """The raw recipe, before its dataclasses fill defaults: ``data.corpus: null`` with no
+    ``data.sources`` names nothing to train on (left out, the corpus is sotu)."""
     data = raw.get("data")
     corpora = [*builtin_corpora(), *(MIX_PREFIX + name for name in MIXTURES)]
     if isinstance(data, dict) and "corpus" in data and data["corpus"] is None and not data.get("sources"):
