@@ -92,7 +92,10 @@ def _convert(tp, value, where: str):
     if tp is int and isinstance(value, float) and value.is_integer():
         return int(value)
     if tp in (int, float, str, bool) and not isinstance(value, tp):
-        raise ConfigError(f"{where} must be {tp.__name__}, got {value!r}", f"set {where} to a {tp.__name__}")
+        article = "an" if tp.__name__[0] in "aeiou" else "a"
+        raise ConfigError(
+            f"{where} must be {tp.__name__}, got {value!r}", f"set {where} to {article} {tp.__name__}"
+        )
     return value
 
 

@@ -65,12 +65,33 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def staging_dir(target: Path, purpose: str) -> Path:
-    """A new hidden folder beside ``target`` to build it in: ``.{name}.{purpose}-XXXXXXXX.{pid}@{host}``."""
+    """A new hidden folder beside ``target`` to build it in: ``.{name}.{purpose}-XXXXXXXX.{pid}@{host}``,
+    with the permissions the umask gives a new folder (mkdtemp's are 0700), as it will have in place."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(
+    folder = Path(
         tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.{purpose}-", suffix=f".{owner_tag()}")
     )
+    folder.chmod(0o777 & ~_umask())
+    return folder
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(folder: Path) -> None:
+    """Give ``folder`` and everything under it the permissions the umask gives new files and
+    folders (0755 / 0644 under umask 022; an executable file keeps its x bits): what a writer that
+    creates private temporary files (mkdtemp, safetensors' 0600) leaves, made as a plain write's."""
+    mask = _umask()
+    for path in [Path(folder), *Path(folder).rglob("*")]:
+        if path.is_symlink():
+            continue
+        mode = 0o777 if path.is_dir() or path.stat().st_mode & 0o100 else 0o666
+        path.chmod(mode & ~mask)
 
 
 @contextlib.contextmanager

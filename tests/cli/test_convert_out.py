@@ -196,3 +196,79 @@ def test_a_killed_converts_staging_is_removed_and_a_live_ones_kept(teacher_dir, 
         (staging / "model.safetensors").write_bytes(b"\0" * 4096)
     assert _convert(teacher_dir, tmp_path / "out") == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name])
+
+
+# ------------------------------------------------------------------ issue 46: options, seed, one writer, modes, staging
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--option", "window=abc"], "option window='abc' is not an integer >= 0"),
+        (["--option", "chunk_size=abc"], "option chunk_size='abc' is not a positive integer"),
+        (["--option", "chunk_size=0"], "option chunk_size=0 is not a positive integer"),
+        (["--mixer", "mamba", "--option", "dt_min=abc"], "option dt_min='abc' is not a positive number"),
+    ],
+)
+def test_a_mixer_option_of_the_wrong_type_is_one_line_before_the_teacher_loads(
+    teacher_dir, tmp_path, monkeypatch, capsys, flags, needle
+):
+    import attn2ssm.teachers
+
+    monkeypatch.setattr(
+        attn2ssm.teachers, "load_teacher", lambda *a, **k: pytest.fail("the teacher loaded for a bad option")
+    )
+    assert _convert(teacher_dir, tmp_path / "out", *flags) == 2
+    line = _one_error_line(capsys)
+    assert needle in line and "set " in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, not even --out
+
+
+def test_the_seed_makes_the_new_weights_the_same_each_time(teacher_dir, tmp_path):
+    """mamba2's Δ bias and A are drawn at random: the default seed (0) gives the same bytes twice, another seed others."""
+    for name, flags in (("a", []), ("b", []), ("c", ["--seed", "1"])):
+        assert _convert(teacher_dir, tmp_path / name, "--mixer", "mamba2", *flags) == 0
+    weights = {name: (tmp_path / name / "model.safetensors").read_bytes() for name in "abc"}
+    assert weights["a"] == weights["b"] and weights["a"] != weights["c"]
+
+
+def test_a_second_convert_into_a_held_out_is_refused(teacher_dir, tmp_path, capsys):
+    from attn2ssm.paths import LOCK, lock_dir
+
+    out = tmp_path / "out"
+    held = lock_dir(out)  # as a first convert (or a run) still writing there holds it
+    try:
+        capsys.readouterr()
+        assert _convert(teacher_dir, out) == 2
+        line = _one_error_line(capsys)
+        assert "another process" in line and f"is using {out}" in line, line
+        assert sorted(p.name for p in out.iterdir()) == [LOCK]  # the second wrote nothing
+    finally:
+        held.close()
+    (out / LOCK).unlink()
+    assert _convert(teacher_dir, out) == 0  # once the first is done
+    assert (out / "config.json").is_file() and not (out / LOCK).exists()  # no lock file in a student
+
+
+@pytest.mark.parametrize(("umask", "folder", "file"), [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
+def test_the_student_gets_the_umasks_permissions(teacher_dir, tmp_path, umask, folder, file):
+    old = os.umask(umask)
+    try:
+        assert _convert(teacher_dir, tmp_path / "out") == 0
+        assert _convert(teacher_dir, tmp_path / "out", "--mixer", "mamba2", "--force") == 0
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    assert out.stat().st_mode & 0o777 == folder
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (out / name).stat().st_mode & 0o777 == file, name
+
+
+def test_a_killed_converts_staging_is_removed_by_a_convert_that_is_refused(teacher_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert _convert(teacher_dir, out) == 0
+    stale = tmp_path / f".out.convert-abc123.{_dead_pid()}@{socket.gethostname()}"  # a killed convert --force
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"\0" * 4096)
+    capsys.readouterr()
+    assert _convert(teacher_dir, out, "--mixer", "mamba2") == 2  # no --force: refused
+    assert "already holds" in _one_error_line(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -166,10 +166,10 @@ def test_image_recipes_take_encoder_mixers_only():
                 "data.block_len=32",
                 "eval.window=32",
                 "student.mixer=mamba2",
-                "student.mixer_options={norm: true, norm_eps: auto, d_conv: -3}",
+                "student.mixer_options={norm: true, norm_eps: auto, conv_activation: relu}",
             ],
             ConfigError,
-            ("d_conv=-3 is not a valid kernel size",),
+            ("conv_activation='relu' is not supported",),
         ),
     ],
 )
@@ -252,3 +252,44 @@ def test_schedules():
     assert w(50) == 1.0 and w(79) == 1.0 and w(89) == pytest.approx(0.5) and w(99) == pytest.approx(0.0)
     c = lr_multiplier("constant", 10, 0)
     assert all(c(i) == 1.0 for i in range(10))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["student.mixer_options.window=abc"], "option window='abc' is not an integer >= 0"),
+        (["student.mixer_options.chunk_size=abc"], "option chunk_size='abc' is not a positive integer"),
+        (["student.mixer_options.chunk_size=0"], "option chunk_size=0 is not a positive integer"),
+        (
+            ["student.mixer=mamba", "student.mixer_options={dt_min: abc}"],
+            "option dt_min='abc' is not a positive number",
+        ),
+        (
+            ["student.mixer=mamba2", "student.mixer_options={d_conv: -3}"],
+            "option d_conv=-3 is not an integer >= 0",
+        ),
+    ],
+)
+def test_mixer_option_types_fail_when_the_recipe_loads(overrides, needle):
+    """The type check ``convert --option`` makes (mixers/options.py), before any teacher is read."""
+    with pytest.raises(ConfigError) as err:
+        load_recipe("quickstart", overrides)
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_null_corpus_with_no_sources_is_an_error_naming_the_choices():
+    with pytest.raises(ConfigError) as err:
+        load_recipe("quickstart", ["data.corpus=null"])
+    msg = str(err.value)
+    assert "data.corpus is null" in msg and "sotu" in msg and "mix:general" in msg and "data.sources" in msg
+    assert "\n" not in msg
+    mixture = load_recipe("quickstart", ["data.corpus=null", "data.sources=[{corpus: sotu}, {corpus: kjv}]"])
+    assert mixture.data.corpus is None and len(mixture.data.sources) == 2
+    assert Recipe().data.corpus == "sotu"  # left out, it is still the default
+
+
+def test_a_type_error_names_the_type_with_its_article():
+    with pytest.raises(ConfigError, match="set recipe.data.block_len to an int$"):
+        load_recipe("quickstart", ["data.block_len=abc"])
+    with pytest.raises(ConfigError, match="set recipe.teacher to a str$"):
+        load_recipe("quickstart", ["teacher=[1, 2]"])

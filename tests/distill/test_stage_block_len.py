@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from attn2ssm.data import load_training_data
-from attn2ssm.distill.recipe import builtin_recipes, load_recipe
+from attn2ssm.distill.recipe import builtin_recipes, load_recipe, validate_for_teacher
 from attn2ssm.distill.trainer import Distiller
 from attn2ssm.errors import ConfigError
-from tiny_models import BASE_RECIPE, make_tokenizer
+from tiny_models import BASE_RECIPE, make_tokenizer, tiny_config
 
 STAGES = (
     "[{name: short, kind: kd, tokens: 256, batch_size: 4, save_every: 0},"
@@ -87,3 +87,19 @@ def test_the_25_percent_hybrids_carry_an_optional_long_stage():
         assert load_recipe(name, ["stages.2.tokens=32768"]).stages[2].tokens == 32768
     assert all(s.block_len is None for s in load_recipe("quickstart").stages)  # the demo is unchanged
     assert all(s.tokens > 0 for s in load_recipe("quickstart").stages) and "quickstart" in builtin_recipes()
+
+
+def test_a_stage_block_len_past_the_teachers_positions_names_the_stages_key():
+    config = tiny_config("llama")
+    config.max_position_embeddings = 64
+    stages = "stages=[{name: short, kind: kd}, {name: long, kind: kd, block_len: 128}]"
+    recipe = load_recipe(BASE_RECIPE, ["data.block_len=32", "eval.window=32", stages])
+    with pytest.raises(ConfigError) as err:
+        validate_for_teacher(recipe, config)
+    msg = str(err.value)
+    assert "stages[1] (long): block_len 128 exceeds the teacher's maximum of 64 positions" in msg, msg
+    assert "set stages.1.block_len to at most 64" in msg and "lower data.block_len" not in msg
+    assert "\n" not in msg
+    validate_for_teacher(
+        load_recipe(BASE_RECIPE, ["data.block_len=32", "eval.window=32", stages.replace("128", "64")]), config
+    )

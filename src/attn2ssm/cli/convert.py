@@ -7,7 +7,16 @@ from pathlib import Path
 
 from attn2ssm.config import parse_value
 from attn2ssm.errors import ConfigError
-from attn2ssm.paths import check_writable, remove_stale_staging, replace_dir, staging_beside, writing
+from attn2ssm.paths import (
+    LOCK,
+    apply_umask,
+    check_writable,
+    lock_dir,
+    remove_stale_staging,
+    replace_dir,
+    staging_beside,
+    writing,
+)
 from attn2ssm.teachers import load_teacher, resolve_teacher
 
 
@@ -41,6 +50,13 @@ def add_parser(subparsers) -> None:
     c.add_argument(
         "--option", action="append", help="mixer option key=value (repeatable), e.g. feature_map=elu"
     )
+    c.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the weights not taken from the teacher (new mixer parameters, --init random): "
+        "the same teacher, flags and seed give the same student (default 0)",
+    )
     c.add_argument("--out", required=True)
     c.add_argument(
         "--force",
@@ -56,32 +72,60 @@ def run(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file", "give a directory for the student")
-    held = _held_model(out)
-    if (
-        held and not args.force
-    ):  # as distill never overwrites a run: a trained student is not replaced silently
-        raise ConfigError(
-            f"--out {out} already holds {held}", "pass --force to replace it, or choose another --out"
-        )
     resolve_teacher(args.teacher)  # a missing path fails here, before torch/transformers load
     check_writable(out, beside=True)  # and so does an --out that cannot be written
-    remove_stale_staging(out.parent)  # what a killed convert / export left beside it
+    made, had_lock = not out.exists(), (out / LOCK).exists()
+    lock = lock_dir(out)  # one convert (or run) at a time in --out: a second one is refused
+    try:
+        remove_stale_staging(out.parent)  # what a killed convert / export left beside it
+        held = _held_model(out)
+        # as distill never overwrites a run: a trained student is not replaced silently
+        if held and not args.force:
+            raise ConfigError(
+                f"--out {out} already holds {held}", "pass --force to replace it, or choose another --out"
+            )
+        from attn2ssm.mixers.registry import check_mixer_options  # torch + the mixers
+
+        options = check_mixer_options(args.mixer, options)  # before the teacher loads
+        plan = _convert_and_write(args, out, keep, options, replace=bool(held))
+    finally:
+        _release(lock, out, made=made, had_lock=had_lock)
+    kept = [i for i, k in enumerate(plan) if k == "attention"]
+    print(
+        f"wrote {out}: {len(plan) - len(kept)}/{len(plan)} layers → {args.mixer}, attention kept at {kept or 'none'}"
+    )
+    return 0
+
+
+def _convert_and_write(args, out: Path, keep: list[int] | None, options: dict, replace: bool) -> list[str]:
+    """Load the teacher, build the student (its new weights drawn from ``--seed``) and write it to
+    ``out``. Returns the layer plan."""
+    import torch
 
     from attn2ssm.student.convert import convert  # heavy: torch + transformers
 
     teacher, tokenizer, source = load_teacher(args.teacher, check_supported=True)
+    torch.manual_seed(args.seed)
     plan = (
         _auto_plan(args, teacher, tokenizer, options) if args.keep == "auto" else _plan(args, teacher, keep)
     )
     student = convert(
         teacher, plan, {args.mixer: options}, teacher_info={"source": source.describe()}, init=args.init
     )
-    _write_student(student, tokenizer, out, replace=bool(held))
-    kept = [i for i, k in enumerate(plan) if k == "attention"]
-    print(
-        f"wrote {out}: {len(plan) - len(kept)}/{len(plan)} layers → {args.mixer}, attention kept at {kept or 'none'}"
-    )
-    return 0
+    _write_student(student, tokenizer, out, replace=replace)
+    return plan
+
+
+def _release(lock, out: Path, *, made: bool, had_lock: bool) -> None:
+    """Let go of ``out``: the lock file this convert made goes (a student folder carries none), and
+    so does ``out`` itself if this convert made it and wrote nothing there."""
+    if lock is None:
+        return
+    if not had_lock:
+        (out / LOCK).unlink(missing_ok=True)
+    lock.close()
+    if made and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
 
 
 def _keep(text: str | None) -> list[int] | None:
@@ -166,7 +210,8 @@ def _write_student(student, tokenizer, out: Path, replace: bool) -> None:
     ):
         student.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if replace or not out.exists() or not any(out.iterdir()):
+        apply_umask(staging)  # 0755 / 0644 under umask 022, not mkdtemp's and safetensors' private modes
+        if replace or not out.exists() or not [p for p in out.iterdir() if p.name != LOCK]:
             replace_dir(staging, out)
         else:
             for path in staging.iterdir():

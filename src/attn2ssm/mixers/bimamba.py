@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn2ssm.errors import ConfigError
+from attn2ssm.mixers.options import PositiveFloat, PositiveInt
 from attn2ssm.mixers.ssm_common import A_log_identity, CausalConv, dt_bias_init
 from attn2ssm.mixers.taps import Tap
 from attn2ssm.ops.bidirectional import bidirectional_scan_chunked
@@ -61,15 +62,15 @@ class BiMambaMixer(nn.Module):
         self,
         geometry: dict,
         layer_idx: int,
-        d_state: int = 16,
-        expand: int = 2,
-        dt_rank: int | None = None,
-        d_conv: int = 4,
-        dt_min: float = 1e-3,
-        dt_max: float = 0.1,
+        d_state: PositiveInt = 16,
+        expand: PositiveInt = 2,
+        dt_rank: PositiveInt | None = None,
+        d_conv: PositiveInt = 4,
+        dt_min: PositiveFloat = 1e-3,
+        dt_max: PositiveFloat = 0.1,
         A_init: float | None = None,
         cls_position: str = "middle",
-        chunk_size: int = 64,
+        chunk_size: PositiveInt = 64,
     ):
         super().__init__()
         if cls_position not in CLS_POSITIONS:

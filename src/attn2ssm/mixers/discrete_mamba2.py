@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attn2ssm.mixers.mamba2 import Mamba2Mixer
+from attn2ssm.mixers.options import NonNegativeInt, PositiveInt
 
 
 class DiscreteMamba2Mixer(Mamba2Mixer):
@@ -33,7 +34,7 @@ class DiscreteMamba2Mixer(Mamba2Mixer):
         self,
         geometry: dict,
         layer_idx: int,
-        d_conv: int = 4,
+        d_conv: NonNegativeInt = 4,
         conv_activation: str | None = "none",
         gate: bool = True,
         norm: bool = False,
@@ -41,7 +42,7 @@ class DiscreteMamba2Mixer(Mamba2Mixer):
         D: bool = True,
         a_init_range: tuple[float, float] = (-8.0, -7.0),
         rope: str = "none",
-        chunk_size: int = 64,
+        chunk_size: PositiveInt = 64,
         sanity: bool = False,
         D_init: float = 0.0,
     ):

@@ -47,6 +47,7 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
+from attn2ssm.mixers.options import NonNegativeInt, PositiveInt
 from attn2ssm.mixers.ssm_common import (
     CausalConv,
     ConvRecurrence,
@@ -94,7 +95,7 @@ class GatedDeltaMixer(ConvRecurrence, AttentionLikeMixer):
         self,
         geometry: dict,
         layer_idx: int,
-        d_conv: int = 4,
+        d_conv: NonNegativeInt = 4,
         conv_activation: str | None = "silu",
         gate: bool = True,
         norm: bool = True,
@@ -103,7 +104,7 @@ class GatedDeltaMixer(ConvRecurrence, AttentionLikeMixer):
         alpha_init: float = 0.99,
         beta_init: float = 0.5,
         rope: str = "none",
-        chunk_size: int = 64,
+        chunk_size: PositiveInt = 64,
         gate_bias: bool = True,
         conv_bias: bool = True,
         beta_bias: bool = True,

@@ -56,6 +56,7 @@ from torch import nn
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.feature_maps import build_feature_map
+from attn2ssm.mixers.options import NonNegativeInt, PositiveFloat, PositiveInt
 from attn2ssm.mixers.ssm_common import (
     CausalConv,
     ConvRecurrence,
@@ -89,10 +90,10 @@ class HedgeMambaMixer(ConvRecurrence, AttentionLikeMixer):
         rope: str = "before_map",
         decay: bool = True,
         A_init: float = 0.0,
-        d_conv: int = 4,
+        d_conv: NonNegativeInt = 4,
         gate: bool = True,
-        chunk_size: int = 64,
-        eps: float = 1e-6,
+        chunk_size: PositiveInt = 64,
+        eps: PositiveFloat = 1e-6,
     ):
         super().__init__(geometry, layer_idx)
         if rope not in ROPE_PLACEMENTS:

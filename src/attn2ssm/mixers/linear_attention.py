@@ -15,6 +15,7 @@ import torch
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
 from attn2ssm.mixers.feature_maps import build_feature_map
+from attn2ssm.mixers.options import NonNegativeInt, PositiveFloat, PositiveInt
 from attn2ssm.ops.linear_attention import (
     linear_attention_chunked,
     linear_attention_quadratic,
@@ -36,10 +37,10 @@ class LinearAttentionMixer(AttentionLikeMixer):
         layer_idx: int,
         feature_map: str = "elu",
         feature_map_options: dict | None = None,
-        chunk_size: int = 64,
-        eps: float = 1e-6,
+        chunk_size: PositiveInt = 64,
+        eps: PositiveFloat = 1e-6,
         rope: str = "before_map",
-        window: int = 0,
+        window: NonNegativeInt = 0,
         window_gamma: float = 0.5,
         window_dropout: float = 0.0,
     ):

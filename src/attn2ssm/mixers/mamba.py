@@ -32,6 +32,7 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
+from attn2ssm.mixers.options import NonNegativeInt, PositiveFloat, PositiveInt
 from attn2ssm.mixers.ssm_common import (
     A_log_identity,
     CausalConv,
@@ -55,17 +56,17 @@ class MambaMixer(ConvRecurrence, AttentionLikeMixer):
         self,
         geometry: dict,
         layer_idx: int,
-        d_state: int | None = 16,
-        expand: int = 1,
-        dt_rank: int | None = None,
-        d_conv: int = 4,
+        d_state: PositiveInt | None = 16,
+        expand: PositiveInt = 1,
+        dt_rank: PositiveInt | None = None,
+        d_conv: NonNegativeInt = 4,
         conv_activation: str | None = "silu",
         gate: bool = True,
         D: bool = True,
-        dt_min: float = 1e-3,
-        dt_max: float = 0.1,
+        dt_min: PositiveFloat = 1e-3,
+        dt_max: PositiveFloat = 0.1,
         rope: str = "none",
-        chunk_size: int = 32,
+        chunk_size: PositiveInt = 32,
         sanity: bool = False,
         D_init: float = 0.0,
         A_init: float | None = None,

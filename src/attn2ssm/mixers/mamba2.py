@@ -41,6 +41,7 @@ from torch import nn
 
 from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.base import AttentionLikeMixer
+from attn2ssm.mixers.options import NonNegativeInt, PositiveFloat, PositiveInt
 from attn2ssm.mixers.ssm_common import (
     A_log_identity,
     CausalConv,
@@ -67,7 +68,7 @@ class Mamba2Mixer(ConvRecurrence, AttentionLikeMixer):
         self,
         geometry: dict,
         layer_idx: int,
-        d_conv: int = 4,
+        d_conv: NonNegativeInt = 4,
         conv_activation: str | None = "silu",
         gate: bool = True,
         gate_bias: bool = True,
@@ -75,11 +76,11 @@ class Mamba2Mixer(ConvRecurrence, AttentionLikeMixer):
         norm_eps: float = 1e-6,
         D: bool = True,
         A_init_range: tuple[float, float] = (1.0, 16.0),
-        dt_min: float = 1e-3,
-        dt_max: float = 0.1,
+        dt_min: PositiveFloat = 1e-3,
+        dt_max: PositiveFloat = 0.1,
         a_init_range: tuple[float, float] = (-8.0, -7.0),
         rope: str = "none",
-        chunk_size: int = 64,
+        chunk_size: PositiveInt = 64,
         sanity: bool = False,
         D_init: float = 0.0,
         A_init: float | None = None,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-
 from torch import nn
 
 from attn2ssm.errors import ConfigError
@@ -14,6 +12,7 @@ from attn2ssm.mixers.hedgemamba import HedgeMambaMixer
 from attn2ssm.mixers.linear_attention import LinearAttentionMixer
 from attn2ssm.mixers.mamba import MambaMixer
 from attn2ssm.mixers.mamba2 import Mamba2Mixer
+from attn2ssm.mixers.options import check_options
 
 MIXERS: dict[str, type[nn.Module]] = {
     cls.mixer_type: cls
@@ -33,25 +32,21 @@ ENCODER_MIXERS: dict[str, type[nn.Module]] = {BiMambaMixer.mixer_type: BiMambaMi
 ATTENTION = "attention"  # a layer-plan entry that keeps the teacher's attention
 
 
-def check_mixer_options(kind: str, options: dict | None) -> None:
-    """Every key of ``options`` is a constructor option of mixer ``kind`` (a known one)."""
-    valid = [
-        n
-        for n in inspect.signature({**MIXERS, **ENCODER_MIXERS}[kind].__init__).parameters
-        if n not in ("self", "geometry", "layer_idx")
-    ]
-    unknown = sorted(set(options or {}) - set(valid))
-    if unknown:
-        raise ConfigError(
-            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} for mixer '{kind}'",
-            f"valid options: {', '.join(valid)}",
-        )
-
-
-def build_mixer(kind: str, geometry: dict, layer_idx: int, options: dict | None = None) -> nn.Module:
+def mixer_class(kind: str) -> type[nn.Module]:
+    """The class of mixer ``kind`` (causal or encoder); a ConfigError naming the valid kinds if unknown."""
     known = {**MIXERS, **ENCODER_MIXERS}
     if kind not in known:
         valid = ", ".join(sorted([*known, ATTENTION]))
         raise ConfigError(f"unknown mixer '{kind}' in the layer plan", f"use one of: {valid}")
-    check_mixer_options(kind, options)
-    return known[kind](geometry, layer_idx, **(options or {}))
+    return known[kind]
+
+
+def check_mixer_options(kind: str, options: dict | None) -> dict:
+    """``options`` of mixer ``kind`` checked against the types its constructor declares
+    (mixers/options.py): an unknown name or a wrong value is a ConfigError. Returns them as the
+    mixer takes them."""
+    return check_options(kind, mixer_class(kind), options)
+
+
+def build_mixer(kind: str, geometry: dict, layer_idx: int, options: dict | None = None) -> nn.Module:
+    return mixer_class(kind)(geometry, layer_idx, **check_mixer_options(kind, options))

@@ -74,9 +74,8 @@ def _config_for_depth(config, source: list[int]) -> dict:
     for name in _LAYER_COUNTS:  # the map is non-decreasing, so "first m layers" stays a prefix
         if isinstance(d.get(name), int):
             d[name] = sum(j < d[name] for j in source)
-    if d.get(
-        "scale_attn_by_inverse_layer_idx"
-    ):  # GPT-2 scales attention by 1/(layer index + 1): tied to the index
+    # GPT-2 scales attention by 1/(layer index + 1): tied to the index
+    if d.get("scale_attn_by_inverse_layer_idx"):
         raise ConfigError(
             "the teacher scales attention by its layer index (scale_attn_by_inverse_layer_idx)",
             "convert at the teacher's depth (depth: null)",
@@ -107,9 +106,8 @@ def _state_for_depth(
     if teacher_paths == student_paths and source == list(range(len(teacher_paths))):
         return state
     t_prefixes = [_layer_prefix(p) for p in teacher_paths]
-    out = {
-        k: v for k, v in state.items() if not k.startswith(tuple(t_prefixes))
-    }  # embeddings, final norm, head
+    # embeddings, final norm, head
+    out = {k: v for k, v in state.items() if not k.startswith(tuple(t_prefixes))}
     for i, j in enumerate(source):
         t, s = t_prefixes[j], _layer_prefix(student_paths[i])
         out.update({s + k[len(t) :]: v for k, v in state.items() if k.startswith(t)})
@@ -170,12 +168,7 @@ def convert(
         raise ValueError(f"layer plan has {len(layer_plan)} entries but the student has {len(source)} layers")
     attn_modules = [teacher.get_submodule(p) for p in paths]
     _check_kept_attention(kept_attention, adapter.family, config)
-    geometry = []
-    for j in source:
-        g = adapter.geometry(config, j).to_dict()
-        if g.get("has_qk_norm"):
-            g.update(_qk_norm_settings(adapter.read_weights(attn_modules[j])))
-        geometry.append(g)
+    geometry = _layer_geometry(adapter, config, [attn_modules[j] for j in source], source)
     base_config = _config_for_depth(config, source)
     mixer_options = resolve_options(mixer_options, config)
     student_paths = paths if len(source) == len(paths) else _student_paths(adapter, base_config)
@@ -192,22 +185,39 @@ def convert(
     )
     param = next(teacher.parameters())
     student = Attn2SSMForCausalLM(student_config).to(dtype=param.dtype, device=param.device)
-    keep_fp32_parameters(
-        student
-    )  # a half-precision teacher: A_log / D stay float32, as from_pretrained keeps them
+    # a half-precision teacher: A_log / D stay float32, as from_pretrained keeps them
+    keep_fp32_parameters(student)
     state = _state_for_depth(teacher.state_dict(), paths, student_paths, source)
     _load_teacher_state(student, state)
+    _init_mixers(student, adapter, [attn_modules[j] for j in source], init)
+    student.eval()
+    return student
+
+
+def _layer_geometry(adapter, config, attention: list[nn.Module], source: list[int]) -> list[dict]:
+    """Each student layer's attention geometry: teacher layer ``source[i]``'s (``attention[i]`` its
+    module, read for its q/k norms' settings)."""
+    geometry = []
+    for module, j in zip(attention, source):
+        g = adapter.geometry(config, j).to_dict()
+        if g.get("has_qk_norm"):
+            g.update(_qk_norm_settings(adapter.read_weights(module)))
+        geometry.append(g)
+    return geometry
+
+
+def _init_mixers(student, adapter, attention: list[nn.Module], init: str) -> None:
+    """Each mixer of ``student`` from the teacher's attention module of its layer (``attention[i]``
+    for student layer i), or, with ``init="random"``, its projections drawn afresh."""
     for i, mixer in student.mixers().items():
         if init == "attention":
-            mixer.load_attention_weights(adapter.read_weights(attn_modules[source[i]]))
-        else:  # load_state_dict above filled same-named q/k/v/o from the teacher: draw them afresh
+            mixer.load_attention_weights(adapter.read_weights(attention[i]))
+        else:  # load_state_dict filled same-named q/k/v/o from the teacher: draw them afresh
             for module in mixer.modules():
                 if isinstance(module, nn.Linear):
                     student.base._init_weights(module)
             if hasattr(mixer, "init_new_parameters"):
                 mixer.init_new_parameters()
-    student.eval()
-    return student
 
 
 def _load_teacher_state(student, state: dict) -> None:
@@ -327,6 +337,36 @@ def _check_growth(old_plan: list[str], new_plan: list[str]) -> list[int]:
     ]
 
 
+def _grown_options(old_config, mixer_options: dict | None, teacher_config) -> dict:
+    """The student's mixer options by kind with ``mixer_options`` added (resolved against the
+    teacher); a ConfigError if they change the options of a kind the student already uses."""
+    options = copy.deepcopy(dict(old_config.mixer_options))
+    used = {kind for kind in old_config.layer_plan if kind != ATTENTION}
+    for kind, opts in resolve_options(mixer_options, teacher_config).items():
+        if kind in used and dict(opts or {}) != dict(options.get(kind) or {}):
+            raise ConfigError(
+                f"mixer_options for '{kind}' differ from the trained student's {options.get(kind) or {}}",
+                f"leave '{kind}' out of mixer_options: grown layers reuse the student's options",
+            )
+        options[kind] = dict(opts or {})
+    return options
+
+
+def _match_dtypes(grown: nn.Module, student: nn.Module, added_paths: list[str]) -> None:
+    """Every tensor of ``grown`` takes the dtype/device of its counterpart in ``student`` (a new
+    mixer at one of ``added_paths``: of the attention it replaces), so copying the student's state
+    is exact even in a mixed-precision student."""
+    for path in added_paths:
+        mixer, ref = grown.base.get_submodule(path), _first_param(student.base.get_submodule(path))
+        mixer.to(dtype=ref.dtype, device=ref.device)
+        keep_fp32_parameters(mixer)
+    old_tensors = {**dict(student.named_parameters()), **dict(student.named_buffers())}
+    for name, tensor in [*grown.named_parameters(), *grown.named_buffers()]:
+        src = old_tensors.get(name)
+        if src is not None and (tensor.dtype != src.dtype or tensor.device != src.device):
+            tensor.data = tensor.data.to(dtype=src.dtype, device=src.device)
+
+
 def grow_student(
     student: Attn2SSMForCausalLM,
     teacher: nn.Module,
@@ -362,31 +402,11 @@ def grow_student(
             f"teacher ({len(teacher_paths)} attention layers at {teacher_paths[0] if teacher_paths else '-'}…) does not match the student",
             "pass the teacher the student was converted from",
         )
-    options = copy.deepcopy(dict(old_config.mixer_options))
-    used = {kind for kind in old_config.layer_plan if kind != ATTENTION}
-    for kind, opts in resolve_options(mixer_options, teacher.config).items():
-        if kind in used and dict(opts or {}) != dict(options.get(kind) or {}):
-            raise ConfigError(
-                f"mixer_options for '{kind}' differ from the trained student's {options.get(kind) or {}}",
-                f"leave '{kind}' out of mixer_options: grown layers reuse the student's options",
-            )
-        options[kind] = dict(opts or {})
-
     config = copy.deepcopy(old_config)
     config.layer_plan = new_plan
-    config.mixer_options = options
+    config.mixer_options = _grown_options(old_config, mixer_options, teacher.config)
     grown = Attn2SSMForCausalLM(config)
-    # Every tensor takes the dtype/device of its counterpart in the student (a new mixer: of the
-    # attention it replaces), so the copy below is exact even in a mixed-precision student.
-    for i in added:
-        mixer, ref = grown.base.get_submodule(paths[i]), _first_param(student.base.get_submodule(paths[i]))
-        mixer.to(dtype=ref.dtype, device=ref.device)
-        keep_fp32_parameters(mixer)
-    old_tensors = {**dict(student.named_parameters()), **dict(student.named_buffers())}
-    for name, tensor in [*grown.named_parameters(), *grown.named_buffers()]:
-        src = old_tensors.get(name)
-        if src is not None and (tensor.dtype != src.dtype or tensor.device != src.device):
-            tensor.data = tensor.data.to(dtype=src.dtype, device=src.device)
+    _match_dtypes(grown, student, [paths[i] for i in added])
     result = grown.load_state_dict(student.state_dict(), strict=False)
     new_prefixes = tuple(f"base.{paths[i]}." for i in added)
     stray = [k for k in (*result.missing_keys, *result.unexpected_keys) if not k.startswith(new_prefixes)]
