@@ -188,16 +188,42 @@ def append_jsonl(path: Path, record: dict) -> None:
         fh.flush()
 
 
+def read_metrics(path: Path) -> tuple[list[str], str | None]:
+    """``(lines, cut)``: the metrics log's complete lines, and a last line a kill cut (None if the
+    log ends whole). A log that is not text, or a damaged line before the last, is a one-line
+    CheckpointError: the resume would lose what it records."""
+    if not path.exists():
+        return [], None
+    fix = f"move {path} aside (the checkpoints are intact) and resume again; its lines are then lost"
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise CheckpointError(f"{path} is damaged: line {line} is not text", fix) from None
+    lines = text.split("\n")
+    tail = lines.pop()  # "" when the log ends with a newline
+    for n, line in enumerate(lines, 1):
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            raise CheckpointError(f"{path} is damaged: line {n} is not a JSON record", fix) from None
+    if tail:  # the last line, cut before its newline was written (whole: kept)
+        try:
+            json.loads(tail)
+        except json.JSONDecodeError:
+            return lines, tail
+        lines.append(tail)
+    return lines, None
+
+
 def truncate_metrics(path: Path, stage: int, step: int) -> None:
-    """On resume, drop metric lines written after the checkpoint we restart from."""
+    """On resume, drop metric lines written after the checkpoint we restart from (and a line cut by the kill)."""
     if not path.exists():
         return
     kept = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
+    for line in read_metrics(path)[0]:
+        rec = json.loads(line)
         if (rec.get("stage_index", -1), rec.get("step", 0)) <= (stage, step):
             kept.append(line)
     atomic_write_text(path, "".join(k + "\n" for k in kept))

@@ -42,22 +42,15 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import random
-import shlex
 import shutil
 import signal
-import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
-import yaml
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedType, broadcast_object_list
+from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 import attn2ssm.teachers as teachers  # called through the module: tests replace its load_teacher
@@ -72,12 +65,12 @@ from attn2ssm.data import (
 from attn2ssm.data.images import load_image_data
 from attn2ssm.data.sources import needs_teacher
 from attn2ssm.data.teacher_samples import build_teacher_sft_data, is_teacher_source
+from attn2ssm.distill.accelerator import resolve_teacher_dtype, setup_accelerator
 from attn2ssm.distill.calibration import calibrate_gated_delta, calibrate_kept_attention
 from attn2ssm.distill.checkpoints import (
     append_jsonl,
     checkpoint_name,
     checkpoint_root,
-    choose_checkpoint,
     latest_checkpoint,
     publish_checkpoint,
     rng_state,
@@ -89,30 +82,35 @@ from attn2ssm.distill.logit_cache import CacheStats, LogitCache, find_cache_dir,
 from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
 from attn2ssm.distill.losses import cross_entropy, resolve_kl_chunk
 from attn2ssm.distill.recipe import (
-    RECOMPUTING,
     Recipe,
-    StageConfig,
-    resume_recipe,
     validate,
     validate_for_teacher,
 )
+from attn2ssm.distill.run_dir import (
+    check_is_folder,
+    check_metrics,
+    check_new_run,
+    hold_run_dir,
+    intact_checkpoint,
+    release_run_dir,
+    report_resume_changes,
+    resume_command,
+    resumed_recipe,
+    start_writing,
+    writing_to,
+)
 from attn2ssm.distill.schedules import lr_multiplier
-from attn2ssm.distill.stages import STAGE_KINDS, StageKind, select_trainable
-from attn2ssm.errors import CheckpointError, ConfigError, Interrupted, OutputError, TrainingError
+from attn2ssm.distill.stages import STAGE_KINDS, select_trainable
+from attn2ssm.distill.state import StageRun, StepResult, TrainerState
+from attn2ssm.errors import ConfigError, Interrupted, TrainingError
 from attn2ssm.eval.classification import evaluate_classifier, write_vision_report
 from attn2ssm.eval.report import write_report
 from attn2ssm.mixers.registry import ATTENTION
-from attn2ssm.ops.kernels import building_with, choose_kernels
+from attn2ssm.ops.kernels import building_with
 from attn2ssm.paths import (
-    LOCK,
     atomic_write_text,
-    check_writable,
-    lock_dir,
-    remove_stale_staging,
     replace_dir,
-    writing,
 )
-from attn2ssm.precision import choose_precision, warn_if_slow_bf16
 from attn2ssm.student.convert import convert, grow_student
 from attn2ssm.student.convert_vision import build_vision_student
 from attn2ssm.student.modeling import Attn2SSMForCausalLM
@@ -129,68 +127,6 @@ __all__ = [
     "resolve_kl_chunk",
     "resolve_teacher_dtype",
 ]
-
-
-def resolve_teacher_dtype(requested: str, device_type: str, precision_used: str) -> torch.dtype:
-    """``teacher_dtype``: auto = the mixed precision's dtype on CUDA (float32 under ``no``), float32 elsewhere."""
-    if requested == "auto":
-        requested = (
-            {"bf16": "bfloat16", "fp16": "float16"}.get(precision_used, "float32")
-            if device_type == "cuda"
-            else "float32"
-        )
-    return getattr(torch, requested)
-
-
-class StepResult(NamedTuple):
-    """What one optimizer step reports (``Distiller._train_step``)."""
-
-    tokens: int  # tokens of the global batch
-    loss: float  # averaged over micro-batches and processes
-    metrics: dict  # the stage kind's metrics, averaged the same way
-    grad_norm: float | None  # before clipping (None: the stage does not clip)
-    skipped: bool = False  # fp16: the gradients overflowed, so neither the optimizer nor the schedule stepped
-    stop: int | None = None  # several processes: the signal they agreed to stop on after this step (0: none)
-
-
-@dataclass
-class TrainerState:
-    stage: int = 0  # index of the stage in progress
-    step: int = 0  # optimizer steps completed in that stage
-    tokens: int = 0  # tokens consumed in that stage
-    total_tokens: int = 0  # tokens consumed over all stages
-    finished: list[int] = field(default_factory=list)  # indices of completed stages
-
-    def advance(self, tokens: int) -> None:
-        self.step += 1
-        self.tokens += tokens
-        self.total_tokens += tokens
-
-
-@dataclass
-class StageRun:
-    """What one stage holds while it runs (``Distiller._setup_stage`` builds it)."""
-
-    index: int
-    cfg: StageConfig
-    kind: StageKind
-    dataset: object | None  # the stage's own dataset (sft / dpo), else None: corpus blocks
-    seq_len: int
-    n_items: int  # blocks or dataset examples the stage draws from
-    steps: int
-    model: (
-        torch.nn.Module
-    )  # DDP-wrapped (FSDP: sharded in place) when the kind runs through the model's forward
-    unwrapped: torch.nn.Module
-    params: list
-    n_trainable_tensors: int
-    optimizer: torch.optim.Optimizer  # accelerate's AcceleratedOptimizer (fp16: with the GradScaler)
-    scheduler: torch.optim.lr_scheduler.LambdaLR  # on the plain optimizer, stepped only when it stepped
-    logit_cache: object | None = None  # the stage's LogitCache (its `logit_cache` option), else None
-    param_names: list[str] = field(
-        default_factory=list
-    )  # the trainable parameters' names, in the optimizer's order
-    sharded: bool = False  # FSDP: the student is sharded across processes for this stage
 
 
 def _index_keyed(state: dict, names: list[str]) -> dict:
@@ -229,35 +165,6 @@ def _drop_stage_modules(model) -> None:
         del model.stage_modules
 
 
-def _select_gpu(device: str) -> None:
-    """``device: cuda:N`` in one process: make GPU N the current one before accelerate picks it (under
-    ``accelerate launch`` each process takes the GPU of its local rank, and cuda:N is refused)."""
-    if not device.startswith("cuda:"):
-        return
-    index = int(device.split(":")[1])
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError(
-            f"device={device} names one GPU, and this run has several processes",
-            "use device: cuda (each process takes its own GPU)",
-        )
-    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-        raise ConfigError(
-            f"device={device}: this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices",
-            "use device: auto, or an index below the device count",
-        )
-    torch.cuda.set_device(index)
-
-
-def _cpu_fp16(acc: Accelerator) -> None:
-    """accelerate gives fp16 on a CPU neither autocast nor a GradScaler: the run would be fp32 while
-    saying fp16. torch has both for the CPU, so they are installed where accelerate installs them on
-    CUDA: the same loss scaling, unscaling before clipping and skipped overflow steps run on a CPU
-    (slowly: it is there to check the fp16 path, e.g. in the tests)."""
-    if acc.mixed_precision == "fp16" and acc.device.type == "cpu" and acc.scaler is None:
-        acc.scaler = torch.amp.GradScaler("cpu")
-        acc.native_amp = True  # accelerate's autocast() and unscale_gradients() follow this flag
-
-
 def _activation_checkpointing(model, enable: bool) -> None:
     """HF activation checkpointing of ``model``'s decoder layers, non-reentrant: each layer's forward
     (the mixer inside it too) is recomputed in the backward instead of keeping its activations."""
@@ -286,33 +193,6 @@ def _metric(value, device) -> torch.Tensor:
     return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
-def _release_accelerate_state(mixed_precision: str) -> None:
-    """accelerate keeps one state per process and refuses an ``Accelerator`` with another precision;
-    a single process may run several recipes (a sweep, a notebook, bench train), so there the old
-    state is let go. Under a distributed launch the launcher's state stays."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or not AcceleratorState._shared_state:
-        return
-    if AcceleratorState._shared_state.get("_mixed_precision") != mixed_precision:
-        AcceleratorState._reset_state()
-
-
-# --------------------------------------------------------------------------------------------
-
-
-def _report_resume_changes(changes: list) -> None:
-    """A resume's ``--set`` changes, on stderr (by the main process)."""
-    print(
-        "--resume with --set: "
-        + ", ".join(f"{key} {old!r} → {new!r}" for key, old, new in changes)
-        + (
-            "; the remaining steps compute with it (no longer bitwise an uninterrupted run)"
-            if any(k.split(".")[-1] in RECOMPUTING for k, _, _ in changes)
-            else ""
-        ),
-        file=sys.stderr,
-    )
-
-
 class Distiller:
     """Runs a recipe into a run directory. ``teacher``/``tokenizer`` may be passed in (tests, notebooks)."""
 
@@ -332,13 +212,16 @@ class Distiller:
         self.out = Path(out)
         self.progress = progress
         self.resume_from: Path | None = None  # the intact checkpoint a resumed run continues from
-        self.resume_command = f"attn2ssm distill --out {shlex.quote(str(self.out))} --resume"
+        self.resume_command = resume_command(self.out)
+        check_is_folder(self.out)
         recipe, changes = self._checked_recipe(recipe, resume, overrides, teacher)
         self.recipe = recipe
-        self._setup_accelerator(teacher)
+        setup = setup_accelerator(recipe, teacher_passed=teacher is not None)
+        self.acc, self.kernels, self.precision = setup.acc, setup.kernels, setup.precision
+        self.teacher_dtype, self.is_main = setup.teacher_dtype, setup.acc.is_main_process
         self._claim_run_dir(resume)
         if changes and self.is_main:
-            _report_resume_changes(changes)
+            report_resume_changes(changes)
         self._init_run_state(teacher, tokenizer)
 
     def _checked_recipe(self, recipe: Recipe, resume: bool, overrides, teacher) -> tuple[Recipe, list]:
@@ -346,71 +229,26 @@ class Distiller:
         directory, with the ``--set`` changes ``resume_recipe`` allowed)."""
         changes = []
         if resume:
-            saved = self.out / "recipe.yaml"
-            if saved.exists():
-                recipe, changes = resume_recipe(yaml.safe_load(saved.read_text()), overrides)
+            recipe, changes = resumed_recipe(self.out, recipe, overrides)
         validate(recipe)
-        if (
-            self.resume_from is None and recipe.images is None
-        ):  # what needs only the teacher's config.json, before anything loads or is written
+        # what needs only the teacher's config.json, before anything loads or is written
+        if self.resume_from is None and recipe.images is None:
             config = teacher.config if teacher is not None else teachers.read_teacher_config(recipe.teacher)
             if config is not None:
                 validate_for_teacher(recipe, config)
         return recipe, changes
 
-    def _setup_accelerator(self, teacher) -> None:
-        """Device, kernels, precision, the accelerator and the teacher's dtype (a teacher passed in
-        keeps its own)."""
-        recipe = self.recipe
-        cpu = recipe.device == "cpu" or (recipe.device == "auto" and not torch.cuda.is_available())
-        _select_gpu(recipe.device)
-        self.kernels = choose_kernels(
-            recipe.kernels, "cpu" if cpu else "cuda"
-        )  # once per run (ops/kernels.py)
-        # auto: bf16 only where it is fast (CUDA with bf16, a CPU with native bf16); explicit bf16 on a slow CPU warns
-        self.precision = choose_precision(recipe.mixed_precision, "cpu" if cpu else "cuda")
-        if self.precision.used == "bf16":
-            warn_if_slow_bf16(
-                "cpu" if cpu else "cuda",
-                "mixed_precision: bf16",
-                "training will be that much slower: set mixed_precision: auto (or no)",
-            )
-        _release_accelerate_state(self.precision.used)
-        self.acc = Accelerator(cpu=cpu, mixed_precision=self.precision.used)
-        _cpu_fp16(self.acc)
-        # a teacher passed in keeps the dtype its caller gave it (bench train reuses one across precisions)
-        self.teacher_dtype = (
-            resolve_teacher_dtype(recipe.teacher_dtype, "cpu" if cpu else "cuda", self.precision.used)
-            if teacher is None
-            else None
-        )
-        self._check_teacher_dtype()
-        self.is_main = self.acc.is_main_process
-        if self.acc.distributed_type == DistributedType.FSDP:
-            if self.precision.used == "fp16":  # accelerate's FSDP clip unscales a trainable subset twice
-                raise ConfigError(
-                    "mixed_precision fp16 under FSDP is not supported by this trainer",
-                    "use mixed_precision: bf16 (or auto) with configs/accelerate/fsdp.yaml",
-                )
-            if recipe.images is not None:
-                raise ConfigError(
-                    "image recipes do not run under FSDP",
-                    "launch them without --config_file configs/accelerate/fsdp.yaml (their students are small)",
-                )
-
     def _claim_run_dir(self, resume: bool) -> None:
-        """Lock the run directory; a resume finds its intact checkpoint, a new run needs a directory
-        that holds no run."""
-        self._lock, self._made_out = None, False
-        self._hold_run_dir()
+        """Lock the run directory; a resume finds its intact checkpoint and checks its metrics log, a
+        new run needs a directory that holds no run."""
+        self._lock, self._made_out = hold_run_dir(self.out, self.acc)
         try:
             if resume:
-                self.resume_from = self._intact_checkpoint()
-            elif (self.out / "checkpoints").exists() or (self.out / "student").exists():
-                raise ConfigError(
-                    f"run directory {self.out} already holds a run",
-                    "pass --resume to continue it, or choose another --out",
-                )
+                self.resume_from = intact_checkpoint(self.out)
+                if self.resume_from is not None and self.is_main:
+                    check_metrics(self.out)
+            else:
+                check_new_run(self.out)
         except BaseException:
             self.close()
             raise
@@ -442,66 +280,15 @@ class Distiller:
         self.started = time.perf_counter()
         self.logit_caches: dict[tuple, object] = {}  # (top_k, dir) → LogitCache, shared by the run's stages
 
-    def _check_teacher_dtype(self) -> None:
-        """Layer-local kinds and CAB's bridges feed the teacher's activations to fp32 student modules:
-        a teacher in a reduced dtype needs autocast (mixed precision) to meet them there."""
-        if self.teacher_dtype in (None, torch.float32) or self.precision.used != "no":
-            return
-        name = str(self.teacher_dtype).removeprefix("torch.")
-        for i, cfg in enumerate(self.recipe.stages):
-            if not STAGE_KINDS[cfg.kind].through_model_forward:
-                raise ConfigError(
-                    f"stages[{i}] ({cfg.name}): a {name} teacher without mixed precision hands its {name} activations to the fp32 student modules of kind '{cfg.kind}'",
-                    "set mixed_precision: bf16 (autocast meets them), or teacher_dtype: float32",
-                )
-
-    def _hold_run_dir(self) -> None:
-        """The run directory's lock (the main process takes it before anything is written), or an
-        OutputError: not writable, or another run holds it. Every process raises alike."""
-        failure = None
-        if self.is_main:
-            try:
-                check_writable(self.out)
-                self._made_out = not self.out.exists()
-                self._lock = lock_dir(self.out)
-            except OutputError as exc:
-                failure = exc
-        if self.acc.num_processes > 1:
-            shared = broadcast_object_list([str(failure) if failure else None])
-            failure = failure or (OutputError(shared[0]) if shared[0] else None)
-        if failure is not None:
-            raise failure
-
     def close(self) -> None:
         """Release the run directory (``run`` does when it ends, however it ends); a folder this run
         created that holds nothing but its lock file (it failed before writing) is removed."""
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
-            if self._made_out and [p.name for p in self.out.iterdir()] == [LOCK]:
-                (self.out / LOCK).unlink()
-                self.out.rmdir()
+        release_run_dir(self.out, self._lock, self._made_out)
+        self._lock = None
 
     def _writing(self, what: str, where: Path | None = None, note: str = ""):
         """A write into the run directory: space or permission failures become one line naming it and the resume command."""
-        return writing(where or self.out, what, f"continue with: {self.resume_command}", note)
-
-    def _intact_checkpoint(self) -> Path | None:
-        """The newest checkpoint whose files match their manifest, with a one-line notice for each
-        damaged one skipped; an error when there are checkpoints but none is intact. Reads only."""
-        chosen, skipped = choose_checkpoint(self.out)
-        if chosen is None and skipped:
-            (newest, reason), names = skipped[0], ", ".join(folder.name for folder, _ in skipped)
-            raise CheckpointError(
-                f"no intact checkpoint in {self.out / 'checkpoints'}: {names} damaged ({newest.name}: {reason})",
-                "restart the run without --resume in a new --out",
-            )
-        for folder, reason in skipped:
-            print(
-                f"checkpoint {folder.name} is damaged ({reason}); resuming from {chosen.name}",
-                file=sys.stderr,
-            )
-        return chosen
+        return writing_to(self.out, what, where, note)
 
     # -- setup ---------------------------------------------------------------------------------
     def _load_teacher(self, state: TrainerState | None = None):
@@ -1485,15 +1272,7 @@ class Distiller:
         # Only now (a teacher or corpus that fails to load leaves --out as it was; close() removes a
         # folder that holds nothing but the lock it made): a killed run's leftovers, the recipe, the metrics.
         if self.is_main:
-            for folder in (
-                self.out,
-                checkpoint_root(self.out),
-            ):  # a killed run's half-written checkpoint or student (the lock is ours)
-                remove_stale_staging(folder, locked=True)
-            with self._writing("recipe.yaml"):
-                atomic_write_text(self.out / "recipe.yaml", self.recipe.to_yaml())
-                if self.resume_from is None:  # a run from scratch keeps no metric line of an earlier attempt
-                    self.metrics_path.unlink(missing_ok=True)
+            start_writing(self.out, self.recipe, resumed=self.resume_from is not None)
         payload = None
         if self.resume_from is not None:
             payload = torch.load(self.resume_from / "optimizer.pt", weights_only=False)
