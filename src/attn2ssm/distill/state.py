@@ -40,7 +40,7 @@ class TrainerState:
 
 @dataclass
 class StageRun:
-    """What one stage holds while it runs (``Distiller._setup_stage`` builds it)."""
+    """What one stage holds while it runs (``Distiller._setup_stage`` builds it with ``stage_setup``)."""
 
     index: int
     cfg: StageConfig
@@ -49,16 +49,14 @@ class StageRun:
     seq_len: int
     n_items: int  # blocks or dataset examples the stage draws from
     steps: int
-    model: (
-        torch.nn.Module
-    )  # DDP-wrapped (FSDP: sharded in place) when the kind runs through the model's forward
+    # DDP-wrapped (FSDP: sharded in place) when the kind runs through the model's forward
+    model: torch.nn.Module
     unwrapped: torch.nn.Module
     params: list
     n_trainable_tensors: int
     optimizer: torch.optim.Optimizer  # accelerate's AcceleratedOptimizer (fp16: with the GradScaler)
     scheduler: torch.optim.lr_scheduler.LambdaLR  # on the plain optimizer, stepped only when it stepped
     logit_cache: object | None = None  # the stage's LogitCache (its `logit_cache` option), else None
-    param_names: list[str] = field(
-        default_factory=list
-    )  # the trainable parameters' names, in the optimizer's order
+    # the trainable parameters' names, in the optimizer's order
+    param_names: list[str] = field(default_factory=list)
     sharded: bool = False  # FSDP: the student is sharded across processes for this stage
