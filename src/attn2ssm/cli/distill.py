@@ -30,8 +30,9 @@ def add_parser(subparsers) -> None:
         help="continue the run in --out from its latest checkpoint, with the recipe saved there; "
         "--set may then change only what leaves the steps already taken as they were: eval.*, stages.N.save_every, "
         "stages.N.keep_checkpoints, stages.N.eval_every, stages.N.eval_batches, device, mixed_precision and kernels (the "
-        "last three for the remaining steps); any other changed key is refused, naming it. SIGTERM / Ctrl-C stop a run after the current step with "
-        "a checkpoint and print this command to resume",
+        "last three for the remaining steps); any other changed key is refused, naming it. Without a recipe named, --out must hold a "
+        "run; with one, it must be that run's recipe, and an --out without a run starts it there (said on stderr). SIGTERM / Ctrl-C stop "
+        "a run after the current step with a checkpoint and print this command to resume",
     )
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=run)
