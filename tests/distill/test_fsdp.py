@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from accelerate_launch import accelerate_launch
+from attn2ssm.distill.checkpoints import fold_lora, index_keyed, latest_checkpoint, name_keyed
 from attn2ssm.distill.lora import attach_lora, merge_lora
-from attn2ssm.distill.trainer import _fold_lora, _index_keyed, _name_keyed, latest_checkpoint
 from tiny_models import BASE_RECIPE
 
 CONFIG = Path(__file__).parents[2] / "configs" / "accelerate" / "fsdp.yaml"
@@ -161,7 +161,7 @@ def test_fold_lora_is_merge_lora_on_a_state_dict():
     with torch.no_grad():
         lin.lora["0"].A.copy_(torch.tensor([[1.0, 2.0, 3.0]]))
         lin.lora["0"].B.copy_(torch.tensor([[0.5], [-1.0]]))
-    folded = _fold_lora(lin.state_dict(), 2.0 / 1)
+    folded = fold_lora(lin.state_dict(), 2.0 / 1)
     # by hand: W + (α/r)·B·A = W + 2·[[0.5, 1, 1.5], [-1, -2, -3]]
     assert folded.keys() == {"0.weight"}
     torch.testing.assert_close(folded["0.weight"], torch.tensor([[2.0, 2.0, 5.0], [-2.0, -3.0, -7.0]]))
@@ -175,10 +175,10 @@ def test_optimizer_state_keys_round_trip():
         "state": {"b.weight": {"step": torch.tensor(3.0)}, "a.weight": {"step": torch.tensor(3.0)}},
         "param_groups": [{"lr": 0.1, "params": ["a.weight", "b.weight", "c.bias"]}],
     }
-    by_index = _index_keyed(by_name, names)
+    by_index = index_keyed(by_name, names)
     assert (
         set(by_index["state"]) == {0, 1}
         and by_index["param_groups"][0]["params"] == [0, 1, 2]
         and by_index["param_groups"][0]["lr"] == 0.1
     )
-    assert _name_keyed(by_index, names) == by_name
+    assert name_keyed(by_index, names) == by_name

@@ -171,7 +171,7 @@ def test_sft_on_teacher_sampled_replies(chat_overrides, tmp_path, monkeypatch):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr("attn2ssm.distill.trainer.build_teacher_sft_data", counting)
+    monkeypatch.setattr("attn2ssm.distill.run_data.build_teacher_sft_data", counting)
     stage = "[{name: sft, kind: sft, epochs: 1, batch_size: 2, trainable: [all], data: {source: 'teacher:%s:4', max_len: 96}}]"
     overrides = chat_overrides(stage % "CORPUS")
     corpus = next(o for o in overrides if o.startswith("data.corpus=")).split("=", 1)[1]

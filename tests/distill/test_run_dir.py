@@ -21,6 +21,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+import attn2ssm.distill.run_dir as run_dir
 import attn2ssm.distill.trainer as T
 from attn2ssm.cli import main
 from attn2ssm.distill.checkpoints import damage
@@ -218,7 +219,7 @@ def test_an_unwritable_out_is_one_line_before_or_while_writing(run_overrides, tm
     def denied(path, text):  # access(2) said yes, the write says no (ACLs, NFS root squash, a race)
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
 
-    monkeypatch.setattr(T, "atomic_write_text", denied)
+    monkeypatch.setattr(run_dir, "atomic_write_text", denied)
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     out = tmp_path / "run"
@@ -330,6 +331,7 @@ def test_a_resume_without_a_checkpoint_starts_the_metrics_afresh(run_overrides, 
 # ------------------------------------------------- 11, 12, 13. another process, what a killed run left, signals
 SLOW_CLI = r"""
 import sys, time
+import attn2ssm.distill.run_dir as run_dir
 import attn2ssm.distill.trainer as T
 from attn2ssm.cli import main
 

@@ -18,6 +18,7 @@ import attn2ssm
 from accelerate_launch import accelerate_launch
 from attn2ssm.distill.losses import forward_kl, resolve_kl_chunk
 from attn2ssm.distill.recipe import load_recipe
+from attn2ssm.distill.stage_setup import activation_checkpointing
 from attn2ssm.distill.stages import STAGE_KINDS
 from attn2ssm.distill.trainer import (
     Distiller,
@@ -130,6 +131,7 @@ OVERFLOW_THEN_KILL = r"""
 import math, os, signal, sys, torch
 import attn2ssm.distill.trainer as T
 from attn2ssm.distill.recipe import load_recipe
+from attn2ssm.distill.stage_setup import activation_checkpointing
 from attn2ssm.distill.stages import STAGE_KINDS
 from tiny_models import BASE_RECIPE
 
@@ -424,7 +426,6 @@ def _saved_bytes(step) -> int:
 
 
 def test_gradient_checkpointing_saves_fewer_activations_and_ends_with_its_stage(run_overrides, tmp_path):
-    from attn2ssm.distill import trainer as T
 
     distiller, run = _ready(
         load_recipe(BASE_RECIPE, run_overrides(stages=_gc_stages("true"), **{"data.block_len": 128})),
@@ -440,10 +441,10 @@ def test_gradient_checkpointing_saves_fewer_activations_and_ends_with_its_stage(
             loss.backward()
 
         on = _saved_bytes(step)
-        T._activation_checkpointing(run.unwrapped, False)
+        activation_checkpointing(run.unwrapped, False)
         off = _saved_bytes(step)
         assert on < off / 2, (on, off)
-        T._activation_checkpointing(run.unwrapped, True)
+        activation_checkpointing(run.unwrapped, True)
         distiller._finish_stage(run, TrainerState())
         assert not any(m.gradient_checkpointing for m in layers)  # the next stage decides for itself
         assert (
@@ -455,7 +456,6 @@ def test_gradient_checkpointing_saves_fewer_activations_and_ends_with_its_stage(
 
 def test_gradient_checkpointing_with_right_padding_gives_the_same_gradients():
     """A padded batch (sft / dpo): each layer's recompute sees the padding mask its forward saw."""
-    from attn2ssm.distill import trainer as T
     from attn2ssm.distill.losses import response_cross_entropy
     from tiny_models import tiny_student
 
@@ -473,7 +473,7 @@ def test_gradient_checkpointing_with_right_padding_gives_the_same_gradients():
         return {n: p.grad.clone() for n, p in student.named_parameters() if p.grad is not None}
 
     plain = grads()
-    T._activation_checkpointing(student, True)
+    activation_checkpointing(student, True)
     checkpointed = grads()
     assert plain.keys() == checkpointed.keys() and len(plain) > 10
     for name in plain:

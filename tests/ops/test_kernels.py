@@ -179,7 +179,7 @@ def test_the_recipe_takes_kernels_and_checks_the_device():
 
 
 def test_a_named_gpu_that_is_not_there_is_one_line(monkeypatch):
-    from attn2ssm.distill.trainer import _select_gpu
+    from attn2ssm.distill.accelerator import _select_gpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="this machine has no CUDA devices"):

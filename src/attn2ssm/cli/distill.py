@@ -30,8 +30,9 @@ def add_parser(subparsers) -> None:
         help="continue the run in --out from its latest checkpoint, with the recipe saved there; "
         "--set may then change only what leaves the steps already taken as they were: eval.*, stages.N.save_every, "
         "stages.N.keep_checkpoints, stages.N.eval_every, stages.N.eval_batches, device, mixed_precision and kernels (the "
-        "last three for the remaining steps); any other changed key is refused, naming it. SIGTERM / Ctrl-C stop a run after the current step with "
-        "a checkpoint and print this command to resume",
+        "last three for the remaining steps); any other changed key is refused, naming it. Without a recipe named, --out must hold a "
+        "run; with one, it must be that run's recipe, and an --out without a run starts it there (said on stderr). SIGTERM / Ctrl-C stop "
+        "a run after the current step with a checkpoint and print this command to resume",
     )
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=run)
@@ -40,24 +41,56 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from attn2ssm.distill.recipe import load_recipe  # torch (through attn2ssm.precision), not transformers
 
+    if args.resume and args.recipe is None:  # the run's own recipe: the one saved in --out
+        return _resume(args)
     recipe = load_recipe(args.recipe, args.set)  # recipe errors fail before the trainer's heavy imports
     if args.teacher:
         recipe.teacher = args.teacher
     if args.kernels:
         recipe.kernels = args.kernels
-    # A resume continues the recipe saved in the run directory (when there is one): --set and --teacher
-    # are checked against it there, and may change only what distill.recipe.RESUMABLE lists.
-    extra = [
-        *([f"teacher={args.teacher}"] if args.teacher else []),
-        *([f"kernels={args.kernels}"] if args.kernels else []),
-    ]
-    overrides = [*(args.set or []), *extra] if args.resume else None
-    if not args.resume and recipe.images is None:  # (a resumed run reads its teacher from the run directory)
+    if args.resume:  # a recipe named: resumed when --out holds its run, else started (said on stderr)
+        out = Path(args.out or f"runs/{recipe.name}")
+        return _train(recipe, out, args, _resume_overrides(args, out))
+    if recipe.images is None:  # (a resumed run reads its teacher from the run directory)
         resolve_teacher(recipe.teacher)
+    return _train(recipe, Path(args.out or f"runs/{recipe.name}"), args, None)
 
+
+def _resume(args) -> int:
+    """``distill --out RUN --resume``: continue the run saved in RUN (refused when there is none)."""
+    from attn2ssm.distill.recipe import recipe_from_dict
+    from attn2ssm.distill.run_dir import check_is_folder, saved_recipe
+    from attn2ssm.errors import ConfigError
+
+    out = Path(args.out or "runs/quickstart")  # the default recipe's default --out
+    check_is_folder(out)
+    saved = saved_recipe(out)
+    if saved is None:
+        raise ConfigError(
+            f"--resume: {out} holds no run to resume (no recipe.yaml): check --out",
+            f"or name the recipe to start a run there: attn2ssm distill RECIPE --out {out}",
+        )
+    return _train(recipe_from_dict(saved), out, args, _resume_overrides(args, out))
+
+
+def _resume_overrides(args, out: Path) -> list[str]:
+    """A resume's changes to the saved recipe, checked there against distill.recipe.RESUMABLE:
+    ``--set`` as given, ``--kernels`` as ``kernels=``; ``--teacher`` must name the saved teacher."""
+    from attn2ssm.distill.run_dir import saved_recipe
+    from attn2ssm.errors import ConfigError
+
+    saved = saved_recipe(out) or {}
+    if args.teacher and "teacher" in saved and args.teacher != saved["teacher"]:
+        raise ConfigError(
+            f"--resume --teacher {args.teacher}: the run in {out} was trained from teacher {saved['teacher']!r}",
+            "drop --teacher to resume it, or start a new run with that teacher in another --out",
+        )
+    return [*(args.set or []), *([f"kernels={args.kernels}"] if args.kernels else [])]
+
+
+def _train(recipe, out: Path, args, overrides: list[str] | None) -> int:
     from attn2ssm.distill.trainer import distill  # heavy: torch + transformers
 
-    out = Path(args.out or f"runs/{recipe.name}")
     results = distill(recipe, out, resume=args.resume, overrides=overrides, progress=not args.no_progress)
     if results and "student_top1" in results:  # an image recipe
         print(f"\n{'model':<10} {'top-1':>8}   ({results['test_images']} test images)")

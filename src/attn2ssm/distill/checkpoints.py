@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from attn2ssm.distill.lora import state_dict_without_lora
 from attn2ssm.errors import CheckpointError
 from attn2ssm.paths import atomic_write_text
 
@@ -65,6 +66,15 @@ def latest_checkpoint(out: Path) -> Path | None:
             f"delete {pointer} to restart from scratch",
         )
     return path
+
+
+def intact_note(out: Path) -> str:
+    """What a failed checkpoint write leaves: the last complete checkpoint, intact (or none yet)."""
+    pointer = checkpoint_root(out) / "latest"
+    kept = pointer.read_text().strip() if pointer.exists() else None
+    return (
+        f" ({kept}, the last complete checkpoint, is intact)" if kept else " (no checkpoint is complete yet)"
+    )
 
 
 # -- manifest ------------------------------------------------------------------------------------
@@ -188,16 +198,119 @@ def append_jsonl(path: Path, record: dict) -> None:
         fh.flush()
 
 
+def read_metrics(path: Path) -> tuple[list[str], str | None]:
+    """``(lines, cut)``: the metrics log's complete lines, and a last line a kill cut (None if the
+    log ends whole). A log that is not text, or a damaged line before the last, is a one-line
+    CheckpointError: the resume would lose what it records."""
+    if not path.exists():
+        return [], None
+    fix = f"move {path} aside (the checkpoints are intact) and resume again; its lines are then lost"
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise CheckpointError(f"{path} is damaged: line {line} is not text", fix) from None
+    lines = text.split("\n")
+    tail = lines.pop()  # "" when the log ends with a newline
+    for n, line in enumerate(lines, 1):
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            raise CheckpointError(f"{path} is damaged: line {n} is not a JSON record", fix) from None
+    if tail:  # the last line, cut before its newline was written (whole: kept)
+        try:
+            json.loads(tail)
+        except json.JSONDecodeError:
+            return lines, tail
+        lines.append(tail)
+    return lines, None
+
+
 def truncate_metrics(path: Path, stage: int, step: int) -> None:
-    """On resume, drop metric lines written after the checkpoint we restart from."""
+    """On resume, drop metric lines written after the checkpoint we restart from (and a line cut by the kill)."""
     if not path.exists():
         return
     kept = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
+    for line in read_metrics(path)[0]:
+        rec = json.loads(line)
         if (rec.get("stage_index", -1), rec.get("step", 0)) <= (stage, step):
             kept.append(line)
     atomic_write_text(path, "".join(k + "\n" for k in kept))
+
+
+# -- what a checkpoint holds -----------------------------------------------------------------------
+def index_keyed(state: dict, names: list[str]) -> dict:
+    """An optimizer state dict keyed by parameter names (torch.distributed.checkpoint's full form)
+    in the usual form, keyed by the parameters' positions: what ``optimizer.pt`` holds in every run."""
+    index = {n: i for i, n in enumerate(names)}
+    return {
+        "state": {index[n]: v for n, v in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def name_keyed(state: dict, names: list[str]) -> dict:
+    """``index_keyed`` undone."""
+    return {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+@torch.no_grad()
+def fold_lora(model_state: dict, scale: float) -> dict:
+    """A full state dict with its LoRA adapters (``lora.<module path with __>.A/B``) folded into the
+    adapted weights, W ← W + scale·B·A, as ``merge_lora`` does in a module; the adapters dropped."""
+    out = {k: v for k, v in model_state.items() if not k.startswith("lora.")}
+    for key in {k[len("lora.") :].rsplit(".", 1)[0] for k in model_state if k.startswith("lora.")}:
+        weight = f"{key.replace('__', '.')}.weight"
+        A, B = model_state[f"lora.{key}.A"], model_state[f"lora.{key}.B"]
+        out[weight] = out[weight] + (B @ A * scale).to(out[weight].dtype)
+    return out
+
+
+def gather_sharded(model, optimizer, param_names: list[str], is_main: bool, lora_scale: float | None):
+    """FSDP: ``(model state, optimizer state)`` of the full student on the main process (CPU), every
+    process taking part; with ``lora_scale`` (a LoRA stage's end) LoRA is folded into the weights.
+    ({}, {}) on the other processes."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    # only the main process receives them
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    if not is_main:
+        return {}, {}
+    if lora_scale is not None:
+        model_state = fold_lora(model_state, lora_scale)
+    return model_state, index_keyed(optim_state, param_names)
+
+
+def write_checkpoint(
+    folder: Path, student, state: dict, training: dict, full_model: dict | None = None
+) -> None:
+    """One checkpoint's files: the plain student (HF), ``optimizer.pt`` and ``state.json``.
+
+    ``training`` holds the optimizer state (``optimizer``), the scheduler's and the fp16 scaler's
+    (``scaler``, optional); the RNG state is added here. LoRA adapters (in progress) and a stage's
+    training-only modules travel in ``optimizer.pt`` beside the plain student. ``full_model``: the
+    full state dict FSDP gathered, in place of the student's own."""
+    everything = full_model if full_model is not None else state_dict_without_lora(student)
+    plain = {k: v for k, v in everything.items() if not k.startswith(("lora.", "stage_modules."))}
+    student.save_pretrained(folder, state_dict=plain)
+    payload = {**training, "rng": rng_state()}
+    if full_model is not None and any(k.startswith("lora.") for k in everything):
+        payload["lora"] = {k[len("lora.") :]: v for k, v in everything.items() if k.startswith("lora.")}
+    elif full_model is None and hasattr(student, "lora"):
+        payload["lora"] = student.lora.state_dict()
+    if hasattr(student, "stage_modules"):
+        payload["stage_modules"] = student.stage_modules.state_dict()
+    # through a file object, a failed write keeps its OSError
+    with open(folder / "optimizer.pt", "wb") as fh:
+        torch.save(payload, fh)
+    atomic_write_text(folder / "state.json", json.dumps(state, indent=1))

@@ -28,7 +28,7 @@ in ``teacher.json`` a *source key* — the teacher spec's files on disk (config.
 weight file's name, size and modification time), the teacher dtype and the compute mode
 (:func:`teacher_source_key`). A later run on the same files finds the folder by that key
 (:func:`find_cache_dir`) without loading anything: when every block it will draw is there, it needs
-only the teacher's tokenizer and config (distill/trainer.py). Any change to the files changes the
+only the teacher's tokenizer and config (distill/teacher_source.py). Any change to the files changes the
 key, and the run loads the teacher and computes the fingerprint again. A block that turns out
 unreadable in such a run is an error naming it, never a silent load.
 

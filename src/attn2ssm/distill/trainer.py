@@ -16,14 +16,16 @@ is tokenized once when the stage starts, and get right-padded batches (``attenti
 optimizer step: the trainer passes ``mean_loss_tokens`` (loss tokens of the global batch ÷
 micro-batches ÷ processes), computed from the indices alone, so it is the same on every process.
 
-One run uses a run directory at a time: the main process holds an exclusive lock on its ``.lock``
-(released by the OS when the process dies) before writing anything, so a second run on the same
-``--out`` stops with one line naming the first's pid, and the hidden temporaries a killed run left
-there are removed. A write that fails for want of space or permission stops with one line naming
-the folder and ``--resume``; the checkpoints already written stay intact. SIGTERM / SIGINT (a
-scheduler's notice, Ctrl-C) stop the loop after the current optimizer step: it is checkpointed, one
-line names the checkpoint and the resume command, and the process exits 143 / 130 (every process
-stops at the same step: they agree after each one).
+One run uses a run directory at a time (its lock, and what a resume checks before any work:
+``run_dir``). A write that fails for want of space or permission stops with one line naming the
+folder and ``--resume``; the checkpoints already written stay intact. SIGTERM / SIGINT stop the loop
+after the current optimizer step with a checkpoint and one line (``signals``).
+
+This module keeps the loop; each other job has its file beside it: the state it carries
+(``state``), the compute setup (``accelerator``), the teacher or its logit caches
+(``teacher_source``), the data (``run_data``), the student's build, calibration and stepwise growth
+(``build_student``), a stage's setup (``stage_setup``), the batches (``batches``), checkpoints
+(``checkpoints``), and what it measures and writes at the end (``results``).
 
 Run directory::
 
@@ -39,86 +41,86 @@ Run directory::
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
-import os
 import random
-import shlex
-import shutil
-import signal
-import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
-import yaml
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState
-from accelerate.utils import DistributedType, broadcast_object_list
 from tqdm.auto import tqdm
 
 import attn2ssm.teachers as teachers  # called through the module: tests replace its load_teacher
 from attn2ssm.config import from_dict
-from attn2ssm.data import (
-    block_indices,
-    check_block_len,
-    load_preference_dataset,
-    load_sft_dataset,
-    load_training_data,
-)
 from attn2ssm.data.images import load_image_data
-from attn2ssm.data.sources import needs_teacher
-from attn2ssm.data.teacher_samples import build_teacher_sft_data, is_teacher_source
-from attn2ssm.distill.calibration import calibrate_gated_delta, calibrate_kept_attention
+from attn2ssm.distill.accelerator import resolve_teacher_dtype, setup_accelerator
+from attn2ssm.distill.batches import metric, micro_batches
+from attn2ssm.distill.build_student import build_student, calibration_ids, grow_for_stage
 from attn2ssm.distill.checkpoints import (
     append_jsonl,
     checkpoint_name,
     checkpoint_root,
-    choose_checkpoint,
+    gather_sharded,
+    intact_note,
     latest_checkpoint,
     publish_checkpoint,
-    rng_state,
-    set_rng_state,
     truncate_metrics,
+    write_checkpoint,
 )
-from attn2ssm.distill.layer_selection import auto_plan, select_attention_layers
-from attn2ssm.distill.logit_cache import CacheStats, LogitCache, find_cache_dir, teacher_source_key
-from attn2ssm.distill.lora import attach_lora, merge_lora, state_dict_without_lora
-from attn2ssm.distill.losses import cross_entropy, resolve_kl_chunk
+from attn2ssm.distill.logit_cache import teacher_source_key
+from attn2ssm.distill.lora import merge_lora
+from attn2ssm.distill.losses import resolve_kl_chunk
 from attn2ssm.distill.recipe import (
-    RECOMPUTING,
     Recipe,
-    StageConfig,
-    resume_recipe,
     validate,
     validate_for_teacher,
 )
-from attn2ssm.distill.schedules import lr_multiplier
-from attn2ssm.distill.stages import STAGE_KINDS, StageKind, select_trainable
-from attn2ssm.errors import CheckpointError, ConfigError, Interrupted, OutputError, TrainingError
-from attn2ssm.eval.classification import evaluate_classifier, write_vision_report
-from attn2ssm.eval.report import write_report
-from attn2ssm.mixers.registry import ATTENTION
-from attn2ssm.ops.kernels import building_with, choose_kernels
-from attn2ssm.paths import (
-    LOCK,
-    atomic_write_text,
-    check_writable,
-    lock_dir,
-    remove_stale_staging,
-    replace_dir,
-    writing,
+from attn2ssm.distill.results import eval_loss, language_report, non_finite, save_student, step_record
+from attn2ssm.distill.run_data import block_len, load_blocks, stage_dataset
+from attn2ssm.distill.run_dir import (
+    check_is_folder,
+    check_metrics,
+    check_new_run,
+    hold_run_dir,
+    intact_checkpoint,
+    release_run_dir,
+    report_resume_changes,
+    resume_command,
+    resumed_recipe,
+    start_writing,
+    writing_to,
 )
-from attn2ssm.precision import choose_precision, warn_if_slow_bf16
-from attn2ssm.student.convert import convert, grow_student
-from attn2ssm.student.convert_vision import build_vision_student
+from attn2ssm.distill.signals import (
+    agreed_signal,
+    asked_flags,
+    asking_to_stop,
+    interrupted,
+    signal_from_flags,
+)
+from attn2ssm.distill.stage_setup import (
+    activation_checkpointing,
+    check_batch_split,
+    describe_stage,
+    drop_stage_modules,
+    prepare_stage,
+    stage_steps,
+    vocab,
+)
+from attn2ssm.distill.stages import STAGE_KINDS
+from attn2ssm.distill.state import StageRun, StepResult, TrainerState
+from attn2ssm.distill.teacher_source import (
+    load_teacher_files,
+    load_teacher_weights,
+    missing_blocks,
+    plan_teacherless,
+    remaining_stages,
+    stage_logit_cache,
+    teacherless_notice,
+)
+from attn2ssm.eval.classification import evaluate_classifier, write_vision_report
+from attn2ssm.ops.kernels import building_with
 from attn2ssm.student.modeling import Attn2SSMForCausalLM
-from attn2ssm.student.plans import interleaved_keep, make_plan
-from attn2ssm.student.vision import Attn2SSMForImageClassification
-from attn2ssm.teachers.vision import load_vision_teacher
 
 __all__ = [
     "Distiller",
@@ -129,188 +131,6 @@ __all__ = [
     "resolve_kl_chunk",
     "resolve_teacher_dtype",
 ]
-
-
-def resolve_teacher_dtype(requested: str, device_type: str, precision_used: str) -> torch.dtype:
-    """``teacher_dtype``: auto = the mixed precision's dtype on CUDA (float32 under ``no``), float32 elsewhere."""
-    if requested == "auto":
-        requested = (
-            {"bf16": "bfloat16", "fp16": "float16"}.get(precision_used, "float32")
-            if device_type == "cuda"
-            else "float32"
-        )
-    return getattr(torch, requested)
-
-
-class StepResult(NamedTuple):
-    """What one optimizer step reports (``Distiller._train_step``)."""
-
-    tokens: int  # tokens of the global batch
-    loss: float  # averaged over micro-batches and processes
-    metrics: dict  # the stage kind's metrics, averaged the same way
-    grad_norm: float | None  # before clipping (None: the stage does not clip)
-    skipped: bool = False  # fp16: the gradients overflowed, so neither the optimizer nor the schedule stepped
-    stop: int | None = None  # several processes: the signal they agreed to stop on after this step (0: none)
-
-
-@dataclass
-class TrainerState:
-    stage: int = 0  # index of the stage in progress
-    step: int = 0  # optimizer steps completed in that stage
-    tokens: int = 0  # tokens consumed in that stage
-    total_tokens: int = 0  # tokens consumed over all stages
-    finished: list[int] = field(default_factory=list)  # indices of completed stages
-
-    def advance(self, tokens: int) -> None:
-        self.step += 1
-        self.tokens += tokens
-        self.total_tokens += tokens
-
-
-@dataclass
-class StageRun:
-    """What one stage holds while it runs (``Distiller._setup_stage`` builds it)."""
-
-    index: int
-    cfg: StageConfig
-    kind: StageKind
-    dataset: object | None  # the stage's own dataset (sft / dpo), else None: corpus blocks
-    seq_len: int
-    n_items: int  # blocks or dataset examples the stage draws from
-    steps: int
-    model: (
-        torch.nn.Module
-    )  # DDP-wrapped (FSDP: sharded in place) when the kind runs through the model's forward
-    unwrapped: torch.nn.Module
-    params: list
-    n_trainable_tensors: int
-    optimizer: torch.optim.Optimizer  # accelerate's AcceleratedOptimizer (fp16: with the GradScaler)
-    scheduler: torch.optim.lr_scheduler.LambdaLR  # on the plain optimizer, stepped only when it stepped
-    logit_cache: object | None = None  # the stage's LogitCache (its `logit_cache` option), else None
-    param_names: list[str] = field(
-        default_factory=list
-    )  # the trainable parameters' names, in the optimizer's order
-    sharded: bool = False  # FSDP: the student is sharded across processes for this stage
-
-
-def _index_keyed(state: dict, names: list[str]) -> dict:
-    """An optimizer state dict keyed by parameter names (torch.distributed.checkpoint's full form)
-    in the usual form, keyed by the parameters' positions: what ``optimizer.pt`` holds in every run."""
-    index = {n: i for i, n in enumerate(names)}
-    return {
-        "state": {index[n]: v for n, v in state["state"].items()},
-        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
-    }
-
-
-def _name_keyed(state: dict, names: list[str]) -> dict:
-    """``_index_keyed`` undone."""
-    return {
-        "state": {names[i]: v for i, v in state["state"].items()},
-        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
-    }
-
-
-@torch.no_grad()
-def _fold_lora(model_state: dict, scale: float) -> dict:
-    """A full state dict with its LoRA adapters (``lora.<module path with __>.A/B``) folded into the
-    adapted weights, W ← W + scale·B·A, as ``merge_lora`` does in a module; the adapters dropped."""
-    out = {k: v for k, v in model_state.items() if not k.startswith("lora.")}
-    for key in {k[len("lora.") :].rsplit(".", 1)[0] for k in model_state if k.startswith("lora.")}:
-        weight = f"{key.replace('__', '.')}.weight"
-        A, B = model_state[f"lora.{key}.A"], model_state[f"lora.{key}.B"]
-        out[weight] = out[weight] + (B @ A * scale).to(out[weight].dtype)
-    return out
-
-
-def _drop_stage_modules(model) -> None:
-    """Remove a finished stage's training-only modules (CAB's bridges) from the student."""
-    if hasattr(model, "stage_modules"):
-        del model.stage_modules
-
-
-def _select_gpu(device: str) -> None:
-    """``device: cuda:N`` in one process: make GPU N the current one before accelerate picks it (under
-    ``accelerate launch`` each process takes the GPU of its local rank, and cuda:N is refused)."""
-    if not device.startswith("cuda:"):
-        return
-    index = int(device.split(":")[1])
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError(
-            f"device={device} names one GPU, and this run has several processes",
-            "use device: cuda (each process takes its own GPU)",
-        )
-    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-        raise ConfigError(
-            f"device={device}: this machine has {torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA devices",
-            "use device: auto, or an index below the device count",
-        )
-    torch.cuda.set_device(index)
-
-
-def _cpu_fp16(acc: Accelerator) -> None:
-    """accelerate gives fp16 on a CPU neither autocast nor a GradScaler: the run would be fp32 while
-    saying fp16. torch has both for the CPU, so they are installed where accelerate installs them on
-    CUDA: the same loss scaling, unscaling before clipping and skipped overflow steps run on a CPU
-    (slowly: it is there to check the fp16 path, e.g. in the tests)."""
-    if acc.mixed_precision == "fp16" and acc.device.type == "cpu" and acc.scaler is None:
-        acc.scaler = torch.amp.GradScaler("cpu")
-        acc.native_amp = True  # accelerate's autocast() and unscale_gradients() follow this flag
-
-
-def _activation_checkpointing(model, enable: bool) -> None:
-    """HF activation checkpointing of ``model``'s decoder layers, non-reentrant: each layer's forward
-    (the mixer inside it too) is recomputed in the backward instead of keeping its activations."""
-    if enable:
-        on = getattr(
-            model, "activation_checkpointing_enable", None
-        )  # transformers >= 5.2x; older: gradient_checkpointing_enable
-        if on is not None:
-            on(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if (
-            getattr(model, "_require_grads_hook", None) is not None
-        ):  # for reentrant checkpoints only: not needed here
-            model.disable_input_require_grads()
-    else:
-        off = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-        off()
-
-
-def _metric(value, device) -> torch.Tensor:
-    """A metric as a float64 0-d tensor on ``device`` (a kind's detached tensor; a Python number from
-    an older kind), without a copy that would wait for the device."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device=device, dtype=torch.float64)
-    return torch.full((), float(value), dtype=torch.float64, device=device)
-
-
-def _release_accelerate_state(mixed_precision: str) -> None:
-    """accelerate keeps one state per process and refuses an ``Accelerator`` with another precision;
-    a single process may run several recipes (a sweep, a notebook, bench train), so there the old
-    state is let go. Under a distributed launch the launcher's state stays."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or not AcceleratorState._shared_state:
-        return
-    if AcceleratorState._shared_state.get("_mixed_precision") != mixed_precision:
-        AcceleratorState._reset_state()
-
-
-# --------------------------------------------------------------------------------------------
-
-
-def _report_resume_changes(changes: list) -> None:
-    """A resume's ``--set`` changes, on stderr (by the main process)."""
-    print(
-        "--resume with --set: "
-        + ", ".join(f"{key} {old!r} → {new!r}" for key, old, new in changes)
-        + (
-            "; the remaining steps compute with it (no longer bitwise an uninterrupted run)"
-            if any(k.split(".")[-1] in RECOMPUTING for k, _, _ in changes)
-            else ""
-        ),
-        file=sys.stderr,
-    )
 
 
 class Distiller:
@@ -332,13 +152,16 @@ class Distiller:
         self.out = Path(out)
         self.progress = progress
         self.resume_from: Path | None = None  # the intact checkpoint a resumed run continues from
-        self.resume_command = f"attn2ssm distill --out {shlex.quote(str(self.out))} --resume"
+        self.resume_command = resume_command(self.out)
+        check_is_folder(self.out)
         recipe, changes = self._checked_recipe(recipe, resume, overrides, teacher)
         self.recipe = recipe
-        self._setup_accelerator(teacher)
+        setup = setup_accelerator(recipe, teacher_passed=teacher is not None)
+        self.acc, self.kernels, self.precision = setup.acc, setup.kernels, setup.precision
+        self.teacher_dtype, self.is_main = setup.teacher_dtype, setup.acc.is_main_process
         self._claim_run_dir(resume)
         if changes and self.is_main:
-            _report_resume_changes(changes)
+            report_resume_changes(changes)
         self._init_run_state(teacher, tokenizer)
 
     def _checked_recipe(self, recipe: Recipe, resume: bool, overrides, teacher) -> tuple[Recipe, list]:
@@ -346,71 +169,26 @@ class Distiller:
         directory, with the ``--set`` changes ``resume_recipe`` allowed)."""
         changes = []
         if resume:
-            saved = self.out / "recipe.yaml"
-            if saved.exists():
-                recipe, changes = resume_recipe(yaml.safe_load(saved.read_text()), overrides)
+            recipe, changes = resumed_recipe(self.out, recipe, overrides)
         validate(recipe)
-        if (
-            self.resume_from is None and recipe.images is None
-        ):  # what needs only the teacher's config.json, before anything loads or is written
+        # what needs only the teacher's config.json, before anything loads or is written
+        if self.resume_from is None and recipe.images is None:
             config = teacher.config if teacher is not None else teachers.read_teacher_config(recipe.teacher)
             if config is not None:
                 validate_for_teacher(recipe, config)
         return recipe, changes
 
-    def _setup_accelerator(self, teacher) -> None:
-        """Device, kernels, precision, the accelerator and the teacher's dtype (a teacher passed in
-        keeps its own)."""
-        recipe = self.recipe
-        cpu = recipe.device == "cpu" or (recipe.device == "auto" and not torch.cuda.is_available())
-        _select_gpu(recipe.device)
-        self.kernels = choose_kernels(
-            recipe.kernels, "cpu" if cpu else "cuda"
-        )  # once per run (ops/kernels.py)
-        # auto: bf16 only where it is fast (CUDA with bf16, a CPU with native bf16); explicit bf16 on a slow CPU warns
-        self.precision = choose_precision(recipe.mixed_precision, "cpu" if cpu else "cuda")
-        if self.precision.used == "bf16":
-            warn_if_slow_bf16(
-                "cpu" if cpu else "cuda",
-                "mixed_precision: bf16",
-                "training will be that much slower: set mixed_precision: auto (or no)",
-            )
-        _release_accelerate_state(self.precision.used)
-        self.acc = Accelerator(cpu=cpu, mixed_precision=self.precision.used)
-        _cpu_fp16(self.acc)
-        # a teacher passed in keeps the dtype its caller gave it (bench train reuses one across precisions)
-        self.teacher_dtype = (
-            resolve_teacher_dtype(recipe.teacher_dtype, "cpu" if cpu else "cuda", self.precision.used)
-            if teacher is None
-            else None
-        )
-        self._check_teacher_dtype()
-        self.is_main = self.acc.is_main_process
-        if self.acc.distributed_type == DistributedType.FSDP:
-            if self.precision.used == "fp16":  # accelerate's FSDP clip unscales a trainable subset twice
-                raise ConfigError(
-                    "mixed_precision fp16 under FSDP is not supported by this trainer",
-                    "use mixed_precision: bf16 (or auto) with configs/accelerate/fsdp.yaml",
-                )
-            if recipe.images is not None:
-                raise ConfigError(
-                    "image recipes do not run under FSDP",
-                    "launch them without --config_file configs/accelerate/fsdp.yaml (their students are small)",
-                )
-
     def _claim_run_dir(self, resume: bool) -> None:
-        """Lock the run directory; a resume finds its intact checkpoint, a new run needs a directory
-        that holds no run."""
-        self._lock, self._made_out = None, False
-        self._hold_run_dir()
+        """Lock the run directory; a resume finds its intact checkpoint and checks its metrics log, a
+        new run needs a directory that holds no run."""
+        self._lock, self._made_out = hold_run_dir(self.out, self.acc)
         try:
             if resume:
-                self.resume_from = self._intact_checkpoint()
-            elif (self.out / "checkpoints").exists() or (self.out / "student").exists():
-                raise ConfigError(
-                    f"run directory {self.out} already holds a run",
-                    "pass --resume to continue it, or choose another --out",
-                )
+                self.resume_from = intact_checkpoint(self.out)
+                if self.resume_from is not None and self.is_main:
+                    check_metrics(self.out)
+            else:
+                check_new_run(self.out)
         except BaseException:
             self.close()
             raise
@@ -421,217 +199,84 @@ class Distiller:
         self.metrics_path = self.out / "metrics.jsonl"
         # filled by run(): the frozen teacher, the data, the student being trained
         self.teacher, self.tokenizer = teacher, tokenizer
-        self.teacher_config = (
-            None if teacher is None else teacher.config
-        )  # set without the weights by a teacherless run
+        # set without the weights by a teacherless run
+        self.teacher_config = None if teacher is None else teacher.config
         self.teacher_info: dict = {}
-        # a teacherless run (_plan_teacherless): (top_k, dir) → (cache folder, fingerprint) of each remaining stage's logit cache
+        # a teacherless run (teacher_source.plan_teacherless): (top_k, dir) → (cache folder,
+        # fingerprint) of each remaining stage's logit cache
         self.cached_teacher: dict[tuple, tuple[Path, str]] | None = None
-        self._source_key: str | None = (
-            None  # the teacher spec's files, recorded in the logit caches this run fills
-        )
+        # the teacher spec's files, recorded in the logit caches this run fills
+        self._source_key: str | None = None
         self.corpus = None
         self.blocks: torch.Tensor | None = None  # training blocks (n, block_len)
         self.eval_blocks: torch.Tensor | None = None
-        self.block_sets: dict[
-            int, tuple
-        ] = {}  # block length → (training, held-out) blocks: data.block_len's, and LM stages' own
+        # block length → (training, held-out) blocks: data.block_len's, and LM stages' own
+        self.block_sets: dict[int, tuple] = {}
         self.stage_data: dict[int, object] = {}  # stage index → its own dataset (sft / dpo), loaded up front
         self.student: torch.nn.Module | None = None
         self.images = None  # image recipes (recipe.images): data.images.ImageData, the stages' dataset
         self.started = time.perf_counter()
         self.logit_caches: dict[tuple, object] = {}  # (top_k, dir) → LogitCache, shared by the run's stages
 
-    def _check_teacher_dtype(self) -> None:
-        """Layer-local kinds and CAB's bridges feed the teacher's activations to fp32 student modules:
-        a teacher in a reduced dtype needs autocast (mixed precision) to meet them there."""
-        if self.teacher_dtype in (None, torch.float32) or self.precision.used != "no":
-            return
-        name = str(self.teacher_dtype).removeprefix("torch.")
-        for i, cfg in enumerate(self.recipe.stages):
-            if not STAGE_KINDS[cfg.kind].through_model_forward:
-                raise ConfigError(
-                    f"stages[{i}] ({cfg.name}): a {name} teacher without mixed precision hands its {name} activations to the fp32 student modules of kind '{cfg.kind}'",
-                    "set mixed_precision: bf16 (autocast meets them), or teacher_dtype: float32",
-                )
-
-    def _hold_run_dir(self) -> None:
-        """The run directory's lock (the main process takes it before anything is written), or an
-        OutputError: not writable, or another run holds it. Every process raises alike."""
-        failure = None
-        if self.is_main:
-            try:
-                check_writable(self.out)
-                self._made_out = not self.out.exists()
-                self._lock = lock_dir(self.out)
-            except OutputError as exc:
-                failure = exc
-        if self.acc.num_processes > 1:
-            shared = broadcast_object_list([str(failure) if failure else None])
-            failure = failure or (OutputError(shared[0]) if shared[0] else None)
-        if failure is not None:
-            raise failure
-
     def close(self) -> None:
         """Release the run directory (``run`` does when it ends, however it ends); a folder this run
         created that holds nothing but its lock file (it failed before writing) is removed."""
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
-            if self._made_out and [p.name for p in self.out.iterdir()] == [LOCK]:
-                (self.out / LOCK).unlink()
-                self.out.rmdir()
+        release_run_dir(self.out, self._lock, self._made_out)
+        self._lock = None
 
     def _writing(self, what: str, where: Path | None = None, note: str = ""):
         """A write into the run directory: space or permission failures become one line naming it and the resume command."""
-        return writing(where or self.out, what, f"continue with: {self.resume_command}", note)
-
-    def _intact_checkpoint(self) -> Path | None:
-        """The newest checkpoint whose files match their manifest, with a one-line notice for each
-        damaged one skipped; an error when there are checkpoints but none is intact. Reads only."""
-        chosen, skipped = choose_checkpoint(self.out)
-        if chosen is None and skipped:
-            (newest, reason), names = skipped[0], ", ".join(folder.name for folder, _ in skipped)
-            raise CheckpointError(
-                f"no intact checkpoint in {self.out / 'checkpoints'}: {names} damaged ({newest.name}: {reason})",
-                "restart the run without --resume in a new --out",
-            )
-        for folder, reason in skipped:
-            print(
-                f"checkpoint {folder.name} is damaged ({reason}); resuming from {chosen.name}",
-                file=sys.stderr,
-            )
-        return chosen
+        return writing_to(self.out, what, where, note)
 
     # -- setup ---------------------------------------------------------------------------------
     def _load_teacher(self, state: TrainerState | None = None):
-        """The frozen teacher (and its tokenizer), or — when ``_plan_teacherless`` finds every remaining
-        stage served by a complete logit cache — its tokenizer and config only."""
-        if self.teacher is None and state is not None and self._plan_teacherless(state):
-            source = teachers.resolve_teacher(self.recipe.teacher)
-            gguf = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-            from transformers import AutoConfig, AutoTokenizer  # heavy: transformers
-
-            with teachers.quiet_loading():
-                self.teacher_config = AutoConfig.from_pretrained(source.location, **gguf)
-                self.tokenizer = AutoTokenizer.from_pretrained(source.location, **gguf)
-            if self.tokenizer.pad_token is None:
-                self.tokenizer.pad_token = self.tokenizer.eos_token
-            self.teacher_info = {"source": source.describe()}
-            return
+        """The frozen teacher (and its tokenizer), or — when every remaining stage of a resume is
+        served by a complete logit cache (``teacher_source.plan_teacherless``) — its tokenizer and
+        config only."""
+        if self.teacher is None and state is not None and self.resume_from is not None:
+            remaining = remaining_stages(self.recipe, state)
+            self.cached_teacher = plan_teacherless(self.recipe, remaining, self.teacher_dtype, self._mode())
+            if self.cached_teacher is not None:
+                self.teacher_config, self.tokenizer, self.teacher_info = load_teacher_files(self.recipe)
+                return
         self.cached_teacher = None
-        if (
-            self.teacher is None and self.recipe.images is None
-        ):  # loaded here from its spec: the caches it fills can say so
-            self._source_key = teacher_source_key(self.recipe.teacher, self.teacher_dtype, self._mode())
-        if (
-            self.teacher is None and self.recipe.images is not None
-        ):  # an image classifier and its image processor
-            self.teacher, self.tokenizer, self.teacher_info = load_vision_teacher(
-                self.recipe.teacher, progress=self.progress and self.is_main
+        if self.teacher is None:
+            if self.recipe.images is None:  # loaded here from its spec: the caches it fills can say so
+                self._source_key = teacher_source_key(self.recipe.teacher, self.teacher_dtype, self._mode())
+            self.teacher, self.tokenizer, self.teacher_info = load_teacher_weights(
+                self.recipe, self.teacher_dtype, self.acc.device, self.progress and self.is_main
             )
-            self.teacher.to(dtype=self.teacher_dtype)
-        elif self.teacher is None:
-            self.teacher, self.tokenizer, source = teachers.load_teacher(
-                self.recipe.teacher, check_supported=True, dtype=self.teacher_dtype
-            )
-            self.teacher_info = {"source": source.describe()}
         else:
             self.teacher_info = {"source": {"kind": "object", "location": type(self.teacher).__name__}}
-        self.teacher.to(self.acc.device).eval().requires_grad_(False)
+            self.teacher.to(self.acc.device).eval().requires_grad_(False)
         self.teacher_config = self.teacher.config
 
     def _mode(self) -> str:
         """The compute mode a logit cache is keyed by (device type / mixed precision)."""
         return f"{self.acc.device.type}/{self.precision.used}"
 
-    def _remaining(self, state: TrainerState) -> list[int]:
-        stages = self.recipe.stages
-        return [
-            i
-            for i in range(state.stage, len(stages))
-            if i not in state.finished and not (stages[i].tokens == 0 and stages[i].epochs is None)
-        ]
-
-    def _plan_teacherless(self, state: TrainerState) -> bool:
-        """Whether this run can go without the teacher's weights: it resumes (the student exists), every
-        stage still to run is kd / kd_ce with a logit_cache and no attention_ratio (no layer to
-        convert), no data source samples the teacher, and each of those caches records this teacher
-        spec's files (same files, dtype and mode: ``logit_cache.teacher_source_key``). Whether the
-        caches hold every block is checked once the data is loaded (``_check_teacherless``)."""
-        r = self.recipe
-        if (
-            self.resume_from is None
-            or r.images is not None
-            or any(needs_teacher(src.corpus) for src in r.data.source_list())
-        ):
-            return False
-        stages = [r.stages[i] for i in self._remaining(state)]
-        if not stages or any(
-            c.kind not in ("kd", "kd_ce") or c.logit_cache is None or c.attention_ratio is not None
-            for c in stages
-        ):
-            return False
-        key = teacher_source_key(r.teacher, self.teacher_dtype, self._mode())
-        if key is None:  # a hub id: its files are not on this disk to compare
-            return False
-        found = {}
-        for c in stages:
-            hit = find_cache_dir(c.logit_cache.dir, c.logit_cache.top_k, key)
-            if hit is None:
-                return False
-            found[(c.logit_cache.top_k, c.logit_cache.dir)] = hit
-        self.cached_teacher = found
-        return True
-
     def _check_teacherless(self, state: TrainerState) -> None:
         """A teacherless run needs every block its remaining steps draw in the caches; when one is
         missing, the teacher loads after all (and fills it), with a line saying why."""
         if self.cached_teacher is None:
             return
-        need: dict[tuple, set[int]] = {}
-        blocks_of = {}
-        for i in self._remaining(state):
-            cfg = self.recipe.stages[i]
-            blocks, _ = self._stage_blocks(i)
-            steps = self._stage_steps(cfg, len(blocks), self._block_len(cfg))
-            first = (
-                state.step if i == state.stage else 0
-            )  # every process's blocks of steps first..steps-1, in one draw
-            drawn = block_indices(
-                len(blocks),
-                self.recipe.seed + 1000 * i,
-                first * cfg.batch_size,
-                (steps - first) * cfg.batch_size,
-            )
-            need.setdefault((cfg.logit_cache.top_k, cfg.logit_cache.dir), set()).update(
-                (self._block_len(cfg), b) for b in drawn.tolist()
-            )
-            blocks_of[self._block_len(cfg)] = blocks
-        total = sum(len(b) for b in need.values())
-        missing = 0
-        for key, blocks in need.items():
-            folder, fingerprint = self.cached_teacher[key]
-            cache = LogitCache(None, key[0], self._mode(), key[1], fingerprint=fingerprint)
-            missing += sum(not cache.has(blocks_of[n][b]) for n, b in sorted(blocks))
+        missing, total = missing_blocks(
+            self.recipe,
+            state,
+            self.cached_teacher,
+            self._stage_blocks,
+            self._block_len,
+            stage_steps,
+            self._mode(),
+        )
         if self.is_main:
-            folders = ", ".join(str(f) for f, _ in self.cached_teacher.values())
-            if missing:
-                print(
-                    f"teacher-logit cache {folders} lacks {missing} of the {total} blocks the remaining steps draw: loading the teacher"
-                )
-            else:
-                print(
-                    f"teacher weights not loaded: every remaining stage reads the teacher's top-k from {folders} "
-                    f"(all {total} blocks there); tokenizer and config from {self.recipe.teacher}"
-                )
+            print(teacherless_notice(self.cached_teacher, missing, total, self.recipe.teacher))
         if missing:
             self._load_teacher()
 
     def _load_data(self):
-        if (
-            self.recipe.images is not None
-        ):  # a stratified fraction of the training split + the full test split
+        # image recipes: a stratified fraction of the training split + the full test split
+        if self.recipe.images is not None:
             self.images = load_image_data(self.recipe.images, self.tokenizer, self.recipe.seed)
             if self.is_main:
                 print(self.images.describe())
@@ -641,42 +286,15 @@ class Distiller:
         self.block_sets = {self.recipe.data.block_len: (data.blocks, data.eval_blocks)}
 
     def _block_len(self, cfg) -> int:
-        """The block length an LM stage trains on: its own ``block_len``, else ``data.block_len``."""
-        return cfg.block_len or self.recipe.data.block_len
+        """The block length an LM stage trains on (``run_data.block_len``)."""
+        return block_len(cfg, self.recipe)
 
-    def _blocks_at(self, block_len: int):
-        """The recipe's sources as training and held-out blocks of ``block_len`` tokens, sized for the
-        LM stages that train at that length (tokenized text and teacher samples come from the caches)."""
-        d = self.recipe.data
-        check_block_len(block_len, getattr(self.teacher_config, "max_position_embeddings", None))
-        # The most blocks one LM stage at this length draws: a mixture's size, and how far a hub source streams (None: epochs budgets only).
-        budget = max(
-            (
-                math.ceil(s.tokens / (s.batch_size * block_len)) * s.batch_size
-                for s in self.recipe.stages
-                if s.data is None and s.epochs is None and self._block_len(s) == block_len
-            ),
-            default=None,
+    def _blocks_at(self, length: int):
+        """The training and held-out blocks of ``length`` tokens (``run_data.load_blocks``)."""
+        progress = self.progress and self.is_main
+        return load_blocks(
+            self.recipe, length, self.tokenizer, self.teacher, self.teacher_config, self.acc, progress
         )
-        with (
-            self.acc.main_process_first()
-        ):  # one process tokenizes (or samples the teacher), the others read its cache
-            data = load_training_data(
-                d.source_list(),
-                self.tokenizer,
-                block_len,
-                seed=self.recipe.seed,
-                max_train_tokens=d.max_train_tokens,
-                max_heldout_tokens=d.max_heldout_tokens,
-                text_field=d.text_field,
-                budget_blocks=budget or None,
-                teacher=self.teacher,
-                progress=self.progress and self.is_main,
-                compact=True,
-            )
-        if self.is_main and len(data.sources) > 1:
-            print(data.describe())
-        return data
 
     def _stage_blocks(self, stage_idx: int):
         """(training, held-out) blocks of stage ``stage_idx``: the run's, or its own block length's
@@ -687,290 +305,87 @@ class Distiller:
             self.block_sets[n] = (data.blocks, data.eval_blocks)
         return self.block_sets[n]
 
-    def _build_student(self):
-        if self.images is not None:
-            s = self.recipe.student
-            student = (
-                Attn2SSMForImageClassification.from_pretrained(self.resume_from, dtype=torch.float32)
-                if self.resume_from is not None
-                else build_vision_student(
-                    self.teacher,
-                    s.mixer,
-                    dict(s.mixer_options),
-                    depth=s.depth,
-                    layer_map_mode=s.layer_map,
-                    teacher_info=self.teacher_info,
-                )
-            )
-        elif self.resume_from is not None:
-            student = Attn2SSMForCausalLM.from_pretrained(self.resume_from, dtype=torch.float32)
-        elif (
-            self.recipe.student.init_from
-        ):  # a trained student continued (student.init_from): no conversion, no calibration
-            teachers.check_weight_files(self.recipe.student.init_from)
-            student = Attn2SSMForCausalLM.from_pretrained(self.recipe.student.init_from, dtype=torch.float32)
-        else:
-            s = self.recipe.student
-            n_layers = s.depth or self.teacher.config.num_hidden_layers
-            if s.keep_attention == "auto":
-                plan, scores = auto_plan(
-                    self.teacher,
-                    self._calibration_ids(),
-                    s.mixer,
-                    dict(s.mixer_options),
-                    s.attention_ratio,
-                    batch_size=2,
-                    progress=self.progress,
-                )
-                self._log_layer_scores(scores, plan)
-            else:
-                plan = make_plan(
-                    n_layers,
-                    s.mixer,
-                    attention_ratio=s.attention_ratio,
-                    keep_attention=s.keep_attention,
-                    placement=s.placement,
-                    align=s.align,
-                    where=s.where,
-                )
-            student = convert(
-                self.teacher,
-                plan,
-                {s.mixer: dict(s.mixer_options)},
-                teacher_info=self.teacher_info,
-                init=s.init,
-                depth=s.depth,
-                depth_map=s.layer_map,
-                kept_attention=s.kept_attention,
-            )
-            self._calibrate(student)
-            self._calibrate_kept_attention(student)
-        # fp32 master weights whatever the teacher's dtype (convert builds the student in the teacher's)
-        self.student = student.to(device=self.acc.device, dtype=torch.float32)
-
-    def _calibrate(self, student, layers=None) -> None:
-        """A fresh student's (or only ``layers`` of it) gated delta-rule mixers with ``decay_init:
-        calibrated``: decays and write strengths per head from the teacher's attention on the
-        calibration blocks (logged)."""
-        report = calibrate_gated_delta(student, self.teacher, self._calibration_ids(), layers)
-        if report and self.is_main:
-            alphas = [a for r in report.values() for a in r["alpha"]]
-            print(
-                f"gated delta-rule decays calibrated on the teacher's attention in {len(report)} layers "
-                f"(per-head decay {min(alphas):.3f}..{max(alphas):.3f})"
-            )
-            with self._writing("metrics.jsonl"):
-                append_jsonl(
-                    self.metrics_path,
-                    {
-                        "event": "decay_calibration",
-                        "step": 0,
-                        "layers": {str(i): r for i, r in report.items()},
-                    },
-                )
-
-    def _calibrate_kept_attention(self, student) -> None:
-        """A fresh hybrid's kept attention layers in Qwen3.5's form (``student.kept_attention:
-        qwen35``): their q/k norm weights from the teacher's q and k on the calibration blocks (logged)."""
-        report = calibrate_kept_attention(student, self.teacher, self._calibration_ids())
-        if report and self.is_main:
-            print(
-                f"q/k norms of {len(report)} kept attention layers (Qwen3.5 form) calibrated on the teacher's q and k"
-            )
-            with self._writing("metrics.jsonl"):
-                append_jsonl(
-                    self.metrics_path,
-                    {
-                        "event": "kept_attention_calibration",
-                        "step": 0,
-                        "layers": {str(i): r for i, r in report.items()},
-                    },
-                )
+    def _note(self, message: str, record: dict | None = None) -> None:
+        """A line for the user and, when given, a metrics record (main process only)."""
+        if self.is_main:
+            print(message)
+            if record is not None:
+                with self._writing("metrics.jsonl"):
+                    append_jsonl(self.metrics_path, record)
 
     def _calibration_ids(self) -> torch.Tensor:
-        """The first training blocks in the run's block order: what automatic layer selection scores on."""
-        blocks = self.block_sets[self.recipe.data.block_len][
-            0
-        ]  # the run's blocks, whichever stage is current
-        n = min(self.recipe.student.auto_calibration_blocks, len(blocks))
-        return blocks[block_indices(len(blocks), self.recipe.seed, 0, n)].to(self.acc.device)
+        """The run's calibration blocks (``build_student.calibration_ids``), whichever stage is current."""
+        return calibration_ids(self.block_sets[self.recipe.data.block_len][0], self.recipe, self.acc.device)
 
-    def _log_layer_scores(self, scores: list, plan: list[str], stage_idx: int = -1) -> None:
-        if self.is_main:
-            kept = [i for i, k in enumerate(plan) if k == ATTENTION]
-            print(f"automatic layer selection: keeping attention in layers {kept}")
-            with self._writing("metrics.jsonl"):
-                append_jsonl(
-                    self.metrics_path,
-                    {
-                        "event": "layer_selection",
-                        "stage_index": stage_idx,
-                        "step": 0,
-                        "scores": scores,
-                        "keep_attention": kept,
-                    },
-                )
+    def _build_student(self):
+        """The student (``build_student``), fp32 master weights on the run's device whatever the
+        teacher's dtype (convert builds the student in the teacher's)."""
+        student = build_student(
+            self.recipe,
+            self.teacher,
+            self.teacher_info,
+            self.resume_from,
+            self.images is not None,
+            self._calibration_ids,
+            self._note,
+            self.progress,
+        )
+        self.student = student.to(device=self.acc.device, dtype=torch.float32)
 
     def _grow_for_stage(self, stage_idx: int, cfg) -> None:
         """Stepwise hybrids: convert more attention layers before a stage with its own attention_ratio."""
-        if cfg.attention_ratio is None:
-            return
-        s = self.recipe.student
         student = self.acc.unwrap_model(self.student)
-        plan = list(student.config.layer_plan)
-        kept = [i for i, k in enumerate(plan) if k == ATTENTION]
-        n_keep = round(cfg.attention_ratio * len(plan))
-        if n_keep >= len(kept):
-            return
-        if s.keep_attention == "auto":
-            new_kept, scores = select_attention_layers(
-                self.teacher,
-                self._calibration_ids(),
-                s.mixer,
-                dict(s.mixer_options),
-                keep=n_keep,
-                batch_size=2,
-                progress=self.progress,
-                student=student,
-            )
-            self._log_layer_scores(
-                scores, [ATTENTION if i in new_kept else s.mixer for i in range(len(plan))], stage_idx
-            )
-        else:  # spread the survivors evenly over the layers that still keep attention (nested schedules)
-            new_kept = (
-                [kept[r] for r in interleaved_keep(len(kept), n_keep / len(kept), s.align)] if n_keep else []
-            )
-        new_plan = [k if k != ATTENTION or i in new_kept else s.mixer for i, k in enumerate(plan)]
-        if self.is_main:
-            print(
-                f"[stage {stage_idx + 1}] {cfg.name}: converting layers {[i for i in kept if i not in new_kept]} "
-                f"(attention kept in {new_kept}, {n_keep}/{len(plan)})"
-            )
-        grown = grow_student(student, self.teacher, new_plan)
-        self._calibrate(grown, layers={i for i in kept if i not in new_kept})
-        self.student = grown.to(self.acc.device)
+        grown = grow_for_stage(
+            student,
+            self.teacher,
+            self.recipe,
+            stage_idx,
+            cfg,
+            self._calibration_ids,
+            self._note,
+            self.progress,
+        )
+        if grown is not None:
+            self.student = grown.to(self.acc.device)
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def _gather(self, run: StageRun, stage_end: bool) -> tuple[dict, dict]:
-        """FSDP: the full student and optimizer state on the main process (CPU), every process taking
-        part; at the stage end LoRA is folded into the weights. Elsewhere: ({}, {})."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(
-            full_state_dict=True, cpu_offload=True
-        )  # only the main process receives them
-        model_state = get_model_state_dict(run.model, options=options)
-        optim_state = get_optimizer_state_dict(run.model, run.optimizer.optimizer, options=options)
-        if not self.is_main:
-            return {}, {}
-        if stage_end and run.cfg.lora is not None:
-            model_state = _fold_lora(model_state, run.cfg.lora.alpha / run.cfg.lora.r)
-        return model_state, _index_keyed(optim_state, run.param_names)
-
     def _save_checkpoint(self, state: TrainerState, run: StageRun) -> None:
+        """Checkpoint the run's position (every process takes part; the main one writes)."""
         self.acc.wait_for_everyone()
+        full_model = None
         if run.sharded:  # a collective: every process, before the main one writes
-            full_model, full_optim = self._gather(run, run.index in state.finished)
+            lora = run.cfg.lora if run.index in state.finished else None
+            full_model, full_optim = gather_sharded(
+                run.model,
+                run.optimizer.optimizer,
+                run.param_names,
+                self.is_main,
+                lora and lora.alpha / lora.r,
+            )
         if self.is_main:
             student = self.acc.unwrap_model(self.student)
-            name = checkpoint_name(state.stage, state.step)
-            pointer = checkpoint_root(self.out) / "latest"
-            kept = pointer.read_text().strip() if pointer.exists() else None
-            note = (
-                f" ({kept}, the last complete checkpoint, is intact)"
-                if kept
-                else " (no checkpoint is complete yet)"
-            )
+            training = {
+                "optimizer": full_optim if run.sharded else run.optimizer.state_dict(),
+                "scheduler": run.scheduler.state_dict(),
+            }
+            if self.acc.scaler is not None:  # fp16: the loss scale and its growth count, for an exact resume
+                training["scaler"] = self.acc.scaler.state_dict()
+            name, note = checkpoint_name(state.stage, state.step), intact_note(self.out)
 
             def write(folder: Path) -> None:
-                everything = full_model if run.sharded else state_dict_without_lora(student)
-                plain = {k: v for k, v in everything.items() if not k.startswith(("lora.", "stage_modules."))}
-                student.save_pretrained(folder, state_dict=plain)
-                optim = full_optim if run.sharded else run.optimizer.state_dict()
-                payload = {"optimizer": optim, "scheduler": run.scheduler.state_dict(), "rng": rng_state()}
-                if (
-                    self.acc.scaler is not None
-                ):  # fp16: the loss scale and its growth count, for an exact resume
-                    payload["scaler"] = self.acc.scaler.state_dict()
-                if run.sharded and any(k.startswith("lora.") for k in everything):
-                    payload["lora"] = {
-                        k[len("lora.") :]: v for k, v in everything.items() if k.startswith("lora.")
-                    }
-                elif not run.sharded and hasattr(
-                    student, "lora"
-                ):  # a LoRA stage in progress: adapters travel beside the plain student
-                    payload["lora"] = student.lora.state_dict()
-                if hasattr(student, "stage_modules"):  # and so do a stage's training-only modules
-                    payload["stage_modules"] = student.stage_modules.state_dict()
-                with open(
-                    folder / "optimizer.pt", "wb"
-                ) as fh:  # through a file object, a failed write keeps its OSError
-                    torch.save(payload, fh)
-                atomic_write_text(folder / "state.json", json.dumps(asdict(state), indent=1))
+                write_checkpoint(folder, student, asdict(state), training, full_model)
 
             with self._writing(f"checkpoint {name}", checkpoint_root(self.out), note):
                 publish_checkpoint(self.out, name, write, run.cfg.keep_checkpoints)
         self.acc.wait_for_everyone()
 
-    # -- evaluation --------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _eval_loss(self, stage_cfg) -> float:
-        model = self.acc.unwrap_model(self.student)
-        model.eval()
-        n = min(len(self.eval_blocks), stage_cfg.eval_batches * 4)
-        losses = []
-        for i in range(0, n, 4):
-            ids = self.eval_blocks[i : i + 4].to(self.acc.device)
-            losses.append(cross_entropy(model(input_ids=ids, use_cache=False).logits, ids).item())
-        model.train()
-        return sum(losses) / max(1, len(losses))
-
     # -- stage data -----------------------------------------------------------------------------------
     def _stage_dataset(self, stage_idx: int, cfg, kind):
-        """The stage's own dataset, tokenized once (per process: deterministic, and small next to training)."""
-        d = cfg.data
-        check_block_len(d.max_len, getattr(self.teacher.config, "max_position_embeddings", None))
-        load = load_preference_dataset if "preference" in kind.data_formats else load_sft_dataset
-        source = d.source
-        if is_teacher_source(source):  # the teacher's own replies to corpus-derived prompts, sampled once
-            if load is load_preference_dataset:
-                raise ConfigError(
-                    f"stage '{cfg.name}': a teacher: source gives chat data, not preference pairs",
-                    "use it in an sft stage, and a preference dataset for dpo",
-                )
-            with self.acc.main_process_first():
-                source = str(
-                    build_teacher_sft_data(
-                        source,
-                        self.teacher,
-                        self.tokenizer,
-                        seed=self.recipe.seed,
-                        progress=self.progress and self.is_main,
-                    )
-                )
-        dataset = load(
-            source,
-            self.tokenizer,
-            format=d.format,
-            max_len=d.max_len,
-            max_examples=d.max_examples,
-            stage=cfg.name,
+        """The stage's own dataset (``run_data.stage_dataset``)."""
+        progress = self.progress and self.is_main
+        return stage_dataset(
+            self.recipe, stage_idx, cfg, kind, self.teacher, self.tokenizer, self.acc, progress
         )
-        if self.is_main:
-            m = dataset.meta
-            print(
-                f"[stage {stage_idx + 1}] {cfg.name}: {m['examples']} {m['format']} examples from {m['source']}"
-                + (
-                    f" ({m['dropped']} dropped: no reply token within max_len={d.max_len})"
-                    if m["dropped"]
-                    else ""
-                )
-            )
-        return dataset
 
     def _prepare_stage_data(self, first_stage: int) -> None:
         """Load the datasets of the stages still to run now, so a missing file, a bad record or a
@@ -980,76 +395,35 @@ class Distiller:
             if i >= first_stage and kind.data_formats is not None:
                 self.stage_data[i] = self._stage_dataset(i, cfg, kind)
 
-    def _stage_steps(self, cfg, n_items: int, seq_len: int) -> int:
-        if cfg.epochs is not None:
-            return max(1, math.ceil(cfg.epochs * n_items / cfg.batch_size))
-        return math.ceil(cfg.tokens / (cfg.batch_size * seq_len))
-
     # -- the loop ------------------------------------------------------------------------------------
-    def _batch_indices(
-        self, stage_idx: int, step: int, accum_i: int, stage_cfg, n_items: int | None = None
-    ) -> torch.Tensor:
-        """This process's items (blocks, or dataset examples) for micro-batch ``accum_i`` of step ``step``."""
-        world, rank = self.acc.num_processes, self.acc.process_index
-        per = stage_cfg.batch_size // (stage_cfg.grad_accum * world)
-        start = step * stage_cfg.batch_size + accum_i * world * per + rank * per
-        n = len(self.blocks) if n_items is None else n_items
-        return block_indices(n, self.recipe.seed + 1000 * stage_idx, start, per)
-
-    def _step_indices(self, stage_idx: int, step: int, stage_cfg, n_items: int) -> torch.Tensor:
-        """Every process's items of optimizer step ``step`` (the global batch)."""
-        return block_indices(
-            n_items, self.recipe.seed + 1000 * stage_idx, step * stage_cfg.batch_size, stage_cfg.batch_size
-        )
-
     def _setup_stage(self, stage_idx: int, resume_payload: dict | None) -> StageRun:
-        """The stage's data, adapters / training-only modules, trainable set, optimizer and schedule
-        (restored from ``resume_payload`` when the run resumes inside this stage)."""
+        """The stage's data, then its trainable set, optimizer and schedule (``stage_setup``; restored
+        from ``resume_payload`` when the run resumes inside this stage)."""
         cfg = self.recipe.stages[stage_idx]
         kind = STAGE_KINDS[cfg.kind]
-        world = self.acc.num_processes
-        if cfg.batch_size % (cfg.grad_accum * world):
-            raise ConfigError(
-                f"stage '{cfg.name}': batch_size {cfg.batch_size} is not divisible by grad_accum × processes = {cfg.grad_accum * world}",
-                "make batch_size a multiple of grad_accum × number of processes",
-            )
+        check_batch_split(cfg, self.acc.num_processes)
         dataset, seq_len, n_items = self._stage_items(stage_idx, cfg, kind)
         unwrapped = self.acc.unwrap_model(self.student)
-        names = self._stage_trainable(unwrapped, cfg, kind, resume_payload)
-        params = [p for p in unwrapped.parameters() if p.requires_grad]
-        param_names = [
-            n for n, p in unwrapped.named_parameters() if p.requires_grad
-        ]  # the same order as params
-        sharded = kind.through_model_forward and self.acc.distributed_type == DistributedType.FSDP
-        optimizer, scheduler, steps = self._stage_optimizer(
-            params, cfg, n_items, seq_len, sharded, resume_payload
-        )
-        cfg = replace(
-            cfg, kl_chunk=resolve_kl_chunk(cfg.kl_chunk, self.acc.device.type, self._vocab(unwrapped))
-        )
-        model, optimizer = self._prepare_stage_model(
-            unwrapped, optimizer, cfg, kind, sharded, param_names, resume_payload
-        )
-        params = [p for group in optimizer.param_groups for p in group["params"]]  # FSDP: the sharded ones
-        self.student = model
-        model.train()
+        p = prepare_stage(self.acc, unwrapped, cfg, kind, self.teacher, n_items, seq_len, resume_payload)
+        self.student = p.model
+        p.model.train()
         return StageRun(
             stage_idx,
-            cfg,
+            p.cfg,
             kind,
             dataset,
             seq_len,
             n_items,
-            steps,
-            model,
+            p.steps,
+            p.model,
             unwrapped,
-            params,
-            len(names),
-            optimizer,
-            scheduler,
-            self._logit_cache(cfg, self._vocab(unwrapped)),
-            param_names,
-            sharded,
+            p.params,
+            p.n_trainable_tensors,
+            p.optimizer,
+            p.scheduler,
+            self._logit_cache(p.cfg, vocab(unwrapped)),
+            p.param_names,
+            p.sharded,
         )
 
     def _stage_items(self, stage_idx: int, cfg, kind) -> tuple[object | None, int, int]:
@@ -1074,167 +448,25 @@ class Distiller:
         n_items = len(dataset) if dataset is not None else len(self.blocks)
         return dataset, seq_len, n_items
 
-    def _stage_trainable(self, unwrapped, cfg, kind, resume_payload: dict | None) -> list:
-        """Attach the stage's LoRA adapters and training-only modules (restored on a resume) and set
-        the trainable parameters; returns the names ``select_trainable`` picked."""
-        if cfg.lora is not None:
-            attach_lora(unwrapped, cfg.lora.targets, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout)
-            if resume_payload is not None and "lora" in resume_payload:
-                unwrapped.lora.load_state_dict(resume_payload["lora"])
-        if hasattr(
-            kind, "stage_modules"
-        ):  # attached before the optimizer so a resume finds the same parameter order
-            unwrapped.stage_modules = kind.stage_modules(unwrapped, self.teacher, cfg)
-            if resume_payload is not None and "stage_modules" in resume_payload:
-                unwrapped.stage_modules.load_state_dict(resume_payload["stage_modules"])
-        names = select_trainable(unwrapped, cfg.trainable, cfg.frozen)
-        if hasattr(unwrapped, "stage_modules"):  # they exist only to be trained, whatever the patterns say
-            unwrapped.stage_modules.requires_grad_(True)
-        return names
-
-    def _stage_optimizer(
-        self, params: list, cfg, n_items: int, seq_len: int, sharded: bool, resume_payload: dict | None
-    ):
-        """``(optimizer, scheduler, steps)``: the stage's AdamW and its schedule over its steps, restored
-        from ``resume_payload`` (with the RNG and the fp16 loss scale; an FSDP optimizer's state only
-        once sharded)."""
-        optimizer = torch.optim.AdamW(
-            params,
-            lr=cfg.optim.lr,
-            betas=(cfg.optim.beta1, cfg.optim.beta2),
-            eps=cfg.optim.eps,
-            weight_decay=cfg.optim.weight_decay,
-        )
-        steps = self._stage_steps(cfg, n_items, seq_len)
-        lam = lr_multiplier(
-            cfg.schedule.kind, steps, cfg.schedule.warmup, cfg.schedule.decay, cfg.schedule.min_lr_ratio
-        )
-        # On the plain optimizer, stepped by _train_step only when the optimizer stepped (accelerate's
-        # scheduler wrapper would also step it once per process under a multi-process launch).
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
-        if resume_payload is not None:
-            if not sharded:  # FSDP: once the parameters are sharded (_prepare_stage_model)
-                optimizer.load_state_dict(resume_payload["optimizer"])
-            scheduler.load_state_dict(resume_payload["scheduler"])
-            set_rng_state(resume_payload["rng"])
-            if (
-                self.acc.scaler is not None and "scaler" in resume_payload
-            ):  # fp16: the loss scale and its growth count
-                self.acc.scaler.load_state_dict(resume_payload["scaler"])
-        return optimizer, scheduler, steps
-
-    def _prepare_stage_model(
-        self,
-        unwrapped,
-        optimizer,
-        cfg,
-        kind,
-        sharded: bool,
-        param_names: list[str],
-        resume_payload: dict | None,
-    ):
-        """``(model, optimizer)`` prepared by accelerate for the stage (an FSDP resume's optimizer
-        state loaded into the shards)."""
-        # accelerate holds every model and optimizer it prepared until told otherwise, and its
-        # clip_grad_norm_ unscales (fp16) the gradients of each optimizer it holds: the last stage's
-        # share parameters with this one's, which would be unscaled twice.
-        self.acc.free_memory()
-        if kind.through_model_forward:
-            # DDP wrap under accelerate launch (identity otherwise), with the optimizer: the GradScaler (fp16)
-            # rides on it. Layer-local kinds never call the model's forward, so the model is not wrapped
-            # and their gradients are averaged in _train_step.
-            _activation_checkpointing(unwrapped, cfg.gradient_checkpointing)
-            model, optimizer = self.acc.prepare(
-                unwrapped, optimizer
-            )  # FSDP2: shards the student in place, remaps the optimizer
-        else:
-            model, optimizer = unwrapped, self.acc.prepare_optimizer(optimizer)
-        if (
-            sharded and resume_payload is not None
-        ):  # the full (unsharded) state, each process keeping its shards
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(
-                model,
-                optimizer.optimizer,
-                _name_keyed(resume_payload["optimizer"], param_names),
-                options=StateDictOptions(full_state_dict=True),
-            )
-        return model, optimizer
-
-    @staticmethod
-    def _vocab(student) -> int:
-        """The width of the student's logits (its teacher's vocabulary; classes for an image student)."""
-        head = student.get_output_embeddings() if hasattr(student, "get_output_embeddings") else None
-        return head.weight.shape[0] if head is not None else getattr(student.config, "num_labels", 1)
-
     def _logit_cache(self, cfg, vocab: int):
-        """The stage's teacher-logit cache, keyed by the teacher and this run's compute mode (one
-        fingerprint per run: the teacher is frozen)."""
-        if cfg.logit_cache is None:
-            return None
-        if cfg.logit_cache.top_k > vocab:
-            raise ConfigError(
-                f"stage '{cfg.name}': logit_cache.top_k={cfg.logit_cache.top_k} exceeds the teacher's vocabulary ({vocab})",
-                f"set logit_cache.top_k to at most {vocab} (e.g. 64)",
-            )
-        key = (cfg.logit_cache.top_k, cfg.logit_cache.dir)
-        if key not in self.logit_caches:
-            if (
-                self.teacher is None
-            ):  # a teacherless run: the cache the teacher's spec filled, by its fingerprint
-                self.logit_caches[key] = LogitCache(
-                    None,
-                    cfg.logit_cache.top_k,
-                    self._mode(),
-                    cfg.logit_cache.dir,
-                    chunk_size=cfg.kl_chunk,
-                    fingerprint=self.cached_teacher[key][1],
-                )
-            else:
-                source = (
-                    {
-                        "key": self._source_key,
-                        "teacher": self.recipe.teacher,
-                        "dtype": str(self.teacher_dtype),
-                        "mode": self._mode(),
-                    }
-                    if self._source_key
-                    else None
-                )
-                self.logit_caches[key] = LogitCache(
-                    self.teacher,
-                    cfg.logit_cache.top_k,
-                    self._mode(),
-                    cfg.logit_cache.dir,
-                    chunk_size=cfg.kl_chunk,
-                    source=source,
-                )
-        cache = self.logit_caches[key]
-        cache.stats = CacheStats()  # counted per stage
-        return cache
+        """The stage's teacher-logit cache (``teacher_source.stage_logit_cache``)."""
+        source = None
+        if self._source_key:  # what the caches this teacher fills record of its spec
+            source = {
+                "key": self._source_key,
+                "teacher": self.recipe.teacher,
+                "dtype": str(self.teacher_dtype),
+                "mode": self._mode(),
+            }
+        return stage_logit_cache(
+            cfg, vocab, self.logit_caches, self.teacher, self._mode(), self.cached_teacher, source
+        )
 
     def _micro_batches(self, run: StageRun, step: int):
         """(tokens of the global batch, this process's micro-batches of optimizer step ``step``)."""
-        cfg, world = run.cfg, self.acc.num_processes
-        if run.dataset is None:
-            batches = (
-                {"input_ids": self.blocks[self._batch_indices(run.index, step, a, cfg)].to(self.acc.device)}
-                for a in range(cfg.grad_accum)
-            )
-            return cfg.batch_size * run.seq_len, batches
-        global_idx = self._step_indices(run.index, step, cfg, run.n_items).tolist()
-        mean_loss_tokens = run.dataset.loss_tokens(global_idx) / (cfg.grad_accum * world)
-
-        def collate(a: int) -> dict:
-            idx = self._batch_indices(run.index, step, a, cfg, run.n_items).tolist()
-            batch = {k: v.to(self.acc.device) for k, v in run.dataset.collate(idx).items()}
-            batch["mean_loss_tokens"] = mean_loss_tokens
-            if self.images is not None:  # for losses with a schedule of their own (vision_cab's align_until)
-                batch["step"], batch["steps"] = step, run.steps
-            return batch
-
-        return run.dataset.tokens(global_idx), (collate(a) for a in range(cfg.grad_accum))
+        return micro_batches(
+            run, step, self.blocks, self.recipe.seed, self.acc, with_step=self.images is not None
+        )
 
     def _train_step(self, run: StageRun, step: int) -> StepResult:
         """One optimizer step. What it reads back from the device — loss and metrics summed over
@@ -1256,74 +488,43 @@ class Distiller:
                 self.acc.backward(loss / cfg.grad_accum)  # fp16: scaled by the GradScaler
             step_loss += loss.detach() / cfg.grad_accum
             for k, v in metrics.items():  # float64, as the Python floats they were summed in before
-                sums[k] = sums.get(k, 0.0) + _metric(v, device) / cfg.grad_accum
+                sums[k] = sums.get(k, 0.0) + metric(v, device) / cfg.grad_accum
         if world > 1 and not run.kind.through_model_forward:
             for p in run.params:
                 if p.grad is not None:
                     p.grad = self.acc.reduce(p.grad, "mean")
-        grad_norm = (
-            self.acc.clip_grad_norm_(run.params, cfg.clip) if cfg.clip else None
-        )  # fp16: unscales first
+        # fp16: unscales first
+        grad_norm = self.acc.clip_grad_norm_(run.params, cfg.clip) if cfg.clip else None
         names = list(sums)
         values = torch.stack([step_loss.double(), *(sums[k] for k in names)])
-        if (
-            world > 1
-        ):  # summed over processes, with the signals each was sent (so all stop after the same step)
-            asked = [
-                torch.full((), float(signum in self._asked), dtype=torch.float64, device=device)
-                for signum in (signal.SIGTERM, signal.SIGINT)
-            ]
+        # summed over processes, with the signals each was sent (so all stop after the same step)
+        if world > 1:
+            asked = asked_flags(self._asked, device)
             values = self.acc.reduce(torch.cat([values, torch.stack(asked)]), "sum")
         if grad_norm is not None:
-            full = (
-                grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            )  # a DTensor under FSDP2
+            # a DTensor under FSDP2
+            full = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             values = torch.cat([values, full.detach().double().reshape(1)])
         host = values.tolist()  # the step's one host sync
         loss_value = host[0] / world
         if not math.isfinite(loss_value):
-            ckpt = latest_checkpoint(self.out)
-            raise TrainingError(
-                f"non-finite loss ({loss_value}) at stage '{cfg.name}' step {step + 1}",
-                f"lower stages.{run.index}.optim.lr or the clip value; the last good checkpoint is {ckpt or 'none (nothing saved yet)'}",
-            )
+            raise non_finite(loss_value, run, step, latest_checkpoint(self.out))
         run.optimizer.step()  # fp16: skipped by the GradScaler when a gradient overflowed
         skipped = run.optimizer.step_was_skipped
         if not skipped:
             run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         metrics = {k: host[1 + i] / world for i, k in enumerate(names)}
-        stop = None
-        if world > 1:
-            term, interrupt = host[1 + len(names)], host[2 + len(names)]
-            stop = signal.SIGTERM if term else signal.SIGINT if interrupt else 0
+        stop = signal_from_flags(host[1 + len(names)], host[2 + len(names)]) if world > 1 else None
         return StepResult(
             tokens, loss_value, metrics, host[-1] if grad_norm is not None else None, skipped, stop
         )
 
     def _log_step(self, run: StageRun, state: TrainerState, result: StepResult, tokens_per_s: float) -> None:
-        """One metrics line (with a held-out evaluation every ``eval_every`` steps and at the end). A
-        step the GradScaler skipped (fp16 overflow) counts like any other — its blocks were drawn, so
-        the data order stays a function of the step — and says ``"skipped": true``; its lr is the
-        one the schedule still holds (a skipped step does not advance it)."""
+        """One metrics line (``results.step_record``), with a held-out evaluation every ``eval_every``
+        steps and at the end."""
         cfg = run.cfg
-        record = {
-            "stage": cfg.name,
-            "stage_index": run.index,
-            "step": state.step,
-            "tokens": state.tokens,
-            "total_tokens": state.total_tokens,
-            "loss": result.loss,
-            "lr": run.scheduler.get_last_lr()[0],
-            "tokens_per_s": tokens_per_s,
-            "processes": self.acc.num_processes,
-            "kernels": self.kernels.used,
-            **{f"train_{k}": v for k, v in result.metrics.items()},
-        }
-        if result.grad_norm is not None:
-            record["grad_norm"] = result.grad_norm
-        if result.skipped:
-            record["skipped"] = True
+        record = step_record(run, state, result, tokens_per_s, self.acc.num_processes, self.kernels.used)
         due = (cfg.eval_every and state.step % cfg.eval_every == 0) or state.step == run.steps
         if self.is_main and due and self.images is not None:
             scores = evaluate_classifier(
@@ -1332,10 +533,11 @@ class Distiller:
                 max_images=self.recipe.images.eval_images,
             )
             record["eval_loss"], record["eval_top1"] = scores["loss"], scores["top1"]
-        elif (
-            (self.is_main or run.sharded) and due and len(self.eval_blocks)
-        ):  # FSDP: every process takes part in the forward
-            record["eval_loss"] = self._eval_loss(cfg)
+        # FSDP: every process takes part in the forward
+        elif (self.is_main or run.sharded) and due and len(self.eval_blocks):
+            record["eval_loss"] = eval_loss(
+                self.acc.unwrap_model(self.student), self.eval_blocks, cfg.eval_batches, self.acc.device
+            )
             record["eval_ppl"] = math.exp(min(record["eval_loss"], 50))
         if self.is_main:
             with self._writing("metrics.jsonl"):
@@ -1346,29 +548,18 @@ class Distiller:
         checkpoint (and the next stage) hold the plain student."""
         state.finished.append(run.index)
         if run.cfg.gradient_checkpointing:
-            _activation_checkpointing(run.unwrapped, False)
-        if (
-            run.sharded
-        ):  # the stage-end checkpoint folds LoRA into its full state dict, and every process reloads it
+            activation_checkpointing(run.unwrapped, False)
+        # the stage-end checkpoint folds LoRA into its full state dict, and every process reloads it
+        if run.sharded:
             return
         merge_lora(self.acc.unwrap_model(run.model))
-        _drop_stage_modules(self.acc.unwrap_model(run.model))
+        drop_stage_modules(self.acc.unwrap_model(run.model))
 
     def _run_stage(self, stage_idx: int, state: TrainerState, resume_payload: dict | None) -> None:
         run = self._setup_stage(stage_idx, resume_payload)
         cfg = run.cfg
         if self.is_main:
-            if self.images is not None:
-                shape = f"{cfg.batch_size} images"
-            elif run.dataset is not None:
-                shape = f"{cfg.batch_size} examples (≤ {run.seq_len} tokens)"
-            else:
-                shape = f"{cfg.batch_size} × {run.seq_len} tokens"
-            n_train = sum(p.numel() for p in run.params)
-            print(
-                f"[stage {stage_idx + 1}/{len(self.recipe.stages)}] {cfg.name} ({cfg.kind}): {run.steps} steps × {shape}, "
-                f"{n_train / 1e6:.2f}M trainable params in {run.n_trainable_tensors} tensors"
-            )
+            print(describe_stage(run, len(self.recipe.stages), self.images is not None))
         bar = tqdm(
             total=run.steps,
             initial=state.step,
@@ -1409,66 +600,35 @@ class Distiller:
             return
         self.student = self.acc.unwrap_model(run.model)
         merge_lora(self.student)
-        _drop_stage_modules(self.student)
+        drop_stage_modules(self.student)
 
     def _plain_student(self, folder: Path):
+        """The full student of a checkpoint, on this process's device (after a sharded stage)."""
         with building_with(self.kernels.used):
             return Attn2SSMForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.acc.device)
 
     # -- stopping on a signal ---------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _signal_handlers(self):
-        """While the run runs, SIGTERM / SIGINT only ask it to stop (``_stop_asked``). Ctrl-C twice
-        interrupts at once (KeyboardInterrupt); a repeated SIGTERM is not hurried (torchrun sends
-        its workers more than one), the scheduler's SIGKILL is what ends a grace period."""
-        previous = {}
-
-        def ask(signum, frame):
-            if signum == signal.SIGINT and signum in self._asked:
-                signal.signal(signum, previous[signum])
-                signal.raise_signal(signum)
-            self._asked.add(signum)
-
-        try:
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                previous[signum] = signal.getsignal(signum) or signal.SIG_DFL
-                signal.signal(signum, ask)
-        except ValueError:  # not the main thread: signals cannot be caught here
-            pass
-        try:
-            yield
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-
     def _stop_asked(self) -> int:
-        """The signal to stop on (0: none). Processes agree on it, so they all stop at the same step."""
-        signum = max(self._asked, default=0)
-        if self.acc.num_processes > 1:
-            signum = int(self.acc.gather(torch.tensor([signum], device=self.acc.device)).max())
-        return signum
+        """The signal to stop on (0: none), agreed by every process."""
+        return agreed_signal(self._asked, self.acc)
 
     def _stop(self, signum: int, state: TrainerState, run: StageRun | None = None) -> None:
         """Checkpoint the steps not saved yet (``run`` given) and raise Interrupted naming the checkpoint."""
         if run is not None:
             self._save_checkpoint(state, run)
-        ckpt = latest_checkpoint(self.out)
-        saved = f"checkpoint {ckpt}" if ckpt else "nothing trained yet, no checkpoint"
-        raise Interrupted(
-            f"stopped by {signal.Signals(signum).name} at stage {state.stage + 1}/{len(self.recipe.stages)} step {state.step}: {saved}",
-            f"resume with: {self.resume_command}",
-            exit_code=128 + signum,
-        )
+        where = f"stage {state.stage + 1}/{len(self.recipe.stages)} step {state.step}"
+        raise interrupted(signum, where, latest_checkpoint(self.out), self.resume_command)
 
     def run(self) -> dict:
         """Train every stage still to run, write the student and the report; the run directory is released at the end."""
         try:
-            with self._signal_handlers():
+            with asking_to_stop(self._asked):
                 return self._run()
         finally:
             self.close()
 
     def _run(self) -> dict:
+        """Load the teacher, the data and the student, run the stages still to run, then finish."""
         torch.manual_seed(self.recipe.seed)
         random.seed(self.recipe.seed)
         if self.is_main:
@@ -1485,15 +645,7 @@ class Distiller:
         # Only now (a teacher or corpus that fails to load leaves --out as it was; close() removes a
         # folder that holds nothing but the lock it made): a killed run's leftovers, the recipe, the metrics.
         if self.is_main:
-            for folder in (
-                self.out,
-                checkpoint_root(self.out),
-            ):  # a killed run's half-written checkpoint or student (the lock is ours)
-                remove_stale_staging(folder, locked=True)
-            with self._writing("recipe.yaml"):
-                atomic_write_text(self.out / "recipe.yaml", self.recipe.to_yaml())
-                if self.resume_from is None:  # a run from scratch keeps no metric line of an earlier attempt
-                    self.metrics_path.unlink(missing_ok=True)
+            start_writing(self.out, self.recipe, resumed=self.resume_from is not None)
         payload = None
         if self.resume_from is not None:
             payload = torch.load(self.resume_from / "optimizer.pt", weights_only=False)
@@ -1531,7 +683,8 @@ class Distiller:
                     self._grow_for_stage(stage_idx, self.recipe.stages[stage_idx])
             self._run_stage(stage_idx, state, payload)
             payload = None
-        if signum := self._stop_asked():  # every stage is checkpointed: only the student and report are left
+        # every stage is checkpointed: only the student and report are left
+        if signum := self._stop_asked():
             self._stop(signum, state)
         return self._finish()
 
@@ -1545,65 +698,33 @@ class Distiller:
         }
 
     def _finish(self) -> dict:
+        """The final student and the report, written by the main process."""
         self.acc.wait_for_everyone()
         results = {}
         if self.is_main:
             student = self.acc.unwrap_model(self.student)
             student.eval()
-            tmp = self.out / ".tmp-student"
             with self._writing("the final student"):
-                try:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    student.save_pretrained(tmp)
-                    if self.tokenizer is not None:
-                        self.tokenizer.save_pretrained(tmp)
-                    replace_dir(tmp, self.out / "student")
-                except BaseException:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    raise
+                save_student(self.out, student, self.tokenizer)
             with self._writing("the report"):
                 if self.images is not None:
+                    seconds = round(time.perf_counter() - self.started, 1)
                     results = write_vision_report(
+                        self.out, self.recipe, self.teacher, student, self.images, seconds=seconds
+                    )
+                else:
+                    caches = list(self.logit_caches.values())
+                    results = language_report(
                         self.out,
                         self.recipe,
                         self.teacher,
                         student,
-                        self.images,
-                        seconds=round(time.perf_counter() - self.started, 1),
+                        self.corpus,
+                        caches,
+                        self.run_settings(),
+                        self.progress,
                     )
-                else:
-                    results = self._write_report(student)
         self.acc.wait_for_everyone()
-        return results
-
-    def _write_report(self, student) -> dict:
-        """The language report. The teacher's held-out perplexity is kept beside the run's logit caches
-        (keyed by the held-out tokens and eval settings), so a teacherless run reports the value an
-        earlier run measured on the same teacher and held-out text, or says it did not measure it."""
-        caches = list(self.logit_caches.values())
-        e = self.recipe.eval
-        window = e.window or self.recipe.data.block_len
-        h = hashlib.sha256(self.corpus.heldout_ids.to("cpu", torch.int64).numpy().tobytes())
-        h.update(f"|{window}|{e.stride or window // 2}|{e.max_tokens}|{e.batch_size}".encode())
-        key = h.hexdigest()
-        known = (
-            next((p for p in (c.teacher_perplexity(key) for c in caches) if p is not None), None)
-            if self.teacher is None
-            else None
-        )
-        results = write_report(
-            self.out,
-            self.recipe,
-            self.teacher,
-            student,
-            self.corpus,
-            progress=self.progress,
-            settings=self.run_settings(),
-            teacher_ppl=known,
-        )
-        if self.teacher is not None:
-            for cache in caches:
-                cache.record_perplexity(key, results["teacher_ppl"])
         return results
 
 
