@@ -64,9 +64,9 @@ def test_refusals(tok, tmp_path):
         read_shards(tmp_path / "s", make_tokenizer(280))
     with pytest.raises(DataError, match="holds no token shards"):
         read_shards(tmp_path / "nothing", tok)
-    with open(tmp_path / "s" / "train-00001.bin", "r+b") as fh:  # same size, other bytes
-        fh.write(b"\xff\xff")
-    read_shards(tmp_path / "s", tok)  # sizes match: read without hashing
+    with open(tmp_path / "s" / "train-00001.bin", "r+b") as fh:  # same size, other (in-vocabulary) ids
+        fh.write(b"\x07\x00\x08\x00\x09\x00")
+    read_shards(tmp_path / "s", tok)  # sizes and ids fine: read without hashing
     with pytest.raises(DataError, match="SHA-256"):
         read_shards(tmp_path / "s", tok, verify=True)
     (tmp_path / "s" / "train-00002.bin").write_bytes(b"\x00" * 10)
@@ -201,15 +201,15 @@ def test_a_shard_folder_cut_to_fit(tok, tmp_path):
 
 
 def test_verify_without_a_tokenizer(tok, tmp_path):
-    from attn2ssm.data.shards import shard_bytes, verify_shards
+    from attn2ssm.data.shards import shard_bytes, check_shards
 
     write_shards(tmp_path / "s", _corpus(tok), tok, source="test", shard_tokens=256)
-    manifest = verify_shards(tmp_path / "s")
+    manifest = check_shards(tmp_path / "s", verify=True)
     assert shard_bytes(manifest) == (1000 + 150) * 2 and shard_bytes(manifest, "heldout") == 300
     with open(tmp_path / "s" / "heldout-00000.bin", "r+b") as fh:
         fh.write(b"\x01\x02")
     with pytest.raises(DataError, match="heldout-00000.bin does not match its SHA-256"):
-        verify_shards(tmp_path / "s")
+        check_shards(tmp_path / "s", verify=True)
 
 
 # ------------------------------------------------------------------------------ compact blocks

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from attn2ssm.cli import data_info
 from attn2ssm.cli.data_info import check_teacher, describe
-from attn2ssm.errors import ConfigError
+from attn2ssm.errors import ConfigError, Interrupted
 
 MANIFEST_RESERVE = 64 << 10  # bytes --fit-mib leaves for the manifest
 FIT_HELDOUT_SHARE = 32  # --fit-mib without --heldout-tokens: 1/32 of the tokens are held out
@@ -131,9 +131,8 @@ def run_shards(args) -> int:
         max_train, max_heldout = fit_limits(
             args.fit_mib, id_dtype(len(tokenizer)).itemsize, max_train, max_heldout
         )
-    with (
-        _terminate_as_interrupt()
-    ):  # SIGTERM too: the writer drops its staging folder, nothing is left at --out
+    # SIGTERM too: the writer drops its staging folder, nothing is left at --out
+    with _terminate_as_interrupt(out):
         manifest = write_corpus_shards(
             args.spec,
             out,
@@ -167,15 +166,26 @@ def _sampling_teacher(args):
 
 
 @contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM raises KeyboardInterrupt inside the block (as Ctrl-C does), so files being written are cleaned up."""
+def _terminate_as_interrupt(out: Path):
+    """SIGTERM interrupts the block as Ctrl-C does (so files being written are cleaned up), and the
+    command then exits 143 (128 + SIGTERM) as ``distill`` does, saying nothing was left at ``out``."""
+    received = []
 
     def interrupt(signum, frame):
+        received.append(signum)
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         yield
+    except KeyboardInterrupt:
+        if not received:
+            raise
+        raise Interrupted(
+            f"stopped on SIGTERM: no token shards were written to {out}",
+            "run the command again to write them",
+            exit_code=128 + signal.SIGTERM,
+        ) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -251,7 +251,7 @@ def _one_source(
     """A single source's blocks, in corpus order."""
     blocks, eval_blocks = (
         pack_blocks(corpus.train_ids, block_len),
-        pack_blocks(corpus.heldout_ids, block_len),
+        pack_blocks(corpus.heldout_ids, block_len, heldout=True),
     )
     info = _info(source, 1.0, corpus, len(blocks), len(blocks), len(eval_blocks), cap)
     only = (

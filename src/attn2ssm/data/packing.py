@@ -327,10 +327,11 @@ def check_block_len(block_len: int, max_positions: int | None) -> None:
         )
 
 
-def pack_blocks(ids: torch.Tensor, block_len: int) -> torch.Tensor:
+def pack_blocks(ids: torch.Tensor, block_len: int, heldout: bool = False) -> torch.Tensor:
     """View a 1-D stream as ``(n_blocks, block_len)``; the incomplete tail is dropped.
 
-    The result shares memory with ``ids``.
+    The result shares memory with ``ids``. ``heldout``: the stream is a held-out side (the error
+    for too few tokens says so).
     """
     check_block_len(block_len, None)
     if ids.dim() != 1:
@@ -339,6 +340,12 @@ def pack_blocks(ids: torch.Tensor, block_len: int) -> torch.Tensor:
             "pass corpus.train_ids or heldout_ids",
         )
     n_blocks = ids.numel() // block_len
+    if n_blocks == 0 and heldout:
+        raise DataError(
+            f"only {ids.numel()} held-out tokens, fewer than one evaluation block of {block_len}",
+            "use a corpus with held-out text (token shards: write them with --heldout-tokens), "
+            "raise data.max_heldout_tokens, or lower data.block_len",
+        )
     if n_blocks == 0:
         raise DataError(
             f"only {ids.numel()} tokens, fewer than one block of {block_len}",

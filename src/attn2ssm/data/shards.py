@@ -12,7 +12,8 @@ Writing streams: ``ShardWriter.add`` appends ids as they come (a teacher samplin
 batches never holds its corpus in memory), files roll over every ``shard_tokens``, and the folder
 appears only when complete (written in a staging folder beside it, then renamed): a killed writer
 leaves no half folder under the final name. Reading checks the manifest (format, tokenizer,
-sizes; ``verify=True`` also the hashes) and returns a ``TokenizedCorpus`` like any other source.
+sizes, ids below the vocabulary; ``verify=True`` also the hashes: :func:`check_shards`, the
+one validator ``data info``, ``eval`` and training share) and returns a ``TokenizedCorpus`` like any other source.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from attn2ssm.errors import DataError
-from attn2ssm.paths import atomic_write_text, staging_dir
+from attn2ssm.paths import atomic_write_text, staging_dir, writing
 
 from .packing import TokenizedCorpus, _eos_id, _Joiner, stream_into, tokenize_into, tokenizer_fingerprint
 from .sources import SHARDS_PREFIX, can_stream, is_generated, load_documents, parse_spec
@@ -51,7 +52,9 @@ def id_dtype(vocab_size: int) -> np.dtype:
 
 class ShardWriter:
     """Appends token ids per side into files of ``shard_tokens`` ids; ``close`` writes the manifest
-    and moves the finished folder into place (``abort`` drops it). Use it as a context manager."""
+    and moves the finished folder into place (``abort`` drops it). Use it as a context manager.
+    ``id_limit``: one past the largest id the files may hold when it exceeds the tokenizer's
+    vocabulary (a teacher sampling from more embedding rows); readers refuse ids past it."""
 
     def __init__(
         self,
@@ -61,6 +64,7 @@ class ShardWriter:
         source: str,
         shard_tokens: int = DEFAULT_SHARD_TOKENS,
         meta: dict | None = None,
+        id_limit: int | None = None,
     ):
         self.out = Path(out)
         if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
@@ -78,6 +82,7 @@ class ShardWriter:
             "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
             "tokenizer_class": type(tokenizer).__name__,
             "vocab_size": vocab,
+            "id_limit": max(vocab, int(id_limit or 0)),
             "eos_token_id": tokenizer.eos_token_id,
             "dtype": self.dtype.name,
             "sides": {s: [] for s in SIDES},
@@ -135,6 +140,7 @@ class ShardWriter:
         for side in list(self._open):
             self._seal(side)
         atomic_write_text(self.staging / "manifest.json", json.dumps(self.manifest, indent=1))
+        self.staging.chmod(_folder_mode())  # mkdtemp made it 0700; the folder gets the umask's mode
         os.replace(self.staging, self.out)
         return self.out
 
@@ -152,6 +158,13 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+def _folder_mode() -> int:
+    """The mode a new folder gets under this process's umask (0755 under the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o777 & ~umask
 
 
 class DocumentStream(_Joiner):
@@ -192,6 +205,8 @@ def write_shards(
 
 
 def read_manifest(path) -> dict:
+    """The manifest of the shard folder ``path``, refused in one line when it is missing, not JSON,
+    of another format, or lacks a field a reader needs (``sides``, ``dtype``, each file's entry, ...)."""
     path = Path(path)
     try:
         manifest = json.loads((path / "manifest.json").read_text())
@@ -205,12 +220,61 @@ def read_manifest(path) -> dict:
             f"{path / 'manifest.json'} is not readable JSON ({exc.__class__.__name__})",
             "write the shards again",
         ) from None
-    if manifest.get("format") != SHARD_FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != SHARD_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
         raise DataError(
-            f"{path} holds shards of format {manifest.get('format')!r}, this attn2ssm reads {SHARD_FORMAT}",
+            f"{path} holds shards of format {found!r}, this attn2ssm reads {SHARD_FORMAT}",
             "write them again with this attn2ssm",
         )
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise DataError(
+            f"{path / 'manifest.json'} is damaged: {problem}",
+            "copy the shard folder again, or write the shards again with 'attn2ssm data shards'",
+        )
     return manifest
+
+
+_MANIFEST_FIELDS = {
+    "source": str,
+    "tokenizer_fingerprint": str,
+    "tokenizer_class": str,
+    "vocab_size": int,
+    "dtype": str,
+    "sides": dict,
+}
+
+
+def _manifest_problem(manifest: dict) -> str | None:
+    """What a manifest lacks for a reader, in a few words (None: nothing)."""
+    for key, kind in _MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(key), kind):
+            return f"its {key!r} is {'missing' if key not in manifest else 'not a ' + kind.__name__}"
+    if manifest["dtype"] not in ("uint16", "uint32"):
+        return f"its 'dtype' {manifest['dtype']!r} is neither uint16 nor uint32"
+    if not isinstance(manifest.get("id_limit", 1), int) or manifest["vocab_size"] < 1:
+        return "its vocabulary size is not a positive number of ids"
+    for side in SIDES:
+        files = manifest["sides"].get(side)
+        if not isinstance(files, list):
+            return f"its 'sides' has no {side!r} list of files"
+        for entry in files:
+            if not (
+                isinstance(entry, dict)
+                and isinstance(entry.get("file"), str)
+                and Path(entry["file"]).name == entry["file"]
+                and isinstance(entry.get("tokens"), int)
+                and entry["tokens"] >= 0
+                and isinstance(entry.get("sha256"), str)
+            ):
+                return f"an entry of its {side!r} files is not {{file, tokens, sha256}}: {str(entry)[:60]}"
+    return None
+
+
+def id_limit(manifest: dict) -> int:
+    """One past the largest id the shards may hold: the tokenizer's vocabulary (a teacher's embedding
+    rows when it sampled them and has more)."""
+    return max(manifest["vocab_size"], manifest.get("id_limit", 0))
 
 
 def read_shards(
@@ -234,9 +298,8 @@ def read_shards(
             f"the token shards in {path} were made with another tokenizer ({manifest['tokenizer_class']})",
             "use the teacher whose tokenizer wrote them, or write the shards again",
         )
-    dtype = np.dtype(manifest["dtype"])
     sides = {
-        side: _read_side(path, manifest["sides"][side], dtype, limit, verify, compact)
+        side: _read_side(path, manifest, side, limit, verify, compact)
         for side, limit in (("train", max_train_tokens), ("heldout", max_heldout_tokens))
     }
     meta = {
@@ -262,7 +325,23 @@ def _memory_dtype(dtype: np.dtype) -> np.dtype:
     )  # ids < 2^31: a uint32 file reads as int32, which torch fully supports
 
 
-def _check_file(file: Path, entry: dict, dtype: np.dtype, verify: bool) -> None:
+_LARGEST_IDS: dict[tuple, int] = {}  # (file, size, mtime) -> its largest id: each file scanned once a process
+
+
+def _largest_id(file: Path, dtype: np.dtype) -> int:
+    """The largest id in ``file`` (-1 when empty): one vectorised pass over a memory map, cached."""
+    stat = file.stat()
+    key = (str(file.absolute()), stat.st_size, stat.st_mtime_ns, dtype.str)
+    if key not in _LARGEST_IDS:
+        ids = np.memmap(file, dtype=dtype, mode="r") if stat.st_size >= dtype.itemsize else None
+        _LARGEST_IDS[key] = int(ids.max()) if ids is not None else -1
+        del ids
+    return _LARGEST_IDS[key]
+
+
+def _check_file(file: Path, entry: dict, dtype: np.dtype, verify: bool, limit: int) -> None:
+    """One id file against its manifest entry: its size, every id below ``limit`` (a damaged file
+    would index past the embedding), and with ``verify`` its SHA-256."""
     size = file.stat().st_size if file.is_file() else -1
     if size != entry["tokens"] * dtype.itemsize:
         raise DataError(
@@ -277,17 +356,29 @@ def _check_file(file: Path, entry: dict, dtype: np.dtype, verify: bool) -> None:
                 f"token shard {file} does not match its SHA-256 in the manifest",
                 "copy the shard folder again",
             )
+    largest = _largest_id(file, dtype)
+    if largest >= limit:
+        raise DataError(
+            f"token shard {file} holds id {largest}, past the {limit:,} ids of the tokenizer that wrote it (a damaged file)",
+            "copy the shard folder again, or write the shards again",
+        )
 
 
 def _read_side(
-    path: Path, files: list[dict], dtype: np.dtype, limit: int | None, verify: bool, compact: bool = False
+    path: Path,
+    manifest: dict,
+    side: str,
+    limit: int | None,
+    verify: bool,
+    compact: bool = False,
 ) -> torch.Tensor:
-    """One side's ids in one preallocated array, read file by file (never two copies of the side)."""
-    counts, left = [], limit
+    """One side's ids in one preallocated array, read file by file (never two copies of the side),
+    each file checked first (:func:`_check_file`)."""
+    files, dtype, counts, left = manifest["sides"][side], np.dtype(manifest["dtype"]), [], limit
     for entry in files:
         if left is not None and left <= 0:
             break
-        _check_file(path / entry["file"], entry, dtype, verify)
+        _check_file(path / entry["file"], entry, dtype, verify, id_limit(manifest))
         counts.append(entry["tokens"] if left is None else min(left, entry["tokens"]))
         left = None if left is None else left - counts[-1]
     memory = _memory_dtype(dtype) if compact else np.dtype(np.int64)
@@ -302,15 +393,16 @@ def _read_side(
     return torch.from_numpy(out)
 
 
-def verify_shards(path) -> dict:
-    """Check every file of the shard folder ``path`` against its manifest (size and SHA-256), without
-    a tokenizer; returns the manifest. Raises :class:`DataError` naming the first file that differs."""
+def check_shards(path, *, verify: bool = False) -> dict:
+    """Check the shard folder ``path`` without a tokenizer, as reading it would: the manifest's
+    fields, every file's size and ids (below the vocabulary), and with ``verify`` its SHA-256;
+    returns the manifest. Raises :class:`DataError` naming the first problem."""
     path = Path(path[len(PREFIX) :] if is_shards(path) else path)
     manifest = read_manifest(path)
-    dtype = np.dtype(manifest["dtype"])
+    dtype, limit = np.dtype(manifest["dtype"]), id_limit(manifest)
     for side in SIDES:
         for entry in manifest["sides"][side]:
-            _check_file(path / entry["file"], entry, dtype, verify=True)
+            _check_file(path / entry["file"], entry, dtype, verify, limit)
     return manifest
 
 
@@ -350,7 +442,35 @@ def write_corpus_shards(
       and built-in corpora are read, split and tokenized in order.
 
     ``max_*_tokens`` cut each side as ``prepare_corpus`` does. A failure or an interrupt leaves no
-    folder at ``out`` (:class:`ShardWriter`)."""
+    folder at ``out`` (:class:`ShardWriter`); a full disk or a denied write is a one-line
+    :class:`~attn2ssm.errors.OutputError`."""
+    with writing(Path(out), "token shards", "run the command again (nothing was left at the output)"):
+        return _write_corpus_shards(
+            spec,
+            out,
+            tokenizer,
+            teacher,
+            seed,
+            max_train_tokens,
+            max_heldout_tokens,
+            text_field,
+            shard_tokens,
+            progress,
+        )
+
+
+def _write_corpus_shards(
+    spec,
+    out,
+    tokenizer,
+    teacher,
+    seed,
+    max_train_tokens,
+    max_heldout_tokens,
+    text_field,
+    shard_tokens,
+    progress,
+) -> dict:
     for name, value in (("max_train_tokens", max_train_tokens), ("max_heldout_tokens", max_heldout_tokens)):
         if value is not None and value < 0:
             raise DataError(
@@ -440,11 +560,16 @@ def _copy_shards(
         "max_heldout_tokens": max_heldout,
     }
     with ShardWriter(
-        out, tokenizer, source=manifest["source"], shard_tokens=shard_tokens, meta=meta
+        out,
+        tokenizer,
+        source=manifest["source"],
+        shard_tokens=shard_tokens,
+        meta=meta,
+        id_limit=id_limit(manifest),
     ) as writer:
         for side, limit in (("train", max_train), ("heldout", max_heldout)):
             for entry in manifest["sides"][side]:
-                _check_file(src / entry["file"], entry, dtype, verify=False)
+                _check_file(src / entry["file"], entry, dtype, False, id_limit(manifest))
                 with open(src / entry["file"], "rb") as fh:
                     for start in range(0, entry["tokens"], chunk):
                         left = (

@@ -567,7 +567,12 @@ def generate_shards(
     )
     sampler = TeacherSampler(spec, teacher, tokenizer, seed=seed, progress=progress, goal=goal)
     with ShardWriter(
-        out, tokenizer, source=spec, shard_tokens=shard_tokens, meta={"spec": spec, "generated": True}
+        out,
+        tokenizer,
+        source=spec,
+        shard_tokens=shard_tokens,
+        meta={"spec": spec, "generated": True},
+        id_limit=teacher.config.get_text_config().vocab_size,  # it may sample past the tokenizer
     ) as writer:
         sides = {
             "train": DocumentStream(writer, "train", sampler.eos, max_train_tokens),
