@@ -4,10 +4,7 @@ last two run from ``cli.eval_report``."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from attn2ssm.cli.eval_report import run_report, run_suite_command
+from attn2ssm.cli.eval_report import check_outputs, print_perplexity, run_report, run_suite_command
 from attn2ssm.devices import resolve_device
 from attn2ssm.errors import ConfigError, DataError
 from attn2ssm.eval.harness import add_eval_task_args, cmd_eval_tasks
@@ -175,6 +172,7 @@ def run(args) -> int:
                 "--branch applies to perplexity and --suite",
                 "drop --branch, or run eval MODEL --suite standard --branch ...",
             )
+    check_outputs(args)  # a read-only output: one line now, not after the scoring
     if args.suite:
         return run_suite_command(args)
     if args.report:
@@ -243,7 +241,7 @@ def _perplexity(args) -> int:
         for role, name, m in (("model", args.model, model), ("teacher", args.against, teacher))
         if m is not None
     ]
-    _print_perplexity(args, rows)
+    print_perplexity(args, rows)
     return 0
 
 
@@ -273,27 +271,3 @@ def _perplexity_models(args):
                 f"use --window {limit} or less",
             )
     return model, tokenizer, teacher
-
-
-def _print_perplexity(args, rows: list[tuple[str, str, dict]]) -> None:
-    """The (role, name, result) rows as a table, and written to --json."""
-    branch = f", {args.branch} branch" if args.branch not in (None, "both") else ""
-    print(
-        f"held-out perplexity on {args.corpus} ({rows[0][2]['tokens']} tokens, window {args.window}{branch})"
-    )
-    for role, name, r in rows:
-        print(f"  {role:<8} {r['ppl']:>10.2f}   {name}")
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    role: {
-                        "path": name,
-                        **r,
-                        **({"branch": args.branch} if role == "model" and args.branch else {}),
-                    }
-                    for role, name, r in rows
-                },
-                indent=1,
-            )
-        )

@@ -382,13 +382,14 @@ def cmd_eval_tasks(args) -> int:
         batch_size=batch_size,
         device=args.device,
         num_fewshot=args.num_fewshot,
-        output_path=output,
         dtype=args.dtype,
         command="attn2ssm " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )
     print(results_table(record))
-    if output is not None:
-        print(f"results: {output}")
+    if output is not None:  # written after the table: a failed write still shows the scores, kept elsewhere
+        from attn2ssm.eval.output import KeptOutput
+
+        print(f"results: {KeptOutput(output, file=True).write(lambda path: write_results(record, path))}")
     return 0
 
 

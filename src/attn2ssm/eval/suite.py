@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from attn2ssm.errors import ConfigError, DataError
+from attn2ssm.eval.output import KeptOutput
 from attn2ssm.paths import atomic_write_text
 
 SUITE_VERSION = 1  # part of every cache key: bump when a unit computes differently
@@ -763,7 +764,7 @@ def _branch_label(branch: str) -> str:
 def run_suite(
     student_path: str,
     teacher_spec: str | None,
-    out_dir: Path,
+    out_dir: Path | KeptOutput,
     settings: SuiteSettings,
     cache_dir: Path | None = None,
     progress: bool = True,
@@ -772,7 +773,8 @@ def run_suite(
 ) -> dict:
     """Score teacher (cached per unit in ``cache_dir``, default ``<attn2ssm cache>/suite``) and
     student on the suite, both on ``device`` (None: the CPU); write suite.json / suite.md /
-    suite.png to ``out_dir`` after every unit.
+    suite.png to ``out_dir`` after every unit (a :class:`KeptOutput`: to a temporary folder once
+    ``out_dir`` cannot be written, so no score is lost; its ``path`` says where they went).
     ``branch`` (both | window | linear) runs a LoLCATs-style student's mixers with one branch only
     (:func:`attn2ssm.mixers.linear_attention.set_window_branch`; the student's scores are never cached)."""
     from attn2ssm.paths import cache_dir as default_cache
@@ -786,22 +788,32 @@ def run_suite(
         student, branch, str(student_path)
     )  # a student without a window branch: one line, before the teacher loads
     teacher, _ = load_model_and_tokenizer(teacher_spec, device)
-    longest = max([*settings.windows, *settings.niah_lengths])
+    # the lengths the rows scored read (a --rows choice drops the others)
+    windows = settings.windows if settings.corpora else ()
+    needles = settings.niah_lengths if settings.niah_forms else ()
+    longest = max([*windows, *needles], default=0)
     for name, m in ((student_path, student), (teacher_spec, teacher)):
         limit = position_limit(m.config)
         if limit is not None and longest > limit:
+            flags = [
+                flag
+                for flag, values in (("--windows", windows), ("--needle-lengths", needles))
+                if values and max(values) > limit
+            ]
             raise ConfigError(
                 f"{name} reads at most {limit} positions, and the suite needs {longest}",
-                "evaluate a model with a longer context",
+                f"lower {' and '.join(flags)} to {limit} or less, e.g. {flags[0]} {limit}",
             )
     inputs = prepare_inputs(settings, tokenizer)
     cache = teacher_cache(Path(cache_dir) if cache_dir else default_cache() / "suite", teacher_spec, device)
     teacher_scores = score_side(teacher, tokenizer, settings, inputs, cache, progress)
     del teacher
 
+    out = out_dir if isinstance(out_dir, KeptOutput) else KeptOutput(out_dir)
+
     def save(student_scores: dict) -> dict:
         report = suite_report(settings, teacher_spec, student_path, teacher_scores, student_scores, branch)
-        write_suite_report(report, out_dir)
+        out.write(lambda folder: write_suite_report(report, folder))
         return report
 
     student_scores = score_side(student, tokenizer, settings, inputs, None, progress, on_unit=save)
