@@ -25,7 +25,7 @@ from attn2ssm.distill.recipe import (
 )
 from attn2ssm.errors import Attn2SSMError, ConfigError, DataError
 from attn2ssm.eval import needle
-from attn2ssm.eval.suite import suite_settings
+from attn2ssm.eval.suite_settings import suite_settings
 from tiny_models import make_tokenizer, tiny_config
 
 EVAL_CORPORA = ("emails", "kjv", "pydoc")

@@ -201,7 +201,7 @@ def test_a_shard_folder_cut_to_fit(tok, tmp_path):
 
 
 def test_verify_without_a_tokenizer(tok, tmp_path):
-    from attn2ssm.data.shards import shard_bytes, check_shards
+    from attn2ssm.data.shards import check_shards, shard_bytes
 
     write_shards(tmp_path / "s", _corpus(tok), tok, source="test", shard_tokens=256)
     manifest = check_shards(tmp_path / "s", verify=True)

@@ -157,7 +157,7 @@ def test_suite_with_a_branch_writes_its_own_folder(models, tmp_path, monkeypatch
     hand-switched student's perplexity; a student without a window: one line, before any scoring."""
     from attn2ssm.cli import main
     from attn2ssm.data import prepare_corpus
-    from attn2ssm.eval import suite
+    from attn2ssm.eval import suite_settings as suite
 
     root, corpus = models
     tiny = suite.SuiteSettings(

@@ -12,7 +12,7 @@ import pytest
 
 from attn2ssm.cli import main
 from attn2ssm.eval.output import KeptOutput
-from attn2ssm.eval.suite import SuiteSettings, TaskSpec
+from attn2ssm.eval.suite_settings import SuiteSettings, TaskSpec
 from tiny_models import one_line_error
 
 
@@ -106,7 +106,7 @@ def test_a_json_that_fails_after_scoring_keeps_the_scores(tiny_setup, tmp_path, 
 
 
 def _tiny_suite(monkeypatch, corpus, windows=(32,)):
-    from attn2ssm.eval import suite
+    from attn2ssm.eval import suite_settings
 
     tiny = SuiteSettings(
         name="standard --quick",
@@ -119,7 +119,7 @@ def _tiny_suite(monkeypatch, corpus, windows=(32,)):
         niah_trials=1,
         batch_size=2,
     )
-    monkeypatch.setattr(suite, "suite_settings", lambda name, quick=False: tiny)
+    monkeypatch.setattr(suite_settings, "suite_settings", lambda name, quick=False: tiny)
 
 
 def _suite_argv(teacher, tmp_path, *extra):

@@ -48,14 +48,9 @@ def run_report(args) -> int:
 
 def run_suite_command(args) -> int:
     """``eval --suite standard [--quick]``: the suite's table (printed; suite.json / .md / .png written)."""
-    from attn2ssm.eval.suite import (
-        format_suite_markdown,
-        run_suite,
-        select_needles,
-        select_perplexity,
-        select_rows,
-        suite_settings,
-    )  # heavy: torch (when run)
+    from attn2ssm.eval.suite import run_suite  # heavy: torch (when run)
+    from attn2ssm.eval.suite_settings import select_needles, select_perplexity, select_rows, suite_settings
+    from attn2ssm.eval.tables import format_suite_markdown
     from attn2ssm.teachers import resolve_teacher
 
     settings = select_needles(
