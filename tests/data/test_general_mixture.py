@@ -10,13 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.data import load_documents, load_training_data, recall, split_documents
-from attn2ssm.data.sources import (
-    MIXTURES,
-    check_spec,
-    corpus_stamp,
-    expand_mixture,
-    parse_chat_spec,
-)
+from attn2ssm.data.sources import corpus_stamp
+from attn2ssm.data.specs import MIXTURES, check_spec, expand_mixture, parse_chat_spec
 from attn2ssm.distill.recipe import (
     SourceConfig,
     builtin_recipes,

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.data.shards import read_manifest, read_shards
-from attn2ssm.data.sources import parse_generated_spec
+from attn2ssm.data.specs import parse_generated_spec
 from attn2ssm.data.teacher_samples import (
     MAX_AUTO_BATCH,
     TeacherSampler,

@@ -15,8 +15,9 @@ from attn2ssm.data import (
     pack_blocks,
     packing,
     prepare_corpus,
-    sources,
+    specs,
     split_documents,
+    tokenize,
 )
 from attn2ssm.data.mixture import apportion, interleave, mix_blocks
 from attn2ssm.data.teacher_samples import generate_corpus
@@ -225,7 +226,7 @@ def test_hub_dataset_streams_rows_with_the_download_ids(tmp_path, streaming_call
     assert [(d.id, d.text) for d in sliced] == [
         (f"hf:{root}:train[40:60]:{i}", texts[40 + i]) for i in range(20)
     ]
-    assert sources.row_slice("train[:10%]") is None and not sources.can_stream(f"hf:{root}:train[:10%]")
+    assert specs.row_slice("train[:10%]") is None and not specs.can_stream(f"hf:{root}:train[:10%]")
     with pytest.raises(DataError, match="no column 'body'"):
         next(iter_hf_documents(f"hf:{root}?field=body"))
 
@@ -245,8 +246,10 @@ def test_streamed_corpus_equals_the_downloaded_one_and_stops_early(
     docs = [Document(f"{spec}:{i}", t) for i, t in enumerate(texts) if t.strip()]
     train, held = split_documents(docs, spec)
     eos = tokenizer.eos_token_id
-    assert torch.equal(streamed.train_ids, packing._tokenize(train, tokenizer, eos, 1500, "train"))
-    assert torch.equal(streamed.heldout_ids, packing._tokenize(held, tokenizer, eos, 200, "held-out"))
+    assert torch.equal(streamed.train_ids, tokenize.tokenize_documents(train, tokenizer, eos, 1500, "train"))
+    assert torch.equal(
+        streamed.heldout_ids, tokenize.tokenize_documents(held, tokenizer, eos, 200, "held-out")
+    )
     assert prepare_corpus(spec, tokenizer, max_train_tokens=1500, max_heldout_tokens=200).meta["from_cache"]
 
     saved = tmp_path / "saved"  # a save_to_disk folder, streamed and downloaded
@@ -305,7 +308,7 @@ def test_mixture_streams_only_the_hub_share_of_the_budget(three, tmp_path, token
 
 
 def test_generated_spec_parsing():
-    g = sources.parse_generated_spec("generated:4096")
+    g = specs.parse_generated_spec("generated:4096")
     assert (g.n_tokens, g.prompts, g.temperature, g.top_p, g.length, g.batch) == (
         4096,
         None,
@@ -314,7 +317,7 @@ def test_generated_spec_parsing():
         256,
         16,
     )
-    g = sources.parse_generated_spec("generated:100:hf:org/ds:cfg?top_p=0.9&batch=4&field=body&length=32")
+    g = specs.parse_generated_spec("generated:100:hf:org/ds:cfg?top_p=0.9&batch=4&field=body&length=32")
     assert (g.prompts, g.top_p, g.batch, g.field, g.length) == ("hf:org/ds:cfg", 0.9, 4, "body", 32)
     for bad, match in (
         ("generated:lots", "number of tokens"),
@@ -325,7 +328,7 @@ def test_generated_spec_parsing():
         ("generated:10?field=x", "no prompt corpus"),
     ):
         with pytest.raises(DataError, match=match):
-            sources.parse_generated_spec(bad)
+            specs.parse_generated_spec(bad)
     with pytest.raises(DataError, match="cannot be read without the teacher"):
         load_documents("generated:100")
 

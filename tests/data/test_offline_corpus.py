@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from attn2ssm.data import load_training_data
 from attn2ssm.data.mixture import TokenBlocks
-from attn2ssm.data.shards import write_corpus_shards
+from attn2ssm.data.shard_writer import write_corpus_shards
 from attn2ssm.data.teacher_samples import generate_corpus
 from tiny_models import tiny_config
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from attn2ssm.data.packing import TokenizedCorpus, tokenizer_fingerprint
-from attn2ssm.data.shards import ShardWriter, check_shards, read_shards, write_shards
+from attn2ssm.data.shard_writer import ShardWriter, write_shards
+from attn2ssm.data.shards import check_shards, read_shards
 from attn2ssm.errors import DataError
 from tiny_models import one_line_error
 
@@ -131,14 +132,14 @@ def test_eval_on_damaged_shards_is_one_line(tiny_setup, tmp_path, capsys):
 def test_a_full_disk_while_writing_shards_is_one_line_and_leaves_nothing(
     tiny_setup, tmp_path, capsys, monkeypatch
 ):
-    from attn2ssm.data import shards
+    from attn2ssm.data import shard_writer
 
     teacher, corpus = tiny_setup
 
     def disk_full(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(shards.os, "fsync", disk_full)
+    monkeypatch.setattr(shard_writer.os, "fsync", disk_full)
     out = tmp_path / "out" / "s"
     argv = [
         "data",
@@ -173,16 +174,16 @@ def test_shard_folders_take_the_umask(tokenizer, tmp_path, umask):
 
 def test_sigterm_while_writing_shards_exits_143(tiny_setup, tmp_path, capsys, monkeypatch):
     from attn2ssm.cli import main
-    from attn2ssm.data import shards
+    from attn2ssm.data import shard_writer
 
     teacher, corpus = tiny_setup
-    real_add = shards.ShardWriter.add
+    real_add = shard_writer.ShardWriter.add
 
     def terminated(self, side, ids):
         real_add(self, side, ids)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(shards.ShardWriter, "add", terminated)
+    monkeypatch.setattr(shard_writer.ShardWriter, "add", terminated)
     out = tmp_path / "s"
     capsys.readouterr()
     assert main(["data", "shards", str(corpus), "--out", str(out), "--teacher", str(teacher)]) == 143

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from attn2ssm.data.packing import TokenizedCorpus, tokenizer_fingerprint
-from attn2ssm.data.shards import ShardWriter, id_dtype, read_manifest, read_shards, write_shards
+from attn2ssm.data.shard_writer import ShardWriter, write_shards
+from attn2ssm.data.shards import id_dtype, read_manifest, read_shards
 from attn2ssm.errors import DataError
 from tiny_models import make_tokenizer
 
@@ -118,7 +119,7 @@ def _text_corpus(root, n_docs=40, words=50, seed=0):
 
 def test_a_text_corpus_as_shards_is_the_prepared_corpus(tok, tmp_path):
     from attn2ssm.data import prepare_corpus
-    from attn2ssm.data.shards import write_corpus_shards
+    from attn2ssm.data.shard_writer import write_corpus_shards
 
     spec = _text_corpus(tmp_path / "txt")
     manifest = write_corpus_shards(spec, tmp_path / "s", tok, shard_tokens=1000, progress=False)
@@ -151,7 +152,7 @@ def test_a_hub_dataset_is_streamed_into_shards(tok, tmp_path):
     import datasets
 
     from attn2ssm.data import prepare_corpus
-    from attn2ssm.data.shards import write_corpus_shards
+    from attn2ssm.data.shard_writer import write_corpus_shards
 
     texts = [" ".join(["harbor ember cedar"] * (3 + i % 7)) + f" row {i}" for i in range(400)]
     (tmp_path / "ds").mkdir()
@@ -176,7 +177,7 @@ def test_a_hub_dataset_is_streamed_into_shards(tok, tmp_path):
 
 
 def test_a_shard_folder_cut_to_fit(tok, tmp_path):
-    from attn2ssm.data.shards import write_corpus_shards
+    from attn2ssm.data.shard_writer import write_corpus_shards
 
     corpus = _corpus(tok, n_train=5000, n_held=300)
     write_shards(tmp_path / "big", corpus, tok, source="big", shard_tokens=1024)

@@ -84,7 +84,7 @@ def add_parser(subparsers) -> None:
 
 def run_shards(args) -> int:
     # Cheap checks first: a typo fails in a fraction of a second, before torch / transformers load.
-    from attn2ssm.data.sources import check_spec, is_generated
+    from attn2ssm.data.specs import check_spec, is_generated
     from attn2ssm.paths import check_writable
 
     limits = {
@@ -115,7 +115,8 @@ def run_shards(args) -> int:
         )
     check_writable(out, beside=True)
 
-    from attn2ssm.data.shards import id_dtype, write_corpus_shards  # heavy: torch
+    from attn2ssm.data.shard_writer import write_corpus_shards  # heavy: torch
+    from attn2ssm.data.shards import id_dtype
     from attn2ssm.paths import remove_stale_staging
 
     remove_stale_staging(out.parent)  # what a killed writer left beside it

@@ -48,7 +48,7 @@ from attn2ssm.errors import DataError
 
 from .packing import TokenizedCorpus, block_indices, pack_blocks, prepare_corpus
 from .shards import compact_dtype, is_shards, read_shards
-from .sources import DEFAULT_TEXT_FIELD, can_stream, is_chat, is_generated
+from .specs import DEFAULT_TEXT_FIELD, can_stream, is_chat, is_generated
 from .teacher_samples import build_chat_corpus, generate_corpus
 
 

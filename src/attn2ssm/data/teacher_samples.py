@@ -35,17 +35,13 @@ from tqdm.auto import tqdm
 from attn2ssm.errors import ConfigError, DataError
 from attn2ssm.paths import atomic_write_text, cache_dir
 
-from .packing import (
-    TokenizedCorpus,
-    _Joiner,
-    load_tokenized,
-    prepare_corpus,
-    save_tokenized,
-    tokenizer_fingerprint,
-)
-from .shards import DEFAULT_SHARD_TOKENS, DocumentStream, ShardWriter
-from .sources import can_stream, corpus_stamp, load_documents, parse_generated_spec
+from .packing import load_tokenized, prepare_corpus, save_tokenized
+from .shard_writer import DocumentStream, ShardWriter
+from .shards import DEFAULT_SHARD_TOKENS
+from .sources import corpus_stamp, load_documents
+from .specs import can_stream, parse_generated_spec
 from .splits import is_heldout_id, split_documents
+from .tokenize import Joiner, TokenizedCorpus, tokenizer_fingerprint
 
 GENERATED_FORMAT = 1
 _PROMPT_CORPUS_STREAM_TOKENS = 1 << 20  # a hub prompt corpus is streamed up to this many tokens
@@ -244,7 +240,7 @@ def build_chat_corpus(spec: str, teacher, tokenizer, *, seed: int = 0, progress:
     The replies are sampled once (greedy; :func:`build_teacher_sft_data`); the file is then a local
     ``.jsonl`` corpus like any other (tokenized and cached by the corpus cache). A tokenizer without a
     chat template is a ConfigError (use ``generated:`` for a base teacher)."""
-    from .sources import parse_chat_spec
+    from .specs import parse_chat_spec
 
     corpus, n = parse_chat_spec(spec)
     replies = build_teacher_sft_data(
@@ -519,7 +515,7 @@ def generate_corpus(
             corpus.meta.update(from_cache=True, cache_path=str(path))
             return corpus
 
-    sides = {"train": _Joiner(sampler.eos, None, "train"), "heldout": _Joiner(sampler.eos, None, "held-out")}
+    sides = {"train": Joiner(sampler.eos, None, "train"), "heldout": Joiner(sampler.eos, None, "held-out")}
     for sample in sampler:
         sides[sample.side].add(sample.ids.tolist())
     stats = sampler.stats()
