@@ -163,9 +163,8 @@ def test_a_hub_dataset_is_streamed_into_shards(tok, tmp_path):
     manifest = write_corpus_shards(
         spec, tmp_path / "s", tok, max_train_tokens=1500, max_heldout_tokens=100, progress=False
     )
-    ref = prepare_corpus(
-        spec, tok, max_train_tokens=1500, max_heldout_tokens=100
-    )  # streamed too: rows only as far as the caps
+    # streamed too: rows only as far as the caps
+    ref = prepare_corpus(spec, tok, max_train_tokens=1500, max_heldout_tokens=100)
     back = read_shards(tmp_path / "s", tok)
     assert torch.equal(back.train_ids, ref.train_ids) and torch.equal(back.heldout_ids, ref.heldout_ids)
     assert manifest["meta"]["streamed"] and manifest["meta"]["rows_read"] == ref.meta["rows_read"] < len(

@@ -70,9 +70,8 @@ def test_set_window_branch_switches_every_windowed_mixer(models):
         assert all(m.branch == "linear" for m in mixers)
         linear = student(input_ids=ids).logits
         set_window_branch(student, "both")
-        torch.testing.assert_close(
-            student(input_ids=ids).logits, full
-        )  # switched back: the student as trained
+        # switched back: the student as trained
+        torch.testing.assert_close(student(input_ids=ids).logits, full)
     assert not torch.allclose(linear, full)
 
 

@@ -16,9 +16,8 @@ def test_recovered_fraction_direction():
     assert table_row("g", "acc", 0.5, 0.4)["recovered"] == pytest.approx(0.8)
     assert table_row("g", "ppl", 20.0, 40.0, higher_is_better=False)["recovered"] == pytest.approx(0.5)
     assert table_row("g", "acc", None, 0.4)["recovered"] is None
-    assert (
-        table_row("g", "kl", 0.0, 0.7, higher_is_better=False)["recovered"] is None
-    )  # the teacher is the reference
+    # the teacher is the reference
+    assert table_row("g", "kl", 0.0, 0.7, higher_is_better=False)["recovered"] is None
 
 
 @pytest.fixture(scope="module")

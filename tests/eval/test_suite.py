@@ -264,9 +264,8 @@ def test_run_suite_writes_the_table_and_caches_the_teacher(pair, tmp_path):
         and "CPU s (teacher / student)" in md
     )
     arc = by["task/arc_easy/0"]
-    assert (
-        f"| {100 * arc['teacher']:.1f} ± {100 * arc['teacher_se']:.1f} |" in md
-    )  # accuracies in %, ± SE in points
+    # accuracies in %, ± SE in points
+    assert f"| {100 * arc['teacher']:.1f} ± {100 * arc['teacher_se']:.1f} |" in md
     assert json.loads((tmp_path / "out" / "suite.json").read_text())["rows"] == json.loads(
         json.dumps(report["rows"])
     )

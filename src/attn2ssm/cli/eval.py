@@ -249,10 +249,10 @@ def _perplexity_models(args):
     """MODEL (in its --branch, --dtype and --quantize), its tokenizer and the --against teacher (or None),
     all loaded before any scoring (a bad --against fails now), each checked to read --window positions."""
     from attn2ssm.decode.quantize import apply_weight_format, check_weight_format  # heavy: torch
-    from attn2ssm.student.loading import (
+    from attn2ssm.student.loading import (  # heavy: torch + transformers
         load_model_and_tokenizer,
         position_limit,
-    )  # heavy: torch + transformers
+    )
 
     check_weight_format(args.dtype, args.quantize)
     device = resolve_device(args.device)

@@ -35,9 +35,8 @@ def run_report(args) -> int:
         needle_depths=depths,
         agreement_prompts=args.agreement_prompts,
         fidelity_blocks=args.blocks,
-        **(
-            {} if args.needle_trials is None else {"needle_trials": args.needle_trials}
-        ),  # else the report's default
+        # else the report's default
+        **({} if args.needle_trials is None else {"needle_trials": args.needle_trials}),
     )
     out = Path(args.out_dir) if args.out_dir else Path(args.model) / "eval" / "report"
     report = compare_report(args.model, args.against, out, settings, device=resolve_device(args.device))
@@ -58,11 +57,12 @@ def run_suite_command(args) -> int:
         lengths=int_list("--needle-lengths", args.needle_lengths) if args.needle_lengths else None,
         trials=args.needle_trials,
     )
+    # an unknown suite, row group, needle or perplexity setting: one line, before anything loads
     settings = select_perplexity(
         settings,
         corpora=tuple(args.corpora.split(",")) if args.corpora is not None else None,
         windows=int_list("--windows", args.windows) if args.windows else None,
-    )  # an unknown suite, row group, needle or perplexity setting: one line, before anything loads
+    )
     resolve_teacher(args.against or "smollm2-135m")  # a missing teacher path fails before the student loads
     out = KeptOutput(_suite_dir(args))  # scores that cannot be written there go to a temporary folder
     report = run_suite(

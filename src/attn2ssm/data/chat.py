@@ -343,9 +343,8 @@ def _fit(ids: list[int], mask: list[bool], max_len: int) -> tuple[torch.Tensor, 
     ids, mask = ids[:max_len], mask[:max_len]
     if not any(mask[1:]):
         return None
-    return torch.tensor(ids, dtype=torch.int32), torch.tensor(
-        mask, dtype=torch.bool
-    )  # int32 halves the memory
+    # int32 halves the memory
+    return torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.bool)
 
 
 @dataclass

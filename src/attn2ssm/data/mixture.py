@@ -174,9 +174,8 @@ def load_training_data(
             "give every data.sources entry a weight > 0",
         )
     shares = [w / sum(weights) for w in weights]
-    field_ = (
-        None if text_field in (None, DEFAULT_TEXT_FIELD) else text_field
-    )  # a spec's own ?field= then works
+    # a spec's own ?field= then works
+    field_ = None if text_field in (None, DEFAULT_TEXT_FIELD) else text_field
 
     def prepare(i: int, cap: int | None) -> TokenizedCorpus:
         return _prepare_source(
@@ -254,10 +253,11 @@ def _one_source(
         pack_blocks(corpus.heldout_ids, block_len, heldout=True),
     )
     info = _info(source, 1.0, corpus, len(blocks), len(blocks), len(eval_blocks), cap)
+    # all from source 0
     only = (
         torch.zeros(len(blocks), dtype=torch.long),
         torch.zeros(len(eval_blocks), dtype=torch.long),
-    )  # all from source 0
+    )
     if compact:
         blocks, eval_blocks = TokenBlocks([blocks]), TokenBlocks([eval_blocks])
         corpus = TokenizedCorpus(

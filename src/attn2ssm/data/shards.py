@@ -155,9 +155,8 @@ def compact_dtype(vocab_size: int) -> torch.dtype:
 
 
 def _memory_dtype(dtype: np.dtype) -> np.dtype:
-    return (
-        dtype if dtype.itemsize == 2 else np.dtype("<i4")
-    )  # ids < 2^31: a uint32 file reads as int32, which torch fully supports
+    # ids < 2^31: a uint32 file reads as int32, which torch fully supports
+    return dtype if dtype.itemsize == 2 else np.dtype("<i4")
 
 
 _LARGEST_IDS: dict[tuple, int] = {}  # (file, size, mtime) -> its largest id: each file scanned once a process

@@ -1,7 +1,8 @@
 """Turn a corpus spec into a list of documents.
 
-A *spec* is the one string a recipe uses to name its training text, so every way of
-naming text lives here:
+A *spec* is the one string a recipe uses to name its training text. Its grammar (parsing and
+checking a spec without reading any text, and without torch) is :mod:`.specs`; the forms, and how
+each is read, are:
 
 * ``"sotu"`` / ``"moby-dick"`` — built-in corpora, fetched once (see :mod:`.builtin`); also the
   evaluation corpora ``"emails"``, ``"kjv"`` and ``"pydoc"``, which no built-in recipe trains on.

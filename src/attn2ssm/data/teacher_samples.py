@@ -154,9 +154,12 @@ def build_teacher_sft_data(
     # prompt + reply must fit the teacher's context: replies get at most half of it
     context = getattr(teacher.config, "max_position_embeddings", None) or 4096
     max_new_tokens = min(max_new_tokens, context // 2)
-    render = lambda p: tokenizer.apply_chat_template(
-        [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-    )  # noqa: E731
+
+    def render(prompt: str) -> str:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+
     passages = seed_passages(corpus, n, seed=seed)
     prompts = _fitting_prompts(passages, instructions, tokenizer, render, context - max_new_tokens)
     records = _teacher_replies(
@@ -305,9 +308,8 @@ class Sample:
 
     index: int  # the n-th sample (its document id is ``generated:<index>``)
     side: str  # "train" or "heldout" (the hash rule on its id)
-    ids: (
-        torch.Tensor
-    )  # 1-D int64 on the CPU: prompt (if any) + new tokens, cut so the corpus ends at n_tokens
+    # 1-D int64 on the CPU: prompt (if any) + new tokens, cut so the corpus ends at n_tokens
+    ids: torch.Tensor
 
 
 def sampling_batch(g, teacher, positions: int, length: int | None = None) -> int:
@@ -322,9 +324,10 @@ def sampling_batch(g, teacher, positions: int, length: int | None = None) -> int
     if "batch" in g.given or device.type != "cuda":
         return g.batch
     weights = sum(p.numel() * p.element_size() for p in teacher.parameters())
+    # logits, softmax, top-p sort
     per_sample = (
         positions * _kv_bytes_per_position(teacher) + 16 * teacher.config.get_text_config().vocab_size
-    )  # logits, softmax, top-p sort
+    )
     batch = auto_batch(torch.cuda.get_device_properties(device).total_memory, weights, per_sample)
     needed = -(-g.n_tokens // (length or g.length))  # samples the corpus needs if none ends early
     return max(g.batch, min(batch, 1 << (needed - 1).bit_length()))
@@ -449,12 +452,10 @@ class TeacherSampler:
                         break
                     new = row[self.prompt_len if prompt_ids is not None else 1 :]
                     ends = (new == self.eos).nonzero()
-                    new = (
-                        new[: int(ends[0])] if len(ends) else new
-                    )  # a sample ends at the teacher's EOS (padding after it)
-                    sample = (
-                        new if prompt_ids is None else torch.cat([row[: self.prompt_len], new])
-                    )  # BOS is not text; a prompt is
+                    # a sample ends at the teacher's EOS (padding after it)
+                    new = new[: int(ends[0])] if len(ends) else new
+                    # BOS is not text; a prompt is
+                    sample = new if prompt_ids is None else torch.cat([row[: self.prompt_len], new])
                     side = "heldout" if is_heldout_id(f"generated:{self.n_samples}") else "train"
                     sep = 1 if self.docs[side] else 0  # the EOS joining it to its side counts
                     ids = sample[: n - sum(self.tokens.values()) - sep]

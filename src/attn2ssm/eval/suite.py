@@ -262,9 +262,8 @@ def score_unit(
             f"{unit.id}/recall": {"value": rec, "se": binomial_se(rec, n), "n": n},
         }
     cost = {"cpu_seconds": time.process_time() - cpu, "wall_seconds": time.time() - wall}
-    for i, scores in enumerate(
-        out.values()
-    ):  # the unit's cost goes to its first row (recall comes with the greedy run)
+    # the unit's cost goes to its first row (recall comes with the greedy run)
+    for i, scores in enumerate(out.values()):
         scores.update(cost if i == 0 else {"cpu_seconds": 0.0, "wall_seconds": 0.0})
     return out
 
@@ -425,9 +424,8 @@ def run_suite(
     from attn2ssm.mixers.linear_attention import set_window_branch
 
     student, tokenizer = load_model_and_tokenizer(student_path, device)
-    set_window_branch(
-        student, branch, str(student_path)
-    )  # a student without a window branch: one line, before the teacher loads
+    # a student without a window branch: one line, before the teacher loads
+    set_window_branch(student, branch, str(student_path))
     teacher, _ = load_model_and_tokenizer(teacher_spec, device)
     # the lengths the rows scored read (a --rows choice drops the others)
     windows = settings.windows if settings.corpora else ()
