@@ -84,36 +84,8 @@ def add_parser(subparsers) -> None:
 
 def run_shards(args) -> int:
     # Cheap checks first: a typo fails in a fraction of a second, before torch / transformers load.
-    from attn2ssm.data.specs import check_spec, is_generated
-    from attn2ssm.paths import check_writable
-
-    limits = {
-        flag: token_count(flag, value)
-        for flag, value in (("--max-tokens", args.max_tokens), ("--heldout-tokens", args.heldout_tokens))
-    }
-    shard_tokens = token_count("--shard-tokens", args.shard_tokens)
-    if shard_tokens < 1:
-        raise ConfigError(
-            f"--shard-tokens {args.shard_tokens} is not a positive number of ids per file",
-            "write e.g. --shard-tokens 2^25",
-        )
-    if args.fit_mib is not None and not args.fit_mib > 0:
-        raise ConfigError(
-            f"--fit-mib {args.fit_mib:g} is no size", "give the MiB the folder may take, e.g. --fit-mib 64"
-        )
+    limits, shard_tokens, generated = _check_shards_args(args)
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        held = "token shards" if (out / "manifest.json").exists() else "other files"
-        raise ConfigError(f"--out {out} already holds {held}", "choose another --out, or remove it first")
-    check_spec(args.spec)
-    generated = is_generated(args.spec)
-    check_teacher(args.teacher)
-    if not generated and (args.device is not None or args.dtype != "auto"):
-        raise ConfigError(
-            f"--device and --dtype are for generated: specs, and {args.spec!r} is tokenized, not sampled",
-            "drop them",
-        )
-    check_writable(out, beside=True)
 
     from attn2ssm.data.shard_writer import write_corpus_shards  # heavy: torch
     from attn2ssm.data.shards import id_dtype
@@ -149,6 +121,42 @@ def run_shards(args) -> int:
         print(line)
     print(f"use it: data.corpus: shards:{out}  (or an entry of data.sources)")
     return 0
+
+
+def _check_shards_args(args) -> tuple[dict, int, bool]:
+    """``data shards``' flags, refused in one line before anything heavy loads: the token limits by
+    flag, the ids per file, and whether the spec is sampled from the teacher (``generated:``)."""
+    from attn2ssm.data.specs import check_spec, is_generated
+    from attn2ssm.paths import check_writable
+
+    limits = {
+        flag: token_count(flag, value)
+        for flag, value in (("--max-tokens", args.max_tokens), ("--heldout-tokens", args.heldout_tokens))
+    }
+    shard_tokens = token_count("--shard-tokens", args.shard_tokens)
+    if shard_tokens < 1:
+        raise ConfigError(
+            f"--shard-tokens {args.shard_tokens} is not a positive number of ids per file",
+            "write e.g. --shard-tokens 2^25",
+        )
+    if args.fit_mib is not None and not args.fit_mib > 0:
+        raise ConfigError(
+            f"--fit-mib {args.fit_mib:g} is no size", "give the MiB the folder may take, e.g. --fit-mib 64"
+        )
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        held = "token shards" if (out / "manifest.json").exists() else "other files"
+        raise ConfigError(f"--out {out} already holds {held}", "choose another --out, or remove it first")
+    check_spec(args.spec)
+    generated = is_generated(args.spec)
+    check_teacher(args.teacher)
+    if not generated and (args.device is not None or args.dtype != "auto"):
+        raise ConfigError(
+            f"--device and --dtype are for generated: specs, and {args.spec!r} is tokenized, not sampled",
+            "drop them",
+        )
+    check_writable(out, beside=True)
+    return limits, shard_tokens, generated
 
 
 def _sampling_teacher(args):

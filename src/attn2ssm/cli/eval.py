@@ -140,6 +140,36 @@ def _add_suite_args(e) -> None:
 
 
 def run(args) -> int:
+    _check_modes(args)
+    check_outputs(args)  # a read-only output: one line now, not after the scoring
+    if args.suite:
+        return run_suite_command(args)
+    if args.report:
+        return run_report(args)
+    if args.tasks:
+        return cmd_eval_tasks(args)
+    _check_window(args)
+    if args.attention:  # fidelity of a student's mixing weights to its teacher's softmax, not perplexity
+        from attn2ssm.eval.attention import run_attention_eval  # heavy: torch
+
+        run_attention_eval(
+            args.model,
+            device=resolve_device(args.device),
+            against=args.against,
+            corpus=args.corpus,
+            window=args.window,
+            max_tokens=args.max_tokens,
+            blocks=args.blocks,
+            text=args.text,
+            out_dir=args.out_dir,
+            json_path=args.json,
+        )
+        return 0
+    return _perplexity(args)
+
+
+def _check_modes(args) -> None:
+    """One evaluation at a time, and the flags that belong to it (--quick, --rows, ... to --suite)."""
     if args.quick and not args.suite:
         raise ConfigError("--quick is a form of the suite", "add --suite standard")
     for flag, value in (("--rows", args.rows), ("--corpora", args.corpora), ("--windows", args.windows)):
@@ -172,14 +202,10 @@ def run(args) -> int:
                 "--branch applies to perplexity and --suite",
                 "drop --branch, or run eval MODEL --suite standard --branch ...",
             )
-    check_outputs(args)  # a read-only output: one line now, not after the scoring
-    if args.suite:
-        return run_suite_command(args)
-    if args.report:
-        return run_report(args)
-    if args.tasks:
-        return cmd_eval_tasks(args)
 
+
+def _check_window(args) -> None:
+    """--window, --stride and --max-tokens of perplexity and --attention."""
     if args.window < 2:
         raise ConfigError(
             f"--window {args.window} is too short", "use a window of at least 2 tokens, e.g. --window 256"
@@ -194,23 +220,6 @@ def run(args) -> int:
             f"--max-tokens {args.max_tokens} leaves nothing to score",
             "use at least 2, e.g. --max-tokens 20000",
         )
-    if args.attention:  # fidelity of a student's mixing weights to its teacher's softmax, not perplexity
-        from attn2ssm.eval.attention import run_attention_eval  # heavy: torch
-
-        run_attention_eval(
-            args.model,
-            device=resolve_device(args.device),
-            against=args.against,
-            corpus=args.corpus,
-            window=args.window,
-            max_tokens=args.max_tokens,
-            blocks=args.blocks,
-            text=args.text,
-            out_dir=args.out_dir,
-            json_path=args.json,
-        )
-        return 0
-    return _perplexity(args)
 
 
 def _perplexity(args) -> int:

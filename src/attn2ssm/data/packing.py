@@ -54,19 +54,7 @@ def prepare_corpus(
     base, text_field = parse_spec(spec, text_field)
     stream = max_train_tokens is not None and can_stream(base)
     fingerprint = tokenizer_fingerprint(tokenizer)
-    key_fields = {
-        "format": FORMAT_VERSION,
-        "spec": base,
-        "stamp": corpus_stamp(base),
-        "text_field": text_field,
-        "tokenizer": fingerprint,
-        "max_train_tokens": max_train_tokens,
-        "max_heldout_tokens": max_heldout_tokens,
-    }
-    if stream:  # a streamed corpus stops reading early; keep its cache apart from a downloaded one
-        key_fields["stream"] = True
-    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:24]
-    path = cache_dir() / "tokenized" / f"{key}.pt"
+    path = _cache_path(base, text_field, fingerprint, max_train_tokens, max_heldout_tokens, stream)
     if cache and path.is_file():
         try:
             corpus = _load(path, fingerprint)
@@ -82,10 +70,9 @@ def prepare_corpus(
             base, text_field, tokenizer, eos, max_train_tokens, max_heldout_tokens
         )
     else:
-        train_docs, heldout_docs = split_documents(load_documents(base, text_field=text_field), base)
-        train_ids = tokenize_documents(train_docs, tokenizer, eos, max_train_tokens, "train")
-        heldout_ids = tokenize_documents(heldout_docs, tokenizer, eos, max_heldout_tokens, "held-out")
-        counts = {"n_train_docs": len(train_docs), "n_heldout_docs": len(heldout_docs)}
+        train_ids, heldout_ids, counts = _tokenize_split(
+            base, text_field, tokenizer, eos, max_train_tokens, max_heldout_tokens
+        )
     meta = {
         "spec": base,
         "text_field": text_field,
@@ -103,6 +90,35 @@ def prepare_corpus(
         save_tokenized(corpus, path)
     corpus.meta.update(from_cache=False, cache_path=str(path) if cache else None)
     return corpus
+
+
+def _cache_path(
+    base: str, text_field: str, fingerprint: str, max_train: int | None, max_heldout: int | None, stream: bool
+) -> Path:
+    """Where the tokenized corpus is cached: keyed by everything that changes its ids."""
+    key_fields = {
+        "format": FORMAT_VERSION,
+        "spec": base,
+        "stamp": corpus_stamp(base),
+        "text_field": text_field,
+        "tokenizer": fingerprint,
+        "max_train_tokens": max_train,
+        "max_heldout_tokens": max_heldout,
+    }
+    if stream:  # a streamed corpus stops reading early; keep its cache apart from a downloaded one
+        key_fields["stream"] = True
+    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / "tokenized" / f"{key}.pt"
+
+
+def _tokenize_split(
+    base: str, text_field: str, tokenizer, eos: int, max_train: int | None, max_heldout: int | None
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A read (not streamed) corpus: its documents loaded, split by hash and tokenized in order."""
+    train_docs, heldout_docs = split_documents(load_documents(base, text_field=text_field), base)
+    train_ids = tokenize_documents(train_docs, tokenizer, eos, max_train, "train")
+    heldout_ids = tokenize_documents(heldout_docs, tokenizer, eos, max_heldout, "held-out")
+    return train_ids, heldout_ids, {"n_train_docs": len(train_docs), "n_heldout_docs": len(heldout_docs)}
 
 
 def save_tokenized(corpus: TokenizedCorpus, path: Path) -> None:
