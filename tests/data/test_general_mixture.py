@@ -116,7 +116,7 @@ def test_no_training_item_is_an_evaluation_item(prose):
                 evaluation |= {needle.niah_key_value(form, rng) for _ in range(s.niah_trials)}
     docs = load_documents("recall:300:" + prose)
     items = set()
-    sentences = recall.training_sentences(prose)
+    sentences = recall.training_sentences(prose, load_documents)
     for i, doc in enumerate(docs):
         text, meta = recall.passage(i, sentences)
         assert text == doc.text

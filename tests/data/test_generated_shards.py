@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from attn2ssm.data.shard_writer import generate_shards
 from attn2ssm.data.shards import read_manifest, read_shards
 from attn2ssm.data.specs import parse_generated_spec
 from attn2ssm.data.teacher_samples import (
@@ -12,7 +13,6 @@ from attn2ssm.data.teacher_samples import (
     TeacherSampler,
     auto_batch,
     generate_corpus,
-    generate_shards,
     sampling_batch,
 )
 from tiny_models import tiny_config

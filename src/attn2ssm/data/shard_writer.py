@@ -9,6 +9,7 @@ spec this way, tokenized document by document, sampled from the teacher or copie
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -35,6 +36,7 @@ from .shards import (
 from .sources import load_documents
 from .specs import can_stream, is_generated, is_shards, parse_spec
 from .splits import split_documents
+from .teacher_samples import TeacherSampler
 from .tokenize import Joiner, TokenizedCorpus, eos_id, stream_into, tokenize_into, tokenizer_fingerprint
 
 
@@ -210,7 +212,7 @@ def write_corpus_shards(
 ) -> dict:
     """Any corpus spec as a token shard folder ``out``, streamed (memory: a batch, not the corpus); returns the manifest.
 
-    * ``generated:...`` is sampled from ``teacher`` (:func:`.teacher_samples.generate_shards`);
+    * ``generated:...`` is sampled from ``teacher`` (:func:`generate_shards`);
     * ``shards:DIR`` is copied, cut to the limits (e.g. a large folder cut to what fits a transfer);
     * anything else (built-in name, files, ``hf:``) is tokenized document by document with the
       train / held-out split of :func:`.packing.prepare_corpus` and the same ids: a hub dataset is
@@ -229,8 +231,6 @@ def write_corpus_shards(
         raise DataError(f"{spec!r} is sampled from the teacher, and none was given", "pass teacher=")
     with writing(Path(out), "token shards", "run the command again (nothing was left at the output)"):
         if is_generated(spec):
-            from .teacher_samples import generate_shards  # (teacher_samples imports this module)
-
             return generate_shards(
                 spec,
                 teacher,
@@ -332,4 +332,57 @@ def _copy_shards(
                         writer.add(
                             side, np.frombuffer(fh.read(min(chunk, left) * dtype.itemsize), dtype=dtype)
                         )
+    return writer.manifest
+
+
+def generate_shards(
+    spec: str,
+    teacher,
+    tokenizer,
+    out,
+    *,
+    seed: int = 0,
+    max_train_tokens: int | None = None,
+    max_heldout_tokens: int | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    progress: bool = True,
+) -> dict:
+    """The ``generated:`` corpus ``spec`` sampled straight into a token shard folder ``out``
+    (:mod:`.shards`): the samples :func:`generate_corpus` would cache, in the same order and with the
+    same split, written as each batch arrives (memory: one batch). ``max_*_tokens`` cut each side as
+    they cut a cached corpus, and sampling stops once both sides are full. The manifest's ``meta``
+    records the settings and the sampling rate (``tokens_per_second``, wall time with the writes).
+    A failure or an interrupt leaves no folder at ``out``. Returns the manifest."""
+    goal = (
+        max_train_tokens + max_heldout_tokens
+        if max_train_tokens is not None and max_heldout_tokens is not None
+        else None
+    )
+    sampler = TeacherSampler(spec, teacher, tokenizer, seed=seed, progress=progress, goal=goal)
+    with ShardWriter(
+        out,
+        tokenizer,
+        source=spec,
+        shard_tokens=shard_tokens,
+        meta={"spec": spec, "generated": True},
+        id_limit=teacher.config.get_text_config().vocab_size,  # it may sample past the tokenizer
+    ) as writer:
+        sides = {
+            "train": DocumentStream(writer, "train", sampler.eos, max_train_tokens),
+            "heldout": DocumentStream(writer, "heldout", sampler.eos, max_heldout_tokens),
+        }
+        with contextlib.closing(iter(sampler)) as samples:
+            for sample in samples:
+                sides[sample.side].add(sample.ids)
+                if all(side.full for side in sides.values()):
+                    break
+        device = next(teacher.parameters()).device
+        writer.meta.update(
+            settings=sampler.settings,
+            **sampler.stats(),
+            device=str(device),
+            teacher_dtype=str(next(teacher.parameters()).dtype).removeprefix("torch."),
+            max_train_tokens=max_train_tokens,
+            max_heldout_tokens=max_heldout_tokens,
+        )
     return writer.manifest

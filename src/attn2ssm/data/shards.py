@@ -248,16 +248,3 @@ def shard_bytes(manifest: dict, side: str | None = None) -> int:
 
 def side_tokens(manifest: dict, side: str) -> int:
     return sum(f["tokens"] for f in manifest["sides"][side])
-
-
-_MOVED_TO_WRITER = ("DocumentStream", "ShardWriter", "write_corpus_shards", "write_shards")
-
-
-def __getattr__(name: str):
-    """The writer's names, where they were before :mod:`.shard_writer` (benchmarks import
-    ``ShardWriter`` from here); loaded on use, since the writer imports this module."""
-    if name in _MOVED_TO_WRITER:
-        from . import shard_writer
-
-        return getattr(shard_writer, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

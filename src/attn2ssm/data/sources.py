@@ -52,9 +52,11 @@ from . import builtin, recall
 from .document import Document
 from .specs import (
     FILE_SUFFIXES,
+    is_recall,
     local_files,
     no_text_files,
     parse_hf_spec,
+    parse_recall_spec,
     parse_spec,
     row_slice,
 )
@@ -78,8 +80,8 @@ def load_documents(spec: str, *, text_field: str | None = None) -> list[Document
             f"{spec.strip()!r} names a mixture of several corpora, not one",
             "use it as data.corpus of a recipe, or name one of its corpora",
         )
-    if recall.is_recall(spec):
-        return recall.load_recall(spec)
+    if is_recall(spec):
+        return recall.load_recall(spec, load_documents)
     base, text_field = parse_spec(spec, text_field)
     if builtin.is_builtin(base):
         docs = builtin.load_builtin(base)
@@ -109,8 +111,8 @@ def corpus_stamp(spec: str) -> str:
     size and modification time, so editing a corpus invalidates its cached tokens.
     Built-ins are pinned package versions and hub specs are keyed by name alone.
     """
-    if recall.is_recall(spec):  # the passages follow from the spec and the prose corpus' text
-        return f"{spec.strip()}|format-{recall.FORMAT}|{corpus_stamp(recall.parse_recall_spec(spec)[1])}"
+    if is_recall(spec):  # the passages follow from the spec and the prose corpus' text
+        return f"{spec.strip()}|format-{recall.FORMAT}|{corpus_stamp(parse_recall_spec(spec)[1])}"
     base, _ = parse_spec(spec)
     if builtin.is_builtin(base):
         return builtin.package_spec(base)

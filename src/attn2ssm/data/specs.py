@@ -7,7 +7,7 @@ anything heavy loads). :mod:`.sources` reads the text a spec names; its docstrin
   in ``?field=<name>`` (:func:`parse_spec`, :func:`parse_hf_spec`, :func:`row_slice`);
 * ``generated:<n_tokens>[:<prompt corpus>][?option=value&…]``: text the teacher samples
   (:func:`parse_generated_spec`); ``chat:<prompt corpus>[:<n>]``: its answers (:func:`parse_chat_spec`);
-* ``recall:…``: recall passages (:mod:`.recall`); ``mix:<name>``: a built-in mixture (:data:`MIXTURES`);
+* ``recall:<n>[:<prose corpus>][?max_words=N&seed=S]``: recall passages (:mod:`.recall`); ``mix:<name>``: a built-in mixture (:data:`MIXTURES`);
 * ``shards:<folder>``: token ids written once (:mod:`.shards`).
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from attn2ssm.errors import DataError
 
-from . import builtin, recall
+from . import builtin
 
 
 def is_shards(spec) -> bool:
@@ -48,7 +48,7 @@ def parse_spec(spec: str, text_field: str | None = None) -> tuple[str, str]:
             "set data.corpus to a built-in name, a file, a directory or hf:<dataset>",
         )
     spec = spec.strip()
-    if recall.is_recall(spec):  # its own options (recall.parse_recall_spec)
+    if is_recall(spec):  # its own options (parse_recall_spec)
         return spec, text_field or DEFAULT_TEXT_FIELD
     query_field = None
     base, sep, query = spec.rpartition("?")
@@ -116,7 +116,7 @@ def parse_chat_spec(spec: str) -> tuple[str, int]:
     corpus, sep, n = rest.rpartition(":")
     if not sep or not n.isdigit():
         corpus, n = rest, "64"
-    if not corpus or int(n) < 1 or needs_teacher(corpus) or is_mixture(corpus) or recall.is_recall(corpus):
+    if not corpus or int(n) < 1 or needs_teacher(corpus) or is_mixture(corpus) or is_recall(corpus):
         raise DataError(
             f"bad chat corpus spec {spec!r}",
             "write chat:<prompt corpus>[:<answers>], e.g. chat:sotu:64 (a corpus of prose)",
@@ -227,8 +227,8 @@ def check_spec(spec: str) -> None:
     if is_chat(spec):
         check_spec(parse_chat_spec(spec)[0])
         return
-    if recall.is_recall(spec):
-        check_spec(recall.parse_recall_spec(spec)[1])
+    if is_recall(spec):
+        check_spec(parse_recall_spec(spec)[1])
         return
     base, _ = parse_spec(spec)
     if base.startswith(SHARDS_PREFIX):
@@ -316,3 +316,43 @@ def can_stream(spec: str) -> bool:
     """Whether ``spec`` is a hub corpus that :func:`iter_hf_documents` can read row by row."""
     base, _ = parse_spec(spec)
     return base.startswith("hf:") and row_slice(parse_hf_spec(base[3:])[2]) is not None
+
+
+# ------------------------------------------------------------------------------ recall passages
+
+RECALL_PREFIX = "recall:"  # key-value recall passages (data/recall.py)
+DEFAULT_PROSE = "sotu"
+DEFAULT_MAX_WORDS = 600
+MIN_WORDS = 40
+
+
+def is_recall(spec: str) -> bool:
+    return isinstance(spec, str) and spec.strip().startswith(RECALL_PREFIX)
+
+
+def parse_recall_spec(spec: str) -> tuple[int, str, int, int]:
+    """``recall:<n>[:<prose corpus>][?max_words=N&seed=S]`` → (n, prose corpus, max_words, seed)."""
+    body = spec.strip()[len(RECALL_PREFIX) :]
+    options = {"max_words": DEFAULT_MAX_WORDS, "seed": 0}
+    body, sep, query = body.partition("?")
+    for pair in query.split("&") if sep else ():
+        key, _, value = pair.partition("=")
+        if key not in options or not value.isdigit() or (key == "max_words" and int(value) < MIN_WORDS):
+            raise DataError(
+                f"bad option {pair!r} in {spec!r}",
+                f"the options are ?max_words=N (N >= {MIN_WORDS}) and &seed=S (S >= 0)",
+            )
+        options[key] = int(value)
+    count, _, prose = body.partition(":")
+    if not count.isdigit() or int(count) < 1:
+        raise DataError(
+            f"bad recall corpus spec {spec!r}",
+            "write recall:<passages>[:<prose corpus>], e.g. recall:256:sotu",
+        )
+    prose = prose or DEFAULT_PROSE
+    if is_recall(prose):
+        raise DataError(
+            f"{spec!r}: a recall corpus cannot take its prose from another recall corpus",
+            "name a prose corpus, e.g. recall:256:sotu",
+        )
+    return int(count), prose, options["max_words"], options["seed"]

@@ -36,8 +36,6 @@ from attn2ssm.errors import ConfigError, DataError
 from attn2ssm.paths import atomic_write_text, cache_dir
 
 from .packing import load_tokenized, prepare_corpus, save_tokenized
-from .shard_writer import DocumentStream, ShardWriter
-from .shards import DEFAULT_SHARD_TOKENS
 from .sources import corpus_stamp, load_documents
 from .specs import can_stream, parse_generated_spec
 from .splits import is_heldout_id, split_documents
@@ -503,7 +501,7 @@ def generate_corpus(
 
     ``train_ids`` and ``heldout_ids`` hold ``n_tokens`` tokens together; ``meta["from_cache"]`` tells
     whether the cache answered. Raises :class:`DataError` for a bad spec or a tokenizer without EOS.
-    For corpora too large to hold in memory, :func:`generate_shards` writes the same samples to disk.
+    For corpora too large to hold in memory, :func:`.shard_writer.generate_shards` writes the same samples to disk.
     """
     sampler = TeacherSampler(spec, teacher, tokenizer, seed=seed, progress=progress)
     path = cache_dir() / "generated" / f"{sampler.key}.pt"
@@ -537,59 +535,6 @@ def generate_corpus(
     save_tokenized(corpus, path)
     corpus.meta.update(from_cache=False, cache_path=str(path))
     return corpus
-
-
-def generate_shards(
-    spec: str,
-    teacher,
-    tokenizer,
-    out,
-    *,
-    seed: int = 0,
-    max_train_tokens: int | None = None,
-    max_heldout_tokens: int | None = None,
-    shard_tokens: int = DEFAULT_SHARD_TOKENS,
-    progress: bool = True,
-) -> dict:
-    """The ``generated:`` corpus ``spec`` sampled straight into a token shard folder ``out``
-    (:mod:`.shards`): the samples :func:`generate_corpus` would cache, in the same order and with the
-    same split, written as each batch arrives (memory: one batch). ``max_*_tokens`` cut each side as
-    they cut a cached corpus, and sampling stops once both sides are full. The manifest's ``meta``
-    records the settings and the sampling rate (``tokens_per_second``, wall time with the writes).
-    A failure or an interrupt leaves no folder at ``out``. Returns the manifest."""
-    goal = (
-        max_train_tokens + max_heldout_tokens
-        if max_train_tokens is not None and max_heldout_tokens is not None
-        else None
-    )
-    sampler = TeacherSampler(spec, teacher, tokenizer, seed=seed, progress=progress, goal=goal)
-    with ShardWriter(
-        out,
-        tokenizer,
-        source=spec,
-        shard_tokens=shard_tokens,
-        meta={"spec": spec, "generated": True},
-        id_limit=teacher.config.get_text_config().vocab_size,  # it may sample past the tokenizer
-    ) as writer:
-        sides = {
-            "train": DocumentStream(writer, "train", sampler.eos, max_train_tokens),
-            "heldout": DocumentStream(writer, "heldout", sampler.eos, max_heldout_tokens),
-        }
-        with contextlib.closing(iter(sampler)) as samples:
-            for sample in samples:
-                sides[sample.side].add(sample.ids)
-                if all(side.full for side in sides.values()):
-                    break
-        device = next(teacher.parameters()).device
-        writer.meta.update(
-            settings=sampler.settings,
-            **sampler.stats(),
-            device=str(device),
-            teacher_dtype=str(next(teacher.parameters()).dtype).removeprefix("torch."),
-            max_train_tokens=max_train_tokens,
-            max_heldout_tokens=max_heldout_tokens,
-        )
-    return writer.manifest
 
 
 def _prompt_source(g, tokenizer) -> torch.Tensor:
