@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-from attn2ssm.data.shards import ShardWriter  # noqa: E402
+from attn2ssm.data.shard_writer import ShardWriter  # noqa: E402
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from attn2ssm.data import (
     pack_blocks,
     packing,
     prepare_corpus,
-    sources,
+    specs,
     split_documents,
     tokenizer_fingerprint,
 )
@@ -188,18 +188,18 @@ def test_empty_corpus(tmp_path):
 
 
 def test_hf_spec_parsing():
-    assert sources.parse_hf_spec("wikitext") == ("wikitext", None, "train")
-    assert sources.parse_hf_spec("wikitext:wikitext-2-raw-v1") == (
+    assert specs.parse_hf_spec("wikitext") == ("wikitext", None, "train")
+    assert specs.parse_hf_spec("wikitext:wikitext-2-raw-v1") == (
         "wikitext",
         "wikitext-2-raw-v1",
         "train",
     )
-    assert sources.parse_hf_spec("org/ds:test") == ("org/ds", None, "test")
-    assert sources.parse_hf_spec("org/ds:train[:100]") == ("org/ds", None, "train[:100]")
-    assert sources.parse_hf_spec("wikitext:cfg:validation") == ("wikitext", "cfg", "validation")
-    assert sources.parse_hf_spec("wikitext:cfg:train[10:20]") == ("wikitext", "cfg", "train[10:20]")
+    assert specs.parse_hf_spec("org/ds:test") == ("org/ds", None, "test")
+    assert specs.parse_hf_spec("org/ds:train[:100]") == ("org/ds", None, "train[:100]")
+    assert specs.parse_hf_spec("wikitext:cfg:validation") == ("wikitext", "cfg", "validation")
+    assert specs.parse_hf_spec("wikitext:cfg:train[10:20]") == ("wikitext", "cfg", "train[10:20]")
     with pytest.raises(DataError, match="bad hub corpus spec"):
-        sources.parse_hf_spec("a:b:c:d")
+        specs.parse_hf_spec("a:b:c:d")
 
 
 def test_hf_offline_is_a_clear_error(monkeypatch):

@@ -10,13 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.data import load_documents, load_training_data, recall, split_documents
-from attn2ssm.data.sources import (
-    MIXTURES,
-    check_spec,
-    corpus_stamp,
-    expand_mixture,
-    parse_chat_spec,
-)
+from attn2ssm.data.sources import corpus_stamp
+from attn2ssm.data.specs import MIXTURES, check_spec, expand_mixture, parse_chat_spec
 from attn2ssm.distill.recipe import (
     SourceConfig,
     builtin_recipes,
@@ -25,7 +20,7 @@ from attn2ssm.distill.recipe import (
 )
 from attn2ssm.errors import Attn2SSMError, ConfigError, DataError
 from attn2ssm.eval import needle
-from attn2ssm.eval.suite import suite_settings
+from attn2ssm.eval.suite_settings import suite_settings
 from tiny_models import make_tokenizer, tiny_config
 
 EVAL_CORPORA = ("emails", "kjv", "pydoc")
@@ -71,9 +66,8 @@ def test_a_passage_by_hand():
     words = rng.randint(recall.MIN_WORDS, recall.MIN_WORDS)
     start = rng.randrange(4)
     assert words == recall.MIN_WORDS
-    hay = [
-        sentences[(start + i) % 4] for i in range(4)
-    ]  # 4 sentences of 3 words < 40 words: the whole list once
+    # 4 sentences of 3 words < 40 words: the whole list once
+    hay = [sentences[(start + i) % 4] for i in range(4)]
     if form == "passkey":
         _, value = recall.key_value(form, rng)
         hay.insert(rng.randint(0, 4), recall.PASSKEY_NEEDLE.format(value=value))
@@ -86,10 +80,11 @@ def test_a_passage_by_hand():
         assert f"One of the special magic {kind}s for {key} is: {value}." in text
         for s in sentences:
             assert s in text
+    # a function of (i, seed, sentences)
     assert recall.passage(0, sentences, seed=0, max_words=recall.MIN_WORDS) == (
         text,
         meta,
-    )  # a function of (i, seed, sentences)
+    )
 
 
 def test_answer_formats_match_the_evaluation_prompts():
@@ -121,7 +116,7 @@ def test_no_training_item_is_an_evaluation_item(prose):
                 evaluation |= {needle.niah_key_value(form, rng) for _ in range(s.niah_trials)}
     docs = load_documents("recall:300:" + prose)
     items = set()
-    sentences = recall.training_sentences(prose)
+    sentences = recall.training_sentences(prose, load_documents)
     for i, doc in enumerate(docs):
         text, meta = recall.passage(i, sentences)
         assert text == doc.text
@@ -236,11 +231,12 @@ def test_builtin_mixtures_hold_no_evaluation_corpus():
         assert expand_mixture(f"mix:{name}") == sources
         for spec, weight in sources:
             assert weight > 0 and not any(c in spec for c in EVAL_CORPORA), spec
+    # no teacher sampling
     assert [s for s, _ in MIXTURES["corpora"]] == [
         "sotu",
         "moby-dick",
         "recall:512:sotu",
-    ]  # no teacher sampling
+    ]
     with pytest.raises(DataError, match="no built-in mixture 'web'"):
         expand_mixture("mix:web")
     with pytest.raises(DataError, match="names a mixture"):

@@ -5,14 +5,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from attn2ssm.data.shard_writer import generate_shards
 from attn2ssm.data.shards import read_manifest, read_shards
-from attn2ssm.data.sources import parse_generated_spec
+from attn2ssm.data.specs import parse_generated_spec
 from attn2ssm.data.teacher_samples import (
     MAX_AUTO_BATCH,
     TeacherSampler,
     auto_batch,
     generate_corpus,
-    generate_shards,
     sampling_batch,
 )
 from tiny_models import tiny_config
@@ -44,9 +44,8 @@ def test_shards_hold_the_cached_corpus_and_its_sampling_rate(teacher, tokenizer,
         and meta["tokens_per_second"] > 0
     )
     assert meta["n_samples"] == corpus.meta["n_samples"] and meta["batch"] == 7 and meta["device"] == "cpu"
-    assert len(manifest["sides"]["train"]) == -(
-        -corpus.train_ids.numel() // 512
-    )  # files roll over every 512 ids
+    # files roll over every 512 ids
+    assert len(manifest["sides"]["train"]) == -(-corpus.train_ids.numel() // 512)
 
 
 def test_caps_cut_each_side_and_stop_sampling_early(teacher, tokenizer, tmp_path, monkeypatch):
@@ -76,9 +75,8 @@ def test_samples_come_one_batch_at_a_time(teacher, tokenizer, monkeypatch):
     assert calls == [7] and first.index == 0 and first.ids.dtype == torch.long
     rest = list(samples)
     assert torch.equal(torch.get_rng_state(), rng)  # the caller's random stream is untouched
-    assert (
-        sum(s.ids.numel() for s in [first, *rest]) + sum(sampler.docs.values()) - 2 == 2000
-    )  # ids + the EOS joins
+    # ids + the EOS joins
+    assert sum(s.ids.numel() for s in [first, *rest]) + sum(sampler.docs.values()) - 2 == 2000
     assert sampler.stats()["n_samples"] == len(rest) + 1 and sampler.tokens_per_second > 0
 
 
@@ -106,14 +104,12 @@ def test_batch_size_the_spec_given_or_chosen_by_gpu_memory(teacher, monkeypatch)
     assert sampling_batch(parse_generated_spec("generated:10"), teacher, 272) == 16  # a CPU: the default
     assert sampling_batch(parse_generated_spec("generated:10?batch=3"), teacher, 272) == 3
     gib = 1 << 30
-    smollm2 = (
-        272 * 2 * 30 * 3 * 64 * 4 + 16 * 49152
-    )  # SmolLM2-135M in fp32: KV cache of 16 + 256 positions, logits
+    # SmolLM2-135M in fp32: KV cache of 16 + 256 positions, logits
+    smollm2 = 272 * 2 * 30 * 3 * 64 * 4 + 16 * 49152
     assert auto_batch(80 * gib, 540 << 20, smollm2) == MAX_AUTO_BATCH == 1024
     assert auto_batch(24 * gib, 540 << 20, smollm2) == 256  # a quarter of 23.5 GiB / 13.3 MB = 474
-    assert (
-        auto_batch(80 * gib, 28 * gib, 272 * 512 * 1024 * 2) == 32
-    )  # a 7B teacher in fp32: 13 GiB / 285 MB = 47
+    # a 7B teacher in fp32: 13 GiB / 285 MB = 47
+    assert auto_batch(80 * gib, 28 * gib, 272 * 512 * 1024 * 2) == 32
     assert auto_batch(gib, 2 * gib, 1) == 1
 
     from types import SimpleNamespace
@@ -122,20 +118,16 @@ def test_batch_size_the_spec_given_or_chosen_by_gpu_memory(teacher, monkeypatch)
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576, vocab_size=49152
     )
     config.get_text_config = lambda: config
-    weight = SimpleNamespace(
-        device=torch.device("cuda"), numel=lambda: 135_000_000, element_size=lambda: 2
-    )  # SmolLM2-135M, bf16, on a GPU
+    # SmolLM2-135M, bf16, on a GPU
+    weight = SimpleNamespace(device=torch.device("cuda"), numel=lambda: 135_000_000, element_size=lambda: 2)
     gpu_teacher = SimpleNamespace(parameters=lambda: iter([weight]), config=config)
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib)
     )
     assert sampling_batch(parse_generated_spec("generated:100000000"), gpu_teacher, 272, 256) == 1024
-    assert (
-        sampling_batch(parse_generated_spec("generated:100000000?batch=64"), gpu_teacher, 272, 256) == 64
-    )  # given: kept
-    assert (
-        sampling_batch(parse_generated_spec("generated:40000"), gpu_teacher, 272, 256) == 256
-    )  # 157 samples' worth: no more rows
-    assert (
-        sampling_batch(parse_generated_spec("generated:3000"), gpu_teacher, 272, 256) == 16
-    )  # never below the default
+    # given: kept
+    assert sampling_batch(parse_generated_spec("generated:100000000?batch=64"), gpu_teacher, 272, 256) == 64
+    # 157 samples' worth: no more rows
+    assert sampling_batch(parse_generated_spec("generated:40000"), gpu_teacher, 272, 256) == 256
+    # never below the default
+    assert sampling_batch(parse_generated_spec("generated:3000"), gpu_teacher, 272, 256) == 16

@@ -15,8 +15,9 @@ from attn2ssm.data import (
     pack_blocks,
     packing,
     prepare_corpus,
-    sources,
+    specs,
     split_documents,
+    tokenize,
 )
 from attn2ssm.data.mixture import apportion, interleave, mix_blocks
 from attn2ssm.data.teacher_samples import generate_corpus
@@ -96,9 +97,8 @@ def test_mixture_proportions_determinism_and_content(three, tokenizer):
     other = load_training_data(mix, tokenizer, 16, seed=4, budget_blocks=3000, max_heldout_tokens=400)
     assert not torch.equal(other.blocks, data.blocks) and torch.equal(other.source_of, data.source_of)
     large = load_training_data(mix, tokenizer, 16, seed=3, budget_blocks=20_000, max_heldout_tokens=400)
-    drawn = large.source_of[
-        block_indices(len(large.blocks), 3, 0, 4000)
-    ]  # a part of one epoch: sampling noise only
+    # a part of one epoch: sampling noise only
+    drawn = large.source_of[block_indices(len(large.blocks), 3, 0, 4000)]
     shares = torch.bincount(drawn, minlength=3).float() / len(drawn)
     assert (shares - torch.tensor([0.5, 0.2, 0.3])).abs().max() < 0.02
 
@@ -112,9 +112,8 @@ def test_a_source_repeats_only_after_all_its_blocks_were_used():
     big, small = blocks[source == 0, 0], blocks[source == 1, 0] - 10_000
     assert len(big.unique()) == 1000  # a large source is cut, never repeated
     uses = torch.bincount(small, minlength=37)
-    assert (
-        uses.min() == 1000 // 37 and uses.max() == 1000 // 37 + 1
-    )  # a small one goes round whole, again and again
+    # a small one goes round whole, again and again
+    assert uses.min() == 1000 // 37 and uses.max() == 1000 // 37 + 1
     for k in range(1000 // 37):  # ... and each round uses every block once before the next begins
         assert sorted(small[k * 37 : (k + 1) * 37].tolist()) == list(range(37))
     assert torch.equal(mix_blocks(parts, [1000, 1000], seed=0)[0], blocks)
@@ -159,10 +158,11 @@ def test_one_source_is_the_corpus_as_before(three, tokenizer):
 def test_token_caps_per_source(three, tokenizer):
     mix = [SourceConfig(three[0], 3.0), SourceConfig(three[2], 1.0, max_tokens=160)]
     data = load_training_data(mix, tokenizer, 16, max_train_tokens=800, max_heldout_tokens=400)
+    # weight's share of max_train_tokens, or its own cap
     assert [s["max_tokens"] for s in data.sources] == [
         600,
         160,
-    ]  # weight's share of max_train_tokens, or its own cap
+    ]
     assert [s["blocks"] for s in data.sources] == [600 // 16, 10]
 
 
@@ -225,7 +225,7 @@ def test_hub_dataset_streams_rows_with_the_download_ids(tmp_path, streaming_call
     assert [(d.id, d.text) for d in sliced] == [
         (f"hf:{root}:train[40:60]:{i}", texts[40 + i]) for i in range(20)
     ]
-    assert sources.row_slice("train[:10%]") is None and not sources.can_stream(f"hf:{root}:train[:10%]")
+    assert specs.row_slice("train[:10%]") is None and not specs.can_stream(f"hf:{root}:train[:10%]")
     with pytest.raises(DataError, match="no column 'body'"):
         next(iter_hf_documents(f"hf:{root}?field=body"))
 
@@ -245,8 +245,10 @@ def test_streamed_corpus_equals_the_downloaded_one_and_stops_early(
     docs = [Document(f"{spec}:{i}", t) for i, t in enumerate(texts) if t.strip()]
     train, held = split_documents(docs, spec)
     eos = tokenizer.eos_token_id
-    assert torch.equal(streamed.train_ids, packing._tokenize(train, tokenizer, eos, 1500, "train"))
-    assert torch.equal(streamed.heldout_ids, packing._tokenize(held, tokenizer, eos, 200, "held-out"))
+    assert torch.equal(streamed.train_ids, tokenize.tokenize_documents(train, tokenizer, eos, 1500, "train"))
+    assert torch.equal(
+        streamed.heldout_ids, tokenize.tokenize_documents(held, tokenizer, eos, 200, "held-out")
+    )
     assert prepare_corpus(spec, tokenizer, max_train_tokens=1500, max_heldout_tokens=200).meta["from_cache"]
 
     saved = tmp_path / "saved"  # a save_to_disk folder, streamed and downloaded
@@ -293,9 +295,8 @@ def test_mixture_streams_only_the_hub_share_of_the_budget(three, tmp_path, token
     mix = [SourceConfig(three[0], 0.75), SourceConfig(f"hf:{root}", 0.25)]
     data = load_training_data(mix, tokenizer, 16, budget_blocks=200, max_heldout_tokens=160)
     hub = data.sources[1]
-    assert (
-        hub["streamed"] and hub["max_tokens"] == 50 * 16 and hub["blocks"] == hub["draws"] == 50
-    )  # no block repeated
+    # no block repeated
+    assert hub["streamed"] and hub["max_tokens"] == 50 * 16 and hub["blocks"] == hub["draws"] == 50
     assert prepare_corpus(f"hf:{root}", tokenizer, max_train_tokens=800, max_heldout_tokens=160).meta[
         "rows_read"
     ] < len(texts)
@@ -305,7 +306,7 @@ def test_mixture_streams_only_the_hub_share_of_the_budget(three, tmp_path, token
 
 
 def test_generated_spec_parsing():
-    g = sources.parse_generated_spec("generated:4096")
+    g = specs.parse_generated_spec("generated:4096")
     assert (g.n_tokens, g.prompts, g.temperature, g.top_p, g.length, g.batch) == (
         4096,
         None,
@@ -314,7 +315,7 @@ def test_generated_spec_parsing():
         256,
         16,
     )
-    g = sources.parse_generated_spec("generated:100:hf:org/ds:cfg?top_p=0.9&batch=4&field=body&length=32")
+    g = specs.parse_generated_spec("generated:100:hf:org/ds:cfg?top_p=0.9&batch=4&field=body&length=32")
     assert (g.prompts, g.top_p, g.batch, g.field, g.length) == ("hf:org/ds:cfg", 0.9, 4, "body", 32)
     for bad, match in (
         ("generated:lots", "number of tokens"),
@@ -325,7 +326,7 @@ def test_generated_spec_parsing():
         ("generated:10?field=x", "no prompt corpus"),
     ):
         with pytest.raises(DataError, match=match):
-            sources.parse_generated_spec(bad)
+            specs.parse_generated_spec(bad)
     with pytest.raises(DataError, match="cannot be read without the teacher"):
         load_documents("generated:100")
 
@@ -345,9 +346,8 @@ def test_generated_corpus_is_seeded_cached_and_exact(teacher, tokenizer, monkeyp
     a = generate_corpus(spec, teacher, tokenizer, seed=1, progress=False)
     assert torch.equal(torch.get_rng_state(), rng_before)  # the run's own random stream is untouched
     assert a.train_ids.numel() + a.heldout_ids.numel() == 300 and not a.meta["from_cache"]
-    assert (
-        a.meta["n_train_docs"] + a.meta["n_heldout_docs"] == a.meta["n_samples"] >= 300 // 17
-    )  # ≤ 16 new tokens each
+    # ≤ 16 new tokens each
+    assert a.meta["n_train_docs"] + a.meta["n_heldout_docs"] == a.meta["n_samples"] >= 300 // 17
     [path] = (cache_dir() / "generated").glob("*.pt")
     assert a.meta["cache_path"] == str(path)
 
@@ -395,9 +395,8 @@ def test_generated_from_corpus_prompts(teacher, tokenizer, three, monkeypatch):
         if not corpus.meta["n_heldout_docs"] or corpus.train_ids[:6].tolist() == rows[0].tolist()
         else corpus.heldout_ids
     )
-    assert (
-        first[:6].tolist() == rows[0].tolist()
-    )  # a sample keeps its prompt: real text the continuation follows
+    # a sample keeps its prompt: real text the continuation follows
+    assert first[:6].tolist() == rows[0].tolist()
 
 
 def test_generated_source_in_a_mixture(teacher, tokenizer, three):

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from attn2ssm.data import load_training_data
 from attn2ssm.data.mixture import TokenBlocks
-from attn2ssm.data.shards import write_corpus_shards
+from attn2ssm.data.shard_writer import write_corpus_shards
 from attn2ssm.data.teacher_samples import generate_corpus
 from tiny_models import tiny_config
 
@@ -77,9 +77,8 @@ print(json.dumps({"blocks": hashlib.sha256(data.blocks.numpy().tobytes()).hexdig
 def test_a_folder_read_in_a_fresh_process_gives_the_same_blocks(folders, tokenizer, tmp_path):
     import hashlib
 
-    tokenizer.save_pretrained(
-        tmp_path / "tokenizer"
-    )  # what the other machine has: the teacher's tokenizer, no text
+    # what the other machine has: the teacher's tokenizer, no text
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
     here = load_training_data([source(folders[0])], tokenizer, 32, progress=False)
     env = {
         **os.environ,
@@ -111,9 +110,8 @@ def test_two_shard_folders_mixed_by_weight(folders, tokenizer):
     assert torch.bincount(data.source_of).tolist() == [70, 30]
     only_b = load_training_data([source(b)], tokenizer, 16, progress=False).blocks
     rows_b = {tuple(r) for r in only_b.tolist()}
-    assert {
-        tuple(r) for r in data.blocks[data.source_of == 1].tolist()
-    } <= rows_b  # b's blocks, repeated as its weight asks
+    # b's blocks, repeated as its weight asks
+    assert {tuple(r) for r in data.blocks[data.source_of == 1].tolist()} <= rows_b
     assert not {tuple(r) for r in data.blocks[data.source_of == 0].tolist()} & rows_b
 
 
@@ -152,20 +150,19 @@ def test_compact_blocks_are_the_default_blocks(folders, teacher, tokenizer, tmp_
             default.sources
         )
         assert all(p.dtype == torch.uint16 for p in compact.blocks.parts)
-        index = (
-            0 if len(sources) == 1 else 16 * len(default.blocks)
-        )  # (source, row) per block: 1/block_len of that per token
-        assert (
-            compact.blocks.nbytes == 2 * sum(p.numel() for p in compact.blocks.parts) + index
-        )  # 2 bytes a source token, not 8 a drawn one
+        # (source, row) per block: 1/block_len of that per token
+        index = 0 if len(sources) == 1 else 16 * len(default.blocks)
+        # 2 bytes a source token, not 8 a drawn one
+        assert compact.blocks.nbytes == 2 * sum(p.numel() for p in compact.blocks.parts) + index
         order = torch.randperm(len(default.blocks), generator=torch.Generator().manual_seed(0))[:9]
+        # how the trainer and tests index them
         for idx in (
             3,
             slice(2, 7),
             order,
             default.source_of == 0,
             [4, 1, 4],
-        ):  # how the trainer and tests index them
+        ):
             got = compact.blocks[idx]
             assert got.dtype == torch.long and torch.equal(got, default.blocks[idx])
         assert torch.equal(compact.eval_blocks[0:4], default.eval_blocks[0:4]) and len(

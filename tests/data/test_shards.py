@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from attn2ssm.data.packing import TokenizedCorpus, tokenizer_fingerprint
-from attn2ssm.data.shards import ShardWriter, id_dtype, read_manifest, read_shards, write_shards
+from attn2ssm.data.shard_writer import ShardWriter, write_shards
+from attn2ssm.data.shards import id_dtype, read_manifest, read_shards
 from attn2ssm.errors import DataError
 from tiny_models import make_tokenizer
 
@@ -64,9 +65,9 @@ def test_refusals(tok, tmp_path):
         read_shards(tmp_path / "s", make_tokenizer(280))
     with pytest.raises(DataError, match="holds no token shards"):
         read_shards(tmp_path / "nothing", tok)
-    with open(tmp_path / "s" / "train-00001.bin", "r+b") as fh:  # same size, other bytes
-        fh.write(b"\xff\xff")
-    read_shards(tmp_path / "s", tok)  # sizes match: read without hashing
+    with open(tmp_path / "s" / "train-00001.bin", "r+b") as fh:  # same size, other (in-vocabulary) ids
+        fh.write(b"\x07\x00\x08\x00\x09\x00")
+    read_shards(tmp_path / "s", tok)  # sizes and ids fine: read without hashing
     with pytest.raises(DataError, match="SHA-256"):
         read_shards(tmp_path / "s", tok, verify=True)
     (tmp_path / "s" / "train-00002.bin").write_bytes(b"\x00" * 10)
@@ -118,7 +119,7 @@ def _text_corpus(root, n_docs=40, words=50, seed=0):
 
 def test_a_text_corpus_as_shards_is_the_prepared_corpus(tok, tmp_path):
     from attn2ssm.data import prepare_corpus
-    from attn2ssm.data.shards import write_corpus_shards
+    from attn2ssm.data.shard_writer import write_corpus_shards
 
     spec = _text_corpus(tmp_path / "txt")
     manifest = write_corpus_shards(spec, tmp_path / "s", tok, shard_tokens=1000, progress=False)
@@ -151,7 +152,7 @@ def test_a_hub_dataset_is_streamed_into_shards(tok, tmp_path):
     import datasets
 
     from attn2ssm.data import prepare_corpus
-    from attn2ssm.data.shards import write_corpus_shards
+    from attn2ssm.data.shard_writer import write_corpus_shards
 
     texts = [" ".join(["harbor ember cedar"] * (3 + i % 7)) + f" row {i}" for i in range(400)]
     (tmp_path / "ds").mkdir()
@@ -162,9 +163,8 @@ def test_a_hub_dataset_is_streamed_into_shards(tok, tmp_path):
     manifest = write_corpus_shards(
         spec, tmp_path / "s", tok, max_train_tokens=1500, max_heldout_tokens=100, progress=False
     )
-    ref = prepare_corpus(
-        spec, tok, max_train_tokens=1500, max_heldout_tokens=100
-    )  # streamed too: rows only as far as the caps
+    # streamed too: rows only as far as the caps
+    ref = prepare_corpus(spec, tok, max_train_tokens=1500, max_heldout_tokens=100)
     back = read_shards(tmp_path / "s", tok)
     assert torch.equal(back.train_ids, ref.train_ids) and torch.equal(back.heldout_ids, ref.heldout_ids)
     assert manifest["meta"]["streamed"] and manifest["meta"]["rows_read"] == ref.meta["rows_read"] < len(
@@ -176,7 +176,7 @@ def test_a_hub_dataset_is_streamed_into_shards(tok, tmp_path):
 
 
 def test_a_shard_folder_cut_to_fit(tok, tmp_path):
-    from attn2ssm.data.shards import write_corpus_shards
+    from attn2ssm.data.shard_writer import write_corpus_shards
 
     corpus = _corpus(tok, n_train=5000, n_held=300)
     write_shards(tmp_path / "big", corpus, tok, source="big", shard_tokens=1024)
@@ -201,15 +201,15 @@ def test_a_shard_folder_cut_to_fit(tok, tmp_path):
 
 
 def test_verify_without_a_tokenizer(tok, tmp_path):
-    from attn2ssm.data.shards import shard_bytes, verify_shards
+    from attn2ssm.data.shards import check_shards, shard_bytes
 
     write_shards(tmp_path / "s", _corpus(tok), tok, source="test", shard_tokens=256)
-    manifest = verify_shards(tmp_path / "s")
+    manifest = check_shards(tmp_path / "s", verify=True)
     assert shard_bytes(manifest) == (1000 + 150) * 2 and shard_bytes(manifest, "heldout") == 300
     with open(tmp_path / "s" / "heldout-00000.bin", "r+b") as fh:
         fh.write(b"\x01\x02")
     with pytest.raises(DataError, match="heldout-00000.bin does not match its SHA-256"):
-        verify_shards(tmp_path / "s")
+        check_shards(tmp_path / "s", verify=True)
 
 
 # ------------------------------------------------------------------------------ compact blocks

@@ -144,9 +144,8 @@ def test_fidelity_detects_a_scrambled_student(pair, ids, monkeypatch):
     r = attention_fidelity(student, teacher, ids)
     assert r["mean"]["kl"] > 0.1
     assert r["mean"]["spearman_student"] < 0.5
-    assert r["mean"]["entropy_student"] == pytest.approx(
-        r["mean"]["entropy_teacher"], abs=1e-4
-    )  # same values per row
+    # same values per row
+    assert r["mean"]["entropy_student"] == pytest.approx(r["mean"]["entropy_teacher"], abs=1e-4)
 
 
 def test_fidelity_with_padding_is_finite(pair, ids):

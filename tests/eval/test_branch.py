@@ -70,9 +70,8 @@ def test_set_window_branch_switches_every_windowed_mixer(models):
         assert all(m.branch == "linear" for m in mixers)
         linear = student(input_ids=ids).logits
         set_window_branch(student, "both")
-        torch.testing.assert_close(
-            student(input_ids=ids).logits, full
-        )  # switched back: the student as trained
+        # switched back: the student as trained
+        torch.testing.assert_close(student(input_ids=ids).logits, full)
     assert not torch.allclose(linear, full)
 
 
@@ -157,7 +156,7 @@ def test_suite_with_a_branch_writes_its_own_folder(models, tmp_path, monkeypatch
     hand-switched student's perplexity; a student without a window: one line, before any scoring."""
     from attn2ssm.cli import main
     from attn2ssm.data import prepare_corpus
-    from attn2ssm.eval import suite
+    from attn2ssm.eval import suite_settings as suite
 
     root, corpus = models
     tiny = suite.SuiteSettings(

@@ -7,17 +7,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from attn2ssm.eval.compare import ReportSettings, _row, compare_report
+from attn2ssm.eval.compare import ReportSettings, compare_report
+from attn2ssm.eval.tables import table_row
 from tiny_models import SENTENCES, make_tokenizer, tiny_config
 
 
 def test_recovered_fraction_direction():
-    assert _row("g", "acc", 0.5, 0.4)["recovered"] == pytest.approx(0.8)
-    assert _row("g", "ppl", 20.0, 40.0, higher_is_better=False)["recovered"] == pytest.approx(0.5)
-    assert _row("g", "acc", None, 0.4)["recovered"] is None
-    assert (
-        _row("g", "kl", 0.0, 0.7, higher_is_better=False)["recovered"] is None
-    )  # the teacher is the reference
+    assert table_row("g", "acc", 0.5, 0.4)["recovered"] == pytest.approx(0.8)
+    assert table_row("g", "ppl", 20.0, 40.0, higher_is_better=False)["recovered"] == pytest.approx(0.5)
+    assert table_row("g", "acc", None, 0.4)["recovered"] is None
+    # the teacher is the reference
+    assert table_row("g", "kl", 0.0, 0.7, higher_is_better=False)["recovered"] is None
 
 
 @pytest.fixture(scope="module")

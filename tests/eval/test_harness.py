@@ -473,9 +473,8 @@ def test_the_lm_eval_cli_runs_a_student_offline(student_dir, tmp_path):
     (results,) = (tmp_path / "out").rglob("results_*.json")
     saved = json.loads(results.read_text())
     assert saved["n-samples"]["arc_easy"] == {"original": 2376, "effective": 2}
-    assert saved["configs"]["arc_easy"]["dataset_kwargs"] == {
-        "offline_source": "arc_easy"
-    }  # the pack's task, not the hub's
+    # the pack's task, not the hub's
+    assert saved["configs"]["arc_easy"]["dataset_kwargs"] == {"offline_source": "arc_easy"}
     finite_metrics(saved["results"]["arc_easy"])
 
 

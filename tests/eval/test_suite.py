@@ -8,27 +8,20 @@ import pytest
 import torch
 
 from attn2ssm.errors import ConfigError
-from attn2ssm.eval.suite import (
+from attn2ssm.eval.stats import binomial_se, items_scored, pooled_accuracy
+from attn2ssm.eval.suite import SideCache, pair_rows, plan_units, run_suite, task_samples, unit_key
+from attn2ssm.eval.suite_settings import (
     CORE,
     ROW_GROUPS,
-    SideCache,
     SuiteSettings,
     TaskSpec,
-    anchors_table,
-    binomial_se,
-    items_scored,
-    pair_rows,
-    plan_units,
-    pooled_accuracy,
-    run_suite,
     select_needles,
     select_perplexity,
     select_rows,
     suite_settings,
-    task_samples,
-    unit_key,
     with_overrides,
 )
+from attn2ssm.eval.tables import anchors_table
 from tiny_models import SENTENCES, make_tokenizer, one_line_error, tiny_config
 
 
@@ -154,7 +147,7 @@ def test_pair_rows_and_the_anchors_table_by_hand():
         and by["task/arc_easy/0"]["teacher_se"] == 0.25
     )
     assert [r["id"] for r in rows] == list(teacher)  # table order: perplexity, tasks, generation, needles
-    from attn2ssm.eval.compare import format_table
+    from attn2ssm.eval.tables import format_table
 
     assert "| perplexity c | ppl @8 | 10 | 12.5 | 80.0 % (1.25×) | 50 | cached / 3 |" in format_table(rows)
     assert "| arc_easy (0-shot) | acc | 50.0 ± 25.0 | 25.0 ± 25.0 | 50.0 % | 4 | 1 / 1 |" in format_table(
@@ -271,9 +264,8 @@ def test_run_suite_writes_the_table_and_caches_the_teacher(pair, tmp_path):
         and "CPU s (teacher / student)" in md
     )
     arc = by["task/arc_easy/0"]
-    assert (
-        f"| {100 * arc['teacher']:.1f} ± {100 * arc['teacher_se']:.1f} |" in md
-    )  # accuracies in %, ± SE in points
+    # accuracies in %, ± SE in points
+    assert f"| {100 * arc['teacher']:.1f} ± {100 * arc['teacher_se']:.1f} |" in md
     assert json.loads((tmp_path / "out" / "suite.json").read_text())["rows"] == json.loads(
         json.dumps(report["rows"])
     )
@@ -429,7 +421,7 @@ def test_the_real_teacher_against_itself_recovers_everything(tmp_path):
 def test_eval_suite_command_prints_and_writes(pair, tmp_path, monkeypatch, capsys):
     """``attn2ssm eval STUDENT --suite standard --quick --against T --out DIR`` (the suite shrunk to tiny sizes)."""
     from attn2ssm.cli import main
-    from attn2ssm.eval import suite
+    from attn2ssm.eval import suite_settings as suite
 
     root, corpus = pair
     asked = []
@@ -477,7 +469,7 @@ def test_eval_suite_perplexity_rows_alone(pair, tmp_path, monkeypatch, capsys):
     """``make demo``'s table: ``--rows perplexity --corpora ... --windows ...`` scores those rows only
     and prints no (empty) accuracy table."""
     from attn2ssm.cli import main
-    from attn2ssm.eval import suite
+    from attn2ssm.eval import suite_settings as suite
 
     root, corpus = pair
     tiny = SuiteSettings(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from attn2ssm.cli import data_info
 from attn2ssm.cli.data_info import check_teacher, describe
-from attn2ssm.errors import ConfigError
+from attn2ssm.errors import ConfigError, Interrupted
 
 MANIFEST_RESERVE = 64 << 10  # bytes --fit-mib leaves for the manifest
 FIT_HELDOUT_SHARE = 32  # --fit-mib without --heldout-tokens: 1/32 of the tokens are held out
@@ -84,7 +84,49 @@ def add_parser(subparsers) -> None:
 
 def run_shards(args) -> int:
     # Cheap checks first: a typo fails in a fraction of a second, before torch / transformers load.
-    from attn2ssm.data.sources import check_spec, is_generated
+    limits, shard_tokens, generated = _check_shards_args(args)
+    out = Path(args.out)
+
+    from attn2ssm.data.shard_writer import write_corpus_shards  # heavy: torch
+    from attn2ssm.data.shards import id_dtype
+    from attn2ssm.paths import remove_stale_staging
+
+    remove_stale_staging(out.parent)  # what a killed writer left beside it
+    teacher = None
+    if generated:
+        teacher, tokenizer = _sampling_teacher(args)
+    else:
+        from attn2ssm.teachers import load_teacher_tokenizer  # heavy: transformers
+
+        tokenizer = load_teacher_tokenizer(args.teacher)
+    max_train, max_heldout = limits["--max-tokens"], limits["--heldout-tokens"]
+    if args.fit_mib is not None:
+        max_train, max_heldout = fit_limits(
+            args.fit_mib, id_dtype(len(tokenizer)).itemsize, max_train, max_heldout
+        )
+    # SIGTERM too: the writer drops its staging folder, nothing is left at --out
+    with _terminate_as_interrupt(out):
+        manifest = write_corpus_shards(
+            args.spec,
+            out,
+            tokenizer,
+            teacher=teacher,
+            seed=args.seed,
+            max_train_tokens=max_train,
+            max_heldout_tokens=max_heldout,
+            shard_tokens=shard_tokens,
+            progress=not args.no_progress,
+        )
+    for line in describe(out, manifest):
+        print(line)
+    print(f"use it: data.corpus: shards:{out}  (or an entry of data.sources)")
+    return 0
+
+
+def _check_shards_args(args) -> tuple[dict, int, bool]:
+    """``data shards``' flags, refused in one line before anything heavy loads: the token limits by
+    flag, the ids per file, and whether the spec is sampled from the teacher (``generated:``)."""
+    from attn2ssm.data.specs import check_spec, is_generated
     from attn2ssm.paths import check_writable
 
     limits = {
@@ -114,41 +156,7 @@ def run_shards(args) -> int:
             "drop them",
         )
     check_writable(out, beside=True)
-
-    from attn2ssm.data.shards import id_dtype, write_corpus_shards  # heavy: torch
-    from attn2ssm.paths import remove_stale_staging
-
-    remove_stale_staging(out.parent)  # what a killed writer left beside it
-    teacher = None
-    if generated:
-        teacher, tokenizer = _sampling_teacher(args)
-    else:
-        from attn2ssm.teachers import load_teacher_tokenizer  # heavy: transformers
-
-        tokenizer = load_teacher_tokenizer(args.teacher)
-    max_train, max_heldout = limits["--max-tokens"], limits["--heldout-tokens"]
-    if args.fit_mib is not None:
-        max_train, max_heldout = fit_limits(
-            args.fit_mib, id_dtype(len(tokenizer)).itemsize, max_train, max_heldout
-        )
-    with (
-        _terminate_as_interrupt()
-    ):  # SIGTERM too: the writer drops its staging folder, nothing is left at --out
-        manifest = write_corpus_shards(
-            args.spec,
-            out,
-            tokenizer,
-            teacher=teacher,
-            seed=args.seed,
-            max_train_tokens=max_train,
-            max_heldout_tokens=max_heldout,
-            shard_tokens=shard_tokens,
-            progress=not args.no_progress,
-        )
-    for line in describe(out, manifest):
-        print(line)
-    print(f"use it: data.corpus: shards:{out}  (or an entry of data.sources)")
-    return 0
+    return limits, shard_tokens, generated
 
 
 def _sampling_teacher(args):
@@ -167,15 +175,26 @@ def _sampling_teacher(args):
 
 
 @contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM raises KeyboardInterrupt inside the block (as Ctrl-C does), so files being written are cleaned up."""
+def _terminate_as_interrupt(out: Path):
+    """SIGTERM interrupts the block as Ctrl-C does (so files being written are cleaned up), and the
+    command then exits 143 (128 + SIGTERM) as ``distill`` does, saying nothing was left at ``out``."""
+    received = []
 
     def interrupt(signum, frame):
+        received.append(signum)
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         yield
+    except KeyboardInterrupt:
+        if not received:
+            raise
+        raise Interrupted(
+            f"stopped on SIGTERM: no token shards were written to {out}",
+            "run the command again to write them",
+            exit_code=128 + signal.SIGTERM,
+        ) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
 

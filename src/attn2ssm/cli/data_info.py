@@ -1,5 +1,6 @@
 """``attn2ssm data info``: what a shard folder holds (``describe``, which ``data shards`` prints too),
-its files checked against the manifest (--verify), its ids against a teacher's tokenizer (--teacher)."""
+checked as reading it checks (manifest fields, file sizes, ids within the vocabulary; --verify: the
+SHA-256 too), its ids against a teacher's tokenizer (--teacher)."""
 
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ def run_info(args) -> int:
         )
     check_teacher(args.teacher)
 
-    from attn2ssm.data.shards import read_manifest, verify_shards  # heavy: torch
+    from attn2ssm.data.shards import check_shards  # heavy: torch
 
-    manifest = verify_shards(folder) if args.verify else read_manifest(folder)
+    manifest = check_shards(folder, verify=args.verify)  # what reading them in eval or distill checks
     for line in describe(folder, manifest):
         print(line)
     if args.verify:

@@ -4,10 +4,7 @@ last two run from ``cli.eval_report``."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-from attn2ssm.cli.eval_report import run_report, run_suite_command
+from attn2ssm.cli.eval_report import check_outputs, print_perplexity, run_report, run_suite_command
 from attn2ssm.devices import resolve_device
 from attn2ssm.errors import ConfigError, DataError
 from attn2ssm.eval.harness import add_eval_task_args, cmd_eval_tasks
@@ -143,6 +140,36 @@ def _add_suite_args(e) -> None:
 
 
 def run(args) -> int:
+    _check_modes(args)
+    check_outputs(args)  # a read-only output: one line now, not after the scoring
+    if args.suite:
+        return run_suite_command(args)
+    if args.report:
+        return run_report(args)
+    if args.tasks:
+        return cmd_eval_tasks(args)
+    _check_window(args)
+    if args.attention:  # fidelity of a student's mixing weights to its teacher's softmax, not perplexity
+        from attn2ssm.eval.attention import run_attention_eval  # heavy: torch
+
+        run_attention_eval(
+            args.model,
+            device=resolve_device(args.device),
+            against=args.against,
+            corpus=args.corpus,
+            window=args.window,
+            max_tokens=args.max_tokens,
+            blocks=args.blocks,
+            text=args.text,
+            out_dir=args.out_dir,
+            json_path=args.json,
+        )
+        return 0
+    return _perplexity(args)
+
+
+def _check_modes(args) -> None:
+    """One evaluation at a time, and the flags that belong to it (--quick, --rows, ... to --suite)."""
     if args.quick and not args.suite:
         raise ConfigError("--quick is a form of the suite", "add --suite standard")
     for flag, value in (("--rows", args.rows), ("--corpora", args.corpora), ("--windows", args.windows)):
@@ -175,13 +202,10 @@ def run(args) -> int:
                 "--branch applies to perplexity and --suite",
                 "drop --branch, or run eval MODEL --suite standard --branch ...",
             )
-    if args.suite:
-        return run_suite_command(args)
-    if args.report:
-        return run_report(args)
-    if args.tasks:
-        return cmd_eval_tasks(args)
 
+
+def _check_window(args) -> None:
+    """--window, --stride and --max-tokens of perplexity and --attention."""
     if args.window < 2:
         raise ConfigError(
             f"--window {args.window} is too short", "use a window of at least 2 tokens, e.g. --window 256"
@@ -196,23 +220,6 @@ def run(args) -> int:
             f"--max-tokens {args.max_tokens} leaves nothing to score",
             "use at least 2, e.g. --max-tokens 20000",
         )
-    if args.attention:  # fidelity of a student's mixing weights to its teacher's softmax, not perplexity
-        from attn2ssm.eval.attention import run_attention_eval  # heavy: torch
-
-        run_attention_eval(
-            args.model,
-            device=resolve_device(args.device),
-            against=args.against,
-            corpus=args.corpus,
-            window=args.window,
-            max_tokens=args.max_tokens,
-            blocks=args.blocks,
-            text=args.text,
-            out_dir=args.out_dir,
-            json_path=args.json,
-        )
-        return 0
-    return _perplexity(args)
 
 
 def _perplexity(args) -> int:
@@ -243,7 +250,7 @@ def _perplexity(args) -> int:
         for role, name, m in (("model", args.model, model), ("teacher", args.against, teacher))
         if m is not None
     ]
-    _print_perplexity(args, rows)
+    print_perplexity(args, rows)
     return 0
 
 
@@ -251,10 +258,10 @@ def _perplexity_models(args):
     """MODEL (in its --branch, --dtype and --quantize), its tokenizer and the --against teacher (or None),
     all loaded before any scoring (a bad --against fails now), each checked to read --window positions."""
     from attn2ssm.decode.quantize import apply_weight_format, check_weight_format  # heavy: torch
-    from attn2ssm.student.loading import (
+    from attn2ssm.student.loading import (  # heavy: torch + transformers
         load_model_and_tokenizer,
         position_limit,
-    )  # heavy: torch + transformers
+    )
 
     check_weight_format(args.dtype, args.quantize)
     device = resolve_device(args.device)
@@ -273,27 +280,3 @@ def _perplexity_models(args):
                 f"use --window {limit} or less",
             )
     return model, tokenizer, teacher
-
-
-def _print_perplexity(args, rows: list[tuple[str, str, dict]]) -> None:
-    """The (role, name, result) rows as a table, and written to --json."""
-    branch = f", {args.branch} branch" if args.branch not in (None, "both") else ""
-    print(
-        f"held-out perplexity on {args.corpus} ({rows[0][2]['tokens']} tokens, window {args.window}{branch})"
-    )
-    for role, name, r in rows:
-        print(f"  {role:<8} {r['ppl']:>10.2f}   {name}")
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    role: {
-                        "path": name,
-                        **r,
-                        **({"branch": args.branch} if role == "model" and args.branch else {}),
-                    }
-                    for role, name, r in rows
-                },
-                indent=1,
-            )
-        )

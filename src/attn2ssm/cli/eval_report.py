@@ -1,8 +1,10 @@
 """``attn2ssm eval --report`` (the teacher-vs-student report) and ``eval --suite standard [--quick]``
-(the evaluation suite): their flags checked, then the runs in ``attn2ssm.eval``."""
+(the evaluation suite): their flags checked, then the runs in ``attn2ssm.eval``; and for every
+``eval`` mode, its outputs checked up front (``check_outputs``) and the perplexity table written."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from attn2ssm.cli.parsing import int_list
@@ -10,6 +12,7 @@ from attn2ssm.devices import resolve_device
 from attn2ssm.errors import ConfigError
 from attn2ssm.eval.compare import ReportSettings, compare_report, format_markdown
 from attn2ssm.eval.harness import resolve_tasks
+from attn2ssm.eval.output import KeptOutput
 
 
 def run_report(args) -> int:
@@ -32,9 +35,8 @@ def run_report(args) -> int:
         needle_depths=depths,
         agreement_prompts=args.agreement_prompts,
         fidelity_blocks=args.blocks,
-        **(
-            {} if args.needle_trials is None else {"needle_trials": args.needle_trials}
-        ),  # else the report's default
+        # else the report's default
+        **({} if args.needle_trials is None else {"needle_trials": args.needle_trials}),
     )
     out = Path(args.out_dir) if args.out_dir else Path(args.model) / "eval" / "report"
     report = compare_report(args.model, args.against, out, settings, device=resolve_device(args.device))
@@ -45,14 +47,9 @@ def run_report(args) -> int:
 
 def run_suite_command(args) -> int:
     """``eval --suite standard [--quick]``: the suite's table (printed; suite.json / .md / .png written)."""
-    from attn2ssm.eval.suite import (
-        format_suite_markdown,
-        run_suite,
-        select_needles,
-        select_perplexity,
-        select_rows,
-        suite_settings,
-    )  # heavy: torch (when run)
+    from attn2ssm.eval.suite import run_suite  # heavy: torch (when run)
+    from attn2ssm.eval.suite_settings import select_needles, select_perplexity, select_rows, suite_settings
+    from attn2ssm.eval.tables import format_suite_markdown
     from attn2ssm.teachers import resolve_teacher
 
     settings = select_needles(
@@ -60,30 +57,73 @@ def run_suite_command(args) -> int:
         lengths=int_list("--needle-lengths", args.needle_lengths) if args.needle_lengths else None,
         trials=args.needle_trials,
     )
+    # an unknown suite, row group, needle or perplexity setting: one line, before anything loads
     settings = select_perplexity(
         settings,
         corpora=tuple(args.corpora.split(",")) if args.corpora is not None else None,
         windows=int_list("--windows", args.windows) if args.windows else None,
-    )  # an unknown suite, row group, needle or perplexity setting: one line, before anything loads
-    resolve_teacher(args.against or "smollm2-135m")  # a missing teacher path fails before the student loads
-    branch = args.branch or "both"
-    out = (
-        Path(args.out_dir)
-        if args.out_dir
-        else Path(args.model) / "eval" / ("suite" if branch == "both" else f"suite-{branch}")
     )
+    resolve_teacher(args.against or "smollm2-135m")  # a missing teacher path fails before the student loads
+    out = KeptOutput(_suite_dir(args))  # scores that cannot be written there go to a temporary folder
     report = run_suite(
         args.model,
         args.against,
         out,
         settings,
         cache_dir=args.suite_cache,
-        branch=branch,
+        branch=args.branch or "both",
         device=resolve_device(args.device),
     )
     print(format_suite_markdown(report))
-    print(f"wrote {out / 'suite.md'}, suite.json and suite.png")
+    print(f"wrote {out.path / 'suite.md'}, suite.json and suite.png")
     return 0
+
+
+def _suite_dir(args) -> Path:
+    """Where ``--suite`` writes: --out, else MODEL/eval/suite (suite-<branch> for one branch)."""
+    branch = args.branch or "both"
+    if args.out_dir:
+        return Path(args.out_dir)
+    return Path(args.model) / "eval" / ("suite" if branch == "both" else f"suite-{branch}")
+
+
+def check_outputs(args) -> None:
+    """Refuse, before any model loads, an output of this ``eval`` that cannot be written (--json, and
+    the folder --suite, --report or --attention writes in: --out, else under MODEL/eval)."""
+    from attn2ssm.paths import check_writable
+
+    if args.json:
+        check_writable(Path(args.json), flag="--json")
+    folder, flag = None, "--out"
+    if args.suite:
+        folder = _suite_dir(args)
+    elif args.report or args.attention:
+        folder = Path(args.out_dir) if args.out_dir else Path(args.model) / "eval"
+    elif args.tasks and not args.json and args.tasks.strip() != "list" and Path(args.model).is_dir():
+        folder, flag = Path(args.model) / "eval" / "lm_eval.json", "--json"  # its default
+    if folder is not None:
+        check_writable(folder, flag=flag)
+
+
+def print_perplexity(args, rows: list[tuple[str, str, dict]]) -> None:
+    """The (role, name, result) rows of ``eval``'s perplexity as a table, and written to --json (to
+    a temporary folder, said on stderr, when --json cannot be written after all)."""
+    from attn2ssm.paths import atomic_write_text
+
+    branch = f", {args.branch} branch" if args.branch not in (None, "both") else ""
+    print(
+        f"held-out perplexity on {args.corpus} ({rows[0][2]['tokens']} tokens, window {args.window}{branch})"
+    )
+    for role, name, r in rows:
+        print(f"  {role:<8} {r['ppl']:>10.2f}   {name}")
+    if args.json:
+        body = {
+            role: {"path": name, **r, **({"branch": args.branch} if role == "model" and args.branch else {})}
+            for role, name, r in rows
+        }
+        KeptOutput(args.json, file=True).write(
+            lambda path: atomic_write_text(path, json.dumps(body, indent=1))
+        )
 
 
 def _floats(flag: str, text: str) -> tuple[float, ...]:

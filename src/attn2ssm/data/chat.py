@@ -34,8 +34,8 @@ import torch
 
 from attn2ssm.errors import ConfigError, DataError
 
-from .packing import _LONG_SEQ_WARNING
 from .sources import open_hf_dataset
+from .tokenize import LONG_SEQ_WARNING
 
 FORMATS = ("auto", "messages", "prompt_completion", "preference")
 SFT_FORMATS = ("auto", "messages", "prompt_completion")
@@ -276,12 +276,12 @@ def _long_inputs_allowed(tokenizer):
     if not isinstance(warned, dict):
         yield
         return
-    before = warned.get(_LONG_SEQ_WARNING, False)
-    warned[_LONG_SEQ_WARNING] = True
+    before = warned.get(LONG_SEQ_WARNING, False)
+    warned[LONG_SEQ_WARNING] = True
     try:
         yield
     finally:
-        warned[_LONG_SEQ_WARNING] = before
+        warned[LONG_SEQ_WARNING] = before
 
 
 def tokenize_with_mask(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
@@ -343,9 +343,8 @@ def _fit(ids: list[int], mask: list[bool], max_len: int) -> tuple[torch.Tensor, 
     ids, mask = ids[:max_len], mask[:max_len]
     if not any(mask[1:]):
         return None
-    return torch.tensor(ids, dtype=torch.int32), torch.tensor(
-        mask, dtype=torch.bool
-    )  # int32 halves the memory
+    # int32 halves the memory
+    return torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.bool)
 
 
 @dataclass

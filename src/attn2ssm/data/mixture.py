@@ -48,7 +48,7 @@ from attn2ssm.errors import DataError
 
 from .packing import TokenizedCorpus, block_indices, pack_blocks, prepare_corpus
 from .shards import compact_dtype, is_shards, read_shards
-from .sources import DEFAULT_TEXT_FIELD, can_stream, is_chat, is_generated
+from .specs import DEFAULT_TEXT_FIELD, can_stream, is_chat, is_generated
 from .teacher_samples import build_chat_corpus, generate_corpus
 
 
@@ -174,9 +174,8 @@ def load_training_data(
             "give every data.sources entry a weight > 0",
         )
     shares = [w / sum(weights) for w in weights]
-    field_ = (
-        None if text_field in (None, DEFAULT_TEXT_FIELD) else text_field
-    )  # a spec's own ?field= then works
+    # a spec's own ?field= then works
+    field_ = None if text_field in (None, DEFAULT_TEXT_FIELD) else text_field
 
     def prepare(i: int, cap: int | None) -> TokenizedCorpus:
         return _prepare_source(
@@ -251,13 +250,14 @@ def _one_source(
     """A single source's blocks, in corpus order."""
     blocks, eval_blocks = (
         pack_blocks(corpus.train_ids, block_len),
-        pack_blocks(corpus.heldout_ids, block_len),
+        pack_blocks(corpus.heldout_ids, block_len, heldout=True),
     )
     info = _info(source, 1.0, corpus, len(blocks), len(blocks), len(eval_blocks), cap)
+    # all from source 0
     only = (
         torch.zeros(len(blocks), dtype=torch.long),
         torch.zeros(len(eval_blocks), dtype=torch.long),
-    )  # all from source 0
+    )
     if compact:
         blocks, eval_blocks = TokenBlocks([blocks]), TokenBlocks([eval_blocks])
         corpus = TokenizedCorpus(

@@ -36,11 +36,9 @@ import uuid
 from attn2ssm.errors import DataError
 
 from .document import Document
+from .specs import DEFAULT_MAX_WORDS, MIN_WORDS, parse_recall_spec
+from .splits import split_documents
 
-PREFIX = "recall:"
-DEFAULT_PROSE = "sotu"
-DEFAULT_MAX_WORDS = 600
-MIN_WORDS = 40
 FORMAT = 1  # bump when a passage's text changes (part of the corpus' cache stamp)
 
 # Word lists of the training passages: none of these words is in the evaluation's key lists.
@@ -111,49 +109,13 @@ PASSKEY_NEEDLE = "The pass key is {value}. Remember it. {value} is the pass key.
 FORMS = ("number", "uuid", "passkey")
 
 
-def is_recall(spec: str) -> bool:
-    return isinstance(spec, str) and spec.strip().startswith(PREFIX)
-
-
-def parse_recall_spec(spec: str) -> tuple[int, str, int, int]:
-    """``recall:<n>[:<prose corpus>][?max_words=N&seed=S]`` → (n, prose corpus, max_words, seed)."""
-    body = spec.strip()[len(PREFIX) :]
-    options = {"max_words": DEFAULT_MAX_WORDS, "seed": 0}
-    body, sep, query = body.partition("?")
-    for pair in query.split("&") if sep else ():
-        key, _, value = pair.partition("=")
-        if key not in options or not value.isdigit() or (key == "max_words" and int(value) < MIN_WORDS):
-            raise DataError(
-                f"bad option {pair!r} in {spec!r}",
-                f"the options are ?max_words=N (N >= {MIN_WORDS}) and &seed=S (S >= 0)",
-            )
-        options[key] = int(value)
-    count, _, prose = body.partition(":")
-    if not count.isdigit() or int(count) < 1:
-        raise DataError(
-            f"bad recall corpus spec {spec!r}",
-            "write recall:<passages>[:<prose corpus>], e.g. recall:256:sotu",
-        )
-    prose = prose or DEFAULT_PROSE
-    if is_recall(prose):
-        raise DataError(
-            f"{spec!r}: a recall corpus cannot take its prose from another recall corpus",
-            "name a prose corpus, e.g. recall:256:sotu",
-        )
-    return int(count), prose, options["max_words"], options["seed"]
-
-
 def _sentences(text: str) -> list[str]:
     return [s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s]
 
 
-def training_sentences(prose: str) -> list[str]:
-    """The prose corpus' *training* documents cut into sentences (held-out text never enters)."""
-    from .sources import (
-        load_documents,  # (sources imports this module for spec parsing)
-    )
-    from .splits import split_documents
-
+def training_sentences(prose: str, load_documents) -> list[str]:
+    """The prose corpus' *training* documents (read by ``load_documents``, :func:`.sources.load_documents`)
+    cut into sentences (held-out text never enters)."""
     train, _ = split_documents(load_documents(prose), prose)
     sentences = [s for d in train for s in _sentences(d.text)]
     if len(sentences) < 2:
@@ -211,10 +173,11 @@ def passage(
     }
 
 
-def load_recall(spec: str) -> list[Document]:
-    """The documents of ``recall:<n>[:<prose>]`` (see the module docstring)."""
+def load_recall(spec: str, load_documents) -> list[Document]:
+    """The documents of ``recall:<n>[:<prose>]`` (see the module docstring), the prose read by
+    ``load_documents`` (:func:`.sources.load_documents`, which calls this)."""
     n, prose, max_words, seed = parse_recall_spec(spec)
-    sentences = training_sentences(prose)
+    sentences = training_sentences(prose, load_documents)
     docs = []
     for i in range(n):
         text, meta = passage(i, sentences, seed, max_words)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import hashlib
 import math
 
-from .sources import Document, parse_spec
+from .document import Document
+from .specs import parse_spec
 
 SOTU_HELDOUT_FROM_YEAR = 2000
 MOBY_DICK_HELDOUT_FRACTION = 0.10

@@ -35,17 +35,11 @@ from tqdm.auto import tqdm
 from attn2ssm.errors import ConfigError, DataError
 from attn2ssm.paths import atomic_write_text, cache_dir
 
-from .packing import (
-    TokenizedCorpus,
-    _Joiner,
-    load_tokenized,
-    prepare_corpus,
-    save_tokenized,
-    tokenizer_fingerprint,
-)
-from .shards import DEFAULT_SHARD_TOKENS, DocumentStream, ShardWriter
-from .sources import can_stream, corpus_stamp, load_documents, parse_generated_spec
+from .packing import load_tokenized, prepare_corpus, save_tokenized
+from .sources import corpus_stamp, load_documents
+from .specs import can_stream, parse_generated_spec
 from .splits import is_heldout_id, split_documents
+from .tokenize import Joiner, TokenizedCorpus, tokenizer_fingerprint
 
 GENERATED_FORMAT = 1
 _PROMPT_CORPUS_STREAM_TOKENS = 1 << 20  # a hub prompt corpus is streamed up to this many tokens
@@ -158,9 +152,12 @@ def build_teacher_sft_data(
     # prompt + reply must fit the teacher's context: replies get at most half of it
     context = getattr(teacher.config, "max_position_embeddings", None) or 4096
     max_new_tokens = min(max_new_tokens, context // 2)
-    render = lambda p: tokenizer.apply_chat_template(
-        [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-    )  # noqa: E731
+
+    def render(prompt: str) -> str:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+
     passages = seed_passages(corpus, n, seed=seed)
     prompts = _fitting_prompts(passages, instructions, tokenizer, render, context - max_new_tokens)
     records = _teacher_replies(
@@ -244,7 +241,7 @@ def build_chat_corpus(spec: str, teacher, tokenizer, *, seed: int = 0, progress:
     The replies are sampled once (greedy; :func:`build_teacher_sft_data`); the file is then a local
     ``.jsonl`` corpus like any other (tokenized and cached by the corpus cache). A tokenizer without a
     chat template is a ConfigError (use ``generated:`` for a base teacher)."""
-    from .sources import parse_chat_spec
+    from .specs import parse_chat_spec
 
     corpus, n = parse_chat_spec(spec)
     replies = build_teacher_sft_data(
@@ -309,9 +306,8 @@ class Sample:
 
     index: int  # the n-th sample (its document id is ``generated:<index>``)
     side: str  # "train" or "heldout" (the hash rule on its id)
-    ids: (
-        torch.Tensor
-    )  # 1-D int64 on the CPU: prompt (if any) + new tokens, cut so the corpus ends at n_tokens
+    # 1-D int64 on the CPU: prompt (if any) + new tokens, cut so the corpus ends at n_tokens
+    ids: torch.Tensor
 
 
 def sampling_batch(g, teacher, positions: int, length: int | None = None) -> int:
@@ -326,9 +322,10 @@ def sampling_batch(g, teacher, positions: int, length: int | None = None) -> int
     if "batch" in g.given or device.type != "cuda":
         return g.batch
     weights = sum(p.numel() * p.element_size() for p in teacher.parameters())
+    # logits, softmax, top-p sort
     per_sample = (
         positions * _kv_bytes_per_position(teacher) + 16 * teacher.config.get_text_config().vocab_size
-    )  # logits, softmax, top-p sort
+    )
     batch = auto_batch(torch.cuda.get_device_properties(device).total_memory, weights, per_sample)
     needed = -(-g.n_tokens // (length or g.length))  # samples the corpus needs if none ends early
     return max(g.batch, min(batch, 1 << (needed - 1).bit_length()))
@@ -453,12 +450,10 @@ class TeacherSampler:
                         break
                     new = row[self.prompt_len if prompt_ids is not None else 1 :]
                     ends = (new == self.eos).nonzero()
-                    new = (
-                        new[: int(ends[0])] if len(ends) else new
-                    )  # a sample ends at the teacher's EOS (padding after it)
-                    sample = (
-                        new if prompt_ids is None else torch.cat([row[: self.prompt_len], new])
-                    )  # BOS is not text; a prompt is
+                    # a sample ends at the teacher's EOS (padding after it)
+                    new = new[: int(ends[0])] if len(ends) else new
+                    # BOS is not text; a prompt is
+                    sample = new if prompt_ids is None else torch.cat([row[: self.prompt_len], new])
                     side = "heldout" if is_heldout_id(f"generated:{self.n_samples}") else "train"
                     sep = 1 if self.docs[side] else 0  # the EOS joining it to its side counts
                     ids = sample[: n - sum(self.tokens.values()) - sep]
@@ -506,7 +501,7 @@ def generate_corpus(
 
     ``train_ids`` and ``heldout_ids`` hold ``n_tokens`` tokens together; ``meta["from_cache"]`` tells
     whether the cache answered. Raises :class:`DataError` for a bad spec or a tokenizer without EOS.
-    For corpora too large to hold in memory, :func:`generate_shards` writes the same samples to disk.
+    For corpora too large to hold in memory, :func:`.shard_writer.generate_shards` writes the same samples to disk.
     """
     sampler = TeacherSampler(spec, teacher, tokenizer, seed=seed, progress=progress)
     path = cache_dir() / "generated" / f"{sampler.key}.pt"
@@ -519,7 +514,7 @@ def generate_corpus(
             corpus.meta.update(from_cache=True, cache_path=str(path))
             return corpus
 
-    sides = {"train": _Joiner(sampler.eos, None, "train"), "heldout": _Joiner(sampler.eos, None, "held-out")}
+    sides = {"train": Joiner(sampler.eos, None, "train"), "heldout": Joiner(sampler.eos, None, "held-out")}
     for sample in sampler:
         sides[sample.side].add(sample.ids.tolist())
     stats = sampler.stats()
@@ -540,54 +535,6 @@ def generate_corpus(
     save_tokenized(corpus, path)
     corpus.meta.update(from_cache=False, cache_path=str(path))
     return corpus
-
-
-def generate_shards(
-    spec: str,
-    teacher,
-    tokenizer,
-    out,
-    *,
-    seed: int = 0,
-    max_train_tokens: int | None = None,
-    max_heldout_tokens: int | None = None,
-    shard_tokens: int = DEFAULT_SHARD_TOKENS,
-    progress: bool = True,
-) -> dict:
-    """The ``generated:`` corpus ``spec`` sampled straight into a token shard folder ``out``
-    (:mod:`.shards`): the samples :func:`generate_corpus` would cache, in the same order and with the
-    same split, written as each batch arrives (memory: one batch). ``max_*_tokens`` cut each side as
-    they cut a cached corpus, and sampling stops once both sides are full. The manifest's ``meta``
-    records the settings and the sampling rate (``tokens_per_second``, wall time with the writes).
-    A failure or an interrupt leaves no folder at ``out``. Returns the manifest."""
-    goal = (
-        max_train_tokens + max_heldout_tokens
-        if max_train_tokens is not None and max_heldout_tokens is not None
-        else None
-    )
-    sampler = TeacherSampler(spec, teacher, tokenizer, seed=seed, progress=progress, goal=goal)
-    with ShardWriter(
-        out, tokenizer, source=spec, shard_tokens=shard_tokens, meta={"spec": spec, "generated": True}
-    ) as writer:
-        sides = {
-            "train": DocumentStream(writer, "train", sampler.eos, max_train_tokens),
-            "heldout": DocumentStream(writer, "heldout", sampler.eos, max_heldout_tokens),
-        }
-        with contextlib.closing(iter(sampler)) as samples:
-            for sample in samples:
-                sides[sample.side].add(sample.ids)
-                if all(side.full for side in sides.values()):
-                    break
-        device = next(teacher.parameters()).device
-        writer.meta.update(
-            settings=sampler.settings,
-            **sampler.stats(),
-            device=str(device),
-            teacher_dtype=str(next(teacher.parameters()).dtype).removeprefix("torch."),
-            max_train_tokens=max_train_tokens,
-            max_heldout_tokens=max_heldout_tokens,
-        )
-    return writer.manifest
 
 
 def _prompt_source(g, tokenizer) -> torch.Tensor:

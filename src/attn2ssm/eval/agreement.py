@@ -58,7 +58,8 @@ def heldout_prompts(ids: torch.Tensor, n: int, prompt_len: int, new_tokens: int)
 
 
 @torch.no_grad()
-def _greedy(model, prompt: torch.Tensor, new_tokens: int, pad_id: int) -> list[int]:
+def greedy_continuation(model, prompt: torch.Tensor, new_tokens: int, pad_id: int) -> list[int]:
+    """The ``new_tokens`` ids ``model`` continues the 1-D ``prompt`` with, greedily (exactly that many)."""
     ids = prompt[None].to(next(model.parameters()).device)
     out = model.generate(
         input_ids=ids,
@@ -85,8 +86,12 @@ def generation_agreement(
     ``references`` (the teacher's continuations) can be passed to skip regenerating them."""
     rows = []
     for i, prompt in enumerate(tqdm(prompts, desc="generation agreement", disable=not progress, leave=False)):
-        ref = references[i] if references is not None else _greedy(teacher, prompt, new_tokens, pad_id)
-        mine = _greedy(student, prompt, new_tokens, pad_id)
+        ref = (
+            references[i]
+            if references is not None
+            else greedy_continuation(teacher, prompt, new_tokens, pad_id)
+        )
+        mine = greedy_continuation(student, prompt, new_tokens, pad_id)
         full = torch.cat([prompt, torch.tensor(ref)])[None].to(next(student.parameters()).device)
         logits = student(input_ids=full, use_cache=False).logits[0, prompt.numel() - 1 : -1]
         forced = (logits.argmax(-1).cpu() == torch.tensor(ref)).float().mean().item()
@@ -107,3 +112,6 @@ def generation_agreement(
         "new_tokens": new_tokens,
         "examples": rows,
     }
+
+
+_greedy = greedy_continuation  # bench/quality.py's import until it takes the public name

@@ -306,9 +306,8 @@ def plot_attention_maps(
         fig, axes = plt.subplots(nrows, ncols, figsize=(2.3 * ncols, 2.3 * nrows + 0.6), squeeze=False)
         for r, layer in enumerate(layers):
             a_t, a_s = maps[layer]
-            vmax = max(
-                max(float(a_t[h].max()), float(a_s[h].max())) for h in heads
-            )  # one scale per row (its colour bar)
+            # one scale per row (its colour bar)
+            vmax = max(max(float(a_t[h].max()), float(a_s[h].max())) for h in heads)
             vmax = max(vmax, 1e-6)
             for c, head in enumerate(heads):
                 pair = (a_t[head], a_s[head])

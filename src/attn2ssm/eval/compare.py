@@ -12,12 +12,13 @@ plus needle.png when passkey retrieval ran.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from attn2ssm.eval.harness import run_lm_eval
+from attn2ssm.eval.stats import binomial_se, items_scored
+from attn2ssm.eval.tables import format_table, plot_recovered, table_row
 from attn2ssm.paths import atomic_write_text
 
 
@@ -38,39 +39,9 @@ class ReportSettings:
     extra: dict = field(default_factory=dict)
 
 
-def _row(
-    group: str,
-    metric: str,
-    teacher: float | None,
-    student: float | None,
-    higher_is_better: bool = True,
-    **extra,
-) -> dict:
-    """One table row. ``extra`` (the suite's rows): ``teacher_se`` / ``student_se`` (the standard error
-    of a score that is a mean over items), ``n`` (items, or scored tokens), ``cpu_seconds``
-    ({"teacher", "student"}: process CPU time each side cost, None where it came from a cache)."""
-    recovered = None
-    if teacher is not None and student is not None and math.isfinite(teacher) and math.isfinite(student):
-        if higher_is_better and teacher > 0:
-            recovered = student / teacher
-        elif not higher_is_better and student > 0 and teacher > 0:  # a reference of 0 (KL) has no ratio
-            recovered = teacher / student
-    return {
-        "group": group,
-        "metric": metric,
-        "teacher": teacher,
-        "student": student,
-        "recovered": recovered,
-        "higher_is_better": higher_is_better,
-        **extra,
-    }
-
-
 def _task_rows(teacher_record: dict, student_record: dict) -> list[dict]:
     """acc / acc_norm / exact_match (higher better, with the binomial SE and n of each side) and
     perplexity (lower better) of every scored task."""
-    from attn2ssm.eval.suite import binomial_se, items_scored  # (suite imports this module)
-
     rows = []
     for task, metrics in sorted(student_record.get("results", {}).items()):
         other = teacher_record.get("results", {}).get(task, {})
@@ -95,7 +66,7 @@ def _task_rows(teacher_record: dict, student_record: dict) -> list[dict]:
                     student_se=binomial_se(float(value), n),
                 )
             rows.append(
-                _row(
+                table_row(
                     f"lm-eval {task}",
                     name,
                     teacher,
@@ -193,7 +164,7 @@ def _score_perplexity(scores: _Scores, teacher, student, tokenizer, progress: bo
         t = perplexity(teacher, corpus.heldout_ids, desc=f"teacher {corpus_spec}", **kw)
         s = perplexity(student, corpus.heldout_ids, desc=f"student {corpus_spec}", **kw)
         scores.rows.append(
-            _row(
+            table_row(
                 f"perplexity {corpus_spec}",
                 f"ppl ({s['tokens']} tokens, window {settings.window})",
                 t["ppl"],
@@ -218,9 +189,9 @@ def _score_agreement(scores: _Scores, teacher, student, tokenizer, heldout_ids, 
     )
     scores.details["generation_agreement"] = agree
     for key in ("token_agreement", "rouge_l", "forced_agreement"):
-        scores.rows.append(_row("generation vs teacher", key, 1.0, agree[key]))
+        scores.rows.append(table_row("generation vs teacher", key, 1.0, agree[key]))
     scores.rows.append(
-        _row(
+        table_row(
             "generation vs teacher",
             "prefix_match (tokens)",
             float(settings.agreement_new_tokens),
@@ -247,7 +218,7 @@ def _score_passkey(scores: _Scores, teacher, student, tokenizer, progress: bool)
     scores.details["passkey"] = grids
     plot_passkey(grids, scores.out_dir / "needle.png", "passkey retrieval (greedy, exact digits)")
     scores.rows.append(
-        _row(
+        table_row(
             "passkey",
             f"accuracy (lengths {list(settings.needle_lengths)})",
             grids["teacher"]["mean_accuracy"],
@@ -269,7 +240,7 @@ def _score_fidelity(scores: _Scores, teacher, student, heldout_ids) -> None:
         fid = attention_fidelity(student, teacher, ids)
         scores.details["attention_fidelity"] = fid["mean"]
         scores.rows.append(
-            _row(
+            table_row(
                 "attention fidelity",
                 "KL(teacher‖student) per query row",
                 0.0,
@@ -293,52 +264,6 @@ def _score_tasks(scores: _Scores) -> None:
     scores.details["lm_eval_limit"] = settings.limit
 
 
-def _fmt(v) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, float) and abs(v) >= 100:
-        return f"{v:,.1f}"
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
-def _with_se(value, se) -> str:
-    """A score with a standard error is a fraction of items: shown in %, ± its SE in points."""
-    return _fmt(value) if se is None or value is None else f"{100 * value:.1f} ± {100 * se:.1f}"
-
-
-def _cpu(seconds: dict | None) -> str:
-    if not seconds:
-        return "–"
-    return " / ".join(
-        "cached" if seconds.get(side) is None else f"{seconds[side]:,.0f}" for side in ("teacher", "student")
-    )
-
-
-def format_table(rows: list[dict]) -> list[str]:
-    """The teacher-vs-student table; with the suite's columns (n, CPU s) where rows have them. A score
-    with a standard error (a mean over items) is written in % ± its SE in points."""
-    full = any("n" in r for r in rows)
-    head = ["group", "metric", "teacher", "student", "recovered"] + (
-        ["n", "CPU s (teacher / student)"] if full else []
-    )
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        rec = "–" if r["recovered"] is None else f"{100 * r['recovered']:.1f} %"
-        if r.get("ratio") is not None:  # perplexity: also the papers' student / teacher ratio
-            rec += f" ({r['ratio']:.2f}×)"
-        cells = [
-            r["group"],
-            r["metric"],
-            _with_se(r["teacher"], r.get("teacher_se")),
-            _with_se(r["student"], r.get("student_se")),
-            rec,
-        ]
-        if full:
-            cells += ["–" if r.get("n") is None else f"{r['n']:,}", _cpu(r.get("cpu_seconds"))]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
 def format_markdown(report: dict) -> str:
     lines = [
         f"# {report['student']} vs teacher {report['teacher']}",
@@ -358,28 +283,3 @@ def format_markdown(report: dict) -> str:
         lines += ["", "![passkey retrieval](needle.png)"]
     lines += ["", "![recovered fraction](report.png)", ""]
     return "\n".join(lines)
-
-
-def plot_recovered(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib  # heavy: matplotlib, and the Agg backend is chosen only when a plot is drawn
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # heavy: as above, once the backend is set
-
-    shown = [r for r in rows if r["recovered"] is not None]
-    if not shown:
-        return
-    fig, ax = plt.subplots(figsize=(7, 0.35 * len(shown) + 1.4))
-    labels = [f"{r['group']}: {r['metric']}"[:60] for r in shown]
-    values = [100 * r["recovered"] for r in shown]
-    ax.barh(range(len(shown)), values, color=[f"C{i % 10}" for i in range(len(shown))])
-    for i, v in enumerate(values):
-        ax.annotate(f"{v:.1f} %", (v, i), va="center", fontsize=7, xytext=(2, 0), textcoords="offset points")
-    ax.axvline(100, color="gray", linestyle="--", linewidth=1)
-    ax.set_yticks(range(len(shown)), labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("recovered (% of teacher)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

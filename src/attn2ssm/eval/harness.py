@@ -187,15 +187,7 @@ def run_lm_eval(
 
     manager = task_manager()
     names = resolve_tasks(tasks, manager)  # fail on a typo before any model loads
-    if limit is not None and limit <= 0:
-        raise ConfigError(
-            f"limit {limit} leaves nothing to score",
-            "use a positive number of documents per task, or none for all",
-        )
-    if limit is not None and samples is not None:
-        raise ConfigError("limit and samples both choose the documents to score", "give one of them")
-    if num_fewshot < 0:
-        raise ConfigError(f"num_fewshot {num_fewshot} is negative", "use 0 (zero-shot) or more")
+    _check_documents(limit, samples, num_fewshot)
     device = str(resolve_device(device))
     lm, model_args, wrapper_args, model_desc = _lm_for(
         model, tokenizer, dtype, batch_size, device, max_gen_toks
@@ -233,6 +225,19 @@ def run_lm_eval(
     if output_path is not None:
         write_results(record, output_path)
     return record
+
+
+def _check_documents(limit, samples, num_fewshot: int) -> None:
+    """``run_lm_eval``'s choice of documents and shots, refused in one line before any model loads."""
+    if limit is not None and limit <= 0:
+        raise ConfigError(
+            f"limit {limit} leaves nothing to score",
+            "use a positive number of documents per task, or none for all",
+        )
+    if limit is not None and samples is not None:
+        raise ConfigError("limit and samples both choose the documents to score", "give one of them")
+    if num_fewshot < 0:
+        raise ConfigError(f"num_fewshot {num_fewshot} is negative", "use 0 (zero-shot) or more")
 
 
 def _lm_for(
@@ -382,13 +387,14 @@ def cmd_eval_tasks(args) -> int:
         batch_size=batch_size,
         device=args.device,
         num_fewshot=args.num_fewshot,
-        output_path=output,
         dtype=args.dtype,
         command="attn2ssm " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
     )
     print(results_table(record))
-    if output is not None:
-        print(f"results: {output}")
+    if output is not None:  # written after the table: a failed write still shows the scores, kept elsewhere
+        from attn2ssm.eval.output import KeptOutput
+
+        print(f"results: {KeptOutput(output, file=True).write(lambda path: write_results(record, path))}")
     return 0
 
 

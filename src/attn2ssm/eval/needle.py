@@ -114,9 +114,8 @@ def key_recalled(model, tokenizer, prompt_ids: list[int], key: str) -> bool:
             f"the tokenizer encodes the key {key!r} without letters or digits; recall needs a tokenizer that keeps them"
         )
     ids = torch.tensor([prompt_ids + answer], device=_device(model))
-    logits = model(input_ids=ids, logits_to_keep=len(answer) + 1).logits[
-        0, :-1
-    ]  # predictions of answer[0..n-1]
+    # predictions of answer[0..n-1]
+    logits = model(input_ids=ids, logits_to_keep=len(answer) + 1).logits[0, :-1]
     pred = logits.argmax(-1).tolist()
     return all(pred[i] == answer[i] for i in checked)
 
@@ -370,9 +369,8 @@ def niah_grid(
         cpu, hits, recalled = time.process_time(), 0, 0
         for t, depth in enumerate(niah_depths(trials)):
             key, value = niah_key_value(form, rng)
-            room = (
-                len(tokenizer(" " + value, add_special_tokens=False)["input_ids"]) + NIAH_EXTRA_TOKENS
-            )  # prompt + answer fit in length
+            # prompt + answer fit in length
+            room = len(tokenizer(" " + value, add_special_tokens=False)["input_ids"]) + NIAH_EXTRA_TOKENS
             ids = niah_prompt(tokenizer, form, length - room, depth, key, value, essay)
             r = niah_trial(model, tokenizer, ids, value, NIAH_EXTRA_TOKENS)
             hits += r["correct"]

@@ -138,9 +138,8 @@ def write_report(
             "and never loaded the teacher"
         )
     atomic_write_text(run_dir / "results.json", json.dumps(results, indent=1))
-    if (
-        run_dir / "student" / "config.json"
-    ).is_file():  # its card, written before these results existed, gains them
+    # its card, written before these results existed, gains them
+    if (run_dir / "student" / "config.json").is_file():
         from attn2ssm.student.card import write_student_card  # heavy: transformers
 
         write_student_card(run_dir / "student")

@@ -31,224 +31,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import random
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from attn2ssm.errors import ConfigError, DataError
+from attn2ssm.eval.output import KeptOutput
+from attn2ssm.eval.stats import binomial_se, pooled_accuracy
+from attn2ssm.eval.suite_settings import DOMAINS, SuiteSettings, TaskSpec
+from attn2ssm.eval.tables import format_suite_markdown, plot_recovered, table_row
 from attn2ssm.paths import atomic_write_text
 
 SUITE_VERSION = 1  # part of every cache key: bump when a unit computes differently
-DOMAINS = {
-    "emails": "email (mailing lists, 2002)",
-    "kjv": "archaic English (KJV Bible)",
-    "pydoc": "technical prose (Python reference)",
-    "sotu": "in-domain: SOTU addresses 2000-2021",
-    "moby-dick": "in-domain: Moby Dick, last chapters",
-}
-
-
-def binomial_se(p: float, n: int) -> float:
-    """Standard error of an accuracy ``p`` measured on ``n`` items: sqrt(p (1 - p) / n)."""
-    if n < 1 or not 0.0 <= p <= 1.0:
-        raise ValueError(f"a binomial standard error needs n >= 1 and 0 <= p <= 1, got p={p}, n={n}")
-    return math.sqrt(p * (1.0 - p) / n)
-
-
-def items_scored(record: dict, task: str) -> int | None:
-    """Documents lm-eval scored for ``task`` (a task, or a group: the sum over its subtasks)."""
-    counts = record.get("n-samples", {})
-    if task in counts:
-        return counts[task]["effective"]
-    subtasks = record.get("group_subtasks", {}).get(task)
-    if subtasks:
-        found = [items_scored(record, t) for t in subtasks]
-        return sum(n for n in found if n) or None
-    return None
-
-
-def pooled_accuracy(record: dict, metric: str) -> tuple[float, int]:
-    """(accuracy, items) over every task lm-eval scored: the item-weighted mean of ``metric``."""
-    total, n = 0.0, 0
-    for task, counts in record.get("n-samples", {}).items():
-        value = record["results"].get(task, {}).get(f"{metric},none")
-        if value is None:
-            value = next(
-                (
-                    v
-                    for k, v in record["results"].get(task, {}).items()
-                    if k.startswith(f"{metric},") and "stderr" not in k
-                ),
-                None,
-            )
-        if value is None:
-            raise ConfigError(
-                f"lm-eval gave no {metric} for {task}",
-                f"choose a metric the task reports (it has {', '.join(record['results'].get(task, {}))})",
-            )
-        total += float(value) * counts["effective"]
-        n += counts["effective"]
-    if n == 0:
-        raise ConfigError("lm-eval scored no documents", "check the task and the number of items")
-    return total / n, n
-
-
-# ------------------------------------------------------------------------------------------------ settings
-@dataclass(frozen=True)
-class TaskSpec:
-    """An lm-eval task (or group) of the offline pack, its metric, shots and items scored."""
-
-    task: str
-    metric: str = "acc"
-    shots: int = 0
-    items: int | None = (
-        None  # a seeded random subset of this many documents (per subtask of a group); None: all
-    )
-    label: str = ""  # its column in the anchors table
-
-    @property
-    def name(self) -> str:
-        return f"{self.task} {self.shots}-shot" if self.shots else self.task
-
-
-CORE = (
-    ("arc_easy", "acc", "ARC-e"),
-    ("arc_challenge", "acc_norm", "ARC-c"),
-    ("hellaswag", "acc_norm", "HS"),
-    ("piqa", "acc", "PIQA"),
-    ("winogrande", "acc", "WG"),
-    ("boolq", "acc", "BoolQ"),
-    ("lambada_openai", "acc", "LAMBADA"),
-    ("openbookqa", "acc_norm", "OBQA"),
-)
-
-
-@dataclass
-class SuiteSettings:
-    name: str = "standard"
-    corpora: tuple[str, ...] = ("emails", "kjv", "pydoc", "sotu", "moby-dick")
-    windows: tuple[int, ...] = (1024, 2048)
-    max_tokens: int = 16384  # held-out tokens per corpus, at most
-    tasks: tuple[TaskSpec, ...] = ()
-    generation: TaskSpec | None = None
-    max_gen_toks: int = 32  # a generated answer's length cap (lm-eval's default is 256)
-    niah_forms: tuple[str, ...] = ("niah_single_1", "niah_single_2", "niah_single_3")
-    niah_lengths: tuple[int, ...] = (1024, 2048, 4096)
-    niah_trials: int = 20
-    niah_essay: str = "sotu"  # whose held-out prose is the essay haystack
-    seed: int = 1234
-    batch_size: int = 8
-    extra: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return json.loads(json.dumps(asdict(self)))
-
-
-def standard_tasks(items: int, mmlu_per_subject: int) -> tuple[TaskSpec, ...]:
-    core = tuple(TaskSpec(task, metric, 0, items, label) for task, metric, label in CORE)
-    return core + (
-        TaskSpec("mmlu", "acc", 0, mmlu_per_subject, "MMLU 0-shot"),
-        TaskSpec("mmlu", "acc", 5, mmlu_per_subject, "MMLU 5-shot"),
-    )
-
-
-def suite_settings(name: str = "standard", quick: bool = False) -> SuiteSettings:
-    """The standard suite, or its quick form (fewer items, trials and tokens; larger standard errors).
-
-    standard: 400 documents per core task (SE <= 2.5 points), MMLU 7 per subject (399; SE <= 2.5),
-    TriviaQA 400, needles 20 trials per form and length, 16,384 held-out tokens per corpus.
-    quick: 100 per task (SE <= 5 points), MMLU 2 per subject (114; SE <= 4.7), TriviaQA 100,
-    5 trials (SE <= 22 points), 4,096 tokens per corpus.
-    """
-    if name != "standard":
-        raise ConfigError(f"unknown suite {name!r}", "use --suite standard (with --quick for its cheap form)")
-    if quick:
-        return SuiteSettings(
-            name="standard --quick",
-            max_tokens=4096,
-            tasks=standard_tasks(100, 2),
-            generation=TaskSpec("triviaqa", "exact_match", 5, 100, "TriviaQA EM 5-shot"),
-            niah_trials=5,
-        )
-    return SuiteSettings(
-        tasks=standard_tasks(400, 7),
-        generation=TaskSpec("triviaqa", "exact_match", 5, 400, "TriviaQA EM 5-shot"),
-    )
-
-
-ROW_GROUPS = ("perplexity", "tasks", "mmlu", "generation", "needles")
-
-
-def select_rows(settings: SuiteSettings, groups: str | None) -> SuiteSettings:
-    """``settings`` keeping only the row groups named in ``groups`` (comma-separated, of
-    ``ROW_GROUPS``: perplexity, tasks — the 0-shot core tasks —, mmlu, generation, needles);
-    None keeps every row. Row ids, cache keys and item choices are unchanged, so a partial run's
-    rows equal the same rows of a full one, and the teacher's cached units are reused."""
-    if groups is None:
-        return settings
-    chosen = [g.strip() for g in groups.split(",") if g.strip()]
-    unknown = [g for g in chosen if g not in ROW_GROUPS]
-    if unknown or not chosen:
-        raise ConfigError(
-            f"--rows {groups!r} names no row group or unknown ones {unknown}",
-            f"choose from {', '.join(ROW_GROUPS)}, e.g. --rows perplexity,needles",
-        )
-    keep = set(chosen)
-    return replace(
-        settings,
-        corpora=settings.corpora if "perplexity" in keep else (),
-        tasks=tuple(t for t in settings.tasks if ("mmlu" if t.task == "mmlu" else "tasks") in keep),
-        generation=settings.generation if "generation" in keep else None,
-        niah_forms=settings.niah_forms if "needles" in keep else (),
-    )
-
-
-def select_perplexity(
-    settings: SuiteSettings, corpora: tuple[str, ...] | None = None, windows: tuple[int, ...] | None = None
-) -> SuiteSettings:
-    """``settings`` with the perplexity rows on other ``corpora`` (any corpus spec of docs/data.md:
-    a built-in, a local file or folder, a mixture) and/or at other ``windows`` (tokens); None keeps the
-    suite's. A (corpus, window) row both runs share has the same cache key and numbers, so e.g.
-    ``--corpora emails,kjv,pydoc --windows 1024`` (what ``make demo`` prints) is three rows of the
-    full table at a fifth of its perplexity cost."""
-    if corpora is not None:
-        chosen = tuple(dict.fromkeys(c.strip() for c in corpora if c.strip()))
-        if not chosen:
-            raise ConfigError("--corpora names no corpus", "write e.g. --corpora emails,kjv,pydoc")
-        settings = replace(settings, corpora=chosen)
-    if windows is not None:
-        settings = replace(settings, windows=_lengths("--windows", "windows", windows, 16))
-    return settings
-
-
-def _lengths(flag: str, what: str, values: tuple[int, ...], least: int) -> tuple[int, ...]:
-    """``values`` (token counts) sorted and deduplicated; one line if any is below ``least``."""
-    if not values or any(n < least for n in values):
-        raise ConfigError(
-            f"{flag} {','.join(map(str, values)) or '(empty)'} needs {what} of at least {least} tokens",
-            f"write e.g. {flag} 1024,2048",
-        )
-    return tuple(sorted(set(values)))
-
-
-def select_needles(
-    settings: SuiteSettings, lengths: tuple[int, ...] | None = None, trials: int | None = None
-) -> SuiteSettings:
-    """``settings`` with the needles at other ``lengths`` (tokens) and/or ``trials`` per form and
-    length; None keeps the suite's. Each unit's cache key names its length and trials, so a length
-    both runs share is cached once and gives the same numbers, e.g. the standard 20 trials at 1k and
-    2k only (``--needle-lengths 1024,2048``) where 4k's cost is not wanted."""
-    if lengths is not None:
-        settings = replace(settings, niah_lengths=_lengths("--needle-lengths", "lengths", lengths, 256))
-    if trials is not None:
-        if trials < 1:
-            raise ConfigError(
-                f"--needle-trials {trials} is not a count of trials", "write e.g. --needle-trials 20"
-            )
-        settings = replace(settings, niah_trials=trials)
-    return settings
 
 
 # ------------------------------------------------------------------------------------------------ units
@@ -467,9 +262,8 @@ def score_unit(
             f"{unit.id}/recall": {"value": rec, "se": binomial_se(rec, n), "n": n},
         }
     cost = {"cpu_seconds": time.process_time() - cpu, "wall_seconds": time.time() - wall}
-    for i, scores in enumerate(
-        out.values()
-    ):  # the unit's cost goes to its first row (recall comes with the greedy run)
+    # the unit's cost goes to its first row (recall comes with the greedy run)
+    for i, scores in enumerate(out.values()):
         scores.update(cost if i == 0 else {"cpu_seconds": 0.0, "wall_seconds": 0.0})
     return out
 
@@ -528,8 +322,6 @@ def row_labels(settings: SuiteSettings) -> list[tuple[str, str, str, bool]]:
 
 def pair_rows(settings: SuiteSettings, teacher: dict, student: dict) -> list[dict]:
     """The table: one row per suite row with both sides' scores, SEs, n and CPU seconds."""
-    from attn2ssm.eval.compare import _row
-
     rows = []
     for rid, group, metric, higher in row_labels(settings):
         t, s = teacher.get(rid), student.get(rid)
@@ -551,7 +343,7 @@ def pair_rows(settings: SuiteSettings, teacher: dict, student: dict) -> list[dic
             "n": (s or t)["n"],
             "cpu_seconds": cpu,
         }
-        row = _row(
+        row = table_row(
             group,
             metric,
             None if t is None else t["value"],
@@ -563,151 +355,6 @@ def pair_rows(settings: SuiteSettings, teacher: dict, student: dict) -> list[dic
             row["ratio"] = s["value"] / t["value"]  # student / teacher perplexity, the papers' form
         rows.append(row)
     return rows
-
-
-def anchors_table(rows: list[dict], settings: SuiteSettings) -> list[str]:
-    """The tasks in the anchors' format: task columns; teacher, student and recovered rows."""
-    by_id = {r["id"]: r for r in rows}
-    cols = [
-        (t.label or t.name, f"task/{t.task}/{t.shots}")
-        for t in settings.tasks
-        if t.shots == 0 and t.task != "mmlu"
-    ]
-    core = [rid for _, rid in cols if rid in by_id]
-    cols.append(("avg (core)", None))
-    cols += [
-        (t.label or t.name, f"task/{t.task}/{t.shots}") for t in settings.tasks if t.task == "mmlu" or t.shots
-    ]
-    if settings.generation is not None:
-        cols.append(
-            (
-                settings.generation.label or settings.generation.name,
-                f"task/{settings.generation.task}/{settings.generation.shots}",
-            )
-        )
-    longest = max(settings.niah_lengths) if settings.niah_lengths else None
-    cols += [
-        (f"{f.replace('niah_single_', 'NIAH-')} @{longest}", f"niah/{f}/{longest}")
-        for f in settings.niah_forms
-    ]
-
-    def cell(side: str, rid: str | None) -> float | None:
-        if rid is None:  # the core average, over the core tasks scored
-            values = [by_id[r][side] for r in core if by_id[r][side] is not None]
-            return sum(values) / len(values) if values and len(values) == len(core) else None
-        return by_id[rid][side] if rid in by_id else None
-
-    def pct(v) -> str:
-        return "–" if v is None else f"{100 * v:.1f}"
-
-    lines = ["| model | " + " | ".join(c for c, _ in cols) + " |", "|---|" + "---|" * len(cols)]
-    lines.append("| teacher | " + " | ".join(pct(cell("teacher", rid)) for _, rid in cols) + " |")
-    lines.append("| student | " + " | ".join(pct(cell("student", rid)) for _, rid in cols) + " |")
-    rec = []
-    for _, rid in cols:
-        t, s = cell("teacher", rid), cell("student", rid)
-        rec.append("–" if t is None or s is None or t <= 0 else f"{100 * s / t:.0f} %")
-    lines.append("| recovered | " + " | ".join(rec) + " |")
-    return lines
-
-
-IN_DOMAIN = ("sotu", "moby-dick")
-
-
-def summary(rows: list[dict], settings: SuiteSettings) -> list[tuple[str, float | None, float | None]]:
-    """A few numbers per model for a scoreboard: (label, teacher, student) of the core-task mean
-    accuracy, MMLU 0/5-shot, the generation task, the needles' mean greedy match at the longest
-    length, and the perplexity ratio (student / teacher, geometric mean) on the corpora of other
-    domains at the longest window."""
-    by_id = {r["id"]: r for r in rows}
-
-    def mean(ids, side, geometric=False):
-        values = [by_id[i][side] for i in ids if i in by_id and by_id[i][side] is not None]
-        if not values or len(values) < len(ids):
-            return None
-        return math.exp(sum(map(math.log, values)) / len(values)) if geometric else sum(values) / len(values)
-
-    core = [f"task/{t.task}/0" for t in settings.tasks if t.shots == 0 and t.task != "mmlu"]
-    out = [("core avg", mean(core, "teacher"), mean(core, "student"))]
-    for t in settings.tasks:
-        if t.task == "mmlu":
-            rid = f"task/mmlu/{t.shots}"
-            out.append((t.label or t.name, mean([rid], "teacher"), mean([rid], "student")))
-    if settings.generation is not None:
-        rid = f"task/{settings.generation.task}/{settings.generation.shots}"
-        out.append(
-            (
-                settings.generation.label or settings.generation.name,
-                mean([rid], "teacher"),
-                mean([rid], "student"),
-            )
-        )
-    if settings.niah_lengths:
-        longest = max(settings.niah_lengths)
-        ids = [f"niah/{f}/{longest}" for f in settings.niah_forms]
-        out.append((f"NIAH @{longest}", mean(ids, "teacher"), mean(ids, "student")))
-    other = [c for c in settings.corpora if c not in IN_DOMAIN]
-    if other and settings.windows:
-        w = max(settings.windows)
-        ids = [f"ppl/{c}/{w}" for c in other]
-        t, st = mean(ids, "teacher", True), mean(ids, "student", True)
-        out.append(
-            (
-                f"ppl ratio, other domains @{w}",
-                1.0 if t else None,
-                None if t is None or st is None else st / t,
-            )
-        )
-    return out
-
-
-def format_suite_markdown(report: dict) -> str:
-    from attn2ssm.eval.compare import format_table
-
-    settings = settings_from_dict(report["settings"])
-    rows = report["rows"]
-    cost = report.get("cpu_seconds", {})
-    accuracies = (  # the anchors' table, where the run scored anything but perplexity
-        [
-            "Accuracies in %, teacher / student / recovered (student / teacher):",
-            "",
-            *anchors_table(rows, settings),
-            "",
-        ]
-        if settings.tasks or settings.generation is not None or settings.niah_forms
-        else []
-    )
-    lines = [
-        f"# {report['student']}{_branch_label(report.get('branch', 'both'))} vs teacher {report['teacher']}: suite {settings.name}",
-        "",
-        *accuracies,
-        (
-            "Every row: the score, and where it is a mean over items (an accuracy, in %) ± its standard error in points (binomial: sqrt(p (1 - p) / n)); "
-            "n = items (documents, trials), or scored tokens for perplexity; recovered = student / teacher (teacher / student for "
-            'perplexity); CPU s = process CPU seconds each side cost on this machine ("cached": the teacher\'s unit came from the cache; '
-            "a needle's recall is computed with its greedy run)."
-        ),
-        "",
-        *format_table(rows),
-        "",
-        (
-            f"CPU seconds in all: teacher {cost.get('teacher', 0):,.0f} (of units computed now), student {cost.get('student', 0):,.0f}; "
-            f"{report['environment'].get('cpu_count')} CPUs, torch threads {report.get('threads')}."
-        ),
-        "",
-        "![recovered fraction](suite.png)",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def settings_from_dict(d: dict) -> SuiteSettings:
-    d = dict(d)
-    d["tasks"] = tuple(TaskSpec(**t) for t in d.get("tasks", ()))
-    d["generation"] = TaskSpec(**d["generation"]) if d.get("generation") else None
-    for k in ("corpora", "windows", "niah_forms", "niah_lengths"):
-        d[k] = tuple(d.get(k, ()))
-    return SuiteSettings(**d)
 
 
 def suite_report(
@@ -743,8 +390,6 @@ def suite_report(
 
 
 def write_suite_report(report: dict, out_dir: Path) -> None:
-    from attn2ssm.eval.compare import plot_recovered
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "suite.json", json.dumps(report, indent=1, default=str) + "\n")
@@ -756,14 +401,10 @@ def write_suite_report(report: dict, out_dir: Path) -> None:
     )
 
 
-def _branch_label(branch: str) -> str:
-    return "" if branch == "both" else f" ({branch} branch only)"
-
-
 def run_suite(
     student_path: str,
     teacher_spec: str | None,
-    out_dir: Path,
+    out_dir: Path | KeptOutput,
     settings: SuiteSettings,
     cache_dir: Path | None = None,
     progress: bool = True,
@@ -772,7 +413,8 @@ def run_suite(
 ) -> dict:
     """Score teacher (cached per unit in ``cache_dir``, default ``<attn2ssm cache>/suite``) and
     student on the suite, both on ``device`` (None: the CPU); write suite.json / suite.md /
-    suite.png to ``out_dir`` after every unit.
+    suite.png to ``out_dir`` after every unit (a :class:`KeptOutput`: to a temporary folder once
+    ``out_dir`` cannot be written, so no score is lost; its ``path`` says where they went).
     ``branch`` (both | window | linear) runs a LoLCATs-style student's mixers with one branch only
     (:func:`attn2ssm.mixers.linear_attention.set_window_branch`; the student's scores are never cached)."""
     from attn2ssm.paths import cache_dir as default_cache
@@ -782,32 +424,41 @@ def run_suite(
     from attn2ssm.mixers.linear_attention import set_window_branch
 
     student, tokenizer = load_model_and_tokenizer(student_path, device)
-    set_window_branch(
-        student, branch, str(student_path)
-    )  # a student without a window branch: one line, before the teacher loads
+    # a student without a window branch: one line, before the teacher loads
+    set_window_branch(student, branch, str(student_path))
     teacher, _ = load_model_and_tokenizer(teacher_spec, device)
-    longest = max([*settings.windows, *settings.niah_lengths])
+    # the lengths the rows scored read (a --rows choice drops the others)
+    windows = settings.windows if settings.corpora else ()
+    needles = settings.niah_lengths if settings.niah_forms else ()
+    longest = max([*windows, *needles], default=0)
     for name, m in ((student_path, student), (teacher_spec, teacher)):
         limit = position_limit(m.config)
         if limit is not None and longest > limit:
+            flags = [
+                flag
+                for flag, values in (("--windows", windows), ("--needle-lengths", needles))
+                if values and max(values) > limit
+            ]
             raise ConfigError(
                 f"{name} reads at most {limit} positions, and the suite needs {longest}",
-                "evaluate a model with a longer context",
+                f"lower {' and '.join(flags)} to {limit} or less, e.g. {flags[0]} {limit}",
             )
     inputs = prepare_inputs(settings, tokenizer)
     cache = teacher_cache(Path(cache_dir) if cache_dir else default_cache() / "suite", teacher_spec, device)
     teacher_scores = score_side(teacher, tokenizer, settings, inputs, cache, progress)
     del teacher
 
+    out = out_dir if isinstance(out_dir, KeptOutput) else KeptOutput(out_dir)
+
     def save(student_scores: dict) -> dict:
         report = suite_report(settings, teacher_spec, student_path, teacher_scores, student_scores, branch)
-        write_suite_report(report, out_dir)
+        out.write(lambda folder: write_suite_report(report, folder))
         return report
 
     student_scores = score_side(student, tokenizer, settings, inputs, None, progress, on_unit=save)
     return save(student_scores)
 
 
-def with_overrides(settings: SuiteSettings, **changes) -> SuiteSettings:
-    """``settings`` with some fields replaced (tests and benchmarks shrink a suite this way)."""
-    return replace(settings, **changes)
+# bench imports these from here still (their homes: eval.suite_settings and eval.tables)
+from attn2ssm.eval.suite_settings import settings_from_dict, suite_settings  # noqa: E402, F401
+from attn2ssm.eval.tables import summary  # noqa: E402, F401
