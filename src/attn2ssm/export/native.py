@@ -76,6 +76,7 @@ from attn2ssm.export.native_qwen35 import (
     torch_reference_kernels,
 )
 from attn2ssm.mixers.ssm_common import GATE_IDENTITY_BIAS
+from attn2ssm.ops.kernels import check_environment
 from attn2ssm.paths import check_writable, remove_stale_staging, replace_dir, staging_beside, writing
 from attn2ssm.teachers import check_weight_files
 
@@ -633,6 +634,7 @@ def export_native(
     from attn2ssm.student.modeling import Attn2SSMForCausalLM  # heavy: as above
 
     student_dir, out = Path(student_dir), Path(out)
+    check_environment("cpu")  # the probe runs the student on the CPU
     saved = _saved_student_config(student_dir)
     _check_out(out, force)
     check_native(Attn2SSMConfig.from_dict(saved), llama_cpp)  # refuse before the weights load
