@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from attn2ssm.errors import ConfigError, ExportError
 from attn2ssm.export.llamacpp import (
     OUTTYPES,
     QUANTIZE_TYPES,
+    ToolFailed,
     converter_dir,
     load_runtime,
     logits_in_subprocess,
@@ -45,7 +47,7 @@ from attn2ssm.export.llamacpp import (
     set_metadata,
     to_gguf,
 )
-from attn2ssm.export.native import export_native
+from attn2ssm.export.native import check_exportable, export_native
 from attn2ssm.export.native_qwen35 import QWEN35_CLASS
 from attn2ssm.paths import check_writable, remove_stale_staging, staging_beside, writing
 
@@ -105,6 +107,8 @@ def export_gguf(
 
     out = Path(out)
     _check_request(out, outtype, force)
+    # what llama.cpp cannot run exactly: refused from the config, before llama.cpp is looked for
+    check_exportable(student_dir, llama_cpp=True)
     converter_dir()  # the converter missing: one line naming make llama-cpp, before any work
     if outtype in QUANTIZE_TYPES:
         load_runtime()
@@ -114,18 +118,19 @@ def export_gguf(
         writing(out, "the GGUF file", "run the command again (what --out held is unchanged)"),
         staging_beside(out, "export") as tmp,
     ):
-        native = export_native(
-            student_dir, tmp / "native", llama_cpp=True
-        )  # refuses what llama.cpp cannot run exactly
+        native = export_native(student_dir, tmp / "native", llama_cpp=True)
         qwen35 = native.cls == QWEN35_CLASS
-        staged = to_gguf(
-            tmp / "native",
-            tmp / "model.gguf",
-            outtype,
-            tmp,
-            threads,
-            converter_args=("--no-mtp",) if qwen35 else (),
-        )
+        try:
+            staged = to_gguf(
+                tmp / "native",
+                tmp / "model.gguf",
+                outtype,
+                tmp,
+                threads,
+                converter_args=("--no-mtp",) if qwen35 else (),
+            )
+        except ToolFailed as failed:
+            raise _kept_for_a_hand_run(failed, tmp, out) from failed
         notes = _layout_notes(native, staged, tmp / "native")
         diff, scale = None, 0.0
         if verify and _runtime_available():
@@ -151,6 +156,27 @@ def export_gguf(
         scale,
         out.stat().st_size,
         notes,
+    )
+
+
+def _kept_for_a_hand_run(failed: ToolFailed, tmp: Path, out: Path) -> ExportError:
+    """The converter failed on the staged native model: keep that model beside ``out`` (the staging
+    folder goes) and name it in a command that reruns the converter by hand, writing ``out``."""
+    kept = out.with_name(f"{out.stem}.llama-cpp-input")
+    n = 1
+    while kept.exists():
+        n += 1
+        kept = out.with_name(f"{out.stem}.llama-cpp-input-{n}")
+    os.replace(tmp / "native", kept)
+    moved = {str(tmp / "native"): str(kept), str(tmp / "model.gguf"): str(out)}
+    cmd = [
+        moved.get(a, str(out.parent / Path(a).name) if a.startswith(f"{tmp}{os.sep}") else a)
+        for a in failed.cmd
+    ]
+    return ExportError(
+        failed.problem,
+        f"the converter's input is kept in {kept}; run it by hand for the full log: {shlex.join(cmd)} "
+        f"(then delete {kept})",
     )
 
 

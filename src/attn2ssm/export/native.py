@@ -630,14 +630,11 @@ def export_native(
     from transformers import AutoTokenizer  # heavy: transformers (this module imports torch only)
 
     import attn2ssm.student  # noqa: F401  heavy: transformers; registers the Auto classes
-    from attn2ssm.student.configuration import Attn2SSMConfig  # heavy: as above
     from attn2ssm.student.modeling import Attn2SSMForCausalLM  # heavy: as above
 
     student_dir, out = Path(student_dir), Path(out)
-    check_environment("cpu")  # the probe runs the student on the CPU
-    saved = _saved_student_config(student_dir)
+    saved = check_exportable(student_dir, llama_cpp)  # refuse before the weights load
     _check_out(out, force)
-    check_native(Attn2SSMConfig.from_dict(saved), llama_cpp)  # refuse before the weights load
     check_weight_files(student_dir)
     check_writable(out, beside=True)
     remove_stale_staging(out.parent)  # what a killed export left beside it
@@ -663,6 +660,18 @@ def export_native(
         layer_types = list(native.config.layer_types[: len(student.config.layer_plan)])
     identity = list(range(len(layer_types), native.config.num_hidden_layers))
     return NativeExport(out, cls, layer_types, diff, identity, notes)
+
+
+def check_exportable(student_dir: str | Path, llama_cpp: bool = False) -> dict:
+    """Refuse, from ``student_dir``'s config.json alone (no weights, nothing of llama.cpp), a
+    student the native map (``llama_cpp``: llama.cpp's form of it) cannot express, or an
+    ``ATTN2SSM_KERNELS`` the CPU probe cannot run: one line. Returns the saved config."""
+    from attn2ssm.student.configuration import Attn2SSMConfig  # heavy: transformers
+
+    check_environment("cpu")  # the probe runs the student on the CPU
+    saved = _saved_student_config(Path(student_dir))
+    check_native(Attn2SSMConfig.from_dict(saved), llama_cpp)
+    return saved
 
 
 def _saved_student_config(student_dir: Path) -> dict:
