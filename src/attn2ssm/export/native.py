@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -702,6 +703,15 @@ def _check_out(out: Path, force: bool) -> None:
         )
 
 
+def _modes_from_umask(folder: Path) -> None:
+    """Give ``folder`` and everything in it the modes a plain mkdir / open would under the umask:
+    the staging folder is mkdtemp's 0700 and save_pretrained's model.safetensors 0600, whatever it is."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def _write_native(native, dtype, tokenizer, config, saved: dict, student_dir: Path, out: Path) -> list[str]:
     """Stage ``native`` (in ``dtype``), the tokenizer, a generation config and the card beside
     ``out``, then move them into place; the card's notes."""
@@ -728,5 +738,6 @@ def _write_native(native, dtype, tokenizer, config, saved: dict, student_dir: Pa
         (staging / "README.md").write_text(
             native_card(saved, read_results(student_dir), cls, notes), encoding="utf-8"
         )
+        _modes_from_umask(staging)
         replace_dir(staging, out)
     return notes
