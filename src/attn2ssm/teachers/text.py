@@ -346,6 +346,8 @@ def load_teacher(
     import torch  # heavy: torch and transformers (resolving a spec stays instant)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # heavy: as above
 
+    from attn2ssm.hf_compat import cpu_runs_reference_kernels  # heavy: transformers
+
     source = resolve_teacher(spec)
     gguf = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     kwargs = {"dtype": dtype or torch.float32, **gguf}
@@ -397,6 +399,9 @@ def load_teacher(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval().requires_grad_(False)
+    cpu_runs_reference_kernels(
+        model
+    )  # a Gated DeltaNet class that transformers bound to fla runs on a CPU too
     if device is not None:
         model.to(device)
     return model, tokenizer, source
