@@ -27,9 +27,8 @@ def _student_dir(path, **options):
 def test_a_student_llama_cpp_cannot_run_is_refused_before_llama_cpp_is_looked_for(
     tmp_path, capsys, monkeypatch
 ):
-    monkeypatch.delenv(
-        "ATTN2SSM_LLAMA_CPP", raising=False
-    )  # the private test cache holds no converter either
+    # the private test cache holds no converter either
+    monkeypatch.delenv("ATTN2SSM_LLAMA_CPP", raising=False)
     student = _student_dir(tmp_path / "student")  # the default gate has a bias
     err = one_line_error(
         capsys, ["export", str(student), "--format", "gguf", "--out", str(tmp_path / "m.gguf")]

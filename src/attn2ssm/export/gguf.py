@@ -59,13 +59,11 @@ class GGUFExport:
     out: Path
     outtype: str
     layer_types: list[str]  # the student's layers ("mamba" / "attention")
-    identity_layers: list[
-        int
-    ]  # layers added for llama.cpp that compute the identity (a pure student's one attention layer)
+    # layers added for llama.cpp that compute the identity (a pure student's one attention layer)
+    identity_layers: list[int]
     native_max_abs_diff: float  # the llama.cpp-form GraniteMoeHybrid vs the student, fp32, in transformers
-    llama_cpp_max_abs_diff: (
-        float | None
-    )  # the GGUF in llama.cpp vs the student (None: llama_cpp not importable)
+    # the GGUF in llama.cpp vs the student (None: llama_cpp not importable)
+    llama_cpp_max_abs_diff: float | None
     logit_scale: float  # max |student logit| on the probe, to read the differences against
     bytes: int
     notes: list[str] = field(default_factory=list)
@@ -101,9 +99,8 @@ def export_gguf(
     """Write the student in ``student_dir`` as one GGUF file ``out`` of ``outtype`` (``OUTTYPES``).
     Refused before anything runs when the student does not map exactly onto llama.cpp's
     GraniteHybrid; staged beside ``out`` and moved into place only when every step passed."""
-    from attn2ssm.student.modeling import (
-        Attn2SSMForCausalLM,
-    )  # heavy: transformers (this module imports torch only)
+    # heavy: transformers (this module imports torch only)
+    from attn2ssm.student.modeling import Attn2SSMForCausalLM
 
     out = Path(out)
     _check_request(out, outtype, force)

@@ -497,9 +497,8 @@ def native_state_dict(student, native_cfg) -> dict[str, torch.Tensor]:
                     ).items()
                 }
             )
-    for i in range(
-        len(config.layer_plan), native_cfg.num_hidden_layers
-    ):  # the identity layer (llama_cpp, pure students)
+    # the identity layer (llama_cpp, pure students)
+    for i in range(len(config.layer_plan), native_cfg.num_hidden_layers):
         out.update(identity_layer_tensors(native_cfg, f"model.layers.{i}"))
     left = sorted(set(state) - used)
     if left:
@@ -513,9 +512,8 @@ def native_state_dict(student, native_cfg) -> dict[str, torch.Tensor]:
 def to_native(student, llama_cpp: bool = False):
     """The student as a ``GraniteMoeHybridForCausalLM`` in fp32 (``check_native`` first);
     ``llama_cpp``: in the form llama.cpp's converter and loader take (see the module docstring)."""
-    from transformers import (
-        GraniteMoeHybridForCausalLM,
-    )  # heavy: transformers (this module imports torch only)
+    # heavy: transformers (this module imports torch only)
+    from transformers import GraniteMoeHybridForCausalLM
 
     if native_target(student.config) == QWEN35_CLASS:
         return to_qwen35(student, llama_cpp)
@@ -533,9 +531,8 @@ class NativeExport:
     cls: str
     layer_types: list[str]
     max_abs_diff: float  # native vs student logits on the probe inputs (fp32; probe_inputs)
-    identity_layers: list[int] = field(
-        default_factory=list
-    )  # llama_cpp: the identity attention layer a pure student gets
+    # llama_cpp: the identity attention layer a pure student gets
+    identity_layers: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 

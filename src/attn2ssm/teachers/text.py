@@ -108,9 +108,8 @@ def quiet_loading():
     They are noise for small teachers and would put extra lines before a one-line error. Hub
     download bars (huggingface_hub's) are left alone, and so is the global progress-bar setting.
     """
-    from transformers.utils import (
-        logging as hf_logging,
-    )  # heavy: transformers (resolving a spec stays instant)
+    # heavy: transformers (resolving a spec stays instant)
+    from transformers.utils import logging as hf_logging
 
     set_hook = getattr(hf_logging, "set_tqdm_hook", None)
     if set_hook is None:  # a transformers without the hook: leave the bars on
@@ -311,9 +310,8 @@ def _load_error(
             "install the package it names into this environment and retry",
         )
     if step == "model" and attn_implementation is not None and config is not None:
-        from transformers import (
-            MODEL_FOR_CAUSAL_LM_MAPPING,
-        )  # heavy: transformers (resolving a spec stays instant)
+        # heavy: transformers (resolving a spec stays instant)
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
         supported = _attention_implementations(model_class) if model_class is not None else None
@@ -381,16 +379,10 @@ def load_teacher(
             model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
     except Attn2SSMError:
         raise
-    except (
-        OSError,
-        ValueError,
-        KeyError,
-        ImportError,
-        struct.error,
-    ) as exc:  # struct.error: a GGUF cut short
-        if (
-            source.kind == "hub" and step != "model" and not isinstance(exc, ImportError)
-        ):  # a mistyped local path reads as a hub id
+    # struct.error: a GGUF cut short
+    except (OSError, ValueError, KeyError, ImportError, struct.error) as exc:
+        # a mistyped local path reads as a hub id
+        if source.kind == "hub" and step != "model" and not isinstance(exc, ImportError):
             raise CheckpointError(
                 f"there is no local folder '{source.location}', and loading it as a hub id failed ({first_line(exc)})",
                 fix,
@@ -399,9 +391,8 @@ def load_teacher(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval().requires_grad_(False)
-    cpu_runs_reference_kernels(
-        model
-    )  # a Gated DeltaNet class that transformers bound to fla runs on a CPU too
+    # a Gated DeltaNet class that transformers bound to fla runs on a CPU too
+    cpu_runs_reference_kernels(model)
     if device is not None:
         model.to(device)
     return model, tokenizer, source
