@@ -96,4 +96,56 @@ def output_cache(output):
     return getattr(output, CACHE_KWARG, None)
 
 
+# transformers 5.24 binds these functions of a Gated DeltaNet model's modeling module (Qwen3.5,
+# Qwen3-Next, OLMo-Hybrid) to flash-linear-attention's (or causal-conv1d's) kernels at import
+# whenever that package imports, whatever the device; fla's kernels are Triton's and cannot run on
+# a CPU (fla installed there, a forward fails: "RuntimeError: 0 active drivers").
+KERNELIZED = (
+    "torch_chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)
+
+
+def cpu_runs_reference_kernels(model) -> list[str]:
+    """Make ``model``'s modeling module run its own PyTorch reference form of each ``KERNELIZED``
+    function (what transformers' kernel wrapper was made from) for CPU tensors, and what
+    transformers bound for tensors elsewhere. For every model of that class in the process, once;
+    a no-op for a class without such functions. Returns the names routed now."""
+    import sys
+
+    module = sys.modules.get(type(model).__module__)
+    routed = []
+    for name in KERNELIZED:
+        bound = getattr(module, name, None)
+        if bound is None or getattr(bound, "_cpu_reference", False) or inspect.unwrap(bound) is bound:
+            continue
+        setattr(module, name, _cpu_reference(bound))
+        routed.append(name)
+    return routed
+
+
+def _cpu_reference(bound):
+    """``bound`` (a transformers kernel wrapper), with CPU tensors sent to the reference it wraps."""
+    import functools
+
+    import torch
+
+    reference = inspect.unwrap(bound)
+    params = inspect.signature(reference).parameters
+    any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    @functools.wraps(reference)
+    def routed(*args, **kwargs):
+        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        packed = kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None
+        if first is None or first.device.type != "cpu" or packed:  # packed: transformers' own message
+            return bound(*args, **kwargs)
+        return reference(*args, **{k: v for k, v in kwargs.items() if any_keyword or k in params})
+
+    routed._cpu_reference = True
+    return routed
+
+
 warn_if_untested()

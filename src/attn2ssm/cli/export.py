@@ -100,11 +100,12 @@ def _mixer_name(layer_types: list[str]) -> str:
 
 
 def run_upgrade(args) -> int:
-    from attn2ssm.export.upgrade import (
-        upgrade_remote_code,
-    )  # heavy: torch + transformers (student.remote_code)
+    # heavy: torch + transformers (student.remote_code)
+    from attn2ssm.export.upgrade import check_upgradable, upgrade_remote_code
     from attn2ssm.hf_compat import TESTED_TRANSFORMERS  # heavy: transformers
 
+    for directory in args.dirs:  # every folder checked before any is written
+        check_upgradable(directory)
     for directory in args.dirs:
         written = upgrade_remote_code(directory)
         low, high = TESTED_TRANSFORMERS

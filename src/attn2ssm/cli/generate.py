@@ -57,8 +57,10 @@ def run(args) -> int:
         )
     from attn2ssm.generation.sampling import check_sampling  # heavy: torch
 
-    check_sampling(args.temperature, args.top_k, args.top_p, cli=True)  # 0 = greedy; a negative one is not
+    # 0 = greedy; a negative one is not
+    check_sampling(args.temperature, args.top_k, args.top_p, cli=True)
     num_draft_tokens = draft_tokens("--num-draft-tokens", args.num_draft_tokens)
+    check_prompt_text(args.prompt)
     import torch  # heavy: torch
     from transformers import TextStreamer  # heavy: transformers
 
@@ -66,13 +68,11 @@ def run(args) -> int:
     from attn2ssm.decode.quantize import apply_weight_format, check_weight_format  # heavy: torch
     from attn2ssm.student.loading import load_model_and_tokenizer  # heavy: torch + transformers
 
-    check_weight_format(
-        args.dtype, args.quantize
-    )  # a bad --dtype / --quantize: one line, before anything loads
+    # a bad --dtype / --quantize: one line, before anything loads
+    check_weight_format(args.dtype, args.quantize)
     model, tokenizer = load_model_and_tokenizer(args.model)
-    apply_weight_format(
-        model, args.dtype, args.quantize
-    )  # before the layout: it fuses what is still a plain linear
+    # before the layout: it fuses what is still a plain linear
+    apply_weight_format(model, args.dtype, args.quantize)
     cpu_decode_layout(model, compile=args.compile)  # faster one-token steps on CPU (a no-op elsewhere)
     if args.compile and getattr(model, "compiled_step_reason", ""):
         print(f"--compile: decoding eagerly: {model.compiled_step_reason}", file=sys.stderr)
@@ -97,6 +97,24 @@ def run(args) -> int:
     return 0
 
 
+def check_prompt_text(prompt: str) -> None:
+    """Refuse a --prompt that is not UTF-8 text (the shell passed bytes Python could not decode; they
+    arrive as lone surrogates, which no tokenizer takes), naming the first bad byte and where it is."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raw = prompt.encode("utf-8", "surrogateescape")
+        try:
+            raw.decode("utf-8")
+            where = f"character {exc.start}"  # a lone surrogate that was not a byte (Python callers)
+        except UnicodeDecodeError as bad:
+            where = f"byte 0x{raw[bad.start]:02x} at offset {bad.start}"
+        raise ConfigError(
+            f"--prompt is not UTF-8 text ({where})",
+            "pass the prompt in UTF-8 (e.g. convert it with iconv -t UTF-8)",
+        ) from None
+
+
 def _prompt_inputs(args, tokenizer) -> dict:
     """--prompt tokenized (in the chat template with --chat); an empty one starts from BOS."""
     import torch  # heavy: torch
@@ -107,9 +125,8 @@ def _prompt_inputs(args, tokenizer) -> dict:
         )
     else:
         text = args.prompt
-    inputs = tokenizer(
-        text, return_tensors="pt", verbose=False
-    )  # (a prompt past the model's positions is refused below, in one line)
+    # (a prompt past the model's positions is refused below, in one line)
+    inputs = tokenizer(text, return_tensors="pt", verbose=False)
     if inputs["input_ids"].shape[1] == 0:  # an empty prompt, with a tokenizer that adds no BOS
         if tokenizer.bos_token_id is None:
             raise ConfigError(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from attn2ssm.errors import ConfigError, ExportError
 from attn2ssm.export.llamacpp import (
     OUTTYPES,
     QUANTIZE_TYPES,
+    ToolFailed,
     converter_dir,
     load_runtime,
     logits_in_subprocess,
@@ -45,7 +47,7 @@ from attn2ssm.export.llamacpp import (
     set_metadata,
     to_gguf,
 )
-from attn2ssm.export.native import export_native
+from attn2ssm.export.native import check_exportable, export_native
 from attn2ssm.export.native_qwen35 import QWEN35_CLASS
 from attn2ssm.paths import check_writable, remove_stale_staging, staging_beside, writing
 
@@ -57,13 +59,11 @@ class GGUFExport:
     out: Path
     outtype: str
     layer_types: list[str]  # the student's layers ("mamba" / "attention")
-    identity_layers: list[
-        int
-    ]  # layers added for llama.cpp that compute the identity (a pure student's one attention layer)
+    # layers added for llama.cpp that compute the identity (a pure student's one attention layer)
+    identity_layers: list[int]
     native_max_abs_diff: float  # the llama.cpp-form GraniteMoeHybrid vs the student, fp32, in transformers
-    llama_cpp_max_abs_diff: (
-        float | None
-    )  # the GGUF in llama.cpp vs the student (None: llama_cpp not importable)
+    # the GGUF in llama.cpp vs the student (None: llama_cpp not importable)
+    llama_cpp_max_abs_diff: float | None
     logit_scale: float  # max |student logit| on the probe, to read the differences against
     bytes: int
     notes: list[str] = field(default_factory=list)
@@ -99,12 +99,13 @@ def export_gguf(
     """Write the student in ``student_dir`` as one GGUF file ``out`` of ``outtype`` (``OUTTYPES``).
     Refused before anything runs when the student does not map exactly onto llama.cpp's
     GraniteHybrid; staged beside ``out`` and moved into place only when every step passed."""
-    from attn2ssm.student.modeling import (
-        Attn2SSMForCausalLM,
-    )  # heavy: transformers (this module imports torch only)
+    # heavy: transformers (this module imports torch only)
+    from attn2ssm.student.modeling import Attn2SSMForCausalLM
 
     out = Path(out)
     _check_request(out, outtype, force)
+    # what llama.cpp cannot run exactly: refused from the config, before llama.cpp is looked for
+    check_exportable(student_dir, llama_cpp=True)
     converter_dir()  # the converter missing: one line naming make llama-cpp, before any work
     if outtype in QUANTIZE_TYPES:
         load_runtime()
@@ -114,18 +115,19 @@ def export_gguf(
         writing(out, "the GGUF file", "run the command again (what --out held is unchanged)"),
         staging_beside(out, "export") as tmp,
     ):
-        native = export_native(
-            student_dir, tmp / "native", llama_cpp=True
-        )  # refuses what llama.cpp cannot run exactly
+        native = export_native(student_dir, tmp / "native", llama_cpp=True)
         qwen35 = native.cls == QWEN35_CLASS
-        staged = to_gguf(
-            tmp / "native",
-            tmp / "model.gguf",
-            outtype,
-            tmp,
-            threads,
-            converter_args=("--no-mtp",) if qwen35 else (),
-        )
+        try:
+            staged = to_gguf(
+                tmp / "native",
+                tmp / "model.gguf",
+                outtype,
+                tmp,
+                threads,
+                converter_args=("--no-mtp",) if qwen35 else (),
+            )
+        except ToolFailed as failed:
+            raise _kept_for_a_hand_run(failed, tmp, out) from failed
         notes = _layout_notes(native, staged, tmp / "native")
         diff, scale = None, 0.0
         if verify and _runtime_available():
@@ -151,6 +153,27 @@ def export_gguf(
         scale,
         out.stat().st_size,
         notes,
+    )
+
+
+def _kept_for_a_hand_run(failed: ToolFailed, tmp: Path, out: Path) -> ExportError:
+    """The converter failed on the staged native model: keep that model beside ``out`` (the staging
+    folder goes) and name it in a command that reruns the converter by hand, writing ``out``."""
+    kept = out.with_name(f"{out.stem}.llama-cpp-input")
+    n = 1
+    while kept.exists():
+        n += 1
+        kept = out.with_name(f"{out.stem}.llama-cpp-input-{n}")
+    os.replace(tmp / "native", kept)
+    moved = {str(tmp / "native"): str(kept), str(tmp / "model.gguf"): str(out)}
+    cmd = [
+        moved.get(a, str(out.parent / Path(a).name) if a.startswith(f"{tmp}{os.sep}") else a)
+        for a in failed.cmd
+    ]
+    return ExportError(
+        failed.problem,
+        f"the converter's input is kept in {kept}; run it by hand for the full log: {shlex.join(cmd)} "
+        f"(then delete {kept})",
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -87,15 +88,24 @@ def load_runtime():
     return llama_cpp
 
 
+class ToolFailed(Attn2SSMError):
+    """One of llama.cpp's Python tools exited with an error; ``cmd`` is what ran."""
+
+    def __init__(self, problem: str, cmd: list[str]):
+        super().__init__(
+            problem, "see the message; run the command by hand for the full log: " + shlex.join(cmd)
+        )
+        self.cmd = cmd
+
+
 def _run(cmd: list[str], what: str) -> str:
-    """Run one of llama.cpp's Python tools; its last error line becomes a one-line ``Attn2SSMError``."""
+    """Run one of llama.cpp's Python tools; its last error line becomes a one-line ``ToolFailed``."""
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         lines = [line.strip() for line in (result.stderr + result.stdout).splitlines() if line.strip()]
         errors = [line for line in lines if "Error" in line or "error" in line] or lines
-        raise Attn2SSMError(
-            f"{what} failed (exit {result.returncode}): {(errors or ['no output'])[-1][:300]}",
-            "see the message; run the command by hand for the full log: " + " ".join(cmd),
+        raise ToolFailed(
+            f"{what} failed (exit {result.returncode}): {(errors or ['no output'])[-1][:300]}", cmd
         )
     return result.stderr
 

@@ -53,9 +53,9 @@ Not imported by student/modeling.py: modeling's import closure is copied into ev
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,9 +73,9 @@ from attn2ssm.export.native_qwen35 import (
     qwen35_problem,
     teacher_family,
     to_qwen35,
-    torch_reference_kernels,
 )
 from attn2ssm.mixers.ssm_common import GATE_IDENTITY_BIAS
+from attn2ssm.ops.kernels import check_environment
 from attn2ssm.paths import check_writable, remove_stale_staging, replace_dir, staging_beside, writing
 from attn2ssm.teachers import check_weight_files
 
@@ -497,9 +497,8 @@ def native_state_dict(student, native_cfg) -> dict[str, torch.Tensor]:
                     ).items()
                 }
             )
-    for i in range(
-        len(config.layer_plan), native_cfg.num_hidden_layers
-    ):  # the identity layer (llama_cpp, pure students)
+    # the identity layer (llama_cpp, pure students)
+    for i in range(len(config.layer_plan), native_cfg.num_hidden_layers):
         out.update(identity_layer_tensors(native_cfg, f"model.layers.{i}"))
     left = sorted(set(state) - used)
     if left:
@@ -513,9 +512,8 @@ def native_state_dict(student, native_cfg) -> dict[str, torch.Tensor]:
 def to_native(student, llama_cpp: bool = False):
     """The student as a ``GraniteMoeHybridForCausalLM`` in fp32 (``check_native`` first);
     ``llama_cpp``: in the form llama.cpp's converter and loader take (see the module docstring)."""
-    from transformers import (
-        GraniteMoeHybridForCausalLM,
-    )  # heavy: transformers (this module imports torch only)
+    # heavy: transformers (this module imports torch only)
+    from transformers import GraniteMoeHybridForCausalLM
 
     if native_target(student.config) == QWEN35_CLASS:
         return to_qwen35(student, llama_cpp)
@@ -533,9 +531,8 @@ class NativeExport:
     cls: str
     layer_types: list[str]
     max_abs_diff: float  # native vs student logits on the probe inputs (fp32; probe_inputs)
-    identity_layers: list[int] = field(
-        default_factory=list
-    )  # llama_cpp: the identity attention layer a pure student gets
+    # llama_cpp: the identity attention layer a pure student gets
+    identity_layers: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -629,13 +626,11 @@ def export_native(
     from transformers import AutoTokenizer  # heavy: transformers (this module imports torch only)
 
     import attn2ssm.student  # noqa: F401  heavy: transformers; registers the Auto classes
-    from attn2ssm.student.configuration import Attn2SSMConfig  # heavy: as above
     from attn2ssm.student.modeling import Attn2SSMForCausalLM  # heavy: as above
 
     student_dir, out = Path(student_dir), Path(out)
-    saved = _saved_student_config(student_dir)
+    saved = check_exportable(student_dir, llama_cpp)  # refuse before the weights load
     _check_out(out, force)
-    check_native(Attn2SSMConfig.from_dict(saved), llama_cpp)  # refuse before the weights load
     check_weight_files(student_dir)
     check_writable(out, beside=True)
     remove_stale_staging(out.parent)  # what a killed export left beside it
@@ -645,10 +640,7 @@ def export_native(
     cls = native_target(student.config)
     native = to_native(student, llama_cpp)
     tokenizer = AutoTokenizer.from_pretrained(student_dir)
-    with (
-        torch_reference_kernels() if cls == QWEN35_CLASS else contextlib.nullcontext()
-    ):  # fla's Triton kernels cannot run here (CPU)
-        diff, scale = probe_difference(student, native, native.config.vocab_size, tokenizer)
+    diff, scale = probe_difference(student, native, native.config.vocab_size, tokenizer)
     if not diff <= tolerance * max(1.0, scale):
         raise ExportError(
             f"the {cls} logits differ from the student's by {diff:.3g} on a probe (tolerance {tolerance * max(1.0, scale):.3g})",
@@ -661,6 +653,18 @@ def export_native(
         layer_types = list(native.config.layer_types[: len(student.config.layer_plan)])
     identity = list(range(len(layer_types), native.config.num_hidden_layers))
     return NativeExport(out, cls, layer_types, diff, identity, notes)
+
+
+def check_exportable(student_dir: str | Path, llama_cpp: bool = False) -> dict:
+    """Refuse, from ``student_dir``'s config.json alone (no weights, nothing of llama.cpp), a
+    student the native map (``llama_cpp``: llama.cpp's form of it) cannot express, or an
+    ``ATTN2SSM_KERNELS`` the CPU probe cannot run: one line. Returns the saved config."""
+    from attn2ssm.student.configuration import Attn2SSMConfig  # heavy: transformers
+
+    check_environment("cpu")  # the probe runs the student on the CPU
+    saved = _saved_student_config(Path(student_dir))
+    check_native(Attn2SSMConfig.from_dict(saved), llama_cpp)
+    return saved
 
 
 def _saved_student_config(student_dir: Path) -> dict:
@@ -691,6 +695,15 @@ def _check_out(out: Path, force: bool) -> None:
         )
 
 
+def _modes_from_umask(folder: Path) -> None:
+    """Give ``folder`` and everything in it the modes a plain mkdir / open would under the umask:
+    the staging folder is mkdtemp's 0700 and save_pretrained's model.safetensors 0600, whatever it is."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def _write_native(native, dtype, tokenizer, config, saved: dict, student_dir: Path, out: Path) -> list[str]:
     """Stage ``native`` (in ``dtype``), the tokenizer, a generation config and the card beside
     ``out``, then move them into place; the card's notes."""
@@ -717,5 +730,6 @@ def _write_native(native, dtype, tokenizer, config, saved: dict, student_dir: Pa
         (staging / "README.md").write_text(
             native_card(saved, read_results(student_dir), cls, notes), encoding="utf-8"
         )
+        _modes_from_umask(staging)
         replace_dir(staging, out)
     return notes

@@ -64,13 +64,13 @@ Not imported by student/modeling.py (its import closure is copied into every che
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 
 import torch
 
 from attn2ssm.errors import ExportError
+from attn2ssm.hf_compat import cpu_runs_reference_kernels
 
 QWEN35_CLASS = "Qwen3_5ForCausalLM"
 QWEN35_FAMILIES = ("llama", "mistral")  # Qwen2's q/k/v biases have no place (no projection bias)
@@ -484,33 +484,8 @@ def to_qwen35(student, llama_cpp: bool = False):
     if cfg.tie_word_embeddings:  # one tensor under both names, as the tied model's state_dict has it
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True)
+    cpu_runs_reference_kernels(model)  # fla's Triton kernels, where fla imports, cannot run on a CPU
     return model.eval()
-
-
-# transformers 5.24 binds each of these to fla's (or causal_conv1d's) kernel at import whenever the
-# package is importable, whatever the device; fla's Triton kernels cannot run on a CPU.
-_KERNELIZED = (
-    "torch_chunk_gated_delta_rule",
-    "torch_recurrent_gated_delta_rule",
-    "causal_conv1d_fn",
-    "causal_conv1d_update",
-)
-
-
-@contextlib.contextmanager
-def torch_reference_kernels():
-    """Run ``Qwen3_5ForCausalLM`` with the class's own PyTorch reference functions (the functions
-    the kernel wrappers were made from) for the duration — the CPU probe of an export."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling  # heavy: transformers
-
-    saved = {name: getattr(modeling, name) for name in _KERNELIZED}
-    try:
-        for name, fn in saved.items():
-            setattr(modeling, name, inspect.unwrap(fn))
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(modeling, name, fn)
 
 
 def qwen35_notes(cfg) -> list[str]:
@@ -524,7 +499,11 @@ def qwen35_notes(cfg) -> list[str]:
         )
     return notes + [
         "transformers 5.24 runs Qwen3.5's Gated DeltaNet through fla's Triton kernels whenever flash-linear-attention is "
-        "importable, also on a CPU, where they fail: on a CPU, load it where fla is not installed (or on a GPU)",
+        "importable, also on a CPU, where they fail ('0 active drivers'): attn2ssm generate / eval run it on a CPU with "
+        "transformers' own PyTorch forms; in your own code, after loading it call "
+        "attn2ssm.hf_compat.cpu_runs_reference_kernels(model), or without attn2ssm set each of "
+        "transformers.models.qwen3_5.modeling_qwen3_5's torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule "
+        "to inspect.unwrap() of itself",
         "q and k are L2-normalised as x·rsqrt(|x|² + ε) by the target and as x / max(|x|, 1e-12) by the student: equal to float32 "
         "noise for any key that is not ~0",
     ]

@@ -41,8 +41,19 @@ _BUILDING: list[str] = []  # the names of the enclosing ``building_with`` blocks
 
 def default_kernels() -> str:
     """What a newly built student's mixers run: the innermost ``building_with``'s name, else
-    ``ATTN2SSM_KERNELS``, else ``auto``."""
-    return _BUILDING[-1] if _BUILDING else os.environ.get(ENV, "auto")
+    ``ATTN2SSM_KERNELS`` (a name that is no kernel choice: one line), else ``auto``."""
+    if _BUILDING:
+        return _BUILDING[-1]
+    env = os.environ.get(ENV)
+    return check_kernels(env, ENV) if env else "auto"
+
+
+def check_environment(device_type: str) -> None:
+    """Refuse, before a model loads for ``device_type`` outside a run (eval, generate, export), an
+    ``ATTN2SSM_KERNELS`` that is no kernel choice or that cannot run there (fla on a CPU, or fla
+    that does not import): the one-line ``ConfigError`` of ``choose_kernels``."""
+    if os.environ.get(ENV):
+        choose_kernels("auto", device_type)
 
 
 @contextmanager
@@ -102,6 +113,11 @@ def choose_kernels(requested: str, device_type: str) -> KernelChoice:
     if requested == "torch":
         return KernelChoice(requested, "torch", "as requested")
     if requested == "fla" and not on_gpu:
+        if env:
+            raise ConfigError(
+                f"{ENV}=fla runs Triton kernels on CUDA, and this model runs on the CPU",
+                f"unset {ENV} or set it to auto or torch on a CPU",
+            )
         raise ConfigError(
             "kernels=fla runs Triton kernels on CUDA, and this run is on the CPU",
             "use kernels: auto or torch on a CPU",
@@ -112,7 +128,7 @@ def choose_kernels(requested: str, device_type: str) -> KernelChoice:
     if requested == "fla":
         if problem:
             raise ConfigError(
-                f"kernels=fla, but {problem}",
+                f"{ENV + '=fla' if env else 'kernels=fla'}, but {problem}",
                 "pip install 'attn2ssm[gpu]' (fla-core, triton), or use kernels: torch",
             )
         return KernelChoice(requested, "fla", "as requested" + _gated_note(device_type))
@@ -140,11 +156,12 @@ def resolve_backend(backend: str, tensor, *, gated_backward: bool = False) -> st
     if backend == "torch":
         return "torch"
     if backend not in ("auto", "fla"):
-        raise ValueError(f"backend must be one of {KERNELS}, got {backend!r}")
+        check_kernels(backend, "backend")
     usable = (tensor.is_cuda or _interpreted()) and fla_problem() is None
     if backend == "fla" and not usable:
-        raise RuntimeError(
-            f"backend 'fla' asked for a {tensor.device.type} tensor, where fla cannot run ({fla_problem() or 'not CUDA'})"
+        raise ConfigError(
+            f"kernels=fla asked for a {tensor.device.type} tensor, where fla cannot run ({fla_problem() or 'not CUDA'})",
+            f"run the model on CUDA, or use kernels auto or torch (unset {ENV} or set it to auto or torch)",
         )
     if usable and gated_backward:
         problem = fla_gated_backward_problem(tensor.device)

@@ -39,7 +39,9 @@ def load_model_and_tokenizer(path: str, device=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import attn2ssm.student  # noqa: F401  (registers the Auto classes)
+    from attn2ssm.ops.kernels import check_environment
 
+    check_environment(torch.device(device or "cpu").type)  # a bad ATTN2SSM_KERNELS: one line, before loading
     p = Path(path)
     if p.is_dir() and not (p / "config.json").exists():
         fix = (

@@ -108,9 +108,8 @@ def quiet_loading():
     They are noise for small teachers and would put extra lines before a one-line error. Hub
     download bars (huggingface_hub's) are left alone, and so is the global progress-bar setting.
     """
-    from transformers.utils import (
-        logging as hf_logging,
-    )  # heavy: transformers (resolving a spec stays instant)
+    # heavy: transformers (resolving a spec stays instant)
+    from transformers.utils import logging as hf_logging
 
     set_hook = getattr(hf_logging, "set_tqdm_hook", None)
     if set_hook is None:  # a transformers without the hook: leave the bars on
@@ -207,6 +206,41 @@ def resolve_teacher(spec: str | None) -> TeacherSource:
     return TeacherSource("hub", spec)
 
 
+_HUB_FIX = "check the path if you meant a local folder; a hub id needs the network (or a copy in the Hugging Face cache)"
+
+
+def hub_unreachable(repo_id: str) -> str | None:
+    """Why the hub cannot be asked for ``repo_id`` right now, from one request without retries; None
+    when its config.json is in the Hugging Face cache, offline mode is on (transformers then says so
+    at once), or the hub answered (whatever it said, the load reports it). Without this, a mistyped
+    local path that reads as a hub id waited ~50 s for huggingface_hub's retries before its error."""
+    import huggingface_hub  # heavy: resolving a spec stays instant
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        if isinstance(huggingface_hub.try_to_load_from_cache(repo_id, "config.json"), str):
+            return None
+        huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo_id, "config.json"), timeout=10)
+    except (HfHubHTTPError, HFValidationError, OfflineModeIsEnabled):
+        return None
+    except Exception as exc:  # noqa: BLE001 - the network's own errors (no route, DNS, timeout), whatever the HTTP client
+        return f"the hub cannot be reached: {first_line(exc)}"
+    return None
+
+
+def _check_hub(source: TeacherSource) -> None:
+    """A hub id the hub cannot be asked for now: one line at once, saying there is no such local folder either."""
+    reason = hub_unreachable(source.location) if source.kind == "hub" else None
+    if reason is not None:
+        raise CheckpointError(
+            f"there is no local folder '{source.location}', and loading it as a hub id failed ({reason})",
+            _HUB_FIX,
+        )
+
+
 def load_teacher_tokenizer(spec: str | None):
     """The tokenizer ``load_teacher(spec)`` would return, without loading the weights: a model
     directory's (or a hub id's) tokenizer files; a built-in teacher's from its converted directory
@@ -220,6 +254,7 @@ def load_teacher_tokenizer(spec: str | None):
         location, kwargs, where = str(gguf.parent), {"gguf_file": gguf.name}, f"GGUF file {gguf}"
     else:
         source = resolve_teacher(name)
+        _check_hub(source)
         location, kwargs = source.location, ({"gguf_file": source.gguf_file} if source.gguf_file else {})
         where = (
             f"hub id '{source.location}'"
@@ -275,9 +310,8 @@ def _load_error(
             "install the package it names into this environment and retry",
         )
     if step == "model" and attn_implementation is not None and config is not None:
-        from transformers import (
-            MODEL_FOR_CAUSAL_LM_MAPPING,
-        )  # heavy: transformers (resolving a spec stays instant)
+        # heavy: transformers (resolving a spec stays instant)
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
         supported = _attention_implementations(model_class) if model_class is not None else None
@@ -310,14 +344,16 @@ def load_teacher(
     import torch  # heavy: torch and transformers (resolving a spec stays instant)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # heavy: as above
 
+    from attn2ssm.hf_compat import cpu_runs_reference_kernels  # heavy: transformers
+
     source = resolve_teacher(spec)
     gguf = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     kwargs = {"dtype": dtype or torch.float32, **gguf}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     if source.kind == "hub":
-        where = f"hub id '{source.location}'"
-        fix = "check the path if you meant a local folder; a hub id needs the network (or a copy in the Hugging Face cache)"
+        _check_hub(source)
+        where, fix = f"hub id '{source.location}'", _HUB_FIX
     elif source.gguf_file:
         where = f"GGUF file {Path(source.location) / source.gguf_file}"
         fix = "check that the file is a complete GGUF model, or use a built-in teacher: " + ", ".join(
@@ -343,16 +379,10 @@ def load_teacher(
             model = AutoModelForCausalLM.from_pretrained(source.location, **kwargs)
     except Attn2SSMError:
         raise
-    except (
-        OSError,
-        ValueError,
-        KeyError,
-        ImportError,
-        struct.error,
-    ) as exc:  # struct.error: a GGUF cut short
-        if (
-            source.kind == "hub" and step != "model" and not isinstance(exc, ImportError)
-        ):  # a mistyped local path reads as a hub id
+    # struct.error: a GGUF cut short
+    except (OSError, ValueError, KeyError, ImportError, struct.error) as exc:
+        # a mistyped local path reads as a hub id
+        if source.kind == "hub" and step != "model" and not isinstance(exc, ImportError):
             raise CheckpointError(
                 f"there is no local folder '{source.location}', and loading it as a hub id failed ({first_line(exc)})",
                 fix,
@@ -361,6 +391,8 @@ def load_teacher(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval().requires_grad_(False)
+    # a Gated DeltaNet class that transformers bound to fla runs on a CPU too
+    cpu_runs_reference_kernels(model)
     if device is not None:
         model.to(device)
     return model, tokenizer, source
