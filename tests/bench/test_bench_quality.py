@@ -524,7 +524,7 @@ def _synthetic_result(budgets: list[int]) -> dict:
 
 @pytest.mark.parametrize("budgets, bars", [([65536], True), ([65536, 262144], False)])
 def test_plot_is_bars_for_a_one_budget_sweep_and_curves_for_a_grid(budgets, bars, tmp_path, monkeypatch):
-    import attn2ssm.bench.quality as sb
+    import attn2ssm.bench.quality.report as sb  # plot_quality reads _plot_sweep there
 
     called = []
     real = sb._plot_sweep
@@ -549,13 +549,12 @@ def test_a_key_added_to_recipes_since_does_not_orphan_a_cached_cell(setup, grid,
 
 
 def test_passkey_table_cells_show_accuracy_and_recall():
-    from attn2ssm.bench.quality import _passkey_cell
+    from attn2ssm.bench.quality.report import _passkey_cell
 
     scored = {"accuracy": {"1024": 0.0, "2048": 0.5}, "recall": {"1024": 1.0, "2048": 0.5}}
     assert _passkey_cell(scored, "1024") == "0% · 100%" and _passkey_cell(scored, "2048") == "50% · 50%"
-    assert (
-        _passkey_cell({"accuracy": {"1024": 1 / 3}}, "1024") == "33%"
-    )  # a cell scored before recall existed
+    # a cell scored before recall existed
+    assert _passkey_cell({"accuracy": {"1024": 1 / 3}}, "1024") == "33%"
     assert _passkey_cell({}, "1024") == "–"
 
 
