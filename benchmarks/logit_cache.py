@@ -147,9 +147,8 @@ def measure_speed(
                     "speedup": pair["kd_lora_cached"]["tokens_per_s"] / pair["kd_lora"]["tokens_per_s"],
                 }
             )
-    rows = [
-        r for r in keep_rows if r["precision"] not in precisions
-    ] + rows  # an earlier invocation's other precisions
+    # an earlier invocation's other precisions
+    rows = [r for r in keep_rows if r["precision"] not in precisions] + rows
     summary = {}
     for precision in dict.fromkeys(r["precision"] for r in rows):
         ratios = [r["speedup"] for r in rows if r["precision"] == precision]
@@ -205,9 +204,8 @@ def plot(result: dict, path: Path) -> None:
         axes[2].text(0.5, 0.5, "speed (b) not measured", ha="center", va="center")
         axes[2].set_axis_off()
     else:
-        precisions = [
-            p for p, v in speed["summary"].items() if v.get("valid", True)
-        ]  # a pair run under unequal loads is marked invalid
+        # a pair run under unequal loads is marked invalid
+        precisions = [p for p, v in speed["summary"].items() if v.get("valid", True)]
         x = range(len(precisions))
         axes[2].bar(
             [i - 0.2 for i in x],

@@ -90,9 +90,8 @@ def test_gradient_fit_reproduces_a_member_of_its_class(bench, kind):
     if kind == "retnet":
         true["logit"] = torch.randn(m, generator=g) - 1.0
     M = bench.build(kind, true)
-    assert (
-        bench.fit_gradient(M, kind, n, steps=0, lr=0.1, params=true).max().item() < 1e-6
-    )  # its own parameters: 0
+    # its own parameters: 0
+    assert bench.fit_gradient(M, kind, n, steps=0, lr=0.1, params=true).max().item() < 1e-6
     # from the paper's initialisation, AdamW gets within 3 % (relative) in 600 steps
     best = torch.fmin(
         bench.fit_gradient(M, kind, n, steps=600, lr=0.1), bench.fit_gradient(M, kind, n, steps=600, lr=0.01)

@@ -48,9 +48,8 @@ def test_students_merge_by_row_and_later_files_win(bench, tmp_path):
         and rows[0]["mix"]["student"] == 12.5
         and rows[0]["sotu"]["recovered"] == 0.5
     )
-    assert (
-        rows[1]["mix"]["student"] == 0.45 and rows[1]["sotu"] is None
-    )  # the later file won; sotu lacks the row
+    # the later file won; sotu lacks the row
+    assert rows[1]["mix"]["student"] == 0.45 and rows[1]["sotu"] is None
     md = out.with_suffix(".md").read_text()
     assert "| perplexity kjv | m | 4 | 10.00 | 12.50 (80 %) | 20.00 (50 %) |" in md
     assert "| arc_easy (0-shot) | m | 4 | 50.0 | 45.0 (90 %) | – |" in md

@@ -88,10 +88,8 @@ class TrainBenchSettings:
     steps: int = 3  # timed steps per point (after one warm-up step)
     threads: int | None = None
     profile: bool = True
-    references: tuple[str, ...] = (
-        "teacher_forward",
-        "teacher_fwd_bwd",
-    )  # teacher-side rates measured beside each point
+    # teacher-side rates measured beside each point
+    references: tuple[str, ...] = ("teacher_forward", "teacher_fwd_bwd")
     corpus: str = "sotu"
     extra: dict = field(default_factory=dict)
 
@@ -110,6 +108,7 @@ def _recipe(
         eval_every=0,
         optim=OptimConfig(lr=1e-4),
     )
+    # (no final evaluation runs: the bench never finishes the run)
     return Recipe(
         name=f"bench-{case}",
         teacher=settings.teacher or "smollm2-135m",
@@ -119,7 +118,7 @@ def _recipe(
         data=DataConfig(corpus=settings.corpus, block_len=length, max_heldout_tokens=2 * length),
         student=student,
         stages=[stage],
-    )  # (no final evaluation runs: the bench never finishes the run)
+    )
 
 
 def _sync(device) -> None:

@@ -66,13 +66,11 @@ class EvalSettings:
 @dataclass
 class GridSettings:
     teacher: str = DEFAULT_TEACHER
-    families: dict[str, str] = field(
-        default_factory=lambda: dict(FAMILIES)
-    )  # the table (built-in + --family)
+    # the table (built-in + --family)
+    families: dict[str, str] = field(default_factory=lambda: dict(FAMILIES))
     cells: list[tuple[str, int]] = field(default_factory=list)  # (family, tokens) to fill, in order
-    sets: list[str] = field(
-        default_factory=list
-    )  # --set overrides: KEY=VALUE for every cell, FAMILY:KEY=VALUE for one family
+    # --set overrides: KEY=VALUE for every cell, FAMILY:KEY=VALUE for one family
+    sets: list[str] = field(default_factory=list)
     grid_dir: Path = Path("runs/quality")
     json_path: Path = Path("benchmarks/results/quality.json")
     eval: EvalSettings = field(default_factory=EvalSettings)
@@ -121,9 +119,8 @@ def parse_family_table(items: list[str] | None) -> dict[str, str]:
     for item in items or []:
         name, sep, recipe = item.partition("=")
         name, recipe = name.strip(), recipe.strip()
-        if (
-            not sep or not recipe or not re.fullmatch(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*", name)
-        ):  # names a run directory
+        # names a run directory
+        if not sep or not recipe or not re.fullmatch(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*", name):
             raise ConfigError(
                 f"--family {item!r} is not NAME=RECIPE with a plain name (letters, digits, _ . -)",
                 "write e.g. --family hedgehog=hedgehog or --family mine=my_recipe.yaml",

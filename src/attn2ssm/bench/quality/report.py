@@ -132,6 +132,19 @@ def _data_cell(data: dict | None) -> str:
     return "–" if not data else f"{_corpus_label(data['corpus'])} · {data['block_len']}"
 
 
+def _markdown_intro(result: dict) -> str:
+    """The paragraph above the scoreboard: what each column holds."""
+    s = result["settings"]
+    return (
+        f"Quality scoreboard: students of `{result['teacher']}`; held-out perplexity over {s['eval_tokens']} tokens per corpus "
+        f"(stride = window / 2). Perplexity cells: student ppl · ratio to the teacher · teacher-forced top-1 agreement with the "
+        f"teacher on the same windows. Greedy agree: share of {s['agreement_new_tokens']} greedy tokens equal to the teacher's, "
+        f"{s['agreement_prompts']} held-out prompts of {_corpus_label(s['corpora'][0])}. Passkey: {len(s['passkey_depths'])} depths × {s['passkey_trials']} keys, "
+        f"greedy accuracy · recall (the answer teacher-forced: every digit-bearing token is the argmax; recall without accuracy means the "
+        f"key was retrieved but the model answers in another form). Data: the training text · its block length in tokens."
+    )
+
+
 def format_markdown(result: dict) -> str:
     s = result["settings"]
     cols = [(c, str(w)) for c in s["corpora"] for w in s["windows"]]
@@ -149,12 +162,7 @@ def format_markdown(result: dict) -> str:
         "command",
     ]
     lines = [
-        f"Quality scoreboard: students of `{result['teacher']}`; held-out perplexity over {s['eval_tokens']} tokens per corpus "
-        f"(stride = window / 2). Perplexity cells: student ppl · ratio to the teacher · teacher-forced top-1 agreement with the "
-        f"teacher on the same windows. Greedy agree: share of {s['agreement_new_tokens']} greedy tokens equal to the teacher's, "
-        f"{s['agreement_prompts']} held-out prompts of {_corpus_label(s['corpora'][0])}. Passkey: {len(s['passkey_depths'])} depths × {s['passkey_trials']} keys, "
-        f"greedy accuracy · recall (the answer teacher-forced: every digit-bearing token is the argmax; recall without accuracy means the "
-        f"key was retrieved but the model answers in another form). Data: the training text · its block length in tokens.",
+        _markdown_intro(result),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -180,26 +188,7 @@ def format_markdown(result: dict) -> str:
         )
         + " |"
     )
-    for r in result["cells"]:
-        ppl = []
-        for c, w in cols:
-            p = r["perplexity"].get(c, {}).get(w)
-            ppl.append(f"{p['ppl']:.2f} · {p['ppl_ratio']:.2f}× · {p['top1_agreement']:.0%}" if p else "–")
-        agree = r.get("generation_agreement", {}).get("token_agreement")
-        passkey = r.get("passkey", {})
-        tps = r.get("train_tokens_per_s")
-        row = [
-            r["family"],
-            f"{r['tokens']:,}",
-            _data_cell(r.get("data")),
-            *ppl,
-            "–" if agree is None else f"{agree:.0%}",
-            *[_passkey_cell(passkey, L) for L in lengths],
-            _secs(r.get("wall_seconds")),
-            "–" if tps is None else f"{tps:,.0f}",
-            "`" + r["command"].replace("|", "\\|") + "`",
-        ]
-        lines.append("| " + " | ".join(row) + " |")
+    lines += ["| " + " | ".join(_markdown_row(r, cols, lengths)) + " |" for r in result["cells"]]
     if result["stale_cells"]:
         lines += [
             "",
@@ -208,6 +197,28 @@ def format_markdown(result: dict) -> str:
     if result.get("suite"):
         lines += ["", *format_suite_columns(result)]
     return "\n".join(lines)
+
+
+def _markdown_row(r: dict, cols: list[tuple[str, str]], lengths: list[str]) -> list[str]:
+    """One cell's row of the scoreboard."""
+    ppl = []
+    for c, w in cols:
+        p = r["perplexity"].get(c, {}).get(w)
+        ppl.append(f"{p['ppl']:.2f} · {p['ppl_ratio']:.2f}× · {p['top1_agreement']:.0%}" if p else "–")
+    agree = r.get("generation_agreement", {}).get("token_agreement")
+    passkey = r.get("passkey", {})
+    tps = r.get("train_tokens_per_s")
+    return [
+        r["family"],
+        f"{r['tokens']:,}",
+        _data_cell(r.get("data")),
+        *ppl,
+        "–" if agree is None else f"{agree:.0%}",
+        *[_passkey_cell(passkey, L) for L in lengths],
+        _secs(r.get("wall_seconds")),
+        "–" if tps is None else f"{tps:,.0f}",
+        "`" + r["command"].replace("|", "\\|") + "`",
+    ]
 
 
 def _suite_cells(result: dict) -> list[dict]:
@@ -282,7 +293,6 @@ def plot_quality(result: dict, path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, NullLocator
 
     s = result["settings"]
     windows = [str(w) for w in s["windows"]]
@@ -311,40 +321,46 @@ def plot_quality(result: dict, path: Path) -> Path:
                         alpha=1.0 if ci == 0 else 0.6,
                         label=family if ci == 0 else None,
                     )
-        ax.axhline(1.0, color="gray", linewidth=1)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        budgets = sorted({r["tokens"] for r in result["cells"]})
-        if budgets:
-            ax.set_xticks(budgets, [_tokens_label(t) for t in budgets])
-            ax.xaxis.set_minor_locator(NullLocator())
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        low, high = ax.get_ylim()
-        shown = (
-            "123456789" if high / low < 10 else "25"
-        )  # within a decade label every minor tick, else 2s and 5s
-        ax.yaxis.set_minor_formatter(
-            FuncFormatter(
-                lambda v, _, shown=shown: f"{v:.2g}" if f"{v:.2g}".lstrip("0.")[:1] in shown else ""
-            )
-        )
-        ax.set_xlabel("training tokens")
-        ax.set_ylabel("held-out ppl / teacher's")
-        others = ", ".join(_corpus_label(c) for c in s["corpora"][1:])
-        ax.set_title(
-            f"window {window}: {_corpus_label(s['corpora'][0])} (solid)"
-            + (f", {others} (dashed)" if others else ""),
-            fontsize=9,
-        )
-        ax.grid(alpha=0.3, which="both")
-        if families:
-            ax.legend(fontsize=8)
+        _format_ratio_axis(ax, result, window, bool(families))
     fig.suptitle(f"quality vs budget: students of {result['teacher']}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _format_ratio_axis(ax, result: dict, window: str, legend: bool) -> None:
+    """One window's panel of ``plot_quality``: log axes, a tick per budget, readable minor ticks,
+    the teacher's line at 1, labels and title."""
+    from matplotlib.ticker import FuncFormatter, NullLocator
+
+    s = result["settings"]
+    ax.axhline(1.0, color="gray", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    budgets = sorted({r["tokens"] for r in result["cells"]})
+    if budgets:
+        ax.set_xticks(budgets, [_tokens_label(t) for t in budgets])
+        ax.xaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    low, high = ax.get_ylim()
+    # within a decade label every minor tick, else 2s and 5s
+    shown = "123456789" if high / low < 10 else "25"
+    ax.yaxis.set_minor_formatter(
+        FuncFormatter(lambda v, _, shown=shown: f"{v:.2g}" if f"{v:.2g}".lstrip("0.")[:1] in shown else "")
+    )
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("held-out ppl / teacher's")
+    others = ", ".join(_corpus_label(c) for c in s["corpora"][1:])
+    ax.set_title(
+        f"window {window}: {_corpus_label(s['corpora'][0])} (solid)"
+        + (f", {others} (dashed)" if others else ""),
+        fontsize=9,
+    )
+    ax.grid(alpha=0.3, which="both")
+    if legend:
+        ax.legend(fontsize=8)
 
 
 def _plot_suite_panels(result: dict, cells: list[dict], families: list[str], axes) -> None:

@@ -31,9 +31,8 @@ def run_cell(cell: Cell, progress: bool = True) -> None:
     Each invocation's wall time is appended to ``cell_runs.jsonl`` in the run directory."""
     cell.run_dir.mkdir(parents=True, exist_ok=True)
     if not has_checkpoint(cell.run_dir):
-        (cell.run_dir / "metrics.jsonl").unlink(
-            missing_ok=True
-        )  # a killed attempt without a checkpoint restarts from step 0
+        # a killed attempt without a checkpoint restarts from step 0
+        (cell.run_dir / "metrics.jsonl").unlink(missing_ok=True)
     argv = [sys.executable, "-m", "attn2ssm", *cell.argv(), *([] if progress else ["--no-progress"])]
     start, code, tail = time.time(), None, b""
     try:
