@@ -29,10 +29,10 @@ each round, so every variant decodes the same text from the same state. Two task
 text, and a passage the prompt asks to repeat (where lookup shines).
 
 ``backend="llama.cpp"`` measures the same rows where users run small models: each model is a GGUF in
-``llama_cpp.Llama`` (llamacpp.py), ``threads`` threads, flash attention on (llama.cpp's own CLI picks
+``llama_cpp.Llama`` (export/llamacpp.py), ``threads`` threads, flash attention on (llama.cpp's own CLI picks
 it on CPU), the default f16 KV cache. The teacher's GGUF comes from its HF checkpoint through
 llama.cpp's converter and the students' through ``attn2ssm export --format gguf``
-(student/gguf_export.py), each at every type in ``quants`` (teacher and students at the same type:
+(export/gguf.py), each at every type in ``quants`` (teacher and students at the same type:
 ``teacher@q8_0`` is the reference of ``mamba2@q8_0``). Students are untrained conversions built
 with ``LLAMA_CPP_STUDENT_OPTIONS``, what a GGUF export needs (``gdn``, a pure gated delta-rule
 student, runs as llama.cpp's ``qwen35``). Prefill = feeding the L prompt tokens

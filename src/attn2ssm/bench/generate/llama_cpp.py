@@ -81,7 +81,7 @@ class LlamaCppBench(DecodeBackend):
 
 
 def build_gguf_models(
-    teacher, tokenizer, source, settings: "BenchSettings", work: Path, progress: bool = True
+    teacher, tokenizer, source, settings: BenchSettings, work: Path, progress: bool = True
 ) -> tuple[dict, dict]:
     """name@quant → ``LlamaCppBench`` for every model × type in ``settings``, and what each file is.
     GGUFs already in ``work`` (``--gguf-dir``) are used as they are."""

@@ -17,6 +17,9 @@ from attn2ssm.decode.plan import compiled_step_status
 
 
 def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
+    """``bench generate``: the decode table of the teacher and its untrained students on torch (the
+    CPU decode layout, and ``--compile``d student steps compiled before any timing); with ``spec``
+    the speculative benchmark, with ``backend="llama.cpp"`` the same table from GGUFs."""
     from attn2ssm.eval.report import environment
     from attn2ssm.teachers import load_teacher
 
@@ -36,7 +39,8 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
         for model in [teacher, *models.values()]:
             cpu_decode_layout(model, compile=settings.compile_students and model is not teacher)
     compiled = {}
-    if layout and settings.compile_students:  # compile now (a minute each), not inside a timed decode
+    # compile now (a minute each), not inside a timed decode
+    if layout and settings.compile_students:
         warm = prompt_ids(tokenizer, settings.corpus, 16, device)
         for name, model in models.items():
             if model is teacher:
