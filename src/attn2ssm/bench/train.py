@@ -216,7 +216,7 @@ def _profiled_ops(distiller, run, step: int) -> list[dict]:
     return _top_ops(prof)
 
 
-def _measure(
+def measure_point(
     settings: TrainBenchSettings,
     case: str,
     length: int,
@@ -226,6 +226,9 @@ def _measure(
     tokenizer,
     progress,
 ) -> dict:
+    """One point of ``bench train``: ``case`` at ``length`` tokens under ``precision`` and
+    ``kernels``, timed through the real trainer's step beside the teacher's rates (``progress()``
+    after each timed step)."""
     from attn2ssm.distill.trainer import Distiller
 
     recipe = _recipe(settings, case, length, precision, kernels)
@@ -309,7 +312,9 @@ def run_train_bench(settings: TrainBenchSettings, progress: bool = True) -> dict
     for case, length, precision, kernels in points:
         bar.set_postfix(case=case, length=length, precision=precision, kernels=kernels)
         rows.append(
-            _measure(settings, case, length, precision, kernels, teacher, tokenizer, lambda: bar.update(1))
+            measure_point(
+                settings, case, length, precision, kernels, teacher, tokenizer, lambda: bar.update(1)
+            )
         )
     bar.close()
     return {
