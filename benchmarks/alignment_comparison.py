@@ -183,9 +183,8 @@ def run_variants(args) -> dict:
         proc = subprocess.run(command, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-        student = Attn2SSMForCausalLM.from_pretrained(
-            run / "student", dtype=torch.float32
-        ).eval()  # loadable, as saved
+        # loadable, as saved
+        student = Attn2SSMForCausalLM.from_pretrained(run / "student", dtype=torch.float32).eval()
         ppl = perplexity(student, heldout, window=256)["ppl"]
         fid = None
         if (

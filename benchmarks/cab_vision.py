@@ -206,9 +206,8 @@ def plot(
         means = [100 * table[f"{method}@{f:g}"]["mean"] for f in fractions]
         stds = [100 * table[f"{method}@{f:g}"]["std"] for f in fractions]
         line = ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=method)[0]
-        runs = [
-            (100 * r["fraction"], 100 * r["top1"]) for r in rows if r["method"] == method
-        ]  # each seed, so a stuck run shows
+        # each seed, so a stuck run shows
+        runs = [(100 * r["fraction"], 100 * r["top1"]) for r in rows if r["method"] == method]
         ax.scatter([x for x, _ in runs], [y for _, y in runs], s=10, alpha=0.5, color=line.get_color())
     top = teacher_info.get("training", {}).get("test", {}).get("top1")
     if top:

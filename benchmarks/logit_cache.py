@@ -24,7 +24,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import run_info, write_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_info, write_json  # noqa: E402  (benchmarks/ on sys.path first)
 
 ROOT = Path(__file__).resolve().parents[1]
 KS = (8, 16, 32, 64, 128, 256)
@@ -116,12 +118,17 @@ def measure_error(teacher, blocks: torch.Tensor) -> dict:
 
 
 def measure_speed(
-    teacher, tokenizer, reps: int, step_tokens: int, precisions=("no", "bf16"), keep_rows=()
+    teacher, tokenizer, reps: int, step_tokens: int, precisions=("no", "bf16"), keep_rows=(), corpus="sotu"
 ) -> dict:
-    from attn2ssm.bench.train import TrainBenchSettings, _measure
+    from attn2ssm.bench.train import TrainBenchSettings, measure_point
 
     settings = TrainBenchSettings(
-        lengths=(1024,), step_tokens=step_tokens, steps=2, profile=False, references=("teacher_forward",)
+        lengths=(1024,),
+        step_tokens=step_tokens,
+        steps=2,
+        profile=False,
+        references=("teacher_forward",),
+        corpus=corpus,
     )
     rows = []
     for rep in range(reps):
@@ -130,7 +137,9 @@ def measure_speed(
             pair = {}
             for case in order:
                 print(f"(b) rep {rep} {precision} {case}", file=sys.stderr)
-                pair[case] = _measure(settings, case, 1024, precision, teacher, tokenizer, lambda: None)
+                pair[case] = measure_point(
+                    settings, case, 1024, precision, "auto", teacher, tokenizer, lambda: None
+                )
                 r = pair[case]
                 print(
                     f"    {r['tokens_per_s']:.0f} tok/s (teacher forward {r['teacher_forward']:.0f})",
@@ -147,9 +156,8 @@ def measure_speed(
                     "speedup": pair["kd_lora_cached"]["tokens_per_s"] / pair["kd_lora"]["tokens_per_s"],
                 }
             )
-    rows = [
-        r for r in keep_rows if r["precision"] not in precisions
-    ] + rows  # an earlier invocation's other precisions
+    # an earlier invocation's other precisions
+    rows = [r for r in keep_rows if r["precision"] not in precisions] + rows
     summary = {}
     for precision in dict.fromkeys(r["precision"] for r in rows):
         ratios = [r["speedup"] for r in rows if r["precision"] == precision]
@@ -205,9 +213,8 @@ def plot(result: dict, path: Path) -> None:
         axes[2].text(0.5, 0.5, "speed (b) not measured", ha="center", va="center")
         axes[2].set_axis_off()
     else:
-        precisions = [
-            p for p, v in speed["summary"].items() if v.get("valid", True)
-        ]  # a pair run under unequal loads is marked invalid
+        # a pair run under unequal loads is marked invalid
+        precisions = [p for p, v in speed["summary"].items() if v.get("valid", True)]
         x = range(len(precisions))
         axes[2].bar(
             [i - 0.2 for i in x],

@@ -94,9 +94,8 @@ def build(method: str, length: int, args, device: str):
         g, p, n = args.scan_shape
         x, B, C = randn(1, length, g, p), randn(1, length, g, n), randn(1, length, g, n)
         dt = F.softplus(randn(1, length, g, p) - 4.0)  # Mamba's dt init range, already softplus'd
-        A = (
-            -torch.arange(1, n + 1, dtype=torch.float32, device=device).expand(g, p, n).contiguous()
-        )  # S4D-real init
+        # S4D-real init
+        A = -torch.arange(1, n + 1, dtype=torch.float32, device=device).expand(g, p, n).contiguous()
         D = torch.ones(g, p, device=device)
         leaves = [x, dt, A, B, C, D]
         out_shape = x.shape

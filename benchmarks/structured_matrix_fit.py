@@ -213,9 +213,8 @@ def attention_matrices(teacher, ids: torch.Tensor, layers: list[int], heads_per_
     gen = torch.Generator().manual_seed(seed)
     mats, where = [], []
     for i in layers:
-        probs = adapter.attention_probs(
-            io[i].module, io[i].hidden_states, io[i].position_embeddings
-        )  # (s, h, l, l)
+        # (s, h, l, l)
+        probs = adapter.attention_probs(io[i].module, io[i].hidden_states, io[i].position_embeddings)
         heads = torch.randperm(probs.shape[1], generator=gen)[:heads_per_layer].tolist()
         for h in heads:
             mats.append(probs[:, h])

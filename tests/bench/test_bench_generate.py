@@ -58,7 +58,7 @@ def test_interleaved_rounds_decode_the_same_tokens_as_plain_generate():
 def test_a_prefill_out_of_memory_skips_that_model_and_the_others_still_run(monkeypatch):
     """A GPU too small for one forward over the long prompt (the teacher's SDPA at 32k on an 80 GB
     card) is recorded as skipped with the reason; the other models are measured as usual."""
-    from attn2ssm.bench import generate as bench
+    from attn2ssm.bench.generate import timing as bench  # measure_decode_interleaved reads prefill there
 
     teacher = tiny_model("llama")
     models = build_models(teacher, ["teacher", "mamba2"], torch.device("cpu"))
@@ -81,7 +81,7 @@ def test_a_prefill_out_of_memory_skips_that_model_and_the_others_still_run(monke
 
 
 def test_cli_bench_skips_longer_contexts_after_an_out_of_memory_prefill(tmp_path, monkeypatch):
-    from attn2ssm.bench import generate as bench
+    from attn2ssm.bench.generate import timing as bench  # measure_decode_interleaved reads prefill there
     from attn2ssm.cli import main
 
     teacher, corpus = save_tiny_teacher_and_corpus(tmp_path)

@@ -56,9 +56,8 @@ eval: {{max_tokens: 256}}
 
 # ------------------------------------------------------------------------------------- pure parts
 def test_budget_is_split_over_stages_by_their_tokens_in_whole_steps():
-    recipe, raw = load_family(
-        "q", BASE_RECIPE, [], "smollm2-135m"
-    )  # stages 16384 : 8192, 4 × 256 tokens a step
+    # stages 16384 : 8192, 4 × 256 tokens a step
+    recipe, raw = load_family("q", BASE_RECIPE, [], "smollm2-135m")
     sets, shares = budget_overrides(recipe, raw, 65536)
     assert shares == [44032, 21504] and sum(shares) == 65536  # 43 and 21 steps of 1024
     assert sets == ["stages.0.tokens=44032", "stages.1.tokens=21504"]
@@ -76,9 +75,8 @@ def test_a_stage_switched_off_stays_off_in_every_budget():
     recipe, raw = load_family("l", "linear_hybrid25", [], "smollm2-135m")
     sets, shares = budget_overrides(recipe, raw, 65536)
     assert shares == [49152, 16384, 0] and sets[-1] == "stages.2.tokens=0"
-    recipe, raw = load_family(
-        "l", "linear_hybrid25", ["stages.2.tokens=16384"], "smollm2-135m"
-    )  # on: its steps are 1 × 4096 tokens
+    # on: its steps are 1 × 4096 tokens
+    recipe, raw = load_family("l", "linear_hybrid25", ["stages.2.tokens=16384"], "smollm2-135m")
     _, shares = budget_overrides(recipe, raw, 81920)
     assert shares == [49152, 16384, 16384]
 
@@ -89,9 +87,8 @@ def test_epochs_stage_needs_a_tokens_weight_and_then_runs_by_tokens():
         budget_overrides(recipe, raw, 65536, "m")
     recipe, raw = load_family("m", "mamba_in_llama", ["stages.3.tokens=16384"], "smollm2-135m")
     sets, shares = budget_overrides(recipe, raw, 65536, "m")
-    assert (
-        shares[:3] == [16384] * 3 and shares[3] == 11 * 4 * 384
-    )  # its step counts padded positions: 4 × data.max_len
+    # its step counts padded positions: 4 × data.max_len
+    assert shares[:3] == [16384] * 3 and shares[3] == 11 * 4 * 384
     assert "stages.3.epochs=null" in sets and "stages.3.tokens=16896" in sets
     scaled = load_recipe("mamba_in_llama", ["stages.3.tokens=16384", *sets])
     assert scaled.stages[3].epochs is None and [s.tokens for s in scaled.stages] == shares
@@ -322,9 +319,8 @@ def test_cell_is_distilled_scored_and_written(setup, grid):
                 and 0 <= p["top1_agreement"] <= 1
             )
             assert p["tokens"] == 255 and teacher_ref[corpus][window]["ppl"] == p["teacher_ppl"]
-    assert (
-        rec["perplexity"][corpora[0]]["32"]["ppl"] != rec["perplexity"][corpora[0]]["64"]["ppl"]
-    )  # really two windows
+    # really two windows
+    assert rec["perplexity"][corpora[0]]["32"]["ppl"] != rec["perplexity"][corpora[0]]["64"]["ppl"]
     agree = rec["generation_agreement"]
     assert agree["prompts"] == 2 and agree["new_tokens"] == 32 and 0 <= agree["token_agreement"] <= 1
     assert set(rec["passkey"]["accuracy"]) == {"200", "300"} == set(rec["passkey"]["teacher_accuracy"])
@@ -444,9 +440,8 @@ def test_half_run_cell_resumes_from_its_checkpoint(setup, grid, tmp_path, capfd)
     capfd.readouterr()
     assert main(_args(setup, grid, "--only", "tiny@256")) == 0
     out = capfd.readouterr().out
-    assert (
-        "tiny@256: resuming" in out and "resuming from stage0-step000001" in out
-    )  # the second line is the trainer's
+    # the second line is the trainer's
+    assert "tiny@256: resuming" in out and "resuming from stage0-step000001" in out
     steps = [
         (r["stage_index"], r["step"])
         for r in map(json.loads, (cell.run_dir / "metrics.jsonl").read_text().splitlines())
@@ -479,9 +474,8 @@ def test_a_cell_scored_before_passkey_recall_is_rescored_without_retraining(setu
     path.write_text(json.dumps(old))
     assert main(_args(setup, grid, "--only", "tiny@384")) == 0
     after = json.loads(path.read_text())
-    assert (
-        len(_runs(grid / "tiny-384")) == 1 and after["train_tokens"] == old["train_tokens"]
-    )  # no distill run
+    # no distill run
+    assert len(_runs(grid / "tiny-384")) == 1 and after["train_tokens"] == old["train_tokens"]
     assert set(after["passkey"]["recall"]) == {"200", "300"}
 
 
@@ -506,9 +500,8 @@ def test_family_scoped_overrides_apply_to_that_family_only():
     sets = ["seed=1", "a:student.mixer_options.window=32", "b:data.corpus=hf:x:y"]
     assert family_sets(sets, "a", table) == ["seed=1", "student.mixer_options.window=32"]
     assert family_sets(sets, "b", table) == ["seed=1", "data.corpus=hf:x:y"]
-    assert family_sets(["data.corpus=hf:x"], "a", table) == [
-        "data.corpus=hf:x"
-    ]  # a colon in the value is not a family
+    # a colon in the value is not a family
+    assert family_sets(["data.corpus=hf:x"], "a", table) == ["data.corpus=hf:x"]
     with pytest.raises(ConfigError, match="unknown family 'c'"):
         family_sets(["c:seed=2"], "a", table)
 
@@ -524,7 +517,7 @@ def _synthetic_result(budgets: list[int]) -> dict:
 
 @pytest.mark.parametrize("budgets, bars", [([65536], True), ([65536, 262144], False)])
 def test_plot_is_bars_for_a_one_budget_sweep_and_curves_for_a_grid(budgets, bars, tmp_path, monkeypatch):
-    import attn2ssm.bench.quality as sb
+    import attn2ssm.bench.quality.report as sb  # plot_quality reads _plot_sweep there
 
     called = []
     real = sb._plot_sweep
@@ -549,13 +542,12 @@ def test_a_key_added_to_recipes_since_does_not_orphan_a_cached_cell(setup, grid,
 
 
 def test_passkey_table_cells_show_accuracy_and_recall():
-    from attn2ssm.bench.quality import _passkey_cell
+    from attn2ssm.bench.quality.report import _passkey_cell
 
     scored = {"accuracy": {"1024": 0.0, "2048": 0.5}, "recall": {"1024": 1.0, "2048": 0.5}}
     assert _passkey_cell(scored, "1024") == "0% · 100%" and _passkey_cell(scored, "2048") == "50% · 50%"
-    assert (
-        _passkey_cell({"accuracy": {"1024": 1 / 3}}, "1024") == "33%"
-    )  # a cell scored before recall existed
+    # a cell scored before recall existed
+    assert _passkey_cell({"accuracy": {"1024": 1 / 3}}, "1024") == "33%"
     assert _passkey_cell({}, "1024") == "–"
 
 
@@ -591,9 +583,8 @@ def test_the_suite_is_added_to_a_cached_cell_without_retraining(setup, grid, tmp
     after = json.loads((grid / "tiny-384" / "cell.json").read_text())
     assert len(_runs(grid / "tiny-384")) == 1  # no distill run
     assert after["data"] == cell.data == {"corpus": str(setup.root / "corpus"), "block_len": 32}
-    assert (
-        after["perplexity"] == before["perplexity"] and after["passkey"] == before["passkey"]
-    )  # the cached numbers kept
+    # the cached numbers kept
+    assert after["perplexity"] == before["perplexity"] and after["passkey"] == before["passkey"]
     assert after["suite"]["settings"] == settings.eval.suite.as_dict()
     ids = [r["id"] for r in after["suite"]["rows"]]
     assert ids == [

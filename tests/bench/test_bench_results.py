@@ -82,7 +82,5 @@ def test_write_result_writes_json_and_png_then_prints_the_table(tmp_path, capsys
     assert json.loads(out.read_text()) == {"rows": [1, 2]} and out.read_text().endswith("\n")
     assert out.with_suffix(".png").read_bytes() == b"png"
     assert capsys.readouterr().out.splitlines() == ["2 rows", f"wrote {out} and {out.with_suffix('.png')}"]
-    assert sorted(p.name for p in out.parent.iterdir()) == [
-        "bench.json",
-        "bench.png",
-    ]  # no temporary file left
+    # no temporary file left
+    assert sorted(p.name for p in out.parent.iterdir()) == ["bench.json", "bench.png"]

@@ -22,9 +22,8 @@ def test_every_case_is_measured_against_the_teacher(tiny_setup):
         assert r["tokens_per_s"] > 0 and r["teacher_forward"] > 0 and r["teacher_fwd_bwd"] > 0
         assert r["fraction_of_forward_bound"] == pytest.approx(r["tokens_per_s"] / r["teacher_forward"])
         assert r["top_ops"] and abs(sum(op["share"] for op in r["top_ops"])) <= 1.0 + 1e-9
-        if (
-            r["case"] == "kd_lora_cached"
-        ):  # filled first: every timed and profiled step reads the teacher from the cache
+        # filled first: every timed and profiled step reads the teacher from the cache
+        if r["case"] == "kd_lora_cached":
             cache = r["logit_cache"]
             assert cache["misses"] == 0 and cache["hits"] == 3 * 2 and cache["top_k"] == 64
             assert (

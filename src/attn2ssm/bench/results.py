@@ -1,4 +1,4 @@
-"""Where a benchmark's result goes: its JSON, the PNG beside it, and its table on stdout."""
+"""Where a benchmark's result goes: its JSON, the PNG beside it (``save_figure``), and its table on stdout."""
 
 from __future__ import annotations
 
@@ -20,3 +20,15 @@ def write_result(
     png = plot(result, out.with_suffix(".png"))
     print(fmt(result))
     print(f"wrote {out} and {png}")
+
+
+def save_figure(fig, path) -> Path:
+    """Lay out ``fig``, write it to ``path`` (folders made) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -88,10 +88,8 @@ class TrainBenchSettings:
     steps: int = 3  # timed steps per point (after one warm-up step)
     threads: int | None = None
     profile: bool = True
-    references: tuple[str, ...] = (
-        "teacher_forward",
-        "teacher_fwd_bwd",
-    )  # teacher-side rates measured beside each point
+    # teacher-side rates measured beside each point
+    references: tuple[str, ...] = ("teacher_forward", "teacher_fwd_bwd")
     corpus: str = "sotu"
     extra: dict = field(default_factory=dict)
 
@@ -110,6 +108,7 @@ def _recipe(
         eval_every=0,
         optim=OptimConfig(lr=1e-4),
     )
+    # (no final evaluation runs: the bench never finishes the run)
     return Recipe(
         name=f"bench-{case}",
         teacher=settings.teacher or "smollm2-135m",
@@ -119,7 +118,7 @@ def _recipe(
         data=DataConfig(corpus=settings.corpus, block_len=length, max_heldout_tokens=2 * length),
         student=student,
         stages=[stage],
-    )  # (no final evaluation runs: the bench never finishes the run)
+    )
 
 
 def _sync(device) -> None:
@@ -217,7 +216,7 @@ def _profiled_ops(distiller, run, step: int) -> list[dict]:
     return _top_ops(prof)
 
 
-def _measure(
+def measure_point(
     settings: TrainBenchSettings,
     case: str,
     length: int,
@@ -227,6 +226,9 @@ def _measure(
     tokenizer,
     progress,
 ) -> dict:
+    """One point of ``bench train``: ``case`` at ``length`` tokens under ``precision`` and
+    ``kernels``, timed through the real trainer's step beside the teacher's rates (``progress()``
+    after each timed step)."""
     from attn2ssm.distill.trainer import Distiller
 
     recipe = _recipe(settings, case, length, precision, kernels)
@@ -310,7 +312,9 @@ def run_train_bench(settings: TrainBenchSettings, progress: bool = True) -> dict
     for case, length, precision, kernels in points:
         bar.set_postfix(case=case, length=length, precision=precision, kernels=kernels)
         rows.append(
-            _measure(settings, case, length, precision, kernels, teacher, tokenizer, lambda: bar.update(1))
+            measure_point(
+                settings, case, length, precision, kernels, teacher, tokenizer, lambda: bar.update(1)
+            )
         )
     bar.close()
     return {

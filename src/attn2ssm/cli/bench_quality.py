@@ -113,9 +113,8 @@ def run_quality(args) -> int:
         json_path=Path(args.json),
         eval=_quality_eval(args),
     )
-    planned = plan_cells(
-        settings
-    )  # a missing recipe, an unscalable stage, a budget too small: before anything loads
+    # a missing recipe, an unscalable stage, a budget too small: before anything loads
+    planned = plan_cells(settings)
     if args.plan:
         print(format_plan(planned, settings.eval))
         return 0

@@ -54,13 +54,14 @@ def add_parser(bsub) -> None:
 
 
 def run_train(args) -> int:
+    # heavy: torch
     from attn2ssm.bench.train import (
         CASES,
         TrainBenchSettings,
         format_train_bench,
         plot_train_bench,
         run_train_bench,
-    )  # heavy: torch
+    )
     from attn2ssm.precision import PRECISIONS  # heavy: torch
 
     cases = tuple(c.strip() for c in args.cases.split(",") if c.strip())

@@ -14,6 +14,7 @@ _LAZY = {
     "undo_cpu_decode_layout": "attn2ssm.decode.layout",
     "enable_decode_plan": "attn2ssm.decode.plan",
     "disable_decode_plan": "attn2ssm.decode.plan",
+    "compiled_step_status": "attn2ssm.decode.plan",
     "standard_layout": "attn2ssm.decode.fusion",
 }
 

@@ -155,12 +155,10 @@ class DecodePlan:
             name = next((n for n, m in parent.named_children() if m is module), None)
             if name is not None:
                 self.placed.append((parent, name, module))
-        self.stepping = {
-            i for i, m in mixers.items() if callable(getattr(m, "step", None))
-        }  # layers whose mixer has a one-token step
-        self.cache_class = type(
-            model.new_cache()
-        )  # the student's own cache (its remote-code copy's, for one)
+        # layers whose mixer has a one-token step
+        self.stepping = {i for i, m in mixers.items() if callable(getattr(m, "step", None))}
+        # the student's own cache (its remote-code copy's, for one)
+        self.cache_class = type(model.new_cache())
         self.context = model.mixer_context
         # modules whose __call__ (and so whose hooks) the plan skips: they must have none
         self.skipped = [model, self.base, inner, *layers] + [
@@ -256,9 +254,8 @@ class DecodePlan:
 
         def capture(index):
             def hook(module, args, kwargs):
-                handed[index] = kwargs.get(
-                    "position_embeddings"
-                )  # (passed positionally: not what the plan was written for)
+                # (passed positionally: not what the plan was written for)
+                handed[index] = kwargs.get("position_embeddings")
 
             return hook
 
@@ -431,3 +428,13 @@ def enable_decode_plan(model, compile: bool = False) -> bool:
 def disable_decode_plan(model) -> bool:
     """Drop ``model``'s plan (its class is put back by ``undo_cpu_decode_layout``). True if it had one."""
     return model.__dict__.pop("_decode_plan", None) is not None
+
+
+def compiled_step_status(model) -> str:
+    """The word "compiled" when ``model``'s decode plan runs its layers as one ``torch.compile``d
+    function, else why it decodes eagerly (``model.compiled_step_reason``: no plan, compiling not possible,
+    or the compiled function failed at a call); "not compiled" when compiling was never asked."""
+    plan = model.__dict__.get("_decode_plan")
+    if plan is not None and plan.compiled is not None and plan.compiled.failed is None:
+        return "compiled"
+    return getattr(model, "compiled_step_reason", "") or "not compiled"
