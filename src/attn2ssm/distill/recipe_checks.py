@@ -14,7 +14,7 @@ import torch
 from attn2ssm.adapters import get_adapter
 from attn2ssm.data import check_block_len
 from attn2ssm.data.builtin import names as builtin_corpora
-from attn2ssm.data.sources import (
+from attn2ssm.data.specs import (
     MIX_PREFIX,
     MIXTURES,
     expand_mixture,
