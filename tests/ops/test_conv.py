@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from attn2ssm.errors import ConfigError
 from attn2ssm.ops.conv import SHORT, causal_conv1d, causal_conv1d_state, causal_conv1d_step
 from op_forms import in_pieces, left_padding
 
@@ -92,7 +93,7 @@ def test_bad_arguments():
     x, w, bias = _inputs()
     with pytest.raises(ValueError, match="activation"):
         causal_conv1d(x, w, bias, activation="gelu")
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ConfigError, match="backend='triton' is not a kernel choice"):
         causal_conv1d(x, w, bias, backend="triton")
 
 

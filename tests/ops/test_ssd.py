@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from attn2ssm.errors import ConfigError
 from attn2ssm.ops.ssd import segsum, ssd_chunked, ssd_quadratic, ssd_sequential, ssd_state, ssd_step
 from op_forms import in_pieces, left_padding
 
@@ -186,7 +187,7 @@ def test_empty_sequence_keeps_state():
 
 
 def test_bad_backend():
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ConfigError, match="backend='cuda' is not a kernel choice"):
         ssd_chunked(*_inputs()[:4], backend="cuda")
 
 
