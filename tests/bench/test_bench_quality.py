@@ -553,7 +553,7 @@ def test_passkey_table_cells_show_accuracy_and_recall():
 
 # ------------------------------------------------------------------------------------- the evaluation suite
 def _tiny_suite(setup):
-    from attn2ssm.eval.suite import SuiteSettings, TaskSpec
+    from attn2ssm.eval.suite_settings import SuiteSettings, TaskSpec
 
     return SuiteSettings(
         name="tiny",
@@ -632,7 +632,8 @@ def test_an_invocation_without_the_suite_keeps_the_cells_scored_on_it(setup, gri
 
 def test_suite_columns_and_panels_of_a_grid():
     import attn2ssm.bench.quality as sb
-    from attn2ssm.eval.suite import SuiteSettings, TaskSpec, pair_rows
+    from attn2ssm.eval.suite import pair_rows
+    from attn2ssm.eval.suite_settings import SuiteSettings, TaskSpec
 
     suite = SuiteSettings(
         name="s",

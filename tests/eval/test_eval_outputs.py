@@ -178,12 +178,23 @@ def test_a_suite_whose_folder_fails_after_scoring_prints_and_keeps_its_table(
 
 
 def test_suite_windows_past_the_models_positions_say_lower_windows(tiny_setup, tmp_path, monkeypatch, capsys):
+    """A window the user chose past a model's positions is refused in one line; one of the suite's own
+    is skipped with a note, and the rest is scored."""
     teacher, corpus = tiny_setup  # 128 positions
     _tiny_suite(monkeypatch, corpus, windows=(32, 256))
-    err = one_line_error(capsys, _suite_argv(teacher, tmp_path, "--out", str(tmp_path / "s")))
+    argv = _suite_argv(teacher, tmp_path, "--out", str(tmp_path / "s"))
+    err = one_line_error(capsys, [*argv, "--windows", "32,256"])
     assert err.endswith(
         "reads at most 128 positions, and the suite needs 256 — lower --windows to 128 or less, e.g. --windows 128"
     )
+    assert "and --curve-windows" in one_line_error(capsys, [*argv, "--windows", "256", "--curve-windows", "32,256"])
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert f"note: {teacher} reads at most 128 positions: windows 256 skipped" in captured.err
+    rows = json.loads((tmp_path / "s" / "suite.json").read_text())["rows"]
+    assert [r["id"] for r in rows] == [f"ppl/{corpus}/32"]
+    _tiny_suite(monkeypatch, corpus, windows=(256, 512))  # nothing left to score: refused
+    assert "lower --windows to 128" in one_line_error(capsys, argv)
 
 
 def test_a_read_only_model_folder_refuses_tasks_before_scoring(tiny_setup, tmp_path, monkeypatch, capsys):

@@ -62,7 +62,11 @@ def test_standard_and_quick_settings_meet_their_standard_errors():
         assert binomial_se(0.5, n) <= 0.0251, spec
     assert [t.shots for t in std.tasks if t.task == "mmlu"] == [0, 5] and std.generation.task == "triviaqa"
     assert std.generation.shots == quick.generation.shots == 5  # 0-shot, the instruct teacher answers nothing
-    assert std.niah_trials >= 20 and std.niah_lengths == (1024, 2048, 4096) and std.windows == (1024, 2048)
+    assert std.niah_trials >= 20 and std.niah_lengths == std.windows == (1024, 2048, 4096, 8192)
+    assert std.curve_windows == (512, 1024, 2048, 4096, 8192) and std.max_tokens >= 2 * 8192
+    # --quick: its 4,096 tokens a corpus hold no longer window; 8k needles would double its cost
+    assert quick.windows == (1024, 2048) and quick.curve_windows == (512, 1024, 2048, 4096)
+    assert quick.niah_lengths == (1024, 2048, 4096) and max(quick.curve_windows) <= quick.max_tokens
     assert set(std.corpora) >= {"emails", "kjv", "pydoc", "sotu", "moby-dick"}
     assert (
         quick.max_tokens < std.max_tokens
@@ -296,7 +300,9 @@ def test_select_rows_keeps_the_named_groups_and_their_units():
     full = suite_settings("standard", quick=True)
     ids = {u.id for u in plan_units(full)}
     ppl = select_rows(full, "perplexity")
-    assert [u.kind for u in plan_units(ppl)] == ["ppl"] * 10
+    # 5 corpora × the rows' windows 1024, 2048 and the curve's 512 and 4096
+    assert [u.kind for u in plan_units(ppl)] == ["ppl"] * 20
+    assert [u.params[1] for u in plan_units(ppl)][:4] == [512, 1024, 2048, 4096]
     mmlu_needles = select_rows(full, "mmlu, needles")
     assert {u.id for u in plan_units(mmlu_needles)} == {
         "task/mmlu/0",
@@ -332,7 +338,8 @@ def test_select_needles_sets_lengths_and_trials_and_keeps_shared_units_keys():
     shared = next(u for u in plan_units(full) if u.id == "niah/niah_single_2/1024")
     assert unit_key(shared, short, inputs) == unit_key(shared, full, inputs)  # the 1k unit is cached once
     more = select_needles(suite_settings("standard", quick=True), trials=20)
-    assert more.niah_trials == 20 and more.niah_lengths == full.niah_lengths
+    assert more.niah_trials == 20 and more.niah_lengths == (1024, 2048, 4096) and not more.chosen
+    assert short.chosen == ("--needle-lengths",)
     assert unit_key(shared, more, inputs)["trials"] == 20
     assert unit_key(shared, suite_settings("standard", quick=True), inputs)["trials"] == 5
     assert select_needles(full) == full
@@ -355,6 +362,11 @@ def test_select_perplexity_sets_corpora_and_windows_and_keeps_shared_units_keys(
     shared = next(u for u in plan_units(full) if u.id == "ppl/emails/1024")
     assert unit_key(shared, demo, inputs) == unit_key(shared, full, inputs)  # the demo's rows are cached once
     assert select_perplexity(full, windows=(2048, 1024, 2048)).windows == (1024, 2048)
+    # --windows alone: the curve over those windows; --curve-windows sets the curve's own
+    assert demo.curve_windows == () and demo.perplexity_windows == (1024,) and demo.chosen == ("--windows",)
+    both = select_perplexity(full, windows=(1024,), curve=(4096, 1024))
+    assert both.curve_windows == (1024, 4096) and both.perplexity_windows == (1024, 4096)
+    assert select_perplexity(full, curve=(1024, 2048)).windows == full.windows
     assert select_perplexity(full) == full
     with pytest.raises(ConfigError, match="names no corpus"):
         select_perplexity(full, corpora=(" ", ""))

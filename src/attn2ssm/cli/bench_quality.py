@@ -180,7 +180,7 @@ def _quality_eval(args) -> EvalSettings:
 
 def _quality_suite(name: str):
     """--suite quick | standard | none: the evaluation suite every cell is also scored on."""
-    from attn2ssm.eval.suite import suite_settings
+    from attn2ssm.eval.suite_settings import suite_settings
 
     if name == "none":
         return None

@@ -98,7 +98,8 @@ def _add_suite_args(e) -> None:
         default=None,
         metavar="standard",
         help="the evaluation suite against --against (default: the built-in teacher): perplexity at "
-        "windows 1024 and 2048 on five corpora, 0-shot core tasks, MMLU 0- and 5-shot, RULER-form needles at 1k-4k, TriviaQA exact match; "
+        "windows 1024-8192 on five corpora and its length curve, 0-shot core tasks, MMLU 0- and 5-shot, RULER-form needles at 1k-8k, "
+        "TriviaQA exact match, the KV cache at 8k against the teacher's; "
         "per row teacher, student, recovered, standard errors, n and CPU seconds (docs/evaluation.md)",
     )
     e.add_argument(
@@ -122,7 +123,14 @@ def _add_suite_args(e) -> None:
     e.add_argument(
         "--windows",
         default=None,
-        help="with --suite: the perplexity rows' windows in tokens instead of 1024,2048, e.g. 1024",
+        help="with --suite: the perplexity rows' windows in tokens instead of the suite's (1024-8192; --quick "
+        "1024,2048), e.g. 1024; without --curve-windows the length curve is drawn over these",
+    )
+    e.add_argument(
+        "--curve-windows",
+        default=None,
+        help="the length curve's windows (student / teacher perplexity against the window), e.g. 1024,2048,4096: "
+        "with --suite instead of its 512-8192 (--quick 512-4096); with --report the curve is scored at these",
     )
     e.add_argument(
         "--suite-cache",
@@ -175,6 +183,11 @@ def _check_modes(args) -> None:
     for flag, value in (("--rows", args.rows), ("--corpora", args.corpora), ("--windows", args.windows)):
         if value is not None and not args.suite:
             raise ConfigError(f"{flag} chooses rows of the suite", "add --suite standard")
+    if args.curve_windows is not None and not (args.suite or args.report):
+        raise ConfigError(
+            "--curve-windows sets the length curve of --suite or --report",
+            "add --suite standard, or --report",
+        )
     modes = [
         flag
         for flag, on in (

@@ -13,6 +13,7 @@ from attn2ssm.errors import ConfigError
 from attn2ssm.eval.compare import ReportSettings, compare_report, format_markdown
 from attn2ssm.eval.harness import resolve_tasks
 from attn2ssm.eval.output import KeptOutput
+from attn2ssm.eval.suite_settings import check_lengths
 
 
 def run_report(args) -> int:
@@ -35,6 +36,11 @@ def run_report(args) -> int:
         needle_depths=depths,
         agreement_prompts=args.agreement_prompts,
         fidelity_blocks=args.blocks,
+        curve_windows=(
+            check_lengths("--curve-windows", "windows", int_list("--curve-windows", args.curve_windows), 16)
+            if args.curve_windows
+            else ()
+        ),
         # else the report's default
         **({} if args.needle_trials is None else {"needle_trials": args.needle_trials}),
     )
@@ -62,6 +68,7 @@ def run_suite_command(args) -> int:
         settings,
         corpora=tuple(args.corpora.split(",")) if args.corpora is not None else None,
         windows=int_list("--windows", args.windows) if args.windows else None,
+        curve=int_list("--curve-windows", args.curve_windows) if args.curve_windows else None,
     )
     resolve_teacher(args.against or "smollm2-135m")  # a missing teacher path fails before the student loads
     out = KeptOutput(_suite_dir(args))  # scores that cannot be written there go to a temporary folder

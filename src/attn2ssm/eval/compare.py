@@ -2,8 +2,9 @@
 
 ``attn2ssm eval STUDENT --against TEACHER --report`` scores both models on the same inputs:
 held-out perplexity per corpus, lm-eval tasks from the offline pack (``--tasks``), passkey
-retrieval (``--needle``), generation agreement with the teacher, and attention fidelity where
-the student's mixers expose weights. Recovered = student / teacher for higher-is-better metrics
+retrieval (``--needle``), generation agreement with the teacher, attention fidelity where
+the student's mixers expose weights, and with ``--curve-windows`` the length curve (student / teacher
+perplexity against the window, :mod:`attn2ssm.eval.length_curve`, clipped to the models' positions). Recovered = student / teacher for higher-is-better metrics
 and teacher / student for lower-is-better ones (perplexity), so 100 % means "as good as the
 teacher" either way. Writes report.md, report.json and report.png (recovered fraction per row),
 plus needle.png when passkey retrieval ran.
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attn2ssm.eval.harness import run_lm_eval
+from attn2ssm.eval.length_curve import format_curve
 from attn2ssm.eval.stats import binomial_se, items_scored
 from attn2ssm.eval.tables import format_table, plot_recovered, table_row
 from attn2ssm.paths import atomic_write_text
@@ -36,6 +38,7 @@ class ReportSettings:
     agreement_prompt_len: int = 64
     agreement_new_tokens: int = 32
     fidelity_blocks: int = 2
+    curve_windows: tuple[int, ...] = ()  # the length curve's windows; () scores none
     extra: dict = field(default_factory=dict)
 
 
@@ -89,6 +92,7 @@ class _Scores:
     out_dir: Path
     rows: list = field(default_factory=list)
     details: dict = field(default_factory=dict)
+    length_curve: dict | None = None
     started: float = field(default_factory=time.time)
 
     def save(self) -> dict:
@@ -98,6 +102,7 @@ class _Scores:
             "student": str(self.student_path),
             "teacher": self.teacher_spec,
             "rows": self.rows,
+            "length_curve": self.length_curve,
             "details": self.details,
             "settings": {
                 k: (list(v) if isinstance(v, tuple) else v) for k, v in self.settings.__dict__.items()
@@ -130,6 +135,9 @@ def compare_report(
     scores = _Scores(student_path, teacher_spec, settings, out_dir)
     corpora = _score_perplexity(scores, teacher, student, tokenizer, progress)
     scores.save()
+    if settings.curve_windows:
+        _score_curve(scores, teacher, student, corpora, progress)
+        scores.save()
     if settings.agreement_prompts:
         _score_agreement(
             scores, teacher, student, tokenizer, corpora[settings.corpora[0]].heldout_ids, progress
@@ -145,7 +153,10 @@ def compare_report(
         _score_tasks(scores)
     report = scores.save()
     plot_recovered(
-        scores.rows, out_dir / "report.png", f"{Path(str(student_path)).name} vs {report['teacher']}"
+        scores.rows,
+        out_dir / "report.png",
+        f"{Path(str(student_path)).name} vs {report['teacher']}",
+        curve=scores.length_curve,
     )
     return report
 
@@ -173,6 +184,30 @@ def _score_perplexity(scores: _Scores, teacher, student, tokenizer, progress: bo
             )
         )
     return corpora
+
+
+def _score_curve(scores: _Scores, teacher, student, corpora: dict, progress: bool) -> None:
+    """1b. The length curve at ``curve_windows`` on the same corpora; windows past either model's
+    positions, or longer than a corpus's held-out tokens, are skipped with a note on stderr."""
+    import sys
+
+    from attn2ssm.eval.length_curve import fit_windows, score_length_curve
+    from attn2ssm.student.loading import position_limit  # heavy: transformers
+
+    settings = scores.settings
+    windows = settings.curve_windows
+    for name, model in ((scores.student_path, student), (scores.teacher_spec, teacher)):
+        limit = position_limit(model.config)
+        fitted = fit_windows(windows, limit)
+        if len(fitted) < len(windows):
+            skipped = ",".join(str(w) for w in windows if w not in fitted)
+            print(
+                f"note: {name} reads at most {limit} positions: curve windows {skipped} skipped",
+                file=sys.stderr,
+            )
+        windows = fitted
+    ids = {c: corpus.heldout_ids[: settings.max_tokens] for c, corpus in corpora.items()}
+    scores.length_curve = score_length_curve(teacher, student, ids, windows, progress)
 
 
 def _score_agreement(scores: _Scores, teacher, student, tokenizer, heldout_ids, progress: bool) -> None:
@@ -272,6 +307,15 @@ def format_markdown(report: dict) -> str:
         "",
         *format_table(report["rows"]),
     ]
+    curve = report.get("length_curve")
+    if curve:
+        lines += [
+            "",
+            f"Length curve: student / teacher perplexity against the window (stride = window / 2), per corpus "
+            f"and their {curve['average']}:",
+            "",
+            *format_curve(curve),
+        ]
     ex = report["details"].get("generation_agreement", {}).get("examples", [])
     if ex:
         lines += [

@@ -6,14 +6,17 @@ the student's score, recovered (student / teacher; teacher / student for perplex
 error of each score that is a mean over items, the number of items, and the CPU seconds each side
 cost. The rows (docs/evaluation.md has the settings and the costs):
 
-- **perplexity** at windows 1024 and 2048 (stride = window / 2) on the held-out split of five
+- **perplexity** at windows 1024 to 8192 (stride = window / 2) on the held-out split of five
   built-in corpora, three of domains no built-in recipe trains on (``emails``, ``kjv``, ``pydoc``)
   and the two training corpora's held-out text as the in-domain reference (``sotu`` addresses from
   2000 on, the last chapters of ``moby-dick``), at most ``max_tokens`` tokens each;
 - **0-shot core tasks** (lm-eval, offline pack) and **MMLU 0-shot and 5-shot**, each on a seeded
   random subset of its documents (the same for every model), chosen so that the binomial standard
   error sqrt(p (1 - p) / n) is at most ~2.5 points at p = 0.5;
-- **needle in a haystack** in RULER's three single-needle forms at 1k, 2k and 4k tokens
+- the **length curve**: student / teacher perplexity against the window, 512 to 8192 tokens
+  (:mod:`attn2ssm.eval.length_curve`; its windows are perplexity units too), and the student's
+  **KV cache** at 8192 tokens against the teacher's (``kv_fraction``, :mod:`attn2ssm.eval.kv_cache`);
+- **needle in a haystack** in RULER's three single-needle forms at 1k, 2k, 4k and 8k tokens
   (:mod:`attn2ssm.eval.needle`): greedy match and teacher-forced recall;
 - one **generation-scored** task: TriviaQA exact match on greedy short answers, 5-shot ("When
   Perplexity Lies": log-likelihood scoring hides what a student loses when it has to generate). The
@@ -36,10 +39,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from attn2ssm.errors import ConfigError, DataError
+from attn2ssm.errors import DataError
 from attn2ssm.eval.output import KeptOutput
 from attn2ssm.eval.stats import binomial_se, pooled_accuracy
-from attn2ssm.eval.suite_settings import DOMAINS, SuiteSettings, TaskSpec
+from attn2ssm.eval.suite_settings import DOMAINS, SuiteSettings, TaskSpec, fit_positions
 from attn2ssm.eval.tables import format_suite_markdown, plot_recovered, table_row
 from attn2ssm.paths import atomic_write_text
 
@@ -63,7 +66,7 @@ class Unit:
 
 
 def plan_units(settings: SuiteSettings) -> list[Unit]:
-    units = [Unit("ppl", (c, w)) for c in settings.corpora for w in settings.windows]
+    units = [Unit("ppl", (c, w)) for c in settings.corpora for w in settings.perplexity_windows]
     units += [Unit("task", (t,)) for t in settings.tasks]
     if settings.generation is not None:
         units.append(Unit("task", (settings.generation,)))
@@ -185,10 +188,10 @@ def prepare_inputs(settings: SuiteSettings, tokenizer) -> dict:
         held = prepare_corpus(
             corpus, tokenizer, max_heldout_tokens=settings.max_tokens, max_train_tokens=0
         ).heldout_ids[: settings.max_tokens]
-        need = max(settings.windows) // 2 + 2
+        need = max(settings.perplexity_windows) // 2 + 2
         if held.numel() < need:
             raise DataError(
-                f"corpus {corpus!r} has {held.numel()} held-out tokens, too few for windows up to {max(settings.windows)}",
+                f"corpus {corpus!r} has {held.numel()} held-out tokens, too few for windows up to {max(settings.perplexity_windows)}",
                 f"use corpora with at least {need} held-out tokens, or smaller windows",
             )
         ids[corpus] = held
@@ -210,62 +213,74 @@ def score_unit(
 ) -> dict:
     """One model's scores of one unit: {row id: {value, se, n, cpu_seconds, wall_seconds, ...}}."""
     cpu, wall = time.process_time(), time.time()
-    if unit.kind == "ppl":
-        from attn2ssm.eval.perplexity import perplexity
-
-        corpus, window = unit.params
-        r = perplexity(
-            model,
-            inputs["ids"][corpus],
-            window=window,
-            stride=window // 2,
-            batch_size=max(1, 4096 // window),
-            progress=progress,
-            desc=f"{corpus} @{window}",
-        )
-        out = {unit.id: {"value": r["ppl"], "se": None, "n": r["tokens"], "nll": r["nll"]}}
-    elif unit.kind == "task":
-        from attn2ssm.eval.harness import run_lm_eval
-
-        spec = unit.params[0]
-        record = run_lm_eval(
-            model,
-            [spec.task],
-            samples=task_samples(spec, settings.seed),
-            num_fewshot=spec.shots,
-            tokenizer=tokenizer,
-            batch_size=settings.batch_size,
-            device=_device(model),
-            bootstrap_iters=0,
-            max_gen_toks=settings.max_gen_toks,
-        )
-        value, n = pooled_accuracy(record, spec.metric)
-        out = {unit.id: {"value": value, "se": binomial_se(value, n), "n": n}}
-    else:
-        from attn2ssm.eval.needle import niah_grid
-
-        form, length = unit.params
-        g = niah_grid(
-            model,
-            tokenizer,
-            form,
-            [length],
-            settings.niah_trials,
-            seed=settings.seed,
-            essay=inputs["essay"],
-            progress=progress,
-            desc=f"{form} @{length}",
-        )
-        n, acc, rec = settings.niah_trials, g["accuracy"][str(length)], g["recall"][str(length)]
-        out = {
-            unit.id: {"value": acc, "se": binomial_se(acc, n), "n": n, "example": g["examples"][0]},
-            f"{unit.id}/recall": {"value": rec, "se": binomial_se(rec, n), "n": n},
-        }
+    scorer = {"ppl": _score_perplexity, "task": _score_task, "niah": _score_needle}[unit.kind]
+    out = scorer(unit, model, tokenizer, settings, inputs, progress)
     cost = {"cpu_seconds": time.process_time() - cpu, "wall_seconds": time.time() - wall}
     # the unit's cost goes to its first row (recall comes with the greedy run)
     for i, scores in enumerate(out.values()):
         scores.update(cost if i == 0 else {"cpu_seconds": 0.0, "wall_seconds": 0.0})
     return out
+
+
+def _score_perplexity(
+    unit: Unit, model, tokenizer, settings: SuiteSettings, inputs: dict, progress: bool
+) -> dict:
+    from attn2ssm.eval.perplexity import perplexity
+
+    corpus, window = unit.params
+    r = perplexity(
+        model,
+        inputs["ids"][corpus],
+        window=window,
+        stride=window // 2,
+        batch_size=max(1, 4096 // window),
+        progress=progress,
+        desc=f"{corpus} @{window}",
+    )
+    return {unit.id: {"value": r["ppl"], "se": None, "n": r["tokens"], "nll": r["nll"]}}
+
+
+def _score_task(unit: Unit, model, tokenizer, settings: SuiteSettings, inputs: dict, progress: bool) -> dict:
+    from attn2ssm.eval.harness import run_lm_eval
+
+    spec = unit.params[0]
+    record = run_lm_eval(
+        model,
+        [spec.task],
+        samples=task_samples(spec, settings.seed),
+        num_fewshot=spec.shots,
+        tokenizer=tokenizer,
+        batch_size=settings.batch_size,
+        device=_device(model),
+        bootstrap_iters=0,
+        max_gen_toks=settings.max_gen_toks,
+    )
+    value, n = pooled_accuracy(record, spec.metric)
+    return {unit.id: {"value": value, "se": binomial_se(value, n), "n": n}}
+
+
+def _score_needle(
+    unit: Unit, model, tokenizer, settings: SuiteSettings, inputs: dict, progress: bool
+) -> dict:
+    from attn2ssm.eval.needle import niah_grid
+
+    form, length = unit.params
+    g = niah_grid(
+        model,
+        tokenizer,
+        form,
+        [length],
+        settings.niah_trials,
+        seed=settings.seed,
+        essay=inputs["essay"],
+        progress=progress,
+        desc=f"{form} @{length}",
+    )
+    n, acc, rec = settings.niah_trials, g["accuracy"][str(length)], g["recall"][str(length)]
+    return {
+        unit.id: {"value": acc, "se": binomial_se(acc, n), "n": n, "example": g["examples"][0]},
+        f"{unit.id}/recall": {"value": rec, "se": binomial_se(rec, n), "n": n},
+    }
 
 
 def score_side(
@@ -364,9 +379,14 @@ def suite_report(
     teacher_scores: dict,
     student_scores: dict,
     branch: str = "both",
+    kv_cache: dict | None = None,
 ) -> dict:
+    """suite.json's content: the rows, the length curve built from the perplexity units, and
+    ``kv_cache`` (:func:`attn2ssm.eval.kv_cache.kv_fraction` as a dict; its fraction is also the
+    top-level ``kv_fraction``)."""
     import torch
 
+    from attn2ssm.eval.length_curve import curve_from_scores
     from attn2ssm.eval.report import environment
 
     rows = pair_rows(settings, teacher_scores, student_scores)
@@ -374,12 +394,16 @@ def suite_report(
         side: sum(s.get("cpu_seconds", 0.0) for s in scores.values() if not s.get("cached"))
         for side, scores in (("teacher", teacher_scores), ("student", student_scores))
     }
+    curve_windows = settings.curve_windows or settings.windows
     return {
         "student": str(student_path),
         "teacher": teacher_spec,
         "suite": settings.name,
         "branch": branch,
         "rows": rows,
+        "length_curve": curve_from_scores(settings.corpora, curve_windows, teacher_scores, student_scores),
+        "kv_fraction": None if kv_cache is None else kv_cache["kv_fraction"],
+        "kv_cache": kv_cache,
         "settings": settings.as_dict(),
         "cpu_seconds": cost,
         "threads": torch.get_num_threads(),
@@ -398,7 +422,23 @@ def write_suite_report(report: dict, out_dir: Path) -> None:
         report["rows"],
         out_dir / "suite.png",
         f"{Path(str(report['student'])).name} vs {report['teacher']} (suite {report['suite']})",
+        curve=report.get("length_curve"),
     )
+
+
+def fit_models(settings: SuiteSettings, models) -> SuiteSettings:
+    """``settings`` for every (name, model) of ``models``: the suite's own lengths past a model's
+    positions dropped (a note on stderr each), the user's refused with one line
+    (:func:`attn2ssm.eval.suite_settings.fit_positions`)."""
+    import sys
+
+    from attn2ssm.student.loading import position_limit
+
+    for name, model in models:
+        settings, notes = fit_positions(settings, position_limit(model.config), str(name))
+        for note in notes:
+            print(note, file=sys.stderr)
+    return settings
 
 
 def run_suite(
@@ -416,33 +456,20 @@ def run_suite(
     suite.png to ``out_dir`` after every unit (a :class:`KeptOutput`: to a temporary folder once
     ``out_dir`` cannot be written, so no score is lost; its ``path`` says where they went).
     ``branch`` (both | window | linear) runs a LoLCATs-style student's mixers with one branch only
-    (:func:`attn2ssm.mixers.linear_attention.set_window_branch`; the student's scores are never cached)."""
+    (:func:`attn2ssm.mixers.linear_attention.set_window_branch`; the student's scores are never cached).
+    Lengths past a model's positions: see :func:`fit_models`."""
+    from attn2ssm.eval.kv_cache import kv_fraction
+    from attn2ssm.mixers.linear_attention import set_window_branch
     from attn2ssm.paths import cache_dir as default_cache
-    from attn2ssm.student.loading import load_model_and_tokenizer, position_limit
+    from attn2ssm.student.loading import load_model_and_tokenizer
 
     teacher_spec = teacher_spec or "smollm2-135m"
-    from attn2ssm.mixers.linear_attention import set_window_branch
-
     student, tokenizer = load_model_and_tokenizer(student_path, device)
     # a student without a window branch: one line, before the teacher loads
     set_window_branch(student, branch, str(student_path))
     teacher, _ = load_model_and_tokenizer(teacher_spec, device)
-    # the lengths the rows scored read (a --rows choice drops the others)
-    windows = settings.windows if settings.corpora else ()
-    needles = settings.niah_lengths if settings.niah_forms else ()
-    longest = max([*windows, *needles], default=0)
-    for name, m in ((student_path, student), (teacher_spec, teacher)):
-        limit = position_limit(m.config)
-        if limit is not None and longest > limit:
-            flags = [
-                flag
-                for flag, values in (("--windows", windows), ("--needle-lengths", needles))
-                if values and max(values) > limit
-            ]
-            raise ConfigError(
-                f"{name} reads at most {limit} positions, and the suite needs {longest}",
-                f"lower {' and '.join(flags)} to {limit} or less, e.g. {flags[0]} {limit}",
-            )
+    settings = fit_models(settings, ((student_path, student), (teacher_spec, teacher)))
+    kv = kv_fraction(student, teacher).as_dict()
     inputs = prepare_inputs(settings, tokenizer)
     cache = teacher_cache(Path(cache_dir) if cache_dir else default_cache() / "suite", teacher_spec, device)
     teacher_scores = score_side(teacher, tokenizer, settings, inputs, cache, progress)
@@ -451,14 +478,11 @@ def run_suite(
     out = out_dir if isinstance(out_dir, KeptOutput) else KeptOutput(out_dir)
 
     def save(student_scores: dict) -> dict:
-        report = suite_report(settings, teacher_spec, student_path, teacher_scores, student_scores, branch)
+        report = suite_report(
+            settings, teacher_spec, student_path, teacher_scores, student_scores, branch, kv
+        )
         out.write(lambda folder: write_suite_report(report, folder))
         return report
 
     student_scores = score_side(student, tokenizer, settings, inputs, None, progress, on_unit=save)
     return save(student_scores)
-
-
-# bench imports these from here still (their homes: eval.suite_settings and eval.tables)
-from attn2ssm.eval.suite_settings import settings_from_dict, suite_settings  # noqa: E402, F401
-from attn2ssm.eval.tables import summary  # noqa: E402, F401

@@ -80,7 +80,9 @@ def format_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def plot_recovered(rows: list[dict], path: Path, title: str) -> None:
+def plot_recovered(rows: list[dict], path: Path, title: str, curve: dict | None = None) -> None:
+    """The recovered fraction, one bar per row; with a length ``curve`` (eval.length_curve) a second
+    panel beside the bars."""
     import matplotlib  # heavy: matplotlib, and the Agg backend is chosen only when a plot is drawn
 
     matplotlib.use("Agg")
@@ -89,7 +91,16 @@ def plot_recovered(rows: list[dict], path: Path, title: str) -> None:
     shown = [r for r in rows if r["recovered"] is not None]
     if not shown:
         return
-    fig, ax = plt.subplots(figsize=(7, 0.35 * len(shown) + 1.4))
+    height = 0.35 * len(shown) + 1.4
+    if curve:
+        from attn2ssm.eval.length_curve import draw_curve
+
+        fig, (ax, side) = plt.subplots(
+            1, 2, figsize=(12, max(height, 4.0)), gridspec_kw={"width_ratios": [7, 5]}
+        )
+        draw_curve(side, curve)
+    else:
+        fig, ax = plt.subplots(figsize=(7, height))
     labels = [f"{r['group']}: {r['metric']}"[:60] for r in shown]
     values = [100 * r["recovered"] for r in shown]
     ax.barh(range(len(shown)), values, color=[f"C{i % 10}" for i in range(len(shown))])
@@ -225,6 +236,8 @@ def format_suite_markdown(report: dict) -> str:
         "",
         *format_table(rows),
         "",
+        *_length_curve_lines(report.get("length_curve")),
+        *_kv_lines(report.get("kv_cache")),
         (
             f"CPU seconds in all: teacher {cost.get('teacher', 0):,.0f} (of units computed now), student {cost.get('student', 0):,.0f}; "
             f"{report['environment'].get('cpu_count')} CPUs, torch threads {report.get('threads')}."
@@ -234,6 +247,33 @@ def format_suite_markdown(report: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _length_curve_lines(curve: dict | None) -> list[str]:
+    from attn2ssm.eval.length_curve import format_curve
+
+    if not curve:
+        return []
+    return [
+        f"Length curve: student / teacher perplexity against the window, per corpus and their {curve['average']}:",
+        "",
+        *format_curve(curve),
+        "",
+    ]
+
+
+def _kv_lines(kv: dict | None) -> list[str]:
+    """The KV cache at the suite's length, the student's against the teacher's (eval.kv_cache)."""
+    if not kv:
+        return []
+    mb = 2**20
+    return [
+        f"KV cache at {kv['tokens']:,} tokens (one sequence): student {kv['student_kv_bytes'] / mb:,.1f} MB, "
+        f"teacher {kv['teacher_kv_bytes'] / mb:,.1f} MB — **kv_fraction {kv['kv_fraction']:.3f}** "
+        f"({100 * kv['kv_fraction']:.1f} %); plus the student's constant mixer state, "
+        f"{kv['student_state_bytes'] / mb:,.2f} MB.",
+        "",
+    ]
 
 
 def _branch_label(branch: str) -> str:

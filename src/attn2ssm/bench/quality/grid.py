@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from attn2ssm.errors import ConfigError
 
 if TYPE_CHECKING:
-    from attn2ssm.eval.suite import SuiteSettings
+    from attn2ssm.eval.suite_settings import SuiteSettings
 
 
 # family name → recipe (built-in name or YAML path)

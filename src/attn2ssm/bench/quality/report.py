@@ -228,7 +228,8 @@ def _suite_cells(result: dict) -> list[dict]:
 
 def format_suite_columns(result: dict) -> list[str]:
     """The suite's summary per cell: student score · recovered (ppl ratio: student / teacher)."""
-    from attn2ssm.eval.suite import settings_from_dict, summary
+    from attn2ssm.eval.suite_settings import settings_from_dict
+    from attn2ssm.eval.tables import summary
 
     suite = settings_from_dict(result["suite"])
     scored = {(r["family"], r["tokens"]): r for r in _suite_cells(result)}
@@ -366,7 +367,8 @@ def _format_ratio_axis(ax, result: dict, window: str, legend: bool) -> None:
 def _plot_suite_panels(result: dict, cells: list[dict], families: list[str], axes) -> None:
     """Two panels of the suite against training tokens: the core-task mean and MMLU 5-shot as the
     fraction of the teacher recovered; the needles' mean greedy match at the longest length."""
-    from attn2ssm.eval.suite import settings_from_dict, summary
+    from attn2ssm.eval.suite_settings import settings_from_dict
+    from attn2ssm.eval.tables import summary
 
     suite = settings_from_dict(result["suite"])
     budgets = sorted({r["tokens"] for r in result["cells"]})
