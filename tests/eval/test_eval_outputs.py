@@ -187,7 +187,9 @@ def test_suite_windows_past_the_models_positions_say_lower_windows(tiny_setup, t
     assert err.endswith(
         "reads at most 128 positions, and the suite needs 256 — lower --windows to 128 or less, e.g. --windows 128"
     )
-    assert "and --curve-windows" in one_line_error(capsys, [*argv, "--windows", "256", "--curve-windows", "32,256"])
+    assert "and --curve-windows" in one_line_error(
+        capsys, [*argv, "--windows", "256", "--curve-windows", "32,256"]
+    )
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert f"note: {teacher} reads at most 128 positions: windows 256 skipped" in captured.err
