@@ -114,22 +114,10 @@ def write_report(
     metrics = read_metrics(run_dir)
     plot = plot_losses(metrics, run_dir / "loss.png", f"{recipe.name}: {recipe.student.mixer}")
     plan = student.config.layer_plan
-    results = {
-        "recipe": recipe.name,
-        "teacher": recipe.teacher,
-        "corpus": recipe.data.describe(),
-        "heldout": {"window": window, "stride": stride, "tokens": s["tokens"]},
-        "teacher_ppl": t["ppl"],
-        "student_ppl": s["ppl"],
-        "ppl_ratio": s["ppl"] / t["ppl"] if t["ppl"] else None,
-        "layer_plan": plan,
-        "attention_layers": [i for i, k in enumerate(plan) if k == "attention"],
-        "train_tokens": metrics[-1]["total_tokens"] if metrics else 0,
-        "stages": [{"name": st.name, "kind": st.kind, "tokens": st.tokens} for st in recipe.stages],
-        "mixed_precision": {"requested": recipe.mixed_precision, "used": recipe.mixed_precision},
-        **(settings or {}),
-        "environment": environment(),
-    }
+    results = _results(
+        recipe, plan, metrics, {"window": window, "stride": stride, "tokens": s["tokens"]}, t, s
+    )
+    results.update(settings or {}, environment=environment())
     if teacher is None:
         results["teacher_ppl_source"] = (
             "measured by an earlier run on the same teacher and held-out text (this run read the teacher from its logit cache)"
@@ -146,6 +134,24 @@ def write_report(
     markdown = _report_markdown(recipe, results, plan, window, stride, t, s, plot)
     atomic_write_text(run_dir / "report.md", markdown)
     return results
+
+
+def _results(recipe, plan, metrics: list[dict], heldout: dict, t: dict, s: dict) -> dict:
+    """results.json's record of the run: recipe, held-out perplexities, plan, tokens and stages."""
+    return {
+        "recipe": recipe.name,
+        "teacher": recipe.teacher,
+        "corpus": recipe.data.describe(),
+        "heldout": heldout,
+        "teacher_ppl": t["ppl"],
+        "student_ppl": s["ppl"],
+        "ppl_ratio": s["ppl"] / t["ppl"] if t["ppl"] else None,
+        "layer_plan": plan,
+        "attention_layers": [i for i, k in enumerate(plan) if k == "attention"],
+        "train_tokens": metrics[-1]["total_tokens"] if metrics else 0,
+        "stages": [{"name": st.name, "kind": st.kind, "tokens": st.tokens} for st in recipe.stages],
+        "mixed_precision": {"requested": recipe.mixed_precision, "used": recipe.mixed_precision},
+    }
 
 
 def _report_markdown(recipe, results: dict, plan, window: int, stride: int, t: dict, s: dict, plot) -> str:
