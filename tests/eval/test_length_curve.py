@@ -139,3 +139,23 @@ def test_the_report_scores_the_curve_at_curve_windows(saved, tmp_path, capsys):
         capsys, ["eval", str(root / "student"), "--curve-windows", "16,32"]
     )
     assert "at least 16 tokens" in one_line_error(capsys, [*argv, "--curve-windows", "8,32"])
+
+
+def test_fit_positions_drops_the_suites_own_lengths_and_refuses_the_users():
+    from attn2ssm.errors import ConfigError
+    from attn2ssm.eval.suite_settings import fit_positions, select_needles, select_perplexity, suite_settings
+
+    std = suite_settings("standard")
+    fitted, notes = fit_positions(std, 2048, "gpt")
+    assert fitted.windows == (1024, 2048) and fitted.niah_lengths == (1024, 2048)
+    assert fitted.curve_windows == (512, 1024, 2048)
+    assert notes[0] == "note: gpt reads at most 2048 positions: windows 4096,8192 skipped" and len(notes) == 3
+    assert fit_positions(std, 8192, "smollm2") == (std, []) and fit_positions(std, None, "x") == (std, [])
+    with pytest.raises(ConfigError, match="lower --windows to 2048 or less"):
+        fit_positions(select_perplexity(std, windows=(1024, 4096)), 2048, "gpt")
+    with pytest.raises(ConfigError, match="lower --needle-lengths to 2048"):
+        fit_positions(select_needles(std, lengths=(4096,)), 2048, "gpt")
+    with pytest.raises(
+        ConfigError, match="the suite needs 8192 — lower --windows and --needle-lengths to 512"
+    ):
+        fit_positions(std, 512, "tiny")  # nothing of the suite's own fits: refused too
