@@ -154,6 +154,22 @@ def _model_args_string(args: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------------- run
+def _settings(limit, samples, num_fewshot, batch_size, device, dtype, bootstrap_iters, wrapper_args) -> dict:
+    """How a run of :func:`run_lm_eval` scored: its record's ``settings``."""
+    return {
+        "limit": limit,
+        "samples": None if samples is None else {k: len(v) for k, v in samples.items()},
+        "num_fewshot": num_fewshot,
+        "batch_size": batch_size,
+        "device": device,
+        "dtype": dtype,
+        "bootstrap_iters": bootstrap_iters,
+        "model_args": wrapper_args,
+        "task_pack": str(task_pack_dir()),
+        "task_data": _data_versions(),
+    }
+
+
 def run_lm_eval(
     model,
     tasks,
@@ -209,18 +225,9 @@ def run_lm_eval(
         )
     if results is None:  # not rank 0 of a distributed run
         return {}
-    settings = {
-        "limit": limit,
-        "samples": None if samples is None else {k: len(v) for k, v in samples.items()},
-        "num_fewshot": num_fewshot,
-        "batch_size": batch_size,
-        "device": device,
-        "dtype": dtype,
-        "bootstrap_iters": bootstrap_iters,
-        "model_args": wrapper_args,
-        "task_pack": str(task_pack_dir()),
-        "task_data": _data_versions(),
-    }
+    settings = _settings(
+        limit, samples, num_fewshot, batch_size, device, dtype, bootstrap_iters, wrapper_args
+    )
     record = _record(results, model_desc, names, settings, command, started, log_samples)
     if output_path is not None:
         write_results(record, output_path)
