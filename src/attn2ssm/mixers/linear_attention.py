@@ -43,6 +43,8 @@ class LinearAttentionMixer(AttentionLikeMixer):
         window: NonNegativeInt = 0,
         window_gamma: float = 0.5,
         window_dropout: float = 0.0,
+        decay: bool = False,
+        decay_horizon: PositiveFloat = 4096.0,
     ):
         super().__init__(geometry, layer_idx)
         opts = feature_map_options or {}
@@ -82,6 +84,12 @@ class LinearAttentionMixer(AttentionLikeMixer):
                 "use e.g. window_dropout: 0.25, or 0",
             )
         self.window_dropout = float(window_dropout)
+        # Gated linear attention with a scalar gate per head: key j's linear weight for query i is
+        # λ_h^(i−j)·φq_i·φk_j, λ_h = exp(−exp(decay_log_rate_h)) learned, starting at exp(−1/decay_horizon)
+        # (a horizon past the training blocks barely changes the function at init).
+        self.decay = bool(decay)
+        if self.decay:
+            self.decay_log_rate = torch.nn.Parameter(torch.full((self.num_heads,), -math.log(decay_horizon)))
         # Which branch runs (an evaluation-time ablation, not saved): both | window (the softmax window
         # alone) | linear (every key through the feature maps: linear attention without the window).
         self.branch = "both"
@@ -98,12 +106,17 @@ class LinearAttentionMixer(AttentionLikeMixer):
         _, _, v, fq, fk = self._qkv_features(hidden_states, position_embeddings, offset)
         return fq, fk, v
 
+    def log_decay(self) -> torch.Tensor | None:
+        """(h,) log λ_h = −exp(decay_log_rate_h) < 0, or None without a decay."""
+        return -torch.exp(self.decay_log_rate.float()) if self.decay else None
+
     def _window_kwargs(self) -> dict:
         return {
             "scaling": self.scaling,
             "window": self.window,
             "gamma": torch.sigmoid(self.window_factor),
             "eps": self.eps,
+            "log_decay": self.log_decay(),
         }
 
     def attention_weights(self, hidden_states, position_embeddings=None, mask=None):
@@ -120,12 +133,13 @@ class LinearAttentionMixer(AttentionLikeMixer):
             )
             return self.merge_heads(y), weights
         fq, fk, v = self.features(hidden_states, position_embeddings)
-        y, weights = linear_attention_quadratic(fq, fk, v, mask, eps=self.eps)
+        y, weights = linear_attention_quadratic(fq, fk, v, mask, eps=self.eps, log_decay=self.log_decay())
         return self.merge_heads(y), weights
 
     def step(self, hidden_states, position_embeddings, states: dict, mask=None, seen: int | None = None):
         """One token against the carried state (see ``AttentionLikeMixer``):
-            S_t = S_{t−1} + φ(k_t) v_tᵀ,   z_t = z_{t−1} + φ(k_t),   y_t = φ(q_t)ᵀ S_t / (φ(q_t)ᵀ z_t + eps)
+            S_t = λ S_{t−1} + φ(k_t) v_tᵀ,   z_t = λ z_{t−1} + φ(k_t),   y_t = φ(q_t)ᵀ S_t / (φ(q_t)ᵀ z_t + eps)
+        (λ = 1 without a decay)
         → (output, {"linear": new state}). ``seen`` is read only by a position-aware feature map."""
         maps = (self.feature_map_q, self.feature_map_k)
         if seen is None and any(getattr(m, "uses_positions", False) for m in maps):
@@ -139,7 +153,9 @@ class LinearAttentionMixer(AttentionLikeMixer):
         if mask is not None:  # a padded token adds nothing to the state
             m = mask.view(-1, 1, 1)
             fk, v = fk * m.to(fk.dtype), v * m.to(v.dtype)
-        y, state = linear_attention_step(fq, fk, v, states["linear"], eps=self.eps)
+        y, state = linear_attention_step(
+            fq, fk, v, states["linear"], eps=self.eps, log_decay=self.log_decay()
+        )
         return self.merge_heads(y[:, :, None]), {"linear": state}
 
     def can_step(self, layer) -> bool:
@@ -169,7 +185,15 @@ class LinearAttentionMixer(AttentionLikeMixer):
             return self._window_forward(q, k, v, fq, fk, mask, layer)
         state = None if layer is None else layer.states.get("linear")
         y, state = linear_attention_chunked(
-            fq, fk, v, mask, state, chunk_size=self.chunk_size, eps=self.eps, backend=self.context.kernels
+            fq,
+            fk,
+            v,
+            mask,
+            state,
+            chunk_size=self.chunk_size,
+            eps=self.eps,
+            backend=self.context.kernels,
+            log_decay=self.log_decay(),
         )
         if layer is not None:
             layer.states["linear"] = state

@@ -1,0 +1,152 @@
+"""A linear-attention student with a learned per-head decay (``decay: true``): decode equals prefill
+(plain and window students, left and middle padding, HF's forward and the CPU decode plan), the
+decay reaches every path, it is off by default (old students unchanged), its options are typed,
+and a saved decay student generates through remote code without attn2ssm."""
+
+import pytest
+import torch
+
+from attn2ssm.decode.layout import cpu_decode_layout
+from attn2ssm.decode.plan import DecodePlan
+from attn2ssm.errors import ConfigError
+from attn2ssm.mixers.registry import check_mixer_options
+from attn2ssm.student.convert import convert
+from attn2ssm.student.plans import make_plan
+from cache_forms import positions, run_remote
+from tiny_models import tiny_model, tiny_student
+
+DECAYED = [
+    {"decay": True, "decay_horizon": 6.0},
+    {"decay": True, "decay_horizon": 6.0, "feature_map": "hedgehog"},
+    {"decay": True, "decay_horizon": 6.0, "window": 3},
+]
+
+
+def _batch():
+    ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :2] = 0  # left padding
+    mask[1, 7] = 0  # and a padded token among the decoded ones
+    return ids, mask
+
+
+def _decode(model, ids, mask, prefill: int):
+    pos = positions(mask)
+    cache = model.new_cache()
+    with torch.no_grad():
+        out = model(
+            input_ids=ids[:, :prefill],
+            attention_mask=mask[:, :prefill],
+            position_ids=pos[:, :prefill],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        steps = [out.logits]
+        for t in range(prefill, ids.shape[1]):
+            out = model(
+                input_ids=ids[:, t : t + 1],
+                attention_mask=mask[:, : t + 1],
+                position_ids=pos[:, t : t + 1],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            steps.append(out.logits)
+    return torch.cat(steps, 1)
+
+
+@pytest.mark.parametrize("layout", [False, True])
+@pytest.mark.parametrize("options", DECAYED)
+def test_decay_student_decodes_as_it_prefills(options, layout, monkeypatch):
+    model = tiny_student("gqa_9x3", "linear_attention", options=options)
+    plan_calls = []
+    if layout:  # the CPU decode layout: fused step, the decode plan
+        cpu_decode_layout(model)
+        original = DecodePlan.__call__
+        monkeypatch.setattr(
+            DecodePlan, "__call__", lambda self, *a: plan_calls.append(1) or original(self, *a)
+        )
+    ids, mask = _batch()
+    real = mask.bool()
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
+    stepped = _decode(model, ids, mask, prefill=5)
+    torch.testing.assert_close(stepped[real], full[real], rtol=1e-4, atol=1e-4)
+    assert bool(plan_calls) == layout  # the decode plan ran the steps
+    # a left-padded row is the unpadded row (weights depend on i − j only)
+    with torch.no_grad():
+        alone = model(input_ids=ids[1:, 2:7], use_cache=False).logits
+    torch.testing.assert_close(full[1, 2:7], alone[0], rtol=1e-4, atol=1e-4)
+    # the decay reaches prefill and decode: a much slower decay changes both
+    for mixer in model.mixers().values():
+        with torch.no_grad():
+            mixer.decay_log_rate.fill_(-20.0)
+    with torch.no_grad():
+        slow = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
+    assert (slow[real] - full[real]).abs().max() > 1e-3
+    torch.testing.assert_close(_decode(model, ids, mask, prefill=5)[real], slow[real], rtol=1e-4, atol=1e-4)
+
+
+def test_decay_is_off_by_default_and_starts_near_the_undecayed_student():
+    plain = tiny_student("gqa_9x3", "linear_attention", options={"window": 3})
+    assert not any("decay" in name for name, _ in plain.named_parameters())  # old checkpoints load unchanged
+    torch.manual_seed(0)
+    teacher = tiny_model("gqa_9x3")
+    plan = make_plan(teacher.config.num_hidden_layers, "linear_attention")
+    base = convert(teacher, plan, {"linear_attention": {}}).eval()
+    decayed = convert(teacher, plan, {"linear_attention": {"decay": True}}).eval()
+    mixer = next(iter(decayed.mixers().values()))
+    torch.testing.assert_close(
+        torch.exp(mixer.log_decay()),
+        torch.full((mixer.num_heads,), float(torch.exp(torch.tensor(-1 / 4096)))),
+    )
+    ids = torch.randint(3, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = base(input_ids=ids).logits, decayed(input_ids=ids).logits
+    assert 0 < (a - b).norm() < 1e-2 * a.norm()  # λ^31 ≈ 0.992: a small change at 32 tokens
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"decay": "abc"}, "option decay='abc' is not true or false"),
+        ({"decay_horizon": 0}, "option decay_horizon=0 is not a positive number"),
+        ({"decay_horizon": "abc"}, "option decay_horizon='abc' is not a positive number"),
+    ],
+)
+def test_decay_options_are_typed(options, needle):
+    with pytest.raises(ConfigError) as err:
+        check_mixer_options("linear_attention", options)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+REMOTE = r"""
+m = AutoModelForCausalLM.from_pretrained(d, trust_remote_code=True).eval()
+batch, mask = torch.load(d + "/batch.pt")
+greedy = m.generate(input_ids=batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+rates = [p.tolist() for n, p in m.named_parameters() if n.endswith("decay_log_rate")]
+print(json.dumps({"greedy": greedy.tolist(), "rates": rates, "cls": type(m).__module__}))
+"""
+
+
+def test_a_decay_student_saves_and_generates_through_remote_code(tmp_path):
+    torch.manual_seed(0)
+    teacher = tiny_model("llama")
+    n = teacher.config.num_hidden_layers
+    options = {"linear_attention": {"decay": True, "decay_horizon": 6.0, "window": 2}}
+    student = convert(teacher, make_plan(n, "linear_attention", attention_ratio=0.5), options).eval()
+    for mixer in student.mixers().values():
+        with torch.no_grad():
+            mixer.decay_log_rate.add_(torch.linspace(-1, 1, mixer.num_heads))
+    student.save_pretrained(tmp_path)
+    batch = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    batch[1, :3], mask[1, :3] = 0, 0
+    torch.save((batch, mask), tmp_path / "batch.pt")
+    expected = student.generate(
+        input_ids=batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0
+    )
+    result = run_remote(REMOTE, tmp_path)
+    assert result["cls"].startswith("transformers_modules")
+    assert result["greedy"] == expected.tolist()
+    rates = [p.tolist() for name, p in student.named_parameters() if name.endswith("decay_log_rate")]
+    assert rates and result["rates"] == rates
