@@ -447,21 +447,27 @@ def window_linear_attention_chunked(
     fq_state = fqb if log_decay is None else fqb * _decays(log_decay, t[c:] + 1, 4)[..., None]
     out, _ = _normalised(weights, values, fq_state, older_kv, older_k, eps)
     out = out.flatten(2, 3)[:, :, :l] * mh
-    state = None
-    if return_state:  # as the block form leaves it: the last window − 1 tokens cached, the rest in the sums
-        leave = max(l - max(window - 1, 0), 0)
-        fk_, v_ = fk[:, :, :leave], v[:, :, :leave]
-        if log_decay is not None:  # each decayed to the last token
-            fk_ = fk_ * _decays(log_decay, l - 1 - torch.arange(leave, device=q.device), 3)[..., None]
-        state = WindowState(
-            fk_.transpose(-1, -2) @ v_,
-            fk_.sum(2),
-            k[:, :, leave:],
-            v[:, :, leave:],
-            fk[:, :, leave:],
-            m[:, leave:],
-        )
+    state = _prefill_window_state(k, v, fk, m, window, log_decay) if return_state else None
     return out.to(dtype), state
+
+
+def _prefill_window_state(k, v, fk, m, window: int, log_decay) -> WindowState:
+    """The state the block form leaves after a whole sequence (values and features of padded tokens
+    already zero): the last window − 1 tokens cached, the rest in the linear sums (each decayed to
+    the last token with ``log_decay``)."""
+    l = k.shape[2]
+    leave = max(l - max(window - 1, 0), 0)
+    fk_, v_ = fk[:, :, :leave], v[:, :, :leave]
+    if log_decay is not None:
+        fk_ = fk_ * _decays(log_decay, l - 1 - torch.arange(leave, device=k.device), 3)[..., None]
+    return WindowState(
+        fk_.transpose(-1, -2) @ v_,
+        fk_.sum(2),
+        k[:, :, leave:],
+        v[:, :, leave:],
+        fk[:, :, leave:],
+        m[:, leave:],
+    )
 
 
 def _older_states(fkb, vb, log_decay):
