@@ -3,7 +3,10 @@
 Starts from the teacher's q/k/v/o (GQA kv heads repeated), applies RoPE where the teacher does
 (before the feature map by default, so student and teacher see the same q and k), then
 φ(q), φ(k) and normalised linear attention. Training and prefill use the chunked form, one-token
-decode the step form; both carry the same ``LinearAttentionState`` in the student cache.
+decode the step form; both carry the same ``LinearAttentionState`` in the student cache. With
+``decay: true`` the linear weights decay per head, λ_h^(i−j) learned (gated linear attention with a
+scalar gate; ops/linear_attention.py), in prefill and decode alike — fla's kernel has no decay, so a
+decayed prefill runs the PyTorch chunked form on every device.
 """
 
 from __future__ import annotations
@@ -57,6 +60,19 @@ class LinearAttentionMixer(AttentionLikeMixer):
                 "use rope: before_map (default) or none",
             )
         self.use_rope = rope == "before_map"
+        self._init_window(geometry, window, window_gamma, window_dropout)
+        # Gated linear attention with a scalar gate per head: key j's linear weight for query i is
+        # λ_h^(i−j)·φq_i·φk_j, λ_h = exp(−exp(decay_log_rate_h)) learned, starting at exp(−1/decay_horizon)
+        # (a horizon past the training blocks barely changes the function at init).
+        self.decay = bool(decay)
+        if self.decay:
+            self.decay_log_rate = torch.nn.Parameter(torch.full((self.num_heads,), -math.log(decay_horizon)))
+        # Which branch runs (an evaluation-time ablation, not saved): both | window (the softmax window
+        # alone) | linear (every key through the feature maps: linear attention without the window).
+        self.branch = "both"
+
+    def _init_window(self, geometry: dict, window: int, window_gamma: float, window_dropout: float) -> None:
+        """The softmax window's options and its learned per-head γ (none without a window)."""
         # LoLCATs-style: the last `window` keys get exact softmax weights γ_h·exp(q·k·scale − max),
         # older keys linear weights; γ_h = sigmoid(window_factor_h) is learned per head.
         if window < 0 or not 0.0 < window_gamma < 1.0:
@@ -84,15 +100,6 @@ class LinearAttentionMixer(AttentionLikeMixer):
                 "use e.g. window_dropout: 0.25, or 0",
             )
         self.window_dropout = float(window_dropout)
-        # Gated linear attention with a scalar gate per head: key j's linear weight for query i is
-        # λ_h^(i−j)·φq_i·φk_j, λ_h = exp(−exp(decay_log_rate_h)) learned, starting at exp(−1/decay_horizon)
-        # (a horizon past the training blocks barely changes the function at init).
-        self.decay = bool(decay)
-        if self.decay:
-            self.decay_log_rate = torch.nn.Parameter(torch.full((self.num_heads,), -math.log(decay_horizon)))
-        # Which branch runs (an evaluation-time ablation, not saved): both | window (the softmax window
-        # alone) | linear (every key through the feature maps: linear attention without the window).
-        self.branch = "both"
 
     def _qkv_features(self, hidden_states, position_embeddings=None, offset: int = 0):
         inputs = self.project_inputs(hidden_states)
