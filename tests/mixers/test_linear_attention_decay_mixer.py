@@ -150,3 +150,15 @@ def test_a_decay_student_saves_and_generates_through_remote_code(tmp_path):
     assert result["greedy"] == expected.tolist()
     rates = [p.tolist() for name, p in student.named_parameters() if name.endswith("decay_log_rate")]
     assert rates and result["rates"] == rates
+
+
+def test_the_decay_trains_with_the_feature_maps():
+    """``trainable: [feature_maps]`` (LoLCATs' and Hedgehog's first stage) trains the decay, as it
+    trains the window's γ; ``mixers`` includes it too."""
+    from attn2ssm.distill.stages import select_trainable
+
+    student = tiny_student("gqa_9x3", "linear_attention", options={"decay": True, "window": 2})
+    names = select_trainable(student, ["feature_maps"])
+    decays = [n for n, _ in student.named_parameters() if n.endswith(".decay_log_rate")]
+    assert decays and set(decays) <= set(names)
+    assert set(decays) <= set(select_trainable(student, ["mixers"]))
