@@ -44,10 +44,12 @@ def _per_head(x: torch.Tensor, ndim: int) -> torch.Tensor:
     return x.float().view(1, -1, *([1] * (ndim - 2)))
 
 
-def _decays(log_decay: torch.Tensor, dist: torch.Tensor, ndim: int) -> torch.Tensor:
+def _decays(log_decay: torch.Tensor, dist: torch.Tensor, ndim: int, masked: bool = True) -> torch.Tensor:
     """exp(g_h·dist) where dist ≥ 0, else 0: shaped (1, h, …, *dist.shape) with ``ndim`` dims, to
-    broadcast against a (b, h, …) tensor whose last dims are dist's."""
-    return torch.exp(_per_head(log_decay, ndim) * dist.clamp(min=0)) * (dist >= 0)
+    broadcast against a (b, h, …) tensor whose last dims are dist's. ``masked=False`` skips the
+    zeros (dist ≥ 0 everywhere, or the caller masks: fewer ops)."""
+    powers = torch.exp(_per_head(log_decay, ndim) * dist.clamp(min=0))
+    return powers * (dist >= 0) if masked else powers
 
 
 def linear_attention_quadratic(
@@ -145,10 +147,10 @@ def linear_attention_chunked(
     qb, kb, vb = (
         _blocks(t, n, c) for t in (q, k, v)
     )  # (b, h, n, c, ·); padded positions are zero: no key, no output
+    if log_decay is not None:
+        return _decayed_chunks(qb, kb, vb, state, log_decay, l, eps, dtype)
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     intra = (qb @ kb.transpose(-1, -2)).masked_fill(~causal, 0.0)  # (b, h, n, c, c)
-    if log_decay is not None:
-        return _decayed_chunks(qb, kb, vb, intra, state, log_decay, l, eps, dtype)
     chunk_kv = kb.transpose(-1, -2) @ vb  # (b, h, n, f, d)
     chunk_k = kb.sum(3)  # (b, h, n, f)
     kv_in = state.kv[:, :, None] + _exclusive_cumsum(chunk_kv, 2)  # the state each chunk starts from
@@ -160,32 +162,34 @@ def linear_attention_chunked(
     return out.to(dtype), final
 
 
-def _decayed_chunks(qb, kb, vb, intra, state: LinearAttentionState, log_decay, l: int, eps: float, dtype):
-    """``linear_attention_chunked``'s decayed part, from its (b, h, n, c, ·) chunks and their
-    (undecayed, causal) intra-chunk scores: a chunk's incoming state is the one before it decayed by
-    λ^c plus its contribution decayed to its last token; query t of a chunk reads it decayed by λ^(t+1)."""
+def _decayed_chunks(qb, kb, vb, state: LinearAttentionState, log_decay, l: int, eps: float, dtype):
+    """``linear_attention_chunked``'s decayed form, from its (b, h, n, c, ·) chunks: a chunk's
+    incoming state is the one before it decayed by λ^c plus its contribution decayed to its last
+    token; query t of a chunk reads it decayed by λ^(t+1). (Decays scale the d-wide values and
+    outputs, not the wider features: fewer passes over memory.)"""
     n, c = qb.shape[2], qb.shape[3]
     t = torch.arange(c, device=qb.device)
-    intra = intra * _decays(log_decay, t[:, None] - t[None, :], 5)
-    to_end = _decays(log_decay, c - 1 - t, 4)[..., None]  # (1, h, 1, c, 1)
-    chunk_kv = (kb * to_end).transpose(-1, -2) @ vb  # (b, h, n, f, d)
-    chunk_k = (kb * to_end).sum(3)
-    starts = _decays(log_decay, c * torch.arange(n, device=qb.device), 3)  # λ^(c·n): the carried state
+    intra = (qb @ kb.transpose(-1, -2)) * _decays(log_decay, t[:, None] - t[None, :], 5)  # causal, decayed
+    to_end = _decays(log_decay, c - 1 - t, 4, masked=False)[..., None]  # (1, h, 1, c, 1)
+    chunk_kv = kb.transpose(-1, -2) @ (vb * to_end)  # (b, h, n, f, d)
+    chunk_k = (to_end.transpose(-1, -2) @ kb).squeeze(-2)  # (b, h, n, f)
+    starts = _decays(
+        log_decay, c * torch.arange(n, device=qb.device), 3, masked=False
+    )  # λ^(c·n): the carried state
     kv_in = state.kv[:, :, None] * starts[..., None, None] + _decayed_exclusive_cumsum(
         chunk_kv, c * log_decay
     )
     k_in = state.k_sum[:, :, None] * starts[..., None] + _decayed_exclusive_cumsum(chunk_k, c * log_decay)
-    qd = qb * _decays(log_decay, t + 1, 4)[..., None]
-    num = intra @ vb + qd @ kv_in
-    den = intra.sum(-1) + (qd @ k_in[..., None]).squeeze(-1)
+    reads = _decays(log_decay, t + 1, 4, masked=False)[..., None]  # (1, h, 1, c, 1)
+    num = intra @ vb + (qb @ kv_in) * reads
+    den = intra.sum(-1) + (qb @ k_in[..., None]).squeeze(-1) * reads[..., 0]
     out = (num / (den[..., None] + eps)).flatten(2, 3)[:, :, :l]
     r = l - (n - 1) * c  # the last chunk's real length: the final state is at its token r − 1
     last = _decays(log_decay, r - 1 - t, 3)[..., None]  # (1, h, c, 1)
-    kl = kb[:, :, -1] * last
-    carry = _decays(log_decay, torch.tensor(r, device=qb.device), 3)  # (1, h, 1)
+    carry = _decays(log_decay, torch.tensor(r, device=qb.device), 3, masked=False)  # (1, h, 1)
     final = LinearAttentionState(
-        kv_in[:, :, -1] * carry[..., None] + kl.transpose(-1, -2) @ vb[:, :, -1],
-        k_in[:, :, -1] * carry + kl.sum(2),
+        kv_in[:, :, -1] * carry[..., None] + kb[:, :, -1].transpose(-1, -2) @ (vb[:, :, -1] * last),
+        k_in[:, :, -1] * carry + (kb[:, :, -1] * last).sum(2),
     )
     return out.to(dtype), final
 
@@ -305,15 +309,19 @@ def _window_weights(q, keys, fq, fkeys, dist, key_ok, *, scaling, window, gamma,
     soft = torch.exp(scores - row_max) * _per_head(gamma, scores.dim())
     lin = (fq @ fkeys.transpose(-1, -2)) * outside
     if log_decay is not None:
-        lin = lin * _decays(log_decay, dist, lin.dim())
+        lin = lin * _decays(log_decay, dist, lin.dim(), masked=False)
     return soft + lin
 
 
-def _normalised(weights, values, fq_state, kv, k_sum, eps):
-    """(Σ weights·v + φq·S) / (Σ weights + φq·z) and the denominator; ``fq_state`` the queries'
-    features as they read the state (S, z) — decayed to it. A row with no visible key (padding) is 0."""
-    num = weights @ values + fq_state @ kv
-    den = weights.sum(-1) + (fq_state @ k_sum[..., None]).squeeze(-1)
+def _normalised(weights, values, fq, kv, k_sum, eps, reads=None):
+    """(Σ weights·v + r·φq·S) / (Σ weights + r·φq·z) and the denominator; ``reads`` (broadcast to
+    (…, l, 1)) r: the decay from the state (S, z) to each query, None for 1. A row with no visible
+    key (padding) is 0."""
+    state_num, state_den = fq @ kv, (fq @ k_sum[..., None]).squeeze(-1)
+    if reads is not None:
+        state_num, state_den = state_num * reads, state_den * reads[..., 0]
+    num = weights @ values + state_num
+    den = weights.sum(-1) + state_den
     den = torch.where(den > 0, den, torch.ones_like(den))  # rows with no visible key (padding): 0, not 0/0
     return num / (den[..., None] + eps), den
 
@@ -369,8 +377,8 @@ def window_linear_attention(
         log_decay=log_decay,
     )
     # the state sums keys up to the token before this block: query i reads it decayed by λ^(i+1)
-    fq_state = fq if log_decay is None else fq * _decays(log_decay, pos[:l, None] + 1, 4)
-    out, den = _normalised(weights, values, fq_state, state.kv, state.k_sum, eps)
+    reads = None if log_decay is None else _decays(log_decay, pos[:l, None] + 1, 4, masked=False)
+    out, den = _normalised(weights, values, fq, state.kv, state.k_sum, eps, reads)
     out = out * m[:, None, :, None]
     new_state = _slide_window(state, keys, values, fkeys, valid, window, l, log_decay)
     if return_weights:
@@ -387,8 +395,8 @@ def _slide_window(state: WindowState, keys, values, fkeys, valid, window: int, l
     kv, k_sum = state.kv, state.k_sum
     if log_decay is not None:
         age = keys.shape[2] - 1 - torch.arange(leave, device=keys.device)  # distance to the last token
-        fk_out = fk_out * _decays(log_decay, age, 3)[..., None]
-        carry = _decays(log_decay, torch.tensor(l, device=keys.device), 3)  # (1, h, 1)
+        fk_out = fk_out * _decays(log_decay, age, 3, masked=False)[..., None]
+        carry = _decays(log_decay, torch.tensor(l, device=keys.device), 3, masked=False)  # (1, h, 1)
         kv, k_sum = kv * carry[..., None], k_sum * carry
     return WindowState(
         kv + fk_out.transpose(-1, -2) @ v_out,
@@ -444,8 +452,8 @@ def window_linear_attention_chunked(
     opts = dict(scaling=scaling, window=window, gamma=gamma, log_decay=log_decay)
     weights = _window_weights(qb, keys, fqb, fkeys, dist, key_ok, **opts)  # (b, h, n, c, 2c)
     older_kv, older_k = _older_states(fkb, vb, log_decay)
-    fq_state = fqb if log_decay is None else fqb * _decays(log_decay, t[c:] + 1, 4)[..., None]
-    out, _ = _normalised(weights, values, fq_state, older_kv, older_k, eps)
+    reads = None if log_decay is None else _decays(log_decay, t[c:] + 1, 4, masked=False)[..., None]
+    out, _ = _normalised(weights, values, fqb, older_kv, older_k, eps, reads)
     out = out.flatten(2, 3)[:, :, :l] * mh
     state = _prefill_window_state(k, v, fk, m, window, log_decay) if return_state else None
     return out.to(dtype), state
@@ -459,7 +467,9 @@ def _prefill_window_state(k, v, fk, m, window: int, log_decay) -> WindowState:
     leave = max(l - max(window - 1, 0), 0)
     fk_, v_ = fk[:, :, :leave], v[:, :, :leave]
     if log_decay is not None:
-        fk_ = fk_ * _decays(log_decay, l - 1 - torch.arange(leave, device=k.device), 3)[..., None]
+        fk_ = (
+            fk_ * _decays(log_decay, l - 1 - torch.arange(leave, device=k.device), 3, masked=False)[..., None]
+        )
     return WindowState(
         fk_.transpose(-1, -2) @ v_,
         fk_.sum(2),
@@ -479,9 +489,11 @@ def _older_states(fkb, vb, log_decay):
         chunk_kv = fkb.transpose(-1, -2) @ vb  # (b, h, n, f, d)
         return _exclusive_cumsum(chunk_kv, 2, shift=2), _exclusive_cumsum(fkb.sum(3), 2, shift=2)
     c = fkb.shape[3]
-    to_end = _decays(log_decay, c - 1 - torch.arange(c, device=fkb.device), 4)[..., None]  # (1, h, 1, c, 1)
-    fkd = fkb * to_end
-    chunk_kv, chunk_k = fkd.transpose(-1, -2) @ vb, fkd.sum(3)
+    to_end = _decays(log_decay, c - 1 - torch.arange(c, device=fkb.device), 4, masked=False)[
+        ..., None
+    ]  # (1, h, 1, c, 1)
+    chunk_kv = fkb.transpose(-1, -2) @ (vb * to_end)  # the d-wide values scaled, not the features
+    chunk_k = (to_end.transpose(-1, -2) @ fkb).squeeze(-2)
     return (
         _decayed_exclusive_cumsum(chunk_kv, c * log_decay, shift=2),
         _decayed_exclusive_cumsum(chunk_k, c * log_decay, shift=2),
