@@ -162,3 +162,31 @@ def test_the_decay_trains_with_the_feature_maps():
     decays = [n for n, _ in student.named_parameters() if n.endswith(".decay_log_rate")]
     assert decays and set(decays) <= set(names)
     assert set(decays) <= set(select_trainable(student, ["mixers"]))
+
+
+@pytest.mark.parametrize("options", DECAYED[:2])  # (a window student does not step: no trace)
+def test_the_compiled_decode_step_of_a_decay_student_gives_the_eager_tokens(options):
+    """The decode plan's compiled step (traced, run eagerly: no inductor) carries the decay."""
+    from attn2ssm.decode.plan import enable_decode_plan
+
+    torch.manual_seed(0)
+    compiled = tiny_student("gqa_9x3", "linear_attention", options=options)
+    eager = tiny_student("gqa_9x3", "linear_attention", options=options)
+    eager.load_state_dict(compiled.state_dict())
+    traces = []
+
+    def backend(graph_module, example_inputs):
+        traces.append(1)
+        return graph_module.forward
+
+    assert enable_decode_plan(compiled, compile=False)
+    assert compiled.__dict__["_decode_plan"].compile_step(backend) == ""
+    ids = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(
+        max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True
+    )
+    with torch.no_grad():
+        got, want = compiled.generate(ids, **kwargs), eager.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=1e-5, atol=1e-5)
+    assert compiled.__dict__["_decode_plan"].compiled.failed is None and traces

@@ -278,3 +278,18 @@ def test_decayed_window_state_continues_into_a_longer_sequence():
     out = torch.cat([head, tail], 2)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, full, atol=1e-5, rtol=1e-5)
+
+
+def test_a_decayed_call_runs_the_torch_form_whatever_the_backend(monkeypatch):
+    """fla's linear-attention kernel has no decay: with ``log_decay`` the chunked form never
+    dispatches to it (not even with backend=fla, which would refuse a CPU tensor otherwise)."""
+    import attn2ssm.ops.linear_attention as ops
+
+    monkeypatch.setattr(
+        ops, "resolve_backend", lambda *a, **k: pytest.fail("a decayed call asked for a kernel")
+    )
+    q, k, v = _inputs(l=20)
+    want = linear_attention_quadratic(q, k, v, log_decay=LOG_DECAY)[0]
+    for backend in ("fla", "auto"):
+        got, _ = linear_attention_chunked(q, k, v, chunk_size=8, log_decay=LOG_DECAY, backend=backend)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
