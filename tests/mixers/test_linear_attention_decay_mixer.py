@@ -145,6 +145,12 @@ def test_a_decay_student_saves_and_generates_through_remote_code(tmp_path):
     expected = student.generate(
         input_ids=batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0
     )
+    # assisted decoding rolls the decayed states back (the cache replays the mixer from a snapshot)
+    draft = convert(teacher, make_plan(n, "linear_attention"), options).eval()
+    assisted = student.generate(
+        input_ids=batch[:1], max_new_tokens=6, do_sample=False, pad_token_id=0, assistant_model=draft
+    )
+    assert assisted.tolist() == expected[:1].tolist()
     result = run_remote(REMOTE, tmp_path)
     assert result["cls"].startswith("transformers_modules")
     assert result["greedy"] == expected.tolist()
