@@ -196,3 +196,58 @@ def test_the_compiled_decode_step_of_a_decay_student_gives_the_eager_tokens(opti
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=1e-5, atol=1e-5)
     assert compiled.__dict__["_decode_plan"].compiled.failed is None and traces
+
+
+# ---------------------------------------------------------------------------------------------
+# random windows in training (window_train_min)
+
+
+def test_random_training_windows_draw_from_the_range_and_evaluation_keeps_the_window():
+    """window=5, window_train_min=2: each training forward of a layer runs some window in [2, 5]
+    (several of them over draws; each layer draws its own — here only the first one draws); in eval
+    mode it is the window-5 student."""
+    import copy
+
+    options = {"window": 5, "window_train_min": 2, "decay": True, "decay_horizon": 8.0}
+    model = tiny_student("gqa_9x3", "linear_attention", options=options)
+    ids = torch.randint(3, 256, (1, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        evaluated = model(input_ids=ids).logits
+    first, *others = model.mixers().values()
+    for mixer in others:
+        mixer.window_train_min = 0
+    want = {}
+    for w in range(2, 6):
+        fixed = copy.deepcopy(model)
+        mixer = next(iter(fixed.mixers().values()))
+        mixer.window, mixer.window_train_min = w, 0
+        with torch.no_grad():
+            want[w] = fixed.train()(input_ids=ids).logits
+    torch.testing.assert_close(evaluated, want[5], rtol=0, atol=0)
+    model.train()
+    seen = set()
+    with torch.no_grad():
+        for seed in range(12):
+            torch.manual_seed(seed)
+            got = model(input_ids=ids).logits
+            matches = [w for w, logits in want.items() if torch.equal(got, logits)]
+            assert len(matches) == 1, matches
+            seen.add(matches[0])
+    assert len(seen) >= 3, seen
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"window": 4, "window_train_min": 5}, "window_train_min=5 is not in [1, window=4]"),
+        ({"window_train_min": 2}, "window_train_min=2 is not in [1, window=0]"),
+        ({"window": 4, "window_train_min": -1}, "option window_train_min=-1 is not an integer >= 0"),
+    ],
+)
+def test_window_train_min_out_of_range_is_one_line(options, needle):
+    from attn2ssm.mixers.registry import build_mixer
+
+    geometry = {"hidden_size": 32, "num_heads": 2, "num_kv_heads": 2, "head_dim": 16}
+    with pytest.raises(ConfigError) as err:
+        build_mixer("linear_attention", geometry, 0, options)
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)

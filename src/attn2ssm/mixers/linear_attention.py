@@ -48,6 +48,7 @@ class LinearAttentionMixer(AttentionLikeMixer):
         window_dropout: float = 0.0,
         decay: bool = False,
         decay_horizon: PositiveFloat = 4096.0,
+        window_train_min: NonNegativeInt = 0,
     ):
         super().__init__(geometry, layer_idx)
         opts = feature_map_options or {}
@@ -60,7 +61,7 @@ class LinearAttentionMixer(AttentionLikeMixer):
                 "use rope: before_map (default) or none",
             )
         self.use_rope = rope == "before_map"
-        self._init_window(geometry, window, window_gamma, window_dropout)
+        self._init_window(geometry, window, window_gamma, window_dropout, window_train_min)
         # Gated linear attention with a scalar gate per head: key j's linear weight for query i is
         # λ_h^(i−j)·φq_i·φk_j, λ_h = exp(−exp(decay_log_rate_h)) learned, starting at exp(−1/decay_horizon)
         # (a horizon past the training blocks barely changes the function at init).
@@ -71,7 +72,9 @@ class LinearAttentionMixer(AttentionLikeMixer):
         # alone) | linear (every key through the feature maps: linear attention without the window).
         self.branch = "both"
 
-    def _init_window(self, geometry: dict, window: int, window_gamma: float, window_dropout: float) -> None:
+    def _init_window(
+        self, geometry: dict, window: int, window_gamma: float, window_dropout: float, window_train_min: int
+    ) -> None:
         """The softmax window's options and its learned per-head γ (none without a window)."""
         # LoLCATs-style: the last `window` keys get exact softmax weights γ_h·exp(q·k·scale − max),
         # older keys linear weights; γ_h = sigmoid(window_factor_h) is learned per head.
@@ -100,6 +103,15 @@ class LinearAttentionMixer(AttentionLikeMixer):
                 "use e.g. window_dropout: 0.25, or 0",
             )
         self.window_dropout = float(window_dropout)
+        # Random windows in training (SWAX: "Short window attention enables long-term memorization"):
+        # each training forward draws its window uniformly from [window_train_min, window], so the
+        # linear branch has to carry what a short window drops; evaluation and decode use `window`.
+        if window_train_min and not 1 <= window_train_min <= window:
+            raise ConfigError(
+                f"linear_attention option window_train_min={window_train_min} is not in [1, window={window}]",
+                "use 0 (off) or a window_train_min between 1 and the window (and a window > 0)",
+            )
+        self.window_train_min = window_train_min
 
     def _qkv_features(self, hidden_states, position_embeddings=None, offset: int = 0):
         inputs = self.project_inputs(hidden_states)
@@ -118,9 +130,12 @@ class LinearAttentionMixer(AttentionLikeMixer):
         return -torch.exp(self.decay_log_rate.float()) if self.decay else None
 
     def _window_kwargs(self) -> dict:
+        window = self.window
+        if self.training and self.window_train_min:  # SWAX-style: this training forward's own window
+            window = int(torch.randint(self.window_train_min, self.window + 1, ()))
         return {
             "scaling": self.scaling,
-            "window": self.window,
+            "window": window,
             "gamma": torch.sigmoid(self.window_factor),
             "eps": self.eps,
             "log_decay": self.log_decay(),
