@@ -173,7 +173,13 @@ class LinearAttentionDecode(MixerDecode):
             fk, v = fk * m, v * m
         # in place in eager steps (no allocation); a traced step returns a new state (no copy-back)
         y, state = linear_attention_step(
-            fq, fk, v, states["linear"], eps=self.eps, inplace=not torch.compiler.is_compiling()
+            fq,
+            fk,
+            v,
+            states["linear"],
+            eps=self.eps,
+            inplace=not torch.compiler.is_compiling(),
+            log_decay=self.log_decay(),
         )
         if y.dtype != hidden_states.dtype:
             y = y.to(hidden_states.dtype)

@@ -3,7 +3,10 @@
 Starts from the teacher's q/k/v/o (GQA kv heads repeated), applies RoPE where the teacher does
 (before the feature map by default, so student and teacher see the same q and k), then
 φ(q), φ(k) and normalised linear attention. Training and prefill use the chunked form, one-token
-decode the step form; both carry the same ``LinearAttentionState`` in the student cache.
+decode the step form; both carry the same ``LinearAttentionState`` in the student cache. With
+``decay: true`` the linear weights decay per head, λ_h^(i−j) learned (gated linear attention with a
+scalar gate; ops/linear_attention.py), in prefill and decode alike — fla's kernel has no decay, so a
+decayed prefill runs the PyTorch chunked form on every device.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class LinearAttentionMixer(AttentionLikeMixer):
         window: NonNegativeInt = 0,
         window_gamma: float = 0.5,
         window_dropout: float = 0.0,
+        decay: bool = False,
+        decay_horizon: PositiveFloat = 4096.0,
+        window_train_min: NonNegativeInt = 0,
     ):
         super().__init__(geometry, layer_idx)
         opts = feature_map_options or {}
@@ -55,6 +61,21 @@ class LinearAttentionMixer(AttentionLikeMixer):
                 "use rope: before_map (default) or none",
             )
         self.use_rope = rope == "before_map"
+        self._init_window(geometry, window, window_gamma, window_dropout, window_train_min)
+        # Gated linear attention with a scalar gate per head: key j's linear weight for query i is
+        # λ_h^(i−j)·φq_i·φk_j, λ_h = exp(−exp(decay_log_rate_h)) learned, starting at exp(−1/decay_horizon)
+        # (a horizon past the training blocks barely changes the function at init).
+        self.decay = bool(decay)
+        if self.decay:
+            self.decay_log_rate = torch.nn.Parameter(torch.full((self.num_heads,), -math.log(decay_horizon)))
+        # Which branch runs (an evaluation-time ablation, not saved): both | window (the softmax window
+        # alone) | linear (every key through the feature maps: linear attention without the window).
+        self.branch = "both"
+
+    def _init_window(
+        self, geometry: dict, window: int, window_gamma: float, window_dropout: float, window_train_min: int
+    ) -> None:
+        """The softmax window's options and its learned per-head γ (none without a window)."""
         # LoLCATs-style: the last `window` keys get exact softmax weights γ_h·exp(q·k·scale − max),
         # older keys linear weights; γ_h = sigmoid(window_factor_h) is learned per head.
         if window < 0 or not 0.0 < window_gamma < 1.0:
@@ -82,9 +103,15 @@ class LinearAttentionMixer(AttentionLikeMixer):
                 "use e.g. window_dropout: 0.25, or 0",
             )
         self.window_dropout = float(window_dropout)
-        # Which branch runs (an evaluation-time ablation, not saved): both | window (the softmax window
-        # alone) | linear (every key through the feature maps: linear attention without the window).
-        self.branch = "both"
+        # Random windows in training (SWAX: "Short window attention enables long-term memorization"):
+        # each training forward draws its window uniformly from [window_train_min, window], so the
+        # linear branch has to carry what a short window drops; evaluation and decode use `window`.
+        if window_train_min and not 1 <= window_train_min <= window:
+            raise ConfigError(
+                f"linear_attention option window_train_min={window_train_min} is not in [1, window={window}]",
+                "use 0 (off) or a window_train_min between 1 and the window (and a window > 0)",
+            )
+        self.window_train_min = window_train_min
 
     def _qkv_features(self, hidden_states, position_embeddings=None, offset: int = 0):
         inputs = self.project_inputs(hidden_states)
@@ -98,12 +125,20 @@ class LinearAttentionMixer(AttentionLikeMixer):
         _, _, v, fq, fk = self._qkv_features(hidden_states, position_embeddings, offset)
         return fq, fk, v
 
+    def log_decay(self) -> torch.Tensor | None:
+        """(h,) log λ_h = −exp(decay_log_rate_h) < 0, or None without a decay."""
+        return -torch.exp(self.decay_log_rate.float()) if self.decay else None
+
     def _window_kwargs(self) -> dict:
+        window = self.window
+        if self.training and self.window_train_min:  # SWAX-style: this training forward's own window
+            window = int(torch.randint(self.window_train_min, self.window + 1, ()))
         return {
             "scaling": self.scaling,
-            "window": self.window,
+            "window": window,
             "gamma": torch.sigmoid(self.window_factor),
             "eps": self.eps,
+            "log_decay": self.log_decay(),
         }
 
     def attention_weights(self, hidden_states, position_embeddings=None, mask=None):
@@ -120,12 +155,13 @@ class LinearAttentionMixer(AttentionLikeMixer):
             )
             return self.merge_heads(y), weights
         fq, fk, v = self.features(hidden_states, position_embeddings)
-        y, weights = linear_attention_quadratic(fq, fk, v, mask, eps=self.eps)
+        y, weights = linear_attention_quadratic(fq, fk, v, mask, eps=self.eps, log_decay=self.log_decay())
         return self.merge_heads(y), weights
 
     def step(self, hidden_states, position_embeddings, states: dict, mask=None, seen: int | None = None):
         """One token against the carried state (see ``AttentionLikeMixer``):
-            S_t = S_{t−1} + φ(k_t) v_tᵀ,   z_t = z_{t−1} + φ(k_t),   y_t = φ(q_t)ᵀ S_t / (φ(q_t)ᵀ z_t + eps)
+            S_t = λ S_{t−1} + φ(k_t) v_tᵀ,   z_t = λ z_{t−1} + φ(k_t),   y_t = φ(q_t)ᵀ S_t / (φ(q_t)ᵀ z_t + eps)
+        (λ = 1 without a decay)
         → (output, {"linear": new state}). ``seen`` is read only by a position-aware feature map."""
         maps = (self.feature_map_q, self.feature_map_k)
         if seen is None and any(getattr(m, "uses_positions", False) for m in maps):
@@ -139,7 +175,9 @@ class LinearAttentionMixer(AttentionLikeMixer):
         if mask is not None:  # a padded token adds nothing to the state
             m = mask.view(-1, 1, 1)
             fk, v = fk * m.to(fk.dtype), v * m.to(v.dtype)
-        y, state = linear_attention_step(fq, fk, v, states["linear"], eps=self.eps)
+        y, state = linear_attention_step(
+            fq, fk, v, states["linear"], eps=self.eps, log_decay=self.log_decay()
+        )
         return self.merge_heads(y[:, :, None]), {"linear": state}
 
     def can_step(self, layer) -> bool:
@@ -169,7 +207,15 @@ class LinearAttentionMixer(AttentionLikeMixer):
             return self._window_forward(q, k, v, fq, fk, mask, layer)
         state = None if layer is None else layer.states.get("linear")
         y, state = linear_attention_chunked(
-            fq, fk, v, mask, state, chunk_size=self.chunk_size, eps=self.eps, backend=self.context.kernels
+            fq,
+            fk,
+            v,
+            mask,
+            state,
+            chunk_size=self.chunk_size,
+            eps=self.eps,
+            backend=self.context.kernels,
+            log_decay=self.log_decay(),
         )
         if layer is not None:
             layer.states["linear"] = state

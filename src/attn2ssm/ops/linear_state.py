@@ -12,6 +12,7 @@ class LinearAttentionState:
     """Running sums of one causal linear-attention layer.
 
     kv: (b, h, f, d) = Σ φ(k_s) v_sᵀ    k_sum: (b, h, f) = Σ φ(k_s)
+    (with a decay λ_h, each term weighted λ_h^(t−s), t the last position seen)
     """
 
     kv: torch.Tensor

@@ -179,7 +179,9 @@ def parameter_groups(student: nn.Module) -> dict[str, set[str]]:
     return {
         "all": names,
         "mixers": mixers,
-        "feature_maps": {n for n in mixers if ".feature_map_" in n or n.endswith(".window_factor")},
+        "feature_maps": {
+            n for n in mixers if ".feature_map_" in n or n.endswith((".window_factor", ".decay_log_rate"))
+        },
         "lora": {n for n in names if n.startswith("lora.")},
         "mlps": mlps,
         "embeddings": embeddings,

@@ -1,0 +1,295 @@
+"""Linear attention with a learned per-head decay (``log_decay``): key j's linear weight for query i
+is λ_h^(i−j)·φq_i·φk_j. Every form (quadratic, chunked, step, sequential; window block and
+loop-free window) equals the definition (fp32, 1e-5), with left padding, in pieces with carried
+state, with equal gradients; λ = 1 is today's undecayed op."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attn2ssm.ops.linear_attention import (
+    _decayed_exclusive_cumsum,
+    linear_attention_chunked,
+    linear_attention_quadratic,
+    linear_attention_sequential,
+    linear_attention_step,
+    window_linear_attention,
+    window_linear_attention_chunked,
+)
+from op_forms import in_pieces, left_padding
+
+LOG_DECAY = torch.log(torch.tensor([0.9, 0.5, 0.99]))  # three heads, from mild to strong
+
+
+def _inputs(b=2, h=3, l=37, f=8, d=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = F.elu(torch.randn(b, h, l, f, generator=g)) + 1
+    k = F.elu(torch.randn(b, h, l, f, generator=g)) + 1
+    v = torch.randn(b, h, l, d, generator=g)
+    return q, k, v
+
+
+def _reference(q, k, v, log_decay, mask=None):
+    """Per-query loop straight from the definition y_i = Σ_j λ^(i−j) φq_i·φk_j v_j / Σ_j λ^(i−j) φq_i·φk_j."""
+    b, h, l, _ = q.shape
+    mask = torch.ones(b, l) if mask is None else mask
+    out = torch.zeros(b, h, l, v.shape[-1])
+    for bi in range(b):
+        for hi in range(h):
+            lam = float(torch.exp(log_decay[hi]))
+            for i in range(l):
+                if mask[bi, i] == 0:
+                    continue
+                w = {
+                    j: lam ** (i - j) * float(q[bi, hi, i] @ k[bi, hi, j])
+                    for j in range(i + 1)
+                    if mask[bi, j] > 0
+                }
+                out[bi, hi, i] = sum(w[j] * v[bi, hi, j] for j in w) / sum(w.values())
+    return out
+
+
+def test_decay_hand_computed_three_tokens():
+    """f = 1, φq = 1, φk = (1, 2, 3), v = (1, 10, 100), λ = 0.5: y_2 = (0.25·1 + 0.5·2·10 + 3·100) / (0.25 + 1 + 3)."""
+    q = torch.ones(1, 1, 3, 1)
+    k = torch.tensor([1.0, 2.0, 3.0]).view(1, 1, 3, 1)
+    v = torch.tensor([1.0, 10.0, 100.0]).view(1, 1, 3, 1)
+    g = torch.log(torch.tensor([0.5]))
+    want = torch.tensor([1.0, (0.5 * 1 + 2 * 10) / (0.5 + 2), (0.25 + 10 + 300) / 4.25]).view(1, 1, 3, 1)
+    for out in (
+        linear_attention_quadratic(q, k, v, log_decay=g, eps=0.0)[0],
+        linear_attention_chunked(q, k, v, log_decay=g, chunk_size=2, eps=0.0)[0],
+        linear_attention_sequential(q, k, v, log_decay=g, eps=0.0)[0],
+    ):
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16, 64])
+@pytest.mark.parametrize("padded", [False, True])
+def test_decayed_forms_agree_with_the_definition(chunk, padded):
+    q, k, v = _inputs()
+    mask = left_padding(2, 37, [0, 5]) if padded else None
+    ref = _reference(q, k, v, LOG_DECAY, mask)
+    out_q, weights = linear_attention_quadratic(q, k, v, mask, log_decay=LOG_DECAY)
+    out_c, state_c = linear_attention_chunked(q, k, v, mask, chunk_size=chunk, log_decay=LOG_DECAY)
+    out_r, state_r = linear_attention_sequential(q, k, v, mask, log_decay=LOG_DECAY)
+    for out in (out_q, out_c, out_r):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state_c.kv, state_r.kv, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(state_c.k_sum, state_r.k_sum, atol=1e-4, rtol=1e-5)
+    assert torch.all(weights.triu(1) == 0)
+
+
+def test_a_left_padded_row_equals_the_unpadded_row():
+    """Weights depend on i − j only: left padding shifts a row without changing it."""
+    q, k, v = _inputs(b=1, l=20)
+    pad = lambda t: torch.cat([torch.randn(1, 3, 6, t.shape[-1]).abs(), t], 2)  # noqa: E731
+    mask = left_padding(1, 26, [6])
+    alone, state = linear_attention_chunked(q, k, v, chunk_size=8, log_decay=LOG_DECAY)
+    padded, pstate = linear_attention_chunked(pad(q), pad(k), pad(v), mask, chunk_size=8, log_decay=LOG_DECAY)
+    torch.testing.assert_close(padded[:, :, 6:], alone, atol=1e-5, rtol=1e-5)
+    assert torch.all(padded[:, :, :6] == 0)
+    torch.testing.assert_close(pstate.kv, state.kv, atol=1e-5, rtol=1e-5)
+
+
+def test_decayed_state_carry_and_steps_equal_one_pass():
+    """Chunked prefill in pieces, then one step per token (copying and in place), equals one pass."""
+    q, k, v = _inputs(l=40)
+    full, final = linear_attention_chunked(q, k, v, chunk_size=8, log_decay=LOG_DECAY)
+    run = lambda t, s: linear_attention_chunked(  # noqa: E731
+        q[:, :, t], k[:, :, t], v[:, :, t], state=s, chunk_size=8, log_decay=LOG_DECAY
+    )
+    pieces, state = in_pieces(run, [13, 14, 30], dim=2)
+    outs = [pieces]
+    for t in range(30, 40):
+        inplace = t % 2 == 0
+        o, state = linear_attention_step(
+            q[:, :, t], k[:, :, t], v[:, :, t], state, log_decay=LOG_DECAY, inplace=inplace
+        )
+        outs.append(o[:, :, None])
+    torch.testing.assert_close(torch.cat(outs, 2), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.kv, final.kv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.k_sum, final.k_sum, atol=1e-5, rtol=1e-5)
+
+
+def test_decay_one_is_the_undecayed_op():
+    q, k, v = _inputs()
+    mask = left_padding(2, 37, [0, 5])
+    one = torch.zeros(3)
+    pairs = [
+        (
+            linear_attention_quadratic(q, k, v, mask)[0],
+            linear_attention_quadratic(q, k, v, mask, log_decay=one)[0],
+        ),
+        (
+            linear_attention_chunked(q, k, v, mask, chunk_size=8)[0],
+            linear_attention_chunked(q, k, v, mask, chunk_size=8, log_decay=one)[0],
+        ),
+        (
+            linear_attention_sequential(q, k, v, mask)[0],
+            linear_attention_sequential(q, k, v, mask, log_decay=one)[0],
+        ),
+    ]
+    wq, wk, wv, fq, fk = _window_inputs()
+    kw = dict(scaling=0.5, window=4, gamma=torch.tensor([0.3, 0.8]), mask=left_padding(2, 13, [0, 3]))
+    pairs.append(
+        (
+            window_linear_attention(wq, wk, wv, fq, fk, **kw)[0],
+            window_linear_attention(wq, wk, wv, fq, fk, log_decay=torch.zeros(2), **kw)[0],
+        )
+    )
+    pairs.append(
+        (
+            window_linear_attention_chunked(wq, wk, wv, fq, fk, chunk_size=4, **kw)[0],
+            window_linear_attention_chunked(wq, wk, wv, fq, fk, chunk_size=4, log_decay=torch.zeros(2), **kw)[
+                0
+            ],
+        )
+    )
+    for undecayed, decayed in pairs:
+        torch.testing.assert_close(decayed, undecayed, atol=1e-6, rtol=1e-6)
+
+
+def test_chunk_state_sums_by_loop_and_by_matrix_agree():
+    """``_decayed_exclusive_cumsum``: the CPU loop and the loop-free matrix form (other devices)."""
+    t = torch.randn(2, 3, 9, 4, 5)
+    g = torch.log(torch.tensor([0.3, 0.9, 1.0]))
+    for shift in (1, 2):
+        want = torch.zeros_like(t)
+        for n in range(9):
+            for m in range(n - shift + 1):
+                want[:, :, n] += torch.exp(g).view(1, 3, 1, 1) ** (n - shift - m) * t[:, :, m]
+        for loop in (True, False):
+            torch.testing.assert_close(
+                _decayed_exclusive_cumsum(t, g, shift, loop=loop), want, atol=1e-5, rtol=1e-5
+            )
+
+
+def test_decayed_gradients_finite_and_equal_between_forms():
+    q, k, v = _inputs(l=29)
+    g = LOG_DECAY.clone()
+    grads = []
+    for form in ("quadratic", "chunked"):
+        ins = [t.clone().requires_grad_() for t in (q, k, v, g)]
+        if form == "quadratic":
+            out = linear_attention_quadratic(*ins[:3], log_decay=ins[3])[0]
+        else:
+            out = linear_attention_chunked(*ins[:3], chunk_size=8, log_decay=ins[3])[0]
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        grads.append([t.grad for t in ins])
+    for a, b in zip(*grads):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert grads[0][3].abs().sum() > 0  # the decay learns
+
+
+def test_strong_decay_over_a_long_sequence_stays_finite_and_equal():
+    """λ = 0.01 over 600 tokens: powers underflow to 0, never overflow — chunked equals quadratic."""
+    q, k, v = _inputs(b=1, h=2, l=600, seed=2)
+    g = torch.log(torch.tensor([0.01, 0.999]))
+    out_q = linear_attention_quadratic(q, k, v, log_decay=g)[0]
+    out_c, state = linear_attention_chunked(q, k, v, chunk_size=64, log_decay=g)
+    assert torch.isfinite(out_c).all() and torch.isfinite(state.kv).all()
+    torch.testing.assert_close(out_c, out_q, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# window + decayed linear attention
+
+
+def _window_inputs(b=2, h=2, l=13, d=4, f=6, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, l, d, generator=g) for _ in range(3))
+    fq, fk = (F.elu(torch.randn(b, h, l, f, generator=g)) + 1 for _ in range(2))
+    return q, k, v, fq, fk
+
+
+def _window_reference(q, k, v, fq, fk, scaling, window, gamma, log_decay, mask):
+    """Per-query loop from the definition: γ·exp(s − m) in the window, λ^(i−j)·φq·φk beyond."""
+    b, h, l, d = q.shape
+    out = torch.zeros(b, h, l, d)
+    for bi in range(b):
+        for hi in range(h):
+            lam = float(torch.exp(log_decay[hi]))
+            for i in range(l):
+                if mask[bi, i] == 0:
+                    continue
+                keys = [j for j in range(i + 1) if mask[bi, j] > 0]
+                win = [j for j in keys if i - j < window]
+                m = max(float(q[bi, hi, i] @ k[bi, hi, j]) * scaling for j in win)
+                w = {
+                    j: gamma[hi] * torch.exp(q[bi, hi, i] @ k[bi, hi, j] * scaling - m)
+                    if j in win
+                    else lam ** (i - j) * (fq[bi, hi, i] @ fk[bi, hi, j])
+                    for j in keys
+                }
+                out[bi, hi, i] = sum(w[j] * v[bi, hi, j] for j in keys) / sum(w.values())
+    return out
+
+
+@pytest.mark.parametrize("chunk, window", [(4, 4), (4, 3), (5, 2), (3, 5)])
+def test_decayed_window_forms_equal_the_definition_in_pieces_and_loop_free(chunk, window):
+    q, k, v, fq, fk = _window_inputs()
+    gamma, g = torch.tensor([0.3, 0.8]), torch.log(torch.tensor([0.7, 0.95]))
+    mask = left_padding(2, 13, [0, 3])
+    ref = _window_reference(q, k, v, fq, fk, 0.5, window, gamma, g, mask)
+    kw = dict(scaling=0.5, window=window, gamma=gamma, eps=0.0, mask=mask, log_decay=g)
+    one, one_state, weights = window_linear_attention(q, k, v, fq, fk, return_weights=True, **kw)
+    torch.testing.assert_close(one, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weights.sum(-1)[0], torch.ones(2, 13), atol=1e-5, rtol=0)
+    for sizes in ([5, 3, 5], [1] * 13, [4, 1, 1, 7]):  # chunked prefill and token-by-token decode
+        state, outs, start = None, [], 0
+        for n in sizes:
+            part = slice(start, start + n)
+            kwp = dict(kw, mask=mask[:, part])
+            o, state = window_linear_attention(
+                *(t[:, :, part] for t in (q, k, v, fq, fk)), state=state, **kwp
+            )
+            outs.append(o)
+            start += n
+        torch.testing.assert_close(torch.cat(outs, 2), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state.kv, one_state.kv, atol=1e-5, rtol=1e-5)
+    ins = [t.clone().requires_grad_() for t in (q, k, v, fq, fk)]
+    out, state = window_linear_attention_chunked(*ins, chunk_size=chunk, return_state=True, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for name in ("kv", "k_sum", "keys", "values", "fkeys", "valid"):
+        torch.testing.assert_close(getattr(state, name), getattr(one_state, name), atol=1e-5, rtol=1e-5)
+    twins = [t.clone().requires_grad_() for t in (q, k, v, fq, fk)]
+    w = torch.randn(2, 2, 13, 4)
+    (out * w).sum().backward()
+    (window_linear_attention(*twins, **kw)[0] * w).sum().backward()
+    for a, c in zip(ins, twins):
+        assert torch.isfinite(a.grad).all()
+        torch.testing.assert_close(a.grad, c.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_decayed_window_state_continues_into_a_longer_sequence():
+    """A window prefill's state (loop-free form) continued block by block equals one pass (long,
+    strong decay: no overflow)."""
+    q, k, v, fq, fk = _window_inputs(b=1, l=300, seed=6)
+    kw = dict(
+        scaling=0.5, window=8, gamma=torch.tensor([0.5, 0.5]), log_decay=torch.log(torch.tensor([0.01, 0.99]))
+    )
+    full, _ = window_linear_attention(q, k, v, fq, fk, **kw)
+    head, state = window_linear_attention_chunked(
+        *(t[:, :, :170] for t in (q, k, v, fq, fk)), chunk_size=16, return_state=True, **kw
+    )
+    tail, _ = window_linear_attention(*(t[:, :, 170:] for t in (q, k, v, fq, fk)), state=state, **kw)
+    out = torch.cat([head, tail], 2)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, full, atol=1e-5, rtol=1e-5)
+
+
+def test_a_decayed_call_runs_the_torch_form_whatever_the_backend(monkeypatch):
+    """fla's linear-attention kernel has no decay: with ``log_decay`` the chunked form never
+    dispatches to it (not even with backend=fla, which would refuse a CPU tensor otherwise)."""
+    import attn2ssm.ops.linear_attention as ops
+
+    monkeypatch.setattr(
+        ops, "resolve_backend", lambda *a, **k: pytest.fail("a decayed call asked for a kernel")
+    )
+    q, k, v = _inputs(l=20)
+    want = linear_attention_quadratic(q, k, v, log_decay=LOG_DECAY)[0]
+    for backend in ("fla", "auto"):
+        got, _ = linear_attention_chunked(q, k, v, chunk_size=8, log_decay=LOG_DECAY, backend=backend)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
