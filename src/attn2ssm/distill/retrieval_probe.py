@@ -33,6 +33,7 @@ import torch
 from attn2ssm.adapters.capture import capture_attention_io
 from attn2ssm.adapters.registry import get_adapter
 from attn2ssm.errors import ConfigError
+from attn2ssm.mixers.kept_heads import head_level_plan, parse_kept_heads
 
 PROBE_KEY = "retrieval_probe"  # the student config attribute that keeps the probe's scores
 FORMAT = 1  # bump when an example's text changes
@@ -88,8 +89,14 @@ def copy_scores(teacher, examples) -> list[list[float]]:
     adapter = get_adapter(teacher)
     layers = list(range(len(adapter.attention_module_paths(teacher))))
     device = next(teacher.parameters()).device
+    limit = getattr(teacher.config, "max_position_embeddings", None)
     total, count = None, 0
     for ids, copies in examples:
+        if limit is not None and len(ids) > limit:
+            raise ConfigError(
+                f"a retrieval probe example of {len(ids)} tokens exceeds the teacher's {limit} positions",
+                "lower student.keep_heads.probe_pairs",
+            )
         if not copies:
             continue
         io = capture_attention_io(teacher, torch.tensor([ids], device=device), layers)
@@ -198,3 +205,43 @@ def run_probe(
         "seed": seed,
         "format": FORMAT,
     }
+
+
+def head_level_plan_for(teacher, tokenizer, plan: list[str], options: dict, keep_heads, seed: int = 0):
+    """(layer plan, mixer options by kind, probe record) of a head-level hybrid: ``keep_heads``
+    (a ``KeepHeadsConfig``) lists its groups or has the probe choose them under its budget among
+    ``plan``'s linear_attention layers. The record is what the student keeps (``keep_probe_record``)."""
+    if keep_heads.groups is not None:
+        kept = parse_kept_heads(keep_heads.groups, len(plan))
+        record = {
+            "kept": {str(i): g for i, g in kept.items()},
+            "kv_groups_kept": sum(map(len, kept.values())),
+        }
+        record["source"] = "listed (student.keep_heads.groups)"
+    else:
+        record = run_probe(
+            teacher,
+            tokenizer,
+            keep_heads.kv_budget,
+            keep_heads.probe_examples,
+            pairs=keep_heads.probe_pairs,
+            queries=keep_heads.probe_queries,
+            seed=seed,
+            plan=plan,
+        )
+        kept = parse_kept_heads(record["kept"])
+    new_plan, by_kind = head_level_plan(plan, options, kept)
+    return new_plan, by_kind, record
+
+
+def keep_probe_record(student, record: dict) -> None:
+    """Keep the probe's record in the student's config (saved and reloaded with it)."""
+    setattr(student.config, PROBE_KEY, record)
+
+
+def describe_kept(record: dict) -> str:
+    """One line: which groups are kept and how many of the teacher's."""
+    kept = ", ".join(f"layer {i}: {g}" for i, g in record["kept"].items()) or "none"
+    total = record.get("kv_groups_total")
+    of = f" of {total}" if total else ""
+    return f"kept KV groups ({record['kv_groups_kept']}{of}): {kept}"
