@@ -70,27 +70,7 @@ def build_student(
     if s.init_from:  # a trained student continued (student.init_from): no conversion, no calibration
         teachers.check_weight_files(s.init_from)
         return Attn2SSMForCausalLM.from_pretrained(s.init_from, dtype=torch.float32)
-    if s.keep_attention == "auto":
-        plan, scores = auto_plan(
-            teacher, ids(), s.mixer, dict(s.mixer_options), s.attention_ratio, batch_size=2, progress=progress
-        )
-        log_layer_scores(scores, plan, note)
-    else:
-        plan = make_plan(
-            s.depth or teacher.config.num_hidden_layers,
-            s.mixer,
-            attention_ratio=s.attention_ratio,
-            keep_attention=s.keep_attention,
-            placement=s.placement,
-            align=s.align,
-            where=s.where,
-        )
-    by_kind, record = {s.mixer: dict(s.mixer_options)}, None
-    if s.keep_heads is not None:  # a head-level hybrid: the probe's KV groups keep softmax attention
-        plan, by_kind, record = head_level_plan_for(
-            teacher, tokenizer, plan, dict(s.mixer_options), s.keep_heads, recipe.seed
-        )
-        note(describe_kept(record), {"event": "retrieval_probe", "kept": record["kept"]})
+    plan, by_kind, record = _layer_plan(recipe, teacher, ids, note, progress, tokenizer)
     student = convert(
         teacher,
         plan,
@@ -106,6 +86,35 @@ def build_student(
     calibrate(student, teacher, ids(), note)
     calibrate_kept(student, teacher, ids(), note)
     return student
+
+
+def _layer_plan(recipe, teacher, ids, note: Note, progress: bool, tokenizer):
+    """(layer plan, mixer options by kind, retrieval probe record or None) of a converted student:
+    attention kept by layer selection or placement, then ``student.keep_heads``' KV groups."""
+    s = recipe.student
+    if s.keep_attention == "auto":
+        plan, scores = auto_plan(
+            teacher, ids(), s.mixer, dict(s.mixer_options), s.attention_ratio, batch_size=2, progress=progress
+        )
+        log_layer_scores(scores, plan, note)
+    else:
+        plan = make_plan(
+            s.depth or teacher.config.num_hidden_layers,
+            s.mixer,
+            attention_ratio=s.attention_ratio,
+            keep_attention=s.keep_attention,
+            placement=s.placement,
+            align=s.align,
+            where=s.where,
+        )
+    if s.keep_heads is None:
+        return plan, {s.mixer: dict(s.mixer_options)}, None
+    # a head-level hybrid: the probe's KV groups keep softmax attention
+    plan, by_kind, record = head_level_plan_for(
+        teacher, tokenizer, plan, dict(s.mixer_options), s.keep_heads, recipe.seed
+    )
+    note(describe_kept(record), {"event": "retrieval_probe", "kept": record["kept"]})
+    return plan, by_kind, record
 
 
 def calibrate(student, teacher, ids: torch.Tensor, note: Note, layers=None) -> None:
