@@ -132,3 +132,27 @@ def test_options_are_checked(teacher):
     with pytest.raises(ConfigError, match="not linear_attention layers"):
         head_level_plan(["attention", "linear_attention"], {}, {0: [1]})
     assert parse_kept_heads({"3": [2, 0], 1: []}) == {3: [0, 2]}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "gemma3", "gpt_neox", "phi", "gpt2", "qwen2"])
+def test_every_group_kept_is_the_teachers_attention_in_every_family(family):
+    """The first global layer (no window, no soft-capping) with all its groups kept is the teacher's
+    attention: GQA / MQA, partial RoPE, q/k norms, biases, no RoPE."""
+    teacher = tiny_model(family)
+    n = teacher.config.num_hidden_layers
+    geometry = convert(teacher, ["attention"] * n).config.layer_geometry
+    i = next(j for j, g in enumerate(geometry) if not g.get("sliding_window") and not g.get("softcap"))
+    kept = {i: list(range(geometry[i]["num_kv_heads"]))}
+    plan, by_kind = head_level_plan(["linear_attention"] * n, {"feature_map": "hedgehog"}, kept)
+    student = convert(teacher, plan, by_kind).eval()
+    ids = torch.randint(3, 256, (2, 10), generator=torch.Generator().manual_seed(6))
+    io = capture_attention_io(teacher, ids, [i])[i]
+    out = student.mixers()[i](io.hidden_states, position_embeddings=io.position_embeddings)[0]
+    torch.testing.assert_close(out, io.output, atol=1e-5, rtol=1e-5)
+
+
+def test_a_windowed_layer_cannot_keep_groups():
+    teacher = tiny_model("mistral")  # every layer has a sliding window
+    plan, by_kind = head_level_plan(["linear_attention"] * 2, {}, {1: [0]})
+    with pytest.raises(ConfigError, match="soft-capped or windowed"):
+        convert(teacher, plan, by_kind)
