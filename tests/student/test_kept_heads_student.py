@@ -114,3 +114,24 @@ def test_native_and_gguf_export_refuse_in_one_line(tmp_path):
         with pytest.raises(ExportError, match="no served class") as err:
             check_exportable(tmp_path, llama_cpp=llama_cpp)
         assert "\n" not in str(err.value) and "layers [0, 1]" in str(err.value)
+
+
+def test_a_compiled_decode_step_steps_aside_for_kept_heads():
+    """A kept layer decodes through its mix (no one-token step), so the compiled step is never ready
+    and the plan's eager step runs: the same logits, nothing traced."""
+    from attn2ssm.decode.plan import enable_decode_plan
+
+    reference, fast = _student(), _student()
+    cpu_decode_layout(fast)
+    enable_decode_plan(fast, compile=True)
+    compiled = fast.__dict__["_decode_plan"].compiled
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(4))
+    outs = []
+    for model in (reference, fast):
+        cache = model.new_cache()
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+            assert not (model is fast and compiled.ready(cache))
+            outs.append(model(ids[:, -1:], past_key_values=cache, use_cache=True).logits)
+    assert not compiled.compiled_once
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
