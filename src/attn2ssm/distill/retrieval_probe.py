@@ -1,9 +1,9 @@
 """Choose the KV groups a head-level hybrid keeps: a synthetic retrieval probe on the teacher.
 
-Retrieval-Aware Distillation ("Retrieval-Aware Distillation for Transformer-SSM Hybrids", Bick,
-Xing, Gu) keeps the few attention heads that retrieval depends on, found by a synthetic key-value
-probe of the teacher (its code: ``KVRetrieval``, word → number pairs). Here the probe is one
-teacher forward per example, no training:
+"Retrieval-Aware Distillation" (Bick, Xing, Gu, ICML 2026) keeps the few attention heads that
+retrieval depends on, found by a synthetic key-value probe of the teacher (its code:
+``KVRetrieval``, word → number pairs). Here the probe is one teacher forward per example, no
+training:
 
 * an example is a ledger of ``pairs`` lines "{city} -> {4-digit number}", then ``queries`` of the
   cities again, each followed by its number (teacher-forced). Cities and 4-digit numbers share no

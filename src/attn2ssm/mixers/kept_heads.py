@@ -1,11 +1,11 @@
 """A head-level hybrid layer: a few KV groups keep the teacher's softmax attention, the rest is
 LoLCATs-style linear attention (``linear_attention``, window + linear or linear alone).
 
-Retrieval-Aware Distillation (Bick, Xing, Gu, "Retrieval-Aware Distillation for Transformer-SSM
-Hybrids") keeps about 2 % of a teacher's attention heads, chosen by a synthetic retrieval probe,
-inside otherwise converted layers. Here the unit is a KV group (with GQA the kv head and the query
-heads that read it: SmolLM2-135M has 3 groups of 3 query heads per layer), because a kept group's
-cost is its keys and values. In a layer listed in ``softmax_kv_heads``:
+"Retrieval-Aware Distillation" (Bick, Xing, Gu, ICML 2026) keeps about 2 % of a teacher's
+attention heads, chosen by a synthetic retrieval probe, inside otherwise converted layers. Here
+the unit is a KV group (with GQA the kv head and the query heads that read it: SmolLM2-135M has 3
+groups of 3 query heads per layer), because a kept group's cost is its keys and values. In a layer listed in
+``softmax_kv_heads``:
 
     y_j = softmax(q_j Kᵀ · scaling + causal mask) V        query head j of a kept group (exact,
                                                              over every token before it)
