@@ -3,11 +3,11 @@
 Every keyword of a mixer's ``__init__`` after ``geometry`` and ``layer_idx`` is an option, and its
 annotation is its type: ``bool``, ``int``, ``float``, ``str``, ``dict``, a ``tuple`` of numbers, any
 of them ``| None``; ``Annotated`` with ``AtLeast`` adds a lower bound (``PositiveInt``,
-``NonNegativeInt``, ``PositiveFloat``). A mixer whose ``__init__`` takes ``**options`` and hands them to
-its base class (``linear_attention_heads``) has the base class's options too. ``check_options`` is the one check of both ``convert --option``
-and a recipe's ``student.mixer_options``: an unknown name or a value of the wrong type is a
-one-line ConfigError before anything is built, and a number YAML read as text (``1e-3``) becomes
-the number.
+``NonNegativeInt``, ``PositiveFloat``). A mixer whose ``__init__`` takes ``**options`` and hands
+them to its base class (``linear_attention_heads``) has the base class's options too.
+``check_options`` is the one check of both ``convert --option`` and a recipe's
+``student.mixer_options``: an unknown name or a value of the wrong type is a one-line ConfigError
+before anything is built, and a number YAML read as text (``1e-3``) becomes the number.
 """
 
 from __future__ import annotations
