@@ -42,6 +42,22 @@ def add_parser(subparsers) -> None:
     )
     c.add_argument("--calibration", default=None, help="corpus for --keep auto (default: sotu)")
     c.add_argument(
+        "--kv-budget",
+        type=float,
+        default=None,
+        help="a head-level hybrid (--mixer linear_attention): the KV groups a retrieval probe of the teacher "
+        "ranks best keep softmax attention, as many as this fraction of the teacher's KV cache allows (e.g. 0.05)",
+    )
+    c.add_argument(
+        "--probe-examples", type=int, default=8, help="--kv-budget: the probe's examples (default 8)"
+    )
+    c.add_argument(
+        "--probe-pairs",
+        type=int,
+        default=16,
+        help="--kv-budget: key-value lines per probe example (default 16)",
+    )
+    c.add_argument(
         "--init",
         choices=("attention", "random"),
         default="attention",
@@ -69,6 +85,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     # Cheap checks first, so a typo fails in a fraction of a second, not after loading the teacher.
     keep, options = _keep(args.keep), _options(args.option)
+    _check_kv_budget(args)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file", "give a directory for the student")
@@ -91,8 +108,10 @@ def run(args) -> int:
     finally:
         _release(lock, out, made=made, had_lock=had_lock)
     kept = [i for i, k in enumerate(plan) if k == "attention"]
+    heads = [i for i, k in enumerate(plan) if k == "linear_attention_heads"]
     print(
         f"wrote {out}: {len(plan) - len(kept)}/{len(plan)} layers → {args.mixer}, attention kept at {kept or 'none'}"
+        + (f", softmax KV groups kept in layers {heads}" if heads else "")
     )
     return 0
 
@@ -109,11 +128,43 @@ def _convert_and_write(args, out: Path, keep: list[int] | None, options: dict, r
     plan = (
         _auto_plan(args, teacher, tokenizer, options) if args.keep == "auto" else _plan(args, teacher, keep)
     )
-    student = convert(
-        teacher, plan, {args.mixer: options}, teacher_info={"source": source.describe()}, init=args.init
-    )
+    by_kind, record = {args.mixer: options}, None
+    if args.kv_budget is not None:
+        from attn2ssm.distill.recipe_schema import KeepHeadsConfig
+        from attn2ssm.distill.retrieval_probe import describe_kept, head_level_plan_for
+
+        keep_heads = KeepHeadsConfig(
+            args.kv_budget, args.probe_examples, args.probe_pairs, min(4, args.probe_pairs)
+        )
+        plan, by_kind, record = head_level_plan_for(teacher, tokenizer, plan, options, keep_heads, args.seed)
+        print(describe_kept(record))
+    student = convert(teacher, plan, by_kind, teacher_info={"source": source.describe()}, init=args.init)
+    if record is not None:
+        from attn2ssm.distill.retrieval_probe import keep_probe_record
+
+        keep_probe_record(student, record)
     _write_student(student, tokenizer, out, replace=replace)
     return plan
+
+
+def _check_kv_budget(args) -> None:
+    """--kv-budget and the probe's flags, before anything loads."""
+    if args.kv_budget is None:
+        return
+    if args.mixer != "linear_attention":
+        raise ConfigError(
+            f"--kv-budget keeps KV groups inside linear_attention layers, not {args.mixer}",
+            "use --mixer linear_attention with --kv-budget",
+        )
+    if not 0.0 <= args.kv_budget <= 1.0:
+        raise ConfigError(
+            f"--kv-budget {args.kv_budget} is not a fraction in [0, 1]", "use e.g. --kv-budget 0.05"
+        )
+    if args.probe_examples < 1 or not 1 <= args.probe_pairs <= 40:
+        raise ConfigError(
+            f"--probe-examples {args.probe_examples} / --probe-pairs {args.probe_pairs} are out of range",
+            "use --probe-examples >= 1 and --probe-pairs in 1..40",
+        )
 
 
 def _release(lock, out: Path, *, made: bool, had_lock: bool) -> None:

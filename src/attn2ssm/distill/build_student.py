@@ -21,6 +21,7 @@ import attn2ssm.teachers as teachers  # called through the module: tests replace
 from attn2ssm.data import block_indices
 from attn2ssm.distill.calibration import calibrate_gated_delta, calibrate_kept_attention
 from attn2ssm.distill.layer_selection import auto_plan, select_attention_layers
+from attn2ssm.distill.retrieval_probe import describe_kept, head_level_plan_for, keep_probe_record
 from attn2ssm.mixers.registry import ATTENTION
 from attn2ssm.student.convert import convert, grow_student
 from attn2ssm.student.convert_vision import build_vision_student
@@ -39,11 +40,19 @@ def calibration_ids(blocks: torch.Tensor, recipe, device) -> torch.Tensor:
 
 
 def build_student(
-    recipe, teacher, teacher_info: dict, resume_from, images: bool, ids, note: Note, progress: bool
+    recipe,
+    teacher,
+    teacher_info: dict,
+    resume_from,
+    images: bool,
+    ids,
+    note: Note,
+    progress: bool,
+    tokenizer=None,
 ):
     """The student in fp32 (on the CPU; the caller moves it): an image classifier or a language
     student, reloaded from ``resume_from``, continued from ``student.init_from``, or converted.
-    ``ids()`` gives the calibration blocks."""
+    ``ids()`` gives the calibration blocks; ``tokenizer`` the teacher's (``student.keep_heads``' probe)."""
     s = recipe.student
     if images:
         if resume_from is not None:
@@ -61,6 +70,28 @@ def build_student(
     if s.init_from:  # a trained student continued (student.init_from): no conversion, no calibration
         teachers.check_weight_files(s.init_from)
         return Attn2SSMForCausalLM.from_pretrained(s.init_from, dtype=torch.float32)
+    plan, by_kind, record = _layer_plan(recipe, teacher, ids, note, progress, tokenizer)
+    student = convert(
+        teacher,
+        plan,
+        by_kind,
+        teacher_info=teacher_info,
+        init=s.init,
+        depth=s.depth,
+        depth_map=s.layer_map,
+        kept_attention=s.kept_attention,
+    )
+    if record is not None:
+        keep_probe_record(student, record)
+    calibrate(student, teacher, ids(), note)
+    calibrate_kept(student, teacher, ids(), note)
+    return student
+
+
+def _layer_plan(recipe, teacher, ids, note: Note, progress: bool, tokenizer):
+    """(layer plan, mixer options by kind, retrieval probe record or None) of a converted student:
+    attention kept by layer selection or placement, then ``student.keep_heads``' KV groups."""
+    s = recipe.student
     if s.keep_attention == "auto":
         plan, scores = auto_plan(
             teacher, ids(), s.mixer, dict(s.mixer_options), s.attention_ratio, batch_size=2, progress=progress
@@ -76,19 +107,14 @@ def build_student(
             align=s.align,
             where=s.where,
         )
-    student = convert(
-        teacher,
-        plan,
-        {s.mixer: dict(s.mixer_options)},
-        teacher_info=teacher_info,
-        init=s.init,
-        depth=s.depth,
-        depth_map=s.layer_map,
-        kept_attention=s.kept_attention,
+    if s.keep_heads is None:
+        return plan, {s.mixer: dict(s.mixer_options)}, None
+    # a head-level hybrid: the probe's KV groups keep softmax attention
+    plan, by_kind, record = head_level_plan_for(
+        teacher, tokenizer, plan, dict(s.mixer_options), s.keep_heads, recipe.seed
     )
-    calibrate(student, teacher, ids(), note)
-    calibrate_kept(student, teacher, ids(), note)
-    return student
+    note(describe_kept(record), {"event": "retrieval_probe", "kept": record["kept"]})
+    return plan, by_kind, record
 
 
 def calibrate(student, teacher, ids: torch.Tensor, note: Note, layers=None) -> None:

@@ -183,6 +183,45 @@ def _validate_student(recipe: Recipe) -> None:
             "set the fraction of layers that keep attention, e.g. student.attention_ratio=0.25",
         )
     _validate_keep_attention(s)
+    if s.keep_heads is not None:
+        _validate_keep_heads(recipe)
+
+
+def _validate_keep_heads(recipe: Recipe) -> None:
+    """student.keep_heads: a head-level hybrid of linear_attention layers built from the teacher."""
+    from attn2ssm.mixers.kept_heads import parse_kept_heads  # heavy: the mixers import torch
+
+    s, k = recipe.student, recipe.student.keep_heads
+    why = (
+        "it keeps KV groups inside linear_attention layers"
+        if s.mixer != "linear_attention"
+        else "the probe scores the teacher's own layers"
+        if s.depth is not None
+        else "a stage's attention_ratio would convert layers later"
+        if any(stage.attention_ratio is not None for stage in recipe.stages)
+        else "image students keep no attention"
+        if recipe.images is not None
+        else ""
+    )
+    if why:
+        raise ConfigError(
+            f"student.keep_heads cannot be used here: {why}",
+            "use student.mixer: linear_attention at the teacher's depth without stepwise stages, or drop student.keep_heads",
+        )
+    _check_ranges(
+        "student.keep_heads",
+        (
+            ("kv_budget", k.kv_budget, 0.0 <= k.kv_budget <= 1.0, "a fraction in [0, 1], e.g. 0.05"),
+            ("probe_examples", k.probe_examples, k.probe_examples >= 1, "at least 1"),
+            (
+                "probe_queries",
+                k.probe_queries,
+                1 <= k.probe_queries <= k.probe_pairs <= 40,
+                "1 <= probe_queries <= probe_pairs <= 40",
+            ),
+        ),
+    )
+    parse_kept_heads(k.groups)
 
 
 def _validate_init_from(recipe: Recipe) -> None:

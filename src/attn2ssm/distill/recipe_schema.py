@@ -73,6 +73,19 @@ class ImageDataConfig:
 
 
 @dataclass
+class KeepHeadsConfig:
+    """A head-level hybrid (``student.keep_heads``; mixers/kept_heads.py): in the linear_attention
+    layers, the KV groups a retrieval probe of the teacher ranks best (distill/retrieval_probe.py)
+    keep exact softmax attention, as many as ``kv_budget`` of the teacher's KV cache allows."""
+
+    kv_budget: float = 0.05  # fraction of the teacher's KV groups kept: floor(kv_budget * groups)
+    probe_examples: int = 8  # synthetic key-value examples the probe runs the teacher on
+    probe_pairs: int = 16  # key-value lines per example
+    probe_queries: int = 4  # lookups per example (teacher-forced answers, the copies scored)
+    groups: dict | None = None  # {layer: [kv groups]}: these instead of the probe's choice
+
+
+@dataclass
 class StudentConfig:
     mixer: str = "linear_attention"
     mixer_options: dict = field(default_factory=dict)
@@ -99,6 +112,9 @@ class StudentConfig:
     # converted or calibrated, and the plan fields above are not used): a further run of stages on
     # other data, e.g. a final KD stage on longer blocks after a run on 1024-token blocks.
     init_from: str | None = None
+    # A head-level hybrid: a few KV groups keep softmax attention inside linear_attention layers,
+    # chosen by a retrieval probe of the teacher under a KV budget (null: none).
+    keep_heads: KeepHeadsConfig | None = None
 
 
 @dataclass

@@ -329,6 +329,7 @@ class Distiller:
             self._calibration_ids,
             self._note,
             self.progress,
+            tokenizer=self.tokenizer,
         )
         self.student = student.to(device=self.acc.device, dtype=torch.float32)
 

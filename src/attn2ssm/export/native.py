@@ -126,12 +126,25 @@ def native_problem(config) -> tuple[str, str] | None:
         return qwen35_problem(config)
     return first_problem(
         config,
+        _head_level_problem,
         _family_problem,
         _mixer_kind_problem,
         _mlp_problem,
         _head_dim_problem,
         _mamba2_problem,
         _kept_attention_problem,
+    )
+
+
+def _head_level_problem(config) -> tuple[str, str] | None:
+    """A head-level hybrid (mixers/kept_heads.py): softmax and linear heads inside one layer."""
+    layers = [i for i in config.mixer_layers if config.layer_plan[i] == "linear_attention_heads"]
+    if not layers:
+        return None
+    return (
+        f"layers {layers} keep softmax attention in some KV groups and linear attention in the others; "
+        "no served class (transformers, llama.cpp) mixes softmax and linear heads inside one layer",
+        _KEEP,
     )
 
 

@@ -3,10 +3,11 @@
 Every keyword of a mixer's ``__init__`` after ``geometry`` and ``layer_idx`` is an option, and its
 annotation is its type: ``bool``, ``int``, ``float``, ``str``, ``dict``, a ``tuple`` of numbers, any
 of them ``| None``; ``Annotated`` with ``AtLeast`` adds a lower bound (``PositiveInt``,
-``NonNegativeInt``, ``PositiveFloat``). ``check_options`` is the one check of both ``convert --option``
-and a recipe's ``student.mixer_options``: an unknown name or a value of the wrong type is a
-one-line ConfigError before anything is built, and a number YAML read as text (``1e-3``) becomes
-the number.
+``NonNegativeInt``, ``PositiveFloat``). A mixer whose ``__init__`` takes ``**options`` and hands
+them to its base class (``linear_attention_heads``) has the base class's options too.
+``check_options`` is the one check of both ``convert --option`` and a recipe's
+``student.mixer_options``: an unknown name or a value of the wrong type is a one-line ConfigError
+before anything is built, and a number YAML read as text (``1e-3``) becomes the number.
 """
 
 from __future__ import annotations
@@ -40,11 +41,16 @@ PositiveFloat = Annotated[float, AtLeast(0.0, strict=True)]
 def option_types(cls) -> dict[str, tuple[object, object]]:
     """``{name: (declared type, default)}`` of mixer class ``cls``'s options, in signature order."""
     hints = typing.get_type_hints(cls.__init__, include_extras=True)
-    return {
+    params = inspect.signature(cls.__init__).parameters
+    out = {
         name: (hints.get(name, typing.Any), p.default)
-        for name, p in inspect.signature(cls.__init__).parameters.items()
-        if name not in _NOT_OPTIONS
+        for name, p in params.items()
+        if name not in _NOT_OPTIONS and p.kind is not p.VAR_KEYWORD
     }
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):  # **options handed on: the base class's too
+        base = next(b for b in cls.__mro__[1:] if "__init__" in b.__dict__)
+        out.update({k: v for k, v in option_types(base).items() if k not in out})
+    return out
 
 
 def check_options(kind: str, cls, options: dict | None) -> dict:

@@ -9,6 +9,7 @@ from attn2ssm.mixers.bimamba import BiMambaMixer
 from attn2ssm.mixers.discrete_mamba2 import DiscreteMamba2Mixer
 from attn2ssm.mixers.gated_delta import GatedDeltaMixer
 from attn2ssm.mixers.hedgemamba import HedgeMambaMixer
+from attn2ssm.mixers.kept_heads import KeptHeadsMixer
 from attn2ssm.mixers.linear_attention import LinearAttentionMixer
 from attn2ssm.mixers.mamba import MambaMixer
 from attn2ssm.mixers.mamba2 import Mamba2Mixer
@@ -23,6 +24,7 @@ MIXERS: dict[str, type[nn.Module]] = {
         DiscreteMamba2Mixer,
         HedgeMambaMixer,
         GatedDeltaMixer,
+        KeptHeadsMixer,
     )
 }
 
