@@ -98,7 +98,11 @@ def test_one_group_changes_only_its_query_heads(teacher):
     assert mine.kept_query_heads == [6, 7, 8] and mine.kv_heads_kept == 1
 
 
-@pytest.mark.parametrize("options", [WINDOWED, {"feature_map": "hedgehog"}])
+@pytest.mark.parametrize(
+    "options",
+    [WINDOWED, {"feature_map": "hedgehog"}, {**WINDOWED, "decay": True, "decay_horizon": 8.0}],
+    ids=["window", "hedgehog", "window-decay"],
+)
 def test_forms_agree_prefill_pieces_and_decode(teacher, options):
     student = _student(teacher, {0: [1], 2: [0, 2]}, options)
     ids, mask = _ids_and_mask()
