@@ -185,9 +185,7 @@ def run_lm_eval(
     """
     lm_eval = require_lm_eval()
 
-    manager = task_manager()
-    names = resolve_tasks(tasks, manager)  # fail on a typo before any model loads
-    _check_documents(limit, samples, num_fewshot)
+    manager, names = _tasks_to_score(tasks, limit, samples, num_fewshot)
     device = str(resolve_device(device))
     lm, model_args, wrapper_args, model_desc = _lm_for(
         model, tokenizer, dtype, batch_size, device, max_gen_toks
@@ -209,7 +207,19 @@ def run_lm_eval(
         )
     if results is None:  # not rank 0 of a distributed run
         return {}
-    settings = {
+    settings = _settings(
+        limit, samples, num_fewshot, batch_size, device, dtype, bootstrap_iters, wrapper_args
+    )
+    record = _record(results, model_desc, names, settings, command, started, log_samples)
+    if output_path is not None:
+        write_results(record, output_path)
+    return record
+
+
+def _settings(limit, samples, num_fewshot, batch_size, device, dtype, bootstrap_iters, model_args) -> dict:
+    """The record's settings: what ``run_lm_eval`` was given (``samples`` as a count per task), the
+    task pack it read and the versions of the task data."""
+    return {
         "limit": limit,
         "samples": None if samples is None else {k: len(v) for k, v in samples.items()},
         "num_fewshot": num_fewshot,
@@ -217,14 +227,19 @@ def run_lm_eval(
         "device": device,
         "dtype": dtype,
         "bootstrap_iters": bootstrap_iters,
-        "model_args": wrapper_args,
+        "model_args": model_args,
         "task_pack": str(task_pack_dir()),
         "task_data": _data_versions(),
     }
-    record = _record(results, model_desc, names, settings, command, started, log_samples)
-    if output_path is not None:
-        write_results(record, output_path)
-    return record
+
+
+def _tasks_to_score(tasks, limit, samples, num_fewshot: int) -> tuple:
+    """(lm-eval's task manager, the task names): a mistyped task, or documents and shots that cannot
+    be scored, refused in one line before any model loads."""
+    manager = task_manager()
+    names = resolve_tasks(tasks, manager)
+    _check_documents(limit, samples, num_fewshot)
+    return manager, names
 
 
 def _check_documents(limit, samples, num_fewshot: int) -> None:
