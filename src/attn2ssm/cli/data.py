@@ -144,7 +144,7 @@ def _check_shards_args(args) -> tuple[dict, int, bool]:
             f"--fit-mib {args.fit_mib:g} is no size", "give the MiB the folder may take, e.g. --fit-mib 64"
         )
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.is_dir() and any(out.iterdir()):  # a file there: check_writable says so
         held = "token shards" if (out / "manifest.json").exists() else "other files"
         raise ConfigError(f"--out {out} already holds {held}", "choose another --out, or remove it first")
     check_spec(args.spec)
@@ -155,7 +155,7 @@ def _check_shards_args(args) -> tuple[dict, int, bool]:
             f"--device and --dtype are for generated: specs, and {args.spec!r} is tokenized, not sampled",
             "drop them",
         )
-    check_writable(out, beside=True)
+    check_writable(out, beside=True, folder=True)
     return limits, shard_tokens, generated
 
 
