@@ -22,7 +22,12 @@ def add_parser(subparsers) -> None:
         help="token shards: a corpus written once as token ids (shards), and what a shard folder holds (info)",
     )
     dsub = d.add_subparsers(dest="data", required=True)
+    _add_shards_parser(dsub)
+    data_info.add_parser(dsub)
 
+
+def _add_shards_parser(dsub) -> None:
+    """``data shards SPEC --out DIR``: the corpus, the limits, and for generated: the sampling."""
     s = dsub.add_parser(
         "shards",
         help="write a corpus spec as token shards with the teacher's tokenizer (generated: sampled from the teacher)",
@@ -75,8 +80,6 @@ def add_parser(subparsers) -> None:
     )
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=run_shards)
-
-    data_info.add_parser(dsub)
 
 
 # ------------------------------------------------------------------------------------- shards
