@@ -155,9 +155,8 @@ def test_native_checkpoint_has_no_remote_code(exported):
             "attention" if k == "attention" else "mamba" for k in student.config.layer_plan
         ]
         assert "GraniteMoeHybridForCausalLM" in (native / "README.md").read_text()
-        hybrid = (
-            "attention" in student.config.layer_plan
-        )  # a pure export turns transformers' cache off (see the greedy test)
+        # a pure export turns transformers' cache off (see the greedy test)
+        hybrid = "attention" in student.config.layer_plan
         assert (
             config["use_cache"] is hybrid
             and json.loads((native / "generation_config.json").read_text()).get("use_cache", True) is hybrid
@@ -379,9 +378,8 @@ def test_probe_checks_short_long_and_real_text_inputs():
     config = SimpleNamespace(base_config={"max_position_embeddings": 400})
     student = Model(config)
     assert probe_difference(student, Model(config), len(tok), tok)[0] == 0.0
-    assert probe_difference(student, Model(config, wrong_after=100), len(tok), tok)[0] == pytest.approx(
-        1.0
-    )  # only the long inputs reach it
+    # only the long inputs reach it
+    assert probe_difference(student, Model(config, wrong_after=100), len(tok), tok)[0] == pytest.approx(1.0)
 
 
 def test_a_truncated_student_is_one_line_and_writes_nothing(tmp_path, capsys):
@@ -418,9 +416,10 @@ def test_an_unwritable_out_is_one_line_before_the_weights_load(tmp_path, monkeyp
 
     _save(_student(_teacher("llama", 2), [MAMBA2, MAMBA2]), tmp_path / "student")
     real_access = os.access
+    # as if tmp_path were read-only
     monkeypatch.setattr(
         os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode)
-    )  # as if tmp_path were read-only
+    )
     monkeypatch.setattr(
         Attn2SSMForCausalLM,
         "from_pretrained",
@@ -484,6 +483,5 @@ def test_a_full_disk_keeps_the_old_export_and_a_killed_exports_staging_goes(tmp_
         == f"error: cannot write the exported model to {out}: No space left on device — free space on its disk, then run the command again (what --out held is unchanged)"
     )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["student", "native", live.name]
-    )  # the stale staging and the failed one gone
+    # the stale staging and the failed one gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["student", "native", live.name])

@@ -68,9 +68,8 @@ def is_vision_teacher(spec: str | None) -> bool:
 def image_processor_for(config):
     """The ViT image processor for a config: resize to its image size, normalise to [-1, 1]."""
     try:
-        from transformers import (
-            ViTImageProcessorPil as Processor,
-        )  # heavy: transformers; this one needs no torchvision
+        # heavy: transformers; this one needs no torchvision
+        from transformers import ViTImageProcessorPil as Processor
     except ImportError:
         from transformers import ViTImageProcessor as Processor  # heavy: transformers
     n = config.num_channels
@@ -210,10 +209,8 @@ def builtin_vision_teacher_dir(name: str, progress: bool = True) -> Path:
 
 def load_vision_teacher(spec: str, progress: bool = True):
     """(model in eval mode, image processor, provenance dict) for a built-in name or a directory."""
-    from transformers import (
-        AutoImageProcessor,
-        AutoModelForImageClassification,
-    )  # heavy: transformers (this module imports torch only)
+    # heavy: transformers (this module imports torch only)
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
 
     path = (
         builtin_vision_teacher_dir(spec, progress)
