@@ -22,6 +22,7 @@ from attn2ssm.paths import (
     write_failure,
     writing,
 )
+from read_only import not_as_root, read_only_folder
 
 
 def dead_pid() -> int:
@@ -175,19 +176,11 @@ def test_writing_turns_a_full_disk_into_one_line(tmp_path):
             raise ValueError("not a write")
 
 
-@pytest.mark.skipif(
-    os.geteuid() == 0,
-    reason="root writes into read-only folders: the chmod case cannot fail as root (covered by the injected one)",
-)
+@not_as_root
 def test_check_writable_refuses_a_read_only_folder(tmp_path):
-    parent = tmp_path / "ro"
-    parent.mkdir()
-    parent.chmod(0o555)
-    try:
+    with read_only_folder(tmp_path / "ro") as parent:
         with pytest.raises(OutputError, match="is not writable"):
             check_writable(parent / "a" / "b")
-    finally:
-        parent.chmod(0o755)
 
 
 def test_check_writable_checks_the_nearest_existing_folder(tmp_path, monkeypatch):

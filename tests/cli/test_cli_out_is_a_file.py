@@ -3,28 +3,21 @@ with ``folder``), from every command that writes a folder: convert, data shards,
 eval --out and distill; the file is left as it was and nothing is written beside it."""
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from attn2ssm.student.convert import convert
-from tiny_models import make_tokenizer, one_line_error, tiny_config
+from tiny_models import make_tokenizer, one_line_error, save_tiny_teacher
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny Llama teacher and its pure Mamba-2 student (exportable: norm on), both saved."""
     root = tmp_path_factory.mktemp("models")
-    tok = make_tokenizer()
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_config(cfg).eval()
-    teacher.save_pretrained(root / "teacher")
-    tok.save_pretrained(root / "teacher")
+    teacher = save_tiny_teacher(root / "teacher")
+    cfg = teacher.config
     plan = ["mamba2"] * cfg.num_hidden_layers
     student = convert(teacher, plan, {"mamba2": {"norm": True, "norm_eps": cfg.rms_norm_eps}})
     student.save_pretrained(root / "student")
-    tok.save_pretrained(root / "student")
+    make_tokenizer().save_pretrained(root / "student")
     return root
 
 

@@ -28,6 +28,7 @@ from attn2ssm.distill.checkpoints import damage
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill, latest_checkpoint
 from attn2ssm.errors import ConfigError, OutputError
+from read_only import not_as_root, read_only_folder
 from tiny_models import BASE_RECIPE
 
 
@@ -154,15 +155,9 @@ def test_a_full_disk_while_writing_the_student_resumes_to_the_student(run_overri
 
 
 # ------------------------------------------------------------------------------ 7. a read-only --out
-@pytest.mark.skipif(
-    os.geteuid() == 0,
-    reason="root writes into read-only folders: the chmod case cannot fail as root (the injected cases cover it)",
-)
+@not_as_root
 def test_a_read_only_parent_is_refused_before_the_teacher_loads(run_overrides, tmp_path, capsys):
-    parent = tmp_path / "ro"
-    parent.mkdir()
-    parent.chmod(0o555)
-    try:
+    with read_only_folder(tmp_path / "ro") as parent:
         assert (
             main(
                 [
@@ -176,8 +171,6 @@ def test_a_read_only_parent_is_refused_before_the_teacher_loads(run_overrides, t
             )
             == 2
         )
-    finally:
-        parent.chmod(0o755)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: --out {parent / 'run'}: {parent} is not writable"), (
         err

@@ -27,6 +27,7 @@ from attn2ssm.errors import ExportError
 from attn2ssm.export.native import check_native, export_native, native_problem
 from attn2ssm.student.convert import convert
 from cache_forms import positions, run_remote
+from read_only import not_as_root, read_only_folder
 from tiny_models import make_tokenizer, one_line_error, tiny_config
 
 MAMBA2 = "mamba2"
@@ -435,22 +436,14 @@ def test_an_unwritable_out_is_one_line_before_the_weights_load(tmp_path, monkeyp
     )
 
 
-@pytest.mark.skipif(
-    os.geteuid() == 0,
-    reason="root writes into read-only folders: the chmod case cannot fail as root (the injected cases cover it)",
-)
+@not_as_root
 def test_a_read_only_parent_is_refused(tmp_path, capsys):
     _save(_student(_teacher("llama", 2), [MAMBA2, MAMBA2]), tmp_path / "student")
-    parent = tmp_path / "ro"
-    parent.mkdir()
-    parent.chmod(0o555)
-    try:
+    with read_only_folder(tmp_path / "ro") as parent:
         err = one_line_error(
             capsys,
             ["export", str(tmp_path / "student"), "--format", "native", "--out", str(parent / "native")],
         )
-    finally:
-        parent.chmod(0o755)
     assert err.startswith(f"error: --out {parent / 'native'}: {parent} is not writable")
 
 

@@ -3,8 +3,6 @@ from its checks to its last write, so a second export into the same ``--out`` at
 refused in one line instead of both reporting "wrote"; the lock file goes with it."""
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 import attn2ssm.export.gguf as gguf
 import attn2ssm.export.native as native
@@ -12,21 +10,18 @@ from attn2ssm.errors import OutputError
 from attn2ssm.export.native import export_native
 from attn2ssm.paths import lock_beside
 from attn2ssm.student.convert import convert
-from tiny_models import make_tokenizer, one_line_error, tiny_config
+from tiny_models import make_tokenizer, one_line_error, save_tiny_teacher
 
 
 @pytest.fixture(scope="module")
 def student_dir(tmp_path_factory):
     """A tiny pure Mamba-2 student both maps take (norm on, no gate bias), saved with its tokenizer."""
     path = tmp_path_factory.mktemp("student")
-    tok = make_tokenizer()
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_config(cfg).eval()
+    teacher = save_tiny_teacher(tmp_path_factory.mktemp("teacher"))
+    cfg = teacher.config
     mamba2 = {"norm": True, "norm_eps": cfg.rms_norm_eps, "gate": True, "gate_bias": False}
     convert(teacher, ["mamba2"] * cfg.num_hidden_layers, {"mamba2": mamba2}).save_pretrained(path)
-    tok.save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
     return path
 
 
