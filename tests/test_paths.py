@@ -13,6 +13,7 @@ from attn2ssm.errors import OutputError
 from attn2ssm.paths import (
     atomic_write_text,
     check_writable,
+    lock_beside,
     lock_dir,
     owner_tag,
     remove_stale_staging,
@@ -21,6 +22,7 @@ from attn2ssm.paths import (
     write_failure,
     writing,
 )
+from read_only import not_as_root, read_only_folder
 
 
 def dead_pid() -> int:
@@ -174,19 +176,11 @@ def test_writing_turns_a_full_disk_into_one_line(tmp_path):
             raise ValueError("not a write")
 
 
-@pytest.mark.skipif(
-    os.geteuid() == 0,
-    reason="root writes into read-only folders: the chmod case cannot fail as root (covered by the injected one)",
-)
+@not_as_root
 def test_check_writable_refuses_a_read_only_folder(tmp_path):
-    parent = tmp_path / "ro"
-    parent.mkdir()
-    parent.chmod(0o555)
-    try:
+    with read_only_folder(tmp_path / "ro") as parent:
         with pytest.raises(OutputError, match="is not writable"):
             check_writable(parent / "a" / "b")
-    finally:
-        parent.chmod(0o755)
 
 
 def test_check_writable_checks_the_nearest_existing_folder(tmp_path, monkeypatch):
@@ -200,3 +194,59 @@ def test_check_writable_checks_the_nearest_existing_folder(tmp_path, monkeypatch
     assert str(err.value).startswith(
         f"--out {tmp_path / 'x' / 'y'}: {tmp_path} is not writable"
     ) and "choose another --out" in str(err.value)
+
+
+def test_check_writable_refuses_a_file_where_a_folder_goes(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    check_writable(notes)  # a file output (--json, a .gguf) may replace a file
+    with pytest.raises(OutputError) as err:
+        check_writable(notes, folder=True, flag="--out")
+    assert str(err.value) == (
+        f"--out {notes} is a file, not a folder — choose another --out (a new folder, or one this command wrote)"
+    )
+    for folder in (False, True):  # a file above the output: no folder can be made there
+        with pytest.raises(OutputError, match=f"{notes} is a file, not a folder"):
+            check_writable(notes / "run", folder=folder)
+    check_writable(tmp_path / "new", folder=True)  # a folder, or nothing yet, is fine
+    assert notes.read_text() == "mine"
+
+
+# ------------------------------------------------------------------------- one writer per output
+def test_lock_beside_refuses_a_second_writer_and_leaves_no_lock_file(tmp_path):
+    out = tmp_path / "model.gguf"
+    with lock_beside(out):
+        assert "pid" in (tmp_path / ".model.gguf.lock").read_text()
+        with pytest.raises(
+            OutputError, match=f"another process \\(pid {os.getpid()} on .*\\) is using {out}"
+        ):
+            with lock_beside(out):
+                pytest.fail("two writers held one output")
+    assert list(tmp_path.iterdir()) == []  # the lock file goes with the lock
+    with lock_beside(out):  # free again
+        pass
+
+
+def test_lock_beside_takes_a_fresh_lock_file_when_its_holder_deleted_the_one_it_opened(tmp_path, monkeypatch):
+    """A writer that opened the lock file just before its holder deleted it must not hold that
+    orphan: it takes the new file, which a third writer would find held."""
+    import attn2ssm.paths as paths
+
+    out = tmp_path / "out"
+    lock = tmp_path / ".out.lock"
+    real_open, opened = open, []
+
+    def open_then_lose_it(path, mode="r", *args, **kwargs):
+        fh = real_open(path, mode, *args, **kwargs)
+        if path == lock and not opened:  # the holder deletes the file between our open and flock
+            opened.append(path)
+            lock.unlink()
+        return fh
+
+    monkeypatch.setattr(paths, "open", open_then_lose_it, raising=False)
+    with lock_beside(out):
+        assert opened and lock.exists()
+        monkeypatch.setattr(paths, "open", real_open, raising=False)
+        with pytest.raises(OutputError, match="is using"):
+            with lock_beside(out):
+                pass

@@ -247,17 +247,25 @@ def make_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", model_max_length=64)
 
 
-def save_tiny_teacher_and_corpus(tmp_path):
-    """A tiny random Llama teacher (+ tokenizer) saved under tmp_path/teacher and a small text
-    corpus file: the inputs the CLI benchmarks take. Returns (teacher dir, corpus path)."""
+def save_tiny_teacher(path, family: str = "llama") -> torch.nn.Module:
+    """A tiny random ``family`` teacher (seed 0) over ``make_tokenizer``'s vocabulary, saved with that
+    tokenizer in ``path`` (config, weights, tokenizer: a directory ``--teacher`` takes). Returns it."""
     from transformers import AutoModelForCausalLM
 
     tok = make_tokenizer()
-    cfg = tiny_config("llama")
+    cfg = tiny_config(family)
     cfg.vocab_size = len(tok)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "teacher")
-    tok.save_pretrained(tmp_path / "teacher")
+    teacher = AutoModelForCausalLM.from_config(cfg)
+    teacher.save_pretrained(path)
+    tok.save_pretrained(path)
+    return teacher
+
+
+def save_tiny_teacher_and_corpus(tmp_path):
+    """A tiny random Llama teacher (+ tokenizer) saved under tmp_path/teacher and a small text
+    corpus file: the inputs the CLI benchmarks take. Returns (teacher dir, corpus path)."""
+    save_tiny_teacher(tmp_path / "teacher")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(" ".join(SENTENCES))
     return tmp_path / "teacher", corpus

@@ -3,9 +3,10 @@ so that a failure or a kill loses nothing already written.
 
 An output is built beside its target in a hidden staging folder (``staging_dir``) whose name ends
 in its writer's ``{pid}@{host}``, then moved into place; ``remove_stale_staging`` deletes what a
-killed writer left. A run directory is held by one process at a time (``lock_dir``). A write that
-fails for want of space or permission becomes a one-line ``OutputError`` (``writing``), and
-``check_writable`` refuses an unwritable output before anything heavy loads.
+killed writer left. A run directory is held by one process at a time (``lock_dir``), and so is any
+other output (``lock_beside``). A write that fails for want of space or permission becomes a
+one-line ``OutputError`` (``writing``), and ``check_writable`` refuses an unwritable output (or a
+file where an output folder goes) before anything heavy loads.
 """
 
 import contextlib
@@ -166,33 +167,66 @@ def lock_dir(folder: Path, then: str = "run the command again"):
     """Hold ``folder`` (created if missing) for this process: an exclusive advisory lock (flock) on
     ``folder/.lock`` for as long as the returned file stays open. The OS drops it when the process
     dies, so a killed run never leaves a stale lock. Held elsewhere: OutputError naming the holder."""
+    folder = Path(folder)
+    return _hold(folder / LOCK, folder, then)
+
+
+@contextlib.contextmanager
+def lock_beside(target: Path, then: str = "run the command again"):
+    """Hold output ``target`` (a file or a folder, existing or not) for the block: ``lock_dir``'s
+    flock on ``.{name}.lock`` beside it, so two commands writing one output at once cannot both
+    write it (the second is refused in one line). The lock file is deleted, still held, at the end."""
+    target = Path(target)
+    lock = target.parent / f".{target.name}{LOCK}"
+    fh = _hold(lock, target, then)
+    try:
+        yield
+    finally:
+        if fh is not None:
+            lock.unlink(missing_ok=True)
+            fh.close()
+
+
+def _hold(lock: Path, held: Path, then: str):
+    """An exclusive flock on file ``lock`` (made with its folder if missing; the holder written in
+    it), the open file holding it; None where there is no flock. Held elsewhere: OutputError."""
     try:
         import fcntl  # optional: POSIX only
     except ImportError:  # no flock (Windows): unlocked, as before
         return None
-    folder = Path(folder)
-    with writing(folder, "its lock file", then):
-        folder.mkdir(parents=True, exist_ok=True)
-        fh = open(folder / LOCK, "a+")
-    try:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.seek(0)
-        holder = fh.read().strip()
-        fh.close()
-        raise OutputError(
-            f"another process{f' ({holder})' if holder else ''} is using {folder}",
-            "wait for it to finish or stop it, or choose another --out",
-        ) from None
-    except OSError as exc:
-        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
-            raise
-        return fh  # a filesystem without locks: unlocked, as before
+    while True:
+        with writing(held, "its lock file", then):
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fh = open(lock, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip()
+            fh.close()
+            raise OutputError(
+                f"another process{f' ({holder})' if holder else ''} is using {held}",
+                "wait for it to finish or stop it, or choose another --out",
+            ) from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+            return fh  # a filesystem without locks: unlocked, as before
+        if _same_file(fh, lock):
+            break
+        fh.close()  # a lock_beside holder deleted it between our open and flock: take the new one
     fh.seek(0)
     fh.truncate()
     fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     fh.flush()
     return fh
+
+
+def _same_file(fh, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fh.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 # -- failed writes ---------------------------------------------------------------------------------
@@ -235,22 +269,31 @@ def writing(target: Path, what: str, then: str, note: str = ""):
         ) from exc
 
 
-def check_writable(path: Path, *, beside: bool = False, flag: str = "--out") -> None:
+def check_writable(path: Path, *, beside: bool = False, flag: str = "--out", folder: bool = False) -> None:
     """Refuse, before anything heavy loads, an output that cannot be written: the nearest existing
     folder at or above ``path`` (and with ``beside``, an output staged beside ``path``, above its
-    parent too) must take new entries. access(2): root passes except on a read-only file system; a
-    write denied later anyway is still one line (``writing``)."""
+    parent too) must take new entries, and nothing above ``path`` may be a file; with ``folder``
+    (an output folder) neither may ``path``. access(2): root passes except on a read-only file
+    system; a write denied later anyway is still one line (``writing``)."""
     path = Path(path)
+    for above in path.absolute().parents:
+        if above.exists() and not above.is_dir():
+            raise OutputError(f"{flag} {path}: {above} is a file, not a folder", f"choose another {flag}")
+    if folder and path.exists() and not path.is_dir():
+        raise OutputError(
+            f"{flag} {path} is a file, not a folder",
+            f"choose another {flag} (a new folder, or one this command wrote)",
+        )
     for target in [path.parent, path] if beside else [path]:
-        folder = target.absolute()
-        while not folder.is_dir():
-            folder = folder.parent
-        if not os.access(folder, os.W_OK | os.X_OK):
+        nearest = target.absolute()
+        while not nearest.is_dir():
+            nearest = nearest.parent
+        if not os.access(nearest, os.W_OK | os.X_OK):
             reason = (
                 "is on a read-only file system"
-                if os.statvfs(folder).f_flag & os.ST_RDONLY
+                if os.statvfs(nearest).f_flag & os.ST_RDONLY
                 else "is not writable (permission denied)"
             )
             raise OutputError(
-                f"{flag} {path}: {folder} {reason}", f"choose another {flag}, or make {folder} writable"
+                f"{flag} {path}: {nearest} {reason}", f"choose another {flag}, or make {nearest} writable"
             )

@@ -12,22 +12,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.cli import main
-from tiny_models import make_tokenizer, tiny_config
+from read_only import not_as_root, read_only_folder
+from tiny_models import save_tiny_teacher
 
 
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("teacher")
-    tok = make_tokenizer()
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
+    save_tiny_teacher(path)
     return path
 
 
@@ -131,18 +126,10 @@ def test_a_full_disk_is_one_line_and_keeps_the_old_student(teacher_dir, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging left
 
 
-@pytest.mark.skipif(
-    os.geteuid() == 0,
-    reason="root writes into read-only folders: the chmod case cannot fail as root (the injected cases cover it)",
-)
+@not_as_root
 def test_a_read_only_parent_is_refused(teacher_dir, tmp_path, capsys):
-    parent = tmp_path / "ro"
-    parent.mkdir()
-    parent.chmod(0o555)
-    try:
+    with read_only_folder(tmp_path / "ro") as parent:
         assert _convert(teacher_dir, parent / "out") == 2
-    finally:
-        parent.chmod(0o755)
     assert _one_error_line(capsys).startswith(f"error: --out {parent / 'out'}: {parent} is not writable")
 
 

@@ -185,9 +185,8 @@ def _stage(**losses):
 
 def test_stage_loss_is_eq_8_on_independently_computed_features():
     teacher = tiny_model("llama")
-    student = convert(
-        teacher, [M2, M2, M2], depth=3
-    )  # deeper: built from (and aligned to) teacher layers 0, 1, 1
+    # deeper: built from (and aligned to) teacher layers 0, 1, 1
+    student = convert(teacher, [M2, M2, M2], depth=3)
     kind = STAGE_KINDS["bridge_alignment"]
     cfg = _stage()
     student.stage_modules = kind.stage_modules(student, teacher, cfg)

@@ -181,9 +181,8 @@ def test_trainer_runs_each_vision_kind_and_saves_an_hf_classifier(tmp_path, kind
         ],
     )
     results = distill(recipe, tmp_path / "run", progress=False)
-    assert (
-        results["train_images"] == 9 and results["test_images"] == 6
-    )  # half of 6 per class, all of the test split
+    # half of 6 per class, all of the test split
+    assert results["train_images"] == 9 and results["test_images"] == 6
     assert 0.0 <= results["student_top1"] <= 1.0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and "eval_top1" in rows[-1]

@@ -18,9 +18,8 @@ def test_statistics_of_hand_made_heads():
     keys[0, :, 0, 0] = 1.0  # head 0: every key the same direction → crowding 1
     keys[0, :, 1] = torch.eye(4).repeat(2, 1)  # head 1: cycles through 4 orthogonal keys
     distance, crowding = head_statistics(prev, keys)
-    torch.testing.assert_close(
-        distance, torch.tensor([1.0, sum(range(4, 8)) / 4])
-    )  # second half of the queries: i = 4..7
+    # second half of the queries: i = 4..7
+    torch.testing.assert_close(distance, torch.tensor([1.0, sum(range(4, 8)) / 4]))
     # head 1: of the 7 other positions of each key, 1 repeats its direction (cos 1), the rest are orthogonal
     torch.testing.assert_close(crowding, torch.tensor([1.0, 1 / 7]))
     alpha, beta = decays_from(distance, crowding)

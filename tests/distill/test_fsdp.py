@@ -83,9 +83,8 @@ def test_the_config_parses_as_fsdp2_at_the_decoder_layer():
         config.fsdp_config["fsdp_version"] == 2
         and config.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
     )
-    assert (
-        "fsdp_transformer_layer_cls_to_wrap" not in config.fsdp_config
-    )  # the student's _no_split_modules: its decoder layer
+    # the student's _no_split_modules: its decoder layer
+    assert "fsdp_transformer_layer_cls_to_wrap" not in config.fsdp_config
     from tiny_models import tiny_student
 
     assert tiny_student("llama", "mamba2")._no_split_modules == {"LlamaDecoderLayer"}
@@ -119,17 +118,14 @@ def test_two_fsdp_processes_train_like_one_and_resume_after_sigkill(run_override
         killed.returncode != 0 and "stage 2: sharded=True FSDPAttn2SSMForCausalLM DTensor" in killed.stdout
     ), killed.stdout[-2000:] + killed.stderr[-3000:]
     assert "stage 0: sharded=True FSDPAttn2SSMForCausalLM DTensor" in killed.stdout
-    assert (
-        latest_checkpoint(two).name == "stage2-step000002"
-    )  # inside the LoRA stage: adapters beside the plain student
+    # inside the LoRA stage: adapters beside the plain student
+    assert latest_checkpoint(two).name == "stage2-step000002"
     payload = torch.load(latest_checkpoint(two) / "optimizer.pt", weights_only=False)
-    assert (
-        set(payload["optimizer"]["state"]) == set(range(16)) and "lora" in payload
-    )  # full, position-keyed: as without FSDP
+    # full, position-keyed: as without FSDP
+    assert set(payload["optimizer"]["state"]) == set(range(16)) and "lora" in payload
     ckpt = load_file(latest_checkpoint(two) / "model.safetensors")
-    assert (
-        ckpt.keys() == load_file(one / "student/model.safetensors").keys()
-    )  # the full student, no shard, no adapter
+    # the full student, no shard, no adapter
+    assert ckpt.keys() == load_file(one / "student/model.safetensors").keys()
     resumed = subprocess.run(
         [*launch, "distill", "--out", str(two), "--resume", "--no-progress"],
         env=_env(),
@@ -141,9 +137,8 @@ def test_two_fsdp_processes_train_like_one_and_resume_after_sigkill(run_override
     m1, m2 = _records(one), _records(two)
     assert {r["processes"] for r in m2} == {2} and len(m1) == len(m2) == 21
     assert [r["loss"] for r in m2] == pytest.approx([r["loss"] for r in m1], rel=1e-4, abs=1e-5)
-    evals = [
-        [(r["step"], r["eval_loss"]) for r in m if "eval_loss" in r] for m in (m1, m2)
-    ]  # every process ran the sharded eval forward
+    # every process ran the sharded eval forward
+    evals = [[(r["step"], r["eval_loss"]) for r in m if "eval_loss" in r] for m in (m1, m2)]
     assert [s for s, _ in evals[1]] == [s for s, _ in evals[0]] and [e for _, e in evals[1]] == pytest.approx(
         [e for _, e in evals[0]], rel=1e-5
     )

@@ -228,9 +228,8 @@ def test_mamba_in_llama_recipe_runs_end_to_end(chat_overrides, tmp_path):
     assert json.loads((out / "results.json").read_text())["student_ppl"] > 1
 
 
-@pytest.mark.parametrize(
-    "crash_after_saves", [2, 3]
-)  # 2: at the end of stage 1 (before growing); 3: inside stage 2
+# 2: at the end of stage 1 (before growing); 3: inside stage 2
+@pytest.mark.parametrize("crash_after_saves", [2, 3])
 def test_stepwise_resume_matches_uninterrupted(run_overrides, tmp_path, monkeypatch, crash_after_saves):
     """A run killed at the stage boundary or inside the grown stage resumes to the same student."""
     from attn2ssm.distill.trainer import Distiller

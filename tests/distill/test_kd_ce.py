@@ -86,9 +86,8 @@ def test_kd_ce_stage_options_and_identical_models():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_parameter_groups_are_found_and_disjoint_from_mixers(family):
-    student = convert(
-        tiny_model(family), ["linear_attention", "attention"]
-    )  # layer 1 keeps softmax attention
+    # layer 1 keeps softmax attention
+    student = convert(tiny_model(family), ["linear_attention", "attention"])
     groups = parameter_groups(student)
     mixers = groups["mixers"]
     assert mixers and all(".h.0." in n or ".layers.0." in n for n in mixers)

@@ -198,9 +198,8 @@ def test_a_failed_write_leaves_no_entry_and_a_damaged_entry_is_recomputed(tmp_pa
     monkeypatch.setattr(paths.os, "replace", real_replace)
     entry = cache.entry_path(block_digest(ids[0]))
     assert not entry.exists() and not list(entry.parent.glob(".*.tmp-*"))  # a failed write leaves nothing
-    (entry.parent / f".{entry.name}.tmp-999999@elsewhere").write_bytes(
-        b"half"
-    )  # what a writer killed before its rename leaves
+    # what a writer killed before its rename leaves
+    (entry.parent / f".{entry.name}.tmp-999999@elsewhere").write_bytes(b"half")
     got = cache.targets(teacher, ids)
     assert cache.stats.misses == 4 and entry.exists()  # 2 from the failed call, then the same 2 again
     entry.write_bytes(entry.read_bytes()[:100])  # damaged on disk
@@ -261,9 +260,8 @@ def test_epochs_reuse_the_cache_and_k_equal_vocab_matches_the_teacher(
     )
     out = capsys.readouterr().out
     n_blocks = 512 // 32
-    assert (
-        f"{n_blocks} blocks read, {n_blocks} computed and stored" in out
-    )  # epoch 2 read what epoch 1 stored
+    # epoch 2 read what epoch 1 stored
+    assert f"{n_blocks} blocks read, {n_blocks} computed and stored" in out
     assert _losses(tmp_path / "cached") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-4)
     assert plain["student_ppl"] > 1
     # a second run on the same teacher and blocks reads everything
@@ -436,9 +434,8 @@ def test_a_resume_served_by_a_complete_cache_needs_no_teacher(
     info = json.loads(next((tmp_path / "cache/teacher_logits").glob("*-k16/teacher.json")).read_text())
     assert len(info["sources"]) == 1 and next(iter(info["sources"].values()))["teacher"] == str(tiny_setup[0])
     with monkeypatch.context() as m:
-        _crash_after(
-            m, 3
-        )  # stage 0 saves at steps 2, 4 (its end); stage 1 at 2: the kill lands inside stage 1
+        # stage 0 saves at steps 2, 4 (its end); stage 1 at 2: the kill lands inside stage 1
+        _crash_after(m, 3)
         with pytest.raises(KeyboardInterrupt):
             distill(load_recipe(BASE_RECIPE, sets), tmp_path / "killed", progress=False)
     capsys.readouterr()
@@ -511,9 +508,8 @@ def test_a_missing_block_or_changed_teacher_files_load_the_teacher(
         assert teacher_source_key(str(tiny_setup[0]), torch.float32, "cpu/bf16") != teacher_source_key(
             str(tiny_setup[0]), torch.float32, "cpu/no"
         )
-        assert (
-            teacher_source_key("someorg/some-model", torch.float32, "cpu/no") is None
-        )  # a hub id: nothing on disk to compare
+        # a hub id: nothing on disk to compare
+        assert teacher_source_key("someorg/some-model", torch.float32, "cpu/no") is None
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 

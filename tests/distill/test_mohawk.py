@@ -84,9 +84,8 @@ def _ids(b=4, l=32, seed=0):
 
 def _steps(kind_name, student, teacher, n, lr, cfg=None, seed=0):
     kind, cfg = STAGE_KINDS[kind_name], cfg or StageConfig(name="s", kind=kind_name)
-    opt = torch.optim.AdamW(
-        [p for p in student.parameters() if p.requires_grad], lr=lr, weight_decay=0.0
-    )  # as OptimConfig
+    # as OptimConfig
+    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     g, losses = torch.Generator().manual_seed(seed), []
     for _ in range(n):
         loss, metrics = kind.loss(

@@ -133,7 +133,7 @@ def test_out_naming_a_file_is_one_line(run_overrides, tmp_path, capsys):
         ["distill", "--out", str(target), "--resume"],
     ):
         err = one_line_error(capsys, argv)
-        assert f"--out {target} is a file, not a run directory" in err
+        assert f"--out {target} is a file, not a folder" in err
     assert target.read_text() == "mine"
 
 

@@ -28,6 +28,7 @@ from attn2ssm.distill.checkpoints import damage
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill, latest_checkpoint
 from attn2ssm.errors import ConfigError, OutputError
+from read_only import not_as_root, read_only_folder
 from tiny_models import BASE_RECIPE
 
 
@@ -103,11 +104,12 @@ def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint_and_resumes(
         f"(stage0-step000006, the last complete checkpoint, is intact) — free space on its disk, then continue with: "
         f"attn2ssm distill --out {out} --resume"
     )
+    # no .tmp- left
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "latest",
         "stage0-step000003",
         "stage0-step000006",
-    ]  # no .tmp- left
+    ]
     assert latest_checkpoint(out).name == "stage0-step000006" and damage(latest_checkpoint(out)) is None
     monkeypatch.setattr(torch, "save", real_save)
 
@@ -146,23 +148,16 @@ def test_a_full_disk_while_writing_the_student_resumes_to_the_student(run_overri
     )
     assert not (out / "student").exists() and not (out / ".tmp-student").exists()
     monkeypatch.undo()
-    distill(
-        load_recipe(BASE_RECIPE, sets), out, resume=True, progress=False
-    )  # every stage was checkpointed: only the student is left
+    # every stage was checkpointed: only the student is left
+    distill(load_recipe(BASE_RECIPE, sets), out, resume=True, progress=False)
     assert (out / "student" / "model.safetensors").is_file() and (out / "results.json").is_file()
     assert len(_steps(out)) == len(set(_steps(out))) == 21
 
 
 # ------------------------------------------------------------------------------ 7. a read-only --out
-@pytest.mark.skipif(
-    os.geteuid() == 0,
-    reason="root writes into read-only folders: the chmod case cannot fail as root (the injected cases cover it)",
-)
+@not_as_root
 def test_a_read_only_parent_is_refused_before_the_teacher_loads(run_overrides, tmp_path, capsys):
-    parent = tmp_path / "ro"
-    parent.mkdir()
-    parent.chmod(0o555)
-    try:
+    with read_only_folder(tmp_path / "ro") as parent:
         assert (
             main(
                 [
@@ -176,8 +171,6 @@ def test_a_read_only_parent_is_refused_before_the_teacher_loads(run_overrides, t
             )
             == 2
         )
-    finally:
-        parent.chmod(0o755)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: --out {parent / 'run'}: {parent} is not writable"), (
         err
@@ -196,9 +189,10 @@ def test_an_unwritable_out_is_one_line_before_or_while_writing(run_overrides, tm
         *sum((["--set", s] for s in run_overrides()), []),
     ]
     real_access, real_load = os.access, attn2ssm.teachers.load_teacher
+    # as if tmp_path were read-only
     monkeypatch.setattr(
         os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode)
-    )  # as if tmp_path were read-only
+    )
     monkeypatch.setattr(
         attn2ssm.teachers,
         "load_teacher",
@@ -256,9 +250,8 @@ def test_resume_applies_settings_that_leave_the_trained_steps_alone(
         "stages.2.keep_checkpoints 2 → 20, eval.max_tokens 512 → 256"
     ]
     saved = yaml.safe_load((out / "recipe.yaml").read_text())
-    assert (
-        saved["stages"][1]["save_every"] == 1 and saved["eval"]["max_tokens"] == 256
-    )  # what a later resume continues with
+    # what a later resume continues with
+    assert saved["stages"][1]["save_every"] == 1 and saved["eval"]["max_tokens"] == 256
     assert [p.name for p in sorted((out / "checkpoints").glob("stage1-*"))] == [
         f"stage1-step{i:06d}" for i in range(1, 7)
     ]
@@ -399,25 +392,24 @@ def test_a_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_lock
             and err[0].startswith(f"error: another process (pid {first.pid} on ")
             and f"is using {out} — " in err[0]
         ), err
-        assert (
-            (out / "metrics.jsonl").read_bytes().startswith(lines)
-        )  # the second run wrote nothing: only the first's lines
+        # the second run wrote nothing: only the first's lines
+        assert (out / "metrics.jsonl").read_bytes().startswith(lines)
         assert first.poll() is None
     finally:
         first.kill()  # SIGKILL: the OS drops its lock
         first.communicate()
+    # as if killed while writing them
     for leftover in (
         out / ".tmp-student",
         out / "checkpoints" / ".tmp-stage0-step000009",
-    ):  # as if killed while writing them
+    ):
         leftover.mkdir(parents=True, exist_ok=True)
         (leftover / "model.safetensors").write_bytes(b"\0" * 4096)
     resumed = _run_cli("distill", "--out", str(out), "--resume", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert len(_steps(out)) == len(set(_steps(out))) == 21
-    assert not [
-        p for p in [*out.iterdir(), *(out / "checkpoints").iterdir()] if p.name.startswith(".tmp-")
-    ]  # the resume removed them
+    # the resume removed them
+    assert not [p for p in [*out.iterdir(), *(out / "checkpoints").iterdir()] if p.name.startswith(".tmp-")]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])

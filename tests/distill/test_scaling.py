@@ -119,9 +119,8 @@ def test_a_skipped_step_is_logged_and_counted(run_overrides, tmp_path, monkeypat
     out = tmp_path / "run"
     distill(load_recipe(BASE_RECIPE, run_overrides(stages=KD, mixed_precision="fp16")), out, progress=False)
     records = _records(out)
-    assert [r["step"] for r in records] == list(
-        range(1, 13)
-    )  # every step logged once, the skipped one included
+    # every step logged once, the skipped one included
+    assert [r["step"] for r in records] == list(range(1, 13))
     assert records[3].get("skipped") is True and math.isfinite(records[3]["loss"])
     assert records[3]["lr"] == records[2]["lr"]  # the schedule did not advance
     assert "scaler" in torch.load(latest_checkpoint(out) / "optimizer.pt", weights_only=False)
@@ -201,9 +200,8 @@ def test_fp16_resume_after_sigkill_matches_uninterrupted(run_overrides, tmp_path
         torch.load(latest_checkpoint(run) / "optimizer.pt", weights_only=False)["scaler"]
         for run in (reference, killed)
     ]
-    assert (
-        scalers[0] == scalers[1] and scalers[0]["scale"] == 2.0**15
-    )  # halved once, and so in the resumed run
+    # halved once, and so in the resumed run
+    assert scalers[0] == scalers[1] and scalers[0]["scale"] == 2.0**15
 
 
 # ------------------------------------------------------------------------------ one host sync per step
@@ -276,9 +274,8 @@ def test_metrics_are_the_micro_batch_mean_of_the_kinds_values(run_overrides, tmp
     assert len(seen) == 2
     assert result.loss == pytest.approx((seen[0][0] + seen[1][0]) / 2, rel=1e-6)
     for k in ("kl", "ce"):
-        assert (
-            result.metrics[k] == seen[0][1][k] / 2 + seen[1][1][k] / 2
-        )  # float64, as Python floats summed them
+        # float64, as Python floats summed them
+        assert result.metrics[k] == seen[0][1][k] / 2 + seen[1][1][k] / 2
 
 
 def test_a_nan_loss_never_reaches_the_weights(run_overrides, tmp_path):
@@ -447,9 +444,8 @@ def test_gradient_checkpointing_saves_fewer_activations_and_ends_with_its_stage(
         activation_checkpointing(run.unwrapped, True)
         distiller._finish_stage(run, TrainerState())
         assert not any(m.gradient_checkpointing for m in layers)  # the next stage decides for itself
-        assert (
-            getattr(run.unwrapped, "_require_grads_hook", None) is None
-        )  # no input-grad hook left behind (reentrant-only)
+        # no input-grad hook left behind (reentrant-only)
+        assert getattr(run.unwrapped, "_require_grads_hook", None) is None
     finally:
         distiller.close()
 
@@ -532,7 +528,6 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(run_ove
     assert proc.returncode != 0 and "stopped by SIGTERM at stage 1/3 step 2" in proc.stderr, proc.stderr[
         -3000:
     ]
-    assert (
-        latest_checkpoint(out).name == "stage0-step000002"
-    )  # not a save_every step: the stop's own checkpoint
+    # not a save_every step: the stop's own checkpoint
+    assert latest_checkpoint(out).name == "stage0-step000002"
     assert [r["step"] for r in _records(out)] == [1, 2]

@@ -283,9 +283,8 @@ def test_kd_ce_sft_dpo_run(chat_setup, chat_overrides, tmp_path, monkeypatch):
         assert batch["mean_loss_tokens"] > 0
         for ids, mask, attn in zip(batch["input_ids"], batch["loss_mask"], batch["attention_mask"]):
             text = _masked_text(tok, ids, mask)
-            assert (
-                any(r.startswith(text) for r in replies) and text
-            )  # cut conversations keep a prefix of the replies
+            # cut conversations keep a prefix of the replies
+            assert any(r.startswith(text) for r in replies) and text
             assert not (mask & ~attn.bool()).any()
     chosen = {r["chosen"][-1]["content"] + END_OF_TURN for r in _records(data["preference_conversations"])}
     for batch in dpo_batches:
@@ -307,9 +306,8 @@ def test_dpo_starts_at_log2_when_student_is_teacher_and_learns(chat_setup, chat_
     )
     losses = [r["loss"] for r in _metrics(out)]
     assert len(losses) == 3  # 1152 / (4 · 96)
-    assert losses[0] == pytest.approx(
-        math.log(2), abs=1e-5
-    )  # attention kept everywhere: the student is the teacher
+    # attention kept everywhere: the student is the teacher
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-5)
     assert losses[-1] < losses[0] - 0.05 and losses == sorted(losses, reverse=True)
 
 

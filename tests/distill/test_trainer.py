@@ -45,9 +45,8 @@ def test_end_to_end_artifacts(run_overrides, tmp_path):
     kd = [r for r in records if r["stage"] == "kd"]
     ce = [r for r in records if r["stage"] == "ce"]
     lora = [r for r in records if r["stage"] == "lora"]
-    assert (
-        len(kd) == 12 and len(ce) == 6 and len(lora) == 3
-    )  # ceil(tokens / (batch × block_len)) steps per stage
+    # ceil(tokens / (batch × block_len)) steps per stage
+    assert len(kd) == 12 and len(ce) == 6 and len(lora) == 3
     assert kd[-1]["loss"] < kd[0]["loss"]  # the KL to the teacher falls
     assert "eval_loss" in kd[3] and "eval_loss" in kd[-1]
     assert ce[-1]["total_tokens"] == 1536 + 768
@@ -131,9 +130,8 @@ def test_sigkill_then_resume_matches_uninterrupted(mode, run_overrides, tmp_path
         timeout=600,
     )
     assert cli.returncode == 0, cli.stderr[-2000:]
-    assert not [
-        p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith(".tmp-")
-    ]  # the resume removed the half-written one
+    # the resume removed the half-written one
+    assert not [p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
     a, b = _weights(reference), _weights(killed)
     assert a.keys() == b.keys()
     for name in a:

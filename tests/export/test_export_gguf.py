@@ -73,9 +73,8 @@ def test_llama_cpp_form_equals_the_student_in_transformers(family, kept):
     assert (
         cfg.mamba_expand == 2 and cfg.mamba_n_heads == cfg.mamba_n_groups == 2 * h and not cfg.mamba_proj_bias
     )
-    assert (
-        cfg.mamba_n_heads * cfg.mamba_d_head == 2 * cfg.hidden_size
-    )  # llama.cpp: GGML_ASSERT(2 * n_embd == d_inner)
+    # llama.cpp: GGML_ASSERT(2 * n_embd == d_inner)
+    assert cfg.mamba_n_heads * cfg.mamba_d_head == 2 * cfg.hidden_size
     layer_types = ["attention" if k == "attention" else "mamba" for k in plan] + (
         [] if kept else ["attention"]
     )
@@ -150,9 +149,8 @@ def test_a_nonzero_projection_bias_is_never_dropped():
 def test_gate_bias_false_has_no_bias_and_reloads(tmp_path):
     geometry = {"hidden_size": 32, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8}
     mixer = Mamba2Mixer(geometry, 0, gate_bias=False, norm=True)
-    assert (
-        mixer.gate.bias is None and mixer.gate.weight.abs().max() > 0
-    )  # nn.Linear's init: SiLU(0·u) = 0 would silence it
+    # nn.Linear's init: SiLU(0·u) = 0 would silence it
+    assert mixer.gate.bias is None and mixer.gate.weight.abs().max() > 0
     assert Mamba2Mixer(geometry, 0).gate.bias is not None  # the default keeps the identity gate
     student = _student(_teacher("llama", 2), [MAMBA2, "attention"])
     student.save_pretrained(tmp_path)
@@ -249,9 +247,8 @@ def test_f32_gguf_decodes_the_students_greedy_tokens_in_llama_cpp(builtin_studen
         name == "pure"
     )
     if name == "hybrid25":
-        assert (
-            meta["granitehybrid.rope.scaling.finetuned"] is True
-        )  # set back: the converter reads hybrids as NoPE
+        # set back: the converter reads hybrids as NoPE
+        assert meta["granitehybrid.rope.scaling.finetuned"] is True
     model = GGUFModel(gguf, n_ctx=128, threads=2, flash_attn=False, kv_type="f32", logits_all=True)
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt")["input_ids"]
@@ -276,12 +273,10 @@ def test_q4_1_export_quantises_with_llama_cpp_and_keeps_the_rope_switch(builtin_
     directory, _, tok = builtin_students["hybrid25"]
     result = export_gguf(directory, tmp_path / "q41.gguf", outtype="q4_1")
     meta = read_metadata(result.out)
-    assert (
-        meta["general.file_type"] == 3 and meta["granitehybrid.rope.scaling.finetuned"] is True
-    )  # LLAMA_FTYPE_MOSTLY_Q4_1
-    assert (
-        result.llama_cpp_max_abs_diff is not None and result.bytes < 160 * 2**20
-    )  # f32: 722 MiB, f16: 362 MiB
+    # LLAMA_FTYPE_MOSTLY_Q4_1
+    assert meta["general.file_type"] == 3 and meta["granitehybrid.rope.scaling.finetuned"] is True
+    # f32: 722 MiB, f16: 362 MiB
+    assert result.llama_cpp_max_abs_diff is not None and result.bytes < 160 * 2**20
     model = GGUFModel(result.out, n_ctx=64, threads=2)
     assert len(model.greedy(tok(PROMPTS[0])["input_ids"], 8)) == 8
     model.close()
@@ -295,9 +290,10 @@ def test_gguf_a_read_only_folder_or_a_full_disk_is_one_line_and_a_killed_exports
     monkeypatch.setattr(G, "converter_dir", lambda: tmp_path)  # as if 'make llama-cpp' had run
     out, s = tmp_path / "m.gguf", str(student_dir)
     real_access = os.access
+    # as if tmp_path were read-only
     monkeypatch.setattr(
         os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode)
-    )  # as if tmp_path were read-only
+    )
     err = one_line_error(capsys, ["export", s, "--format", "gguf", "--out", str(out)])
     assert (
         err
@@ -307,9 +303,8 @@ def test_gguf_a_read_only_folder_or_a_full_disk_is_one_line_and_a_killed_exports
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
-    stale = (
-        tmp_path / f".m.gguf.export-abc123.{proc.pid}@{socket.gethostname()}"
-    )  # export --force SIGKILLed mid-way
+    # export --force SIGKILLed mid-way
+    stale = tmp_path / f".m.gguf.export-abc123.{proc.pid}@{socket.gethostname()}"
     (stale / "native").mkdir(parents=True)
 
     def fills_the_disk(native_dir, gguf, outtype, work, threads, **_):

@@ -27,6 +27,7 @@ from attn2ssm.errors import ExportError
 from attn2ssm.export.native import check_native, export_native, native_problem
 from attn2ssm.student.convert import convert
 from cache_forms import positions, run_remote
+from read_only import not_as_root, read_only_folder
 from tiny_models import make_tokenizer, one_line_error, tiny_config
 
 MAMBA2 = "mamba2"
@@ -155,9 +156,8 @@ def test_native_checkpoint_has_no_remote_code(exported):
             "attention" if k == "attention" else "mamba" for k in student.config.layer_plan
         ]
         assert "GraniteMoeHybridForCausalLM" in (native / "README.md").read_text()
-        hybrid = (
-            "attention" in student.config.layer_plan
-        )  # a pure export turns transformers' cache off (see the greedy test)
+        # a pure export turns transformers' cache off (see the greedy test)
+        hybrid = "attention" in student.config.layer_plan
         assert (
             config["use_cache"] is hybrid
             and json.loads((native / "generation_config.json").read_text()).get("use_cache", True) is hybrid
@@ -379,9 +379,8 @@ def test_probe_checks_short_long_and_real_text_inputs():
     config = SimpleNamespace(base_config={"max_position_embeddings": 400})
     student = Model(config)
     assert probe_difference(student, Model(config), len(tok), tok)[0] == 0.0
-    assert probe_difference(student, Model(config, wrong_after=100), len(tok), tok)[0] == pytest.approx(
-        1.0
-    )  # only the long inputs reach it
+    # only the long inputs reach it
+    assert probe_difference(student, Model(config, wrong_after=100), len(tok), tok)[0] == pytest.approx(1.0)
 
 
 def test_a_truncated_student_is_one_line_and_writes_nothing(tmp_path, capsys):
@@ -418,9 +417,10 @@ def test_an_unwritable_out_is_one_line_before_the_weights_load(tmp_path, monkeyp
 
     _save(_student(_teacher("llama", 2), [MAMBA2, MAMBA2]), tmp_path / "student")
     real_access = os.access
+    # as if tmp_path were read-only
     monkeypatch.setattr(
         os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode)
-    )  # as if tmp_path were read-only
+    )
     monkeypatch.setattr(
         Attn2SSMForCausalLM,
         "from_pretrained",
@@ -436,22 +436,14 @@ def test_an_unwritable_out_is_one_line_before_the_weights_load(tmp_path, monkeyp
     )
 
 
-@pytest.mark.skipif(
-    os.geteuid() == 0,
-    reason="root writes into read-only folders: the chmod case cannot fail as root (the injected cases cover it)",
-)
+@not_as_root
 def test_a_read_only_parent_is_refused(tmp_path, capsys):
     _save(_student(_teacher("llama", 2), [MAMBA2, MAMBA2]), tmp_path / "student")
-    parent = tmp_path / "ro"
-    parent.mkdir()
-    parent.chmod(0o555)
-    try:
+    with read_only_folder(tmp_path / "ro") as parent:
         err = one_line_error(
             capsys,
             ["export", str(tmp_path / "student"), "--format", "native", "--out", str(parent / "native")],
         )
-    finally:
-        parent.chmod(0o755)
     assert err.startswith(f"error: --out {parent / 'native'}: {parent} is not writable")
 
 
@@ -484,6 +476,5 @@ def test_a_full_disk_keeps_the_old_export_and_a_killed_exports_staging_goes(tmp_
         == f"error: cannot write the exported model to {out}: No space left on device — free space on its disk, then run the command again (what --out held is unchanged)"
     )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["student", "native", live.name]
-    )  # the stale staging and the failed one gone
+    # the stale staging and the failed one gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["student", "native", live.name])

@@ -42,9 +42,8 @@ def _student(teacher, plan=None, **options):
     plan = plan or [GDN] * teacher.config.num_hidden_layers
     student = convert(teacher, plan, {GDN: {**EXPORT_FORM, **options}})
     torch.manual_seed(1)
-    with (
-        torch.no_grad()
-    ):  # off the init: conv, gate, a/b, decays, norms (the block norms too: w − 1 must show)
+    # off the init: conv, gate, a/b, decays, norms (the block norms too: w − 1 must show)
+    with torch.no_grad():
         for mixer in student.mixers().values():
             for name, p in mixer.named_parameters():
                 if not name.startswith(("q_proj", "k_proj", "v_proj", "o_proj")):
@@ -85,9 +84,8 @@ def exported(tmp_path_factory):
     """Every family's pure student converted, saved, exported through the CLI, run by transformers alone."""
     root = tmp_path_factory.mktemp("native_qwen35")
     students = {}
-    ids = torch.randint(
-        3, 256, (2, 70), generator=torch.Generator().manual_seed(2)
-    )  # > one 64-token chunk of either chunked form
+    # > one 64-token chunk of either chunked form
+    ids = torch.randint(3, 256, (2, 70), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     ids[1, :4], mask[1, :4] = 0, 0  # row 1 left-padded by 4 (> d_conv − 1)
     single = ids[:1]

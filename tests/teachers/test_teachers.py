@@ -22,7 +22,7 @@ from attn2ssm.teachers.text import (
     load_teacher,
     resolve_teacher,
 )
-from tiny_models import make_tokenizer, tiny_config
+from tiny_models import make_tokenizer, save_tiny_teacher, tiny_config
 
 
 def assert_one_line(exc_info, *needles: str) -> str:
@@ -37,12 +37,7 @@ def assert_one_line(exc_info, *needles: str) -> str:
 def llama_dir(tmp_path_factory):
     """A complete tiny HF teacher directory (config, weights, tokenizer)."""
     path = tmp_path_factory.mktemp("tiny-llama")
-    tok = make_tokenizer()
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    tok.save_pretrained(path)
+    save_tiny_teacher(path)
     return path
 
 

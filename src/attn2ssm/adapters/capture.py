@@ -83,9 +83,8 @@ def capture_teacher_attention(
         if logits:
             out = teacher(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         else:
-            teacher.base_model(
-                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-            )  # the decoder stack
+            # the decoder stack
+            teacher.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     except _Stop:
         pass
     finally:

@@ -20,6 +20,7 @@ from attn2ssm.errors import Attn2SSMError, Interrupted
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# in the order `attn2ssm --help` lists them
 GROUPS = (
     convert,
     distill,
@@ -29,7 +30,7 @@ GROUPS = (
     data,
     export,
     recipes,
-)  # in the order `attn2ssm --help` lists them
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,19 @@ def add_parser(bsub) -> None:
         help="quality scoreboard: student families × token budgets distilled from one teacher, "
         "each cell scored against it (perplexity ratio, top-1 and greedy agreement, passkey, and the evaluation suite)",
     )
+    _add_grid_flags(bq)
+    _add_scoring_flags(bq)
+    bq.add_argument(
+        "--plan",
+        action="store_true",
+        help="list the cells, their status (done / trained / partial / todo) and commands; run nothing",
+    )
+    bq.add_argument("--no-progress", action="store_true")
+    bq.set_defaults(func=run_quality)
+
+
+def _add_grid_flags(bq) -> None:
+    """Which cells: the teacher, families, budgets, recipe overrides, and where the grid is written."""
     bq.add_argument(
         "--teacher", default=None, help="teacher spec for every cell (default: the built-in smollm2-135m)"
     )
@@ -68,6 +81,10 @@ def add_parser(bsub) -> None:
         default="benchmarks/results/quality.json",
         help="grid JSON (the PNG and markdown table go beside it)",
     )
+
+
+def _add_scoring_flags(bq) -> None:
+    """How every cell is scored: corpora, windows, agreement, passkey and the evaluation suite."""
     bq.add_argument(
         "--corpora",
         default="sotu,moby-dick",
@@ -92,13 +109,6 @@ def add_parser(bsub) -> None:
         help="also score every cell on the evaluation suite (docs/evaluation.md): quick (default), standard "
         "(400 items a task, 20 needle trials; hours of CPU a cell), or none; cached cells are scored on it without retraining",
     )
-    bq.add_argument(
-        "--plan",
-        action="store_true",
-        help="list the cells, their status (done / trained / partial / todo) and commands; run nothing",
-    )
-    bq.add_argument("--no-progress", action="store_true")
-    bq.set_defaults(func=run_quality)
 
 
 def run_quality(args) -> int:

@@ -87,10 +87,9 @@ def run(args) -> int:
     keep, options = _keep(args.keep), _options(args.option)
     _check_kv_budget(args)
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file", "give a directory for the student")
     resolve_teacher(args.teacher)  # a missing path fails here, before torch/transformers load
-    check_writable(out, beside=True)  # and so does an --out that cannot be written
+    # and so does an --out that cannot be written, or is a file
+    check_writable(out, beside=True, folder=True)
     made, had_lock = not out.exists(), (out / LOCK).exists()
     lock = lock_dir(out)  # one convert (or run) at a time in --out: a second one is refused
     try:

@@ -22,7 +22,12 @@ def add_parser(subparsers) -> None:
         help="token shards: a corpus written once as token ids (shards), and what a shard folder holds (info)",
     )
     dsub = d.add_subparsers(dest="data", required=True)
+    _add_shards_parser(dsub)
+    data_info.add_parser(dsub)
 
+
+def _add_shards_parser(dsub) -> None:
+    """``data shards SPEC --out DIR``: the corpus, the limits, and for generated: the sampling."""
     s = dsub.add_parser(
         "shards",
         help="write a corpus spec as token shards with the teacher's tokenizer (generated: sampled from the teacher)",
@@ -75,8 +80,6 @@ def add_parser(subparsers) -> None:
     )
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=run_shards)
-
-    data_info.add_parser(dsub)
 
 
 # ------------------------------------------------------------------------------------- shards
@@ -144,7 +147,7 @@ def _check_shards_args(args) -> tuple[dict, int, bool]:
             f"--fit-mib {args.fit_mib:g} is no size", "give the MiB the folder may take, e.g. --fit-mib 64"
         )
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.is_dir() and any(out.iterdir()):  # a file there: check_writable says so
         held = "token shards" if (out / "manifest.json").exists() else "other files"
         raise ConfigError(f"--out {out} already holds {held}", "choose another --out, or remove it first")
     check_spec(args.spec)
@@ -155,7 +158,7 @@ def _check_shards_args(args) -> tuple[dict, int, bool]:
             f"--device and --dtype are for generated: specs, and {args.spec!r} is tokenized, not sampled",
             "drop them",
         )
-    check_writable(out, beside=True)
+    check_writable(out, beside=True, folder=True)
     return limits, shard_tokens, generated
 
 

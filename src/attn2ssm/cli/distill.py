@@ -59,11 +59,12 @@ def run(args) -> int:
 def _resume(args) -> int:
     """``distill --out RUN --resume``: continue the run saved in RUN (refused when there is none)."""
     from attn2ssm.distill.recipe import recipe_from_dict
-    from attn2ssm.distill.run_dir import check_is_folder, saved_recipe
+    from attn2ssm.distill.run_dir import saved_recipe
     from attn2ssm.errors import ConfigError
+    from attn2ssm.paths import check_writable
 
     out = Path(args.out or "runs/quickstart")  # the default recipe's default --out
-    check_is_folder(out)
+    check_writable(out, folder=True)
     saved = saved_recipe(out)
     if saved is None:
         raise ConfigError(

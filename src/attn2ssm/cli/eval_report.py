@@ -109,7 +109,7 @@ def check_outputs(args) -> None:
     elif args.tasks and not args.json and args.tasks.strip() != "list" and Path(args.model).is_dir():
         folder, flag = Path(args.model) / "eval" / "lm_eval.json", "--json"  # its default
     if folder is not None:
-        check_writable(folder, flag=flag)
+        check_writable(folder, flag=flag, folder=flag == "--out")
 
 
 def print_perplexity(args, rows: list[tuple[str, str, dict]]) -> None:

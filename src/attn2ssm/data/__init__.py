@@ -2,7 +2,7 @@
 several sources, stream hub datasets, sample text from the teacher, write and read token shards) and
 the chat / preference datasets of ``sft`` and ``dpo`` stages (:mod:`.chat`).
 
-The names below load on first use, so that importing a light module of the package (``.sources``:
+The names below load on first use, so that importing a light module of the package (``.specs``:
 parsing a corpus spec, as the command line does before anything heavy loads) does not import torch.
 """
 
@@ -30,8 +30,8 @@ _EXPORTS = {
     "tokenizer_fingerprint": (".tokenize", "tokenizer_fingerprint"),
     "read_shards": (".shards", "read_shards"),
     "write_corpus_shards": (".shard_writer", "write_corpus_shards"),
-    "Document": (".sources", "Document"),
-    "is_generated": (".sources", "is_generated"),
+    "Document": (".document", "Document"),
+    "is_generated": (".specs", "is_generated"),
     "iter_hf_documents": (".sources", "iter_hf_documents"),
     "load_documents": (".sources", "load_documents"),
     "split_documents": (".splits", "split_documents"),

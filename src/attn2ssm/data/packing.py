@@ -64,15 +64,28 @@ def prepare_corpus(
             corpus.meta.update(from_cache=True, cache_path=str(path))
             return corpus
 
+    corpus = _tokenize(base, text_field, tokenizer, fingerprint, max_train_tokens, max_heldout_tokens, stream)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_tokenized(corpus, path)
+    corpus.meta.update(from_cache=False, cache_path=str(path) if cache else None)
+    return corpus
+
+
+def _tokenize(
+    base: str,
+    text_field: str | None,
+    tokenizer,
+    fingerprint: str,
+    max_train: int | None,
+    max_heldout: int | None,
+    stream: bool,
+) -> TokenizedCorpus:
+    """Tokenize ``base`` afresh (streamed, or split after loading it whole) into the two streams,
+    with the meta that records how."""
     eos = eos_id(tokenizer)
-    if stream:
-        train_ids, heldout_ids, counts = tokenize_stream(
-            base, text_field, tokenizer, eos, max_train_tokens, max_heldout_tokens
-        )
-    else:
-        train_ids, heldout_ids, counts = _tokenize_split(
-            base, text_field, tokenizer, eos, max_train_tokens, max_heldout_tokens
-        )
+    tokenize = tokenize_stream if stream else _tokenize_split
+    train_ids, heldout_ids, counts = tokenize(base, text_field, tokenizer, eos, max_train, max_heldout)
     meta = {
         "spec": base,
         "text_field": text_field,
@@ -81,15 +94,10 @@ def prepare_corpus(
         **counts,
         "n_train_tokens": int(train_ids.numel()),
         "n_heldout_tokens": int(heldout_ids.numel()),
-        "max_train_tokens": max_train_tokens,
-        "max_heldout_tokens": max_heldout_tokens,
+        "max_train_tokens": max_train,
+        "max_heldout_tokens": max_heldout,
     }
-    corpus = TokenizedCorpus(train_ids, heldout_ids, fingerprint, meta)
-    if cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_tokenized(corpus, path)
-    corpus.meta.update(from_cache=False, cache_path=str(path) if cache else None)
-    return corpus
+    return TokenizedCorpus(train_ids, heldout_ids, fingerprint, meta)
 
 
 def _cache_path(

@@ -52,8 +52,10 @@ from . import builtin, recall
 from .document import Document
 from .specs import (
     FILE_SUFFIXES,
+    is_mixture,
     is_recall,
     local_files,
+    needs_teacher,
     no_text_files,
     parse_hf_spec,
     parse_recall_spec,
@@ -381,15 +383,3 @@ def _is_network_error(exc: BaseException) -> bool:
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False
-
-
-# distill imports these from here still (their home: .specs, the grammar)
-from .specs import (  # noqa: E402, F401
-    expand_mixture,
-    is_chat,
-    is_generated,
-    is_mixture,
-    needs_teacher,
-    parse_chat_spec,
-    parse_generated_spec,
-)

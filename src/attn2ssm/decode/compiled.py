@@ -62,9 +62,8 @@ class CompiledStep:
     def __init__(self, plan, backend=None):
         self.plan, self.backend = plan, backend or BACKEND
         self.parts = torch.get_num_threads()
-        for (
-            module
-        ) in plan.model.modules():  # the row blocks of every product in the trace (see fusion.row_parts)
+        # the row blocks of every product in the trace (see fusion.row_parts)
+        for module in plan.model.modules():
             module.__dict__["_row_parts"] = self.parts
         # where fusions live (or may come back after standard_layout): checked before every call
         holders = {id(m): m for step in plan.steps for m in (step.mixer, step.mlp)}

@@ -96,9 +96,10 @@ class FusedLinears:
         pad = (-rows) % math.lcm(ROW_MULTIPLE, torch.get_num_threads())
         with torch.no_grad():
             first = linears[0].weight
+            # (Σout + pad, in)
             self.weight = torch.cat(
                 [lin.weight for lin in linears] + [first.new_zeros(pad, first.shape[1])], dim=0
-            )  # (Σout + pad, in)
+            )
             self.bias = None
             if any(lin.bias is not None for lin in linears):
                 parts = [

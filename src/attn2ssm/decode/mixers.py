@@ -58,9 +58,8 @@ def fuse_inputs(mixer) -> bool:
     linears = [getattr(mixer, n) for n in names]
     if len(linears) < 2 or not all(is_plain_linear(lin) for lin in linears):
         return False
-    mixer.__dict__["_fused_inputs"] = FusedLinears(
-        mixer, names, linears
-    )  # not a submodule: no state-dict entry
+    # not a submodule: no state-dict entry
+    mixer.__dict__["_fused_inputs"] = FusedLinears(mixer, names, linears)
     return True
 
 

@@ -100,6 +100,25 @@ def _same_embeddings(a, b) -> bool:
     )
 
 
+def _layer_step(index: int, layer, mixer, rope: int | None) -> tuple[Step, tuple[str, ...]]:
+    """Decoder layer ``index``'s ``Step`` (sandwich norms where the layer has all five parts, else
+    pre-norm) and the names of the layer's parts it calls."""
+    if all(isinstance(getattr(layer, p, None), nn.Module) for p in _SANDWICH):
+        norms = (layer.post_attention_layernorm, layer.pre_feedforward_layernorm)
+        return (
+            Step(
+                index, layer.input_layernorm, mixer, *norms, layer.mlp, layer.post_feedforward_layernorm, rope
+            ),
+            _SANDWICH,
+        )
+    return (
+        Step(
+            index, layer.input_layernorm, mixer, None, layer.post_attention_layernorm, layer.mlp, None, rope
+        ),
+        _PRE_NORM,
+    )
+
+
 class DecodePlan:
     """See the module docstring. ``DecodePlan.build(model)`` → (plan or None, reason)."""
 
@@ -119,35 +138,12 @@ class DecodePlan:
         self.steps: list[Step] = []
         self.placed = []  # (parent, attribute, module): where every module the plan calls must still be
         for i, (layer, name) in enumerate(zip(layers, mixer_names)):
-            sandwich = all(isinstance(getattr(layer, p, None), nn.Module) for p in _SANDWICH)
-            parts = _SANDWICH if sandwich else _PRE_NORM
             rope = (
                 None
                 if self.rotary is None
                 else self.rope_calls.index(rope_types[i] if rope_types is not None else None)
             )
-            if sandwich:
-                step = Step(
-                    i,
-                    layer.input_layernorm,
-                    mixers[i],
-                    layer.post_attention_layernorm,
-                    layer.pre_feedforward_layernorm,
-                    layer.mlp,
-                    layer.post_feedforward_layernorm,
-                    rope,
-                )
-            else:
-                step = Step(
-                    i,
-                    layer.input_layernorm,
-                    mixers[i],
-                    None,
-                    layer.post_attention_layernorm,
-                    layer.mlp,
-                    None,
-                    rope,
-                )
+            step, parts = _layer_step(i, layer, mixers[i], rope)
             self.steps.append(step)
             self.placed += [(layer, p, getattr(layer, p)) for p in parts] + [(layer, name, mixers[i])]
         self.placed += [(inner, "layers", inner.layers), (inner, "norm", self.norm)]
@@ -240,7 +236,8 @@ class DecodePlan:
         return [self.rotary(x, position_ids, layer_type=t) for t in self.rope_calls]
 
     def _probe(self, layers, names) -> str | None:
-        """None if HF's forward computes what the plan computes (on a random input), else why not."""
+        """None if HF's forward computes what the plan computes (on a random input), else why not:
+        the position embeddings each layer is handed, each kind of layer, and the model's ends."""
         weight = self.embed.weight
         x = torch.randn(1, 1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         pos = torch.full((1, 1), _PROBE_POSITION, dtype=torch.long)
@@ -248,8 +245,16 @@ class DecodePlan:
             pes = self.position_embeddings(x, pos)
         except Exception as error:  # noqa: BLE001 - any failure means "no plan"
             return f"the plan could not compute {type(self.rotary).__name__}'s position embeddings ({type(error).__name__}: {error})"
+        return (
+            self._probe_handed(layers, names, pos, pes)
+            or self._probe_layers(layers, names, x, pos, pes)
+            or self._probe_ends()
+        )
+
+    def _probe_handed(self, layers, names, pos: torch.Tensor, pes: list) -> str | None:
+        """Does HF's own forward (mixers stubbed out) hand each layer the position embeddings
+        ``pes`` the plan gives it? None if so, else why not."""
         stub = _Stub()
-        # what HF's own forward hands each layer as position_embeddings (mixers stubbed out)
         handed: dict[int, object] = {}
 
         def capture(index):
@@ -278,7 +283,12 @@ class DecodePlan:
             mine = None if step.rope is None else pes[step.rope]
             if step.index not in handed or not _same_embeddings(mine, handed[step.index]):
                 return f"layer {step.index} gets position embeddings from HF's forward that the plan does not reproduce"
-        checked: set = set()
+        return None
+
+    def _probe_layers(self, layers, names, x: torch.Tensor, pos: torch.Tensor, pes: list) -> str | None:
+        """Does each kind of decoder layer (its mixer stubbed out) compute what its ``Step`` does
+        on ``x``? None if so, else why not."""
+        stub, checked = _Stub(), set()
         for step, layer, name in zip(self.steps, layers, names):
             if type(layer) in checked:
                 continue
@@ -304,6 +314,10 @@ class DecodePlan:
             if not isinstance(ref, torch.Tensor) or not _close(y, ref):
                 return f"{type(layer).__name__} does not compute {_STRUCTURES[step.mixer_norm is not None]}"
             checked.add(type(layer))
+        return None
+
+    def _probe_ends(self) -> str | None:
+        """Does the model without its layers compute ``logits(embed(ids))``? None if so, else why not."""
         ids = torch.tensor([[1, 2]])
         saved_layers = self.inner.layers
         self.inner.layers = nn.ModuleList()

@@ -79,9 +79,8 @@ class Int8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype) -> "Int8Linear":
         q, scales = quantize_per_channel_int8(linear.weight)
         bias = None if linear.bias is None else linear.bias.detach().to(dtype).clone()
-        return cls(
-            q, scales.to(torch.bfloat16), bias
-        )  # the kernel takes bfloat16 activations and scales (ops/quant.py)
+        # the kernel takes bfloat16 activations and scales (ops/quant.py)
+        return cls(q, scales.to(torch.bfloat16), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self.qweight, self.scales, self.bias)
@@ -101,9 +100,8 @@ def apply_weight_format(model: nn.Module, dtype: str | None = "float32", quantiz
     linear layers in int8 (see the module docstring). Returns what changed: the format's name,
     how many linear layers were quantised and the bytes a one-token step reads (``weight_bytes``)."""
     torch_dtype, quantize = check_weight_format(dtype, quantize)
-    if (
-        torch_dtype == torch.bfloat16
-    ):  # on a CPU without native bf16, prefill slows; one-token steps (memory-bound) do not
+    # on a CPU without native bf16, prefill slows; one-token steps (memory-bound) do not
+    if torch_dtype == torch.bfloat16:
         with torch.enable_grad():  # (a first probe, not yet cached on disk, times a backward)
             warn_if_slow_bf16(
                 next(model.parameters()).device,

@@ -78,9 +78,8 @@ def calibrate_gated_delta(student, teacher, ids: torch.Tensor, layers=None) -> d
     for i, mixer in mixers.items():
         x = io[i]
         probs = adapter.attention_probs(x.module, x.hidden_states, x.position_embeddings)
-        _, keys, _ = mixer.project_heads(
-            x.hidden_states.to(mixer.k_proj.weight.dtype)
-        )  # (b, l, kv, d): the teacher's keys
+        # (b, l, kv, d): the teacher's keys
+        _, keys, _ = mixer.project_heads(x.hidden_states.to(mixer.k_proj.weight.dtype))
         keys = mixer.repeat_kv(keys, 2)  # per query head, as the mixer reads them
         distance, crowding = head_statistics(probs, keys)
         alpha, beta = decays_from(distance, crowding)

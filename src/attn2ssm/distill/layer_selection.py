@@ -56,25 +56,7 @@ def select_attention_layers(
     ``batch_size`` splits the calibration rows into forwards of that many rows (scores are still
     per token overall).
     """
-    if mixer not in MIXERS:
-        raise ConfigError(f"unknown mixer '{mixer}'", f"use one of: {', '.join(sorted(MIXERS))}")
-    num_layers = teacher.config.num_hidden_layers
-    if candidates is None:
-        candidates = (
-            list(range(num_layers))
-            if student is None
-            else [i for i, k in enumerate(student.config.layer_plan) if k == ATTENTION]
-        )
-    if not 0 <= keep <= len(candidates):
-        raise ConfigError(
-            f"keep={keep} attention layers is outside 0..{len(candidates)}",
-            f"keep between 0 and the {len(candidates)} candidate layers",
-        )
-    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-        raise ConfigError(
-            f"calibration input_ids have shape {tuple(input_ids.shape)}",
-            "pass a (batch, length) tensor of token ids",
-        )
+    candidates = _checked_candidates(teacher, input_ids, mixer, keep, student, candidates)
     batches = _calibration_batches(teacher, input_ids, attention_mask, batch_size)
     counts = [float(b.numel() if m is None else m.sum()) for b, m in batches]
     total_tokens = max(sum(counts), 1.0)
@@ -90,6 +72,30 @@ def select_attention_layers(
         teacher.train(was_training)
     ranked = sorted(candidates, key=lambda i: (-scores[i], i))
     return sorted(ranked[:keep]), scores
+
+
+def _checked_candidates(teacher, input_ids, mixer: str, keep: int, student, candidates) -> list[int]:
+    """The layers to score (given, else the probe's attention layers), once the mixer, ``keep`` and
+    the calibration batch's shape are checked (one-line ConfigErrors)."""
+    if mixer not in MIXERS:
+        raise ConfigError(f"unknown mixer '{mixer}'", f"use one of: {', '.join(sorted(MIXERS))}")
+    if candidates is None:
+        candidates = (
+            list(range(teacher.config.num_hidden_layers))
+            if student is None
+            else [i for i, k in enumerate(student.config.layer_plan) if k == ATTENTION]
+        )
+    if not 0 <= keep <= len(candidates):
+        raise ConfigError(
+            f"keep={keep} attention layers is outside 0..{len(candidates)}",
+            f"keep between 0 and the {len(candidates)} candidate layers",
+        )
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ConfigError(
+            f"calibration input_ids have shape {tuple(input_ids.shape)}",
+            "pass a (batch, length) tensor of token ids",
+        )
+    return candidates
 
 
 def _calibration_batches(teacher, input_ids, attention_mask, batch_size: int | None) -> list[tuple]:

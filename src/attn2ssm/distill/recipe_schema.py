@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from attn2ssm.data.sources import expand_mixture, is_mixture
+from attn2ssm.data.specs import expand_mixture, is_mixture
 
 
 @dataclass

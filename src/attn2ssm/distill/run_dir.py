@@ -35,14 +35,6 @@ def writing_to(out: Path, what: str, where: Path | None = None, note: str = ""):
     return writing(where or out, what, f"continue with: {resume_command(out)}", note)
 
 
-def check_is_folder(out: Path) -> None:
-    """``--out`` must be a folder (or not exist yet): a file there is refused before anything loads."""
-    if out.exists() and not out.is_dir():
-        raise OutputError(
-            f"--out {out} is a file, not a run directory", "choose another --out (a new or a run's folder)"
-        )
-
-
 def saved_recipe(out: Path) -> dict | None:
     """The recipe a run saved in ``out`` as a dict (None: there is none), or a one-line error when it
     cannot be read as one."""

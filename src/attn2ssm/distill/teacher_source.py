@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import attn2ssm.teachers as teachers  # called through the module: tests replace its load_teacher
 from attn2ssm.data import block_indices
-from attn2ssm.data.sources import needs_teacher
+from attn2ssm.data.specs import needs_teacher
 from attn2ssm.distill.logit_cache import CacheStats, LogitCache, find_cache_dir, teacher_source_key
 from attn2ssm.errors import ConfigError
 from attn2ssm.teachers.vision import load_vision_teacher

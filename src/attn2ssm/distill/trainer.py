@@ -79,7 +79,6 @@ from attn2ssm.distill.recipe import (
 from attn2ssm.distill.results import eval_loss, language_report, non_finite, save_student, step_record
 from attn2ssm.distill.run_data import block_len, load_blocks, stage_dataset
 from attn2ssm.distill.run_dir import (
-    check_is_folder,
     check_metrics,
     check_new_run,
     hold_run_dir,
@@ -120,6 +119,7 @@ from attn2ssm.distill.teacher_source import (
 )
 from attn2ssm.eval.classification import evaluate_classifier, write_vision_report
 from attn2ssm.ops.kernels import building_with
+from attn2ssm.paths import check_writable
 from attn2ssm.student.modeling import Attn2SSMForCausalLM
 
 __all__ = [
@@ -153,7 +153,7 @@ class Distiller:
         self.progress = progress
         self.resume_from: Path | None = None  # the intact checkpoint a resumed run continues from
         self.resume_command = resume_command(self.out)
-        check_is_folder(self.out)
+        check_writable(self.out, folder=True)  # a file there, or a folder it cannot write: one line
         recipe, changes = self._checked_recipe(recipe, resume, overrides, teacher)
         self.recipe = recipe
         setup = setup_accelerator(recipe, teacher_passed=teacher is not None)

@@ -112,6 +112,3 @@ def generation_agreement(
         "new_tokens": new_tokens,
         "examples": rows,
     }
-
-
-_greedy = greedy_continuation  # bench/quality.py's import until it takes the public name

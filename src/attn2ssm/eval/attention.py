@@ -280,12 +280,6 @@ def plot_attention_maps(
     scale, one per row of the grid) and, with ``log_scale``, ``<prefix>_log.png`` (log10 scale, floor
     1e-4) which shows how the tail of each row is spread. The text is cut to ``max_tokens``.
     """
-    import matplotlib  # heavy: matplotlib, and the Agg backend is chosen only when a plot is drawn
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # heavy: as above, once the backend is set
-    from matplotlib.colors import LogNorm  # heavy: as above
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :max_tokens]
@@ -299,43 +293,56 @@ def plot_attention_maps(
     }
     num_heads = next(iter(maps.values()))[0].shape[0]
     heads = _pick(list(range(num_heads))) if heads is None else [h for h in heads if 0 <= h < num_heads]
-    length = ids.shape[1]
     paths = []
     for log in (False, True) if log_scale else (False,):  # linear: vmax shared by a row; log: floor 1e-4
-        nrows, ncols = len(layers), 2 * len(heads)
-        fig, axes = plt.subplots(nrows, ncols, figsize=(2.3 * ncols, 2.3 * nrows + 0.6), squeeze=False)
-        for r, layer in enumerate(layers):
-            a_t, a_s = maps[layer]
-            # one scale per row (its colour bar)
-            vmax = max(max(float(a_t[h].max()), float(a_s[h].max())) for h in heads)
-            vmax = max(vmax, 1e-6)
-            for c, head in enumerate(heads):
-                pair = (a_t[head], a_s[head])
-                for j, (who, m) in enumerate(zip(("teacher", "student"), pair)):
-                    ax = axes[r][2 * c + j]
-                    if log:
-                        shown = m.clamp_min(1e-4).masked_fill(
-                            torch.ones_like(m, dtype=torch.bool).triu(1), float("nan")
-                        )
-                        im = ax.imshow(
-                            shown.numpy(), cmap="viridis", norm=LogNorm(vmin=1e-4, vmax=max(vmax, 1e-3))
-                        )
-                    else:
-                        im = ax.imshow(m.numpy(), cmap="viridis", vmin=0.0, vmax=vmax)
-                    ax.set_title(f"L{layer} h{head} {who}", fontsize=8)
-                    ax.set_xticks([])
-                    ax.set_yticks([])
-                if c == len(heads) - 1:
-                    fig.colorbar(im, ax=list(axes[r]), fraction=0.02, pad=0.01)
-        scale = "log10 colour scale" if log else "linear colour scale"
-        fig.suptitle(
-            f"attention weights, teacher vs student ({length} tokens, rows = queries, {scale})", fontsize=9
-        )
         path = out_dir / f"{prefix}{'_log' if log else ''}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        _draw_map_grid(maps, layers, heads, ids.shape[1], log, path)
         paths.append(path)
     return paths
+
+
+def _draw_map_grid(
+    maps: dict, layers: list[int], heads: list[int], length: int, log: bool, path: Path
+) -> None:
+    """One PNG: a row per layer, teacher | student columns per head, one colour scale per row
+    (linear from 0, or log10 with a floor of 1e-4 and the masked upper triangle left blank)."""
+    import matplotlib  # heavy: matplotlib, and the Agg backend is chosen only when a plot is drawn
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # heavy: as above, once the backend is set
+    from matplotlib.colors import LogNorm  # heavy: as above
+
+    nrows, ncols = len(layers), 2 * len(heads)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(2.3 * ncols, 2.3 * nrows + 0.6), squeeze=False)
+    for r, layer in enumerate(layers):
+        a_t, a_s = maps[layer]
+        # one scale per row (its colour bar)
+        vmax = max(max(float(a_t[h].max()), float(a_s[h].max())) for h in heads)
+        vmax = max(vmax, 1e-6)
+        for c, head in enumerate(heads):
+            pair = (a_t[head], a_s[head])
+            for j, (who, m) in enumerate(zip(("teacher", "student"), pair)):
+                ax = axes[r][2 * c + j]
+                if log:
+                    shown = m.clamp_min(1e-4).masked_fill(
+                        torch.ones_like(m, dtype=torch.bool).triu(1), float("nan")
+                    )
+                    im = ax.imshow(
+                        shown.numpy(), cmap="viridis", norm=LogNorm(vmin=1e-4, vmax=max(vmax, 1e-3))
+                    )
+                else:
+                    im = ax.imshow(m.numpy(), cmap="viridis", vmin=0.0, vmax=vmax)
+                ax.set_title(f"L{layer} h{head} {who}", fontsize=8)
+                ax.set_xticks([])
+                ax.set_yticks([])
+            if c == len(heads) - 1:
+                fig.colorbar(im, ax=list(axes[r]), fraction=0.02, pad=0.01)
+    scale = "log10 colour scale" if log else "linear colour scale"
+    fig.suptitle(
+        f"attention weights, teacher vs student ({length} tokens, rows = queries, {scale})", fontsize=9
+    )
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------ CLI driver

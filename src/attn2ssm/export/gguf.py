@@ -49,7 +49,7 @@ from attn2ssm.export.llamacpp import (
 )
 from attn2ssm.export.native import check_exportable, export_native
 from attn2ssm.export.native_qwen35 import QWEN35_CLASS
-from attn2ssm.paths import check_writable, remove_stale_staging, staging_beside, writing
+from attn2ssm.paths import check_writable, lock_beside, remove_stale_staging, staging_beside, writing
 
 PROBE_LENGTH = 24
 
@@ -99,9 +99,6 @@ def export_gguf(
     """Write the student in ``student_dir`` as one GGUF file ``out`` of ``outtype`` (``OUTTYPES``).
     Refused before anything runs when the student does not map exactly onto llama.cpp's
     GraniteHybrid; staged beside ``out`` and moved into place only when every step passed."""
-    # heavy: transformers (this module imports torch only)
-    from attn2ssm.student.modeling import Attn2SSMForCausalLM
-
     out = Path(out)
     _check_request(out, outtype, force)
     # what llama.cpp cannot run exactly: refused from the config, before llama.cpp is looked for
@@ -110,7 +107,18 @@ def export_gguf(
     if outtype in QUANTIZE_TYPES:
         load_runtime()
     check_writable(out)
-    remove_stale_staging(out.parent)  # what a killed export left beside it
+    with lock_beside(out):  # a second export to this --out at the same time is refused
+        _check_request(out, outtype, force)  # another export may have written it meanwhile
+        remove_stale_staging(out.parent)  # what a killed export left beside it
+        return _convert(student_dir, out, outtype, threads, verify)
+
+
+def _convert(student_dir, out: Path, outtype: str, threads: int | None, verify: bool) -> GGUFExport:
+    """The llama.cpp-form native export and llama.cpp's converter in a staging folder beside
+    ``out``, the GGUF's logits checked in llama.cpp (``verify``), then moved to ``out``."""
+    # heavy: transformers (this module imports torch only)
+    from attn2ssm.student.modeling import Attn2SSMForCausalLM
+
     with (
         writing(out, "the GGUF file", "run the command again (what --out held is unchanged)"),
         staging_beside(out, "export") as tmp,

@@ -76,7 +76,14 @@ from attn2ssm.export.native_qwen35 import (
 )
 from attn2ssm.mixers.ssm_common import GATE_IDENTITY_BIAS
 from attn2ssm.ops.kernels import check_environment
-from attn2ssm.paths import check_writable, remove_stale_staging, replace_dir, staging_beside, writing
+from attn2ssm.paths import (
+    check_writable,
+    lock_beside,
+    remove_stale_staging,
+    replace_dir,
+    staging_beside,
+    writing,
+)
 from attn2ssm.teachers import check_weight_files
 
 NATIVE_CLASS = "GraniteMoeHybridForCausalLM"
@@ -296,12 +303,6 @@ def native_config(config, llama_cpp: bool = False):
     base = config.base_config
     g0 = config.layer_geometry[0]
     kept = [i for i, kind in enumerate(config.layer_plan) if kind == "attention"]
-    mixers = config.mixer_layers
-    opts = _mamba2_options(config) if mixers else {"d_conv": 4, "chunk_size": 256}
-    biases = any(
-        config.layer_geometry[i].get("qkv_bias") or config.layer_geometry[i].get("o_bias") for i in kept
-    )
-    expand = 2 if llama_cpp else 1  # h·d = hidden (native_problem), so expand·h heads of head_dim
     identity = llama_cpp and not kept  # the identity attention layer llama.cpp needs (module docstring)
     layer_types = ["attention" if kind == "attention" else "mamba" for kind in config.layer_plan] + [
         "attention"
@@ -314,32 +315,56 @@ def native_config(config, llama_cpp: bool = False):
         num_local_experts=0,
         num_experts_per_tok=0,
         num_hidden_layers=len(layer_types),
-        num_attention_heads=g0["num_heads"],
-        num_key_value_heads=g0["num_kv_heads"],
         hidden_act=base.get("hidden_act", "silu"),
         max_position_embeddings=base.get("max_position_embeddings", 2048),
-        use_cache=bool(kept)
-        or identity,  # see _notes: transformers' class cannot hold a cache without an attention layer
+        # see _notes: transformers' class cannot hold a cache without an attention layer
+        use_cache=bool(kept) or identity,
         initializer_range=base.get("initializer_range", 0.02),
         rms_norm_eps=base["rms_norm_eps"],
         pad_token_id=base.get("pad_token_id"),
         bos_token_id=base.get("bos_token_id"),
         eos_token_id=base.get("eos_token_id"),
         tie_word_embeddings=bool(base.get("tie_word_embeddings", False)),
+        embedding_multiplier=1.0,
+        residual_multiplier=1.0,
+        logits_scaling=1.0,
+        layer_types=layer_types,
+        **_attention_fields(config, kept),
+        **_mamba_fields(config, llama_cpp),
+    )
+
+
+def _attention_fields(config, kept: list[int]) -> dict:
+    """``native_config``'s attention settings: the teacher's heads, RoPE and biases of the kept
+    layers (``kept``: their indices; none kept, no position embedding)."""
+    base = config.base_config
+    g0 = config.layer_geometry[0]
+    biases = any(
+        config.layer_geometry[i].get("qkv_bias") or config.layer_geometry[i].get("o_bias") for i in kept
+    )
+    return dict(
+        num_attention_heads=g0["num_heads"],
+        num_key_value_heads=g0["num_kv_heads"],
         rope_parameters=dict(
             base.get("rope_parameters")
             or {"rope_type": "default", "rope_theta": base.get("rope_theta", 10000.0)}
         ),
         attention_bias=bool(biases),
         attention_dropout=0.0,
-        embedding_multiplier=1.0,
-        residual_multiplier=1.0,
-        logits_scaling=1.0,
-        attention_multiplier=float(config.layer_geometry[kept[0]]["scaling"])
-        if kept
-        else g0["head_dim"] ** -0.5,
+        attention_multiplier=(
+            float(config.layer_geometry[kept[0]]["scaling"]) if kept else g0["head_dim"] ** -0.5
+        ),
         position_embedding_type="rope" if kept else None,
-        layer_types=layer_types,
+    )
+
+
+def _mamba_fields(config, llama_cpp: bool) -> dict:
+    """``native_config``'s Mamba-2 settings: one head per attention head with the head size as its
+    state (``llama_cpp``: expand 2, twice the heads, no projection biases)."""
+    g0 = config.layer_geometry[0]
+    opts = _mamba2_options(config) if config.mixer_layers else {"d_conv": 4, "chunk_size": 256}
+    expand = 2 if llama_cpp else 1  # h·d = hidden (native_problem), so expand·h heads of head_dim
+    return dict(
         mamba_n_heads=expand * g0["num_heads"],
         mamba_n_groups=expand * g0["num_heads"],
         mamba_d_state=g0["head_dim"],
@@ -636,17 +661,24 @@ def export_native(
     no Python files. Refused (``ExportError``, nothing written) when the map would not be exact;
     ``out`` holding a model is kept unless ``force``. Staged beside ``out``, then moved into place.
     ``llama_cpp``: the form llama.cpp's converter takes (the GGUF route; see the module docstring)."""
+    student_dir, out = Path(student_dir), Path(out)
+    saved = check_exportable(student_dir, llama_cpp)  # refuse before the weights load
+    check_writable(out, beside=True, folder=True)
+    _check_out(out, force)
+    check_weight_files(student_dir)
+    with lock_beside(out):  # a second export to this --out at the same time is refused
+        _check_out(out, force)  # another export may have written it meanwhile
+        remove_stale_staging(out.parent)  # what a killed export left beside it
+        return _export(student_dir, out, saved, tolerance, llama_cpp)
+
+
+def _export(student_dir: Path, out: Path, saved: dict, tolerance: float, llama_cpp: bool) -> NativeExport:
+    """Load the student, map it onto its native class, check the two agree on a probe, and write
+    the native model to ``out``."""
     from transformers import AutoTokenizer  # heavy: transformers (this module imports torch only)
 
     import attn2ssm.student  # noqa: F401  heavy: transformers; registers the Auto classes
     from attn2ssm.student.modeling import Attn2SSMForCausalLM  # heavy: as above
-
-    student_dir, out = Path(student_dir), Path(out)
-    saved = check_exportable(student_dir, llama_cpp)  # refuse before the weights load
-    _check_out(out, force)
-    check_weight_files(student_dir)
-    check_writable(out, beside=True)
-    remove_stale_staging(out.parent)  # what a killed export left beside it
 
     dtype = getattr(torch, str(saved.get("dtype") or "float32"))
     student = Attn2SSMForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
@@ -698,9 +730,7 @@ def _saved_student_config(student_dir: Path) -> dict:
 
 
 def _check_out(out: Path, force: bool) -> None:
-    """A ``ConfigError`` when ``out`` is a file, or holds a model and ``force`` is off."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file", "give a directory for the exported model")
+    """A ``ConfigError`` when ``out`` holds a model and ``force`` is off."""
     if (out / "config.json").is_file() and not force:
         raise ConfigError(
             f"--out {out} already holds a model (config.json)",

@@ -289,6 +289,52 @@ def _draft(
     return drafts, q, probe
 
 
+def _round(
+    ver: Runner,
+    drafter: Drafter,
+    policy: DraftLength | None,
+    text: list[int],
+    k: int,
+    room: int,
+    sampling: dict | None,
+    generator,
+    eos: set,
+    stats: SpeculativeStats,
+    device,
+) -> tuple[list[int], bool]:
+    """One round of up to ``k`` drafts: draft, verify, extend ``text`` by the emitted tokens, forget
+    what the target consumed past them; the emitted tokens and whether an end of sequence came."""
+    start = len(text)
+
+    # 1. draft up to k tokens (a free drafter is asked for one even when k = 0: a probe of α)
+    t0 = time.perf_counter()
+    drafts, q, probe = _draft(drafter, policy, text, k, room, sampling, generator)
+    k = len(drafts)
+    t1 = time.perf_counter()
+
+    # 2. verify, and emit the accepted drafts and the target's token (up to an end of sequence)
+    n, token = _verify(ver, text, drafts, q, sampling, generator, device)
+    stats.draft_seconds += t1 - t0
+    stats.verify_seconds += time.perf_counter() - t1
+    emitted, done = _until_eos(drafts[:n] + [token], eos)
+    text.extend(emitted)
+    stats.add_round(k, n, len(emitted))
+
+    # 3. forget what was consumed past the accepted text: text[:start] and the accepted drafts
+    #    stay, the last emitted token is fed next round
+    keep = start + min(n, len(emitted) - 1)
+    if k:
+        t2 = time.perf_counter()
+        _forget(ver, keep)
+        stats.verify_seconds += time.perf_counter() - t2
+    drafter.accept(keep)
+    if policy is not None:
+        policy.observe(k, n, time.perf_counter() - t1, t1 - t0)
+        if probe:
+            policy.observe_probe(probe[0] == token)
+    return emitted, done
+
+
 @torch.no_grad()
 def speculative_generate(
     target,
@@ -332,37 +378,10 @@ def speculative_generate(
     while new < max_new_tokens and not done:
         room = max_new_tokens - new - 1  # leave room for the target's token
         k = policy.choose(room) if policy is not None else min(num_draft_tokens, room)
-        start = len(text)
-
-        # 1. draft up to k tokens (a free drafter is asked for one even when k = 0: a probe of α)
-        t0 = time.perf_counter()
-        drafts, q, probe = _draft(drafter, policy, text, k, room, sampling, generator)
-        k = len(drafts)
-        t1 = time.perf_counter()
-
-        # 2. verify, and emit the accepted drafts and the target's token (up to an end of sequence)
-        n, token = _verify(ver, text, drafts, q, sampling, generator, device)
-        stats.draft_seconds += t1 - t0
-        stats.verify_seconds += time.perf_counter() - t1
-        emitted, done = _until_eos(drafts[:n] + [token], eos)
-        text.extend(emitted)
+        emitted, done = _round(ver, drafter, policy, text, k, room, sampling, generator, eos, stats, device)
         new += len(emitted)
-        stats.add_round(k, n, len(emitted))
         if streamer is not None:
             streamer.put(torch.tensor(emitted))
-
-        # 3. forget what was consumed past the accepted text: text[:start] and the accepted drafts
-        #    stay, the last emitted token is fed next round
-        keep = start + min(n, len(emitted) - 1)
-        if k:
-            t2 = time.perf_counter()
-            _forget(ver, keep)
-            stats.verify_seconds += time.perf_counter() - t2
-        drafter.accept(keep)
-        if policy is not None:
-            policy.observe(k, n, time.perf_counter() - t1, t1 - t0)
-            if probe:
-                policy.observe_probe(probe[0] == token)
     if streamer is not None:
         streamer.end()
     return SpeculativeOutput(torch.tensor([text], device=device), stats)

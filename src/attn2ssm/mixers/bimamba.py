@@ -151,9 +151,8 @@ class BiMambaMixer(nn.Module):
         fw = self._direction(self.fw, x)
         flipped = self._direction(self.bw, x.flip(1))  # the backward branch in its own (flipped) order
         bw = tuple(t.flip(1) if i in (0, 1, 3, 4) else t for i, t in enumerate(flipped))  # back to scan order
-        self.bc_tap(
-            *(self._to_teacher(t, order) for d in (fw, bw) for t in (d[3], d[4]))
-        )  # B_fw, C_fw, B_bw, C_bw
+        # B_fw, C_fw, B_bw, C_bw
+        self.bc_tap(*(self._to_teacher(t, order) for d in (fw, bw) for t in (d[3], d[4])))
         y = bidirectional_scan_chunked(fw, bw, chunk_size=self.chunk_size).reshape(b, l, self.d_inner)
         y = (0.5 * y).to(z.dtype) * F.silu(z)
         out = self.out_proj(y)

@@ -133,9 +133,8 @@ class GatedDeltaMixer(ConvRecurrence, AttentionLikeMixer):
         self.use_rope, self.chunk_size = rope == "before", chunk_size
         h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         self.conv_activation = check_activation(conv_activation)
-        self.conv = (
-            CausalConv((h + 2 * kv) * d, d_conv, bias=bool(conv_bias)) if d_conv else None
-        )  # over [q, k, v] before the GQA repeat
+        # over [q, k, v] before the GQA repeat
+        self.conv = CausalConv((h + 2 * kv) * d, d_conv, bias=bool(conv_bias)) if d_conv else None
         self.a_proj = nn.Linear(self.hidden_size, h, bias=False)
         self.b_proj = nn.Linear(self.hidden_size, h, bias=bool(beta_bias))
         self.dt_bias = nn.Parameter(torch.empty(h))

@@ -211,9 +211,8 @@ class HedgeMambaMixer(ConvRecurrence, AttentionLikeMixer):
         module docstring: (output, {"ssm": S_t, "conv": its window})."""
         new = {}
         m = None if mask is None else mask.to(torch.float32).view(-1, 1, 1)
-        x = (
-            u if m is None else u * m.to(u.dtype)
-        )  # a padded token enters the conv window as 0 (as the chunked form)
+        # a padded token enters the conv window as 0 (as the chunked form)
+        x = u if m is None else u * m.to(u.dtype)
         if self.conv is not None:
             x, new["conv"] = causal_conv1d_step(x[:, 0], self.conv.weight, self.conv.bias, states["conv"])
             x = x[:, None]

@@ -108,9 +108,8 @@ class MambaMixer(ConvRecurrence, AttentionLikeMixer):
             self.dt_rank = dt_rank or math.ceil(self.hidden_size / 16)
             self.dt_down = nn.Linear(self.hidden_size, self.dt_rank, bias=False)
             self.dt_up = nn.Linear(self.dt_rank, expand * self.d_inner, bias=True)
-            self.A_log = nn.Parameter(
-                torch.empty(expand * self.groups, d_state, d_state)
-            )  # (copies·groups, p, n)
+            # (copies·groups, p, n)
+            self.A_log = nn.Parameter(torch.empty(expand * self.groups, d_state, d_state))
         self.init_new_parameters()
 
     @torch.no_grad()

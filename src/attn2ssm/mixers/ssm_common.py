@@ -64,9 +64,8 @@ class CausalConv(nn.Module):
             )
         self.kernel = kernel
         self.weight = nn.Parameter(torch.empty(channels, kernel))
-        self.bias = (
-            nn.Parameter(torch.empty(channels)) if bias else None
-        )  # None: no bias (Qwen3.5's GDN conv has none)
+        # None: no bias (Qwen3.5's GDN conv has none)
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
         self.reset_parameters()
 
     @torch.no_grad()

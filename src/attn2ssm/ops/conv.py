@@ -51,9 +51,8 @@ def causal_conv1d(x, weight, bias=None, state=None, mask=None, activation=None, 
         if bias is not None:
             y = y + bias.float()[:, None]
     else:
-        y = F.conv1d(
-            full, w[:, None, :], None if bias is None else bias.float(), groups=full.shape[1]
-        )  # (b, c, l)
+        # (b, c, l)
+        y = F.conv1d(full, w[:, None, :], None if bias is None else bias.float(), groups=full.shape[1])
     if activation == "silu":
         y = F.silu(y)
     return y.transpose(1, 2).to(dtype), new_state

@@ -91,9 +91,8 @@ class Attn2SSMConfig(PretrainedConfig):
         self.attention_paths = list(attention_paths or [])
         self.layer_geometry = list(layer_geometry or [])
         self.mixer_options = dict(mixer_options or {})  # mixer kind → constructor options
-        self.teacher = scrub_local_paths(
-            teacher or {}
-        )  # provenance: source (names, no paths), family, model_type
+        # provenance: source (names, no paths), family, model_type
+        self.teacher = scrub_local_paths(teacher or {})
         self.teacher_layers = None if teacher_layers is None else [int(j) for j in teacher_layers]
         # the kept attention layers' form: "teacher" (as they are) or "qwen35" (student/kept_attention.py)
         self.kept_attention = kept_attention

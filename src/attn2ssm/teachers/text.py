@@ -344,8 +344,6 @@ def load_teacher(
     import torch  # heavy: torch and transformers (resolving a spec stays instant)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # heavy: as above
 
-    from attn2ssm.hf_compat import cpu_runs_reference_kernels  # heavy: transformers
-
     source = resolve_teacher(spec)
     gguf = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     kwargs = {"dtype": dtype or torch.float32, **gguf}
@@ -353,15 +351,7 @@ def load_teacher(
         kwargs["attn_implementation"] = attn_implementation
     if source.kind == "hub":
         _check_hub(source)
-        where, fix = f"hub id '{source.location}'", _HUB_FIX
-    elif source.gguf_file:
-        where = f"GGUF file {Path(source.location) / source.gguf_file}"
-        fix = "check that the file is a complete GGUF model, or use a built-in teacher: " + ", ".join(
-            BUILTIN_TEACHERS
-        )
-    else:
-        where = f"directory {source.location}"
-        fix = "point --teacher at a directory written by save_pretrained (config.json, weights and tokenizer files)"
+    where, fix = _where_and_fix(source)
     if source.kind in ("dir", "builtin"):
         check_weight_files(source.location)
     step, config = "config", None
@@ -390,9 +380,32 @@ def load_teacher(
         raise _load_error(step, where, exc, fix, config, attn_implementation) from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return _ready(model, device), tokenizer, source
+
+
+def _where_and_fix(source) -> tuple[str, str]:
+    """What a load error calls the teacher's location, and the fix it suggests for its kind."""
+    if source.kind == "hub":
+        return f"hub id '{source.location}'", _HUB_FIX
+    if source.gguf_file:
+        return (
+            f"GGUF file {Path(source.location) / source.gguf_file}",
+            "check that the file is a complete GGUF model, or use a built-in teacher: "
+            + ", ".join(BUILTIN_TEACHERS),
+        )
+    return (
+        f"directory {source.location}",
+        "point --teacher at a directory written by save_pretrained (config.json, weights and tokenizer files)",
+    )
+
+
+def _ready(model, device):
+    """A loaded teacher in eval mode with gradients off, runnable on a CPU, on ``device``."""
+    from attn2ssm.hf_compat import cpu_runs_reference_kernels  # heavy: transformers
+
     model.eval().requires_grad_(False)
     # a Gated DeltaNet class that transformers bound to fla runs on a CPU too
     cpu_runs_reference_kernels(model)
     if device is not None:
         model.to(device)
-    return model, tokenizer, source
+    return model

@@ -68,9 +68,8 @@ def is_vision_teacher(spec: str | None) -> bool:
 def image_processor_for(config):
     """The ViT image processor for a config: resize to its image size, normalise to [-1, 1]."""
     try:
-        from transformers import (
-            ViTImageProcessorPil as Processor,
-        )  # heavy: transformers; this one needs no torchvision
+        # heavy: transformers; this one needs no torchvision
+        from transformers import ViTImageProcessorPil as Processor
     except ImportError:
         from transformers import ViTImageProcessor as Processor  # heavy: transformers
     n = config.num_channels
@@ -108,16 +107,47 @@ def train_vision_teacher(
     out: str | Path, name: str = "mnist-vit", progress: bool = True, **overrides
 ) -> dict:
     """Train a built-in vision teacher on its full training split and save it to ``out``."""
-    from transformers import (
-        ViTConfig,
-        ViTForImageClassification,
-    )  # heavy: transformers (this module imports torch only)
+    # heavy: transformers (this module imports torch only)
+    from transformers import ViTForImageClassification
 
     spec = {**BUILTIN_VISION_TEACHERS[name], **overrides}
     torch.manual_seed(spec["seed"])
     dd = load_image_source(spec["source"])
-    names = dd["train"].features["label"].names
-    config = ViTConfig(
+    model = ViTForImageClassification(_vit_config(spec, dd["train"].features["label"].names))
+    processor = image_processor_for(model.config)
+    train, test = (
+        ImageSet(dd["train"], processor, name=f"{spec['source']}:train"),
+        ImageSet(dd["test"], processor, name=f"{spec['source']}:test"),
+    )
+    start = time.perf_counter()
+    step = _fit_classifier(model, train, spec, name, progress)
+    seconds = time.perf_counter() - start
+    result = {
+        "teacher": name,
+        "train_seconds": round(seconds, 1),
+        "steps": step,
+        "train_images": len(train),
+        "test": evaluate_classifier(model, test),
+        "spec": spec,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "torch": torch.__version__,
+    }
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    atomic_write_text(out / "training.json", json.dumps(result, indent=1))
+    return result
+
+
+def _vit_config(spec: dict, names: list[str]):
+    """The ``ViTConfig`` of a built-in teacher's spec, labelled with the data set's class names."""
+    # heavy: transformers (this module imports torch only)
+    from transformers import ViTConfig
+
+    return ViTConfig(
         image_size=spec["image_size"],
         patch_size=spec["patch_size"],
         num_channels=spec["num_channels"],
@@ -129,12 +159,11 @@ def train_vision_teacher(
         id2label=dict(enumerate(names)),
         label2id={n: i for i, n in enumerate(names)},
     )
-    model = ViTForImageClassification(config)
-    processor = image_processor_for(config)
-    train, test = (
-        ImageSet(dd["train"], processor, name=f"{spec['source']}:train"),
-        ImageSet(dd["test"], processor, name=f"{spec['source']}:test"),
-    )
+
+
+def _fit_classifier(model, train: ImageSet, spec: dict, name: str, progress: bool) -> int:
+    """DeiT's optimiser recipe (AdamW, warmup + cosine, label smoothing) for ``spec["epochs"]`` epochs
+    over ``train``; returns the number of optimiser steps."""
     bs = spec["batch_size"]
     steps = spec["epochs"] * math.ceil(len(train) / bs)
     opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
@@ -161,25 +190,7 @@ def train_vision_teacher(
                 f"teacher {name}: epoch {epoch + 1}/{spec['epochs']} loss {loss.item():.3f} ({time.perf_counter() - start:.0f} s)",
                 flush=True,
             )
-    seconds = time.perf_counter() - start
-    result = {
-        "teacher": name,
-        "train_seconds": round(seconds, 1),
-        "steps": step,
-        "train_images": len(train),
-        "test": evaluate_classifier(model, test),
-        "spec": spec,
-        "threads": torch.get_num_threads(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "torch": torch.__version__,
-    }
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
-    atomic_write_text(out / "training.json", json.dumps(result, indent=1))
-    return result
+    return step
 
 
 def builtin_vision_teacher_dir(name: str, progress: bool = True) -> Path:
@@ -198,10 +209,8 @@ def builtin_vision_teacher_dir(name: str, progress: bool = True) -> Path:
 
 def load_vision_teacher(spec: str, progress: bool = True):
     """(model in eval mode, image processor, provenance dict) for a built-in name or a directory."""
-    from transformers import (
-        AutoImageProcessor,
-        AutoModelForImageClassification,
-    )  # heavy: transformers (this module imports torch only)
+    # heavy: transformers (this module imports torch only)
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
 
     path = (
         builtin_vision_teacher_dir(spec, progress)

@@ -101,7 +101,7 @@ class TeacherReference:
         return record
 
     def continuations(self, prompts, pad_id: int) -> list[list[int]]:
-        from attn2ssm.eval.agreement import _greedy
+        from attn2ssm.eval.agreement import greedy_continuation
 
         s = self.settings
         key = {
@@ -115,7 +115,7 @@ class TeacherReference:
         from tqdm.auto import tqdm
 
         refs = [
-            _greedy(self.model(), p, s.agreement_new_tokens, pad_id)
+            greedy_continuation(self.model(), p, s.agreement_new_tokens, pad_id)
             for p in tqdm(prompts, desc="teacher continuations", disable=not self.progress, leave=False)
         ]
         self.dir.mkdir(parents=True, exist_ok=True)
