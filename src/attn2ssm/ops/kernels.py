@@ -12,8 +12,11 @@ run models, or ``ATTN2SSM_KERNELS`` in the environment, which wins):
 * ``auto`` — ``fla`` on CUDA when it imports, else ``torch``.
 
 One known fault is routed around: fla's gated chunk backward (the gated delta rule's and SSD's) is
-wrong on Hopper GPUs under Triton 3.4–3.7.0 (fla refuses it); there a call that will be
-differentiated runs the PyTorch form, inference keeps fla's (``fla_gated_backward_problem``).
+wrong on Hopper GPUs under Triton 3.4–3.7.0 for 64-wide key tiles (fla refuses it for every width),
+unless fla's TileLang backend takes the function for that op (``fla_gated_backward_problem``, per
+op and dtype). There a gated delta rule call that will be differentiated runs fla with d_k
+zero-padded to a multiple of 128 (128-wide tiles, correct; ops/fla.py, ``gated_delta_pads_keys``);
+an SSD call runs the PyTorch form; inference keeps fla's unpadded kernels.
 
 A run resolves the setting once (``choose_kernels``), logs it and records it; the student's mixers
 then pass the resolved name to every chunked form (``backend=``), which ``resolve_backend``
@@ -143,16 +146,22 @@ def _gated_note(device_type: str) -> str:
 
     if device_type != "cuda" or not torch.cuda.is_available():
         return ""
-    problem = fla_gated_backward_problem(torch.device("cuda", torch.cuda.current_device()))
-    return f"; the gated delta rule and SSD train with the PyTorch forms: {problem}" if problem else ""
+    device = torch.device("cuda", torch.cuda.current_device())
+    problem = fla_gated_backward_problem(device, "ssd", torch.bfloat16) or fla_gated_backward_problem(
+        device, "gated_delta", torch.bfloat16
+    )
+    if not problem:
+        return ""
+    return f"; the gated delta rule trains through fla with d_k padded to 128, SSD with the PyTorch form: {problem}"
 
 
-def resolve_backend(backend: str, tensor, *, gated_backward: bool = False) -> str:
+def resolve_backend(backend: str, tensor, *, gated_backward: bool = False, op: str | None = None) -> str:
     """What a chunked form runs for ``tensor``: ``fla`` only where it can (CUDA, or the interpreter
     on a CPU) and imports; ``auto`` picks it there; anything else runs the PyTorch form.
-    ``gated_backward``: the call will be differentiated through fla's gated chunk backward (the
-    gated delta rule, SSD); where ``fla_gated_backward_problem`` knows that backward to be wrong
-    here, the PyTorch form runs instead (``fla`` too: fla itself would refuse it), with a warning."""
+    ``gated_backward``: the call will be differentiated through fla's gated chunk backward of ``op``
+    (``gated_delta`` or ``ssd``; None: either, taken as SSD, the cautious one); where ``fla_gated_backward_problem`` knows that backward to be wrong
+    here, the gated delta rule keeps fla (its adapter pads d_k to 128, where the backward is right)
+    and SSD runs the PyTorch form instead (``fla`` too: fla itself would refuse it), with a warning."""
     if backend == "torch":
         return "torch"
     if backend not in ("auto", "fla"):
@@ -163,12 +172,22 @@ def resolve_backend(backend: str, tensor, *, gated_backward: bool = False) -> st
             f"kernels=fla asked for a {tensor.device.type} tensor, where fla cannot run ({fla_problem() or 'not CUDA'})",
             f"run the model on CUDA, or use kernels auto or torch (unset {ENV} or set it to auto or torch)",
         )
-    if usable and gated_backward:
-        problem = fla_gated_backward_problem(tensor.device)
+    if usable and gated_backward and op not in PADDED_OPS:
+        problem = fla_gated_backward_problem(tensor.device, op or "ssd", _call_dtype(tensor))
         if problem:
             _warn_once(f"the gated forms train with the PyTorch form: {problem}")
             return "torch"
     return "fla" if usable else "torch"
+
+
+def _call_dtype(tensor):
+    """The dtype fla's kernels will see for ``tensor``: autocast's where it is on (ops/fla.py's ``_one_dtype``)."""
+    import torch
+
+    device = tensor.device.type
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return tensor.dtype
 
 
 def needs_backward(*tensors) -> bool:
@@ -197,7 +216,11 @@ def _capability(device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _tilelang_takes_over() -> bool:
+GATED_OPS = ("gated_delta", "ssd")  # the ops whose fla backward runs the gated ``chunk_bwd_dqkwg``
+PADDED_OPS = ("gated_delta",)  # the ones that train through fla with d_k padded to 128 where it is wrong
+
+
+def _tilelang_ready() -> bool:
     try:
         from fla.backends import TileLangBackend
     except ImportError:  # an fla without backends: no TileLang path
@@ -205,14 +228,31 @@ def _tilelang_takes_over() -> bool:
     return bool(TileLangBackend.is_available() and TileLangBackend().is_enabled())
 
 
-def fla_gated_backward_problem(device) -> str | None:
-    """Why fla's gated chunk backward must not train on ``device`` (None: no known fault)."""
+def _tilelang_takes_over(op: str, dtype) -> bool:
+    """Whether fla's TileLang backend takes ``op``'s gated ``chunk_bwd_dqkwg`` for inputs of ``dtype``.
+    Its verifier wants the chunk states in the inputs' dtype: the gated delta rule keeps them so;
+    SSD (``chunk_simple_gla``) keeps them in fp32, so TileLang takes SSD's backward only for fp32
+    inputs and rejects it under bf16 / fp16, where fla's Triton kernel (and its refusal) runs."""
+    import torch
+
+    if op not in GATED_OPS:
+        raise ValueError(f"op {op!r} is not one of {GATED_OPS}")
+    if not _tilelang_ready():
+        return False
+    return op == "gated_delta" or dtype in (None, torch.float32)
+
+
+def fla_gated_backward_problem(device, op: str = "gated_delta", dtype=None) -> str | None:
+    """Why fla's gated chunk backward of ``op`` (``gated_delta`` | ``ssd``) must not train on
+    ``device`` for inputs of ``dtype`` (None: fp32) as fla calls it (None: no known fault)."""
     if getattr(device, "type", "cpu") != "cuda":
         return None  # the interpreter: no Hopper
-    key = (_capability(device), _triton_version())
+    key = (_capability(device), _triton_version(), op, dtype)
     if key not in _GATED_CHECKED:
-        (major, _), version = key
-        bad = major == 9 and _BAD_TRITON[0] <= version < _BAD_TRITON[1] and not _tilelang_takes_over()
+        (major, _), version = key[:2]
+        bad = (
+            major == 9 and _BAD_TRITON[0] <= version < _BAD_TRITON[1] and not _tilelang_takes_over(op, dtype)
+        )
         _GATED_CHECKED[key] = (
             "fla's gated chunk backward is wrong on Hopper GPUs under Triton "
             f"{'.'.join(map(str, version))} (fla issue #640): install triton>=3.7.1 or tilelang for the fused kernels"
@@ -220,6 +260,15 @@ def fla_gated_backward_problem(device) -> str | None:
             else None
         )
     return _GATED_CHECKED[key]
+
+
+def gated_delta_pads_keys(device, dtype) -> bool:
+    """Whether a differentiated gated delta rule call through fla on ``device`` pads d_k to a
+    multiple of 128: where fla's unpadded backward is known wrong (``fla_gated_backward_problem``).
+    The fault is Triton's code for 64-wide key tiles (fla issue #640: 32- and 128-wide tiles are
+    right); fla on Hopper tiles d_k by min(next power of 2, 128), so a padded d_k gives 128-wide
+    tiles. ``ops.fla.PAD_GATED_KEYS`` forces it either way (the CPU tests, where this is never true)."""
+    return fla_gated_backward_problem(device, "gated_delta", dtype) is not None
 
 
 _GATED_CHECKED: dict = {}
