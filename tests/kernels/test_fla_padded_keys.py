@@ -61,7 +61,13 @@ def _torch_form(q, k, v, g, beta, mask, state):
     return gated_delta_chunked(q, k, v, g, beta, mask, state, chunk_size=8, backend="torch")
 
 
-def test_padded_keys_equal_unpadded_fla_and_the_pytorch_form(device):
+def test_padded_keys_equal_unpadded_fla_and_the_pytorch_form(device, monkeypatch):
+    import fla.ops.gated_delta_rule as fla_gdr
+
+    widths, real = [], fla_gdr.chunk_gated_delta_rule
+    monkeypatch.setattr(
+        fla_gdr, "chunk_gated_delta_rule", lambda q, *a, **kw: widths.append(q.shape[-1]) or real(q, *a, **kw)
+    )
     tensors, mask, state, g = _inputs(0)
     w = torch.randn(2, 20, 1, 8, generator=g)
     want = _run(_torch_form, tensors, mask, state, w, "cpu")
@@ -72,6 +78,7 @@ def test_padded_keys_equal_unpadded_fla_and_the_pytorch_form(device):
         for i, (a, b) in enumerate(zip(got[2], want[2])):
             assert a.shape == b.shape  # sliced back to the true d_k
             _close(a, b, f"gradient of input {i} (padded={padded})")
+    assert widths == [64, 128]  # fla saw d_k 64 unpadded, 128 padded
 
 
 def test_the_padded_path_outlives_fla_s_hopper_refusal(device, monkeypatch):
