@@ -32,9 +32,10 @@ import os
 import re
 import warnings
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 
+from attn2ssm.devices import enable_tf32
 from attn2ssm.errors import ConfigError
 
 KERNELS = ("auto", "torch", "fla")
@@ -92,12 +93,13 @@ class KernelChoice:
     requested: str
     used: str  # torch | fla
     reason: str
+    tf32: bool = False  # fp32 matmuls on TF32 tensor cores (CUDA: devices.enable_tf32)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
-        return f"kernels: {self.requested} -> {self.used} ({self.reason})"
+        return f"kernels: {self.requested} -> {self.used} ({self.reason}){'; fp32 matmuls in TF32' if self.tf32 else ''}"
 
 
 def check_kernels(value: str, where: str = "kernels") -> str:
@@ -107,7 +109,13 @@ def check_kernels(value: str, where: str = "kernels") -> str:
 
 
 def choose_kernels(requested: str, device_type: str) -> KernelChoice:
-    """Resolve ``requested`` (or ``ATTN2SSM_KERNELS``, which wins) for a run on ``device_type``."""
+    """Resolve ``requested`` (or ``ATTN2SSM_KERNELS``, which wins) for a run on ``device_type``; on
+    CUDA the run's fp32 matmuls go to TF32 too (``devices.enable_tf32``), recorded in the choice."""
+    choice = _choose(requested, device_type)
+    return replace(choice, tf32=enable_tf32(device_type))
+
+
+def _choose(requested: str, device_type: str) -> KernelChoice:
     env = os.environ.get(ENV)
     if env:
         requested = check_kernels(env, ENV)
