@@ -128,8 +128,11 @@ __all__ = [
     "TrainerState",
     "distill",
     "latest_checkpoint",
+    "load_for_steps",
     "resolve_kl_chunk",
     "resolve_teacher_dtype",
+    "setup_stage",
+    "train_step",
 ]
 
 
@@ -726,6 +729,25 @@ class Distiller:
                     )
         self.acc.wait_for_everyone()
         return results
+
+
+# -- the run's own steps, one at a time (bench train times them: bench/train.py) -----------------
+def load_for_steps(distiller: Distiller) -> None:
+    """The teacher, the data and the student, loaded as ``run`` loads them before its first stage."""
+    distiller._load_teacher()
+    distiller._load_data()
+    with building_with(distiller.kernels.used):
+        distiller._build_student()
+
+
+def setup_stage(distiller: Distiller, stage_idx: int) -> StageRun:
+    """Stage ``stage_idx`` set up from scratch, as a run starts it: its data, trainable set, optimizer, schedule."""
+    return distiller._setup_stage(stage_idx, None)
+
+
+def train_step(distiller: Distiller, run: StageRun, step: int) -> StepResult:
+    """One optimizer step of ``run``, the run's own (``Distiller._train_step``)."""
+    return distiller._train_step(run, step)
 
 
 def distill(
