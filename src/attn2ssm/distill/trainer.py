@@ -68,6 +68,7 @@ from attn2ssm.distill.checkpoints import (
     truncate_metrics,
     write_checkpoint,
 )
+from attn2ssm.distill.delta import start_delta
 from attn2ssm.distill.logit_cache import teacher_source_key
 from attn2ssm.distill.lora import merge_lora
 from attn2ssm.distill.losses import resolve_kl_chunk
@@ -217,6 +218,7 @@ class Distiller:
         self.block_sets: dict[int, tuple] = {}
         self.stage_data: dict[int, object] = {}  # stage index → its own dataset (sft / dpo), loaded up front
         self.student: torch.nn.Module | None = None
+        self.delta = None  # the run's delta checkpoint writer (distill/delta.py), main process
         self.images = None  # image recipes (recipe.images): data.images.ImageData, the stages' dataset
         self.started = time.perf_counter()
         self.logit_caches: dict[tuple, object] = {}  # (top_k, dir) → LogitCache, shared by the run's stages
@@ -334,6 +336,9 @@ class Distiller:
             self.progress,
         )
         self.student = student.to(device=self.acc.device, dtype=torch.float32)
+        self.delta = start_delta(
+            self.out, self.recipe, self.student, self.resume_from is not None, self.is_main
+        )
 
     def _grow_for_stage(self, stage_idx: int, cfg) -> None:
         """Stepwise hybrids: convert more attention layers before a stage with its own attention_ratio."""
@@ -550,6 +555,8 @@ class Distiller:
         """The stage's last step: LoRA merged and training-only modules dropped, so the stage-end
         checkpoint (and the next stage) hold the plain student."""
         state.finished.append(run.index)
+        if self.delta is not None:  # the stage's trained tensors, before LoRA merges (distill/delta.py)
+            self.delta.add_stage(run, state)
         if run.cfg.gradient_checkpointing:
             activation_checkpointing(run.unwrapped, False)
         # the stage-end checkpoint folds LoRA into its full state dict, and every process reloads it
