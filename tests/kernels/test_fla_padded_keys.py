@@ -114,3 +114,21 @@ def test_no_grad_calls_are_never_padded(device, monkeypatch):
     assert calls == []
     want, _ = _torch_form(*tensors, mask, state)
     _close(out.float().cpu(), want, "output")
+
+
+def test_the_padded_path_under_activation_checkpointing(device):
+    """Training stages with ``gradient_checkpointing`` recompute each layer in the backward
+    (non-reentrant checkpoints): the padded path's own graph must survive that, gradients equal."""
+    from torch.utils.checkpoint import checkpoint
+
+    tensors, mask, state, g = _inputs(3)
+    w = torch.randn(2, 20, 1, 8, generator=g)
+    plain = _run(_fla(True), tensors, mask, state, w, device)
+
+    def recomputed(*args):
+        return checkpoint(_fla(True), *args, use_reentrant=False)
+
+    got = _run(recomputed, tensors, mask, state, w, device)
+    _close(got[0], plain[0], "output")
+    for i, (a, b) in enumerate(zip(got[2], plain[2])):
+        _close(a, b, f"gradient of input {i}")
