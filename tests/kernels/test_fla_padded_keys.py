@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import attn2ssm.ops.fla as fla_ops
 from attn2ssm.ops.fla import gated_delta_fla
 from attn2ssm.ops.gated_delta import gated_delta_chunked
+from attn2ssm.ops.kernels import fla_gated_backward_problem
 
 TOL = 5e-5  # fp32
 
@@ -72,6 +73,10 @@ def test_padded_keys_equal_unpadded_fla_and_the_pytorch_form(device, monkeypatch
     w = torch.randn(2, 20, 1, 8, generator=g)
     want = _run(_torch_form, tensors, mask, state, w, "cpu")
     for padded in (False, True):
+        if not padded and fla_gated_backward_problem(torch.device(device), "gated_delta", torch.float32):
+            with pytest.raises(RuntimeError, match="#640"):  # a Hopper under Triton 3.4–3.7.0: fla refuses
+                _run(_fla(padded), tensors, mask, state, w, device)
+            continue
         got = _run(_fla(padded), tensors, mask, state, w, device)
         _close(got[0], want[0], f"output (padded={padded})")
         _close(got[1], want[1], f"final state (padded={padded})")

@@ -149,18 +149,21 @@ def _choose(requested: str, device_type: str) -> KernelChoice:
 
 
 def _gated_note(device_type: str) -> str:
-    """The run's record of fla's known gated-backward fault on its GPU (resolve_backend acts on it)."""
+    """The run's record of fla's known gated-backward fault on its GPU (resolve_backend acts on it),
+    judged for 16-bit inputs (the mixed-precision case; fp32 SSD can still go to TileLang)."""
     import torch
 
     if device_type != "cuda" or not torch.cuda.is_available():
         return ""
     device = torch.device("cuda", torch.cuda.current_device())
-    problem = fla_gated_backward_problem(device, "ssd", torch.bfloat16) or fla_gated_backward_problem(
-        device, "gated_delta", torch.bfloat16
-    )
-    if not problem:
+    gdn, ssd = (fla_gated_backward_problem(device, op, torch.bfloat16) for op in ("gated_delta", "ssd"))
+    if not (gdn or ssd):
         return ""
-    return f"; the gated delta rule trains through fla with d_k padded to 128, SSD with the PyTorch form: {problem}"
+    how = [
+        *(["the gated delta rule trains through fla with d_k padded to 128"] if gdn else []),
+        *(["SSD with the PyTorch form"] if ssd else []),
+    ]
+    return f"; {', '.join(how)}: {gdn or ssd}"
 
 
 def resolve_backend(backend: str, tensor, *, gated_backward: bool = False, op: str | None = None) -> str:
