@@ -80,7 +80,7 @@ def test_fla_gated_backward_problem_follows_fla_s_guard(monkeypatch, capability,
     monkeypatch.setattr(kernels, "_GATED_CHECKED", {})
     monkeypatch.setattr(kernels, "_capability", lambda device: capability)
     monkeypatch.setattr(kernels, "_triton_version", lambda: triton)
-    monkeypatch.setattr(kernels, "_tilelang_takes_over", lambda: tilelang)
+    monkeypatch.setattr(kernels, "_tilelang_ready", lambda: tilelang)
     problem = kernels.fla_gated_backward_problem(torch.device("cuda", 0))
     if wrong:
         assert "fla issue #640" in problem and "triton>=3.7.1 or tilelang" in problem
@@ -99,7 +99,7 @@ def test_a_wrong_gated_backward_sends_training_to_the_pytorch_forms(fla, monkeyp
     x = torch.zeros(2)
     assert resolve_backend("fla", x, gated_backward=True) == "fla"  # no known fault
     monkeypatch.setattr(
-        kernels, "fla_gated_backward_problem", lambda device: "fla's gated chunk backward is wrong"
+        kernels, "fla_gated_backward_problem", lambda device, *a: "fla's gated chunk backward is wrong"
     )
     with pytest.warns(
         RuntimeWarning, match="train with the PyTorch form: fla's gated chunk backward is wrong"
@@ -116,14 +116,15 @@ def test_a_wrong_gated_backward_sends_training_to_the_pytorch_forms(fla, monkeyp
 @pytest.mark.parametrize("op", ["gated_delta", "ssd"])
 def test_the_gated_forms_ask_for_a_safe_backward_only_when_training(fla, monkeypatch, op):
     """gated_delta_chunked and ssd_chunked tell the dispatch whether they will be differentiated: with
-    the gated backward known wrong, a training call runs the PyTorch form, a no-grad call fla's."""
+    the gated backward known wrong, a training SSD call runs the PyTorch form, a training gated
+    delta rule call fla's padded path, a no-grad call fla's."""
     import attn2ssm.ops.fla as fla_ops
-    from attn2ssm.ops.gated_delta import gated_delta_chunked, gated_delta_sequential
+    from attn2ssm.ops.gated_delta import gated_delta_chunked
     from attn2ssm.ops.ssd import ssd_chunked
 
     fla(None)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(kernels, "fla_gated_backward_problem", lambda device: "wrong here")
+    monkeypatch.setattr(kernels, "fla_gated_backward_problem", lambda device, *a: "wrong here")
     called = []
     monkeypatch.setattr(fla_ops, f"{op}_fla", lambda *a, **kw: called.append(op) or ("fla", None))
     torch.manual_seed(0)
@@ -144,25 +145,27 @@ def test_the_gated_forms_ask_for_a_safe_backward_only_when_training(fla, monkeyp
     with torch.no_grad():
         assert run(*args)[0] == "fla" and called == [op]
     trained = [t.clone().requires_grad_(i == 2) for i, t in enumerate(args)]
+    if op == "gated_delta":  # fla still trains it: its adapter pads d_k to 128 (tests/kernels)
+        assert run(*trained)[0] == "fla" and called == [op, op]
+        return
     with pytest.warns(RuntimeWarning, match="wrong here"):
         monkeypatch.setattr(kernels, "_WARNED", set())
         out, _ = run(*trained)
     assert called == [op] and out.requires_grad  # the PyTorch form ran, and it trains
-    if op == "gated_delta":
-        torch.testing.assert_close(out, gated_delta_sequential(*trained)[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ssd_chunked(*trained, backend="torch")[0], rtol=1e-5, atol=1e-5)
 
 
 def test_a_run_records_fla_s_gated_backward_fault(fla, monkeypatch):
     fla(None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(kernels, "fla_gated_backward_problem", lambda device: "wrong here")
+    monkeypatch.setattr(kernels, "fla_gated_backward_problem", lambda device, *a: "wrong here")
     for requested in ("auto", "fla"):
         choice = choose_kernels(requested, "cuda")
         assert choice.used == "fla" and choice.reason.endswith(
-            "the gated delta rule and SSD train with the PyTorch forms: wrong here"
+            "the gated delta rule trains through fla with d_k padded to 128, SSD with the PyTorch form: wrong here"
         )
-    monkeypatch.setattr(kernels, "fla_gated_backward_problem", lambda device: None)
+    monkeypatch.setattr(kernels, "fla_gated_backward_problem", lambda device, *a: None)
     assert choose_kernels("auto", "cuda").reason == "fla's Triton kernels import"
 
 

@@ -1,7 +1,7 @@
 """``attn2ssm bench train``: training throughput of each stage kind against its teacher-side bound.
 
-Each measured stage is the real trainer's (``Distiller._setup_stage`` / ``_train_step``: the same
-data path, loss, backward, clipping and optimizer step a run takes), on one block length and a
+Each measured stage is the real trainer's (``distill.trainer``'s ``setup_stage`` / ``train_step``:
+the same data path, loss, backward, clipping and optimizer step a run takes), on one block length and a
 fixed number of tokens per step, in fp32 or under bf16 autocast (``mixed_precision: bf16``, or
 ``auto``: bf16 where it is fast — attn2ssm/precision.py; rows record what ran). Two teacher-side references run on the same batches:
 
@@ -13,7 +13,11 @@ fixed number of tokens per step, in fp32 or under bf16 autocast (``mixed_precisi
 
 One extra step of each stage runs under ``torch.profiler``; its most expensive operators (self
 time) are recorded, to say where the time goes. Results: JSON + PNG (tokens/s per stage kind
-and length, with the bound) under benchmarks/results/.
+and length, with the bound) under benchmarks/results/; the JSON is rewritten (atomically) after
+each row, so a run killed part-way keeps every row it measured (``"complete": false`` until the end).
+
+Cases: the stage kinds on a Hedgehog linear-attention and a Mamba-2 student, and ``kd_gdn`` — the
+``gdn_hybrid25`` recipe's student (25 % attention, Gated DeltaNet mixers) in its KD stage.
 """
 
 from __future__ import annotations
@@ -40,6 +44,15 @@ _LINEAR = StudentConfig(
     mixer_options={"feature_map": "hedgehog", "feature_map_options": {"activation": "softmax"}, "window": 64},
 )
 _MAMBA2 = StudentConfig(mixer="mamba2")
+# gdn_hybrid25's student (tests/bench/test_bench_train_rows.py holds it equal to the recipe's):
+# gated delta mixers without biases, 25 % softmax attention kept where conversion hurts most
+_GDN = StudentConfig(
+    mixer="gated_delta",
+    mixer_options={"norm_eps": "auto", "gate_bias": False, "beta_bias": False, "conv_bias": False},
+    attention_ratio=0.25,
+    keep_attention="auto",
+    auto_calibration_blocks=2,
+)
 
 # name → (student, stage): the stage kinds the benchmark runs, each as a recipe would set it up
 CASES: dict[str, tuple[StudentConfig, StageConfig]] = {
@@ -74,6 +87,8 @@ CASES: dict[str, tuple[StudentConfig, StageConfig]] = {
         ),
     ),
     "kd_ce_mixers": (_MAMBA2, StageConfig(name="kd_ce_mixers", kind="kd_ce", trainable=["mixers"])),
+    # gdn_hybrid25's finetune stage: KD on the teacher's logits, the mixers trained
+    "kd_gdn": (_GDN, StageConfig(name="kd_gdn", kind="kd", trainable=["mixers"])),
 }
 
 
@@ -172,11 +187,13 @@ def _teacher_rates(distiller, batches, names) -> dict:
 def _fill_cache(distiller, run) -> dict:
     """Fill a cached case's logit cache for every step the point will take (so each timed step is a
     hit); the fill's rate (teacher forward + top-k + write, per token) and the bytes per token."""
+    from attn2ssm.distill.batches import micro_batches
+
     cache, blocks = run.logit_cache, 0
     _sync(distiller.acc.device)
     t0 = time.perf_counter()
     for step in range(run.steps):
-        for batch in distiller._micro_batches(run, step)[1]:
+        for batch in micro_batches(run, step, distiller.blocks, distiller.recipe.seed, distiller.acc)[1]:
             with distiller.acc.autocast():
                 cache.targets(distiller.teacher, batch["input_ids"])
             blocks += len(batch["input_ids"])
@@ -195,11 +212,13 @@ def _fill_cache(distiller, run) -> dict:
 def _timed_steps(distiller, run, steps: int, progress) -> tuple[list[float], int]:
     """Run ``steps`` + 1 training steps (the first a warm-up); the seconds of each but the first and
     the tokens of the last step."""
+    from attn2ssm.distill.trainer import train_step  # heavy: transformers
+
     times, tokens = [], 0
     for step in range(steps + 1):
         _sync(distiller.acc.device)
         t0 = time.perf_counter()
-        tokens, *_ = distiller._train_step(run, step)
+        tokens, *_ = train_step(distiller, run, step)
         _sync(distiller.acc.device)
         if step:
             times.append(time.perf_counter() - t0)
@@ -211,9 +230,50 @@ def _profiled_ops(distiller, run, step: int) -> list[dict]:
     """The top ops (``_top_ops``) of one more training step under the CPU profiler."""
     from torch.profiler import ProfilerActivity, profile
 
+    from attn2ssm.distill.trainer import train_step
+
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        distiller._train_step(run, step)
+        train_step(distiller, run, step)
     return _top_ops(prof)
+
+
+def _open_point(recipe: Recipe, tmp: str, teacher, tokenizer):
+    """The point's trainer, loaded (teacher, data, student) and its one stage set up: (distiller, run)."""
+    from attn2ssm.distill.trainer import Distiller, load_for_steps, setup_stage  # heavy: transformers
+
+    # a private cache: the point measures hits, and leaves nothing behind
+    if recipe.stages[0].logit_cache is not None:
+        recipe.stages[0].logit_cache = replace(recipe.stages[0].logit_cache, dir=f"{tmp}/logit_cache")
+    distiller = Distiller(recipe, f"{tmp}/run", progress=False, teacher=teacher, tokenizer=tokenizer)
+    load_for_steps(distiller)
+    run = setup_stage(distiller, 0)
+    if len(distiller.blocks) < run.steps * recipe.stages[0].batch_size:
+        raise ValueError(f"corpus too small for {run.steps} steps of {recipe.data.block_len}-token blocks")
+    return distiller, run
+
+
+def _measure(settings: TrainBenchSettings, distiller, run, progress) -> dict:
+    """The point's numbers: the stage's step times, its profile, the teacher's rates on the same
+    batches and (a cached case) the logit cache's fill and hits."""
+    cache = _fill_cache(distiller, run) if run.logit_cache is not None else None
+    times, tokens = _timed_steps(distiller, run, settings.steps, progress)
+    ops = _profiled_ops(distiller, run, settings.steps + 1) if settings.profile else []
+    batch = run.cfg.batch_size
+    batches = [
+        distiller.blocks[i * batch : (i + 1) * batch].to(distiller.acc.device)
+        for i in range(settings.steps + 1)
+    ]
+    if cache is not None:
+        cache["hits"], cache["misses"] = run.logit_cache.stats.hits, run.logit_cache.stats.misses
+    return {
+        "batch": batch,
+        "tokens_per_s": tokens / statistics.median(times),
+        "step_seconds": [round(t, 4) for t in times],
+        "trainable_params": sum(p.numel() for p in run.params),
+        **_teacher_rates(distiller, batches, settings.references),
+        "top_ops": ops,
+        **({"logit_cache": cache} if cache is not None else {}),
+    }
 
 
 def measure_point(
@@ -229,64 +289,36 @@ def measure_point(
     """One point of ``bench train``: ``case`` at ``length`` tokens under ``precision`` and
     ``kernels``, timed through the real trainer's step beside the teacher's rates (``progress()``
     after each timed step)."""
-    from attn2ssm.distill.trainer import Distiller
-
     recipe = _recipe(settings, case, length, precision, kernels)
     with tempfile.TemporaryDirectory(prefix="attn2ssm-bench-train-") as tmp:
-        # a private cache: the point measures hits, and leaves nothing behind
-        if recipe.stages[0].logit_cache is not None:
-            recipe.stages[0].logit_cache = replace(recipe.stages[0].logit_cache, dir=f"{tmp}/logit_cache")
-        distiller = Distiller(recipe, f"{tmp}/run", progress=False, teacher=teacher, tokenizer=tokenizer)
+        distiller, run = _open_point(recipe, tmp, teacher, tokenizer)
         # auto resolved for this machine
         used, kernels_used = distiller.precision.used, distiller.kernels.used
-        distiller._load_teacher()
-        distiller._load_data()
-        distiller._build_student()
-        run = distiller._setup_stage(0, None)
-        if len(distiller.blocks) < run.steps * recipe.stages[0].batch_size:
-            raise ValueError(f"corpus too small for {run.steps} steps of {length}-token blocks")
-        cache = _fill_cache(distiller, run) if run.logit_cache is not None else None
-        times, tokens = _timed_steps(distiller, run, settings.steps, progress)
-        ops = _profiled_ops(distiller, run, settings.steps + 1) if settings.profile else []
-        batch = recipe.stages[0].batch_size
-        batches = [
-            distiller.blocks[i * batch : (i + 1) * batch].to(distiller.acc.device)
-            for i in range(settings.steps + 1)
-        ]
-        teacher_rates = _teacher_rates(distiller, batches, settings.references)
-        trainable = sum(p.numel() for p in run.params)
-        if cache is not None:
-            cache["hits"], cache["misses"] = run.logit_cache.stats.hits, run.logit_cache.stats.misses
+        numbers = _measure(settings, distiller, run, progress)
         del run, distiller
-    rate = tokens / statistics.median(times)
     row = {
         "case": case,
         "kind": CASES[case][1].kind,
         "mixer": CASES[case][0].mixer,
         "length": length,
-        "batch": batch,
         "precision": used,
         "precision_requested": precision,
         "kernels": kernels_used,
         "kernels_requested": kernels,
-        "tokens_per_s": rate,
-        "step_seconds": [round(t, 4) for t in times],
-        "trainable_params": trainable,
-        **teacher_rates,
-        "top_ops": ops,
+        **numbers,
     }
     for name, key in (
         ("teacher_forward", "fraction_of_forward_bound"),
         ("teacher_fwd_bwd", "vs_teacher_fwd_bwd"),
     ):
-        if name in teacher_rates:
-            row[key] = rate / teacher_rates[name]
-    if cache is not None:
-        row["logit_cache"] = cache
+        if name in row:
+            row[key] = row["tokens_per_s"] / row[name]
     return row
 
 
-def run_train_bench(settings: TrainBenchSettings, progress: bool = True) -> dict:
+def run_train_bench(settings: TrainBenchSettings, progress: bool = True, on_row=None) -> dict:
+    """Every point of ``settings``; ``on_row(result)`` after each row is measured, with the result
+    so far (``"complete": False`` until the last row: the command rewrites its JSON there)."""
     from tqdm.auto import tqdm
 
     from attn2ssm.eval.report import environment
@@ -308,23 +340,28 @@ def run_train_bench(settings: TrainBenchSettings, progress: bool = True) -> dict
         for k in settings.kernels
     ]
     bar = tqdm(total=len(points) * (settings.steps + 1), desc="bench train", disable=not progress)
-    rows = []
-    for case, length, precision, kernels in points:
-        bar.set_postfix(case=case, length=length, precision=precision, kernels=kernels)
-        rows.append(
-            measure_point(
-                settings, case, length, precision, kernels, teacher, tokenizer, lambda: bar.update(1)
-            )
-        )
-    bar.close()
-    return {
+    result = {
         "environment": environment(),
         "threads": torch.get_num_threads(),
         "teacher": source.describe(),
         "step_tokens": settings.step_tokens,
         "timed_steps": settings.steps,
-        "rows": rows,
+        "complete": False,
+        "rows": [],
     }
+    for i, (case, length, precision, kernels) in enumerate(points):
+        bar.set_postfix(case=case, length=length, precision=precision, kernels=kernels)
+        result["rows"].append(
+            measure_point(
+                settings, case, length, precision, kernels, teacher, tokenizer, lambda: bar.update(1)
+            )
+        )
+        result["complete"] = i == len(points) - 1
+        if on_row is not None:
+            on_row(result)
+    bar.close()
+    result["complete"] = True
+    return result
 
 
 def format_train_bench(result: dict) -> str:

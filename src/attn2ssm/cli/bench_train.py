@@ -3,12 +3,15 @@ errors, before any model loads), then the run in ``attn2ssm.bench.train``."""
 
 from __future__ import annotations
 
+import json
 import shlex
+from pathlib import Path
 
 from attn2ssm.bench.results import write_result
 from attn2ssm.cli.parsing import int_list
 from attn2ssm.errors import ConfigError
 from attn2ssm.ops.kernels import KERNELS
+from attn2ssm.paths import atomic_write_text, check_writable
 
 
 def add_parser(bsub) -> None:
@@ -20,8 +23,8 @@ def add_parser(bsub) -> None:
     bt.add_argument("--teacher", default=None, help="teacher spec (default: the built-in smollm2-135m)")
     bt.add_argument(
         "--cases",
-        default="attention_transfer,hidden_alignment,kd_lora,kd_ce_mixers",
-        help="stage cases (see attn2ssm.bench.train.CASES)",
+        default="attention_transfer,hidden_alignment,kd_lora,kd_ce_mixers,kd_gdn",
+        help="stage cases (see attn2ssm.bench.train.CASES; kd_gdn: gdn_hybrid25's student in KD)",
     )
     bt.add_argument(
         "--lengths", default="1024", help="block lengths in tokens, comma-separated (e.g. 1024,4096,16384)"
@@ -48,7 +51,11 @@ def add_parser(bsub) -> None:
     bt.add_argument(
         "--no-profile", action="store_true", help="skip the profiled step (top operators by self time)"
     )
-    bt.add_argument("--out", default="benchmarks/results/train_speed.json")
+    bt.add_argument(
+        "--out",
+        default="benchmarks/results/train_speed.json",
+        help="results JSON (rewritten after each row: a killed run keeps the rows it measured) and its PNG",
+    )
     bt.add_argument("--no-progress", action="store_true")
     bt.set_defaults(func=run_train)
 
@@ -98,7 +105,14 @@ def run_train(args) -> int:
         profile=not args.no_profile,
         corpus=args.corpus,
     )
-    result = run_train_bench(settings, progress=not args.no_progress)
-    result["command"] = shlex.join(["attn2ssm", *args.argv])
+    command = shlex.join(["attn2ssm", *args.argv])
+    check_writable(Path(args.out))
+
+    def keep(partial: dict) -> None:  # each row on disk as soon as it is measured
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(args.out), json.dumps({**partial, "command": command}, indent=2) + "\n")
+
+    result = run_train_bench(settings, progress=not args.no_progress, on_row=keep)
+    result["command"] = command
     write_result(result, args.out, plot_train_bench, format_train_bench)
     return 0

@@ -34,6 +34,14 @@ def add_parser(subparsers) -> None:
         "run; with one, it must be that run's recipe, and an --out without a run starts it there (said on stderr). SIGTERM / Ctrl-C stop "
         "a run after the current step with a checkpoint and print this command to resume",
     )
+    d.add_argument(
+        "--from-delta",
+        metavar="RUN",
+        default=None,
+        help="start --out (a new run directory) from the delta checkpoint of RUN (RUN/delta/: the tensors "
+        "its finished stages trained): the student is converted again with this recipe and seed, checked "
+        "against the delta's base, the delta's stages replayed, and the run goes on at the next stage",
+    )
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=run)
 
@@ -41,6 +49,10 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from attn2ssm.distill.recipe import load_recipe  # torch (through attn2ssm.precision), not transformers
 
+    if args.from_delta and args.resume:
+        from attn2ssm.errors import ConfigError
+
+        raise ConfigError("--from-delta starts a new run; --resume continues one", "drop one of them")
     if args.resume and args.recipe is None:  # the run's own recipe: the one saved in --out
         return _resume(args)
     recipe = load_recipe(args.recipe, args.set)  # recipe errors fail before the trainer's heavy imports
@@ -53,7 +65,20 @@ def run(args) -> int:
         return _train(recipe, out, args, _resume_overrides(args, out))
     if recipe.images is None:  # (a resumed run reads its teacher from the run directory)
         resolve_teacher(recipe.teacher)
+    if args.from_delta:
+        return _from_delta(recipe, Path(args.out or f"runs/{recipe.name}"), args)
     return _train(recipe, Path(args.out or f"runs/{recipe.name}"), args, None)
+
+
+def _from_delta(recipe, out: Path, args) -> int:
+    """``--from-delta RUN``: ``out`` prepared from RUN's delta (distill/from_delta.py), then resumed."""
+    from attn2ssm.distill.delta import read_delta
+    from attn2ssm.distill.from_delta import prepare_from_delta  # heavy: torch + transformers
+
+    read_delta(args.from_delta)  # a missing or damaged delta: one line before anything loads
+    prepare_from_delta(recipe, out, args.from_delta, progress=not args.no_progress)
+    args.resume = True
+    return _train(recipe, out, args, None)
 
 
 def _resume(args) -> int:

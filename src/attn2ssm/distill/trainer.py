@@ -68,6 +68,7 @@ from attn2ssm.distill.checkpoints import (
     truncate_metrics,
     write_checkpoint,
 )
+from attn2ssm.distill.delta import start_delta
 from attn2ssm.distill.logit_cache import teacher_source_key
 from attn2ssm.distill.lora import merge_lora
 from attn2ssm.distill.losses import resolve_kl_chunk
@@ -128,8 +129,11 @@ __all__ = [
     "TrainerState",
     "distill",
     "latest_checkpoint",
+    "load_for_steps",
     "resolve_kl_chunk",
     "resolve_teacher_dtype",
+    "setup_stage",
+    "train_step",
 ]
 
 
@@ -214,6 +218,7 @@ class Distiller:
         self.block_sets: dict[int, tuple] = {}
         self.stage_data: dict[int, object] = {}  # stage index → its own dataset (sft / dpo), loaded up front
         self.student: torch.nn.Module | None = None
+        self.delta = None  # the run's delta checkpoint writer (distill/delta.py), main process
         self.images = None  # image recipes (recipe.images): data.images.ImageData, the stages' dataset
         self.started = time.perf_counter()
         self.logit_caches: dict[tuple, object] = {}  # (top_k, dir) → LogitCache, shared by the run's stages
@@ -332,6 +337,9 @@ class Distiller:
             tokenizer=self.tokenizer,
         )
         self.student = student.to(device=self.acc.device, dtype=torch.float32)
+        self.delta = start_delta(
+            self.out, self.recipe, self.student, self.resume_from is not None, self.is_main
+        )
 
     def _grow_for_stage(self, stage_idx: int, cfg) -> None:
         """Stepwise hybrids: convert more attention layers before a stage with its own attention_ratio."""
@@ -548,6 +556,8 @@ class Distiller:
         """The stage's last step: LoRA merged and training-only modules dropped, so the stage-end
         checkpoint (and the next stage) hold the plain student."""
         state.finished.append(run.index)
+        if self.delta is not None:  # the stage's trained tensors, before LoRA merges (distill/delta.py)
+            self.delta.add_stage(run, state)
         if run.cfg.gradient_checkpointing:
             activation_checkpointing(run.unwrapped, False)
         # the stage-end checkpoint folds LoRA into its full state dict, and every process reloads it
@@ -727,6 +737,25 @@ class Distiller:
                     )
         self.acc.wait_for_everyone()
         return results
+
+
+# -- the run's own steps, one at a time (bench train times them: bench/train.py) -----------------
+def load_for_steps(distiller: Distiller) -> None:
+    """The teacher, the data and the student, loaded as ``run`` loads them before its first stage."""
+    distiller._load_teacher()
+    distiller._load_data()
+    with building_with(distiller.kernels.used):
+        distiller._build_student()
+
+
+def setup_stage(distiller: Distiller, stage_idx: int) -> StageRun:
+    """Stage ``stage_idx`` set up from scratch, as a run starts it: its data, trainable set, optimizer, schedule."""
+    return distiller._setup_stage(stage_idx, None)
+
+
+def train_step(distiller: Distiller, run: StageRun, step: int) -> StepResult:
+    """One optimizer step of ``run``, the run's own (``Distiller._train_step``)."""
+    return distiller._train_step(run, step)
 
 
 def distill(

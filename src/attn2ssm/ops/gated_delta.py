@@ -134,7 +134,10 @@ def gated_delta_chunked(
     at 1024, which is what a launch-bound loop does).
     ``blocks_at_once`` forces one (None: by the tensors' device).
     ``backend`` (ops/kernels.py): "fla" / "auto" run fla's ``chunk_gated_delta_rule`` where it can."""
-    if resolve_backend(backend, q, gated_backward=needs_backward(q, k, v, g, beta, state)) == "fla":
+    if (
+        resolve_backend(backend, q, gated_backward=needs_backward(q, k, v, g, beta, state), op="gated_delta")
+        == "fla"
+    ):
         from attn2ssm.ops.fla import gated_delta_fla  # optional: attn2ssm[gpu]
 
         return gated_delta_fla(q, k, v, g, beta, mask, state, scale=scale)

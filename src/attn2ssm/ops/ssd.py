@@ -85,7 +85,7 @@ def ssd_chunked(x, a, B, C, mask=None, D=None, state=None, chunk_size: int = 64,
     ``state``: initial state (b, h, p, n) or None (zeros). ``backend`` (ops/kernels.py): "fla" /
     "auto" run fla's ``chunk_simple_gla`` where it can (exact, a log-decay of 0 included), "torch" this.
     """
-    if resolve_backend(backend, x, gated_backward=needs_backward(x, a, B, C, D, state)) == "fla":
+    if resolve_backend(backend, x, gated_backward=needs_backward(x, a, B, C, D, state), op="ssd") == "fla":
         from attn2ssm.ops.fla import ssd_fla  # optional: attn2ssm[gpu]
 
         return ssd_fla(x, a, B, C, mask, D, state)
