@@ -201,9 +201,7 @@ def run_lm_eval(
     """
     lm_eval = require_lm_eval()
 
-    manager = task_manager()
-    names = resolve_tasks(tasks, manager)  # fail on a typo before any model loads
-    _check_documents(limit, samples, num_fewshot)
+    manager, names = _tasks_to_score(tasks, limit, samples, num_fewshot)
     device = str(resolve_device(device))
     lm, model_args, wrapper_args, model_desc = _lm_for(
         model, tokenizer, dtype, batch_size, device, max_gen_toks
@@ -232,6 +230,15 @@ def run_lm_eval(
     if output_path is not None:
         write_results(record, output_path)
     return record
+
+
+def _tasks_to_score(tasks, limit, samples, num_fewshot: int) -> tuple:
+    """(lm-eval's task manager, the task names): a mistyped task, or documents and shots that cannot
+    be scored, refused in one line before any model loads."""
+    manager = task_manager()
+    names = resolve_tasks(tasks, manager)
+    _check_documents(limit, samples, num_fewshot)
+    return manager, names
 
 
 def _check_documents(limit, samples, num_fewshot: int) -> None:
