@@ -28,6 +28,8 @@ FAMILIES = {
     "linear_hybrid25": "linear_hybrid25",
     "gdn": "gdn_pure",
     "gdn_hybrid25": "gdn_hybrid25",
+    # head-level hybrid: 4 of 90 KV groups keep softmax (5 % of the teacher's KV cache)
+    "retrieval_heads": "retrieval_heads",
 }
 
 DEFAULT_BUDGETS = (2**16, 2**18, 2**20)
