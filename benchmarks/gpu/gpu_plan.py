@@ -48,7 +48,8 @@ def _files_bytes(root: Path, files: list[str]) -> dict[str, int]:
 
 
 def travelling_tree(root: Path) -> dict[str, int]:
-    """Bytes of each file that travels with every call: tracked, and untracked that git does not ignore."""
+    """Bytes of each file that travels with every call: tracked, untracked that git does not ignore,
+    and a ``shared/`` folder's, ignored or not (the device tool sends it too)."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=root,
@@ -56,7 +57,10 @@ def travelling_tree(root: Path) -> dict[str, int]:
         text=True,
         check=True,
     ).stdout
-    return _files_bytes(root, [f for f in listed.split("\0") if f])
+    files = _files_bytes(root, [f for f in listed.split("\0") if f])
+    if (root / "shared").is_dir():
+        files.update(path_bytes(root, "shared"))
+    return files
 
 
 def path_bytes(root: Path, path: str) -> dict[str, int]:
