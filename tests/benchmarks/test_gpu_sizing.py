@@ -63,26 +63,26 @@ def _tree(tmp_path, carried_mib: int):
     """A git tree with 1 MiB tracked, an ignored .whl/ of ``carried_mib`` MiB and a 2 MiB ignored part."""
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     (tmp_path / "src.py").write_bytes(b"x" * MIB)
-    (tmp_path / ".gitignore").write_text("/.whl/\n/.gpu_run/\n")
+    (tmp_path / ".gitignore").write_text("/.whl/\n/.gpu_train/\n")
     subprocess.run(["git", "-C", str(tmp_path), "add", "."], check=True)
     (tmp_path / ".whl").mkdir()
     (tmp_path / ".whl" / "big.whl").write_bytes(b"\0" * (carried_mib * MIB))
-    (tmp_path / ".gpu_run" / "part1").mkdir(parents=True)
-    (tmp_path / ".gpu_run" / "part1" / "p.part0").write_bytes(b"\0" * (2 * MIB))
+    (tmp_path / ".gpu_train" / "part1").mkdir(parents=True)
+    (tmp_path / ".gpu_train" / "part1" / "p.part0").write_bytes(b"\0" * (2 * MIB))
     return tmp_path
 
 
 def test_a_call_that_fits_is_reported_with_its_parts(tmp_path):
     root = _tree(tmp_path, 10)
-    report = gpu_plan.check_carry(root, {"1": [".whl", ".gpu_run/part1"]})
+    report = gpu_plan.check_carry(root, {"1": [".whl", ".gpu_train/part1"]})
     assert report["1"]["fits"] and report["1"]["parts"][".whl"] == 10 * MIB
-    assert report["1"]["bytes"] == MIB + len("/.whl/\n/.gpu_run/\n") + 12 * MIB  # tree + carried
+    assert report["1"]["bytes"] == MIB + len("/.whl/\n/.gpu_train/\n") + 12 * MIB  # tree + carried
 
 
 def test_an_oversize_carry_is_refused_in_one_line_naming_the_largest_file(tmp_path):
     root = _tree(tmp_path, 62)  # 1 MiB tree + 62 + 2 > 64
     with pytest.raises(SystemExit) as err:
-        gpu_plan.check_carry(root, {"1": [".gpu_run/part1"], "2": [".whl", ".gpu_run/part1"]})
+        gpu_plan.check_carry(root, {"1": [".gpu_train/part1"], "2": [".whl", ".gpu_train/part1"]})
     message = str(err.value)
     assert "\n" not in message and message.startswith("carry check: call 2 takes 65.0 MiB, over the 64 MiB")
     assert "largest file .whl/big.whl (62.0 MiB)" in message
@@ -94,7 +94,7 @@ def test_the_carry_command_fails_loudly_and_names_a_missing_path(tmp_path):
     argv = [sys.executable, str(script), "carry", "--root", str(root), "--call", "1=.whl"]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.strip().startswith("carry check: call 1 takes 64.0 MiB")
-    r = subprocess.run([*argv[:-1], "1=.gpu_run/part9"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "carries .gpu_run/part9, which does not exist" in r.stderr
-    r = subprocess.run([*argv[:-1], "1=.gpu_run/part1"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([*argv[:-1], "1=.gpu_train/part9"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "carries .gpu_train/part9, which does not exist" in r.stderr
+    r = subprocess.run([*argv[:-1], "1=.gpu_train/part1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("call 1: 3.0 of 64 MiB")
