@@ -498,6 +498,65 @@ def targets(res: dict, stages: list[dict]) -> dict:
     }
 
 
+def start_kernel_check(args, env: dict, work: Path, on_gpu: bool):
+    """On CUDA, fla's forms against the CPU's fp32 PyTorch forms (tests/kernels, the gated delta rule and
+    mixed dtypes), beside the teacher's preparation; None on a CPU or with --kernel-check-s 0."""
+    if args.kernel_check_s <= 0 or args.kernels == "torch" or not on_gpu:
+        return None
+    argv = [sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "-p", "no:cacheprovider"]
+    argv += ["tests/kernels/test_fla_forms.py", "-k", "gated_delta or mixed"]
+    log = open(work / "kernel_check.txt", "w")
+    check_env = dict(env, ATTN2SSM_KERNEL_TESTS="cuda", TRITON_F32_DEFAULT="ieee")
+    return subprocess.Popen(argv, env=check_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def finish_kernel_check(proc, args, res: Results, work: Path) -> str:
+    """The kernels the run uses: --kernels, or torch where the check failed (not where it timed out)."""
+    if proc is None:
+        return args.kernels
+    try:
+        rc = proc.wait(timeout=max(1.0, args.kernel_check_s - (time.monotonic() - res.t0)))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = 124
+    tail = (work / "kernel_check.txt").read_text().strip().splitlines()[-3:]
+    kernels = "torch" if rc not in (0, 124) and args.kernels == "auto" else args.kernels
+    res["kernel_check"] = {"rc": rc, "tail": tail, "kernels": kernels}
+    return kernels
+
+
+def run_probe(args, res: Results, teacher: str, points, lengths, sets, env: dict, deadline: float) -> None:
+    """gpu_probe.py in its own process (a timeout, a crash or an OOM leave what it wrote); where no
+    student step ran with fla's kernels, once more with the PyTorch forms, which the run then uses."""
+    for attempt in range(2):
+        out = Path(args.work) / f"probe{attempt}.json"
+        argv = [
+            sys.executable,
+            str(HERE / "gpu_probe.py"),
+            args.recipe,
+            "--teacher",
+            teacher,
+            "--out",
+            str(out),
+        ]
+        argv += ["--points", ",".join(points), "--lengths", ",".join(map(str, lengths))]
+        argv += ["--probe-tokens", str(args.probe_tokens), "--steps", str(args.probe_steps)]
+        argv += [a for s in [*sets, f"kernels={args.kernels}"] for a in ("--set", s)]
+        left = deadline - time.monotonic() - args.eval_s - args.overhead_s
+        rc = _call(argv, env, min(args.probe_s, left), res.path.with_suffix(".log"))
+        probe = {**(json.loads(out.read_text()) if out.exists() else {}), "rc": rc, "kernels": args.kernels}
+        res["probe"] = probe
+        if (
+            any("tokens_per_s" in r for r in probe.get("student_step", {}).values())
+            or args.kernels == "torch"
+        ):
+            return
+        res.data.setdefault("notes", []).append(
+            f"the probe measured no step with kernels {args.kernels}: torch from here"
+        )
+        args.kernels = "torch"
+
+
 def cmd_run(args) -> int:
     t0 = time.monotonic()
     deadline, work = t0 + args.budget_s, Path(args.work)
@@ -515,65 +574,53 @@ def cmd_run(args) -> int:
         status="running",
         machine=_machine(),
     )
-    env, log = _env(work), res.path.with_suffix(".log")
+    try:
+        run_steps(args, res, _env(work), deadline)
+    except (SystemExit, KeyboardInterrupt) as exc:
+        res["status"] = f"stopped: {exc}"
+        raise
+    summary(res.data)
+    print(f"wrote {res.path}")
+    return 0
+
+
+def run_steps(args, res: Results, env: dict, deadline: float) -> None:
+    """``run``'s steps in order (module docstring), each recorded in ``res`` as it ends."""
+    work = Path(args.work)
     res["versions"] = _versions(env)
     res.mark("versions")
+    on_gpu = res.data["versions"].get("device_name", "cpu") != "cpu"
+    check = start_kernel_check(args, env, work, on_gpu)
     teacher = args.teacher or join_teacher(work, env)
     res["teacher"] = teacher
     res.mark("teacher")
     recipe = recipe_dict(args.recipe)
-    sets, notes = data_sets(recipe, Path(args.shards), args.sample)
-    sets += length_sets(recipe, args) + [f"eval.max_tokens={args.eval_tokens}"]
-    sets += [f"device={args.device}"] + ([f"mixed_precision={args.precision}"] if args.precision else [])
-    res["data"] = notes
+    sets, res["data"] = data_sets(recipe, Path(args.shards), args.sample)
+    sets += length_sets(recipe, args) + [f"eval.max_tokens={args.eval_tokens}", f"device={args.device}"]
+    sets += [f"mixed_precision={args.precision}"] if args.precision else []
     stages = trained_stages(recipe, args)
     lengths = [int(n) // args.length_divisor for n in args.probe_lengths.split(",")]
-    probe_json = work / "probe.json"
-    argv = [
-        sys.executable,
-        str(HERE / "gpu_probe.py"),
-        args.recipe,
-        "--teacher",
-        teacher,
-        "--out",
-        str(probe_json),
-        "--points",
-        ",".join(probe_points(stages, lengths)),
-        "--lengths",
-        ",".join(map(str, lengths)),
-        "--probe-tokens",
-        str(args.probe_tokens),
-        "--steps",
-        str(args.probe_steps),
-        "--set",
-        f"kernels={args.kernels}",
-    ]
-    argv += [a for s in sets for a in ("--set", s)]
-    rc = _call(argv, env, min(args.probe_s, deadline - time.monotonic() - args.eval_s), log)
-    res["probe"] = {**(json.loads(probe_json.read_text()) if probe_json.exists() else {}), "rc": rc}
+    args.kernels = finish_kernel_check(check, args, res, work)
+    run_probe(args, res, teacher, probe_points(stages, lengths), lengths, sets, env, deadline)
     res.mark("probe")
-    capacity = res.data["versions"].get("memory_bytes")
     seconds = deadline - time.monotonic() - args.eval_s - args.overhead_s
-    plan = make_plan(recipe, stages, res.data["probe"], args, seconds, capacity)
+    plan = make_plan(
+        recipe, stages, res.data["probe"], args, seconds, res.data["versions"].get("memory_bytes")
+    )
     res["plan"] = plan
-    run = work / "runs" / Path(args.recipe).stem
-    argv = [
-        sys.executable,
-        "-m",
-        "attn2ssm",
-        "distill",
-        args.recipe,
-        "--teacher",
-        teacher,
-        "--out",
-        str(run),
+    # a new folder each call: a second call on a warm machine finds the first's run beside it
+    run = work / "runs" / f"{Path(args.recipe).stem}-{time.strftime('%H%M%S')}"
+    argv = [sys.executable, "-m", "attn2ssm", "distill", args.recipe, "--teacher", teacher, "--out", str(run)]
+    argv += [
         "--kernels",
         args.kernels,
         "--no-progress",
         *[a for s in sets + plan["sets"] for a in ("--set", s)],
     ]
-    rc = _call(argv, env, deadline - time.monotonic() - args.eval_s, log)
-    res["train"] = {**train_results(run, res.data["probe"], plan), "rc": rc}
+    rc = _call(argv, env, deadline - time.monotonic() - args.eval_s, res.path.with_suffix(".log"))
+    res["train"] = {**train_results(run, res.data["probe"], plan), "rc": rc, "run_dir": str(run)}
+    if (run / "metrics.jsonl").exists():
+        res.path.with_suffix(".metrics.jsonl").write_bytes((run / "metrics.jsonl").read_bytes())
     res.mark("train")
     student = trained_student(run)
     if student is None:
@@ -583,9 +630,6 @@ def cmd_run(args) -> int:
     res.mark("eval")
     res["targets"] = targets(res.data, stages)
     res["status"] = "done"
-    summary(res.data)
-    print(f"wrote {res.path}")
-    return 0
 
 
 def summary(data: dict) -> None:
@@ -644,6 +688,9 @@ def _run_parser(sub) -> None:
     r.add_argument("--results", default=None, help="results JSON (default $OUT/distill_on_gpu_RECIPE.json)")
     r.add_argument("--kernels", default="auto", choices=("auto", "torch", "fla"))
     r.add_argument("--device", default="auto")
+    r.add_argument(
+        "--kernel-check-s", type=float, default=150, help="fla's forms checked on CUDA first (0: not)"
+    )
     r.add_argument("--precision", default=None, help="mixed_precision for every step (default: the recipe's)")
     r.add_argument("--max-step-tokens", type=int, default=1 << 17, help="the largest step (tokens)")
     r.add_argument("--probe-tokens", type=int, default=1 << 14, help="tokens a probe step")
