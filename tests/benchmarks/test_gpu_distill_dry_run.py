@@ -120,7 +120,15 @@ def test_linear_hybrid25_runs_every_step_on_the_cpu(tmp_path):
         assert s["tokens_per_s"] > 0 and 0 < s["mfu_peak"] < 1 and s["mfu_teacher_bound"] > 0
     assert train["kernels_ran"] == ["torch"]
     report = out["eval"]["windows"]["32"]
-    assert report["perplexity"] and report["needles"], sorted(report)
+    groups = [row["group"] for row in report["rows"]]
+    assert groups[0].startswith("perplexity") and "passkey" in groups, groups
+    assert report["settings"]["needle_lengths"] == [64] and report["settings"]["needle_depths"] == [
+        0,
+        0.25,
+        0.5,
+        0.75,
+        1,
+    ]
     assert out["targets"]["tokens_trained"] == train["tokens"]
 
 
