@@ -43,11 +43,13 @@ teacher (``--length-divisor``, ``--max-tokens``) is tests/benchmarks/test_gpu_di
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -201,19 +203,49 @@ def cmd_unpack(args) -> int:
         pip += ["--no-cache-dir", "--upgrade", "--target", str(work / "site"), *map(str, wheels)]
         if subprocess.run(pip, timeout=120).returncode:
             raise SystemExit("unpack: pip could not install the carried wheels (.whl)")
-    part1 = Path(".gpu_train/part1")
-    if part1.is_dir():
-        for f in part1.iterdir():
-            (work / ("part1.sha256" if f.name == "parts.sha256" else f.name)).write_bytes(f.read_bytes())
-        if subprocess.run(["sha256sum", "-c", "part1.sha256"], cwd=work).returncode:
-            raise SystemExit("unpack: GGUF part 1 is damaged (its SHA-256 differs): run prepare.sh again")
+    keep_part1(work)
     print(json.dumps({"machine": _machine(), "versions": _versions(_env(work))}, indent=1))
     print("call 1 done: run call 2 now (the machine stays warm ~30 s)")
     return 0
 
 
-def join_teacher(work: Path, env: dict) -> str:
-    """Call 2: GGUF part 1 (left by call 1) + part 2 (carried), checked, converted to an HF teacher."""
+def split_teacher(gguf: Path, out: Path, part1_mib: float) -> None:
+    """Here (prepare.sh): the GGUF xz-compressed (kept in ``out`` between runs) and cut in two, part 1
+    ``part1_mib`` MiB, each part with its SHA-256 and part 2 with the GGUF's."""
+    out.mkdir(parents=True, exist_ok=True)
+    packed = out / f"{gguf.name}.xz"
+    if not packed.exists() or subprocess.run(["xz", "-t", str(packed)]).returncode:
+        print(f"compressing {gguf.name} (xz -6: minutes on 2 cores) ...", flush=True)
+        with open(packed.with_suffix(".tmp"), "wb") as fh:
+            subprocess.run(["xz", "-6", "-T2", "-c", str(gguf)], stdout=fh, check=True)
+        packed.with_suffix(".tmp").replace(packed)
+    data, cut = packed.read_bytes(), int(part1_mib * gpu_plan.MIB)
+    for i, chunk in enumerate((data[:cut], data[cut:])):
+        folder = out / f"part{i + 1}"
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        name = f"{gguf.name}.xz.part{i}"
+        (folder / name).write_bytes(chunk)
+        (folder / "parts.sha256").write_text(f"{hashlib.sha256(chunk).hexdigest()}  ./{name}\n")
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    (out / "part2" / "gguf.sha256").write_text(f"{digest}  {gguf.name}\n")
+
+
+def keep_part1(work: Path) -> None:
+    """Call 1: GGUF part 1 (carried) kept in WORK for call 2, its SHA-256 checked."""
+    part1 = Path(".gpu_train/part1")
+    if not part1.is_dir():
+        return
+    for f in part1.iterdir():
+        (work / ("part1.sha256" if f.name == "parts.sha256" else f.name)).write_bytes(f.read_bytes())
+    if subprocess.run(["sha256sum", "-c", "part1.sha256"], cwd=work).returncode:
+        raise SystemExit("unpack: GGUF part 1 is damaged (its SHA-256 differs): run prepare.sh again")
+
+
+def join_gguf(work: Path, cache: Path) -> Path:
+    """Call 2: GGUF part 1 (left by call 1) + part 2 (carried), joined where the built-in teacher is
+    looked for (CACHE/teachers/smollm2-135m/), each part's and the whole file's SHA-256 checked."""
     part2, first = Path(".gpu_train/part2"), work / f"{GGUF}.xz.part0"
     if not first.exists():
         raise SystemExit(
@@ -221,13 +253,24 @@ def join_teacher(work: Path, env: dict) -> str:
         )
     if subprocess.run(["sha256sum", "-c", "parts.sha256"], cwd=part2).returncode:
         raise SystemExit("run: GGUF part 2 is damaged (its SHA-256 differs): run prepare.sh again")
-    dest = Path(env["ATTN2SSM_CACHE"]) / "teachers" / "smollm2-135m"
+    dest = cache / "teachers" / "smollm2-135m"
     dest.mkdir(parents=True, exist_ok=True)
     with open(dest / GGUF, "wb") as out:
-        cat = subprocess.Popen(["cat", str(first), *map(str, part2.glob("*.part1"))], stdout=subprocess.PIPE)
-        subprocess.run(["xz", "-d"], stdin=cat.stdout, stdout=out, check=True)
+        cat = subprocess.Popen(
+            ["cat", str(first), *map(str, sorted(part2.glob("*.part1")))], stdout=subprocess.PIPE
+        )
+        xz = subprocess.run(["xz", "-d"], stdin=cat.stdout, stdout=out)
+        cat.stdout.close()
+        if cat.wait() or xz.returncode:
+            raise SystemExit("run: the GGUF's parts do not decompress (xz): run prepare.sh again")
     if subprocess.run(["sha256sum", "-c", str((part2 / "gguf.sha256").resolve())], cwd=dest).returncode:
         raise SystemExit("run: the joined GGUF's SHA-256 differs: run prepare.sh again")
+    return dest / GGUF
+
+
+def join_teacher(work: Path, env: dict) -> str:
+    """Call 2: the joined GGUF converted to an HF teacher folder as ``smollm2-135m`` resolves here."""
+    join_gguf(work, Path(env["ATTN2SSM_CACHE"]))
     code = "from attn2ssm.teachers.text import _builtin_hf_dir; print(_builtin_hf_dir('smollm2-135m'))"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
     if r.returncode:
@@ -649,6 +692,11 @@ def summary(data: dict) -> None:
 
 
 # ------------------------------------------------------------------------------ prepare's helpers
+def cmd_split(args) -> int:
+    split_teacher(Path(args.gguf), Path(args.out), args.part1_mib)
+    return 0
+
+
 def cmd_sources(args) -> int:
     """What prepare.sh writes as token ids: one line ``SPEC<TAB>FOLDER<TAB>SIDE`` per source of each
     recipe (SIDE both: training and held-out) and per evaluation corpus (held-out only, unless a
@@ -735,6 +783,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("recipes", nargs="+")
     s.add_argument("--eval-corpora", default=EVAL_CORPORA)
     s.set_defaults(func=cmd_sources)
+    t = sub.add_parser(
+        "split-teacher", help="the teacher's GGUF compressed and cut in two parts (prepare.sh)"
+    )
+    t.add_argument("gguf")
+    t.add_argument("--out", default=".gpu_train")
+    t.add_argument("--part1-mib", type=float, default=40)
+    t.set_defaults(func=cmd_split)
     u = sub.add_parser("unpack", help="call 1: the carried wheels installed, GGUF part 1 kept")
     u.add_argument("--work", default=".gpu_train_run")
     u.set_defaults(func=cmd_unpack)

@@ -40,19 +40,9 @@ if [ $# -eq 0 ]; then
 fi
 
 # ---- the teacher's GGUF in two parts
-PART1_MIB=${PART1_MIB:-40}
 gguf=$($PY -c "from attn2ssm.teachers.text import builtin_gguf_path; print(builtin_gguf_path('smollm2-135m'))")
-name=$(basename "$gguf")
-rm -rf .gpu_train/part1 .gpu_train/part2 .gpu_train/shards && mkdir -p .gpu_train/part1 .gpu_train/part2 .gpu_train/shards
-if [ ! -f ".gpu_train/$name.xz" ] || ! xz -t ".gpu_train/$name.xz"; then  # kept between runs (delete it to recompress)
-  echo "compressing $name (xz -6, a few minutes on 2 cores) ..."
-  xz -6 -T2 -c "$gguf" > ".gpu_train/$name.xz.tmp" && mv ".gpu_train/$name.xz.tmp" ".gpu_train/$name.xz"
-fi
-(cd "$(dirname "$gguf")" && sha256sum "$name") > .gpu_train/gguf.sha256
-head -c $((PART1_MIB << 20)) ".gpu_train/$name.xz" > ".gpu_train/part1/$name.xz.part0"
-tail -c +$(( (PART1_MIB << 20) + 1 )) ".gpu_train/$name.xz" > ".gpu_train/part2/$name.xz.part1"
-(cd .gpu_train/part1 && sha256sum ./*.part0 > parts.sha256) && (cd .gpu_train/part2 && sha256sum ./*.part1 > parts.sha256)
-mv .gpu_train/gguf.sha256 .gpu_train/part2/
+rm -rf .gpu_train/shards && mkdir -p .gpu_train/shards
+$PY $GPU split-teacher "$gguf" --out .gpu_train --part1-mib "${PART1_MIB:-40}"
 
 # ---- the recipes' sources and the evaluation corpora as token ids (a source that cannot be written is
 # left out of the GPU run, which says so in its results JSON)
@@ -60,7 +50,7 @@ $PY $GPU sources "$@" | while IFS=$'\t' read -r spec folder side; do
   flags=(--no-progress)
   [ "$side" = heldout ] && flags+=(--max-tokens 0 --heldout-tokens 40000)
   case "$spec" in generated:*) flags+=(--device cpu) ;; esac
-  $PY -m attn2ssm data shards "$spec" --out ".gpu_train/shards/$folder" "${flags[@]}" \
+  $PY -m attn2ssm data shards "$spec" --out ".gpu_train/shards/$folder" "${flags[@]}" < /dev/null \
     || echo "WARNING: $spec not written: the GPU run leaves it out (or samples it there with --sample)" >&2
 done
 
