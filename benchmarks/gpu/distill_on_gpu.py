@@ -12,13 +12,15 @@ the recipe's sources and the evaluation corpora as token ids, each call's carry 
 the device's 10-minute limit keeps what was measured):
 
 1. the teacher: the GGUF joined, checked (SHA-256) and converted as ``smollm2-135m`` resolves here
-   (or ``--teacher DIR``);
+   (or ``--teacher DIR``); meanwhile, on CUDA, fla's gated delta-rule forms are checked against the
+   CPU's (tests/kernels/test_fla_forms.py; ``--kernel-check-s``): where they fail, the PyTorch forms run;
 2. the data: the recipe's own sources (``data.corpus``, a ``mix:`` mixture expanded) read from the
    carried token ids (``--shards``, one folder a source: ``shard_name(spec)``), the teacher-sampled
    sources too (``generated:``, ``chat:``, sampled here once by prepare.sh); ``--sample`` lets the
    teacher sample those on the GPU instead. A source with no carried folder is left out (recorded);
 3. the probe (gpu_probe.py, its own process): the teacher's forward at 1024 / 2048 / 4096 and the
-   student's step of each trained stage at its own block length, and of the KD stage at each length;
+   student's step of each trained stage at its own block length, and of the KD stage at each length,
+   ``--probe-tokens`` a step (a probe that measures no step with fla runs again with the PyTorch forms);
 4. the plan (gpu_plan.py): each stage's step as large as the measured memory allows (up to
    ``--max-step-tokens``) with no activation checkpointing where it fits, its learning rate by the
    square-root rule, and token budgets in the recipe's own split that fill the seconds left after
@@ -36,7 +38,9 @@ the device's 10-minute limit keeps what was measured):
    choice, fla's problems, and what each stage ran), the probe, the plan, tokens/s and MFU per stage
    (against the H200's bf16 peak and the measured teacher forward), and the evaluation.
 
-``carry`` checks calls' carries by themselves (prepare.sh runs it). A CPU dry run with a tiny
+Beside the results JSON: ``.log`` (every command and its output) and ``.metrics.jsonl`` (the run's).
+``carry``, ``sources`` and ``split-teacher`` are prepare.sh's (each call's carry checked against 64
+MiB; the recipes' sources as token-id folders; the GGUF in two parts). A CPU dry run with a tiny
 teacher (``--length-divisor``, ``--max-tokens``) is tests/benchmarks/test_gpu_distill_dry_run.py.
 """
 
@@ -741,7 +745,12 @@ def _run_parser(sub) -> None:
     )
     r.add_argument("--precision", default=None, help="mixed_precision for every step (default: the recipe's)")
     r.add_argument("--max-step-tokens", type=int, default=1 << 17, help="the largest step (tokens)")
-    r.add_argument("--probe-tokens", type=int, default=1 << 14, help="tokens a probe step")
+    r.add_argument(
+        "--probe-tokens",
+        type=int,
+        default=1 << 16,
+        help="tokens a probe step (nearer the run's step: nearer its rate)",
+    )
     r.add_argument("--probe-steps", type=int, default=2)
     r.add_argument(
         "--probe-lengths", default="1024,2048,4096", help="the teacher forward's and KD step's lengths"
