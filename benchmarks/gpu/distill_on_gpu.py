@@ -2,7 +2,8 @@
 
 Prepare here first (bash benchmarks/gpu/prepare.sh RECIPE: wheels, the teacher's GGUF in two parts,
 the recipe's sources and the evaluation corpora as token ids, each call's carry checked against
-64 MiB), then two device calls back to back (the second within the machine's warm window):
+64 MiB), then two device calls back to back (the second within the machine's warm window; with
+``PART_MIB=30,30`` the GGUF travels in three parts and a second ``unpack`` call comes between):
 
     call 1  carry [".whl", ".gpu_train/part1"]     python3 benchmarks/gpu/distill_on_gpu.py unpack
     call 2  carry [".gpu_train/part2", ".gpu_train/shards"]
@@ -198,7 +199,8 @@ def _versions(env: dict) -> dict:
 
 # --------------------------------------------------------------------------------- call 1: unpack
 def cmd_unpack(args) -> int:
-    """Call 1: the wheels into WORK/site, GGUF part 1 kept in WORK (the second call joins it)."""
+    """The calls before the last: the carried wheels into WORK/site, the carried GGUF parts kept in
+    WORK (the last call joins them); the machine and versions said once, where wheels came."""
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     wheels = sorted(Path(".whl").glob("*.whl")) if Path(".whl").is_dir() else []
@@ -207,15 +209,19 @@ def cmd_unpack(args) -> int:
         pip += ["--no-cache-dir", "--upgrade", "--target", str(work / "site"), *map(str, wheels)]
         if subprocess.run(pip, timeout=120).returncode:
             raise SystemExit("unpack: pip could not install the carried wheels (.whl)")
-    keep_part1(work)
-    print(json.dumps({"machine": _machine(), "versions": _versions(_env(work))}, indent=1))
-    print("call 1 done: run call 2 now (the machine stays warm ~30 s)")
+    kept = keep_parts(work)
+    if wheels:
+        print(json.dumps({"machine": _machine(), "versions": _versions(_env(work))}, indent=1))
+    print(
+        f"unpacked {len(wheels)} wheels, GGUF parts {kept}: run the next call now (the machine stays warm ~30 s)"
+    )
     return 0
 
 
-def split_teacher(gguf: Path, out: Path, part1_mib: float) -> None:
-    """Here (prepare.sh): the GGUF xz-compressed (kept in ``out`` between runs) and cut in two, part 1
-    ``part1_mib`` MiB, each part with its SHA-256 and part 2 with the GGUF's."""
+def split_teacher(gguf: Path, out: Path, part_mib: list[float]) -> None:
+    """Here (prepare.sh): the GGUF xz-compressed (kept in ``out`` between runs) and cut into parts of
+    ``part_mib`` MiB and a last one with the rest: ``out/partI/`` (I = 1 ..), each with its SHA-256,
+    the number of parts and the whole GGUF's SHA-256 (one part travels in each call)."""
     out.mkdir(parents=True, exist_ok=True)
     packed = out / f"{gguf.name}.xz"
     if not packed.exists() or subprocess.run(["xz", "-t", str(packed)]).returncode:
@@ -223,51 +229,58 @@ def split_teacher(gguf: Path, out: Path, part1_mib: float) -> None:
         with open(packed.with_suffix(".tmp"), "wb") as fh:
             subprocess.run(["xz", "-6", "-T2", "-c", str(gguf)], stdout=fh, check=True)
         packed.with_suffix(".tmp").replace(packed)
-    data, cut = packed.read_bytes(), int(part1_mib * gpu_plan.MIB)
-    for i, chunk in enumerate((data[:cut], data[cut:])):
-        folder = out / f"part{i + 1}"
-        if folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True)
-        name = f"{gguf.name}.xz.part{i}"
-        (folder / name).write_bytes(chunk)
-        (folder / "parts.sha256").write_text(f"{hashlib.sha256(chunk).hexdigest()}  ./{name}\n")
+    data, cuts = packed.read_bytes(), [0]
+    for mib in part_mib:
+        cuts.append(min(len(data), cuts[-1] + int(mib * gpu_plan.MIB)))
+    cuts.append(len(data))
     digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
-    (out / "part2" / "gguf.sha256").write_text(f"{digest}  {gguf.name}\n")
+    for old in out.glob("part*"):
+        shutil.rmtree(old)
+    for i, (start, end) in enumerate(zip(cuts, cuts[1:])):
+        folder, name = out / f"part{i + 1}", f"{gguf.name}.xz.part{i}"
+        folder.mkdir()
+        (folder / name).write_bytes(data[start:end])
+        (folder / "parts.sha256").write_text(f"{hashlib.sha256(data[start:end]).hexdigest()}  ./{name}\n")
+        (folder / "gguf.sha256").write_text(f"{digest}  {gguf.name}\n")
+        (folder / "count").write_text(f"{len(cuts) - 1}\n")
 
 
-def keep_part1(work: Path) -> None:
-    """Call 1: GGUF part 1 (carried) kept in WORK for call 2, its SHA-256 checked."""
-    part1 = Path(".gpu_train/part1")
-    if not part1.is_dir():
-        return
-    for f in part1.iterdir():
-        (work / ("part1.sha256" if f.name == "parts.sha256" else f.name)).write_bytes(f.read_bytes())
-    if subprocess.run(["sha256sum", "-c", "part1.sha256"], cwd=work).returncode:
-        raise SystemExit("unpack: GGUF part 1 is damaged (its SHA-256 differs): run prepare.sh again")
+def keep_parts(work: Path) -> list[int]:
+    """The GGUF parts this call carries (.gpu_train/partI/), kept in WORK for the last call, each
+    checked (SHA-256); their numbers."""
+    kept = []
+    for folder in sorted(Path(".gpu_train").glob("part*")):
+        n = int(folder.name.removeprefix("part"))
+        for f in folder.iterdir():
+            target = {"parts.sha256": f"part{n}.sha256", "count": "parts.count"}.get(f.name, f.name)
+            (work / target).write_bytes(f.read_bytes())
+        if subprocess.run(["sha256sum", "-c", f"part{n}.sha256"], cwd=work).returncode:
+            raise SystemExit(f"GGUF part {n} is damaged (its SHA-256 differs): run prepare.sh again")
+        kept.append(n)
+    return kept
 
 
 def join_gguf(work: Path, cache: Path) -> Path:
-    """Call 2: GGUF part 1 (left by call 1) + part 2 (carried), joined where the built-in teacher is
-    looked for (CACHE/teachers/smollm2-135m/), each part's and the whole file's SHA-256 checked."""
-    part2, first = Path(".gpu_train/part2"), work / f"{GGUF}.xz.part0"
-    if not first.exists():
+    """The last call: the parts kept by the calls before and this call's, joined where the built-in
+    teacher is looked for (CACHE/teachers/smollm2-135m/), the whole file's SHA-256 checked."""
+    keep_parts(work)
+    count = int((work / "parts.count").read_text()) if (work / "parts.count").exists() else 0
+    parts = [work / f"{GGUF}.xz.part{i}" for i in range(count)]
+    missing = [i + 1 for i, p in enumerate(parts) if not p.exists()] if count else [1]
+    if missing:
         raise SystemExit(
-            "run: GGUF part 1 is missing: call 1 did not run on this machine (run it, then call 2)"
+            f"run: GGUF part {missing[0]} is missing: the call carrying .gpu_train/part{missing[0]} did not run "
+            "on this machine (run it, unpack, then this call)"
         )
-    if subprocess.run(["sha256sum", "-c", "parts.sha256"], cwd=part2).returncode:
-        raise SystemExit("run: GGUF part 2 is damaged (its SHA-256 differs): run prepare.sh again")
     dest = cache / "teachers" / "smollm2-135m"
     dest.mkdir(parents=True, exist_ok=True)
     with open(dest / GGUF, "wb") as out:
-        cat = subprocess.Popen(
-            ["cat", str(first), *map(str, sorted(part2.glob("*.part1")))], stdout=subprocess.PIPE
-        )
+        cat = subprocess.Popen(["cat", *map(str, parts)], stdout=subprocess.PIPE)
         xz = subprocess.run(["xz", "-d"], stdin=cat.stdout, stdout=out)
         cat.stdout.close()
         if cat.wait() or xz.returncode:
             raise SystemExit("run: the GGUF's parts do not decompress (xz): run prepare.sh again")
-    if subprocess.run(["sha256sum", "-c", str((part2 / "gguf.sha256").resolve())], cwd=dest).returncode:
+    if subprocess.run(["sha256sum", "-c", str((work / "gguf.sha256").resolve())], cwd=dest).returncode:
         raise SystemExit("run: the joined GGUF's SHA-256 differs: run prepare.sh again")
     return dest / GGUF
 
@@ -697,7 +710,7 @@ def summary(data: dict) -> None:
 
 # ------------------------------------------------------------------------------ prepare's helpers
 def cmd_split(args) -> int:
-    split_teacher(Path(args.gguf), Path(args.out), args.part1_mib)
+    split_teacher(Path(args.gguf), Path(args.out), [float(m) for m in args.part_mib.split(",")])
     return 0
 
 
@@ -797,9 +810,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     t.add_argument("gguf")
     t.add_argument("--out", default=".gpu_train")
-    t.add_argument("--part1-mib", type=float, default=40)
+    t.add_argument("--part-mib", default="40", help="MiB of each part but the last (which takes the rest)")
     t.set_defaults(func=cmd_split)
-    u = sub.add_parser("unpack", help="call 1: the carried wheels installed, GGUF part 1 kept")
+    u = sub.add_parser(
+        "unpack", help="the calls before the last: the carried wheels installed, GGUF parts kept"
+    )
     u.add_argument("--work", default=".gpu_train_run")
     u.set_defaults(func=cmd_unpack)
     _run_parser(sub)

@@ -42,7 +42,9 @@ fi
 # ---- the teacher's GGUF in two parts
 gguf=$($PY -c "from attn2ssm.teachers.text import builtin_gguf_path; print(builtin_gguf_path('smollm2-135m'))")
 rm -rf .gpu_train/shards && mkdir -p .gpu_train/shards
-$PY $GPU split-teacher "$gguf" --out .gpu_train --part1-mib "${PART1_MIB:-40}"
+# PART_MIB: MiB of each part but the last (40: two parts, 40 MiB + ~46); e.g. 30,30 for three parts
+# (three calls) where the carry check below finds a call too big
+$PY $GPU split-teacher "$gguf" --out .gpu_train --part-mib "${PART_MIB:-40}"
 
 # ---- the recipes' sources and the evaluation corpora as token ids (a source that cannot be written is
 # left out of the GPU run, which says so in its results JSON)
@@ -54,8 +56,19 @@ $PY $GPU sources "$@" | while IFS=$'\t' read -r spec folder side; do
     || echo "WARNING: $spec not written: the GPU run leaves it out (or samples it there with --sample)" >&2
 done
 
-$PY $GPU carry --call "1=.whl,.gpu_train/part1" --call "2=.gpu_train/part2,.gpu_train/shards"
-echo "call 1: carry [\".whl\", \".gpu_train/part1\"]   command: python3 $GPU unpack   timeout_s: 120"
-for r in "$@"; do
-  echo "call 2: carry [\".gpu_train/part2\", \".gpu_train/shards\"]   command: python3 $GPU run $r --budget-s 560   timeout_s: 600"
+# one call per GGUF part: the first also carries the wheels, the last the token ids (and runs)
+n=$(ls -d .gpu_train/part* | wc -l)
+calls=()
+for i in $(seq 1 "$n"); do
+  paths=".gpu_train/part$i"; [ "$i" = 1 ] && paths=".whl,$paths"; [ "$i" = "$n" ] && paths="$paths,.gpu_train/shards"
+  calls+=(--call "$i=$paths")
+done
+$PY $GPU carry "${calls[@]}"
+for i in $(seq 1 "$n"); do
+  carry=$(echo "${calls[$((2 * i - 1))]#*=}" | sed 's/\([^,]*\)/"\1"/g; s/,/, /g')
+  if [ "$i" -lt "$n" ]; then
+    echo "call $i: carry [$carry]   command: python3 $GPU unpack   timeout_s: 120"
+  else
+    for r in "$@"; do echo "call $i: carry [$carry]   command: python3 $GPU run $r --budget-s 560   timeout_s: 600"; done
+  fi
 done
