@@ -754,7 +754,7 @@ def _run_parser(sub) -> None:
     r.add_argument("--kernels", default="auto", choices=("auto", "torch", "fla"))
     r.add_argument("--device", default="auto")
     r.add_argument(
-        "--kernel-check-s", type=float, default=150, help="fla's forms checked on CUDA first (0: not)"
+        "--kernel-check-s", type=float, default=120, help="fla's forms checked on CUDA first (0: not)"
     )
     r.add_argument("--precision", default=None, help="mixed_precision for every step (default: the recipe's)")
     r.add_argument("--max-step-tokens", type=int, default=1 << 17, help="the largest step (tokens)")

@@ -18,6 +18,7 @@ the step (``bytes_per_token``); gpu_plan.fit_batch sizes the run's steps from th
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -37,11 +38,18 @@ def _sync(device) -> None:
 
 
 def _reset_memory(device) -> int:
+    """The bytes allocated now, and the peak counted from here (the cache kept: no new allocations)."""
     if device.type != "cuda":
         return 0
-    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     return torch.cuda.memory_allocated()
+
+
+def _release(device) -> None:
+    """What the last point held (its Distiller, accelerator, student and optimizer) given back."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _peak(device) -> int | None:
@@ -191,8 +199,7 @@ def main(argv: list[str] | None = None) -> None:
             row = student_step(args, teacher, tokenizer, int(index), int(length))
         except RuntimeError as exc:
             row = {"error": str(exc).splitlines()[0][:300], "oom": _oom(exc)}
-            if probe["device"].type == "cuda":
-                torch.cuda.empty_cache()
+        _release(probe["device"])
         result["student_step"][point] = row
         _write(out, result)
         print(f"probe {point}: {row.get('tokens_per_s', row.get('error'))}", flush=True)
