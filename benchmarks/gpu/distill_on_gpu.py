@@ -40,8 +40,9 @@ the device's 10-minute limit keeps what was measured):
    (against the H200's bf16 peak and the measured teacher forward), and the evaluation.
 
 Beside the results JSON: ``.log`` (every command and its output) and ``.metrics.jsonl`` (the run's).
-``carry``, ``sources`` and ``split-teacher`` are prepare.sh's (each call's carry checked against 64
-MiB; the recipes' sources as token-id folders; the GGUF in two parts). A CPU dry run with a tiny
+``carry``, ``sources``, ``chat-corpus`` and ``split-teacher`` are prepare.sh's (each call's carry
+checked against 64 MiB; the recipes' sources as token-id folders, a ``chat:`` one sampled first; the
+GGUF in parts). A CPU dry run with a tiny
 teacher (``--length-divisor``, ``--max-tokens``) is tests/benchmarks/test_gpu_distill_dry_run.py.
 """
 
@@ -709,6 +710,19 @@ def summary(data: dict) -> None:
 
 
 # ------------------------------------------------------------------------------ prepare's helpers
+def cmd_chat_corpus(args) -> int:
+    """A ``chat:`` source's text, sampled here once as a recipe's mixture samples it (the teacher's
+    greedy answers, attn2ssm.data.teacher_samples.build_chat_corpus): prints the .jsonl corpus, which
+    prepare.sh writes as token ids (``attn2ssm data shards`` samples ``generated:`` only)."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from attn2ssm.data.teacher_samples import build_chat_corpus
+    from attn2ssm.teachers import load_teacher
+
+    teacher, tokenizer, _ = load_teacher(args.teacher)
+    print(build_chat_corpus(args.spec, teacher, tokenizer, seed=args.seed, progress=False))
+    return 0
+
+
 def cmd_split(args) -> int:
     split_teacher(Path(args.gguf), Path(args.out), [float(m) for m in args.part_mib.split(",")])
     return 0

@@ -9,8 +9,8 @@
 #                       safetensors, ... but transformers 5.17 and no fla): transformers (ours), fla-core 0.6.0, gguf
 #   .gpu/smollm2-135m/  the built-in teacher's config and tokenizer, no weights (check.sh builds a random-weight
 #                       teacher of that shape there)
-#   .gpu_train/part1/, part2/   the built-in teacher's GGUF, xz-compressed and cut in two (40 MiB + the rest),
-#                       each travelling in its own call, with SHA-256 sums of the parts and of the GGUF
+#   .gpu_train/part1/, part2/   the built-in teacher's GGUF, xz-compressed and cut in two (40 MiB + the rest;
+#                       PART_MIB=30,30 cuts three), each travelling in its own call, with SHA-256 sums
 #   .gpu_train/shards/<name>/   the recipes' training sources as token ids (attn2ssm data shards), one folder
 #                       a source (distill_on_gpu.py sources RECIPE lists them): SOTU, Moby Dick and recall
 #                       passages with their held-out sides kept apart; the teacher-sampled ones (generated:,
@@ -51,8 +51,12 @@ $PY $GPU split-teacher "$gguf" --out .gpu_train --part-mib "${PART_MIB:-40}"
 $PY $GPU sources "$@" | while IFS=$'\t' read -r spec folder side; do
   flags=(--no-progress)
   [ "$side" = heldout ] && flags+=(--max-tokens 0 --heldout-tokens 40000)
-  case "$spec" in generated:*) flags+=(--device cpu) ;; esac
-  $PY -m attn2ssm data shards "$spec" --out ".gpu_train/shards/$folder" "${flags[@]}" < /dev/null \
+  text=$spec
+  case "$spec" in
+    generated:*) flags+=(--device cpu) ;;  # data shards samples it (the teacher on this CPU)
+    chat:*) text=$($PY $GPU chat-corpus "$spec" < /dev/null | tail -n 1) || text=$spec ;;  # answers sampled first
+  esac
+  $PY -m attn2ssm data shards "$text" --out ".gpu_train/shards/$folder" "${flags[@]}" < /dev/null \
     || echo "WARNING: $spec not written: the GPU run leaves it out (or samples it there with --sample)" >&2
 done
 
