@@ -819,9 +819,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("recipes", nargs="+")
     s.add_argument("--eval-corpora", default=EVAL_CORPORA)
     s.set_defaults(func=cmd_sources)
-    t = sub.add_parser(
-        "split-teacher", help="the teacher's GGUF compressed and cut in two parts (prepare.sh)"
-    )
+    ch = sub.add_parser("chat-corpus", help="a chat: source sampled here, as a .jsonl corpus (prepare.sh)")
+    ch.add_argument("spec")
+    ch.add_argument("--teacher", default="smollm2-135m")
+    ch.add_argument("--seed", type=int, default=0, help="the recipe's seed")
+    ch.set_defaults(func=cmd_chat_corpus)
+    t = sub.add_parser("split-teacher", help="the teacher's GGUF compressed and cut in parts (prepare.sh)")
     t.add_argument("gguf")
     t.add_argument("--out", default=".gpu_train")
     t.add_argument("--part-mib", default="40", help="MiB of each part but the last (which takes the rest)")
