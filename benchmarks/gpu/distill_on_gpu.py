@@ -367,18 +367,19 @@ def length_sets(recipe: dict, args) -> list[str]:
 
 def size_stage(stage: dict, recipe_stage: dict, row: dict, args, capacity: int | None) -> dict:
     """One stage's step (blocks), activation checkpointing and learning rate from its probe row."""
-    length = stage["length"]
+    length, forward = stage["length"], stage["kind"] in THROUGH_FORWARD
+    checkpointing = bool(recipe_stage.get("gradient_checkpointing"))
     if capacity and row.get("bytes_per_token") is not None:
         batch = gpu_plan.fit_batch(
             length, row["base_bytes"], row["bytes_per_token"], capacity, args.max_step_tokens
         )
+        # not one block fits without recomputation: one block a step, recomputed
+        batch, checkpointing = (1, forward) if batch == 0 else (batch, checkpointing and not forward)
+    elif row.get("oom"):  # the probe's own step ran out of memory: half of it, the recipe's recomputation
+        batch = max(1, args.probe_tokens // length // 2)
     else:  # no memory reading (a CPU): the step the flags ask for
         batch = max(1, args.max_step_tokens // length)
-    checkpointing = bool(recipe_stage.get("gradient_checkpointing"))
-    if batch == 0:  # not one block fits without recomputation: keep it, one block a step
-        batch, checkpointing = 1, stage["kind"] in THROUGH_FORWARD
-    elif stage["kind"] in THROUGH_FORWARD:
-        checkpointing = False
+        checkpointing = checkpointing and not forward
     recipe_step = recipe_stage.get("batch_size", 8) * length  # the recipe's step at this block length
     recipe_lr = recipe_stage.get("optim", {}).get("lr", 1e-3)
     lr = gpu_plan.lr_for_step(recipe_lr, recipe_step, batch * length)

@@ -24,6 +24,7 @@ def _args(**kw):
         max_step_tokens=1 << 17,
         safety=0.8,
         max_tokens=0,
+        probe_tokens=1 << 16,
     )
     return argparse.Namespace(**{**base, **kw})
 
@@ -90,3 +91,13 @@ def test_a_skipped_optional_stage_stays_off_and_a_probe_without_steps_stops_in_o
     assert not any(s.startswith("stages.2.") for s in plan["sets"])  # its tokens: 0 stays
     with pytest.raises(SystemExit, match="the probe measured no student step"):
         gpu.make_plan(recipe, stages, {"student_step": {"0@2048": {"error": "x"}}}, _args(), 10, None)
+
+
+def test_a_stage_whose_probe_ran_out_of_memory_takes_half_the_probe_s_step_as_the_recipe_sets_it():
+    recipe = gpu.recipe_dict("gdn_hybrid25")
+    long_kd = gpu.trained_stages(recipe, _args())[2]
+    row = {"error": "CUDA out of memory", "oom": True}
+    sized = gpu.size_stage(long_kd, recipe["stages"][2], row, _args(), capacity=140 * GIB)
+    # 2^16 probe tokens = 16 blocks of 4096 ran out: 8 a step, with the recipe's checkpointing (true)
+    assert (sized["batch_size"], sized["gradient_checkpointing"]) == (8, True)
+    assert sized["lr"] == pytest.approx(3e-4 * 8**0.5)
