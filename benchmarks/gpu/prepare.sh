@@ -49,8 +49,8 @@ $PY $GPU split-teacher "$gguf" --out .gpu_train --part-mib "${PART_MIB:-40}"
 # ---- the recipes' sources and the evaluation corpora as token ids (a source that cannot be written is
 # left out of the GPU run, which says so in its results JSON)
 $PY $GPU sources "$@" | while IFS=$'\t' read -r spec folder side; do
-  flags=(--no-progress)
-  [ "$side" = heldout ] && flags+=(--max-tokens 0 --heldout-tokens 40000)
+  flags=(--no-progress --heldout-tokens 40000)  # the run scores 16,384 held-out tokens a corpus at most
+  [ "$side" = heldout ] && flags+=(--max-tokens 0)
   text=$spec
   case "$spec" in
     generated:*) flags+=(--device cpu) ;;  # data shards samples it (the teacher on this CPU)
