@@ -1,4 +1,4 @@
-"""The teacher's GGUF across the device calls (benchmarks/gpu/distill_on_gpu.py): split here into
+"""The teacher's GGUF across the device calls (benchmarks/gpu/teacher_parts.py): split here into
 parts with their SHA-256 sums, one part carried by each call, kept on the machine by ``unpack``,
 joined by the last call into the attn2ssm cache byte for byte; a damaged part or a call that did
 not run stops with one line naming the fix."""
@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
-import distill_on_gpu as gpu  # noqa: E402
+import teacher_parts as gpu  # noqa: E402
 
 MIB = 1 << 20
 
