@@ -759,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("split-teacher", help="the teacher's GGUF compressed and cut in parts (prepare.sh)")
     t.add_argument("gguf")
     t.add_argument("--out", default=".gpu_train")
-    t.add_argument("--part-mib", default="40", help="MiB of each part but the last (which takes the rest)")
+    t.add_argument("--part-mib", default="39", help="MiB of each part but the last (which takes the rest)")
     t.set_defaults(func=cmd_split)
     u = sub.add_parser(
         "unpack", help="the calls before the last: the carried wheels installed, GGUF parts kept"

@@ -9,7 +9,7 @@
 #                       safetensors, ... but transformers 5.17 and no fla): transformers (ours), fla-core 0.6.0, gguf
 #   .gpu/smollm2-135m/  the built-in teacher's config and tokenizer, no weights (check.sh builds a random-weight
 #                       teacher of that shape there)
-#   .gpu_train/part1/, part2/   the built-in teacher's GGUF, xz-compressed and cut in two (40 MiB + the rest;
+#   .gpu_train/part1/, part2/   the built-in teacher's GGUF, xz-compressed and cut in two (39 MiB + the rest;
 #                       PART_MIB=30,30 cuts three), each travelling in its own call, with SHA-256 sums
 #   .gpu_train/shards/<name>/   the recipes' training sources as token ids (attn2ssm data shards), one folder
 #                       a source (distill_on_gpu.py sources RECIPE lists them): SOTU, Moby Dick and recall
@@ -42,9 +42,9 @@ fi
 # ---- the teacher's GGUF in two parts
 gguf=$($PY -c "from attn2ssm.teachers.text import builtin_gguf_path; print(builtin_gguf_path('smollm2-135m'))")
 rm -rf .gpu_train/shards && mkdir -p .gpu_train/shards
-# PART_MIB: MiB of each part but the last (40: two parts, 40 MiB + ~46); e.g. 30,30 for three parts
+# PART_MIB: MiB of each part but the last (39: two parts, 39 MiB + ~47); e.g. 30,30 for three parts
 # (three calls) where the carry check below finds a call too big
-$PY $GPU split-teacher "$gguf" --out .gpu_train --part-mib "${PART_MIB:-40}"
+$PY $GPU split-teacher "$gguf" --out .gpu_train --part-mib "${PART_MIB:-39}"
 
 # ---- the recipes' sources and the evaluation corpora as token ids (a source that cannot be written is
 # left out of the GPU run, which says so in its results JSON)
