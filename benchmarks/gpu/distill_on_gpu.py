@@ -612,6 +612,8 @@ def run_steps(args, res: Results, env: dict, deadline: float) -> None:
     ]
     rc = _call(argv, env, deadline - time.monotonic() - args.eval_s, res.path.with_suffix(".log"))
     res["train"] = {**train_results(run, res.data["probe"], plan), "rc": rc, "run_dir": str(run)}
+    if (run / "results.json").exists():  # the run's own report: held-out perplexity, teacher and student
+        res.data["train"]["results"] = json.loads((run / "results.json").read_text())
     if (run / "metrics.jsonl").exists():
         res.path.with_suffix(".metrics.jsonl").write_bytes((run / "metrics.jsonl").read_bytes())
     res.mark("train")

@@ -148,5 +148,6 @@ def test_gdn_hybrid25_probe_plan_train_eval_json_on_the_cpu(tmp_path):
     assert plan[1]["lr"] == pytest.approx(3e-4 * 2**0.5)
     assert sum(s["tokens"] for s in plan) <= 768 and out["train"]["complete"]
     assert out["train"]["tokens"] == sum(s["tokens"] for s in plan)
+    assert out["train"]["results"]["student_ppl"] > 0  # the run's own report, carried over
     assert set(out["train"]["stages"]) == {"hidden_alignment", "finetune"}
     assert out["eval"]["windows"]["32"]["rows"][0]["group"].startswith("perplexity")
