@@ -181,8 +181,7 @@ rep = {"choice": kernels.choose_kernels("auto", device).to_dict()}
 if device == "cuda":
     rep["fla_problem"] = kernels.fla_problem()
     rep["fla_gated_backward_problem"] = kernels.fla_gated_backward_problem(torch.device("cuda"))
-if hasattr(kernels, "kernels_report"):
-    rep["report"] = kernels.kernels_report(device)
+    rep["gated_delta_pads_keys_bf16"] = kernels.gated_delta_pads_keys(torch.device("cuda"), torch.bfloat16)
 out["kernels"] = rep
 print(json.dumps(out, default=str))
 """

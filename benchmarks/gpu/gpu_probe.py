@@ -8,7 +8,7 @@ what was measured.
 
 Teacher forward: logits without gradient under the run's autocast, ``probe_tokens`` a batch
 (random ids: the time does not depend on the text). Student step: the real trainer's step
-(``Distiller._train_step``, as ``attn2ssm bench train`` times it) of stage STAGE of the recipe
+(``distill.trainer.train_step``, as ``attn2ssm bench train`` times it) of stage STAGE of the recipe
 (with the run's ``--set`` overrides) on LEN-token blocks, a fresh student each point, activation
 checkpointing off; one warm-up step, then ``steps`` timed. Memory (CUDA): what is held before the
 timed steps (teacher, student, optimizer state: ``base_bytes``) and the peak above it per token of
@@ -104,17 +104,15 @@ def _probe_recipe(recipe_name: str, sets: list[str], stage_index: int, length: i
 
 def student_step(args, teacher, tokenizer, stage_index: int, length: int) -> dict:
     """Tokens/s and memory of stage ``stage_index``'s training step at ``length`` (module docstring)."""
-    from attn2ssm.distill.trainer import Distiller
+    from attn2ssm.distill.trainer import Distiller, load_for_steps, setup_stage, train_step
 
     batch = max(1, args.probe_tokens // length)
     recipe = _probe_recipe(args.recipe, args.set or [], stage_index, length, batch, args.steps)
     with tempfile.TemporaryDirectory(prefix="attn2ssm-gpu-probe-") as tmp:
         d = Distiller(recipe, f"{tmp}/run", progress=False, teacher=teacher, tokenizer=tokenizer)
         try:
-            d._load_teacher()
-            d._load_data()
-            d._build_student()
-            run = d._setup_stage(0, None)
+            load_for_steps(d)
+            run = setup_stage(d, 0)
             device = d.acc.device
             times, tokens = [], 0
             for step in range(args.steps + 1):
@@ -122,7 +120,7 @@ def student_step(args, teacher, tokenizer, stage_index: int, length: int) -> dic
                     base = _reset_memory(device)
                 _sync(device)
                 t0 = time.perf_counter()
-                tokens, *_ = d._train_step(run, step)
+                tokens, *_ = train_step(d, run, step)
                 _sync(device)
                 if step:
                     times.append(time.perf_counter() - t0)
