@@ -26,6 +26,9 @@ from attn2ssm.ops.linear_attention import (
     window_linear_attention,
     window_linear_attention_chunked,
 )
+from attn2ssm.ops.rope import apply_rotary
+
+ROPE_MODES = ("before_map", "window", "none")
 
 
 class LinearAttentionMixer(AttentionLikeMixer):
@@ -55,13 +58,21 @@ class LinearAttentionMixer(AttentionLikeMixer):
         self.feature_map_q = build_feature_map(feature_map, self.num_heads, self.head_dim, **opts)
         self.feature_map_k = build_feature_map(feature_map, self.num_heads, self.head_dim, **opts)
         self.chunk_size, self.eps = chunk_size, eps
-        if rope not in ("before_map", "none"):
+        if rope not in ROPE_MODES:
             raise ConfigError(
                 f"linear_attention option rope={rope!r} is not valid",
-                "use rope: before_map (default) or none",
+                "use rope: before_map (default), window or none",
             )
-        self.use_rope = rope == "before_map"
+        # before_map: the feature maps read rotated q/k (LoLCATs); none: no RoPE anywhere; window: the
+        # softmax window reads rotated q/k, the feature maps the unrotated ones, so the linear branch's
+        # weights depend on content (and the decay) only, never on absolute positions past training.
+        self.use_rope, self.rope = rope == "before_map", rope
         self._init_window(geometry, window, window_gamma, window_dropout, window_train_min)
+        if rope == "window" and not window:
+            raise ConfigError(
+                "linear_attention option rope=window needs a softmax window (window > 0)",
+                "set window (e.g. 64), or use rope: none for linear attention alone",
+            )
         # Gated linear attention with a scalar gate per head: key j's linear weight for query i is
         # λ_h^(i−j)·φq_i·φk_j, λ_h = exp(−exp(decay_log_rate_h)) learned, starting at exp(−1/decay_horizon)
         # (a horizon past the training blocks barely changes the function at init).
@@ -117,7 +128,11 @@ class LinearAttentionMixer(AttentionLikeMixer):
         inputs = self.project_inputs(hidden_states)
         q, k, v = self.project_qkv(hidden_states, position_embeddings if self.use_rope else None, inputs)
         positions = torch.arange(offset, offset + hidden_states.shape[1], device=hidden_states.device)
-        return q, k, v, self.feature_map_q(q, positions), self.feature_map_k(k, positions)
+        fq, fk = self.feature_map_q(q, positions), self.feature_map_k(k, positions)
+        if self.rope == "window" and position_embeddings is not None and self.rotary_dim:
+            cos, sin = position_embeddings
+            q, k = (apply_rotary(t, cos, sin, self.rotary_dim) for t in (q, k))
+        return q, k, v, fq, fk
 
     def features(self, hidden_states, position_embeddings=None, offset: int = 0):
         """(φq, φk, v), each (b, h, l, ·) — exposed for distillation losses. ``offset`` is the
