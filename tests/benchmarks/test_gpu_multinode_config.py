@@ -4,6 +4,7 @@ command line (one machine, two gloo processes on the CPU), reaches attn2ssm's ac
 with the FSDP plugin in the environment, where only global rank 0 takes the run directory's lock."""
 
 import os
+import re
 import socket
 import subprocess
 from pathlib import Path
@@ -64,7 +65,10 @@ def test_a_launch_from_it_reaches_the_trainer_s_setup_and_rank_0_holds_the_run_d
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    lines = sorted(line for line in r.stdout.splitlines() if line.startswith("rank "))
+    # two processes share one stdout: their lines may interleave without a newline between them
+    lines = sorted(
+        re.findall(r"rank \d of \d: lock=\w+ fsdp=\w+ version=\w+ node=\S+?(?=rank |\s|$)", r.stdout)
+    )
     assert lines == [
         "rank 0 of 2: lock=True fsdp=true version=2 node=0",
         "rank 1 of 2: lock=False fsdp=true version=2 node=0",

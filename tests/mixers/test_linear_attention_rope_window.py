@@ -32,7 +32,9 @@ def test_the_window_reads_rotated_keys_and_the_maps_unrotated_ones(teacher):
     u = torch.randn(2, 11, teacher.config.hidden_size, generator=torch.Generator().manual_seed(1))
     pos = torch.arange(11)[None].expand(2, -1)
     pe = teacher.model.rotary_emb(u, pos)
-    rotated, plain, mine = (made[r].mixers()[1]._qkv_features(u, pe) for r in ("before_map", "none", "window"))
+    rotated, plain, mine = (
+        made[r].mixers()[1]._qkv_features(u, pe) for r in ("before_map", "none", "window")
+    )
     for a, b in zip(mine[:3], rotated[:3]):  # q, k, v as the teacher rotates them: the window's scores
         torch.testing.assert_close(a, b)
     for a, b in zip(mine[3:], plain[3:]):  # φq, φk of the unrotated q, k
