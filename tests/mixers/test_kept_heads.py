@@ -100,8 +100,12 @@ def test_one_group_changes_only_its_query_heads(teacher):
 
 @pytest.mark.parametrize(
     "options",
-    [WINDOWED, {"feature_map": "hedgehog"}, {**WINDOWED, "decay": True, "decay_horizon": 8.0}],
-    ids=["window", "hedgehog", "window-decay"],
+    [
+        WINDOWED,
+        {"feature_map": "hedgehog"},
+        {**WINDOWED, "decay": True, "decay_horizon": 8.0, "rope": "window"},
+    ],
+    ids=["window", "hedgehog", "window-decay-rope-window"],
 )
 def test_forms_agree_prefill_pieces_and_decode(teacher, options):
     student = _student(teacher, {0: [1], 2: [0, 2]}, options)
