@@ -104,8 +104,9 @@ def _validate_stages(recipe: Recipe) -> None:
             )
         if stage.logit_cache is not None:
             _validate_logit_cache(stage, kind, i, where)
-        if stage.gradient_checkpointing:
-            _validate_checkpointing(stage, kind, i, where)
+        for setting in ("gradient_checkpointing", "compile_layers"):
+            if getattr(stage, setting):
+                _validate_layer_setting(setting, stage, kind, i, where)
 
 
 def _validate_stage_budget(stage: StageConfig, kind, i: int, where: str) -> None:
@@ -552,17 +553,18 @@ def _validate_logit_cache(stage: StageConfig, kind, i: int, where: str) -> None:
         )
 
 
-def _validate_checkpointing(stage: StageConfig, kind, i: int, where: str) -> None:
+def _validate_layer_setting(setting: str, stage: StageConfig, kind, i: int, where: str) -> None:
+    """gradient_checkpointing and compile_layers act on the decoder layers the student's forward runs."""
     from attn2ssm.distill.stages.base import TeacherForcedStage  # heavy: as in validate
 
     if not kind.through_model_forward or kind.image_task:
         if isinstance(kind, TeacherForcedStage):
-            why = "is layer-local: each mixer runs alone on its layer's input, so only one layer's activations are held"
+            why = "is layer-local: each mixer runs alone on its layer's input, outside the decoder layers (one layer's activations held)"
         elif kind.image_task:
-            why = "trains an image student, whose layers are not checkpointed"
+            why = "trains an image student, whose layers this does not cover"
         else:
             why = "runs the student's forward under its own hooks (its bridges live outside the model)"
         raise ConfigError(
-            f"{where}: gradient_checkpointing applies to stages through the student's forward, and kind '{stage.kind}' {why}",
-            f"remove stages.{i}.gradient_checkpointing (it applies to ce, kd, kd_ce, sft and dpo)",
+            f"{where}: {setting} applies to stages through the student's forward, and kind '{stage.kind}' {why}",
+            f"remove stages.{i}.{setting} (it applies to ce, kd, kd_ce, sft and dpo)",
         )

@@ -205,6 +205,10 @@ class StageConfig:
     # activation checkpointing, non-reentrant): kinds through the student's forward (ce, kd, kd_ce,
     # sft, dpo); layer-local kinds hold one layer's activations at a time and refuse it.
     gradient_checkpointing: bool = False
+    # torch.compile each decoder layer in place (per layer: a graph break in one mixer spoils only its
+    # layer), for the same kinds; composes with gradient_checkpointing. Meant for GPUs: inductor
+    # compiles for minutes on a CPU. A device where torch.compile does not work is refused at the start.
+    compile_layers: bool = False
     # kd / kd_ce / sft with kl_weight: reuse cached teacher top-k (temperature 1)
     logit_cache: LogitCacheConfig | None = None
     # adapters on `targets`, trained via the 'lora' pattern, merged at the stage end

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from accelerate.utils import DistributedType
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from attn2ssm.distill.checkpoints import name_keyed, set_rng_state
 from attn2ssm.distill.lora import attach_lora
@@ -70,6 +71,46 @@ def activation_checkpointing(model, enable: bool) -> None:
     else:
         off = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
         off()
+
+
+# what compile_layers compiles with: torch.compile's default backend (tests swap in a tracing-only one)
+COMPILE_BACKEND = "inductor"
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """``model``'s decoder layers (the modules HF's activation checkpointing wraps)."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def compiled_layers(model, enable: bool) -> None:
+    """``torch.compile`` each decoder layer of ``model`` in place (``Module.compile``: the same
+    parameters and state-dict names), or undo it. Per layer, so a graph break in one mixer leaves
+    the other layers whole; it composes with activation checkpointing, whose wrapper calls the
+    compiled layer (and recomputes it compiled). Compiling is lazy: each layer on its first call."""
+    for layer in decoder_layers(model):
+        if enable:
+            layer.compile(backend=COMPILE_BACKEND)
+        else:
+            layer._compiled_call_impl = None  # what Module.compile set; no public way to undo it
+
+
+def check_compile(stages, device) -> None:
+    """A stage with ``compile_layers`` needs a working ``torch.compile`` on ``device`` (inductor: a C++
+    compiler on a CPU, Triton on CUDA): a tiny function compiled and run now, before training starts,
+    so a missing toolchain fails in one line instead of at the stage's first step."""
+    named = [i for i, stage in enumerate(stages) if getattr(stage, "compile_layers", False)]
+    if not named:
+        return
+    try:
+        probe = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend=COMPILE_BACKEND, dynamic=False)
+        probe(torch.ones(4, device=device))
+    except Exception as exc:  # any toolchain failure: dynamo, inductor, the C++ or Triton compiler
+        lines = str(exc).strip().splitlines()
+        why = f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+        raise ConfigError(
+            f"stages.{named[0]}.compile_layers: torch.compile does not work on {device} ({why})",
+            f"set stages.{named[0]}.compile_layers: false (or install what torch.compile needs: a C++ compiler on a CPU, Triton on CUDA)",
+        ) from None
 
 
 def drop_stage_modules(model) -> None:
@@ -136,6 +177,8 @@ def prepare_stage_model(acc, unwrapped, optimizer, cfg, kind, sharded: bool, par
         # rides on it. Layer-local kinds never call the model's forward, so the model is not wrapped
         # and their gradients are averaged in the training step. FSDP2 shards the student in place.
         activation_checkpointing(unwrapped, cfg.gradient_checkpointing)
+        if cfg.compile_layers:  # after the stage's LoRA adapters are attached, before DDP / FSDP wraps
+            compiled_layers(unwrapped, True)
         model, optimizer = acc.prepare(unwrapped, optimizer)
     else:
         model, optimizer = unwrapped, acc.prepare_optimizer(optimizer)

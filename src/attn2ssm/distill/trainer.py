@@ -101,6 +101,8 @@ from attn2ssm.distill.signals import (
 from attn2ssm.distill.stage_setup import (
     activation_checkpointing,
     check_batch_split,
+    check_compile,
+    compiled_layers,
     describe_stage,
     drop_stage_modules,
     prepare_stage,
@@ -560,6 +562,8 @@ class Distiller:
             self.delta.add_stage(run, state)
         if run.cfg.gradient_checkpointing:
             activation_checkpointing(run.unwrapped, False)
+        if run.cfg.compile_layers:
+            compiled_layers(run.unwrapped, False)
         # the stage-end checkpoint folds LoRA into its full state dict, and every process reloads it
         if run.sharded:
             return
@@ -645,6 +649,7 @@ class Distiller:
         if self.is_main:
             print(self.precision.describe())
             print(self.kernels.describe())
+        check_compile(self.recipe.stages, self.acc.device)  # before anything loads (stage_setup.py)
         state = TrainerState()
         if self.resume_from is not None:
             state = from_dict(
