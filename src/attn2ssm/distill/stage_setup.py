@@ -75,6 +75,7 @@ def activation_checkpointing(model, enable: bool) -> None:
 
 # what compile_layers compiles with: torch.compile's default backend (tests swap in a tracing-only one)
 COMPILE_BACKEND = "inductor"
+RECOMPILE_LIMIT = 64
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -87,6 +88,11 @@ def compiled_layers(model, enable: bool) -> None:
     parameters and state-dict names), or undo it. Per layer, so a graph break in one mixer leaves
     the other layers whole; it composes with activation checkpointing, whose wrapper calls the
     compiled layer (and recomputes it compiled). Compiling is lazy: each layer on its first call."""
+    if enable:
+        # Layers of one class share their forward's code, whose compiled graphs (one a layer form, grad
+        # mode and dynamic shape: train and eval, attention and mixer layers) dynamo caches up to
+        # this limit (8 by default), running every later one eagerly.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for layer in decoder_layers(model):
         if enable:
             layer.compile(backend=COMPILE_BACKEND)
