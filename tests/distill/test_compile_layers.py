@@ -124,3 +124,17 @@ def test_a_working_compile_passes_the_check(monkeypatch):
     monkeypatch.setattr(stage_setup, "COMPILE_BACKEND", backend)
     check_compile(recipe.stages, torch.device("cpu"))
     assert backend.graphs == 1  # the probe was compiled and ran
+
+
+def test_a_run_with_compile_layers_where_compile_fails_stops_before_it_writes(monkeypatch, tmp_path):
+    from attn2ssm.distill.trainer import Distiller
+    from tiny_models import tiny_model
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("No working C++ compiler found")
+
+    recipe = load_recipe(BASE_RECIPE, ["device=cpu", "data.block_len=64", "stages.1.compile_layers=true"])
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.raises(ConfigError, match=r"set stages\.1\.compile_layers: false"):
+        Distiller(recipe, tmp_path / "run", teacher=tiny_model("llama"))
+    assert not (tmp_path / "run").exists()

@@ -13,6 +13,7 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
 
 from attn2ssm.distill.recipe import Recipe
+from attn2ssm.distill.stage_setup import check_compile
 from attn2ssm.distill.stages import STAGE_KINDS
 from attn2ssm.errors import ConfigError
 from attn2ssm.ops.kernels import choose_kernels
@@ -143,4 +144,7 @@ def setup_accelerator(recipe: Recipe, teacher_passed: bool) -> RunSetup:
     )
     check_teacher_dtype(recipe, teacher_dtype, precision.used)
     _check_fsdp(acc, recipe, precision.used)
+    check_compile(
+        recipe.stages, acc.device
+    )  # compile_layers: torch.compile works here, before anything loads
     return RunSetup(acc, kernels, precision, teacher_dtype)

@@ -119,6 +119,14 @@ def check_compile(stages, device) -> None:
         ) from None
 
 
+def undo_layer_settings(model, cfg) -> None:
+    """A stage's end: its activation checkpointing and compiled layers undone (the next stage decides for itself)."""
+    if cfg.gradient_checkpointing:
+        activation_checkpointing(model, False)
+    if cfg.compile_layers:
+        compiled_layers(model, False)
+
+
 def drop_stage_modules(model) -> None:
     """Remove a finished stage's training-only modules (CAB's bridges) from the student."""
     if hasattr(model, "stage_modules"):

@@ -99,14 +99,12 @@ from attn2ssm.distill.signals import (
     signal_from_flags,
 )
 from attn2ssm.distill.stage_setup import (
-    activation_checkpointing,
     check_batch_split,
-    check_compile,
-    compiled_layers,
     describe_stage,
     drop_stage_modules,
     prepare_stage,
     stage_steps,
+    undo_layer_settings,
     vocab,
 )
 from attn2ssm.distill.stages import STAGE_KINDS
@@ -560,10 +558,7 @@ class Distiller:
         state.finished.append(run.index)
         if self.delta is not None:  # the stage's trained tensors, before LoRA merges (distill/delta.py)
             self.delta.add_stage(run, state)
-        if run.cfg.gradient_checkpointing:
-            activation_checkpointing(run.unwrapped, False)
-        if run.cfg.compile_layers:
-            compiled_layers(run.unwrapped, False)
+        undo_layer_settings(run.unwrapped, run.cfg)
         # the stage-end checkpoint folds LoRA into its full state dict, and every process reloads it
         if run.sharded:
             return
@@ -649,7 +644,6 @@ class Distiller:
         if self.is_main:
             print(self.precision.describe())
             print(self.kernels.describe())
-        check_compile(self.recipe.stages, self.acc.device)  # before anything loads (stage_setup.py)
         state = TrainerState()
         if self.resume_from is not None:
             state = from_dict(
