@@ -1,6 +1,6 @@
 """The ``compile_layers`` stage option: each decoder layer ``torch.compile``d in place gives the eager
-student's loss and gradients (alone and under activation checkpointing), is undone at the stage
-end, is type-checked and refused where the student's forward does not run, and a device where
+student's loss and gradients (alone and under activation checkpointing), a two-stage run trains as
+the eager one, the option is undone at the stage end, is type-checked and refused where the student's forward does not run, and a device where
 ``torch.compile`` does not work is refused in one line before training.
 
 Most tests trace with dynamo + AOT autograd and run the traced graphs eagerly (``aot_eager``:
@@ -138,3 +138,42 @@ def test_a_run_with_compile_layers_where_compile_fails_stops_before_it_writes(mo
     with pytest.raises(ConfigError, match=r"set stages\.1\.compile_layers: false"):
         Distiller(recipe, tmp_path / "run", teacher=tiny_model("llama"))
     assert not (tmp_path / "run").exists()
+
+
+def _stages(on: str) -> str:
+    return (
+        f"[{{name: kd, kind: kd, tokens: 768, batch_size: 4, trainable: [all], compile_layers: {on}, optim: {{lr: 0.01}}}},"
+        f" {{name: ce, kind: ce, tokens: 384, batch_size: 4, trainable: [lora, mixers], lora: {{r: 4, alpha: 8}},"
+        f" compile_layers: {on}, gradient_checkpointing: true}}]"
+    )
+
+
+def test_a_run_with_compiled_layers_trains_as_the_eager_one(run_overrides, tmp_path, monkeypatch):
+    import json
+
+    from safetensors.torch import load_file
+
+    from attn2ssm.distill.trainer import distill
+
+    backend = CountingBackend()
+    monkeypatch.setattr(stage_setup, "COMPILE_BACKEND", backend)
+    torch._dynamo.reset()
+    for on in ("false", "true"):
+        distill(load_recipe(BASE_RECIPE, run_overrides(stages=_stages(on))), tmp_path / on, progress=False)
+    torch._dynamo.reset()
+    assert (
+        backend.graphs >= 3
+    )  # the probe, and layers traced in each stage (compiled again after the first undid it)
+    losses = {
+        on: [
+            r["loss"]
+            for r in map(json.loads, (tmp_path / on / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r
+        ]
+        for on in ("false", "true")
+    }
+    assert len(losses["true"]) > 3 and losses["true"] == pytest.approx(losses["false"], rel=1e-5)
+    eager, compiled = (load_file(tmp_path / on / "student/model.safetensors") for on in ("false", "true"))
+    assert compiled.keys() == eager.keys()  # in place: the checkpoint's names are the eager student's
+    for name in eager:
+        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-5, msg=name)
