@@ -51,7 +51,10 @@ def test_a_run_keeps_its_trained_tensors_only(full_run):
     assert [s["name"] for s in meta["stages"]] == ["at", "lora"] and meta["state"]["finished"] == [0, 1]
     tensors = load_file(str(full_run / DELTA / TENSORS))
     assert tensors and all(k.startswith(("0/", "1/")) for k in tensors)
-    assert all("feature_map" in k or "window_factor" in k for k in tensors if k.startswith("0/"))
+    # the feature-map group: the maps, the window's γ and the linear branch's decay (the recipe's options)
+    group = ("feature_map", "window_factor", "decay_log_rate")
+    assert all(any(g in k for g in group) for k in tensors if k.startswith("0/"))
+    assert any("decay_log_rate" in k for k in tensors)
     assert all(k.startswith("1/lora.") and k.endswith((".A", ".B")) for k in tensors if k.startswith("1/"))
     assert meta["stages"][1]["lora_scale"] == 2.0 and meta["layout"] and meta["base_checksum"]
     delta_bytes = (full_run / DELTA / TENSORS).stat().st_size
