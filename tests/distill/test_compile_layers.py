@@ -161,9 +161,8 @@ def test_a_run_with_compiled_layers_trains_as_the_eager_one(run_overrides, tmp_p
     for on in ("false", "true"):
         distill(load_recipe(BASE_RECIPE, run_overrides(stages=_stages(on))), tmp_path / on, progress=False)
     torch._dynamo.reset()
-    assert (
-        backend.graphs >= 3
-    )  # the probe, and layers traced in each stage (compiled again after the first undid it)
+    # the probe, and layers traced in each stage (compiled again after the first undid it)
+    assert backend.graphs >= 3
     losses = {
         on: [
             r["loss"]

@@ -125,9 +125,8 @@ def test_forms_agree_prefill_pieces_and_decode(teacher, options):
 
 
 def test_options_are_checked(teacher):
-    opts = check_mixer_options(
-        KIND, {"window": 4, "softmax_kv_heads": {"0": [1]}}
-    )  # the parent's options too
+    # the parent's options too
+    opts = check_mixer_options(KIND, {"window": 4, "softmax_kv_heads": {"0": [1]}})
     assert opts["window"] == 4
     with pytest.raises(ConfigError, match="unknown option"):
         check_mixer_options(KIND, {"windw": 4})

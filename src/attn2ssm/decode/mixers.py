@@ -116,9 +116,8 @@ def hedgehog_softmax_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if b == 1:  # views, no transposed (strided) operands: the common decode case
         z = torch.baddbmm(bias.view(heads, 1, -1), x.reshape(heads, 1, d), weight).view(1, heads, -1)
     else:
-        z = torch.baddbmm(bias[:, None, :], x.transpose(0, 1), weight).transpose(
-            0, 1
-        )  # (H, b, p) → (b, H, p)
+        # (H, b, p) → (b, H, p)
+        z = torch.baddbmm(bias[:, None, :], x.transpose(0, 1), weight).transpose(0, 1)
     if z.dtype != torch.float32:
         z = z.float()
     return torch.softmax(torch.cat([z, -z], dim=-1), dim=-1)
@@ -162,9 +161,8 @@ class LinearAttentionDecode(MixerDecode):
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], 1)
         if self.use_rope and position_embeddings is not None and self.rotary_dim:
             qk = self._rope(qk, *position_embeddings)
-        heads = qk.index_select(
-            1, self._index("_qk_rows", qk.device)
-        )  # (b, 2h, d): q heads, then k heads repeated
+        # (b, 2h, d): q heads, then k heads repeated
+        heads = qk.index_select(1, self._index("_qk_rows", qk.device))
         fq, fk = self._step_features(heads, seen)
         v = v.index_select(1, self._index("_kv_rows", v.device)).float()
         if mask is not None:  # a padded token adds nothing to the state
@@ -195,9 +193,8 @@ class LinearAttentionDecode(MixerDecode):
 
     def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """q and k heads (b, h + kv, d) rotated together."""
-        if (
-            self.rotary_dim != self.head_dim
-        ):  # partial rotary (Phi, GPT-NeoX): the general form over (b, heads, 1, d)
+        # partial rotary (Phi, GPT-NeoX): the general form over (b, heads, 1, d)
+        if self.rotary_dim != self.head_dim:
             return apply_rotary(qk[:, :, None], cos, sin, self.rotary_dim)[:, :, 0]
         shared = self.__dict__.get("_signed_sin")
         if shared is None or torch.compiler.is_compiling():  # (a compiled step fuses it anyway)

@@ -144,7 +144,6 @@ def setup_accelerator(recipe: Recipe, teacher_passed: bool) -> RunSetup:
     )
     check_teacher_dtype(recipe, teacher_dtype, precision.used)
     _check_fsdp(acc, recipe, precision.used)
-    check_compile(
-        recipe.stages, acc.device
-    )  # compile_layers: torch.compile works here, before anything loads
+    # compile_layers: torch.compile works here, before anything loads
+    check_compile(recipe.stages, acc.device)
     return RunSetup(acc, kernels, precision, teacher_dtype)

@@ -123,9 +123,8 @@ def causal_conv1d_fla(x, weight, bias=None, state=None, mask=None, activation=No
     k = weight.shape[-1]
     if mask is not None:
         x = x * mask.to(x.dtype)[..., None]
-    h0 = (
-        None if state is None else F.pad(state.to(x.dtype), (1, 0)).contiguous()
-    )  # fla keeps k inputs, the oldest is never read
+    # fla keeps k inputs, the oldest is never read
+    h0 = None if state is None else F.pad(state.to(x.dtype), (1, 0)).contiguous()
     y, s = causal_conv1d(
         x.contiguous(),
         weight.to(x.dtype).contiguous(),

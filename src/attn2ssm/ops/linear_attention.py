@@ -144,9 +144,8 @@ def linear_attention_chunked(
         return v.new_zeros(b, h, 0, d).to(dtype), state
     c = min(chunk_size, l)
     n = -(-l // c)
-    qb, kb, vb = (
-        _blocks(t, n, c) for t in (q, k, v)
-    )  # (b, h, n, c, ·); padded positions are zero: no key, no output
+    # (b, h, n, c, ·); padded positions are zero: no key, no output
+    qb, kb, vb = (_blocks(t, n, c) for t in (q, k, v))
     if log_decay is not None:
         return _decayed_chunks(qb, kb, vb, state, log_decay, l, eps, dtype)
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
@@ -173,9 +172,8 @@ def _decayed_chunks(qb, kb, vb, state: LinearAttentionState, log_decay, l: int, 
     to_end = _decays(log_decay, c - 1 - t, 4, masked=False)[..., None]  # (1, h, 1, c, 1)
     chunk_kv = kb.transpose(-1, -2) @ (vb * to_end)  # (b, h, n, f, d)
     chunk_k = (to_end.transpose(-1, -2) @ kb).squeeze(-2)  # (b, h, n, f)
-    starts = _decays(
-        log_decay, c * torch.arange(n, device=qb.device), 3, masked=False
-    )  # λ^(c·n): the carried state
+    # λ^(c·n): the carried state
+    starts = _decays(log_decay, c * torch.arange(n, device=qb.device), 3, masked=False)
     kv_in = state.kv[:, :, None] * starts[..., None, None] + _decayed_exclusive_cumsum(
         chunk_kv, c * log_decay
     )
