@@ -590,6 +590,8 @@ def run_steps(args, res: Results, env: dict, deadline: float) -> None:
     sets, res["data"] = data_sets(recipe, Path(args.shards), args.sample)
     sets += length_sets(recipe, args) + [f"eval.max_tokens={args.eval_tokens}", f"device={args.device}"]
     sets += [f"mixed_precision={args.precision}"] if args.precision else []
+    sets += args.set  # the caller's overrides last: they win over the script's own
+    res["overrides"] = list(args.set)
     stages = trained_stages(recipe, args)
     lengths = [int(n) // args.length_divisor for n in args.probe_lengths.split(",")]
     args.kernels = finish_kernel_check(check, args, res, work)
@@ -735,6 +737,14 @@ def _run_parser(sub) -> None:
     r.add_argument("--needle-lengths", default="1024,2048,4096")
     r.add_argument("--needle-trials", type=int, default=4, help="keys a depth (5 depths: 20 trials a length)")
     r.add_argument("--work", default=".gpu_train_run")
+    r.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override for the probe and the run alike, e.g. stages.1.compile_layers=true "
+        "(compiled decoder layers: probe both ways to see where it pays); repeatable",
+    )
     r.set_defaults(func=cmd_run)
 
 

@@ -134,7 +134,7 @@ def test_linear_hybrid25_runs_every_step_on_the_cpu(tmp_path):
 
 def test_gdn_hybrid25_probe_plan_train_eval_json_on_the_cpu(tmp_path):
     """The default suite's variant: the required stages only, one window, no needles."""
-    flags = ("--skip-optional", "--probe-lengths", "1024")
+    flags = ("--skip-optional", "--probe-lengths", "1024", "--set", "stages.1.optim.weight_decay=0.0125")
     out = _dry_run(tmp_path, "gdn_hybrid25", *flags, needles=("--needle-lengths", ""))
     _check_common(out, "gdn_hybrid25", flags)
     plan = out["plan"]["stages"]
@@ -151,3 +151,7 @@ def test_gdn_hybrid25_probe_plan_train_eval_json_on_the_cpu(tmp_path):
     assert out["train"]["results"]["student_ppl"] > 0  # the run's own report, carried over
     assert set(out["train"]["stages"]) == {"hidden_alignment", "finetune"}
     assert out["eval"]["windows"]["32"]["rows"][0]["group"].startswith("perplexity")
+    # --set reaches the probe and the run: the run's own recipe holds it
+    assert out["overrides"] == ["stages.1.optim.weight_decay=0.0125"]
+    saved = (Path(out["train"]["run_dir"]) / "recipe.yaml").read_text()
+    assert "weight_decay: 0.0125" in saved
