@@ -104,7 +104,8 @@ def test_save_and_load_as_remote_code_without_attn2ssm(tmp_path):
     with torch.no_grad():
         torch.save(student(input_ids=ids, use_cache=False).logits, tmp_path / "logits.pt")
     result = run_remote(REMOTE, tmp_path)
-    assert result["diff"] == 0.0 and result["stepped"] < 1e-4
+    # the same weights and code in another process: equal up to the thread count's summation order
+    assert result["diff"] < 1e-5 and result["stepped"] < 1e-4
     assert result["kept"] == [1, 2] and result["probe"] == RECORD
 
 
