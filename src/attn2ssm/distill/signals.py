@@ -1,7 +1,8 @@
 """Stopping a run on a signal. SIGTERM / SIGINT (a scheduler's notice, Ctrl-C) stop the loop after
 the current optimizer step: it is checkpointed, one line names the checkpoint and the resume
 command, and the process exits 143 / 130. Several processes agree on the signal after each step, so
-they all stop at the same one."""
+they all stop at the same one. Before the first step (loading the teacher, sampling its text,
+building the student: minutes, with nothing to checkpoint) a signal stops at once."""
 
 from __future__ import annotations
 
@@ -30,6 +31,32 @@ def asking_to_stop(asked: set[int]):
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.getsignal(signum) or signal.SIG_DFL
             signal.signal(signum, ask)
+    except ValueError:  # not the main thread: signals cannot be caught here
+        pass
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def stopping_at_once(asked: set[int], stop):
+    """While the block runs, SIGTERM / SIGINT call ``stop(signum)`` at once (it raises), as does one
+    asked before the block: for the work before a run's first step, which has nothing to checkpoint
+    and can take minutes (the teacher sampling its text). Caches it writes are written atomically."""
+    if asked:
+        stop(max(asked))
+
+    def now(signum, frame):
+        asked.add(signum)
+        stop(signum)
+
+    previous = {}
+    try:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.getsignal(signum) or signal.SIG_DFL
+            signal.signal(signum, now)
     except ValueError:  # not the main thread: signals cannot be caught here
         pass
     try:

@@ -8,6 +8,7 @@ import attn2ssm.teachers as teachers  # called through the module: tests replace
 from attn2ssm.data import block_indices
 from attn2ssm.data.specs import needs_teacher
 from attn2ssm.distill.logit_cache import CacheStats, LogitCache, find_cache_dir, teacher_source_key
+from attn2ssm.distill.stage_setup import stage_steps
 from attn2ssm.errors import ConfigError
 from attn2ssm.teachers.vision import load_vision_teacher
 
@@ -75,12 +76,10 @@ def plan_teacherless(recipe, remaining: list[int], teacher_dtype, mode: str) -> 
     return found
 
 
-def missing_blocks(
-    recipe, state, cached: dict, stage_blocks, block_len, stage_steps, mode: str
-) -> tuple[int, int]:
+def missing_blocks(recipe, state, cached: dict, stage_blocks, block_len, mode: str) -> tuple[int, int]:
     """``(missing, total)``: of the blocks the remaining steps of a teacherless run draw, how many
     its caches lack. ``stage_blocks(i)`` gives stage i's (training, held-out) blocks, ``block_len(cfg)``
-    its block length, ``stage_steps(cfg, n_items, seq_len)`` its steps."""
+    its block length."""
     need: dict[tuple, set[int]] = {}
     blocks_of = {}
     for i in remaining_stages(recipe, state):

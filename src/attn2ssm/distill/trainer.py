@@ -97,13 +97,13 @@ from attn2ssm.distill.signals import (
     asking_to_stop,
     interrupted,
     signal_from_flags,
+    stopping_at_once,
 )
 from attn2ssm.distill.stage_setup import (
     check_batch_split,
     describe_stage,
     drop_stage_modules,
     prepare_stage,
-    stage_steps,
     undo_layer_settings,
     vocab,
 )
@@ -265,15 +265,8 @@ class Distiller:
         missing, the teacher loads after all (and fills it), with a line saying why."""
         if self.cached_teacher is None:
             return
-        missing, total = missing_blocks(
-            self.recipe,
-            state,
-            self.cached_teacher,
-            self._stage_blocks,
-            self._block_len,
-            stage_steps,
-            self._mode(),
-        )
+        args = (self.recipe, state, self.cached_teacher, self._stage_blocks, self._block_len, self._mode())
+        missing, total = missing_blocks(*args)
         if self.is_main:
             print(teacherless_notice(self.cached_teacher, missing, total, self.recipe.teacher))
         if missing:
@@ -622,11 +615,13 @@ class Distiller:
         """The signal to stop on (0: none), agreed by every process."""
         return agreed_signal(self._asked, self.acc)
 
-    def _stop(self, signum: int, state: TrainerState, run: StageRun | None = None) -> None:
-        """Checkpoint the steps not saved yet (``run`` given) and raise Interrupted naming the checkpoint."""
+    def _stop(self, signum: int, state: TrainerState, run: StageRun | None = None, loading=False) -> None:
+        """Checkpoint the steps not saved yet (``run`` given) and raise Interrupted naming the checkpoint
+        (``loading``: before the run's first step, where a signal stops at once)."""
         if run is not None:
             self._save_checkpoint(state, run)
-        where = f"stage {state.stage + 1}/{len(self.recipe.stages)} step {state.step}"
+        step = "before its first step (loading)" if loading else f"step {state.step}"
+        where = f"stage {state.stage + 1}/{len(self.recipe.stages)} {step}"
         raise interrupted(signum, where, latest_checkpoint(self.out), self.resume_command)
 
     def run(self) -> dict:
@@ -636,6 +631,26 @@ class Distiller:
                 return self._run()
         finally:
             self.close()
+
+    def _prepare(self, state: TrainerState):
+        """Teacher, data, run directory and student; a resumed run's optimizer payload (or None)."""
+        self._load_teacher(state)
+        self._load_data()
+        self._check_teacherless(state)
+        # Only now (a teacher or corpus that fails to load leaves --out as it was; close() removes a
+        # folder that holds nothing but the lock it made): a killed run's leftovers, the recipe, the metrics.
+        if self.is_main:
+            start_writing(self.out, self.recipe, resumed=self.resume_from is not None)
+        resumed = self.resume_from is not None
+        payload = torch.load(self.resume_from / "optimizer.pt", weights_only=False) if resumed else None
+        self._prepare_stage_data(state.stage)
+        with building_with(self.kernels.used):  # conversion, layer selection, calibration
+            self._build_student()
+        if self.resume_from is not None and self.is_main:  # only now that the checkpoint has loaded
+            print(f"resuming from {self.resume_from.name}: stage {state.stage + 1}, step {state.step}")
+            with self._writing("metrics.jsonl"):
+                truncate_metrics(self.metrics_path, state.stage, state.step)
+        return payload
 
     def _run(self) -> dict:
         """Load the teacher, the data and the student, run the stages still to run, then finish."""
@@ -649,23 +664,8 @@ class Distiller:
             state = from_dict(
                 TrainerState, json.loads((self.resume_from / "state.json").read_text()), "state"
             )
-        self._load_teacher(state)
-        self._load_data()
-        self._check_teacherless(state)
-        # Only now (a teacher or corpus that fails to load leaves --out as it was; close() removes a
-        # folder that holds nothing but the lock it made): a killed run's leftovers, the recipe, the metrics.
-        if self.is_main:
-            start_writing(self.out, self.recipe, resumed=self.resume_from is not None)
-        payload = None
-        if self.resume_from is not None:
-            payload = torch.load(self.resume_from / "optimizer.pt", weights_only=False)
-        self._prepare_stage_data(state.stage)
-        with building_with(self.kernels.used):  # conversion, layer selection, calibration
-            self._build_student()
-        if self.resume_from is not None and self.is_main:  # only now that the checkpoint has loaded
-            print(f"resuming from {self.resume_from.name}: stage {state.stage + 1}, step {state.step}")
-            with self._writing("metrics.jsonl"):
-                truncate_metrics(self.metrics_path, state.stage, state.step)
+        with stopping_at_once(self._asked, lambda signum: self._stop(signum, state, loading=True)):
+            payload = self._prepare(state)
         for stage_idx in range(len(self.recipe.stages)):
             if stage_idx < state.stage:
                 continue
