@@ -330,3 +330,53 @@ def test_the_shipped_target_files_parse():
     assert (rise["from_window"], rise["to_window"], rise["max_rise"]) == (2048, 8192, 0.03)
     for path in SHIPPED.glob("*.yaml"):
         assert path.read_text().startswith("# Issue 48's target"), path
+
+
+def test_a_real_run_writes_its_targets(tmp_path, monkeypatch, capsys):
+    """The whole path on a tiny teacher and student: ``eval --suite ... --targets`` scores the rows,
+    and suite.json's targets read the same rows' ratios."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from attn2ssm.cli import main
+    from attn2ssm.eval import suite_settings as suite
+    from attn2ssm.student.convert import convert
+    from attn2ssm.student.plans import make_plan
+    from tiny_models import SENTENCES, make_tokenizer, tiny_config
+
+    tok = make_tokenizer()
+    cfg = tiny_config("llama")
+    cfg.vocab_size, cfg.max_position_embeddings = len(tok), 256
+    cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = tok.eos_token_id
+    torch.manual_seed(0)
+    teacher = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    student = convert(teacher, make_plan(cfg.num_hidden_layers, "linear_attention", attention_ratio=0.5))
+    for name, model in (("teacher", teacher), ("student", student)):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"d{i}.txt").write_text(" ".join(SENTENCES[i % 4 :] * 3))
+    tiny = SuiteSettings(name="tiny", corpora=("sotu",), windows=(32,), max_tokens=200, niah_forms=())
+    monkeypatch.setattr(suite, "suite_settings", lambda name, quick=False: tiny)
+    targets = tmp_path / "targets.yaml"
+    targets.write_text(
+        "targets:\n"
+        "  - {name: holds, kind: max_ratio_rise, from_window: 32, to_window: 64, max_rise: 1000}\n"
+        "  - {name: longer, kind: max_ratio, rows: ppl/*/128, max: 1.2}\n"
+    )
+    out = tmp_path / "suite"
+    argv = ["eval", str(tmp_path / "student"), "--suite", "standard", "--rows", "perplexity"]
+    argv += ["--corpora", str(corpus), "--windows", "32,64", "--against", str(tmp_path / "teacher")]
+    argv += ["--out", str(out), "--suite-cache", str(tmp_path / "cache"), "--targets", str(targets)]
+    assert main(argv) == 0
+    report = json.loads((out / "suite.json").read_text())
+    ratios = {r["id"]: r["ratio"] for r in report["rows"]}
+    holds, longer = report["targets"]
+    assert holds["status"] == "met" and holds["measured"] == pytest.approx(ratios)
+    assert set(ratios) == {f"ppl/{corpus}/32", f"ppl/{corpus}/64"}
+    assert longer["status"] == "not measured" and longer["measured"] == {}
+    assert (
+        "- **not measured** — longer: not measured: no row ppl/*/128 in this run" in capsys.readouterr().out
+    )
