@@ -194,6 +194,11 @@ def test_rows_the_run_did_not_score_are_not_measured():
             },
             "names ['a'] appear more than once",
         ),
+        (
+            {"targets": [{"name": "a", "kind": "min_student", "rows": "task/*", "min": float("nan")}]},
+            "min nan is not a number",
+        ),
+        ({"targets": [{"name": "a\nb", "kind": "elsewhere", "by": "x"}]}, "target 1 has no name"),
         ({"targets": []}, "must be a non-empty list"),
         ({"goals": []}, "must hold one key, 'targets'"),
         ([1, 2], "must hold one key, 'targets' (it has list)"),
@@ -210,7 +215,7 @@ def test_unreadable_files_are_one_line_errors(tmp_path):
         load_targets(tmp_path / "absent.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("targets: [name: a\n")
-    with pytest.raises(ConfigError, match="is not valid YAML") as err:
+    with pytest.raises(ConfigError, match="is not valid YAML .* at line 2, column 1") as err:
         load_targets(bad)
     assert len(str(err.value).splitlines()) == 1
 

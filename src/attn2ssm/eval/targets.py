@@ -21,10 +21,12 @@ Python (no torch): the CLI loads and checks a file before any model loads."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from attn2ssm.config import _yaml_problem
 from attn2ssm.errors import ConfigError
 from attn2ssm.eval.suite_settings import SuiteSettings
 
@@ -66,7 +68,7 @@ def load_targets(path: str | Path) -> list[Target]:
     except OSError as exc:
         raise ConfigError(f"--targets {path} cannot be read ({exc.strerror or exc})", fix) from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        problem = f"not UTF-8: {exc.reason}" if isinstance(exc, UnicodeDecodeError) else _yaml_problem(exc)
         raise ConfigError(f"--targets {path} is not valid YAML ({problem})", fix) from None
     return parse_targets(data, str(path))
 
@@ -93,8 +95,8 @@ def _parse_entry(entry, where: str) -> Target:
     if not isinstance(entry, dict):
         raise ConfigError(f"{where} is not a mapping", "write name: ..., kind: ..., and its thresholds")
     name, kind = entry.get("name"), entry.get("kind")
-    if not isinstance(name, str) or not name.strip():
-        raise ConfigError(f"{where} has no name", "add name: a short text saying what it holds")
+    if not isinstance(name, str) or not name.strip() or "\n" in name.strip():
+        raise ConfigError(f"{where} has no name", "add name: a short text on one line saying what it holds")
     where = f"{where} ({name})"
     if kind not in KINDS:
         raise ConfigError(f"{where}: unknown kind {kind!r}", f"use one of: {', '.join(KINDS)}")
@@ -118,7 +120,7 @@ def _check_field(where: str, kind: str, key: str, value) -> None:
         if key == "rows":
             check_row_pattern(value, kind, where)
         return
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ConfigError(f"{where}: {key} {value!r} is not a number", f"write e.g. {key}: {_example(key)}")
     if key.endswith("_window") and (not isinstance(value, int) or value < 16):
         raise ConfigError(f"{where}: {key} {value!r} is not a window in tokens", f"write e.g. {key}: 2048")
