@@ -145,6 +145,7 @@ def _add_suite_args(e) -> None:
         "(linear_attention with a softmax window): window (the sliding-window softmax alone), linear (linear attention without the "
         "window) or both (as trained, the default); --suite then writes MODEL/eval/suite-<branch>",
     )
+    e.add_argument("--targets", metavar="FILE", help="with --suite: check the targets of this YAML file")
 
 
 def run(args) -> int:
@@ -183,6 +184,8 @@ def _check_modes(args) -> None:
     for flag, value in (("--rows", args.rows), ("--corpora", args.corpora), ("--windows", args.windows)):
         if value is not None and not args.suite:
             raise ConfigError(f"{flag} chooses rows of the suite", "add --suite standard")
+    if args.targets is not None and not args.suite:
+        raise ConfigError("--targets checks a run of the suite", "add --suite standard")
     if args.curve_windows is not None and not (args.suite or args.report):
         raise ConfigError(
             "--curve-windows sets the length curve of --suite or --report",

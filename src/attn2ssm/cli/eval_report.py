@@ -52,10 +52,12 @@ def run_report(args) -> int:
 
 
 def run_suite_command(args) -> int:
-    """``eval --suite standard [--quick]``: the suite's table (printed; suite.json / .md / .png written)."""
+    """``eval --suite standard [--quick] [--targets FILE]``: the suite's table and its targets checked
+    (printed; suite.json / .md / .png written)."""
     from attn2ssm.eval.suite import run_suite  # heavy: torch (when run)
     from attn2ssm.eval.suite_settings import select_needles, select_perplexity, select_rows, suite_settings
     from attn2ssm.eval.tables import format_suite_markdown
+    from attn2ssm.eval.targets import load_targets
     from attn2ssm.teachers import resolve_teacher
 
     settings = select_needles(
@@ -70,6 +72,7 @@ def run_suite_command(args) -> int:
         windows=int_list("--windows", args.windows) if args.windows else None,
         curve=int_list("--curve-windows", args.curve_windows) if args.curve_windows else None,
     )
+    targets = load_targets(args.targets) if args.targets else None  # a malformed file: one line, now
     resolve_teacher(args.against or "smollm2-135m")  # a missing teacher path fails before the student loads
     out = KeptOutput(_suite_dir(args))  # scores that cannot be written there go to a temporary folder
     report = run_suite(
@@ -80,6 +83,7 @@ def run_suite_command(args) -> int:
         cache_dir=args.suite_cache,
         branch=args.branch or "both",
         device=resolve_device(args.device),
+        targets=targets,
     )
     print(format_suite_markdown(report))
     print(f"wrote {out.path / 'suite.md'}, suite.json and suite.png")

@@ -44,6 +44,7 @@ from attn2ssm.eval.output import KeptOutput
 from attn2ssm.eval.stats import binomial_se, pooled_accuracy
 from attn2ssm.eval.suite_settings import DOMAINS, SuiteSettings, TaskSpec, fit_positions
 from attn2ssm.eval.tables import format_suite_markdown, plot_recovered, table_row
+from attn2ssm.eval.targets import check_targets
 from attn2ssm.paths import atomic_write_text
 
 SUITE_VERSION = 1  # part of every cache key: bump when a unit computes differently
@@ -380,10 +381,12 @@ def suite_report(
     student_scores: dict,
     branch: str = "both",
     kv_cache: dict | None = None,
+    targets: list | None = None,
 ) -> dict:
-    """suite.json's content: the rows, the length curve built from the perplexity units, and
+    """suite.json's content: the rows, the length curve built from the perplexity units,
     ``kv_cache`` (:func:`attn2ssm.eval.kv_cache.kv_fraction` as a dict; its fraction is also the
-    top-level ``kv_fraction``)."""
+    top-level ``kv_fraction``) and ``targets`` (:mod:`attn2ssm.eval.targets`) checked against the rows
+    (None without targets)."""
     import torch
 
     from attn2ssm.eval.length_curve import curve_from_scores
@@ -395,6 +398,8 @@ def suite_report(
         for side, scores in (("teacher", teacher_scores), ("student", student_scores))
     }
     curve_windows = settings.curve_windows or settings.windows
+    planned = [rid for rid, *_ in row_labels(settings)]  # a planned row not scored yet: not measured
+    checked = None if targets is None else check_targets(targets, rows, planned)
     return {
         "student": str(student_path),
         "teacher": teacher_spec,
@@ -404,6 +409,7 @@ def suite_report(
         "length_curve": curve_from_scores(settings.corpora, curve_windows, teacher_scores, student_scores),
         "kv_fraction": None if kv_cache is None else kv_cache["kv_fraction"],
         "kv_cache": kv_cache,
+        "targets": checked,
         "settings": settings.as_dict(),
         "cpu_seconds": cost,
         "threads": torch.get_num_threads(),
@@ -450,6 +456,7 @@ def run_suite(
     progress: bool = True,
     branch: str = "both",
     device=None,
+    targets: list | None = None,
 ) -> dict:
     """Score teacher (cached per unit in ``cache_dir``, default ``<attn2ssm cache>/suite``) and
     student on the suite, both on ``device`` (None: the CPU); write suite.json / suite.md /
@@ -457,7 +464,8 @@ def run_suite(
     ``out_dir`` cannot be written, so no score is lost; its ``path`` says where they went).
     ``branch`` (both | window | linear) runs a LoLCATs-style student's mixers with one branch only
     (:func:`attn2ssm.mixers.linear_attention.set_window_branch`; the student's scores are never cached).
-    Lengths past a model's positions: see :func:`fit_models`."""
+    Lengths past a model's positions: see :func:`fit_models`. ``targets``
+    (:func:`attn2ssm.eval.targets.load_targets`) are checked against the rows at every write."""
     from attn2ssm.eval.kv_cache import kv_fraction
     from attn2ssm.mixers.linear_attention import set_window_branch
     from attn2ssm.paths import cache_dir as default_cache
@@ -479,7 +487,7 @@ def run_suite(
 
     def save(student_scores: dict) -> dict:
         report = suite_report(
-            settings, teacher_spec, student_path, teacher_scores, student_scores, branch, kv
+            settings, teacher_spec, student_path, teacher_scores, student_scores, branch, kv, targets
         )
         out.write(lambda folder: write_suite_report(report, folder))
         return report

@@ -10,6 +10,7 @@ from pathlib import Path
 from attn2ssm.eval.stats import mean as _mean
 from attn2ssm.eval.stats import recovered as _recovered
 from attn2ssm.eval.suite_settings import IN_DOMAIN, SuiteSettings, settings_from_dict
+from attn2ssm.eval.targets import format_targets
 
 
 def table_row(
@@ -238,6 +239,7 @@ def format_suite_markdown(report: dict) -> str:
         "",
         *_length_curve_lines(report.get("length_curve")),
         *_kv_lines(report.get("kv_cache")),
+        *format_targets(report.get("targets")),
         (
             f"CPU seconds in all: teacher {cost.get('teacher', 0):,.0f} (of units computed now), student {cost.get('student', 0):,.0f}; "
             f"{report['environment'].get('cpu_count')} CPUs, torch threads {report.get('threads')}."
