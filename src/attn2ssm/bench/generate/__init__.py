@@ -58,6 +58,8 @@ The package, one job a module (each imports only those before it):
 
 from attn2ssm.bench.generate.llama_cpp import LlamaCppBench, build_gguf_models, run_llama_cpp_bench
 from attn2ssm.bench.generate.models import (
+    BUILTIN_KEPT_GROUPS,
+    BUILTIN_KEPT_LAYERS,
     LLAMA_CPP_STUDENT_OPTIONS,
     LLAMA_CPP_STUDENTS,
     RECIPE_STUDENTS,
@@ -98,6 +100,8 @@ from attn2ssm.bench.generate.timing import (
 )
 
 __all__ = [
+    "BUILTIN_KEPT_GROUPS",
+    "BUILTIN_KEPT_LAYERS",
     "BenchSettings",
     "COPY_INSTRUCTION",
     "COPY_PASSAGE",
