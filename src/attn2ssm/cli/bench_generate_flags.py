@@ -32,7 +32,7 @@ def bench_models(args, students, llama_cpp_students: tuple[str, ...]) -> tuple[s
     unknown += sorted({n for n in names if names.count(n) > 1})
     if unknown or not models:
         raise ConfigError(
-            f"--models {args.models!r} names unknown or repeated models {unknown}",
+            f"--models {args.models!r} names unknown models or repeated ones: {unknown}",
             f"choose from teacher, {', '.join(students)}, or NAME=DIR for a trained student, each once",
         )
     return models
