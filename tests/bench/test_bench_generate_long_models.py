@@ -132,17 +132,21 @@ def test_the_bench_decode_path_generates_what_plain_generate_does(monkeypatch):
 def test_cli_times_the_recipe_students_and_a_trained_student_and_names_them(tmp_path, monkeypatch):
     from attn2ssm.bench.generate import speed
     from attn2ssm.cli import main
+    from attn2ssm.decode import compiled as compiled_step
 
     monkeypatch.setattr(speed, "stream_rate", lambda device: {})  # (streams 512 MB: seconds, not tested here)
+    tracer = _TracingBackend()
+    monkeypatch.setattr(compiled_step, "BACKEND", tracer)
 
     teacher, corpus = save_tiny_teacher_and_corpus(tmp_path)
     student = tmp_path / "student"
-    argv = ["convert", "--teacher", str(teacher), "--mixer", "mamba2", "--out", str(student)]
+    argv = ["convert", "--teacher", str(teacher), "--mixer", "linear_attention", "--out", str(student)]
+    argv += ["--option", "window=8"]  # (a Mamba-2 student would trace its compiled step: seconds)
     assert main(argv) == 0
     out = tmp_path / "gen.json"
     argv = ["bench", "generate", "--teacher", str(teacher), "--contexts", "16", "--new-tokens", "3"]
     argv += ["--models", f"teacher,linear_hybrid25,retrieval_heads,trained={student}"]
-    argv += ["--max-context", "trained=8", "--rounds", "1", "--plain-check", "none"]
+    argv += ["--max-context", "trained=8", "--rounds", "1", "--plain-check", "none", "--compile"]
     argv += ["--corpus", str(corpus), "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     result = json.loads(out.read_text())
@@ -153,6 +157,13 @@ def test_cli_times_the_recipe_students_and_a_trained_student_and_names_them(tmp_
     assert result["decode"]["retrieval_heads"][0]["decode_tokens_per_second"] > 0
     assert result["decode"]["trained"][0]["skipped"] == "longer than --max-context 8 for trained"
     assert result["settings"]["models"][-1] == f"trained={student}"
+    # the tiny teacher's 2 layers keep none at 25 %: all three are windowed linear attention, stepped aside
+    steps = result["compiled_decode_step"]
+    assert steps["retrieval_heads"].startswith(
+        "not compiled: layer 0 (linear_attention) has no one-token step"
+    )
+    assert steps["linear_hybrid25"] == steps["retrieval_heads"] == steps["trained"]
+    assert tracer.traces == 0
     assert out.with_suffix(".png").stat().st_size > 0
 
 
