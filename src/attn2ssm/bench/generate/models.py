@@ -212,7 +212,7 @@ def recipe_student(teacher, name: str):
         + (
             " (the built-in teacher's choices)"
             if builtin
-            else " (spread evenly: not the built-in teacher's shape)"
+            else " (not the built-in teacher's shape: make_plan's layers, KV groups spread evenly)"
         )
     )
     return student, what
