@@ -53,7 +53,9 @@ def _add_model_args(bg) -> None:
     bg.add_argument(
         "--models",
         default=None,
-        help="teacher and/or untrained students: linear, mamba, mamba2, hybrid25, gdn (default: all but gdn; llama.cpp: teacher,mamba2,hybrid25,gdn)",
+        help="teacher and/or untrained students: linear, mamba, mamba2, hybrid25, gdn, and the long-context "
+        "recipes' students linear_hybrid25, retrieval_heads (their architecture exactly); NAME=DIR for a "
+        "trained student (default: teacher,linear,mamba,mamba2,hybrid25; llama.cpp: teacher,mamba2,hybrid25,gdn)",
     )
     bg.add_argument(
         "--contexts", default="1024,2048,4096,8192,16384,32768", help="context lengths (prompt tokens)"
@@ -190,11 +192,17 @@ def run_generate(args) -> int:
 
 def _settings(args):
     """Every flag checked, in the order the errors come, into the benchmark's settings."""
-    from attn2ssm.bench.generate import LLAMA_CPP_STUDENTS, STUDENTS, BenchSettings  # heavy: torch
+    from attn2ssm.bench.generate import (  # heavy: torch
+        LLAMA_CPP_STUDENTS,
+        RECIPE_STUDENTS,
+        STUDENTS,
+        BenchSettings,
+    )
 
-    models = bench_models(args, STUDENTS, LLAMA_CPP_STUDENTS)
+    students = (*STUDENTS, *RECIPE_STUDENTS)
+    models = bench_models(args, students, LLAMA_CPP_STUDENTS)
     quants = llama_cpp_quants(args, models, LLAMA_CPP_STUDENTS)
-    spec_targets, spec_drafters = spec_models(args, STUDENTS, BenchSettings)
+    spec_targets, spec_drafters = spec_models(args, students, BenchSettings)
     limits = context_limits(args, models)
     if args.new_tokens < 3 or args.spec_new_tokens < 1:
         raise ConfigError(

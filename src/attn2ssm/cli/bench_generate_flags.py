@@ -10,8 +10,9 @@ from attn2ssm.errors import CheckpointError, ConfigError
 from attn2ssm.export.llamacpp import OUTTYPES, converter_dir, load_runtime
 
 
-def bench_models(args, students: dict, llama_cpp_students: tuple[str, ...]) -> tuple[str, ...]:
-    """--models checked (its default filled in on ``args`` by --backend); returns the model names."""
+def bench_models(args, students, llama_cpp_students: tuple[str, ...]) -> tuple[str, ...]:
+    """--models checked (its default filled in on ``args`` by --backend): ``students`` names the
+    untrained ones; NAME=DIR is a trained student. Returns the items as given."""
     if args.models is None:
         args.models = (
             "teacher," + ",".join(llama_cpp_students)
@@ -19,21 +20,30 @@ def bench_models(args, students: dict, llama_cpp_students: tuple[str, ...]) -> t
             else "teacher,linear,mamba,mamba2,hybrid25"
         )
     models = tuple(m.strip() for m in args.models.split(",") if m.strip())
-    unknown = [m for m in models if m != "teacher" and m not in students]
+    for item in models:
+        name, sep, path = item.partition("=")
+        if sep and (not name or name == "teacher" or not (Path(path) / "config.json").exists()):
+            raise CheckpointError(
+                f"--models {item}: not NAME=DIR with a config.json in DIR",
+                "point NAME=DIR at a student directory (e.g. retrieval_heads=runs/retrieval_heads/student)",
+            )
+    names = [m.partition("=")[0] for m in models]
+    unknown = [m for m in models if m != "teacher" and "=" not in m and m not in students]
+    unknown += sorted({n for n in names if names.count(n) > 1})
     if unknown or not models:
         raise ConfigError(
-            f"--models {args.models!r} names unknown models {unknown}",
-            f"choose from teacher, {', '.join(students)}",
+            f"--models {args.models!r} names unknown models or repeated ones: {unknown}",
+            f"choose from teacher, {', '.join(students)}, or NAME=DIR for a trained student, each once",
         )
     return models
 
 
 def context_limits(args, models: tuple[str, ...]) -> dict[str, int]:
     """--max-context MODEL=TOKENS (repeatable), each for a benchmarked model."""
-    limits = {}
+    limits, names = {}, [m.partition("=")[0] for m in models]
     for item in args.max_context or []:
         name, sep, value = item.partition("=")
-        if not sep or name not in models or not value.isdigit():
+        if not sep or name not in names or not value.isdigit():
             raise ConfigError(
                 f"--max-context {item!r} is not MODEL=TOKENS for a benchmarked model",
                 "write e.g. --max-context teacher=16384",

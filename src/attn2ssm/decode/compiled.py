@@ -83,6 +83,7 @@ class CompiledStep:
         )
         self.compiled_once = False
         self.failed: str | None = None
+        self.stepped_aside: str | None = None  # why ``ready`` last said no for a mixer
 
     @classmethod
     def build(cls, plan, backend=None) -> tuple[CompiledStep | None, str]:
@@ -117,6 +118,9 @@ class CompiledStep:
                 return False
         for step in self.plan.steps:
             if not traceable(step.mixer, cache.mixer_layer(step.index)):
+                # what compiled_step_status reports while the step has never run
+                kind = getattr(step.mixer, "mixer_type", type(step.mixer).__name__)
+                self.stepped_aside = f"layer {step.index} ({kind}) has no one-token step a trace can run here (e.g. a softmax window, kept softmax heads): the plan runs its layers eagerly"
                 return False
         return True
 

@@ -447,8 +447,14 @@ def disable_decode_plan(model) -> bool:
 def compiled_step_status(model) -> str:
     """The word "compiled" when ``model``'s decode plan runs its layers as one ``torch.compile``d
     function, else why it decodes eagerly (``model.compiled_step_reason``: no plan, compiling not possible,
-    or the compiled function failed at a call); "not compiled" when compiling was never asked."""
+    or the compiled function failed at a call; or, for a step never run, a mixer it steps aside for);
+    "not compiled" when compiling was never asked."""
     plan = model.__dict__.get("_decode_plan")
     if plan is not None and plan.compiled is not None and plan.compiled.failed is None:
-        return "compiled"
+        step = plan.compiled
+        return (
+            f"not compiled: {step.stepped_aside}"
+            if step.stepped_aside and not step.compiled_once
+            else "compiled"
+        )
     return getattr(model, "compiled_step_reason", "") or "not compiled"

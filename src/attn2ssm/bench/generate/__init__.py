@@ -13,12 +13,19 @@ What is measured, per model and context length L:
   not), and peak memory growth during decode (CUDA: max_memory_allocated; CPU: the process's
   peak RSS, reset before decoding through /proc/self/clear_refs).
 Students are converted from the teacher without training: speed and memory do not depend on the
-weights. On CPU every model, teacher included, gets ``cpu_decode_layout`` (one-row matmuls over
+weights (``NAME=DIR`` times a trained one). Besides the plain conversions (``STUDENTS``), the
+long-context recipes' students (``RECIPE_STUDENTS``) are built by the recipe's own code, their
+teacher-dependent choices fixed (``recipe_student``): ``linear_hybrid25`` keeps whole attention
+layers, ``retrieval_heads`` a few softmax KV groups inside linear-attention layers. On CPU every model, teacher included, gets ``cpu_decode_layout`` (one-row matmuls over
 row blocks of the weight on every core, gate/up and mixer input projections fused, fused
 RMSNorm) unless ``cpu_layout`` is off; pure students of a Llama-structured teacher also decode
 through their one-token ``DecodePlan`` there (HF's per-layer plumbing skipped), with
 ``compile_students`` (``--compile``) as one ``torch.compile``d function (compiled before any
 timing), while the teacher runs HF's own forward with its KV cache (the reference the issue names).
+Hybrids with attention layers (``hybrid25``, ``linear_hybrid25``) have no plan and decode through
+HF's forward; a student whose linear attention has a softmax window or kept softmax heads
+(``retrieval_heads``) has a plan but no one-token step, so the plan runs each layer's forward over
+the one token, eagerly (``compiled_decode_step`` in the JSON says why).
 
 Speculative decoding (``run_spec_bench``, Mamba in the Llama §4): the target is a student (a pure
 Mamba-2 and a 25 % hybrid; trained ones with ``NAME=DIR``), the drafters prompt lookup ("ngram",
@@ -51,13 +58,17 @@ The package, one job a module (each imports only those before it):
 
 from attn2ssm.bench.generate.llama_cpp import LlamaCppBench, build_gguf_models, run_llama_cpp_bench
 from attn2ssm.bench.generate.models import (
+    BUILTIN_KEPT_GROUPS,
+    BUILTIN_KEPT_LAYERS,
     LLAMA_CPP_STUDENT_OPTIONS,
     LLAMA_CPP_STUDENTS,
+    RECIPE_STUDENTS,
     STUDENTS,
     BenchSettings,
     build_models,
     parse_format,
     prompt_ids,
+    recipe_student,
 )
 from attn2ssm.bench.generate.speculative import (
     COPY_INSTRUCTION,
@@ -89,6 +100,8 @@ from attn2ssm.bench.generate.timing import (
 )
 
 __all__ = [
+    "BUILTIN_KEPT_GROUPS",
+    "BUILTIN_KEPT_LAYERS",
     "BenchSettings",
     "COPY_INSTRUCTION",
     "COPY_PASSAGE",
@@ -97,6 +110,7 @@ __all__ = [
     "LLAMA_CPP_STUDENTS",
     "LLAMA_CPP_STUDENT_OPTIONS",
     "LlamaCppBench",
+    "RECIPE_STUDENTS",
     "STUDENTS",
     "TorchBackend",
     "backend",
@@ -119,6 +133,7 @@ __all__ = [
     "prefill",
     "prompt_ids",
     "quantile",
+    "recipe_student",
     "reference_name",
     "run_generate_bench",
     "run_llama_cpp_bench",

@@ -130,17 +130,8 @@ def copy_prompt(tokenizer, corpus: str, length: int, device) -> tuple[torch.Tens
 
 def _spec_targets(teacher, names: tuple[str, ...], device) -> dict:
     """name → target: ``NAME=DIR`` loads a trained student, a bare name converts an untrained
-    one from ``STUDENTS``."""
-    from attn2ssm.student.loading import load_model_and_tokenizer
-
-    targets, untrained = {}, [n for n in names if "=" not in n]
-    targets.update(build_models(teacher, untrained, device))
-    for item in names:
-        name, sep, path = item.partition("=")
-        if sep:
-            model, _ = load_model_and_tokenizer(path)
-            targets[name] = model.to(device).eval()
-    return {n.partition("=")[0]: targets[n.partition("=")[0]] for n in names}
+    one (``build_models``)."""
+    return build_models(teacher, names, device)
 
 
 def run_spec_bench(settings: BenchSettings, progress: bool = True) -> dict:

@@ -61,6 +61,9 @@ def run_generate_bench(settings: BenchSettings, progress: bool = True) -> dict:
         "device": str(device),
         "threads": torch.get_num_threads(),
         "compiled_decode_step": compiled,  # student → "compiled" or why it decodes eagerly
+        "models": {
+            name: model.__dict__.get("bench_model") for name, model in models.items()
+        },  # what each row is
         "environment": environment(),
         "stream_rate": stream,  # GB/s this machine streams: the bandwidth bound's denominator
         "weight_formats": weights,
