@@ -173,13 +173,27 @@ def tiny_config(name: str) -> PretrainedConfig:
         ) from None
 
 
-def tiny_model(family: str, seed: int = 0, layers: int | None = None) -> torch.nn.Module:
+def tiny_model(
+    family: str,
+    seed: int = 0,
+    layers: int | None = None,
+    *,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    max_positions: int | None = None,
+) -> torch.nn.Module:
     """A randomly initialised CausalLM for ``family`` (or a variant): fp32, eval mode, eager attention.
 
-    ``layers`` sets the depth (for families without per-layer lists such as ``layer_types``)."""
+    ``layers`` sets the depth (for families without per-layer lists such as ``layer_types``);
+    ``tokenizer`` sizes the vocabulary to it and makes its end-of-text the bos, eos and pad token (a
+    teacher to save beside it); ``max_positions`` sets ``max_position_embeddings``."""
     config = tiny_config(family)
     if layers is not None:
         config.num_hidden_layers = layers
+    if tokenizer is not None:
+        config.vocab_size = len(tokenizer)
+        config.bos_token_id = config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
+    if max_positions is not None:
+        config.max_position_embeddings = max_positions
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     return model.float().eval()
@@ -245,6 +259,15 @@ def make_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
     )
     tok.train_from_iterator(SENTENCES, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", model_max_length=64)
+
+
+def write_sentence_corpus(folder: Path, n_docs: int = 40) -> Path:
+    """A corpus directory of ``n_docs`` short documents made of SENTENCES (what ``eval --corpus``
+    reads). Returns ``folder``."""
+    folder.mkdir()
+    for i in range(n_docs):
+        (folder / f"d{i}.txt").write_text(" ".join(SENTENCES[i % 4 :] * 3))
+    return folder
 
 
 def save_tiny_teacher(path, family: str = "llama") -> torch.nn.Module:

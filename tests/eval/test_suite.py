@@ -22,7 +22,7 @@ from attn2ssm.eval.suite_settings import (
     with_overrides,
 )
 from attn2ssm.eval.tables import anchors_table
-from tiny_models import SENTENCES, make_tokenizer, one_line_error, tiny_config
+from tiny_models import make_tokenizer, one_line_error, tiny_model, write_sentence_corpus
 
 
 def test_binomial_se_hand_cases():
@@ -188,29 +188,20 @@ def test_a_gpu_s_teacher_units_are_cached_apart(tmp_path):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     pytest.importorskip("lm_eval", reason="needs lm_eval (pip install -e '.[eval]')")
-    from transformers import AutoModelForCausalLM
-
     from attn2ssm.student.convert import convert
     from attn2ssm.student.plans import make_plan
 
     root = tmp_path_factory.mktemp("suite")
     tok = make_tokenizer()
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = tok.eos_token_id
-    cfg.max_position_embeddings = 1024
-    torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    teacher = tiny_model("llama", tokenizer=tok, max_positions=1024)
     teacher.save_pretrained(root / "teacher")
     tok.save_pretrained(root / "teacher")
-    student = convert(teacher, make_plan(cfg.num_hidden_layers, "linear_attention", attention_ratio=0.5))
+    student = convert(
+        teacher, make_plan(teacher.config.num_hidden_layers, "linear_attention", attention_ratio=0.5)
+    )
     student.save_pretrained(root / "student")
     tok.save_pretrained(root / "student")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i in range(40):
-        (corpus / f"d{i}.txt").write_text(" ".join(SENTENCES[i % 4 :] * 3))
-    return root, corpus
+    return root, write_sentence_corpus(root / "corpus")
 
 
 def test_run_suite_writes_the_table_and_caches_the_teacher(pair, tmp_path):
