@@ -325,3 +325,36 @@ def tiny_overrides(teacher_dir, corpus_dir, **extra):
     }
     sets.update(extra)
     return [f"{k}={v}" for k, v in sets.items()]
+
+
+# ------------------------------------------------------------------------- a distill run killed, and resumed
+class Crash(Exception):
+    """What ``crash_after`` raises: the run dies there, as if killed."""
+
+
+def crash_after(monkeypatch, n: int, method: str = "_save_checkpoint") -> None:
+    """``Distiller.<method>`` raises Crash right after its n-th call (``monkeypatch.undo()`` lifts it)."""
+    import attn2ssm.distill.trainer as T
+
+    original, calls = getattr(T.Distiller, method), {"n": 0}
+
+    def then_crash(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise Crash
+
+    monkeypatch.setattr(T.Distiller, method, then_crash)
+
+
+def assert_same_student(reference: Path, run: Path) -> None:
+    """The two runs' final students hold the same tensors (1e-6): a resumed run is the uninterrupted one."""
+    from safetensors.torch import load_file
+
+    a, b = (
+        load_file(reference / "student" / "model.safetensors"),
+        load_file(run / "student" / "model.safetensors"),
+    )
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)

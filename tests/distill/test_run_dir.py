@@ -19,33 +19,21 @@ import pytest
 import torch
 import yaml
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 import attn2ssm.distill.run_dir as run_dir
-import attn2ssm.distill.trainer as T
 from attn2ssm.cli import main
 from attn2ssm.distill.checkpoints import damage
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill, latest_checkpoint
 from attn2ssm.errors import ConfigError, OutputError
 from read_only import not_as_root, read_only_folder
-from tiny_models import BASE_RECIPE
+from tiny_models import BASE_RECIPE, Crash, assert_same_student, crash_after
 
 
 def _env():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     return env
-
-
-def _assert_same_student(reference: Path, run: Path) -> None:
-    a, b = (
-        load_file(reference / "student" / "model.safetensors"),
-        load_file(run / "student" / "model.safetensors"),
-    )
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
 
 
 def _steps(run: Path) -> list[tuple[int, int]]:
@@ -58,23 +46,6 @@ def _steps(run: Path) -> list[tuple[int, int]]:
 
 def _no_space(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
-class Crash(Exception):
-    pass
-
-
-def _crash_after(monkeypatch, method: str, n: int) -> None:
-    """Distiller.<method> raises Crash after its n-th call (the run dies there, as if killed)."""
-    original, calls = getattr(T.Distiller, method), {"n": 0}
-
-    def then_crash(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        calls["n"] += 1
-        if calls["n"] == n:
-            raise Crash
-
-    monkeypatch.setattr(T.Distiller, method, then_crash)
 
 
 # ------------------------------------------------------------------------------------ 6. a full disk
@@ -122,7 +93,7 @@ def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint_and_resumes(
     assert latest_checkpoint(out).name == "stage0-step000006" and damage(latest_checkpoint(out)) is None
 
     distill(load_recipe(BASE_RECIPE, sets), out, resume=True, progress=False)  # space freed
-    _assert_same_student(reference, out)
+    assert_same_student(reference, out)
     assert _steps(out) == _steps(reference)
 
 
@@ -230,7 +201,7 @@ def test_resume_applies_settings_that_leave_the_trained_steps_alone(
     reference = tmp_path / "reference"
     distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
     out = tmp_path / "run"
-    _crash_after(monkeypatch, "_save_checkpoint", 2)  # after stage0-step000006
+    crash_after(monkeypatch, 2)  # after stage0-step000006
     with pytest.raises(Crash):
         distill(load_recipe(BASE_RECIPE, sets), out, progress=False)
     monkeypatch.undo()
@@ -261,7 +232,7 @@ def test_resume_applies_settings_that_leave_the_trained_steps_alone(
         if r["stage_index"] == 0 and "eval_loss" in r
     ]
     assert evaluated == [4, 8, 10, 12]  # every 4th step before the resume at 6, every 2nd after it
-    _assert_same_student(reference, out)  # none of it touched the math
+    assert_same_student(reference, out)  # none of it touched the math
 
 
 def test_resume_refuses_a_setting_that_would_change_the_training(
@@ -269,7 +240,7 @@ def test_resume_refuses_a_setting_that_would_change_the_training(
 ):
     sets = run_overrides()
     out = tmp_path / "run"
-    _crash_after(monkeypatch, "_save_checkpoint", 1)
+    crash_after(monkeypatch, 1)
     with pytest.raises(Crash):
         distill(load_recipe(BASE_RECIPE, sets), out, progress=False)
     monkeypatch.undo()
@@ -311,7 +282,7 @@ def test_resume_refuses_a_setting_that_would_change_the_training(
 def test_a_resume_without_a_checkpoint_starts_the_metrics_afresh(run_overrides, tmp_path, monkeypatch):
     sets = run_overrides()
     out = tmp_path / "run"
-    _crash_after(monkeypatch, "_log_step", 2)  # two metric lines, no checkpoint yet (save_every 3)
+    crash_after(monkeypatch, 2, "_log_step")  # two metric lines, no checkpoint yet (save_every 3)
     with pytest.raises(Crash):
         distill(load_recipe(BASE_RECIPE, sets), out, progress=False)
     monkeypatch.undo()
@@ -439,5 +410,5 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_command(
 
     resumed = _run_cli(*shlex.split(command)[1:], "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    _assert_same_student(reference, out)
+    assert_same_student(reference, out)
     assert _steps(out) == _steps(reference)
