@@ -294,25 +294,37 @@ def test_a_resume_without_a_checkpoint_starts_the_metrics_afresh(run_overrides, 
 
 # ------------------------------------------------- 11, 12, 13. another process, what a killed run left, signals
 SLOW_CLI = r"""
-import sys, time
+import os, sys, time
 import attn2ssm.distill.run_dir as run_dir
 import attn2ssm.distill.trainer as T
 from attn2ssm.cli import main
 
-train_step = T.Distiller._train_step
+HOLD = os.environ.get("ATTN2SSM_TEST_HOLD")
+train_step, save_checkpoint = T.Distiller._train_step, T.Distiller._save_checkpoint
 
 def slow_step(self, *args, **kwargs):  # time for the test to act mid-run; the math is untouched
     result = train_step(self, *args, **kwargs)
     time.sleep(0.3)
     return result
 
-T.Distiller._train_step = slow_step
+def held_save(self, *args, **kwargs):  # parked after the checkpoint, its lock held, while HOLD exists
+    save_checkpoint(self, *args, **kwargs)
+    deadline = time.monotonic() + 600  # (only a stray run's end: the test kills it long before)
+    while os.path.exists(HOLD) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+if HOLD:
+    T.Distiller._save_checkpoint = held_save
+else:
+    T.Distiller._train_step = slow_step
 sys.exit(main(sys.argv[1:]))
 """
 
 
-def _start_slow(out: Path, sets: list[str]) -> subprocess.Popen:
-    """``attn2ssm distill`` with slow steps, returned once its first metric line is written."""
+def _start_slow(out: Path, sets: list[str], hold: Path | None = None) -> subprocess.Popen:
+    """``attn2ssm distill`` with slow steps, returned once its first metric line is written. With
+    ``hold`` (a file the test made) its steps are not slowed: it parks after each checkpoint, holding
+    its lock, for as long as that file exists."""
     args = [
         sys.executable,
         "-c",
@@ -324,7 +336,8 @@ def _start_slow(out: Path, sets: list[str]) -> subprocess.Popen:
         "--no-progress",
         *sum((["--set", s] for s in sets), []),
     ]
-    proc = subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = _env() if hold is None else {**_env(), "ATTN2SSM_TEST_HOLD": str(hold)}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().endswith("\n")):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -345,7 +358,9 @@ def test_a_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_lock
 ):
     sets = run_overrides()
     out = tmp_path / "run"
-    first = _start_slow(out, sets)
+    hold = tmp_path / "hold"
+    hold.touch()  # never removed: the first run holds the lock until it is killed, however slow the second
+    first = _start_slow(out, sets, hold=hold)
     try:
         lines = (out / "metrics.jsonl").read_bytes()
         second = _run_cli(
@@ -365,10 +380,16 @@ def test_a_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_lock
         ), err
         # the second run wrote nothing: only the first's lines
         assert (out / "metrics.jsonl").read_bytes().startswith(lines)
+        deadline = time.monotonic() + 300
+        while latest_checkpoint(out) is None:  # the kill lands where it is parked: its first checkpoint
+            assert first.poll() is None, f"the first run ended: {first.communicate()[1][-2000:]}"
+            assert time.monotonic() < deadline, "the first run reached no checkpoint in 300 s"
+            time.sleep(0.05)
         assert first.poll() is None
     finally:
         first.kill()  # SIGKILL: the OS drops its lock
         first.communicate()
+    assert latest_checkpoint(out).name == "stage0-step000003"
     # as if killed while writing them
     for leftover in (
         out / ".tmp-student",
