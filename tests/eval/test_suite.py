@@ -421,28 +421,12 @@ def test_the_real_teacher_against_itself_recovers_everything(tmp_path):
     assert 0.3 < by["task/arc_easy/0"]["teacher"] < 0.8  # 0.516 on all 2376 questions
 
 
-def test_eval_suite_command_prints_and_writes(pair, tmp_path, monkeypatch, capsys):
+def test_eval_suite_command_prints_and_writes(pair, tiny_suite, tmp_path, capsys):
     """``attn2ssm eval STUDENT --suite standard --quick --against T --out DIR`` (the suite shrunk to tiny sizes)."""
     from attn2ssm.cli import main
-    from attn2ssm.eval import suite_settings as suite
 
     root, corpus = pair
-    asked = []
-    tiny = SuiteSettings(
-        name="standard --quick",
-        corpora=(str(corpus),),
-        windows=(32,),
-        max_tokens=200,
-        tasks=(TaskSpec("piqa", "acc", 0, 2, "PIQA"),),
-        generation=None,
-        niah_forms=("niah_single_1",),
-        niah_lengths=(400,),
-        niah_trials=1,
-        batch_size=2,
-    )
-    monkeypatch.setattr(
-        suite, "suite_settings", lambda name, quick=False: asked.append((name, quick)) or tiny
-    )
+    asked = tiny_suite([corpus])
     out = tmp_path / "suite"
     assert (
         main(
@@ -468,25 +452,13 @@ def test_eval_suite_command_prints_and_writes(pair, tmp_path, monkeypatch, capsy
     assert json.loads((out / "suite.json").read_text())["suite"] == "standard --quick"
 
 
-def test_eval_suite_perplexity_rows_alone(pair, tmp_path, monkeypatch, capsys):
+def test_eval_suite_perplexity_rows_alone(pair, tiny_suite, tmp_path, capsys):
     """``make demo``'s table: ``--rows perplexity --corpora ... --windows ...`` scores those rows only
     and prints no (empty) accuracy table."""
     from attn2ssm.cli import main
-    from attn2ssm.eval import suite_settings as suite
 
     root, corpus = pair
-    tiny = SuiteSettings(
-        name="standard --quick",
-        corpora=("sotu",),  # replaced by --corpora: nothing is fetched
-        windows=(32, 64),
-        max_tokens=200,
-        tasks=(TaskSpec("piqa", "acc", 0, 2, "PIQA"),),
-        niah_forms=("niah_single_1",),
-        niah_lengths=(400,),
-        niah_trials=1,
-        batch_size=2,
-    )
-    monkeypatch.setattr(suite, "suite_settings", lambda name, quick=False: tiny)
+    tiny_suite(["sotu"], windows=(32, 64))  # "sotu" is replaced by --corpora: nothing is fetched
     out = tmp_path / "suite"
     argv = ["eval", str(root / "student"), "--suite", "standard", "--quick", "--rows", "perplexity"]
     argv += ["--corpora", str(corpus), "--windows", "64", "--against", str(root / "teacher")]
