@@ -26,7 +26,7 @@ from attn2ssm.distill.checkpoints import damage
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill, latest_checkpoint
 from attn2ssm.errors import ConfigError, OutputError
-from read_only import not_as_root, read_only_folder
+from read_only import denied_before_the_teacher_loads, not_as_root, read_only_folder
 from tiny_models import BASE_RECIPE, Crash, assert_same_student, crash_after
 
 
@@ -149,8 +149,6 @@ def test_a_read_only_parent_is_refused_before_the_teacher_loads(run_overrides, t
 
 
 def test_an_unwritable_out_is_one_line_before_or_while_writing(run_overrides, tmp_path, monkeypatch, capsys):
-    import attn2ssm.teachers
-
     args = [
         "distill",
         BASE_RECIPE,
@@ -159,17 +157,8 @@ def test_an_unwritable_out_is_one_line_before_or_while_writing(run_overrides, tm
         "--no-progress",
         *sum((["--set", s] for s in run_overrides()), []),
     ]
-    real_access, real_load = os.access, attn2ssm.teachers.load_teacher
-    # as if tmp_path were read-only
-    monkeypatch.setattr(
-        os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode)
-    )
-    monkeypatch.setattr(
-        attn2ssm.teachers,
-        "load_teacher",
-        lambda *a, **k: pytest.fail("the teacher loaded for an --out that cannot be written"),
-    )
-    assert main(args) == 2
+    with denied_before_the_teacher_loads(tmp_path):  # as if tmp_path were read-only
+        assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert (
         len(err) == 1
@@ -177,9 +166,6 @@ def test_an_unwritable_out_is_one_line_before_or_while_writing(run_overrides, tm
         == f"error: --out {tmp_path / 'run'}: {tmp_path} is not writable (permission denied) — choose another --out, or make {tmp_path} writable"
     ), err
     assert not (tmp_path / "run").exists()
-
-    monkeypatch.setattr(os, "access", real_access)
-    monkeypatch.setattr(attn2ssm.teachers, "load_teacher", real_load)
 
     def denied(path, text):  # access(2) said yes, the write says no (ACLs, NFS root squash, a race)
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
