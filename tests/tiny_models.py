@@ -183,12 +183,14 @@ def tiny_model(
 ) -> torch.nn.Module:
     """A randomly initialised CausalLM for ``family`` (or a variant): fp32, eval mode, eager attention.
 
-    ``layers`` sets the depth (for families without per-layer lists such as ``layer_types``);
+    ``layers`` sets the depth (a family's per-layer ``layer_types`` repeated to that many layers);
     ``tokenizer`` sizes the vocabulary to it and makes its end-of-text the bos, eos and pad token (a
     teacher to save beside it); ``max_positions`` sets ``max_position_embeddings``."""
     config = tiny_config(family)
     if layers is not None:
         config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = (config.layer_types * layers)[:layers]
     if tokenizer is not None:
         config.vocab_size = len(tokenizer)
         config.bos_token_id = config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
@@ -270,14 +272,17 @@ def write_sentence_corpus(folder: Path, n_docs: int = 40) -> Path:
     return folder
 
 
-def save_tiny_teacher(path, family: str = "llama") -> torch.nn.Module:
+def save_tiny_teacher(path, family: str = "llama", max_positions: int | None = None) -> torch.nn.Module:
     """A tiny random ``family`` teacher (seed 0) over ``make_tokenizer``'s vocabulary, saved with that
-    tokenizer in ``path`` (config, weights, tokenizer: a directory ``--teacher`` takes). Returns it."""
+    tokenizer in ``path`` (config, weights, tokenizer: a directory ``--teacher`` takes). Returns it.
+    ``max_positions`` sets ``max_position_embeddings``."""
     from transformers import AutoModelForCausalLM
 
     tok = make_tokenizer()
     cfg = tiny_config(family)
     cfg.vocab_size = len(tok)
+    if max_positions is not None:
+        cfg.max_position_embeddings = max_positions
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(cfg)
     teacher.save_pretrained(path)
