@@ -23,6 +23,16 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
+def padded_batch(length: int, gap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of two rows of ``length`` random tokens (seed 3): the second row left-padded by two
+    tokens and with a padded token at ``gap`` (among the decoded ones)."""
+    ids = torch.randint(3, 256, (2, length), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, :2] = 0  # left padding
+    mask[1, gap] = 0  # and a padded token among the decoded ones
+    return ids, mask
+
+
 def full_and_pieces(model, ids, mask, pieces):
     """(logits of one full forward, logits of the pieces run through a cache, concatenated)."""
     pos = positions(mask)

@@ -173,13 +173,29 @@ def tiny_config(name: str) -> PretrainedConfig:
         ) from None
 
 
-def tiny_model(family: str, seed: int = 0, layers: int | None = None) -> torch.nn.Module:
+def tiny_model(
+    family: str,
+    seed: int = 0,
+    layers: int | None = None,
+    *,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    max_positions: int | None = None,
+) -> torch.nn.Module:
     """A randomly initialised CausalLM for ``family`` (or a variant): fp32, eval mode, eager attention.
 
-    ``layers`` sets the depth (for families without per-layer lists such as ``layer_types``)."""
+    ``layers`` sets the depth (a family's per-layer ``layer_types`` repeated to that many layers);
+    ``tokenizer`` sizes the vocabulary to it and makes its end-of-text the bos, eos and pad token (a
+    teacher to save beside it); ``max_positions`` sets ``max_position_embeddings``."""
     config = tiny_config(family)
     if layers is not None:
         config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = (config.layer_types * layers)[:layers]
+    if tokenizer is not None:
+        config.vocab_size = len(tokenizer)
+        config.bos_token_id = config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
+    if max_positions is not None:
+        config.max_position_embeddings = max_positions
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     return model.float().eval()
@@ -247,14 +263,26 @@ def make_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", model_max_length=64)
 
 
-def save_tiny_teacher(path, family: str = "llama") -> torch.nn.Module:
+def write_sentence_corpus(folder: Path, n_docs: int = 40) -> Path:
+    """A corpus directory of ``n_docs`` short documents made of SENTENCES (what ``eval --corpus``
+    reads). Returns ``folder``."""
+    folder.mkdir()
+    for i in range(n_docs):
+        (folder / f"d{i}.txt").write_text(" ".join(SENTENCES[i % 4 :] * 3))
+    return folder
+
+
+def save_tiny_teacher(path, family: str = "llama", max_positions: int | None = None) -> torch.nn.Module:
     """A tiny random ``family`` teacher (seed 0) over ``make_tokenizer``'s vocabulary, saved with that
-    tokenizer in ``path`` (config, weights, tokenizer: a directory ``--teacher`` takes). Returns it."""
+    tokenizer in ``path`` (config, weights, tokenizer: a directory ``--teacher`` takes). Returns it.
+    ``max_positions`` sets ``max_position_embeddings``."""
     from transformers import AutoModelForCausalLM
 
     tok = make_tokenizer()
     cfg = tiny_config(family)
     cfg.vocab_size = len(tok)
+    if max_positions is not None:
+        cfg.max_position_embeddings = max_positions
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(cfg)
     teacher.save_pretrained(path)
@@ -302,3 +330,36 @@ def tiny_overrides(teacher_dir, corpus_dir, **extra):
     }
     sets.update(extra)
     return [f"{k}={v}" for k, v in sets.items()]
+
+
+# ------------------------------------------------------------------------- a distill run killed, and resumed
+class Crash(Exception):
+    """What ``crash_after`` raises: the run dies there, as if killed."""
+
+
+def crash_after(monkeypatch, n: int, method: str = "_save_checkpoint") -> None:
+    """``Distiller.<method>`` raises Crash right after its n-th call (``monkeypatch.undo()`` lifts it)."""
+    import attn2ssm.distill.trainer as T
+
+    original, calls = getattr(T.Distiller, method), {"n": 0}
+
+    def then_crash(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise Crash
+
+    monkeypatch.setattr(T.Distiller, method, then_crash)
+
+
+def assert_same_student(reference: Path, run: Path) -> None:
+    """The two runs' final students hold the same tensors (1e-6): a resumed run is the uninterrupted one."""
+    from safetensors.torch import load_file
+
+    a, b = (
+        load_file(reference / "student" / "model.safetensors"),
+        load_file(run / "student" / "model.safetensors"),
+    )
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)

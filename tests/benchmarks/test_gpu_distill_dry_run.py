@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from tiny_models import make_tokenizer, tiny_config
+from tiny_models import make_tokenizer, save_tiny_teacher
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu" / "distill_on_gpu.py"
@@ -25,13 +24,8 @@ from attn2ssm.data.shard_writer import ShardWriter  # noqa: E402
 def _setup(tmp_path):
     """A tiny Llama teacher and token shards for two of mix:general's sources (one teacher-sampled)
     and the held-out corpus the evaluation scores."""
-    tok = make_tokenizer()
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    cfg.max_position_embeddings = 512
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "teacher")
-    tok.save_pretrained(tmp_path / "teacher")
+    save_tiny_teacher(tmp_path / "teacher", max_positions=512)
+    tok = make_tokenizer()  # the teacher's
     gen = torch.Generator().manual_seed(0)
     for spec in ("sotu", "generated:8192?top_p=0.95"):
         with ShardWriter(tmp_path / "shards" / shard_name(spec), tok, source=spec) as w:

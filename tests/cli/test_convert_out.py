@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from attn2ssm.cli import main
-from read_only import not_as_root, read_only_folder
+from read_only import denied_before_the_teacher_loads, not_as_root, read_only_folder
 from tiny_models import save_tiny_teacher
 
 
@@ -136,29 +136,16 @@ def test_a_read_only_parent_is_refused(teacher_dir, tmp_path, capsys):
 def test_an_unwritable_out_is_one_line_before_the_teacher_loads_or_while_writing(
     teacher_dir, tmp_path, monkeypatch, capsys
 ):
-    import attn2ssm.teachers
     from attn2ssm.student.modeling import Attn2SSMForCausalLM
 
     out = tmp_path / "new" / "out"
-    real_access, real_load = os.access, attn2ssm.teachers.load_teacher
-    # as if tmp_path were read-only
-    monkeypatch.setattr(
-        os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode)
-    )
-    monkeypatch.setattr(
-        attn2ssm.teachers,
-        "load_teacher",
-        lambda *a, **k: pytest.fail("the teacher loaded for an --out that cannot be written"),
-    )
-    assert _convert(teacher_dir, out) == 2
+    with denied_before_the_teacher_loads(tmp_path):  # as if tmp_path were read-only
+        assert _convert(teacher_dir, out) == 2
     assert (
         _one_error_line(capsys)
         == f"error: --out {out}: {tmp_path} is not writable (permission denied) — choose another --out, or make {tmp_path} writable"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == []
-
-    monkeypatch.setattr(os, "access", real_access)
-    monkeypatch.setattr(attn2ssm.teachers, "load_teacher", real_load)
 
     # access(2) said yes, the write says no (ACLs, NFS root squash, a race)
     def denied(self, directory, *args, **kwargs):

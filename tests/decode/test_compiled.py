@@ -104,7 +104,15 @@ def test_compiled_steps_equal_the_eager_plan_and_trace_once(kind, options, famil
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind, options", KINDS)
+# a learned per-head decay (tests/mixers/test_linear_attention_decay_mixer.py) rides in the traced step
+# too (a window student does not step: no trace)
+DECAYED = [
+    {"decay": True, "decay_horizon": 6.0},
+    {"decay": True, "decay_horizon": 6.0, "feature_map": "hedgehog"},
+]
+
+
+@pytest.mark.parametrize("kind, options", KINDS + [("linear_attention", o) for o in DECAYED])
 def test_a_plan_compiled_without_the_decode_layout_gives_the_eager_tokens(kind, options):
     """``enable_decode_plan(compile=True)`` alone (no fused weights, plain nn.Linear layers, as a
     remote-code checkpoint would have it) traces too."""

@@ -27,7 +27,7 @@ from attn2ssm.distill.stages.cab import (
 from attn2ssm.distill.trainer import distill, latest_checkpoint
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.convert import convert
-from tiny_models import tiny_model
+from tiny_models import Crash, assert_same_student, crash_after, tiny_model
 
 M2 = "mamba2"
 
@@ -330,24 +330,11 @@ def test_bridge_stage_trains_and_bridges_stay_out_of_the_student(run_overrides, 
 
 
 def test_resume_inside_the_bridge_stage_matches_uninterrupted(run_overrides, tmp_path, monkeypatch):
-    import attn2ssm.distill.trainer as T
-
     sets = _cab_sets(run_overrides, **{"student.depth": 1})
     reference = tmp_path / "reference"
     distill(load_recipe("cab", sets), reference, progress=False)
 
-    class Crash(Exception):
-        pass
-
-    original, saves = T.Distiller._save_checkpoint, {"n": 0}
-
-    def save_then_crash(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        saves["n"] += 1
-        if saves["n"] == 2:  # after step 6 of 8 of the bridge stage
-            raise Crash
-
-    monkeypatch.setattr(T.Distiller, "_save_checkpoint", save_then_crash)
+    crash_after(monkeypatch, 2)  # after step 6 of 8 of the bridge stage
     crashed = tmp_path / "crashed"
     with pytest.raises(Crash):
         distill(load_recipe("cab", sets), crashed, progress=False)
@@ -358,18 +345,12 @@ def test_resume_inside_the_bridge_stage_matches_uninterrupted(run_overrides, tmp
     assert any(
         k.startswith("phi_B.") for k in torch.load(mid / "optimizer.pt", weights_only=False)["stage_modules"]
     )
-    monkeypatch.setattr(T.Distiller, "_save_checkpoint", original)
+    monkeypatch.undo()
     distill(load_recipe("cab", sets), crashed, resume=True, progress=False)
     assert "stage_modules" not in torch.load(
         reference / "checkpoints" / "stage1-step000002" / "optimizer.pt", weights_only=False
     )
-    a, b = (
-        load_file(reference / "student" / "model.safetensors"),
-        load_file(crashed / "student" / "model.safetensors"),
-    )
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
+    assert_same_student(reference, crashed)
     ref, res = _records(reference), _records(crashed)
     assert [(r["stage_index"], r["step"]) for r in res] == [(r["stage_index"], r["step"]) for r in ref]
     assert [r["loss"] for r in res] == pytest.approx([r["loss"] for r in ref], rel=1e-5)

@@ -12,9 +12,23 @@ from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.modeling import Attn2SSMForCausalLM
-from tiny_models import BASE_RECIPE
+from tiny_models import BASE_RECIPE, Crash, assert_same_student, crash_after
 
 KD_CE = "{name: %s, kind: kd_ce, tokens: 256, batch_size: 4, save_every: 1, optim: {lr: 0.01}%s}"
+
+
+def _stepwise_sets(run_overrides, mixer: str) -> list[str]:
+    """A stepwise schedule on the 2-layer teacher: stage "half" (layer 0 converted to ``mixer``), then
+    stage "none" (layer 1 converted too)."""
+    stages = "[" + KD_CE % ("half", "") + ", " + KD_CE % ("none", ", attention_ratio: 0.0") + "]"
+    return run_overrides(
+        **{
+            "stages": stages,
+            "student.mixer": mixer,
+            "student.mixer_options": "{}",
+            "student.attention_ratio": 0.5,
+        }
+    )
 
 
 def _records(out: Path) -> list[dict]:
@@ -25,15 +39,7 @@ def test_stepwise_schedule_converts_more_layers_and_carries_trained_mixers(run_o
     """50 % → 0 % on a 2-layer teacher: layer 0 is converted and trained first, then layer 1 is
     converted from attention while layer 0 keeps what it learnt."""
     out = tmp_path / "run"
-    stages = "[" + KD_CE % ("half", "") + ", " + KD_CE % ("none", ", attention_ratio: 0.0") + "]"
-    overrides = run_overrides(
-        **{
-            "stages": stages,
-            "student.mixer": "mamba2",
-            "student.mixer_options": "{}",
-            "student.attention_ratio": 0.5,
-        }
-    )
+    overrides = _stepwise_sets(run_overrides, "mamba2")
     distill(load_recipe(BASE_RECIPE, overrides), out, progress=False)
     final = Attn2SSMForCausalLM.from_pretrained(out / "student")
     assert final.config.layer_plan == ["mamba2", "mamba2"]
@@ -56,15 +62,7 @@ def test_stepwise_growth_keeps_stage_one_weights(run_overrides, tmp_path):
             {k: v.clone() for k, v in self.acc.unwrap_model(self.student).state_dict().items()},
         )
 
-    stages = "[" + KD_CE % ("half", "") + ", " + KD_CE % ("none", ", attention_ratio: 0.0") + "]"
-    overrides = run_overrides(
-        **{
-            "stages": stages,
-            "student.mixer": "mamba2",
-            "student.mixer_options": "{}",
-            "student.attention_ratio": 0.5,
-        }
-    )
+    overrides = _stepwise_sets(run_overrides, "mamba2")
     T.Distiller._grow_for_stage = spy
     try:
         distill(load_recipe(BASE_RECIPE, overrides), tmp_path / "run", progress=False)
@@ -232,44 +230,17 @@ def test_mamba_in_llama_recipe_runs_end_to_end(chat_overrides, tmp_path):
 @pytest.mark.parametrize("crash_after_saves", [2, 3])
 def test_stepwise_resume_matches_uninterrupted(run_overrides, tmp_path, monkeypatch, crash_after_saves):
     """A run killed at the stage boundary or inside the grown stage resumes to the same student."""
-    from attn2ssm.distill.trainer import Distiller
-
-    stages = "[" + KD_CE % ("half", "") + ", " + KD_CE % ("none", ", attention_ratio: 0.0") + "]"
-    sets = run_overrides(
-        **{
-            "stages": stages,
-            "student.mixer": "mamba2",
-            "student.mixer_options": "{}",
-            "student.attention_ratio": 0.5,
-        }
-    )
+    sets = _stepwise_sets(run_overrides, "mamba2")
     reference = tmp_path / "reference"
     distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
 
-    original, saves = Distiller._save_checkpoint, {"n": 0}
-
-    class Crash(Exception):
-        pass
-
-    def save_then_crash(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        saves["n"] += 1
-        if saves["n"] == crash_after_saves:
-            raise Crash
-
-    monkeypatch.setattr(Distiller, "_save_checkpoint", save_then_crash)
+    crash_after(monkeypatch, crash_after_saves)
     crashed = tmp_path / "crashed"
     with pytest.raises(Crash):
         distill(load_recipe(BASE_RECIPE, sets), crashed, progress=False)
-    monkeypatch.setattr(Distiller, "_save_checkpoint", original)
+    monkeypatch.undo()
     distill(load_recipe(BASE_RECIPE, sets), crashed, resume=True, progress=False)
-    a, b = (
-        load_file(reference / "student" / "model.safetensors"),
-        load_file(crashed / "student" / "model.safetensors"),
-    )
-    assert set(a) == set(b)
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
+    assert_same_student(reference, crashed)
     assert Attn2SSMForCausalLM.from_pretrained(crashed / "student").config.layer_plan == ["mamba2", "mamba2"]
     assert [r["loss"] for r in _records(crashed) if "loss" in r] == pytest.approx(
         [r["loss"] for r in _records(reference) if "loss" in r], rel=1e-6
@@ -281,15 +252,7 @@ def test_gated_delta_decays_calibrated_on_a_fresh_student_and_on_grown_layers_on
     student is built, layer 1 when a stepwise schedule converts it — the grown student keeps layer 0's
     trained decays. Each calibration is one metrics event with the per-head α, β it set."""
     out = tmp_path / "run"
-    stages = "[" + KD_CE % ("half", "") + ", " + KD_CE % ("none", ", attention_ratio: 0.0") + "]"
-    overrides = run_overrides(
-        **{
-            "stages": stages,
-            "student.mixer": "gated_delta",
-            "student.mixer_options": "{}",
-            "student.attention_ratio": 0.5,
-        }
-    )
+    overrides = _stepwise_sets(run_overrides, "gated_delta")
     distill(load_recipe(BASE_RECIPE, overrides), out, progress=False)
     events = [r for r in _records(out) if r.get("event") == "decay_calibration"]
     assert [sorted(e["layers"]) for e in events] == [["0"], ["1"]]

@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill
 from attn2ssm.errors import ConfigError
 from attn2ssm.student.modeling import Attn2SSMForCausalLM
+from tiny_models import Crash, assert_same_student, crash_after
 
 STAGES = (
     "[{name: at, kind: attention_transfer, tokens: 256, batch_size: 4, trainable: [feature_maps], save_every: 1,"
@@ -34,8 +34,6 @@ def _sets(run_overrides, **extra):
 
 
 def test_retrieval_heads_recipe_runs_keeps_its_probe_and_resumes(run_overrides, tmp_path, monkeypatch):
-    from attn2ssm.distill.trainer import Distiller
-
     recipe = load_recipe("retrieval_heads", _sets(run_overrides))
     assert recipe.student.attention_ratio == 0.0
     reference = tmp_path / "reference"
@@ -53,30 +51,13 @@ def test_retrieval_heads_recipe_runs_keeps_its_probe_and_resumes(run_overrides, 
     ids = torch.randint(0, 200, (1, 20))
     assert torch.isfinite(student(ids).logits).all()
 
-    original, saves = Distiller._save_checkpoint, {"n": 0}
-
-    class Crash(Exception):
-        pass
-
-    def save_then_crash(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        saves["n"] += 1
-        if saves["n"] == 2:  # inside the first stage: its second checkpoint
-            raise Crash
-
-    monkeypatch.setattr(Distiller, "_save_checkpoint", save_then_crash)
+    crash_after(monkeypatch, 2)  # inside the first stage: its second checkpoint
     crashed = tmp_path / "crashed"
     with pytest.raises(Crash):
         distill(load_recipe("retrieval_heads", _sets(run_overrides)), crashed, progress=False)
-    monkeypatch.setattr(Distiller, "_save_checkpoint", original)
+    monkeypatch.undo()
     distill(load_recipe("retrieval_heads", _sets(run_overrides)), crashed, resume=True, progress=False)
-    a, b = (
-        load_file(reference / "student" / "model.safetensors"),
-        load_file(crashed / "student" / "model.safetensors"),
-    )
-    assert set(a) == set(b)
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
+    assert_same_student(reference, crashed)
     resumed = Attn2SSMForCausalLM.from_pretrained(crashed / "student")
     assert resumed.config.retrieval_probe == probe and resumed.config.layer_plan == student.config.layer_plan
 

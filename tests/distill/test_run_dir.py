@@ -19,33 +19,21 @@ import pytest
 import torch
 import yaml
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 import attn2ssm.distill.run_dir as run_dir
-import attn2ssm.distill.trainer as T
 from attn2ssm.cli import main
 from attn2ssm.distill.checkpoints import damage
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.trainer import distill, latest_checkpoint
 from attn2ssm.errors import ConfigError, OutputError
-from read_only import not_as_root, read_only_folder
-from tiny_models import BASE_RECIPE
+from read_only import denied_before_the_teacher_loads, not_as_root, read_only_folder
+from tiny_models import BASE_RECIPE, Crash, assert_same_student, crash_after
 
 
 def _env():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     return env
-
-
-def _assert_same_student(reference: Path, run: Path) -> None:
-    a, b = (
-        load_file(reference / "student" / "model.safetensors"),
-        load_file(run / "student" / "model.safetensors"),
-    )
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
 
 
 def _steps(run: Path) -> list[tuple[int, int]]:
@@ -58,23 +46,6 @@ def _steps(run: Path) -> list[tuple[int, int]]:
 
 def _no_space(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
-class Crash(Exception):
-    pass
-
-
-def _crash_after(monkeypatch, method: str, n: int) -> None:
-    """Distiller.<method> raises Crash after its n-th call (the run dies there, as if killed)."""
-    original, calls = getattr(T.Distiller, method), {"n": 0}
-
-    def then_crash(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        calls["n"] += 1
-        if calls["n"] == n:
-            raise Crash
-
-    monkeypatch.setattr(T.Distiller, method, then_crash)
 
 
 # ------------------------------------------------------------------------------------ 6. a full disk
@@ -122,7 +93,7 @@ def test_a_full_disk_while_checkpointing_keeps_the_last_checkpoint_and_resumes(
     assert latest_checkpoint(out).name == "stage0-step000006" and damage(latest_checkpoint(out)) is None
 
     distill(load_recipe(BASE_RECIPE, sets), out, resume=True, progress=False)  # space freed
-    _assert_same_student(reference, out)
+    assert_same_student(reference, out)
     assert _steps(out) == _steps(reference)
 
 
@@ -178,8 +149,6 @@ def test_a_read_only_parent_is_refused_before_the_teacher_loads(run_overrides, t
 
 
 def test_an_unwritable_out_is_one_line_before_or_while_writing(run_overrides, tmp_path, monkeypatch, capsys):
-    import attn2ssm.teachers
-
     args = [
         "distill",
         BASE_RECIPE,
@@ -188,17 +157,8 @@ def test_an_unwritable_out_is_one_line_before_or_while_writing(run_overrides, tm
         "--no-progress",
         *sum((["--set", s] for s in run_overrides()), []),
     ]
-    real_access, real_load = os.access, attn2ssm.teachers.load_teacher
-    # as if tmp_path were read-only
-    monkeypatch.setattr(
-        os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode)
-    )
-    monkeypatch.setattr(
-        attn2ssm.teachers,
-        "load_teacher",
-        lambda *a, **k: pytest.fail("the teacher loaded for an --out that cannot be written"),
-    )
-    assert main(args) == 2
+    with denied_before_the_teacher_loads(tmp_path):  # as if tmp_path were read-only
+        assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert (
         len(err) == 1
@@ -206,9 +166,6 @@ def test_an_unwritable_out_is_one_line_before_or_while_writing(run_overrides, tm
         == f"error: --out {tmp_path / 'run'}: {tmp_path} is not writable (permission denied) — choose another --out, or make {tmp_path} writable"
     ), err
     assert not (tmp_path / "run").exists()
-
-    monkeypatch.setattr(os, "access", real_access)
-    monkeypatch.setattr(attn2ssm.teachers, "load_teacher", real_load)
 
     def denied(path, text):  # access(2) said yes, the write says no (ACLs, NFS root squash, a race)
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
@@ -230,7 +187,7 @@ def test_resume_applies_settings_that_leave_the_trained_steps_alone(
     reference = tmp_path / "reference"
     distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
     out = tmp_path / "run"
-    _crash_after(monkeypatch, "_save_checkpoint", 2)  # after stage0-step000006
+    crash_after(monkeypatch, 2)  # after stage0-step000006
     with pytest.raises(Crash):
         distill(load_recipe(BASE_RECIPE, sets), out, progress=False)
     monkeypatch.undo()
@@ -261,7 +218,7 @@ def test_resume_applies_settings_that_leave_the_trained_steps_alone(
         if r["stage_index"] == 0 and "eval_loss" in r
     ]
     assert evaluated == [4, 8, 10, 12]  # every 4th step before the resume at 6, every 2nd after it
-    _assert_same_student(reference, out)  # none of it touched the math
+    assert_same_student(reference, out)  # none of it touched the math
 
 
 def test_resume_refuses_a_setting_that_would_change_the_training(
@@ -269,7 +226,7 @@ def test_resume_refuses_a_setting_that_would_change_the_training(
 ):
     sets = run_overrides()
     out = tmp_path / "run"
-    _crash_after(monkeypatch, "_save_checkpoint", 1)
+    crash_after(monkeypatch, 1)
     with pytest.raises(Crash):
         distill(load_recipe(BASE_RECIPE, sets), out, progress=False)
     monkeypatch.undo()
@@ -311,7 +268,7 @@ def test_resume_refuses_a_setting_that_would_change_the_training(
 def test_a_resume_without_a_checkpoint_starts_the_metrics_afresh(run_overrides, tmp_path, monkeypatch):
     sets = run_overrides()
     out = tmp_path / "run"
-    _crash_after(monkeypatch, "_log_step", 2)  # two metric lines, no checkpoint yet (save_every 3)
+    crash_after(monkeypatch, 2, "_log_step")  # two metric lines, no checkpoint yet (save_every 3)
     with pytest.raises(Crash):
         distill(load_recipe(BASE_RECIPE, sets), out, progress=False)
     monkeypatch.undo()
@@ -323,25 +280,37 @@ def test_a_resume_without_a_checkpoint_starts_the_metrics_afresh(run_overrides, 
 
 # ------------------------------------------------- 11, 12, 13. another process, what a killed run left, signals
 SLOW_CLI = r"""
-import sys, time
+import os, sys, time
 import attn2ssm.distill.run_dir as run_dir
 import attn2ssm.distill.trainer as T
 from attn2ssm.cli import main
 
-train_step = T.Distiller._train_step
+HOLD = os.environ.get("ATTN2SSM_TEST_HOLD")
+train_step, save_checkpoint = T.Distiller._train_step, T.Distiller._save_checkpoint
 
 def slow_step(self, *args, **kwargs):  # time for the test to act mid-run; the math is untouched
     result = train_step(self, *args, **kwargs)
     time.sleep(0.3)
     return result
 
-T.Distiller._train_step = slow_step
+def held_save(self, *args, **kwargs):  # parked after the checkpoint, its lock held, while HOLD exists
+    save_checkpoint(self, *args, **kwargs)
+    deadline = time.monotonic() + 600  # (only a stray run's end: the test kills it long before)
+    while os.path.exists(HOLD) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+if HOLD:
+    T.Distiller._save_checkpoint = held_save
+else:
+    T.Distiller._train_step = slow_step
 sys.exit(main(sys.argv[1:]))
 """
 
 
-def _start_slow(out: Path, sets: list[str]) -> subprocess.Popen:
-    """``attn2ssm distill`` with slow steps, returned once its first metric line is written."""
+def _start_slow(out: Path, sets: list[str], hold: Path | None = None) -> subprocess.Popen:
+    """``attn2ssm distill`` with slow steps, returned once its first metric line is written. With
+    ``hold`` (a file the test made) its steps are not slowed: it parks after each checkpoint, holding
+    its lock, for as long as that file exists."""
     args = [
         sys.executable,
         "-c",
@@ -353,7 +322,8 @@ def _start_slow(out: Path, sets: list[str]) -> subprocess.Popen:
         "--no-progress",
         *sum((["--set", s] for s in sets), []),
     ]
-    proc = subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = _env() if hold is None else {**_env(), "ATTN2SSM_TEST_HOLD": str(hold)}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().endswith("\n")):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -374,7 +344,9 @@ def test_a_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_lock
 ):
     sets = run_overrides()
     out = tmp_path / "run"
-    first = _start_slow(out, sets)
+    hold = tmp_path / "hold"
+    hold.touch()  # never removed: the first run holds the lock until it is killed, however slow the second
+    first = _start_slow(out, sets, hold=hold)
     try:
         lines = (out / "metrics.jsonl").read_bytes()
         second = _run_cli(
@@ -394,10 +366,16 @@ def test_a_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_lock
         ), err
         # the second run wrote nothing: only the first's lines
         assert (out / "metrics.jsonl").read_bytes().startswith(lines)
+        deadline = time.monotonic() + 300
+        while latest_checkpoint(out) is None:  # the kill lands where it is parked: its first checkpoint
+            assert first.poll() is None, f"the first run ended: {first.communicate()[1][-2000:]}"
+            assert time.monotonic() < deadline, "the first run reached no checkpoint in 300 s"
+            time.sleep(0.05)
         assert first.poll() is None
     finally:
         first.kill()  # SIGKILL: the OS drops its lock
         first.communicate()
+    assert latest_checkpoint(out).name == "stage0-step000003"
     # as if killed while writing them
     for leftover in (
         out / ".tmp-student",
@@ -439,5 +417,5 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_command(
 
     resumed = _run_cli(*shlex.split(command)[1:], "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    _assert_same_student(reference, out)
+    assert_same_student(reference, out)
     assert _steps(out) == _steps(reference)

@@ -6,14 +6,13 @@ import math
 import pytest
 import torch
 from chat_data import END_OF_TURN
-from safetensors.torch import load_file
 
 from attn2ssm.data.chat import encode_conversation, load_preference_dataset, load_sft_dataset
 from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.distill.stages import STAGE_KINDS
-from attn2ssm.distill.trainer import Distiller, distill
+from attn2ssm.distill.trainer import distill
 from attn2ssm.errors import ConfigError, DataError
-from tiny_models import BASE_RECIPE
+from tiny_models import BASE_RECIPE, Crash, assert_same_student, crash_after
 
 
 def _records(path):
@@ -321,32 +320,15 @@ def test_resume_mid_sft_matches_uninterrupted(chat_setup, chat_overrides, tmp_pa
     reference = tmp_path / "reference"
     distill(load_recipe(BASE_RECIPE, sets), reference, progress=False)
 
-    original = Distiller._save_checkpoint
-    saves = {"n": 0}
-
-    class Crash(Exception):
-        pass
-
-    def save_then_crash(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        saves["n"] += 1
-        if saves["n"] == 2:
-            raise Crash
-
-    monkeypatch.setattr(Distiller, "_save_checkpoint", save_then_crash)
+    crash_after(monkeypatch, 2)
     crashed = tmp_path / "crashed"
     with pytest.raises(Crash):
         distill(load_recipe(BASE_RECIPE, sets), crashed, progress=False)
-    monkeypatch.setattr(Distiller, "_save_checkpoint", original)
+    monkeypatch.undo()
     assert not (crashed / "student").exists()
     distill(load_recipe(BASE_RECIPE, sets), crashed, resume=True, progress=False)
 
-    a, b = (
-        load_file(reference / "student" / "model.safetensors"),
-        load_file(crashed / "student" / "model.safetensors"),
-    )
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=1e-6, msg=name)
+    assert_same_student(reference, crashed)
     ref, got = _metrics(reference), _metrics(crashed)
     assert [r["step"] for r in got] == [1, 2, 3]  # 576 / (2 · 96); the crash came after step 2's checkpoint
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-6)

@@ -22,21 +22,15 @@ from attn2ssm.eval.attention import (
     spearman,
 )
 from attn2ssm.student.convert import convert
-from tiny_models import make_tokenizer, tiny_config
+from tiny_models import make_tokenizer, tiny_model
 
 TEXT = "Call me Ishmael. Some years ago, never mind how long precisely, the quick brown fox jumps."
 
 
 @pytest.fixture(scope="module")
 def pair():
-    from transformers import AutoModelForCausalLM
-
     tok = make_tokenizer()
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = tok.eos_token_id
-    torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    teacher = tiny_model("llama", tokenizer=tok)
     student = convert(teacher, ["linear_attention"] * 2, {"linear_attention": {"feature_map": "elu"}}).eval()
     return teacher, student, tok
 

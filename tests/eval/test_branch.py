@@ -11,32 +11,25 @@ import torch
 from attn2ssm.eval.perplexity import perplexity
 from attn2ssm.mixers.linear_attention import LinearAttentionMixer, set_window_branch
 from tiny_models import (
-    SENTENCES,
     make_tokenizer,
     one_line_error,
     perturb_new_mixer_parameters,
-    tiny_config,
+    tiny_model,
+    write_sentence_corpus,
 )
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     from attn2ssm.student.convert import convert
     from attn2ssm.student.plans import make_plan
 
     root = tmp_path_factory.mktemp("branch")
     tok = make_tokenizer()
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = tok.eos_token_id
-    cfg.max_position_embeddings = 256
-    torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    teacher = tiny_model("llama", tokenizer=tok, max_positions=256)
     teacher.save_pretrained(root / "teacher")
     tok.save_pretrained(root / "teacher")
-    plan = make_plan(cfg.num_hidden_layers, "linear_attention", attention_ratio=0.0)
+    plan = make_plan(teacher.config.num_hidden_layers, "linear_attention", attention_ratio=0.0)
     for name, options in (
         ("windowed", {"feature_map": "hedgehog", "window": 4}),
         ("plain", {"feature_map": "hedgehog"}),
@@ -45,11 +38,7 @@ def models(tmp_path_factory):
         perturb_new_mixer_parameters(student)
         student.save_pretrained(root / name)
         tok.save_pretrained(root / name)
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i in range(40):
-        (corpus / f"d{i}.txt").write_text(" ".join(SENTENCES[i % 4 :] * 3))
-    return root, corpus
+    return root, write_sentence_corpus(root / "corpus")
 
 
 def _load(path):

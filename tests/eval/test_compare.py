@@ -4,12 +4,10 @@ computed the right way round, markdown/JSON/PNG written."""
 import json
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from attn2ssm.eval.compare import ReportSettings, compare_report
 from attn2ssm.eval.tables import table_row
-from tiny_models import SENTENCES, make_tokenizer, tiny_config
+from tiny_models import SENTENCES, save_tiny_teacher
 
 
 def test_recovered_fraction_direction():
@@ -25,13 +23,7 @@ def pair(tmp_path_factory):
     from attn2ssm.cli import main
 
     root = tmp_path_factory.mktemp("compare")
-    tok = make_tokenizer()
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    cfg.max_position_embeddings = 512
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "teacher")
-    tok.save_pretrained(root / "teacher")
+    save_tiny_teacher(root / "teacher", max_positions=512)
     assert (
         main(
             [

@@ -12,7 +12,7 @@ import pytest
 
 from attn2ssm.cli import main
 from attn2ssm.eval.output import KeptOutput
-from attn2ssm.eval.suite_settings import SuiteSettings, TaskSpec
+from read_only import deny_access
 from tiny_models import one_line_error
 
 
@@ -24,11 +24,6 @@ def kept_in_tmp_path(tmp_path, monkeypatch):
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     return tmp_path / "tmp"
-
-
-def _read_only(monkeypatch, folder):
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(folder) and real_access(path, mode))
 
 
 def _no_model_loads(monkeypatch):
@@ -74,7 +69,7 @@ def test_a_read_only_json_is_refused_before_the_model_loads(tiny_setup, tmp_path
     teacher, _ = tiny_setup
     ro = tmp_path / "ro"
     ro.mkdir()
-    _read_only(monkeypatch, ro)
+    deny_access(monkeypatch, ro)
     _no_model_loads(monkeypatch)
     err = one_line_error(capsys, ["eval", str(teacher), "--json", str(ro / "e.json")])
     assert (
@@ -105,23 +100,6 @@ def test_a_json_that_fails_after_scoring_keeps_the_scores(tiny_setup, tmp_path, 
     assert kept.name == "e.json" and json.loads(kept.read_text())["model"]["ppl"] > 1
 
 
-def _tiny_suite(monkeypatch, corpus, windows=(32,)):
-    from attn2ssm.eval import suite_settings
-
-    tiny = SuiteSettings(
-        name="standard --quick",
-        corpora=(str(corpus),),
-        windows=windows,
-        max_tokens=200,
-        tasks=(TaskSpec("piqa", "acc", 0, 2, "PIQA"),),
-        niah_forms=("niah_single_1",),
-        niah_lengths=(400,),
-        niah_trials=1,
-        batch_size=2,
-    )
-    monkeypatch.setattr(suite_settings, "suite_settings", lambda name, quick=False: tiny)
-
-
 def _suite_argv(teacher, tmp_path, *extra):
     return [
         "eval",
@@ -139,24 +117,26 @@ def _suite_argv(teacher, tmp_path, *extra):
     ]
 
 
-def test_a_read_only_suite_folder_is_refused_before_scoring(tiny_setup, tmp_path, monkeypatch, capsys):
+def test_a_read_only_suite_folder_is_refused_before_scoring(
+    tiny_setup, tiny_suite, tmp_path, monkeypatch, capsys
+):
     teacher, corpus = tiny_setup
-    _tiny_suite(monkeypatch, corpus)
+    tiny_suite([corpus])
     ro = tmp_path / "ro"
     ro.mkdir()
-    _read_only(monkeypatch, ro)
+    deny_access(monkeypatch, ro)
     _no_model_loads(monkeypatch)
     err = one_line_error(capsys, _suite_argv(teacher, tmp_path, "--out", str(ro / "suite")))
     assert err.startswith(f"error: --out {ro / 'suite'}: {ro} is not writable")
 
 
 def test_a_suite_whose_folder_fails_after_scoring_prints_and_keeps_its_table(
-    tiny_setup, tmp_path, monkeypatch, capsys
+    tiny_setup, tiny_suite, tmp_path, monkeypatch, capsys
 ):
     from attn2ssm.eval import suite
 
     teacher, corpus = tiny_setup
-    _tiny_suite(monkeypatch, corpus)
+    tiny_suite([corpus])
     out = tmp_path / "suite"
     real = suite.write_suite_report
 
@@ -177,11 +157,13 @@ def test_a_suite_whose_folder_fails_after_scoring_prints_and_keeps_its_table(
     assert not out.exists()
 
 
-def test_suite_windows_past_the_models_positions_say_lower_windows(tiny_setup, tmp_path, monkeypatch, capsys):
+def test_suite_windows_past_the_models_positions_say_lower_windows(
+    tiny_setup, tiny_suite, tmp_path, monkeypatch, capsys
+):
     """A window the user chose past a model's positions is refused in one line; one of the suite's own
     is skipped with a note, and the rest is scored."""
     teacher, corpus = tiny_setup  # 128 positions
-    _tiny_suite(monkeypatch, corpus, windows=(32, 256))
+    tiny_suite([corpus], windows=(32, 256))
     argv = _suite_argv(teacher, tmp_path, "--out", str(tmp_path / "s"))
     err = one_line_error(capsys, [*argv, "--windows", "32,256"])
     assert err.endswith(
@@ -195,7 +177,7 @@ def test_suite_windows_past_the_models_positions_say_lower_windows(tiny_setup, t
     assert f"note: {teacher} reads at most 128 positions: windows 256 skipped" in captured.err
     rows = json.loads((tmp_path / "s" / "suite.json").read_text())["rows"]
     assert [r["id"] for r in rows] == [f"ppl/{corpus}/32"]
-    _tiny_suite(monkeypatch, corpus, windows=(256, 512))  # nothing left to score: refused
+    tiny_suite([corpus], windows=(256, 512))  # nothing left to score: refused
     assert "lower --windows to 128" in one_line_error(capsys, argv)
 
 
@@ -206,7 +188,7 @@ def test_a_read_only_model_folder_refuses_tasks_before_scoring(tiny_setup, tmp_p
     monkeypatch.setattr(
         harness, "run_lm_eval", lambda *a, **k: pytest.fail("scored for an unwritable output")
     )
-    _read_only(monkeypatch, teacher)
+    deny_access(monkeypatch, teacher)
     err = one_line_error(capsys, ["eval", str(teacher), "--tasks", "piqa", "--limit", "2"])
     assert err.startswith(f"error: --json {teacher / 'eval' / 'lm_eval.json'}: {teacher} is not writable")
 

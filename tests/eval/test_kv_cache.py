@@ -4,22 +4,15 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from attn2ssm.eval.kv_cache import kv_bytes, kv_fraction, layer_caches, state_bytes
 from attn2ssm.student.convert import convert
 from attn2ssm.student.plans import make_plan
-from tiny_models import tiny_config
+from tiny_models import tiny_model
 
 
 def _teacher(family: str = "llama", layers: int = 4):
-    cfg = tiny_config(family)
-    cfg.num_hidden_layers = layers
-    if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = (cfg.layer_types * layers)[:layers]
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    return tiny_model(family, layers=layers)
 
 
 def test_the_teachers_kv_is_two_times_kv_heads_head_dim_tokens_bytes():

@@ -8,12 +8,11 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from attn2ssm.eval.length_curve import build_curve, fit_windows, format_curve, score_length_curve
 from attn2ssm.eval.perplexity import perplexity
 from attn2ssm.eval.suite_settings import SuiteSettings
-from tiny_models import SENTENCES, make_tokenizer, one_line_error, tiny_config
+from tiny_models import make_tokenizer, one_line_error, tiny_model, write_sentence_corpus
 
 
 def test_build_curve_by_hand():
@@ -37,13 +36,7 @@ def tiny_pair():
     from attn2ssm.student.convert import convert
     from attn2ssm.student.plans import make_plan
 
-    tok = make_tokenizer()
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = tok.eos_token_id
-    cfg.max_position_embeddings = 64
-    torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    teacher = tiny_model("llama", tokenizer=make_tokenizer(), max_positions=64)
     student = convert(teacher, make_plan(2, "linear_attention", keep_attention=[0]))
     return teacher, student
 
@@ -72,11 +65,7 @@ def saved(tmp_path_factory, tiny_pair):
     for name, model in (("teacher", teacher), ("student", student)):
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i in range(40):
-        (corpus / f"d{i}.txt").write_text(" ".join(SENTENCES[i % 4 :] * 3))
-    return root, corpus
+    return root, write_sentence_corpus(root / "corpus")
 
 
 def test_the_suite_writes_the_curve_and_the_kv_fraction(saved, tmp_path, capsys):

@@ -22,7 +22,7 @@ from attn2ssm.eval.suite_settings import (
     with_overrides,
 )
 from attn2ssm.eval.tables import anchors_table
-from tiny_models import SENTENCES, make_tokenizer, one_line_error, tiny_config
+from tiny_models import make_tokenizer, one_line_error, tiny_model, write_sentence_corpus
 
 
 def test_binomial_se_hand_cases():
@@ -188,29 +188,20 @@ def test_a_gpu_s_teacher_units_are_cached_apart(tmp_path):
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     pytest.importorskip("lm_eval", reason="needs lm_eval (pip install -e '.[eval]')")
-    from transformers import AutoModelForCausalLM
-
     from attn2ssm.student.convert import convert
     from attn2ssm.student.plans import make_plan
 
     root = tmp_path_factory.mktemp("suite")
     tok = make_tokenizer()
-    cfg = tiny_config("llama")
-    cfg.vocab_size = len(tok)
-    cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = tok.eos_token_id
-    cfg.max_position_embeddings = 1024
-    torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    teacher = tiny_model("llama", tokenizer=tok, max_positions=1024)
     teacher.save_pretrained(root / "teacher")
     tok.save_pretrained(root / "teacher")
-    student = convert(teacher, make_plan(cfg.num_hidden_layers, "linear_attention", attention_ratio=0.5))
+    student = convert(
+        teacher, make_plan(teacher.config.num_hidden_layers, "linear_attention", attention_ratio=0.5)
+    )
     student.save_pretrained(root / "student")
     tok.save_pretrained(root / "student")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i in range(40):
-        (corpus / f"d{i}.txt").write_text(" ".join(SENTENCES[i % 4 :] * 3))
-    return root, corpus
+    return root, write_sentence_corpus(root / "corpus")
 
 
 def test_run_suite_writes_the_table_and_caches_the_teacher(pair, tmp_path):
@@ -430,28 +421,12 @@ def test_the_real_teacher_against_itself_recovers_everything(tmp_path):
     assert 0.3 < by["task/arc_easy/0"]["teacher"] < 0.8  # 0.516 on all 2376 questions
 
 
-def test_eval_suite_command_prints_and_writes(pair, tmp_path, monkeypatch, capsys):
+def test_eval_suite_command_prints_and_writes(pair, tiny_suite, tmp_path, capsys):
     """``attn2ssm eval STUDENT --suite standard --quick --against T --out DIR`` (the suite shrunk to tiny sizes)."""
     from attn2ssm.cli import main
-    from attn2ssm.eval import suite_settings as suite
 
     root, corpus = pair
-    asked = []
-    tiny = SuiteSettings(
-        name="standard --quick",
-        corpora=(str(corpus),),
-        windows=(32,),
-        max_tokens=200,
-        tasks=(TaskSpec("piqa", "acc", 0, 2, "PIQA"),),
-        generation=None,
-        niah_forms=("niah_single_1",),
-        niah_lengths=(400,),
-        niah_trials=1,
-        batch_size=2,
-    )
-    monkeypatch.setattr(
-        suite, "suite_settings", lambda name, quick=False: asked.append((name, quick)) or tiny
-    )
+    asked = tiny_suite([corpus])
     out = tmp_path / "suite"
     assert (
         main(
@@ -477,25 +452,13 @@ def test_eval_suite_command_prints_and_writes(pair, tmp_path, monkeypatch, capsy
     assert json.loads((out / "suite.json").read_text())["suite"] == "standard --quick"
 
 
-def test_eval_suite_perplexity_rows_alone(pair, tmp_path, monkeypatch, capsys):
+def test_eval_suite_perplexity_rows_alone(pair, tiny_suite, tmp_path, capsys):
     """``make demo``'s table: ``--rows perplexity --corpora ... --windows ...`` scores those rows only
     and prints no (empty) accuracy table."""
     from attn2ssm.cli import main
-    from attn2ssm.eval import suite_settings as suite
 
     root, corpus = pair
-    tiny = SuiteSettings(
-        name="standard --quick",
-        corpora=("sotu",),  # replaced by --corpora: nothing is fetched
-        windows=(32, 64),
-        max_tokens=200,
-        tasks=(TaskSpec("piqa", "acc", 0, 2, "PIQA"),),
-        niah_forms=("niah_single_1",),
-        niah_lengths=(400,),
-        niah_trials=1,
-        batch_size=2,
-    )
-    monkeypatch.setattr(suite, "suite_settings", lambda name, quick=False: tiny)
+    tiny_suite(["sotu"], windows=(32, 64))  # "sotu" is replaced by --corpora: nothing is fetched
     out = tmp_path / "suite"
     argv = ["eval", str(root / "student"), "--suite", "standard", "--quick", "--rows", "perplexity"]
     argv += ["--corpora", str(corpus), "--windows", "64", "--against", str(root / "teacher")]

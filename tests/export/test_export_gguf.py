@@ -28,6 +28,7 @@ from attn2ssm.export.native import check_native, llama_cpp_problem, mamba2_tenso
 from attn2ssm.mixers.mamba2 import Mamba2Mixer
 from attn2ssm.student.convert import convert
 from cache_forms import positions
+from read_only import deny_access
 from real_cache import PROMPTS, needs_llama_cpp, real_cache
 from tiny_models import make_tokenizer, one_line_error, perturb_new_mixer_parameters, tiny_config
 
@@ -290,10 +291,7 @@ def test_gguf_a_read_only_folder_or_a_full_disk_is_one_line_and_a_killed_exports
     monkeypatch.setattr(G, "converter_dir", lambda: tmp_path)  # as if 'make llama-cpp' had run
     out, s = tmp_path / "m.gguf", str(student_dir)
     real_access = os.access
-    # as if tmp_path were read-only
-    monkeypatch.setattr(
-        os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode)
-    )
+    deny_access(monkeypatch, tmp_path)  # as if tmp_path were read-only
     err = one_line_error(capsys, ["export", s, "--format", "gguf", "--out", str(out)])
     assert (
         err

@@ -27,7 +27,7 @@ from attn2ssm.errors import ExportError
 from attn2ssm.export.native import check_native, export_native, native_problem
 from attn2ssm.student.convert import convert
 from cache_forms import positions, run_remote
-from read_only import not_as_root, read_only_folder
+from read_only import deny_access, not_as_root, read_only_folder
 from tiny_models import make_tokenizer, one_line_error, tiny_config
 
 MAMBA2 = "mamba2"
@@ -416,11 +416,7 @@ def test_an_unwritable_out_is_one_line_before_the_weights_load(tmp_path, monkeyp
     from attn2ssm.student.modeling import Attn2SSMForCausalLM
 
     _save(_student(_teacher("llama", 2), [MAMBA2, MAMBA2]), tmp_path / "student")
-    real_access = os.access
-    # as if tmp_path were read-only
-    monkeypatch.setattr(
-        os, "access", lambda path, mode: str(path) != str(tmp_path) and real_access(path, mode)
-    )
+    deny_access(monkeypatch, tmp_path)  # as if tmp_path were read-only
     monkeypatch.setattr(
         Attn2SSMForCausalLM,
         "from_pretrained",

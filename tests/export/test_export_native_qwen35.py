@@ -14,7 +14,6 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from attn2ssm.cli import main
 from attn2ssm.errors import ExportError
@@ -22,7 +21,7 @@ from attn2ssm.export.native import check_native, native_problem
 from attn2ssm.export.native_qwen35 import QWEN35_CLASS
 from attn2ssm.student.convert import convert
 from cache_forms import positions, run_remote
-from tiny_models import make_tokenizer, one_line_error, tiny_config
+from tiny_models import make_tokenizer, one_line_error, tiny_model
 
 GDN = "gated_delta"
 EXPORT_FORM = {"gate_bias": False, "beta_bias": False, "conv_bias": False, "norm_eps": "auto"}
@@ -30,12 +29,7 @@ FAMILIES = ("llama", "smollm2", "mistral")
 
 
 def _teacher(family: str, layers: int = 3):
-    config = tiny_config(family)
-    config.num_hidden_layers = layers
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = (config.layer_types * layers)[:layers]
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    return tiny_model(family, layers=layers)
 
 
 def _student(teacher, plan=None, **options):

@@ -8,6 +8,7 @@ import os
 import pytest
 
 import attn2ssm.export.upgrade as upgrade
+from read_only import deny_access
 from tiny_models import one_line_error, tiny_student
 
 
@@ -26,8 +27,7 @@ def _snapshot(folder):
 def test_a_read_only_student_folder_is_one_line_before_any_folder_is_written(students, capsys, monkeypatch):
     writable, ro = students
     before = {d: _snapshot(d) for d in students}
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode: str(path) != str(ro) and real_access(path, mode))
+    deny_access(monkeypatch, ro)
     err = one_line_error(capsys, ["upgrade", str(writable), str(ro)])
     assert err == (
         f"error: DIR {ro}: {ro} is not writable (permission denied) — make {ro} writable, "

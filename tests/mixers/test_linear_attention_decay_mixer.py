@@ -1,7 +1,8 @@
 """A linear-attention student with a learned per-head decay (``decay: true``): decode equals prefill
 (plain and window students, left and middle padding, HF's forward and the CPU decode plan), the
 decay reaches every path, it is off by default (old students unchanged), its options are typed,
-and a saved decay student generates through remote code without attn2ssm."""
+and a saved decay student generates through remote code without attn2ssm (its compiled decode step
+gives the eager tokens: tests/decode/test_compiled.py)."""
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from attn2ssm.errors import ConfigError
 from attn2ssm.mixers.registry import check_mixer_options
 from attn2ssm.student.convert import convert
 from attn2ssm.student.plans import make_plan
-from cache_forms import positions, run_remote
+from cache_forms import full_and_pieces, padded_batch, run_remote
 from tiny_models import tiny_model, tiny_student
 
 DECAYED = [
@@ -22,36 +23,7 @@ DECAYED = [
 ]
 
 
-def _batch():
-    ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, :2] = 0  # left padding
-    mask[1, 7] = 0  # and a padded token among the decoded ones
-    return ids, mask
-
-
-def _decode(model, ids, mask, prefill: int):
-    pos = positions(mask)
-    cache = model.new_cache()
-    with torch.no_grad():
-        out = model(
-            input_ids=ids[:, :prefill],
-            attention_mask=mask[:, :prefill],
-            position_ids=pos[:, :prefill],
-            past_key_values=cache,
-            use_cache=True,
-        )
-        steps = [out.logits]
-        for t in range(prefill, ids.shape[1]):
-            out = model(
-                input_ids=ids[:, t : t + 1],
-                attention_mask=mask[:, : t + 1],
-                position_ids=pos[:, t : t + 1],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            steps.append(out.logits)
-    return torch.cat(steps, 1)
+PIECES = [5] + [1] * 7  # a prefill of 5, then 7 tokens one at a time
 
 
 @pytest.mark.parametrize("layout", [False, True])
@@ -65,11 +37,10 @@ def test_decay_student_decodes_as_it_prefills(options, layout, monkeypatch):
         monkeypatch.setattr(
             DecodePlan, "__call__", lambda self, *a: plan_calls.append(1) or original(self, *a)
         )
-    ids, mask = _batch()
+    ids, mask = padded_batch(12, gap=7)
     real = mask.bool()
     with torch.no_grad():
-        full = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
-    stepped = _decode(model, ids, mask, prefill=5)
+        full, stepped = full_and_pieces(model, ids, mask, PIECES)
     torch.testing.assert_close(stepped[real], full[real], rtol=1e-4, atol=1e-4)
     assert bool(plan_calls) == layout  # the decode plan ran the steps
     # a left-padded row is the unpadded row (weights depend on i − j only)
@@ -81,9 +52,9 @@ def test_decay_student_decodes_as_it_prefills(options, layout, monkeypatch):
         with torch.no_grad():
             mixer.decay_log_rate.fill_(-20.0)
     with torch.no_grad():
-        slow = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
+        slow, slow_stepped = full_and_pieces(model, ids, mask, PIECES)
     assert (slow[real] - full[real]).abs().max() > 1e-3
-    torch.testing.assert_close(_decode(model, ids, mask, prefill=5)[real], slow[real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(slow_stepped[real], slow[real], rtol=1e-4, atol=1e-4)
 
 
 def test_decay_is_off_by_default_and_starts_near_the_undecayed_student():
@@ -168,34 +139,6 @@ def test_the_decay_trains_with_the_feature_maps():
     decays = [n for n, _ in student.named_parameters() if n.endswith(".decay_log_rate")]
     assert decays and set(decays) <= set(names)
     assert set(decays) <= set(select_trainable(student, ["mixers"]))
-
-
-@pytest.mark.parametrize("options", DECAYED[:2])  # (a window student does not step: no trace)
-def test_the_compiled_decode_step_of_a_decay_student_gives_the_eager_tokens(options):
-    """The decode plan's compiled step (traced, run eagerly: no inductor) carries the decay."""
-    from attn2ssm.decode.plan import enable_decode_plan
-
-    torch.manual_seed(0)
-    compiled = tiny_student("gqa_9x3", "linear_attention", options=options)
-    eager = tiny_student("gqa_9x3", "linear_attention", options=options)
-    eager.load_state_dict(compiled.state_dict())
-    traces = []
-
-    def backend(graph_module, example_inputs):
-        traces.append(1)
-        return graph_module.forward
-
-    assert enable_decode_plan(compiled, compile=False)
-    assert compiled.__dict__["_decode_plan"].compile_step(backend) == ""
-    ids = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(2))
-    kwargs = dict(
-        max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True
-    )
-    with torch.no_grad():
-        got, want = compiled.generate(ids, **kwargs), eager.generate(ids, **kwargs)
-    assert torch.equal(got.sequences, want.sequences)
-    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=1e-5, atol=1e-5)
-    assert compiled.__dict__["_decode_plan"].compiled.failed is None and traces
 
 
 # ---------------------------------------------------------------------------------------------

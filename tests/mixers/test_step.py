@@ -10,7 +10,7 @@ import torch
 
 from attn2ssm.decode.layout import cpu_decode_layout
 from attn2ssm.student.cache import _map_state
-from cache_forms import positions
+from cache_forms import padded_batch, positions
 from tiny_models import tiny_student
 
 KINDS = [
@@ -32,21 +32,13 @@ def _tensors(state) -> list:
     return found
 
 
-def _batch():
-    ids = torch.randint(3, 256, (2, 10), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones(2, 10, dtype=torch.long)
-    mask[1, :2] = 0  # left padding
-    mask[1, 6] = 0  # and a padded token among the decoded ones
-    return ids, mask
-
-
 @pytest.mark.parametrize("layout", [False, True])
 @pytest.mark.parametrize("kind, options", KINDS)
 def test_one_token_steps_with_padding_equal_the_chunked_prefill(kind, options, layout):
     model = tiny_student("gqa_9x3", kind, options=options)
     if layout:
         cpu_decode_layout(model)
-    ids, mask = _batch()
+    ids, mask = padded_batch(10, gap=6)
     pos = positions(mask)
     real = mask.bool()
     with torch.no_grad():
@@ -103,7 +95,7 @@ def test_every_one_token_forward_runs_the_step(kind, options, monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(mixer_class, "step", counting)
-    ids, mask = _batch()
+    ids, mask = padded_batch(10, gap=6)
     with torch.no_grad():
         cache = model.new_cache()
         model(input_ids=ids[:, :4], attention_mask=mask[:, :4], past_key_values=cache, use_cache=True)

@@ -12,21 +12,13 @@ from attn2ssm.ops.linear_attention import (
     linear_attention_sequential,
     linear_attention_step,
 )
-from op_forms import in_pieces, left_padding
-
-
-def _inputs(b=2, h=3, l=37, f=8, d=5, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = F.elu(torch.randn(b, h, l, f, generator=g)) + 1
-    k = F.elu(torch.randn(b, h, l, f, generator=g)) + 1
-    v = torch.randn(b, h, l, d, generator=g)
-    return q, k, v
+from op_forms import in_pieces, left_padding, positive_qkv, window_inputs, window_reference
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 16, 64])
 @pytest.mark.parametrize("padded", [False, True])
 def test_three_forms_agree(chunk, padded):
-    q, k, v = _inputs()
+    q, k, v = positive_qkv()
     mask = left_padding(2, 37, [0, 5]) if padded else None
     out_q, weights = linear_attention_quadratic(q, k, v, mask)
     out_c, state_c = linear_attention_chunked(q, k, v, mask, chunk_size=chunk)
@@ -48,7 +40,7 @@ def test_three_forms_agree(chunk, padded):
 
 def test_state_carry_equals_one_pass():
     """Prefill in pieces (chunked prefill / decode) gives the one-pass result."""
-    q, k, v = _inputs(l=40)
+    q, k, v = positive_qkv(l=40)
     full, _ = linear_attention_chunked(q, k, v, chunk_size=8)
     pieces, _ = in_pieces(
         lambda t, s: linear_attention_chunked(q[:, :, t], k[:, :, t], v[:, :, t], state=s, chunk_size=8),
@@ -62,7 +54,7 @@ def test_the_step_continues_a_chunked_prefill_and_keeps_the_old_state():
     """Decode as the mixers run it: a chunked prefill, then one ``linear_attention_step`` per token
     from its state, equals one chunked pass; a (copying) step leaves the state it was given
     untouched (a rollback snapshot may hold it)."""
-    q, k, v = _inputs(l=12)
+    q, k, v = positive_qkv(l=12)
     full, final = linear_attention_chunked(q, k, v, chunk_size=4)
     out, state = linear_attention_chunked(q[:, :, :5], k[:, :, :5], v[:, :, :5], chunk_size=4)
     outs = [out]
@@ -78,7 +70,7 @@ def test_the_step_continues_a_chunked_prefill_and_keeps_the_old_state():
 
 
 def test_in_place_step_equals_the_copying_one_and_writes_into_the_state():
-    q, k, v = _inputs(l=6)
+    q, k, v = positive_qkv(l=6)
     copying = LinearAttentionState.zeros(2, 3, 8, 5)
     owned = LinearAttentionState.zeros(2, 3, 8, 5)
     kv, k_sum = owned.kv, owned.k_sum
@@ -92,7 +84,7 @@ def test_in_place_step_equals_the_copying_one_and_writes_into_the_state():
 
 def test_matches_explicit_definition():
     """y_i = Σ_{j≤i} (φq_i·φk_j) v_j / Σ_{j≤i} φq_i·φk_j, written as a plain loop."""
-    q, k, v = _inputs(b=1, h=1, l=6, f=3, d=2)
+    q, k, v = positive_qkv(b=1, h=1, l=6, f=3, d=2)
     out, _ = linear_attention_quadratic(q, k, v, eps=0.0)
     for i in range(6):
         s = torch.stack([q[0, 0, i] @ k[0, 0, j] for j in range(i + 1)])
@@ -101,7 +93,7 @@ def test_matches_explicit_definition():
 
 
 def test_noncausal_matches_quadratic():
-    q, k, v = _inputs()
+    q, k, v = positive_qkv()
     mask = left_padding(2, 37, [0, 3])
     ref, _ = linear_attention_quadratic(q, k, v, mask, causal=False)
     out = linear_attention_noncausal(q, k, v, mask)
@@ -111,7 +103,7 @@ def test_noncausal_matches_quadratic():
 
 def test_zero_features_stay_finite():
     """ReLU features can be all-zero on a row: eps keeps outputs finite (zero), never NaN."""
-    q, k, v = _inputs()
+    q, k, v = positive_qkv()
     q, k = F.relu(q - 1.5), F.relu(k - 1.5)
     q[:, :, 3] = 0
     for out in (linear_attention_quadratic(q, k, v)[0], linear_attention_chunked(q, k, v, chunk_size=8)[0]):
@@ -119,7 +111,7 @@ def test_zero_features_stay_finite():
 
 
 def test_half_precision_inputs_computed_in_fp32():
-    q, k, v = _inputs()
+    q, k, v = positive_qkv()
     out16, _ = linear_attention_chunked(q.bfloat16(), k.bfloat16(), v.bfloat16(), chunk_size=16)
     ref, _ = linear_attention_chunked(
         q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), chunk_size=16
@@ -139,62 +131,23 @@ def test_state_zeros_shape():
 from attn2ssm.ops.linear_attention import window_linear_attention  # noqa: E402
 
 
-def _window_reference(q, k, v, fq, fk, scaling, window, gamma, mask):
-    """Per-query loop straight from the definition."""
-    b, h, l, d = q.shape
-    out = torch.zeros(b, h, l, d)
-    for bi in range(b):
-        for hi in range(h):
-            for i in range(l):
-                if mask[bi, i] == 0:
-                    continue
-                keys = [j for j in range(i + 1) if mask[bi, j] > 0]
-                win = [j for j in keys if i - j < window]
-                m = max(float(q[bi, hi, i] @ k[bi, hi, j]) * scaling for j in win)
-                w = {
-                    j: (
-                        gamma[hi] * torch.exp(q[bi, hi, i] @ k[bi, hi, j] * scaling - m)
-                        if j in win
-                        else fq[bi, hi, i] @ fk[bi, hi, j]
-                    )
-                    for j in keys
-                }
-                total = sum(w.values())
-                out[bi, hi, i] = sum(w[j] * v[bi, hi, j] for j in keys) / total
-    return out
-
-
 def test_window_attention_matches_definition_in_every_form():
-    g = torch.Generator().manual_seed(3)
-    b, h, l, d, f, window = 2, 2, 13, 4, 6, 4
-    q, k, v = (torch.randn(b, h, l, d, generator=g) for _ in range(3))
-    fq, fk = (F.elu(torch.randn(b, h, l, f, generator=g)) + 1 for _ in range(2))
+    window = 4
+    q, k, v, fq, fk = window_inputs(seed=3)
     gamma = torch.tensor([0.3, 0.8])
-    mask = torch.ones(b, l)
-    mask[1, :3] = 0
-    ref = _window_reference(q, k, v, fq, fk, 0.5, window, gamma, mask)
+    mask = left_padding(2, 13, [0, 3])
+    ref = window_reference(q, k, v, fq, fk, 0.5, window, gamma, mask)
     kw = dict(scaling=0.5, window=window, gamma=gamma, eps=0.0)
     one, _, weights = window_linear_attention(q, k, v, fq, fk, mask=mask, return_weights=True, **kw)
     torch.testing.assert_close(one, ref, atol=1e-5, rtol=1e-5)
     rows = weights.sum(-1)
     torch.testing.assert_close(rows[0], torch.ones_like(rows[0]), atol=1e-5, rtol=0)
-    for sizes in ([5, 3, 5], [1] * 13, [4, 1, 1, 7]):  # chunked prefill and token-by-token decode
-        state, outs, start = None, [], 0
-        for n in sizes:
-            part = slice(start, start + n)
-            o, state = window_linear_attention(
-                q[:, :, part],
-                k[:, :, part],
-                v[:, :, part],
-                fq[:, :, part],
-                fk[:, :, part],
-                mask=mask[:, part],
-                state=state,
-                **kw,
-            )
-            outs.append(o)
-            start += n
-        torch.testing.assert_close(torch.cat(outs, 2), ref, atol=1e-5, rtol=1e-5)
+    run = lambda t, s: window_linear_attention(  # noqa: E731
+        *(x[:, :, t] for x in (q, k, v, fq, fk)), mask=mask[:, t], state=s, **kw
+    )
+    for cuts in ([5, 8, 13], range(1, 14), [4, 5, 6, 13]):  # chunked prefill and token-by-token decode
+        out, state = in_pieces(run, cuts, dim=2)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         assert state.keys.shape[2] == window - 1  # the window cache never grows past w − 1
 
 
@@ -214,13 +167,11 @@ def test_loop_free_window_form_equals_the_definition_its_state_and_gradients(chu
     from attn2ssm.ops.linear_attention import window_linear_attention_chunked
 
     g = torch.Generator().manual_seed(5)
-    b, h, l, d, f = 2, 2, 13, 4, 6
-    q, k, v = (torch.randn(b, h, l, d, generator=g) for _ in range(3))
-    fq, fk = (F.elu(torch.randn(b, h, l, f, generator=g)) + 1 for _ in range(2))
+    b, h, l, d = 2, 2, 13, 4
+    q, k, v, fq, fk = window_inputs(generator=g)
     gamma = torch.tensor([0.3, 0.8])
-    mask = torch.ones(b, l)
-    mask[1, :3] = 0
-    ref = _window_reference(q, k, v, fq, fk, 0.5, window, gamma, mask)
+    mask = left_padding(b, l, [0, 3])
+    ref = window_reference(q, k, v, fq, fk, 0.5, window, gamma, mask)
     kw = dict(scaling=0.5, window=window, gamma=gamma, eps=0.0, mask=mask)
     ins = [t.clone().requires_grad_() for t in (q, k, v, fq, fk)]
     out, state = window_linear_attention_chunked(*ins, chunk_size=chunk, return_state=True, **kw)

@@ -5,7 +5,6 @@ state, with equal gradients; λ = 1 is today's undecayed op."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from attn2ssm.ops.linear_attention import (
     _decayed_exclusive_cumsum,
@@ -16,17 +15,9 @@ from attn2ssm.ops.linear_attention import (
     window_linear_attention,
     window_linear_attention_chunked,
 )
-from op_forms import in_pieces, left_padding
+from op_forms import in_pieces, left_padding, positive_qkv, window_inputs, window_reference
 
 LOG_DECAY = torch.log(torch.tensor([0.9, 0.5, 0.99]))  # three heads, from mild to strong
-
-
-def _inputs(b=2, h=3, l=37, f=8, d=5, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = F.elu(torch.randn(b, h, l, f, generator=g)) + 1
-    k = F.elu(torch.randn(b, h, l, f, generator=g)) + 1
-    v = torch.randn(b, h, l, d, generator=g)
-    return q, k, v
 
 
 def _reference(q, k, v, log_decay, mask=None):
@@ -67,7 +58,7 @@ def test_decay_hand_computed_three_tokens():
 @pytest.mark.parametrize("chunk", [1, 4, 16, 64])
 @pytest.mark.parametrize("padded", [False, True])
 def test_decayed_forms_agree_with_the_definition(chunk, padded):
-    q, k, v = _inputs()
+    q, k, v = positive_qkv()
     mask = left_padding(2, 37, [0, 5]) if padded else None
     ref = _reference(q, k, v, LOG_DECAY, mask)
     out_q, weights = linear_attention_quadratic(q, k, v, mask, log_decay=LOG_DECAY)
@@ -82,7 +73,7 @@ def test_decayed_forms_agree_with_the_definition(chunk, padded):
 
 def test_a_left_padded_row_equals_the_unpadded_row():
     """Weights depend on i − j only: left padding shifts a row without changing it."""
-    q, k, v = _inputs(b=1, l=20)
+    q, k, v = positive_qkv(b=1, l=20)
     pad = lambda t: torch.cat([torch.randn(1, 3, 6, t.shape[-1]).abs(), t], 2)  # noqa: E731
     mask = left_padding(1, 26, [6])
     alone, state = linear_attention_chunked(q, k, v, chunk_size=8, log_decay=LOG_DECAY)
@@ -94,7 +85,7 @@ def test_a_left_padded_row_equals_the_unpadded_row():
 
 def test_decayed_state_carry_and_steps_equal_one_pass():
     """Chunked prefill in pieces, then one step per token (copying and in place), equals one pass."""
-    q, k, v = _inputs(l=40)
+    q, k, v = positive_qkv(l=40)
     full, final = linear_attention_chunked(q, k, v, chunk_size=8, log_decay=LOG_DECAY)
     run = lambda t, s: linear_attention_chunked(  # noqa: E731
         q[:, :, t], k[:, :, t], v[:, :, t], state=s, chunk_size=8, log_decay=LOG_DECAY
@@ -113,7 +104,7 @@ def test_decayed_state_carry_and_steps_equal_one_pass():
 
 
 def test_decay_one_is_the_undecayed_op():
-    q, k, v = _inputs()
+    q, k, v = positive_qkv()
     mask = left_padding(2, 37, [0, 5])
     one = torch.zeros(3)
     pairs = [
@@ -130,7 +121,7 @@ def test_decay_one_is_the_undecayed_op():
             linear_attention_sequential(q, k, v, mask, log_decay=one)[0],
         ),
     ]
-    wq, wk, wv, fq, fk = _window_inputs()
+    wq, wk, wv, fq, fk = window_inputs()
     kw = dict(scaling=0.5, window=4, gamma=torch.tensor([0.3, 0.8]), mask=left_padding(2, 13, [0, 3]))
     pairs.append(
         (
@@ -166,7 +157,7 @@ def test_chunk_state_sums_by_loop_and_by_matrix_agree():
 
 
 def test_decayed_gradients_finite_and_equal_between_forms():
-    q, k, v = _inputs(l=29)
+    q, k, v = positive_qkv(l=29)
     g = LOG_DECAY.clone()
     grads = []
     for form in ("quadratic", "chunked"):
@@ -185,7 +176,7 @@ def test_decayed_gradients_finite_and_equal_between_forms():
 
 def test_strong_decay_over_a_long_sequence_stays_finite_and_equal():
     """λ = 0.01 over 600 tokens: powers underflow to 0, never overflow — chunked equals quadratic."""
-    q, k, v = _inputs(b=1, h=2, l=600, seed=2)
+    q, k, v = positive_qkv(b=1, h=2, l=600, seed=2)
     g = torch.log(torch.tensor([0.01, 0.999]))
     out_q = linear_attention_quadratic(q, k, v, log_decay=g)[0]
     out_c, state = linear_attention_chunked(q, k, v, chunk_size=64, log_decay=g)
@@ -197,57 +188,22 @@ def test_strong_decay_over_a_long_sequence_stays_finite_and_equal():
 # window + decayed linear attention
 
 
-def _window_inputs(b=2, h=2, l=13, d=4, f=6, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(b, h, l, d, generator=g) for _ in range(3))
-    fq, fk = (F.elu(torch.randn(b, h, l, f, generator=g)) + 1 for _ in range(2))
-    return q, k, v, fq, fk
-
-
-def _window_reference(q, k, v, fq, fk, scaling, window, gamma, log_decay, mask):
-    """Per-query loop from the definition: γ·exp(s − m) in the window, λ^(i−j)·φq·φk beyond."""
-    b, h, l, d = q.shape
-    out = torch.zeros(b, h, l, d)
-    for bi in range(b):
-        for hi in range(h):
-            lam = float(torch.exp(log_decay[hi]))
-            for i in range(l):
-                if mask[bi, i] == 0:
-                    continue
-                keys = [j for j in range(i + 1) if mask[bi, j] > 0]
-                win = [j for j in keys if i - j < window]
-                m = max(float(q[bi, hi, i] @ k[bi, hi, j]) * scaling for j in win)
-                w = {
-                    j: gamma[hi] * torch.exp(q[bi, hi, i] @ k[bi, hi, j] * scaling - m)
-                    if j in win
-                    else lam ** (i - j) * (fq[bi, hi, i] @ fk[bi, hi, j])
-                    for j in keys
-                }
-                out[bi, hi, i] = sum(w[j] * v[bi, hi, j] for j in keys) / sum(w.values())
-    return out
-
-
 @pytest.mark.parametrize("chunk, window", [(4, 4), (4, 3), (5, 2), (3, 5)])
 def test_decayed_window_forms_equal_the_definition_in_pieces_and_loop_free(chunk, window):
-    q, k, v, fq, fk = _window_inputs()
+    q, k, v, fq, fk = window_inputs()
     gamma, g = torch.tensor([0.3, 0.8]), torch.log(torch.tensor([0.7, 0.95]))
     mask = left_padding(2, 13, [0, 3])
-    ref = _window_reference(q, k, v, fq, fk, 0.5, window, gamma, g, mask)
+    ref = window_reference(q, k, v, fq, fk, 0.5, window, gamma, mask, log_decay=g)
     kw = dict(scaling=0.5, window=window, gamma=gamma, eps=0.0, mask=mask, log_decay=g)
     one, one_state, weights = window_linear_attention(q, k, v, fq, fk, return_weights=True, **kw)
     torch.testing.assert_close(one, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(weights.sum(-1)[0], torch.ones(2, 13), atol=1e-5, rtol=0)
-    for sizes in ([5, 3, 5], [1] * 13, [4, 1, 1, 7]):  # chunked prefill and token-by-token decode
-        state, outs, start = None, [], 0
-        for n in sizes:
-            part = slice(start, start + n)
-            kwp = dict(kw, mask=mask[:, part])
-            o, state = window_linear_attention(
-                *(t[:, :, part] for t in (q, k, v, fq, fk)), state=state, **kwp
-            )
-            outs.append(o)
-            start += n
-        torch.testing.assert_close(torch.cat(outs, 2), ref, atol=1e-5, rtol=1e-5)
+    run = lambda t, s: window_linear_attention(  # noqa: E731
+        *(x[:, :, t] for x in (q, k, v, fq, fk)), state=s, **dict(kw, mask=mask[:, t])
+    )
+    for cuts in ([5, 8, 13], range(1, 14), [4, 5, 6, 13]):  # chunked prefill and token-by-token decode
+        out, state = in_pieces(run, cuts, dim=2)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(state.kv, one_state.kv, atol=1e-5, rtol=1e-5)
     ins = [t.clone().requires_grad_() for t in (q, k, v, fq, fk)]
     out, state = window_linear_attention_chunked(*ins, chunk_size=chunk, return_state=True, **kw)
@@ -266,7 +222,7 @@ def test_decayed_window_forms_equal_the_definition_in_pieces_and_loop_free(chunk
 def test_decayed_window_state_continues_into_a_longer_sequence():
     """A window prefill's state (loop-free form) continued block by block equals one pass (long,
     strong decay: no overflow)."""
-    q, k, v, fq, fk = _window_inputs(b=1, l=300, seed=6)
+    q, k, v, fq, fk = window_inputs(b=1, l=300, seed=6)
     kw = dict(
         scaling=0.5, window=8, gamma=torch.tensor([0.5, 0.5]), log_decay=torch.log(torch.tensor([0.01, 0.99]))
     )
@@ -288,7 +244,7 @@ def test_a_decayed_call_runs_the_torch_form_whatever_the_backend(monkeypatch):
     monkeypatch.setattr(
         ops, "resolve_backend", lambda *a, **k: pytest.fail("a decayed call asked for a kernel")
     )
-    q, k, v = _inputs(l=20)
+    q, k, v = positive_qkv(l=20)
     want = linear_attention_quadratic(q, k, v, log_decay=LOG_DECAY)[0]
     for backend in ("fla", "auto"):
         got, _ = linear_attention_chunked(q, k, v, chunk_size=8, log_decay=LOG_DECAY, backend=backend)

@@ -8,7 +8,6 @@ forward's logits, its new parameters train with the mixers, and what it cannot r
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from attn2ssm.distill.calibration import calibrate_kept_attention
 from attn2ssm.distill.stages.base import parameter_groups
@@ -16,19 +15,14 @@ from attn2ssm.errors import ConfigError
 from attn2ssm.student.convert import convert
 from attn2ssm.student.kept_attention import Qwen35FormAttention
 from cache_forms import REMOTE_PRELUDE, full_and_pieces, positions, run_remote
-from tiny_models import perturb_new_mixer_parameters, tiny_config
+from tiny_models import perturb_new_mixer_parameters, tiny_model
 
 GDN = "gated_delta"
 PLAN = [GDN, "attention", GDN, "attention"]
 
 
 def _teacher(family="llama", layers=4):
-    config = tiny_config(family)
-    config.num_hidden_layers = layers
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = (config.layer_types * layers)[:layers]
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    return tiny_model(family, layers=layers)
 
 
 def _student(family="llama", calibrate=False, teacher=None):
