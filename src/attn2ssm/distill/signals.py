@@ -15,32 +15,37 @@ from attn2ssm.errors import Interrupted
 
 
 @contextlib.contextmanager
-def asking_to_stop(asked: set[int]):
-    """While the block runs, SIGTERM / SIGINT only add themselves to ``asked``. Ctrl-C twice
-    interrupts at once (KeyboardInterrupt); a repeated SIGTERM is not hurried (torchrun sends
-    its workers more than one), the scheduler's SIGKILL is what ends a grace period."""
+def _handling(handler):
+    """While the block runs, ``handler(signum, frame, previous)`` receives SIGTERM / SIGINT
+    (``previous``: the handlers before, put back at the end)."""
     previous = {}
-
-    def ask(signum, frame):
-        if signum == signal.SIGINT and signum in asked:
-            signal.signal(signum, previous[signum])
-            signal.raise_signal(signum)
-        asked.add(signum)
-
     try:
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.getsignal(signum) or signal.SIG_DFL
-            signal.signal(signum, ask)
+            signal.signal(signum, lambda signum, frame: handler(signum, frame, previous))
     except ValueError:  # not the main thread: signals cannot be caught here
         pass
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        for signum, old in previous.items():
+            signal.signal(signum, old)
 
 
-@contextlib.contextmanager
+def asking_to_stop(asked: set[int]):
+    """While the block runs, SIGTERM / SIGINT only add themselves to ``asked``. Ctrl-C twice
+    interrupts at once (KeyboardInterrupt); a repeated SIGTERM is not hurried (torchrun sends
+    its workers more than one), the scheduler's SIGKILL is what ends a grace period."""
+
+    def ask(signum, frame, previous):
+        if signum == signal.SIGINT and signum in asked:
+            signal.signal(signum, previous[signum])
+            signal.raise_signal(signum)
+        asked.add(signum)
+
+    return _handling(ask)
+
+
 def stopping_at_once(asked: set[int], stop):
     """While the block runs, SIGTERM / SIGINT call ``stop(signum)`` at once (it raises), as does one
     asked before the block: for the work before a run's first step, which has nothing to checkpoint
@@ -48,22 +53,11 @@ def stopping_at_once(asked: set[int], stop):
     if asked:
         stop(max(asked))
 
-    def now(signum, frame):
+    def now(signum, frame, previous):
         asked.add(signum)
         stop(signum)
 
-    previous = {}
-    try:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.getsignal(signum) or signal.SIG_DFL
-            signal.signal(signum, now)
-    except ValueError:  # not the main thread: signals cannot be caught here
-        pass
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    return _handling(now)
 
 
 def agreed_signal(asked: set[int], acc) -> int:
