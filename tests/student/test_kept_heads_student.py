@@ -3,11 +3,17 @@ batch, the CPU decode plan, a rolled-back cache, save/load as remote code withou
 probe's record included), and native / GGUF export's refusal (``attn2ssm convert --kv-budget``:
 tests/cli/test_cli_convert_heads.py)."""
 
+import json
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from attn2ssm.decode.layout import cpu_decode_layout
+from attn2ssm.distill.recipe import load_recipe
 from attn2ssm.errors import ExportError
+from attn2ssm.eval import report
+from attn2ssm.eval.kv_cache import kept_kv_groups
 from attn2ssm.export.native import check_exportable
 from attn2ssm.mixers.kept_heads import head_level_plan
 from attn2ssm.student.convert import convert
@@ -136,3 +142,18 @@ def test_a_compiled_decode_step_steps_aside_for_kept_heads():
             outs.append(model(ids[:, -1:], past_key_values=cache, use_cache=True).logits)
     assert not compiled.compiled_once
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_run_report_names_the_kept_kv_groups(tmp_path, monkeypatch):
+    """A head-level run's report.md and results.json say which KV groups stay softmax attention
+    (its plan alone says "attention kept at none")."""
+    student = _student()
+    assert kept_kv_groups(student) == KEPT and kept_kv_groups(tiny_model("gqa_9x3")) == {}
+    ppl = iter([{"ppl": 10.0, "tokens": 64}, {"ppl": 11.0, "tokens": 64}])  # teacher, then student
+    monkeypatch.setattr(report, "perplexity", lambda *a, **k: next(ppl))
+    recipe = load_recipe("retrieval_heads")
+    corpus = SimpleNamespace(heldout_ids=torch.zeros(100, dtype=torch.long))
+    report.write_report(tmp_path, recipe, SimpleNamespace(), student, corpus, progress=False)
+    assert json.loads((tmp_path / "results.json").read_text())["kv_groups_kept"] == {"0": [2], "1": [0, 1]}
+    line = "(attention kept at none; KV groups kept as softmax attention (3): layer 0: [2], layer 1: [0, 1])"
+    assert line in (tmp_path / "report.md").read_text()

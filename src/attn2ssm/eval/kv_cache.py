@@ -68,6 +68,14 @@ def layer_caches(model) -> list[LayerCache]:
     return out
 
 
+def kept_kv_groups(model) -> dict[int, list[int]]:
+    """Layer → the KV groups its mixer keeps as exact softmax attention (a head-level hybrid's
+    ``kept_groups``); empty for every other model."""
+    if getattr(model.config, "model_type", None) != "attn2ssm":
+        return {}
+    return {i: list(m.kept_groups) for i, m in model.mixers().items() if getattr(m, "kept_groups", None)}
+
+
 def element_bytes(model) -> int:
     """Bytes per cached element: the model's parameter dtype (its keys and values are computed in it)."""
     return next(model.parameters()).element_size()

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 import attn2ssm
+from attn2ssm.eval.kv_cache import kept_kv_groups
 from attn2ssm.eval.perplexity import perplexity
 from attn2ssm.paths import atomic_write_text
 
@@ -117,6 +118,7 @@ def write_report(
     results = _results(
         recipe, plan, metrics, {"window": window, "stride": stride, "tokens": s["tokens"]}, t, s
     )
+    results["kv_groups_kept"] = {str(i): g for i, g in kept_kv_groups(student).items()}
     results.update(settings or {}, environment=environment())
     if teacher is None:
         results["teacher_ppl_source"] = (
@@ -154,6 +156,14 @@ def _results(recipe, plan, metrics: list[dict], heldout: dict, t: dict, s: dict)
     }
 
 
+def _kept_groups_text(kept: dict | None) -> str:
+    """'; KV groups kept as softmax attention: layer 3: [1], …' for a head-level hybrid, else ''."""
+    if not kept:
+        return ""
+    listed = ", ".join(f"layer {i}: {g}" for i, g in kept.items())
+    return f"; KV groups kept as softmax attention ({sum(map(len, kept.values()))}): {listed}"
+
+
 def _report_markdown(recipe, results: dict, plan, window: int, stride: int, t: dict, s: dict, plot) -> str:
     """report.md: the run, the held-out perplexities of teacher (``t``) and student (``s``), the
     stages and the loss curve (``plot``, when there is one)."""
@@ -163,7 +173,8 @@ def _report_markdown(recipe, results: dict, plan, window: int, stride: int, t: d
         f"{recipe.description}".strip(),
         "",
         f"Teacher `{recipe.teacher}` → student with {len(plan) - len(results['attention_layers'])}/{len(plan)} layers "
-        f"as `{recipe.student.mixer}` (attention kept at {results['attention_layers'] or 'none'}).",
+        f"as `{recipe.student.mixer}` (attention kept at {results['attention_layers'] or 'none'}"
+        f"{_kept_groups_text(results.get('kv_groups_kept'))}).",
         f"Corpus `{recipe.data.describe()}`; held-out perplexity over {s['tokens']} tokens, window {window}, stride {stride}.",
         "",
         "| model | held-out perplexity |",
