@@ -51,7 +51,7 @@ demo: install
 	$(VENV)/bin/attn2ssm distill quickstart --out $(DEMO_OUT) --resume
 	@echo
 	@echo "== teacher vs student on held-out text of three domains the student never saw (the suite's --quick perplexity rows at windows 1024 and 4096: the length curve) =="
-	@$(VENV)/bin/attn2ssm eval $(DEMO_OUT)/student --suite standard --quick --rows perplexity --corpora emails,kjv,pydoc --windows 1024,4096 --out $(DEMO_OUT)/suite
+	@$(VENV)/bin/attn2ssm eval $(DEMO_OUT)/student --suite standard --quick --rows perplexity --corpora emails,kjv,pydoc --windows 1024,4096 --targets benchmarks/targets/quickstart.yaml --out $(DEMO_OUT)/suite
 	@echo
 	@echo "== the teacher (SmolLM2-135M-Instruct), greedy =="
 	@$(VENV)/bin/attn2ssm generate smollm2-135m --prompt "$(DEMO_PROMPT)" --max-new-tokens 32 --echo
