@@ -33,7 +33,7 @@ import torch
 from attn2ssm.adapters.capture import capture_attention_io
 from attn2ssm.adapters.registry import get_adapter
 from attn2ssm.errors import ConfigError
-from attn2ssm.mixers.kept_heads import head_level_plan, parse_kept_heads
+from attn2ssm.mixers.kept_heads import head_level_plan, list_kept, parse_kept_heads
 
 PROBE_KEY = "retrieval_probe"  # the student config attribute that keeps the probe's scores
 FORMAT = 1  # bump when an example's text changes
@@ -241,7 +241,7 @@ def keep_probe_record(student, record: dict) -> None:
 
 def describe_kept(record: dict) -> str:
     """One line: which groups are kept and how many of the teacher's."""
-    kept = ", ".join(f"layer {i}: {g}" for i, g in record["kept"].items()) or "none"
+    kept = list_kept(record["kept"]) or "none"
     total = record.get("kv_groups_total")
     of = f" of {total}" if total else ""
     return f"kept KV groups ({record['kv_groups_kept']}{of}): {kept}"

@@ -12,6 +12,7 @@ import torch
 import attn2ssm
 from attn2ssm.eval.kv_cache import kept_kv_groups
 from attn2ssm.eval.perplexity import perplexity
+from attn2ssm.mixers.kept_heads import list_kept
 from attn2ssm.paths import atomic_write_text
 
 
@@ -160,8 +161,7 @@ def _kept_groups_text(kept: dict | None) -> str:
     """'; KV groups kept as softmax attention: layer 3: [1], …' for a head-level hybrid, else ''."""
     if not kept:
         return ""
-    listed = ", ".join(f"layer {i}: {g}" for i, g in kept.items())
-    return f"; KV groups kept as softmax attention ({sum(map(len, kept.values()))}): {listed}"
+    return f"; KV groups kept as softmax attention ({sum(map(len, kept.values()))}): {list_kept(kept)}"
 
 
 def _report_markdown(recipe, results: dict, plan, window: int, stride: int, t: dict, s: dict, plot) -> str:

@@ -89,6 +89,11 @@ def parse_kept_heads(
     return out
 
 
+def list_kept(kept: dict) -> str:
+    """'layer 3: [1], layer 7: [0, 2]' for kept KV groups by layer (keys int or str), '' for none."""
+    return ", ".join(f"layer {i}: {g}" for i, g in kept.items())
+
+
 def head_level_plan(
     plan: list[str], options: dict | None, kept: dict[int, list[int]]
 ) -> tuple[list[str], dict]:
