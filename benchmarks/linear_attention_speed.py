@@ -33,7 +33,9 @@ parameters, including activations, temporaries and the gradients the backward cr
   ``resource.getrusage`` ru_maxrss minus the RSS before the step, in the fresh process — then
   peak includes nothing from earlier steps only if the step's peak is the process' highest,
   which the result marks (``memory_method``). ``--isolation none`` runs every point in this
-  process (fast, for smoke tests; the mallopt setting still applies).
+  process (fast, for smoke tests; the mallopt setting still applies, and the heap's free pages
+  are handed back with ``malloc_trim(0)`` before each step, or memory freed before the threshold
+  was set would be reused unseen and the step would read 0).
 
 Skips: a point whose predicted time (the previous length's step time scaled by (L/L₀)² for SDPA,
 L/L₀ for the linear forms, times warm-up + repeats) exceeds ``--point-budget`` seconds, or whose
@@ -116,6 +118,17 @@ def _set_mmap_threshold() -> bool:
     """glibc: serve blocks ≥ 64 KiB by mmap (freed ones leave the RSS). False where not glibc."""
     try:
         return bool(ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD))  # M_MMAP_THRESHOLD = -3
+    except (OSError, AttributeError):
+        return False
+
+
+def _release_free_heap() -> bool:
+    """glibc: hand the heap's free pages back to the OS (``malloc_trim(0)``), so a step that reuses
+    them raises the RSS. A long-lived process (a test session) holds freed memory from before the
+    mmap threshold was set, which a step would otherwise reuse unseen. False where not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
     except (OSError, AttributeError):
         return False
 
@@ -296,6 +309,7 @@ def run_point(spec: dict) -> dict:
             rec["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated() - base)
             rec["memory_method"] = "cuda.max_memory_allocated - memory_allocated before the step"
         else:
+            _release_free_heap()
             if _reset_peak_rss():
                 rss0 = _proc_status_kib("VmRSS")
                 step()

@@ -110,3 +110,21 @@ def test_rss_probe_sees_a_known_allocation(bench):
     del x
     peak = (bench._proc_status_kib("VmHWM") - rss0) * 1024
     assert 60 * 2**20 < peak < 80 * 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS via /proc is Linux-only")
+def test_a_point_in_a_process_whose_heap_holds_freed_memory_still_sees_its_allocations(bench, one_thread):
+    """A long-lived process (a test session) holds freed heap memory from before the mmap threshold
+    was set; a step that reused it unseen read 0 MiB for every method (CI, 2026-12-03)."""
+    big = torch.ones(5 * 2**20)  # a freed mmapped block raises glibc's dynamic mmap threshold...
+    del big
+    held = [torch.ones(2**20) for _ in range(100)]  # ...so 400 MiB more go through the heap,
+    pin = torch.ones(1024)  # and a block above them keeps glibc from trimming them off the top
+    del held
+    bench._set_mmap_threshold()
+    spec = {"device": "cpu", "length": 64, "heads": 3, "head_dim": 64, "chunk_size": 64, "dtype": "float32"}
+    spec.update(repeats=1, seed=0, point_budget=60, threads=1)
+    mem = {m: bench.run_point({**spec, "method": m})["peak_memory_bytes"] for m in ("taylor", "elu")}
+    # Taylor's step holds its 1 + 64 + 64² features of q and k: ~20 MiB here, 1+ELU's well under 1.
+    assert mem["taylor"] > 8 * 2**20 and mem["taylor"] > 10 * mem["elu"], mem
+    del pin
