@@ -493,6 +493,15 @@ def test_a_run_dir_of_another_recipe_or_teacher_is_refused(setup, grid, tmp_path
         run_grid(other, progress=False)
 
 
+def test_a_recipe_whose_description_changed_still_names_its_cached_run(setup, grid, tmp_path):
+    """A recipe's description updated with its measured figures is prose, not a setting."""
+    grid = _copy(grid, tmp_path)
+    before = json.loads((grid / "tiny-384" / "cell.json").read_text())
+    assert main(_args(setup, grid, "--only", "tiny@384", "--set", "description=measured since")) == 0
+    after = json.loads((grid / "tiny-384" / "cell.json").read_text())
+    assert len(_runs(grid / "tiny-384")) == 1 and after["train_tokens"] == before["train_tokens"]
+
+
 def test_family_scoped_overrides_apply_to_that_family_only():
     from attn2ssm.bench.quality import family_sets
 

@@ -379,16 +379,17 @@ def same_recipe(cell: Cell) -> bool:
     """Whether the run directory's saved recipe is the cell's. Both are compared as the current
     loader resolves them, so a key the toolkit added since (with its default) does not turn every
     cached cell of an earlier version into "another recipe"; without a saved recipe, cell.json's
-    hash decides."""
+    hash decides. The description is prose, not a setting: a recipe whose text was updated with
+    its measured figures still names the same run."""
     import yaml
 
     from attn2ssm.distill.recipe import load_recipe
 
+    def settings(text: str) -> dict:
+        return {k: v for k, v in yaml.safe_load(text).items() if k != "description"}
+
     saved = cell.run_dir / "recipe.yaml"
     if saved.exists():
-        return (
-            yaml.safe_dump(yaml.safe_load(load_recipe(str(saved)).to_yaml()), sort_keys=True)
-            == cell.recipe_yaml
-        )
+        return settings(load_recipe(str(saved)).to_yaml()) == settings(cell.recipe_yaml)
     cached = read_cell(cell.run_dir)
     return not cached or cached.get("recipe_sha") in (None, cell.recipe_sha)
