@@ -25,6 +25,10 @@ KINDS = [
     ("phi", "linear_attention", {"feature_map": "hedgehog"}),  # partial rotary
     ("gemma3", "linear_attention", {"feature_map": "hedgehog"}),  # q/k norms
     ("gqa_9x3", "hedgemamba", None),
+    # a softmax window (full after the 6-token prefill): the window step, RoPE before the maps or in the window only
+    ("gqa_9x3", "linear_attention", {"feature_map": "hedgehog", "window": 4}),
+    ("gqa_9x3", "linear_attention", {"feature_map": "hedgehog", "window": 4, "rope": "window", "decay": True}),
+    ("phi", "linear_attention", {"feature_map": "hedgehog", "window": 3, "rope": "window"}),  # partial rotary
 ]
 
 
@@ -61,6 +65,7 @@ def test_decode_mode_steps_equal_the_mixers_own_steps(family, kind, options, mas
         assert isinstance(decode_mode, MixerDecode) and type(decode_mode)._decode_base is type(mixer)
         assert decode_mode.__dict__.get("_fused_inputs") is not None
         layer = cache.mixer_layer(i)
+        assert mixer.can_step(layer) and decode_mode.can_step(layer)
         u = torch.randn(2, 1, mixer.hidden_size, generator=torch.Generator().manual_seed(i))
         pe = _rope(mixer, 2)
         with torch.no_grad():

@@ -14,6 +14,7 @@ from attn2ssm.ops.linear_attention import (
     linear_attention_step,
     window_linear_attention,
     window_linear_attention_chunked,
+    window_linear_attention_step,
 )
 from op_forms import in_pieces, left_padding, positive_qkv, window_inputs, window_reference
 
@@ -249,3 +250,33 @@ def test_a_decayed_call_runs_the_torch_form_whatever_the_backend(monkeypatch):
     for backend in ("fla", "auto"):
         got, _ = linear_attention_chunked(q, k, v, chunk_size=8, log_decay=LOG_DECAY, backend=backend)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+@pytest.mark.parametrize("decayed", [False, True])
+def test_the_window_decode_step_equals_the_definition_token_by_token(window, decayed):
+    """A prefill of window − 1 or more tokens, then one ``window_linear_attention_step`` per token:
+    the definition's outputs (left padding included), the block form's final state; a state that is
+    not yet full is refused."""
+    q, k, v, fq, fk = window_inputs(seed=8)
+    gamma = torch.tensor([0.3, 0.8])
+    g = torch.log(torch.tensor([0.7, 0.95])) if decayed else None
+    mask = left_padding(2, 13, [0, 5])  # row 1's padding reaches into the decoded tokens' windows
+    kw = dict(scaling=0.5, window=window, gamma=gamma, eps=0.0, log_decay=g)
+    ref = window_reference(q, k, v, fq, fk, 0.5, window, gamma, mask, log_decay=g)
+    _, one_state = window_linear_attention(q, k, v, fq, fk, mask=mask, **kw)
+    start = max(window - 1, 3)
+    outs, state = window_linear_attention(*(t[:, :, :start] for t in (q, k, v, fq, fk)), mask=mask[:, :start], **kw)
+    outs = [outs]
+    for t in range(start, 13):
+        y, state = window_linear_attention_step(
+            *(x[:, :, t] for x in (q, k, v, fq, fk)), state, mask=mask[:, t], **kw
+        )
+        outs.append(y[:, :, None])
+    torch.testing.assert_close(torch.cat(outs, 2), ref, atol=1e-5, rtol=1e-5)
+    for name in ("kv", "k_sum", "keys", "values", "fkeys", "valid"):
+        torch.testing.assert_close(getattr(state, name), getattr(one_state, name), atol=1e-5, rtol=1e-5)
+    if window > 2:
+        _, short = window_linear_attention(*(t[:, :, : window - 2] for t in (q, k, v, fq, fk)), **kw)
+        with pytest.raises(ValueError, match=f"needs {window - 1} cached tokens"):
+            window_linear_attention_step(*(x[:, :, 0] for x in (q, k, v, fq, fk)), short, **kw)

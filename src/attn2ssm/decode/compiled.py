@@ -120,7 +120,7 @@ class CompiledStep:
             if not traceable(step.mixer, cache.mixer_layer(step.index)):
                 # what compiled_step_status reports while the step has never run
                 kind = getattr(step.mixer, "mixer_type", type(step.mixer).__name__)
-                self.stepped_aside = f"layer {step.index} ({kind}) has no one-token step a trace can run here (e.g. a softmax window, kept softmax heads): the plan runs its layers eagerly"
+                self.stepped_aside = f"layer {step.index} ({kind}) has no one-token step a trace can run here (e.g. kept softmax heads, a softmax window the context has not filled yet): the plan runs its layers eagerly"
                 return False
         return True
 

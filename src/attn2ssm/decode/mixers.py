@@ -9,7 +9,8 @@ The mixers (``attn2ssm.mixers``) are their papers' recurrences, one projection a
 - linear attention: a hand-fused ``step`` — q | k | v in one matmul, q and k roped together with
   a signed sin made once per token for all the model's mixers (``SignedSin``), both softmax-
   Hedgehog maps in one batched matmul over their stacked parameters (``StackedMaps``), and the
-  state updated in place (the cache owns it; a rollback snapshot is a clone).
+  state updated in place (the cache owns it; a rollback snapshot is a clone); with a softmax
+  window, the same q, k and features into ``window_linear_attention_step``.
 
 Each steps aside (to the mixer's own code) with autograd on or when a fusion no longer holds. Inside
 a compiled decode step's trace (compiled.py) the fusions are used unchecked (the step checked them
@@ -33,7 +34,7 @@ from attn2ssm.decode.fusion import (
 )
 from attn2ssm.mixers.feature_maps import HedgehogMap
 from attn2ssm.mixers.linear_attention import LinearAttentionMixer
-from attn2ssm.ops.linear_attention import linear_attention_step
+from attn2ssm.ops.linear_attention import linear_attention_step, window_linear_attention_step
 from attn2ssm.ops.rope import apply_rotary, apply_rotary_full, signed_sin
 
 
@@ -162,9 +163,18 @@ class LinearAttentionDecode(MixerDecode):
         if self.use_rope and position_embeddings is not None and self.rotary_dim:
             qk = self._rope(qk, *position_embeddings)
         # (b, 2h, d): q heads, then k heads repeated
-        heads = qk.index_select(1, self._index("_qk_rows", qk.device))
+        rows = self._index("_qk_rows", qk.device)
+        heads = qk.index_select(1, rows)
         fq, fk = self._step_features(heads, seen)
         v = v.index_select(1, self._index("_kv_rows", v.device)).float()
+        if "linear" not in states:  # a softmax window (the mixer's can_step: full)
+            if self.rope == "window" and position_embeddings is not None and self.rotary_dim:
+                heads = self._rope(qk, *position_embeddings).index_select(1, rows)  # the window reads rotated q, k
+            y, state = window_linear_attention_step(
+                heads[:, :h], heads[:, h:], v, fq, fk, states["window"],
+                mask=None if mask is None else mask.view(-1), **self._window_kwargs(),
+            )  # fmt: skip
+            return call_linear(self.o_proj, y.to(hidden_states.dtype).view(b, 1, h * d)), {"window": state}
         if mask is not None:  # a padded token adds nothing to the state
             m = mask.to(torch.float32).view(-1, 1, 1)
             fk, v = fk * m, v * m

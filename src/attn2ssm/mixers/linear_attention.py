@@ -25,6 +25,7 @@ from attn2ssm.ops.linear_attention import (
     linear_attention_step,
     window_linear_attention,
     window_linear_attention_chunked,
+    window_linear_attention_step,
 )
 from attn2ssm.ops.rope import apply_rotary
 
@@ -177,16 +178,24 @@ class LinearAttentionMixer(AttentionLikeMixer):
         """One token against the carried state (see ``AttentionLikeMixer``):
             S_t = λ S_{t−1} + φ(k_t) v_tᵀ,   z_t = λ z_{t−1} + φ(k_t),   y_t = φ(q_t)ᵀ S_t / (φ(q_t)ᵀ z_t + eps)
         (λ = 1 without a decay)
-        → (output, {"linear": new state}). ``seen`` is read only by a position-aware feature map."""
+        → (output, {"linear": new state}). ``seen`` is read only by a position-aware feature map.
+        With a softmax window (branch "both", the window full: ``window − 1`` tokens cached) the
+        token reads the window exactly and the older tokens through the sums
+        (``window_linear_attention_step``) → (output, {"window": new state})."""
         maps = (self.feature_map_q, self.feature_map_k)
         if seen is None and any(getattr(m, "uses_positions", False) for m in maps):
             raise ValueError(
                 f"{type(self.feature_map_q).__name__} needs the token's position: pass step(..., seen=)"
             )
-        _, _, v, fq, fk = self._qkv_features(
+        q, k, v, fq, fk = self._qkv_features(
             hidden_states, position_embeddings, offset=0 if seen is None else seen
         )
-        fq, fk, v = fq[:, :, 0], fk[:, :, 0], v[:, :, 0]  # (b, h, ·)
+        q, k, fq, fk, v = q[:, :, 0], k[:, :, 0], fq[:, :, 0], fk[:, :, 0], v[:, :, 0]  # (b, h, ·)
+        if self.window and self.branch != "linear":
+            opts = self._window_kwargs()
+            m = None if mask is None else mask.view(-1)
+            y, state = window_linear_attention_step(q, k, v, fq, fk, states["window"], mask=m, **opts)
+            return self.merge_heads(y[:, :, None]), {"window": state}
         if mask is not None:  # a padded token adds nothing to the state
             m = mask.view(-1, 1, 1)
             fk, v = fk * m.to(fk.dtype), v * m.to(v.dtype)
@@ -196,7 +205,10 @@ class LinearAttentionMixer(AttentionLikeMixer):
         return self.merge_heads(y[:, :, None]), {"linear": state}
 
     def can_step(self, layer) -> bool:
-        return (not self.window or self.branch == "linear") and "linear" in layer.states
+        if not self.window or self.branch == "linear":
+            return "linear" in layer.states
+        state = layer.states.get("window")  # the window step needs it full (a prompt ≥ window − 1)
+        return self.branch == "both" and state is not None and state.keys.shape[2] == max(self.window - 1, 0)
 
     def _branch(self) -> str:
         """The branch this forward runs: ``branch``, or the linear one alone for a window-dropout draw."""

@@ -384,6 +384,50 @@ def window_linear_attention(
     return out.to(dtype), new_state
 
 
+def window_linear_attention_step(
+    q,
+    k,
+    v,
+    fq,
+    fk,
+    state: WindowState,
+    *,
+    scaling: float,
+    window: int,
+    gamma: torch.Tensor,
+    mask=None,
+    eps: float = 1e-6,
+    log_decay: torch.Tensor | None = None,
+):
+    """One decode token against a full window: q, k, v (b, h, d) post-RoPE, fq, fk (b, h, f), a
+    ``state`` caching ``window − 1`` tokens, ``mask`` (b,) or None. Every cached key lies inside the
+    token's window, so the weights are the window's softmax terms alone and the older keys are read
+    through the linear sums (decayed once more, by λ) — ``window_linear_attention`` over a block of
+    one token without the linear weights it would mask out, and with static shapes a trace can
+    compile (tested equal). Returns (out (b, h, d) in v's dtype, new state)."""
+    if state.keys.shape[2] != max(window - 1, 0):
+        raise ValueError(
+            f"the window step needs {max(window - 1, 0)} cached tokens, the state holds {state.keys.shape[2]}"
+        )
+    dtype = v.dtype
+    b, h, _ = q.shape
+    q, k, v, fq, fk = (t.float()[:, :, None] for t in (q, k, v, fq, fk))  # (b, h, 1, ·)
+    m = torch.ones(b, 1, device=q.device) if mask is None else mask.float().view(b, 1)
+    mh = m[:, None, :, None]
+    keys = torch.cat([state.keys, k], 2)
+    values = torch.cat([state.values, v * mh], 2)
+    fkeys = torch.cat([state.fkeys, fk * mh], 2)
+    valid = torch.cat([state.valid, m], 1)  # (b, window)
+    scores = ((q @ keys.transpose(-1, -2)) * scaling).masked_fill(valid[:, None, None, :] <= 0, float("-inf"))
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    soft = torch.exp(scores - row_max) * _per_head(gamma, 4)
+    reads = None if log_decay is None else torch.exp(_per_head(log_decay, 4))  # λ: one step since the sums
+    out, _ = _normalised(soft, values, fq, state.kv, state.k_sum, eps, reads)
+    new_state = _slide_window(state, keys, values, fkeys, valid, window, 1, log_decay)
+    return (out * mh)[:, :, 0].to(dtype), new_state
+
+
 def _slide_window(state: WindowState, keys, values, fkeys, valid, window: int, l: int, log_decay):
     """The state after a block of ``l`` tokens: the tokens that no query from now on sees through
     the window (all but the last window − 1 of [cache; block]) join the linear sums — decayed to
@@ -399,11 +443,16 @@ def _slide_window(state: WindowState, keys, values, fkeys, valid, window: int, l
     return WindowState(
         kv + fk_out.transpose(-1, -2) @ v_out,
         k_sum + fk_out.sum(2),
-        keys[:, :, leave:],
-        values[:, :, leave:],
-        fkeys[:, :, leave:],
-        valid[:, leave:],
+        *_window_cache(keys, values, fkeys, valid, leave),
     )
+
+
+def _window_cache(keys, values, fkeys, valid, leave: int) -> tuple:
+    """The tokens after the first ``leave``, copied with standard strides (``contiguous`` keeps a
+    view's strides where a dim has size 1): a state always has the same strides, which a compiled
+    decode step's static shapes need (else it would trace again)."""
+    fresh = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731
+    return tuple(fresh(t[:, :, leave:]) for t in (keys, values, fkeys)) + (fresh(valid[:, leave:]),)
 
 
 def window_linear_attention_chunked(
@@ -468,14 +517,7 @@ def _prefill_window_state(k, v, fk, m, window: int, log_decay) -> WindowState:
         fk_ = (
             fk_ * _decays(log_decay, l - 1 - torch.arange(leave, device=k.device), 3, masked=False)[..., None]
         )
-    return WindowState(
-        fk_.transpose(-1, -2) @ v_,
-        fk_.sum(2),
-        k[:, :, leave:],
-        v[:, :, leave:],
-        fk[:, :, leave:],
-        m[:, leave:],
-    )
+    return WindowState(fk_.transpose(-1, -2) @ v_, fk_.sum(2), *_window_cache(k, v, fk, m, leave))
 
 
 def _older_states(fkb, vb, log_decay):
