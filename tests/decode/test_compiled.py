@@ -20,6 +20,8 @@ from tiny_models import tiny_student
 KINDS = [
     ("linear_attention", {"feature_map": "hedgehog"}),
     ("linear_attention", None),
+    # a softmax window the 7-token prefill fills: the window step, traced
+    ("linear_attention", {"feature_map": "hedgehog", "window": 4, "rope": "window", "decay": True}),
     ("mamba", None),
     ("mamba2", None),
     ("hedgemamba", None),
@@ -104,8 +106,7 @@ def test_compiled_steps_equal_the_eager_plan_and_trace_once(kind, options, famil
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
-# a learned per-head decay (tests/mixers/test_linear_attention_decay_mixer.py) rides in the traced step
-# too (a window student does not step: no trace)
+# a learned per-head decay (tests/mixers/test_linear_attention_decay_mixer.py) rides in the traced step too
 DECAYED = [
     {"decay": True, "decay_horizon": 6.0},
     {"decay": True, "decay_horizon": 6.0, "feature_map": "hedgehog"},
@@ -258,8 +259,9 @@ def test_compile_option_and_its_reasons():
 
 
 @pytest.mark.slow
-def test_inductor_compiled_steps_equal_the_eager_plan():
-    compiled, eager = _pair("linear_attention", {"feature_map": "hedgehog"}, "inductor")
+@pytest.mark.parametrize("options", [{"feature_map": "hedgehog"}, KINDS[2][1]], ids=["plain", "window"])
+def test_inductor_compiled_steps_equal_the_eager_plan(options):
+    compiled, eager = _pair("linear_attention", options, "inductor")
     ids = _ids()
     cache_c, token = _prefill(compiled, ids)
     cache_e, _ = _prefill(eager, ids)
