@@ -535,6 +535,22 @@ def test_plot_is_bars_for_a_one_budget_sweep_and_curves_for_a_grid(budgets, bars
     assert path.read_bytes()[:4] == b"\x89PNG" and bool(called) == bars
 
 
+def test_a_family_whose_cells_trained_on_other_data_plots_a_curve_for_each():
+    """A recipe whose data changed between budgets (sotu · 1024, then a mixture · 2048) is two curves,
+    each labelled with its data; a family with one kind of data keeps its name."""
+    from attn2ssm.bench.quality.report import _lines
+
+    cell = lambda f, t, corpus, block: {"family": f, "tokens": t, "data": {"corpus": corpus, "block_len": block}}  # noqa: E731
+    cells = [cell("a", 65536, "sotu", 1024), cell("a", 1048576, "sotu", 1024), cell("a", 524288, "mix:general", 2048)]
+    cells.append(cell("b", 65536, "sotu", 1024))
+    lines = _lines(cells)
+    assert {k: [c["tokens"] for c in v] for k, v in lines.items()} == {
+        "a (sotu · 1024)": [65536, 1048576],
+        "a (mix:general · 2048)": [524288],
+        "b": [65536],
+    }
+
+
 def test_a_key_added_to_recipes_since_does_not_orphan_a_cached_cell(setup, grid, tmp_path):
     """A run saved before the toolkit grew a recipe key (here: drop a defaulted stage key from its
     recipe.yaml) is still the same cell: reused, not refused or retrained."""

@@ -305,13 +305,14 @@ def plot_quality(result: dict, path: Path) -> Path:
     fig, axes = plt.subplots(1, panels, figsize=(5.6 * panels, 4.3), squeeze=False)
     if suite_cells:
         _plot_suite_panels(result, suite_cells, families, axes[0][len(windows) :])
+    lines = _lines(result["cells"])
     for ax, window in zip(axes[0], windows):
         for ci, corpus in enumerate(s["corpora"]):
-            for fi, family in enumerate(families):
+            for fi, (label, cells) in enumerate(lines.items()):
                 pts = sorted(
                     (r["tokens"], r["perplexity"][corpus][window]["ppl_ratio"])
-                    for r in result["cells"]
-                    if r["family"] == family and window in r["perplexity"].get(corpus, {})
+                    for r in cells
+                    if window in r["perplexity"].get(corpus, {})
                 )
                 if pts:
                     ax.plot(
@@ -320,7 +321,7 @@ def plot_quality(result: dict, path: Path) -> Path:
                         color=f"C{fi}",
                         linestyle="-" if ci == 0 else "--",
                         alpha=1.0 if ci == 0 else 0.6,
-                        label=family if ci == 0 else None,
+                        label=label if ci == 0 else None,
                     )
         _format_ratio_axis(ax, result, window, bool(families))
     fig.suptitle(f"quality vs budget: students of {result['teacher']}", fontsize=10)
@@ -329,6 +330,23 @@ def plot_quality(result: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _lines(cells: list[dict]) -> dict[str, list[dict]]:
+    """The budget curves: a family's cells, split by what they trained on where that differs (a
+    recipe whose data changed is another curve, labelled with its data)."""
+    def data(r: dict) -> str:
+        d = r.get("data") or {}
+        return f"{d.get('corpus', '?')} · {d.get('block_len', '?')}"
+
+    kinds: dict[str, set] = {}
+    for r in cells:
+        kinds.setdefault(r["family"], set()).add(data(r))
+    lines: dict[str, list[dict]] = {}
+    for r in cells:
+        label = r["family"] if len(kinds[r["family"]]) == 1 else f"{r['family']} ({data(r)})"
+        lines.setdefault(label, []).append(r)
+    return lines
 
 
 def _format_ratio_axis(ax, result: dict, window: str, legend: bool) -> None:
