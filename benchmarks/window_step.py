@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
         {"values": [results[n]["tokens_per_second"][f] for n in names], "ylabel": "tokens/s", "title": f}
         for f in FORMS
     ]
-    bar_chart(out.with_suffix(".png"), names, panels, f"decode at {args.context} tokens, {args.threads} threads")
+    bar_chart(
+        out.with_suffix(".png"), names, panels, f"decode at {args.context} tokens, {args.threads} threads"
+    )
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return data
 
@@ -117,7 +119,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--teacher", default="smollm2-135m")
     p.add_argument("--models", default="linear_hybrid25,retrieval_heads", help="bench generate's model names")
-    p.add_argument("--corpus", default="sotu", help="text the prompt is cut from (a built-in corpus or a file)")
+    p.add_argument(
+        "--corpus", default="sotu", help="text the prompt is cut from (a built-in corpus or a file)"
+    )
     p.add_argument("--context", type=int, default=1024, help="prompt tokens (past the window: the step runs)")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)

@@ -540,8 +540,16 @@ def test_a_family_whose_cells_trained_on_other_data_plots_a_curve_for_each():
     each labelled with its data; a family with one kind of data keeps its name."""
     from attn2ssm.bench.quality.report import _lines
 
-    cell = lambda f, t, corpus, block: {"family": f, "tokens": t, "data": {"corpus": corpus, "block_len": block}}  # noqa: E731
-    cells = [cell("a", 65536, "sotu", 1024), cell("a", 1048576, "sotu", 1024), cell("a", 524288, "mix:general", 2048)]
+    cell = lambda f, t, corpus, block: {
+        "family": f,
+        "tokens": t,
+        "data": {"corpus": corpus, "block_len": block},
+    }  # noqa: E731
+    cells = [
+        cell("a", 65536, "sotu", 1024),
+        cell("a", 1048576, "sotu", 1024),
+        cell("a", 524288, "mix:general", 2048),
+    ]
     cells.append(cell("b", 65536, "sotu", 1024))
     lines = _lines(cells)
     assert {k: [c["tokens"] for c in v] for k, v in lines.items()} == {

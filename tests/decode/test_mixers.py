@@ -27,7 +27,11 @@ KINDS = [
     ("gqa_9x3", "hedgemamba", None),
     # a softmax window (full after the 6-token prefill): the window step, RoPE before the maps or in the window only
     ("gqa_9x3", "linear_attention", {"feature_map": "hedgehog", "window": 4}),
-    ("gqa_9x3", "linear_attention", {"feature_map": "hedgehog", "window": 4, "rope": "window", "decay": True}),
+    (
+        "gqa_9x3",
+        "linear_attention",
+        {"feature_map": "hedgehog", "window": 4, "rope": "window", "decay": True},
+    ),
     ("phi", "linear_attention", {"feature_map": "hedgehog", "window": 3, "rope": "window"}),  # partial rotary
 ]
 

@@ -266,7 +266,9 @@ def test_the_window_decode_step_equals_the_definition_token_by_token(window, dec
     ref = window_reference(q, k, v, fq, fk, 0.5, window, gamma, mask, log_decay=g)
     _, one_state = window_linear_attention(q, k, v, fq, fk, mask=mask, **kw)
     start = max(window - 1, 3)
-    outs, state = window_linear_attention(*(t[:, :, :start] for t in (q, k, v, fq, fk)), mask=mask[:, :start], **kw)
+    outs, state = window_linear_attention(
+        *(t[:, :, :start] for t in (q, k, v, fq, fk)), mask=mask[:, :start], **kw
+    )
     outs = [outs]
     for t in range(start, 13):
         y, state = window_linear_attention_step(

@@ -169,11 +169,12 @@ class LinearAttentionDecode(MixerDecode):
         v = v.index_select(1, self._index("_kv_rows", v.device)).float()
         if "linear" not in states:  # a softmax window (the mixer's can_step: full)
             if self.rope == "window" and position_embeddings is not None and self.rotary_dim:
-                heads = self._rope(qk, *position_embeddings).index_select(1, rows)  # the window reads rotated q, k
-            y, state = window_linear_attention_step(
-                heads[:, :h], heads[:, h:], v, fq, fk, states["window"],
-                mask=None if mask is None else mask.view(-1), **self._window_kwargs(),
-            )  # fmt: skip
+                # the window reads rotated q, k (the maps read them unrotated)
+                heads = self._rope(qk, *position_embeddings).index_select(1, rows)
+            m = None if mask is None else mask.view(-1)
+            q, k = heads[:, :h], heads[:, h:]
+            opts = self._window_kwargs()
+            y, state = window_linear_attention_step(q, k, v, fq, fk, states["window"], mask=m, **opts)
             return call_linear(self.o_proj, y.to(hidden_states.dtype).view(b, 1, h * d)), {"window": state}
         if mask is not None:  # a padded token adds nothing to the state
             m = mask.to(torch.float32).view(-1, 1, 1)

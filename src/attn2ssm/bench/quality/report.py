@@ -335,6 +335,7 @@ def plot_quality(result: dict, path: Path) -> Path:
 def _lines(cells: list[dict]) -> dict[str, list[dict]]:
     """The budget curves: a family's cells, split by what they trained on where that differs (a
     recipe whose data changed is another curve, labelled with its data)."""
+
     def data(r: dict) -> str:
         d = r.get("data") or {}
         return f"{d.get('corpus', '?')} · {d.get('block_len', '?')}"
