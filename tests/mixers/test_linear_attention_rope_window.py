@@ -55,6 +55,38 @@ def test_rope_window_forms_agree_prefill_pieces_and_decode(teacher):
         torch.testing.assert_close(stepped, full, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("branch", ["both", "window"])
+def test_the_one_token_window_step_decodes_as_the_full_forward_in_either_branch(teacher, branch):
+    """Past a full window every token takes the window step (``can_step``); with the window branch
+    alone (the features zeroed, as the sequence form zeroes them) it steps aside to the block form."""
+    from attn2ssm.mixers.linear_attention import set_window_branch
+
+    student = _students(teacher)["window"]
+    set_window_branch(student, branch)
+    ids = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(1, 10, dtype=torch.long)
+    with torch.no_grad():
+        full, stepped = full_and_pieces(student, ids, mask, [4] + [1] * 6)
+        torch.testing.assert_close(stepped, full, atol=1e-4, rtol=1e-4)
+        cache = student.new_cache()
+        student(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)
+        layer = cache.mixer_layer(1)
+        assert student.mixers()[1].can_step(layer) == (branch == "both")
+        u = torch.randn(1, 1, teacher.config.hidden_size, generator=torch.Generator().manual_seed(4))
+        pe = teacher.model.rotary_emb(u, torch.tensor([[4]]))
+        mixer = student.mixers()[1]
+        stepped_y, stepped_states = mixer.step(u, pe, dict(layer.states))
+        mixed_y = mixer.mix(u, pe, layer)  # the block form over one token (the layer's states advance)
+        torch.testing.assert_close(stepped_y, mixed_y, atol=1e-5, rtol=1e-5)
+        for name in ("kv", "k_sum", "keys", "values", "fkeys", "valid"):
+            torch.testing.assert_close(
+                getattr(stepped_states["window"], name),
+                getattr(layer.states["window"], name),
+                atol=1e-5,
+                rtol=1e-5,
+            )
+
+
 def test_rope_window_without_a_window_is_one_line(teacher):
     with pytest.raises(ConfigError, match="rope=window needs a softmax window"):
         convert(teacher, ["linear_attention"] * 3, {"linear_attention": {"rope": "window"}})

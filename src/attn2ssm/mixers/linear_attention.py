@@ -192,6 +192,8 @@ class LinearAttentionMixer(AttentionLikeMixer):
         )
         q, k, fq, fk, v = q[:, :, 0], k[:, :, 0], fq[:, :, 0], fk[:, :, 0], v[:, :, 0]  # (b, h, ·)
         if self.window and self.branch != "linear":
+            if self.branch == "window":  # as in ``mix``: the window's softmax alone
+                fk = torch.zeros_like(fk)
             opts = self._window_kwargs()
             m = None if mask is None else mask.view(-1)
             y, state = window_linear_attention_step(q, k, v, fq, fk, states["window"], mask=m, **opts)
