@@ -301,14 +301,20 @@ def _window_weights(q, keys, fq, fkeys, dist, key_ok, *, scaling, window, gamma,
     dist ≥ window; ``key_ok`` (broadcast to the weights) marks real keys."""
     in_window = (dist >= 0) & (dist < window) & key_ok
     outside = (dist >= window) & key_ok
-    scores = ((q @ keys.transpose(-1, -2)) * scaling).masked_fill(~in_window, float("-inf"))
-    row_max = scores.amax(-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    soft = torch.exp(scores - row_max) * _per_head(gamma, scores.dim())
+    soft = _window_softmax_terms(q, keys, in_window, scaling, gamma)
     lin = (fq @ fkeys.transpose(-1, -2)) * outside
     if log_decay is not None:
         lin = lin * _decays(log_decay, dist, lin.dim(), masked=False)
     return soft + lin
+
+
+def _window_softmax_terms(q, keys, in_window, scaling, gamma):
+    """γ_h·exp(s − m) where ``in_window`` (m the row's max there), 0 elsewhere; a row with no key in
+    its window is all 0."""
+    scores = ((q @ keys.transpose(-1, -2)) * scaling).masked_fill(~in_window, float("-inf"))
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    return torch.exp(scores - row_max) * _per_head(gamma, scores.dim())
 
 
 def _normalised(weights, values, fq, kv, k_sum, eps, reads=None):
@@ -418,10 +424,7 @@ def window_linear_attention_step(
     values = torch.cat([state.values, v * mh], 2)
     fkeys = torch.cat([state.fkeys, fk * mh], 2)
     valid = torch.cat([state.valid, m], 1)  # (b, window)
-    scores = ((q @ keys.transpose(-1, -2)) * scaling).masked_fill(valid[:, None, None, :] <= 0, float("-inf"))
-    row_max = scores.amax(-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    soft = torch.exp(scores - row_max) * _per_head(gamma, 4)
+    soft = _window_softmax_terms(q, keys, valid[:, None, None, :] > 0, scaling, gamma)
     reads = None if log_decay is None else torch.exp(_per_head(log_decay, 4))  # λ: one step since the sums
     out, _ = _normalised(soft, values, fq, state.kv, state.k_sum, eps, reads)
     new_state = _slide_window(state, keys, values, fkeys, valid, window, 1, log_decay)
